@@ -1,0 +1,181 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+INT32: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class OptimizerConfig(_message.Message):
+    __slots__ = ("kind", "lr", "beta1", "beta2", "eps", "weight_decay")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[OptimizerConfig.Kind]
+        ADAM: _ClassVar[OptimizerConfig.Kind]
+        ADAMW: _ClassVar[OptimizerConfig.Kind]
+        SGD: _ClassVar[OptimizerConfig.Kind]
+    KIND_UNSPECIFIED: OptimizerConfig.Kind
+    ADAM: OptimizerConfig.Kind
+    ADAMW: OptimizerConfig.Kind
+    SGD: OptimizerConfig.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    kind: OptimizerConfig.Kind
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    def __init__(self, kind: _Optional[_Union[OptimizerConfig.Kind, str]] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "num_rows", "dim", "row_start", "row_end")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_rows: int
+    dim: int
+    row_start: int
+    row_end: int
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    world_size: int
+    incarnation: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    optimizer: OptimizerConfig
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ...) -> None: ...
+
+class TableState(_message.Message):
+    __slots__ = ("name", "rows_held", "last_step", "created")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows_held: int
+    last_step: int
+    created: bool
+    def __init__(self, name: _Optional[str] = ..., rows_held: _Optional[int] = ..., last_step: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("server_id", "tables", "max_message_bytes")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableState]
+    max_message_bytes: int
+    def __init__(self, server_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableState, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class Push(_message.Message):
+    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    incarnation: int
+    step: int
+    table: str
+    ids: Tensor
+    grads: Tensor
+    chunk: int
+    num_chunks: int
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class Update(_message.Message):
+    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    table: str
+    ids: Tensor
+    delta: Tensor
+    decay: float
+    chunk: int
+    num_chunks: int
+    duplicate: bool
+    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ("run_id", "rank", "step", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    step: int
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class RankStep(_message.Message):
+    __slots__ = ("rank", "table", "last_step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    table: str
+    last_step: int
+    def __init__(self, rank: _Optional[int] = ..., table: _Optional[str] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: _containers.RepeatedCompositeFieldContainer[RankStep]
+    def __init__(self, applied: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,51 @@
+"""Errors of the transport-free core. The servicer maps each class to one gRPC status."""
+
+from __future__ import annotations
+
+
+class ShardError(Exception):
+    """Base class; `reason` is the key under which refusals are counted."""
+
+    reason = "error"
+
+
+class InvalidArgument(ShardError):
+    reason = "invalid_argument"
+
+
+class NonFiniteGradient(InvalidArgument):
+    reason = "non_finite_gradient"
+
+
+class RowOutOfRange(InvalidArgument):
+    reason = "row_out_of_range"
+
+
+class NotFound(ShardError):
+    reason = "not_found"
+
+
+class NotRegistered(ShardError):
+    """A push or flush for a (run, rank) that never registered."""
+
+    reason = "not_registered"
+
+
+class StaleIncarnation(ShardError):
+    reason = "stale_incarnation"
+
+
+class Conflict(ShardError):
+    """A request that contradicts state the server holds (e.g. a different row range)."""
+
+    reason = "conflict"
+
+
+class OutOfOrder(ShardError):
+    """A push whose step skips ahead of the next expected step."""
+
+    reason = "out_of_order"
+
+
+class FlushTimeout(ShardError):
+    reason = "flush_timeout"

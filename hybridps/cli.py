@@ -91,7 +91,7 @@ def from_namespace(cls: type[T], ns: argparse.Namespace,
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         raw = getattr(ns, field.name, None)
         where = flag_name(field.name)
         if raw is None and env_name(field.name) in environ:

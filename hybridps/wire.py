@@ -46,7 +46,7 @@ def encode(tensor: torch.Tensor, out: shard_pb2.Tensor | None = None) -> shard_p
     if tensor.dtype not in _WIRE_BY_TORCH:
         raise WireError(f"dtype {tensor.dtype} cannot travel on the wire")
     msg = out if out is not None else shard_pb2.Tensor()
-    msg.dtype = _WIRE_BY_TORCH[tensor.dtype]
+    msg.dtype = _WIRE_BY_TORCH[tensor.dtype]  # type: ignore[assignment]
     msg.shape[:] = list(tensor.shape)
     host = tensor.detach().to("cpu").contiguous()
     if host.dtype == torch.bfloat16:

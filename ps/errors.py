@@ -49,3 +49,15 @@ class OutOfOrder(ShardError):
 
 class FlushTimeout(ShardError):
     reason = "flush_timeout"
+
+
+class AnswerEvicted(ShardError):
+    """A replayed push whose step was applied, but whose saved answer is no longer held."""
+
+    reason = "answer_evicted"
+
+
+class ResourceExhausted(ShardError):
+    """The server cannot allocate the state a request asks for."""
+
+    reason = "resource_exhausted"

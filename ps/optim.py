@@ -14,18 +14,37 @@ Semantics (see README, "Optimizer semantics"):
   w *= 1 - lr*wd, eps added to sqrt(v)/sqrt(1 - b2^t).
 - sgd: w = w * (1 - lr*wd) - lr * g.
 No grpc in this module.
+
+Two implementations of apply_rows_ / apply_update_:
+- "native": the fused single-pass C loops of ps/native/fused_adam.c (one pass over
+  the rows, m and v updated in place, delta written into one buffer, optionally
+  caller-owned; a pthread pool across rows). m and v are bitwise those of the torch
+  path, as are sgd and the row update; the adam/adamw delta can differ in the last
+  bits (<= ~5 ulp) because torch's float32 sqrt is not always correctly rounded.
+- "torch": the vectorized torch ops below, the reference.
+The module picks one at import (`HYBRIDPS_KERNEL=auto|native|torch`, default auto:
+native when the extension is built); `kernel_name()` says which. Calls whose
+tensors the C loops do not take (not CPU, not float32, not contiguous...) use the
+torch path whatever the choice. Kernel threads: `HYBRIDPS_KERNEL_THREADS`, else
+torch.get_num_threads() of the calling thread; `num_threads=` overrides per call.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
 from ps.errors import InvalidArgument
 
 KINDS = ("adam", "adamw", "sgd")
+KERNELS = ("auto", "native", "torch")
+KERNEL_ENV = "HYBRIDPS_KERNEL"
+THREADS_ENV = "HYBRIDPS_KERNEL_THREADS"
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,7 @@ def sgd_rows_(spec: OptimizerSpec, grads_UD: torch.Tensor) -> tuple[torch.Tensor
     return grads_UD.mul(-spec.lr), 1.0 - spec.lr * spec.weight_decay
 
 
-def apply_rows_(
+def apply_rows_torch_(
     spec: OptimizerSpec,
     m_RD: torch.Tensor | None,
     v_RD: torch.Tensor | None,
@@ -112,7 +131,7 @@ def apply_rows_(
     grads_UD: torch.Tensor,
     step: int,
 ) -> tuple[torch.Tensor, float]:
-    """One optimizer step (1-based `step`) on unique local rows `ids_U`."""
+    """The torch reference of apply_rows_ (any device and dtype)."""
     if spec.kind == "sgd":
         return sgd_rows_(spec, grads_UD)
     assert m_RD is not None and v_RD is not None  # internal invariant, not user input
@@ -121,12 +140,253 @@ def apply_rows_(
     return adamw_rows_(spec, m_RD, v_RD, ids_U, grads_UD, step)
 
 
-def apply_update_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Tensor,
-                  decay: float) -> None:
-    """rows[ids] = rows[ids] * decay + delta, on the rows' device and dtype."""
+def apply_update_torch_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Tensor,
+                        decay: float) -> None:
+    """The torch reference of apply_update_ (any device and dtype)."""
     delta = delta_UD.to(device=rows_RD.device, dtype=rows_RD.dtype, non_blocking=True)
     ids = ids_U.to(device=rows_RD.device, non_blocking=True)
     if decay == 1.0:
         rows_RD.index_add_(0, ids, delta)
     else:
         rows_RD.index_copy_(0, ids, rows_RD.index_select(0, ids).mul_(decay).add_(delta))
+
+
+# -- kernel choice ----------------------------------------------------------------------
+
+_requested = "auto"
+_native: ModuleType | None = None  # the extension when the native kernels are in use
+_threads: int | None = None  # None: torch.get_num_threads() of the calling thread
+
+
+def _native_module() -> tuple[ModuleType | None, str | None]:
+    from ps import native
+
+    return native.ext, native.load_error
+
+
+def set_kernel(choice: str = "auto") -> str:
+    """Choose the row kernels: auto (native if built), native (required) or torch.
+
+    Returns kernel_name(). Raises ValueError for an unknown choice and RuntimeError
+    when native is required but the extension is not built or does not load.
+    """
+    global _native, _requested
+    choice = (choice or "auto").strip().lower()
+    if choice not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: the kernel must be one of {KERNELS}")
+    ext, error = _native_module()
+    if choice == "native" and ext is None:
+        raise RuntimeError(
+            f"{KERNEL_ENV}=native but the native kernels are not available ({error}); "
+            "reinstall with a C compiler (pip install -e .) or use auto/torch"
+        )
+    _native = ext if choice in ("auto", "native") else None
+    _requested = choice
+    return kernel_name()
+
+
+def kernel_name() -> str:
+    """'native' or 'torch': which row kernels apply_rows_ / apply_update_ use."""
+    return "native" if _native is not None else "torch"
+
+
+def set_kernel_threads(n: int | None) -> None:
+    """Threads for the native kernels; None: torch.get_num_threads() at each call."""
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError(f"kernel threads must be >= 1, got {n}")
+    _threads = n
+
+
+def kernel_threads() -> int:
+    return _threads if _threads is not None else torch.get_num_threads()
+
+
+def kernel_info() -> dict[str, Any]:
+    """For start-up logs: the kernel in use, what was asked, threads, the build."""
+    ext, error = _native_module()
+    info: dict[str, Any] = {
+        "kernel": kernel_name(),
+        "requested": _requested,
+        "threads": kernel_threads(),
+        "native_available": ext is not None,
+    }
+    if ext is None:
+        info["native_error"] = error
+    else:
+        info["native_build"] = ext.build_info()
+    return info
+
+
+def _threads_from_env() -> int | None:
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{THREADS_ENV}={raw!r} is not an integer") from None
+    if n < 1:
+        raise ValueError(f"{THREADS_ENV}={raw!r} must be >= 1")
+    return n
+
+
+HUGEPAGE_MIN_BYTES = 4 << 20
+
+
+def alloc_state(rows: int, dim: int, *, hugepages: bool = True) -> torch.Tensor:
+    """A zeroed float32 [rows, dim] CPU tensor for optimizer state or embedding rows.
+
+    With `hugepages` (Linux, extension built) the memory is advised for transparent
+    huge pages before it is first touched. The row kernels touch random rows of
+    tables far beyond the reach of the TLB with 4 KiB pages, and in a VM each TLB
+    miss is a two-level page walk: bench/bench_kernel.py measured the native update
+    1.5-2.5x faster on such tables. Without the extension this is torch.zeros.
+    """
+    t = torch.empty(rows, dim, dtype=torch.float32)
+    ext, _ = _native_module()
+    nbytes = t.numel() * t.element_size()
+    if hugepages and ext is not None and nbytes >= HUGEPAGE_MIN_BYTES:
+        ext.advise_hugepages(t.data_ptr(), nbytes)
+    return t.zero_()
+
+
+# -- dispatch ---------------------------------------------------------------------------
+
+def _is_cpu_f32(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _delta_buffer(out: torch.Tensor | None, n: int, dim: int,
+                  inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The [n, dim] delta: a view of `out` (reused, no allocation) or a new tensor."""
+    if out is None:
+        return torch.empty(n, dim, dtype=torch.float32)
+    if not _is_cpu_f32(out) or out.numel() < n * dim:
+        raise ValueError(
+            f"out must be a contiguous CPU float32 tensor of at least {n}x{dim} elements, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    view = out.view(-1)[: n * dim].view(n, dim)
+    if n and any(t.numel() and _overlaps(view, t) for t in inputs):
+        raise ValueError("out must not overlap the optimizer state or the gradients")
+    return view
+
+
+def _int64_ids(ids_U: torch.Tensor) -> torch.Tensor | None:
+    if ids_U.device.type != "cpu" or ids_U.dim() != 1:
+        return None
+    if ids_U.dtype == torch.int32:
+        ids_U = ids_U.to(torch.int64)
+    if ids_U.dtype != torch.int64:
+        return None
+    return ids_U.contiguous()
+
+
+def apply_rows_(
+    spec: OptimizerSpec,
+    m_RD: torch.Tensor | None,
+    v_RD: torch.Tensor | None,
+    ids_U: torch.Tensor,
+    grads_UD: torch.Tensor,
+    step: int,
+    *,
+    out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """One optimizer step (1-based `step`) on unique local rows `ids_U`.
+
+    `out`: an optional reusable CPU float32 buffer (contiguous, at least U*D elements)
+    that receives the delta; the returned delta is then a view of it, valid until the
+    buffer is reused, and the native path allocates nothing. `num_threads`: threads
+    of the native kernels for this call (default kernel_threads()).
+    """
+    ext = _native
+    if ext is not None:
+        done = _apply_rows_native(ext, spec, m_RD, v_RD, ids_U, grads_UD, step, out,
+                                  num_threads)
+        if done is not None:
+            return done
+    delta, decay = apply_rows_torch_(spec, m_RD, v_RD, ids_U, grads_UD, step)
+    if out is not None:
+        inputs = (grads_UD,) if m_RD is None or v_RD is None else (m_RD, v_RD, grads_UD)
+        view = _delta_buffer(out, delta.shape[0], delta.shape[1], inputs)
+        view.copy_(delta)
+        delta = view
+    return delta, decay
+
+
+def _apply_rows_native(
+    ext: ModuleType,
+    spec: OptimizerSpec,
+    m_RD: torch.Tensor | None,
+    v_RD: torch.Tensor | None,
+    ids_U: torch.Tensor,
+    grads_UD: torch.Tensor,
+    step: int,
+    out: torch.Tensor | None,
+    num_threads: int | None,
+) -> tuple[torch.Tensor, float] | None:
+    """The native step, or None when these tensors are not for the C loops."""
+    if not _is_cpu_f32(grads_UD) or grads_UD.dim() != 2:
+        return None
+    n, dim = grads_UD.shape
+    threads = num_threads if num_threads is not None else kernel_threads()
+    if spec.kind == "sgd":
+        delta = _delta_buffer(out, n, dim, (grads_UD,))
+        ext.scale(grads_UD.data_ptr(), delta.data_ptr(), n * dim, -spec.lr, threads)
+        return delta, 1.0 - spec.lr * spec.weight_decay
+    if m_RD is None or v_RD is None:
+        return None
+    ids = _int64_ids(ids_U)
+    if (ids is None or ids.shape[0] != n or not _is_cpu_f32(m_RD) or not _is_cpu_f32(v_RD)
+            or m_RD.dim() != 2 or m_RD.shape != v_RD.shape or m_RD.shape[1] != dim
+            or (m_RD.numel() and _overlaps(m_RD, v_RD))):
+        return None
+    delta = _delta_buffer(out, n, dim, (m_RD, v_RD, grads_UD))
+    b1, b2 = spec.beta1, spec.beta2
+    rows = m_RD.shape[0]
+    if spec.kind == "adam":
+        step_size = spec.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+        ext.adam(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
+                 grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, 1 - b2, spec.eps,
+                 -step_size, threads)
+        return delta, 1.0
+    step_size = spec.lr / (1 - b1**step)
+    ext.adamw(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
+              grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, b2, 1 - b2,
+              math.sqrt(1 - b2**step), spec.eps, -step_size, threads)
+    return delta, 1.0 - spec.lr * spec.weight_decay
+
+
+def apply_update_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Tensor,
+                  decay: float, *, num_threads: int | None = None) -> None:
+    """rows[ids] = rows[ids] * decay + delta, on the rows' device and dtype (ids unique)."""
+    ext = _native
+    if (ext is not None and _is_cpu_f32(rows_RD) and rows_RD.dim() == 2
+            and not (rows_RD.requires_grad and torch.is_grad_enabled())):
+        delta = delta_UD.to(device=rows_RD.device, dtype=rows_RD.dtype).contiguous()
+        ids = _int64_ids(ids_U.to(device=rows_RD.device))
+        n, dim = rows_RD.shape
+        if (ids is not None and delta.dim() == 2 and delta.shape == (ids.shape[0], dim)
+                and not (delta.numel() and _overlaps(rows_RD, delta))):
+            threads = num_threads if num_threads is not None else kernel_threads()
+            ext.apply_update(rows_RD.data_ptr(), n, dim, ids.data_ptr(), ids.shape[0],
+                             delta.data_ptr(), float(decay), threads)
+            return
+    apply_update_torch_(rows_RD, ids_U, delta_UD, decay)
+
+
+set_kernel(os.environ.get(KERNEL_ENV, "auto"))
+_threads = _threads_from_env()

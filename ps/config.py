@@ -1,0 +1,75 @@
+"""Shard server configuration: every field is a `--flag` and a `HYBRIDPS_FLAG` env var."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ps.client_options import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    KEEPALIVE_TIMEOUT_MS,
+    SERVER_KEEPALIVE_TIME_MS,
+)
+from ps.core import DEFAULT_FLUSH_TIMEOUT_S
+from ps.partition import DEFAULT_ANSWER_CACHE_STEPS, DEFAULT_RATE_WINDOW_S
+
+MIN_MESSAGE_BYTES = 4096
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "address to listen on (0.0.0.0 or :: for every interface)"})
+    port: int = field(default=50061, metadata={"help": "TCP port; 0 picks a free one"})
+    port_file: str = field(default="", metadata={
+        "help": "write the bound port to this file once serving (atomically)"})
+    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={
+        "help": "largest gRPC message sent or received; larger pushes/answers are chunked"})
+    update_threads: int = field(default=0, metadata={
+        "help": "threads applying optimizer updates (0: min(4, cores))"})
+    reflection: bool = field(default=True, metadata={"help": "serve gRPC server reflection"})
+    log_level: str = field(default="INFO", metadata={"help": f"one of {LOG_LEVELS}"})
+    answer_cache_steps: int = field(default=DEFAULT_ANSWER_CACHE_STEPS, metadata={
+        "help": "answers kept per (rank, table) to re-answer duplicate pushes"})
+    flush_timeout_s: float = field(default=DEFAULT_FLUSH_TIMEOUT_S, metadata={
+        "help": "Flush timeout when the request gives none"})
+    grace_s: float = field(default=5.0, metadata={
+        "help": "on SIGTERM/SIGINT, seconds in-flight RPCs get to finish"})
+    rate_window_s: float = field(default=DEFAULT_RATE_WINDOW_S, metadata={
+        "help": "window of the rows/s statistic"})
+    keepalive_time_ms: int = field(default=SERVER_KEEPALIVE_TIME_MS, metadata={
+        "help": "server keepalive ping interval"})
+    keepalive_timeout_ms: int = field(default=KEEPALIVE_TIMEOUT_MS, metadata={
+        "help": "close a connection whose keepalive ping is unanswered this long"})
+    server_id: str = field(default="", metadata={"help": "id reported to clients (default: "
+                                                         "host-pid-random)"})
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("--host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} must be in [0, 65535]")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(f"--max-message-bytes {self.max_message_bytes} must be >= "
+                             f"{MIN_MESSAGE_BYTES}")
+        if self.max_message_bytes > 2**31 - 1:
+            raise ValueError(f"--max-message-bytes {self.max_message_bytes} must be < 2 GiB "
+                             "(a gRPC limit)")
+        if self.update_threads < 0:
+            raise ValueError(f"--update-threads {self.update_threads} must be >= 0")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"--log-level {self.log_level!r} must be one of {LOG_LEVELS}")
+        if self.answer_cache_steps < 1:
+            raise ValueError(f"--answer-cache-steps {self.answer_cache_steps} must be >= 1")
+        for name in ("flush_timeout_s", "rate_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be > 0")
+        if not self.grace_s >= 0:
+            raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
+        if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
+            raise ValueError("--keepalive-time-ms and --keepalive-timeout-ms must be > 0")
+
+    @property
+    def log_level_number(self) -> int:
+        return int(getattr(logging, self.log_level.upper()))

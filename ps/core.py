@@ -1,0 +1,114 @@
+"""The Store for asyncio (transport-free, no grpc): update math off the event loop.
+
+Register and push application run in a ThreadPoolExecutor (torch releases the
+GIL during the kernels), so different ranks' partitions update in parallel;
+the event loop only moves messages. Flush waits on an asyncio.Condition that
+is notified after every applied push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from ps.errors import FlushTimeout, InvalidArgument, ShardError
+from ps.optim import OptimizerSpec
+from ps.partition import Answer, PushChunk, TableSpec
+from ps.store import RankStep, RegisteredTable, ServerStats, Store, SyncSession, kv
+
+log = logging.getLogger("ps.core")
+T = TypeVar("T")
+
+DEFAULT_FLUSH_TIMEOUT_S = 30.0
+
+
+def default_update_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def torch_threads_per_worker(update_threads: int) -> int:
+    """Intra-op threads for each pool thread so the pool does not oversubscribe the cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, update_threads))
+
+
+def _init_update_thread(num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
+
+
+class ShardCore:
+    def __init__(self, store: Store, *, update_threads: int = 0,
+                 flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> None:
+        self.store = store
+        self.update_threads = update_threads or default_update_threads()
+        self.flush_timeout_s = flush_timeout_s
+        per_thread = torch_threads_per_worker(self.update_threads)
+        torch.set_num_threads(per_thread)
+        self._pool = ThreadPoolExecutor(max_workers=self.update_threads,
+                                        thread_name_prefix="ps-update",
+                                        initializer=_init_update_thread,
+                                        initargs=(per_thread,))
+        self._applied = asyncio.Condition()
+        log.info(kv("core_start", server_id=store.server_id, update_threads=self.update_threads,
+                    torch_threads=per_thread))
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def register(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                       tables: Sequence[TableSpec],
+                       optimizer: OptimizerSpec | Mapping[str, Any]) -> list[RegisteredTable]:
+        return await self._run(self.store.register, run_id, rank, world_size, incarnation,
+                               tables, optimizer)
+
+    def open_session(self) -> SyncSession:
+        return self.store.open_session()
+
+    async def feed(self, session: SyncSession, chunk: PushChunk) -> Answer | None:
+        """Check/buffer one chunk; apply (in the pool) when it completes its push."""
+        answer = await self._run(session.feed, chunk)
+        if answer is not None and not answer.duplicate:
+            async with self._applied:
+                self._applied.notify_all()
+        return answer
+
+    async def flush(self, run_id: str, rank: int, step: int,
+                    timeout_s: float = 0.0) -> list[RankStep]:
+        """Wait until every named (rank, table) applied `step`; FlushTimeout otherwise."""
+        try:
+            if timeout_s < 0:
+                raise InvalidArgument(f"flush run={run_id!r}: timeout_s={timeout_s} must be >= 0")
+            timeout = timeout_s or self.flush_timeout_s
+            applied, behind = self.store.flush_status(run_id, rank, step)
+            if not behind:
+                return applied
+
+            def done() -> bool:
+                return not self.store.flush_status(run_id, rank, step)[1]
+
+            async with self._applied:
+                try:
+                    await asyncio.wait_for(self._applied.wait_for(done), timeout)
+                except TimeoutError:
+                    _, behind = self.store.flush_status(run_id, rank, step)
+                    late = ", ".join(f"rank {r.rank} table {r.table!r} at step {r.last_step}"
+                                     for r in behind)
+                    raise FlushTimeout(
+                        f"flush run={run_id!r} rank={rank} step={step}: still behind after "
+                        f"{timeout:g}s: {late}"
+                    ) from None
+            return self.store.flush_status(run_id, rank, step)[0]
+        except ShardError as exc:
+            self.store.record_refusal(exc.reason, run_id)
+            raise
+
+    def stats(self, run_id: str = "") -> ServerStats:
+        return self.store.stats(run_id)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

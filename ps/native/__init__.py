@@ -1,0 +1,19 @@
+"""Optional native (C) row kernels; see fused_adam.c and ps.optim for the dispatch.
+
+`ext` is the compiled module ps.native._fused_adam, or None when it was not built
+(no C compiler at install time) or does not load; `load_error` then says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+ext: ModuleType | None
+load_error: str | None
+try:
+    ext = importlib.import_module("ps.native._fused_adam")
+    load_error = None
+except ImportError as e:  # not built, or built for another interpreter
+    ext = None
+    load_error = f"{type(e).__name__}: {e}"

@@ -1,0 +1,636 @@
+/*
+ * Fused single-pass row kernels for hybridps (CPython extension ps.native._fused_adam).
+ *
+ * Why a plain CPython module taking raw addresses (tensor.data_ptr()) as ints:
+ *  - it is what a setuptools Extension builds with no extra tooling (no torch C++
+ *    extension, no pybind11, no ABI coupling to the torch build); `import` finds it
+ *    like any module, and an ImportError is the "not built" signal;
+ *  - a METH_VARARGS call costs well under a microsecond (ctypes converts every
+ *    argument in Python), and the module releases the GIL around every loop so the
+ *    server's other threads keep running;
+ *  - shape/dtype/device/overlap checks stay in Python (ps/native/__init__.py,
+ *    ps/optim.py) where the tensors are; this file only bounds-checks the row ids,
+ *    before touching any state, since a bad id would write outside the table.
+ *
+ * Every kernel is one pass over the given unique rows: adam/adamw read m, v, g and
+ * write m, v (in place) and delta (into a caller-owned, reusable buffer), i.e. 24
+ * bytes per element, with no allocation. The rows of the next iterations are
+ * software-prefetched: they are random rows of a table far larger than the caches,
+ * which the hardware prefetcher cannot predict (this doubles single-thread speed).
+ *
+ * Threads: a small persistent pthread pool rather than OpenMP. The rows are cut into
+ * chunks of ~CHUNK_ELEMS elements claimed from one atomic counter, and the calling
+ * thread works too; it waits only for chunks another thread has actually claimed, so
+ * a pool thread that the OS has not scheduled (the shard server shares its cores
+ * with gRPC and Python threads) costs nothing: the caller does its share. An OpenMP
+ * team instead waits at its barrier for every member, and on a loaded 2-core box a
+ * 2-thread call was measured 20x slower than a 1-thread one. The pool also avoids
+ * loading a second OpenMP runtime next to torch's. Rows are unique within a call, so
+ * chunks never share a row. Concurrent callers do not queue: a call that finds the
+ * pool busy runs on its own thread.
+ *
+ * Arithmetic is float32, op for op as the torch reference in ps/optim.py (scalars are
+ * computed in double in Python and rounded to float here, as torch does for a Python
+ * scalar), built with -ffp-contract=off and without -ffast-math. Hence m and v are
+ * bitwise those of the torch path (adam: of torch.optim.SparseAdam; adamw: of torch's
+ * FMA-using CPU kernels), and so are sgd and the row update. The delta of adam/adamw
+ * can differ in the last bits (measured: <= 5 ulp): sqrtf here is correctly rounded,
+ * torch's float32 sqrt (MKL VML) is not always (~0.6% of elements off by 1 ulp).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#if !defined(_WIN32) && !defined(__STDC_NO_ATOMICS__) && !defined(HYBRIDPS_NO_THREADS)
+#define HAVE_POOL 1
+#include <pthread.h>
+#include <stdatomic.h>
+#else
+#define HAVE_POOL 0
+#endif
+
+/* Elements per work chunk (~24 bytes each for adam: ~0.4 MB of traffic, ~20 us). */
+#ifndef CHUNK_ELEMS
+#define CHUNK_ELEMS 16384
+#endif
+/* Calls below this many elements run on the calling thread only. */
+#ifndef PAR_MIN_ELEMS
+#define PAR_MIN_ELEMS 32768
+#endif
+/* Prefetch the rows about this many bytes (per array) ahead: 8 rows at dim 64. */
+#ifndef PF_BYTES
+#define PF_BYTES 2048
+#endif
+/* Pause iterations a pool thread polls for the next call before sleeping. */
+#ifndef SPIN_ITERS
+#define SPIN_ITERS 2000
+#endif
+/* Pause iterations the caller polls for the pool's last chunks before sleeping. */
+#ifndef WAIT_SPIN_ITERS
+#define WAIT_SPIN_ITERS 256
+#endif
+#define MAX_CHUNKS 65536
+#define MAX_WORKERS 63
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH_W(p) __builtin_prefetch((p), 1, 3)
+#define RESTRICT __restrict__
+#else
+#define PREFETCH_W(p) ((void)0)
+#define RESTRICT
+#endif
+
+/* setup.py defines HYBRIDPS_TARGET_CLONES when the compiler and libc support
+ * function multiversioning: the loops then also get an AVX2+FMA (haswell) build,
+ * picked at load time on CPUs that have it: ~10% faster when the data is in cache,
+ * and adamw's explicit fmaf() becomes one instruction instead of a libm call. The
+ * results are the same in both builds: FMA contraction stays off, and fmaf() is
+ * exactly rounded everywhere. */
+#if defined(HYBRIDPS_TARGET_CLONES)
+#define MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
+#define CLONES "haswell,default"
+#else
+#define MULTIVERSION
+#define CLONES "default"
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+static inline int64_t prefetch_rows(int64_t dim) {
+    const int64_t rows = PF_BYTES / (dim * (int64_t)sizeof(float));
+    return rows < 2 ? 2 : rows;
+}
+
+static inline void prefetch_row(const float *row, int64_t dim) {
+    const char *p = (const char *)row;
+    const int64_t bytes = dim * (int64_t)sizeof(float);
+    for (int64_t off = 0; off < bytes; off += 64) PREFETCH_W(p + off);
+}
+
+/* -1 if all ids are in [0, n_rows), else the position of the first bad one. */
+static int64_t first_bad_id(const int64_t *ids, int64_t n_ids, int64_t n_rows) {
+    for (int64_t i = 0; i < n_ids; i++)
+        if ((uint64_t)ids[i] >= (uint64_t)n_rows) return i;
+    return -1;
+}
+
+/* ---------------------------------------------------------------- row loops */
+
+typedef struct {
+    float *m, *v, *d;
+    const float *g;
+    const int64_t *ids;
+    int64_t dim;
+    float a1, a2, eps, nss; /* 1-b1, 1-b2, eps, -step_size */
+} adam_job;
+
+MULTIVERSION static void adam_chunk(const void *job, int64_t lo, int64_t hi) {
+    const adam_job *k = (const adam_job *)job;
+    float *RESTRICT m = k->m;
+    float *RESTRICT v = k->v;
+    const int64_t *RESTRICT ids = k->ids;
+    const int64_t dim = k->dim;
+    const float a1 = k->a1, a2 = k->a2, eps = k->eps, nss = k->nss;
+    const int64_t pf = prefetch_rows(dim);
+    for (int64_t i = lo; i < hi && i < lo + pf; i++) {
+        prefetch_row(m + ids[i] * dim, dim);
+        prefetch_row(v + ids[i] * dim, dim);
+    }
+    for (int64_t i = lo; i < hi; i++) {
+        if (i + pf < hi) {
+            const int64_t r = ids[i + pf];
+            prefetch_row(m + r * dim, dim);
+            prefetch_row(v + r * dim, dim);
+        }
+        float *RESTRICT mr = m + ids[i] * dim;
+        float *RESTRICT vr = v + ids[i] * dim;
+        const float *RESTRICT gr = k->g + i * dim;
+        float *RESTRICT dr = k->d + i * dim;
+        /* torch.optim.SparseAdam, op for op:
+         *   m' = (g - m) * (1-b1) + m;  v' = (g*g - v) * (1-b2) + v
+         *   delta = (m' / (sqrt(v') + eps)) * -step_size */
+        for (int64_t j = 0; j < dim; j++) {
+            const float gj = gr[j], mj = mr[j], vj = vr[j];
+            const float mn = (gj - mj) * a1 + mj;
+            const float vn = (gj * gj - vj) * a2 + vj;
+            mr[j] = mn;
+            vr[j] = vn;
+            dr[j] = (mn / (sqrtf(vn) + eps)) * nss;
+        }
+    }
+}
+
+typedef struct {
+    float *m, *v, *d;
+    const float *g;
+    const int64_t *ids;
+    int64_t dim;
+    float w, b2, a2, sbc2, eps, nss; /* 1-b1, b2, 1-b2, sqrt(1-b2^t), eps, -lr/(1-b1^t) */
+} adamw_job;
+
+MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
+    const adamw_job *k = (const adamw_job *)job;
+    float *RESTRICT m = k->m;
+    float *RESTRICT v = k->v;
+    const int64_t *RESTRICT ids = k->ids;
+    const int64_t dim = k->dim;
+    const float w = k->w, wm1 = k->w - 1.0f, b2 = k->b2, a2 = k->a2, sbc2 = k->sbc2;
+    const float eps = k->eps, nss = k->nss;
+    const int small_w = w < 0.5f; /* torch.lerp's two formulas */
+    const int64_t pf = prefetch_rows(dim);
+    for (int64_t i = lo; i < hi && i < lo + pf; i++) {
+        prefetch_row(m + ids[i] * dim, dim);
+        prefetch_row(v + ids[i] * dim, dim);
+    }
+    for (int64_t i = lo; i < hi; i++) {
+        if (i + pf < hi) {
+            const int64_t r = ids[i + pf];
+            prefetch_row(m + r * dim, dim);
+            prefetch_row(v + r * dim, dim);
+        }
+        float *RESTRICT mr = m + ids[i] * dim;
+        float *RESTRICT vr = v + ids[i] * dim;
+        const float *RESTRICT gr = k->g + i * dim;
+        float *RESTRICT dr = k->d + i * dim;
+        /* torch.optim.AdamW (single tensor), with torch's fused multiply-adds (its
+         * vectorized lerp is fmadd(coeff, end - start, base), and its AVX2/AVX-512
+         * build contracts addcmul), which leaves m and v bitwise torch's:
+         *   m' = m.lerp(g, 1-b1);  v' = v*b2 + (1-b2)*g*g
+         *   delta = (m' / (sqrt(v') / sqrt(bc2) + eps)) * (-lr/bc1) */
+        if (small_w) {
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j];
+                const float mn = fmaf(w, gj - mj, mj);
+                const float vn = fmaf(a2 * gj, gj, vr[j] * b2);
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = (mn / (sqrtf(vn) / sbc2 + eps)) * nss;
+            }
+        } else {
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j];
+                const float mn = fmaf(wm1, gj - mj, gj);
+                const float vn = fmaf(a2 * gj, gj, vr[j] * b2);
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = (mn / (sqrtf(vn) / sbc2 + eps)) * nss;
+            }
+        }
+    }
+}
+
+typedef struct {
+    float *w;
+    const float *d;
+    const int64_t *ids;
+    int64_t dim;
+    float decay;
+} update_job;
+
+MULTIVERSION static void update_chunk(const void *job, int64_t lo, int64_t hi) {
+    const update_job *k = (const update_job *)job;
+    float *RESTRICT w = k->w;
+    const int64_t *RESTRICT ids = k->ids;
+    const int64_t dim = k->dim;
+    const float decay = k->decay;
+    const int64_t pf = prefetch_rows(dim);
+    for (int64_t i = lo; i < hi && i < lo + pf; i++) prefetch_row(w + ids[i] * dim, dim);
+    for (int64_t i = lo; i < hi; i++) {
+        if (i + pf < hi) prefetch_row(w + ids[i + pf] * dim, dim);
+        float *RESTRICT wr = w + ids[i] * dim;
+        const float *RESTRICT dr = k->d + i * dim;
+        if (decay == 1.0f) {
+            for (int64_t j = 0; j < dim; j++) wr[j] = wr[j] + dr[j];
+        } else {
+            for (int64_t j = 0; j < dim; j++) wr[j] = wr[j] * decay + dr[j];
+        }
+    }
+}
+
+typedef struct {
+    float *a;
+    const float *b, *c;
+    float s;
+} axpy_job; /* a = b + s*c (triad); a = s*c when b is NULL (sgd) */
+
+MULTIVERSION static void axpy_chunk(const void *job, int64_t lo, int64_t hi) {
+    const axpy_job *k = (const axpy_job *)job;
+    float *RESTRICT a = k->a;
+    const float *RESTRICT c = k->c;
+    const float s = k->s;
+    if (k->b == NULL) {
+        for (int64_t i = lo; i < hi; i++) a[i] = c[i] * s;
+    } else {
+        const float *RESTRICT b = k->b;
+        for (int64_t i = lo; i < hi; i++) a[i] = b[i] + s * c[i];
+    }
+}
+
+/* ------------------------------------------------------------- thread pool */
+
+typedef void (*chunk_fn)(const void *job, int64_t lo, int64_t hi);
+
+#if HAVE_POOL
+/*
+ * One job at a time. `ctr` = generation << 32 | chunks not yet claimed. A thread
+ * claims chunk r-1 by a CAS (gen, r) -> (gen, r-1); the job fields are read only
+ * after a successful claim, and the caller rewrites them only after every chunk of
+ * the previous generation is claimed and done, so a late thread can never run a
+ * chunk of a finished job.
+ */
+static struct {
+    pthread_mutex_t job_lock; /* held by the calling thread for the whole call */
+    pthread_mutex_t mu;       /* guards sleeping (pool threads on cv, the caller on done_cv) */
+    pthread_cond_t cv;
+    pthread_cond_t done_cv;
+    _Atomic uint64_t ctr;
+    _Atomic int64_t done;
+    _Atomic int sleepers;
+    _Atomic int job_workers; /* pool threads with index < this may help */
+    int n_workers;           /* started (only touched under job_lock) */
+    chunk_fn fn;
+    const void *job;
+    int64_t n_items, per_chunk, n_chunks;
+} pool = {.job_lock = PTHREAD_MUTEX_INITIALIZER,
+        .mu = PTHREAD_MUTEX_INITIALIZER,
+        .cv = PTHREAD_COND_INITIALIZER,
+        .done_cv = PTHREAD_COND_INITIALIZER};
+
+static int run_claimed_chunks(uint32_t gen) {
+    int ran = 0;
+    for (;;) {
+        uint64_t c = atomic_load(&pool.ctr);
+        if ((uint32_t)(c >> 32) != gen || (uint32_t)c == 0) return ran;
+        if (!atomic_compare_exchange_weak(&pool.ctr, &c, c - 1)) continue;
+        const int64_t chunk = (int64_t)(uint32_t)c - 1;
+        const int64_t lo = chunk * pool.per_chunk;
+        const int64_t hi = lo + pool.per_chunk < pool.n_items ? lo + pool.per_chunk : pool.n_items;
+        const int64_t n_chunks = pool.n_chunks; /* read before `done` can complete the job */
+        pool.fn(pool.job, lo, hi);
+        if (atomic_fetch_add(&pool.done, 1) + 1 == n_chunks) {
+            /* The caller may be asleep waiting for this chunk. */
+            pthread_mutex_lock(&pool.mu);
+            pthread_cond_broadcast(&pool.done_cv);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        ran = 1;
+    }
+}
+
+static void *worker_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = (uint32_t)(atomic_load(&pool.ctr) >> 32);
+    for (;;) {
+        uint32_t gen = (uint32_t)(atomic_load(&pool.ctr) >> 32);
+        for (int s = 0; gen == seen && s < SPIN_ITERS; s++) {
+            CPU_RELAX();
+            gen = (uint32_t)(atomic_load(&pool.ctr) >> 32);
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&pool.mu);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while ((gen = (uint32_t)(atomic_load(&pool.ctr) >> 32)) == seen)
+                pthread_cond_wait(&pool.cv, &pool.mu);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = gen;
+        if (index < atomic_load(&pool.job_workers)) run_claimed_chunks(gen);
+    }
+    return NULL;
+}
+
+/* fork(): wait for a running call and hold the pool's locks across the fork; the
+ * child has none of the pool threads, so it starts with an empty pool. */
+static void pool_before_fork(void) {
+    pthread_mutex_lock(&pool.job_lock);
+    pthread_mutex_lock(&pool.mu);
+}
+
+static void pool_after_fork_parent(void) {
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.job_lock);
+}
+
+static void pool_after_fork_child(void) {
+    pthread_cond_init(&pool.cv, NULL);
+    pthread_cond_init(&pool.done_cv, NULL);
+    atomic_store(&pool.sleepers, 0);
+    pool.n_workers = 0;
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.job_lock);
+}
+
+/* Start pool threads up to `want` (under job_lock); returns how many exist. */
+static int pool_grow(int want) {
+    if (want > MAX_WORKERS) want = MAX_WORKERS;
+    while (pool.n_workers < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 256 * 1024);
+        const int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)pool.n_workers);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.n_workers++;
+    }
+    return pool.n_workers;
+}
+#endif /* HAVE_POOL */
+
+/* Run fn over items [0, n_items) (each `dim` floats wide) on up to `threads` threads. */
+static void run_parallel(chunk_fn fn, const void *job, int64_t n_items, int64_t dim, int threads) {
+#if HAVE_POOL
+    int64_t per = CHUNK_ELEMS / (dim > 0 ? dim : 1);
+    if (per < 1) per = 1;
+    if ((n_items + per - 1) / per > MAX_CHUNKS) per = (n_items + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    const int64_t n_chunks = (n_items + per - 1) / per;
+    if (threads > 1 && n_chunks > 1 && n_items * dim >= PAR_MIN_ELEMS &&
+        pthread_mutex_trylock(&pool.job_lock) == 0) {
+        const int helpers = pool_grow(threads - 1);
+        if (helpers > 0) {
+            pool.fn = fn;
+            pool.job = job;
+            pool.n_items = n_items;
+            pool.per_chunk = per;
+            pool.n_chunks = n_chunks;
+            atomic_store(&pool.done, 0);
+            atomic_store(&pool.job_workers, threads - 1);
+            const uint32_t gen = (uint32_t)(atomic_load(&pool.ctr) >> 32) + 1;
+            atomic_store(&pool.ctr, ((uint64_t)gen << 32) | (uint64_t)n_chunks);
+            if (atomic_load(&pool.sleepers) > 0) {
+                pthread_mutex_lock(&pool.mu);
+                pthread_cond_broadcast(&pool.cv);
+                pthread_mutex_unlock(&pool.mu);
+            }
+            run_claimed_chunks(gen);
+            /* Every chunk is claimed; wait for those other threads are running. Spin
+             * briefly, then sleep: if such a thread was preempted (a loaded machine),
+             * this core going idle is what lets the scheduler move it here. */
+            for (int s = 0; s < WAIT_SPIN_ITERS && atomic_load(&pool.done) < n_chunks; s++)
+                CPU_RELAX();
+            if (atomic_load(&pool.done) < n_chunks) {
+                pthread_mutex_lock(&pool.mu);
+                while (atomic_load(&pool.done) < n_chunks)
+                    pthread_cond_wait(&pool.done_cv, &pool.mu);
+                pthread_mutex_unlock(&pool.mu);
+            }
+            pthread_mutex_unlock(&pool.job_lock);
+            return;
+        }
+        pthread_mutex_unlock(&pool.job_lock);
+    }
+#else
+    (void)dim;
+    (void)threads;
+#endif
+    fn(job, 0, n_items);
+}
+
+/* ------------------------------------------------------------ Python glue */
+
+#define PTR(T, x) ((T)(uintptr_t)(x))
+
+static PyObject *raise_bad_id(const int64_t *ids, int64_t pos, int64_t n_rows) {
+    PyErr_Format(PyExc_IndexError, "row id %lld at position %lld is out of range [0, %lld)",
+                 (long long)ids[pos], (long long)pos, (long long)n_rows);
+    return NULL;
+}
+
+PyDoc_STRVAR(adam_doc,
+             "adam(m, v, n_rows, dim, ids, n_ids, g, out, one_minus_b1, one_minus_b2, eps,\n"
+             "     neg_step_size, threads)\n--\n\n"
+             "torch.optim.SparseAdam step on the unique int64 rows `ids` of m, v (float32\n"
+             "[n_rows, dim], updated in place); g and out are float32 [n_ids, dim] and out\n"
+             "receives the delta. Pointers are ints (tensor.data_ptr()).");
+
+static PyObject *py_adam(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pm, pv, pids, pg, pd;
+    long long n_rows, dim, n_ids;
+    double a1, a2, eps, nss;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKLLKLKKddddi", &pm, &pv, &n_rows, &dim, &pids, &n_ids, &pg,
+                          &pd, &a1, &a2, &eps, &nss, &threads))
+        return NULL;
+    if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t bad = first_bad_id(ids, n_ids, n_rows);
+    if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    const adam_job job = {PTR(float *, pm), PTR(float *, pv), PTR(float *, pd),
+                          PTR(const float *, pg), ids, dim, (float)a1, (float)a2,
+                          (float)eps, (float)nss};
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(adam_chunk, &job, n_ids, dim, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(adamw_doc,
+             "adamw(m, v, n_rows, dim, ids, n_ids, g, out, one_minus_b1, b2, one_minus_b2,\n"
+             "      sqrt_bc2, eps, neg_step_size, threads)\n--\n\n"
+             "torch.optim.AdamW moments and delta on the unique rows `ids` (the decoupled\n"
+             "weight decay factor is applied by the caller with the delta).");
+
+static PyObject *py_adamw(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pm, pv, pids, pg, pd;
+    long long n_rows, dim, n_ids;
+    double w, b2, a2, sbc2, eps, nss;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKLLKLKKddddddi", &pm, &pv, &n_rows, &dim, &pids, &n_ids, &pg,
+                          &pd, &w, &b2, &a2, &sbc2, &eps, &nss, &threads))
+        return NULL;
+    if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t bad = first_bad_id(ids, n_ids, n_rows);
+    if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    const adamw_job job = {PTR(float *, pm), PTR(float *, pv), PTR(float *, pd),
+                           PTR(const float *, pg), ids, dim, (float)w, (float)b2, (float)a2,
+                           (float)sbc2, (float)eps, (float)nss};
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(adamw_chunk, &job, n_ids, dim, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(apply_update_doc,
+             "apply_update(rows, n_rows, dim, ids, n_ids, delta, decay, threads)\n--\n\n"
+             "rows[ids] = rows[ids] * decay + delta (float32, unique int64 ids).");
+
+static PyObject *py_apply_update(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pw, pids, pd;
+    long long n_rows, dim, n_ids;
+    double decay;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLKLKdi", &pw, &n_rows, &dim, &pids, &n_ids, &pd, &decay,
+                          &threads))
+        return NULL;
+    if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t bad = first_bad_id(ids, n_ids, n_rows);
+    if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    const update_job job = {PTR(float *, pw), PTR(const float *, pd), ids, dim, (float)decay};
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(update_chunk, &job, n_ids, dim, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(scale_doc, "scale(g, out, n, s, threads)\n--\n\nout[:n] = g[:n] * s (float32).");
+
+static PyObject *py_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pg, pd;
+    long long n;
+    double s;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKLdi", &pg, &pd, &n, &s, &threads)) return NULL;
+    if (n <= 0) Py_RETURN_NONE;
+    const axpy_job job = {PTR(float *, pd), NULL, PTR(const float *, pg), (float)s};
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(axpy_chunk, &job, n, 1, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(triad_doc,
+             "triad(a, b, c, n, s, threads)\n--\n\n"
+             "STREAM triad a = b + s*c on n float32 (a bandwidth probe for bench/).");
+
+static PyObject *py_triad(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pa, pb, pc;
+    long long n;
+    double s;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKKLdi", &pa, &pb, &pc, &n, &s, &threads)) return NULL;
+    if (n <= 0) Py_RETURN_NONE;
+    const axpy_job job = {PTR(float *, pa), PTR(const float *, pb), PTR(const float *, pc),
+                          (float)s};
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(axpy_chunk, &job, n, 1, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(advise_hugepages_doc,
+             "advise_hugepages(ptr, nbytes)\n--\n\n"
+             "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of [ptr, ptr+nbytes): ask for\n"
+             "transparent huge pages before the memory is first touched. Returns the bytes\n"
+             "advised (0 where unsupported or refused).");
+
+static PyObject *py_advise_hugepages(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long ptr, nbytes;
+    if (!PyArg_ParseTuple(args, "KK", &ptr, &nbytes)) return NULL;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const unsigned long long huge = 2ull << 20;
+    const unsigned long long lo = (ptr + huge - 1) & ~(huge - 1);
+    const unsigned long long hi = (ptr + nbytes) & ~(huge - 1);
+    if (hi > lo && madvise((void *)(uintptr_t)lo, (size_t)(hi - lo), MADV_HUGEPAGE) == 0)
+        return PyLong_FromUnsignedLongLong(hi - lo);
+#else
+    (void)ptr;
+    (void)nbytes;
+#endif
+    return PyLong_FromLong(0);
+}
+
+static PyObject *py_build_info(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i}", "isa", CLONES, "threads",
+                         HAVE_POOL ? "pthread-pool" : "none",
+                         "max_threads", HAVE_POOL ? MAX_WORKERS + 1 : 1, "prefetch_bytes",
+                         PF_BYTES, "chunk_elems", CHUNK_ELEMS, "parallel_min_elems",
+                         PAR_MIN_ELEMS);
+}
+
+static PyMethodDef methods[] = {
+    {"adam", py_adam, METH_VARARGS, adam_doc},
+    {"adamw", py_adamw, METH_VARARGS, adamw_doc},
+    {"apply_update", py_apply_update, METH_VARARGS, apply_update_doc},
+    {"scale", py_scale, METH_VARARGS, scale_doc},
+    {"triad", py_triad, METH_VARARGS, triad_doc},
+    {"advise_hugepages", py_advise_hugepages, METH_VARARGS, advise_hugepages_doc},
+    {"build_info", py_build_info, METH_NOARGS, "Build options (threads, prefetch, chunking)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT,
+    "_fused_adam",
+    "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__fused_adam(void) {
+#if HAVE_POOL
+    static int atfork_done = 0;
+    if (!atfork_done) {
+        pthread_atfork(pool_before_fork, pool_after_fork_parent, pool_after_fork_child);
+        atfork_done = 1;
+    }
+#endif
+    return PyModule_Create(&moduledef);
+}

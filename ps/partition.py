@@ -1,0 +1,348 @@
+"""One rank's optimizer state on the shard server (transport-free: no grpc here).
+
+A *partition* is what one (run_id, rank) registered: for each of its tables the
+rows [row_start, row_end) it owns, with Adam's m and v for exactly those rows
+(allocated once, at Register), the optimizer step count, the last applied
+training step, and the bookkeeping behind GetShardStats.
+
+Everything in this module is synchronous and holds no locks of its own; the
+Store (ps/store.py) serialises access to one partition with `Partition.lock`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ps.errors import (
+    AnswerEvicted,
+    InvalidArgument,
+    NonFiniteGradient,
+    OutOfOrder,
+    ResourceExhausted,
+    RowOutOfRange,
+)
+from ps.optim import OptimizerSpec, apply_rows_
+
+DEFAULT_ANSWER_CACHE_STEPS = 8
+DEFAULT_RATE_WINDOW_S = 10.0
+INT64_MAX = 2**63 - 1
+MAX_TABLE_NAME_LEN = 256  # answers reserve ~1 KiB per message for header fields
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """The rows [row_start, row_end) of a num_rows x dim table that one rank owns."""
+
+    name: str
+    num_rows: int
+    dim: int
+    row_start: int
+    row_end: int
+
+    @property
+    def rows_held(self) -> int:
+        return self.row_end - self.row_start
+
+    def validate(self) -> None:
+        where = f"table {self.name!r}"
+        if not self.name:
+            raise InvalidArgument("table name must not be empty")
+        if len(self.name) > MAX_TABLE_NAME_LEN:
+            raise InvalidArgument(f"table name of {len(self.name)} characters is longer than "
+                                  f"{MAX_TABLE_NAME_LEN}")
+        if self.num_rows <= 0:
+            raise InvalidArgument(f"{where}: num_rows={self.num_rows} must be > 0")
+        if self.dim <= 0:
+            raise InvalidArgument(f"{where}: dim={self.dim} must be > 0")
+        if not 0 <= self.row_start <= self.row_end <= self.num_rows:
+            raise InvalidArgument(
+                f"{where}: row range [{self.row_start}, {self.row_end}) must satisfy "
+                f"0 <= row_start <= row_end <= num_rows={self.num_rows}"
+            )
+
+    def describe(self) -> str:
+        return (f"{self.name}(num_rows={self.num_rows}, dim={self.dim}, "
+                f"rows=[{self.row_start}, {self.row_end}))")
+
+
+@dataclass
+class PushChunk:
+    """One Push message with its tensors decoded (ids int64 [U], grads float32 [U, dim])."""
+
+    run_id: str
+    rank: int
+    incarnation: int
+    step: int
+    table: str
+    ids: torch.Tensor
+    grads: torch.Tensor
+    chunk: int = 0
+    num_chunks: int = 1  # 0 is read as 1 (an unchunked push that left the field unset)
+    # Set by SyncSession.received(): this chunk opened a push counted in queue_depth.
+    queued: bool = field(default=False, compare=False)
+
+    @property
+    def total_chunks(self) -> int:
+        return self.num_chunks if self.num_chunks != 0 else 1
+
+    @property
+    def identity(self) -> tuple[str, int, int, int, str]:
+        return (self.run_id, self.rank, self.incarnation, self.step, self.table)
+
+    def describe(self) -> str:
+        return (f"push run={self.run_id!r} rank={self.rank} incarnation={self.incarnation} "
+                f"step={self.step} table={self.table!r}")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The server's answer to one push: rows[ids] = rows[ids] * decay + delta."""
+
+    step: int
+    table: str
+    ids: torch.Tensor    # int64 [U], global ids, in the push's order
+    delta: torch.Tensor  # float32 [U, dim]
+    decay: float
+    duplicate: bool = False
+
+    def as_duplicate(self) -> Answer:
+        return dataclasses.replace(self, duplicate=True)
+
+
+class RateWindow:
+    """Rows updated per second over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+        self._first: float | None = None
+
+    def add(self, rows: int) -> None:
+        now = self._clock()
+        if self._first is None:
+            self._first = now
+        self._events.append((now, rows))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rate(self) -> float:
+        if self._first is None:
+            return 0.0
+        now = self._clock()
+        events = list(self._events)  # a snapshot: add() may run in another thread
+        rows = sum(n for t, n in events if t >= now - self.window_s)
+        span = min(self.window_s, max(now - self._first, 1.0))
+        return rows / span
+
+
+def optimizer_description(spec: OptimizerSpec) -> str:
+    if spec.kind == "sgd":
+        return f"sgd(lr={spec.lr:g}, weight_decay={spec.weight_decay:g})"
+    text = f"{spec.kind}(lr={spec.lr:g}, betas=({spec.beta1:g}, {spec.beta2:g}), eps={spec.eps:g}"
+    if spec.kind == "adamw":
+        text += f", weight_decay={spec.weight_decay:g}"
+    return text + ")"
+
+
+def first_duplicate(ids_U: torch.Tensor) -> int | None:
+    if ids_U.numel() < 2:
+        return None
+    sorted_ids = ids_U.sort().values
+    same = sorted_ids[1:] == sorted_ids[:-1]
+    if not bool(same.any()):
+        return None
+    return int(sorted_ids[1:][same][0])
+
+
+class TableState:
+    """Optimizer state and counters of one (run, rank, table)."""
+
+    def __init__(self, owner: str, spec: TableSpec, optimizer: OptimizerSpec,
+                 answer_cache_steps: int, rate_window_s: float,
+                 clock: Callable[[], float]) -> None:
+        self.owner = owner  # "run='r' rank=0", for messages
+        self.spec = spec
+        self.optimizer = optimizer
+        rows, dim = spec.rows_held, spec.dim
+        try:
+            if optimizer.has_moments:
+                self.m: torch.Tensor | None = torch.zeros(rows, dim, dtype=torch.float32)
+                self.v: torch.Tensor | None = torch.zeros(rows, dim, dtype=torch.float32)
+            else:
+                self.m = self.v = None
+            self.touched = torch.zeros(rows, dtype=torch.bool)
+        except (RuntimeError, MemoryError) as exc:
+            raise ResourceExhausted(
+                f"{owner}: cannot allocate optimizer state for {spec.describe()}: {exc}"
+            ) from None
+        self.adam_step = 0   # pushes applied == torch optimizer state['step']
+        self.last_step = -1  # last training step whose push was applied
+        self.pushes_applied = 0
+        self.rows_updated = 0
+        self.distinct_touched = 0
+        self.refusals: collections.Counter[str] = collections.Counter()
+        self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
+        self.answer_cache_steps = answer_cache_steps
+        self.rate = RateWindow(rate_window_s, clock)
+
+    @property
+    def where(self) -> str:
+        return f"{self.owner} table={self.spec.name!r}"
+
+    @property
+    def state_bytes(self) -> int:
+        total = self.touched.numel() * self.touched.element_size()
+        for t in (self.m, self.v):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- validation (no state change) ------------------------------------------------
+
+    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> None:
+        """Raise if ids/grads are not a valid (part of a) coalesced push for this table."""
+        spec = self.spec
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise InvalidArgument(
+                f"{what}: ids must be a 1-D int64 tensor, got {ids.dtype} of shape "
+                f"{list(ids.shape)}"
+            )
+        if grads.dtype != torch.float32:
+            raise InvalidArgument(f"{what}: grads must be float32, got {grads.dtype}")
+        n = ids.shape[0]
+        if grads.dim() != 2 or grads.shape[1] != spec.dim:
+            raise InvalidArgument(
+                f"{what}: grads of shape {list(grads.shape)} must be [U, dim] = [{n}, {spec.dim}] "
+                f"(table {spec.name!r} has dim {spec.dim})"
+            )
+        if grads.shape[0] != n:
+            raise InvalidArgument(
+                f"{what}: grads have {grads.shape[0]} rows for {n} ids; they must match"
+            )
+        if n == 0:
+            return
+        bad = (ids < spec.row_start) | (ids >= spec.row_end)
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            bad_id = int(ids[pos])
+            extra = " (int64 max)" if bad_id == INT64_MAX else ""
+            raise RowOutOfRange(
+                f"{what}: id {bad_id}{extra} at position {pos} is outside the rows "
+                f"[{spec.row_start}, {spec.row_end}) this rank owns of table {spec.name!r} "
+                f"({spec.num_rows} rows)"
+            )
+        dup = first_duplicate(ids)
+        if dup is not None:
+            raise InvalidArgument(
+                f"{what}: id {dup} appears more than once; pushes must be coalesced "
+                "(send grad.coalesce() rows, each id once)"
+            )
+        finite = torch.isfinite(grads)
+        if not bool(finite.all()):
+            row, col = (int(x) for x in (~finite).nonzero()[0])
+            raise NonFiniteGradient(
+                f"{what}: gradient of id {int(ids[row])} (row {row}, column {col}) is "
+                f"{float(grads[row, col])}; non-finite gradients are refused"
+            )
+
+    def classify_step(self, step: int, what: str) -> Answer | None:
+        """None when `step` is the next one; the saved answer when it was applied before."""
+        if step < 0:
+            raise InvalidArgument(f"{what}: step must be >= 0")
+        if step == self.last_step + 1:
+            return None
+        if step > self.last_step + 1:
+            raise OutOfOrder(
+                f"{what}: step {step} skips ahead; the next step expected for "
+                f"{self.where} is {self.last_step + 1} (last applied {self.last_step})"
+            )
+        saved = self.answers.get(step)
+        if saved is None:
+            held = (f"steps {min(self.answers)}..{max(self.answers)}" if self.answers
+                    else "none")
+            raise AnswerEvicted(
+                f"{what}: step {step} was applied before but its answer is no longer held "
+                f"(answers held for {held}; last applied {self.last_step}); "
+                "resend only pushes after a held step"
+            )
+        return saved.as_duplicate()
+
+    # -- the update ------------------------------------------------------------------
+
+    def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor) -> Answer:
+        """Apply a validated push that is the next step; returns (and saves) the answer."""
+        local = ids - self.spec.row_start
+        count = self.adam_step + 1
+        delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count)
+        self.adam_step = count
+        self.last_step = step
+        self.pushes_applied += 1
+        n = int(ids.shape[0])
+        self.rows_updated += n
+        if n:
+            self.distinct_touched += int((~self.touched.index_select(0, local)).sum())
+            self.touched.index_fill_(0, local, True)
+        self.rate.add(n)
+        answer = Answer(step=step, table=self.spec.name, ids=ids, delta=delta,
+                        decay=float(decay))
+        self.answers[step] = answer
+        while len(self.answers) > self.answer_cache_steps:
+            self.answers.popitem(last=False)
+        return answer
+
+
+class Partition:
+    """Everything one (run_id, rank) registered."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                 tables: list[TableSpec], optimizer: OptimizerSpec, *,
+                 answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
+                 rate_window_s: float = DEFAULT_RATE_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self.incarnation = incarnation
+        self.optimizer = optimizer
+        self.lock = threading.Lock()
+        owner = f"run={run_id!r} rank={rank}"
+        self.tables: dict[str, TableState] = {
+            t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock)
+            for t in tables
+        }
+
+    @property
+    def where(self) -> str:
+        return f"run={self.run_id!r} rank={self.rank}"
+
+    def specs(self) -> list[TableSpec]:
+        return [t.spec for t in self.tables.values()]
+
+    def difference(self, world_size: int, tables: list[TableSpec],
+                   optimizer: OptimizerSpec) -> str | None:
+        """Why a re-Register does not match what this partition holds (None: it matches)."""
+        if world_size != self.world_size:
+            return f"world_size {world_size} != registered {self.world_size}"
+        if optimizer != self.optimizer:
+            return (f"optimizer {optimizer_description(optimizer)} != registered "
+                    f"{optimizer_description(self.optimizer)}")
+        held = {t.name: t for t in self.specs()}
+        asked = {t.name: t for t in tables}
+        if set(held) != set(asked):
+            return f"tables {sorted(asked)} != registered {sorted(held)}"
+        for name, spec in asked.items():
+            if spec != held[name]:
+                return f"table {spec.describe()} != registered {held[name].describe()}"
+        return None
+

@@ -1,0 +1,497 @@
+"""The shard server's state: partitions keyed by (run_id, rank). Transport-free, no grpc.
+
+`Store` is synchronous and thread-safe: one partition's pushes apply under its
+`Partition.lock`, so different partitions update in parallel threads (torch
+releases the GIL) while one partition's pushes apply one at a time, in order.
+
+`SyncSession` is one Sync stream's view: it checks each incoming chunk as it
+arrives, buffers the chunks of a push, and applies the whole push atomically
+when its last chunk arrives. Every method raises a ps.errors.ShardError whose
+message names the offending value; a refused push leaves the state untouched
+(only the refusal counters move).
+
+`ShardCore` (ps/core.py) wraps this for asyncio.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ps.errors import (
+    Conflict,
+    InvalidArgument,
+    NotFound,
+    NotRegistered,
+    ShardError,
+    StaleIncarnation,
+)
+from ps.optim import OptimizerSpec
+from ps.partition import (
+    DEFAULT_ANSWER_CACHE_STEPS,
+    DEFAULT_RATE_WINDOW_S,
+    Answer,
+    Partition,
+    PushChunk,
+    TableSpec,
+    TableState,
+    first_duplicate,
+    optimizer_description,
+)
+
+log = logging.getLogger("ps.store")
+
+MAX_RUN_ID_LEN = 256
+TableKey = tuple[str, int, str]  # (run_id, rank, table)
+
+
+def kv(event: str, **fields: Any) -> str:
+    """One structured log line: `event=NAME key=value ...` (values with spaces quoted)."""
+    parts = [f"event={event}"]
+    for key, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' ="\n'):
+            text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class RegisteredTable:
+    name: str
+    rows_held: int
+    last_step: int
+    created: bool
+
+
+@dataclass(frozen=True)
+class RankStep:
+    rank: int
+    table: str
+    last_step: int
+
+
+@dataclass(frozen=True)
+class PartitionStatsRow:
+    """One (run, rank, table); the fields of admin.proto's PartitionStats."""
+
+    run_id: str
+    rank: int
+    incarnation: int
+    table: str
+    row_start: int
+    row_end: int
+    rows_held: int
+    state_bytes: int
+    pushes_applied: int
+    rows_updated: int
+    rows_per_second: float
+    distinct_rows_touched: int
+    last_step: int
+    lag_steps: int
+    queue_depth: int
+    refusals: dict[str, int]
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    server_id: str
+    uptime_s: float
+    partitions: list[PartitionStatsRow]
+    refusals: dict[str, int]
+    state_bytes_total: int
+    pushes_applied_total: int
+    rows_updated_total: int
+
+
+def default_server_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Store:
+    """All partitions of this server, their registration, and the stats snapshot."""
+
+    def __init__(self, *, server_id: str | None = None,
+                 answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
+                 rate_window_s: float = DEFAULT_RATE_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if answer_cache_steps < 1:
+            raise ValueError(f"answer_cache_steps={answer_cache_steps} must be >= 1")
+        self.server_id = server_id or default_server_id()
+        self.answer_cache_steps = answer_cache_steps
+        self.rate_window_s = rate_window_s
+        self._clock = clock
+        self._started = clock()
+        self._lock = threading.Lock()  # guards the dicts/counters below (not the tensors)
+        self._partitions: dict[tuple[str, int], Partition] = {}
+        self._refusals: collections.Counter[str] = collections.Counter()
+        self._queued: collections.Counter[TableKey] = collections.Counter()
+
+    # -- lookups ---------------------------------------------------------------------
+
+    def partition(self, run_id: str, rank: int) -> Partition | None:
+        return self._partitions.get((run_id, rank))
+
+    def partitions(self) -> list[Partition]:
+        with self._lock:
+            return list(self._partitions.values())
+
+    def resolve(self, run_id: str, rank: int, incarnation: int, table: str,
+                what: str) -> tuple[Partition, TableState]:
+        """The partition and table a push names, or the error saying why not."""
+        part = self._partitions.get((run_id, rank))
+        if part is None:
+            raise NotRegistered(
+                f"{what}: run {run_id!r} rank {rank} is not registered on this server "
+                f"(server {self.server_id}); call Register before Sync"
+            )
+        if incarnation < part.incarnation:
+            raise StaleIncarnation(
+                f"{what}: incarnation {incarnation} is older than the registered incarnation "
+                f"{part.incarnation}; a newer process of this rank has registered"
+            )
+        if incarnation > part.incarnation:
+            raise NotRegistered(
+                f"{what}: incarnation {incarnation} is newer than the registered incarnation "
+                f"{part.incarnation}; register first"
+            )
+        state = part.tables.get(table)
+        if state is None:
+            raise NotFound(
+                f"{what}: table {table!r} is not registered for run {run_id!r} rank {rank} "
+                f"(registered: {sorted(part.tables)})"
+            )
+        return part, state
+
+    # -- refusals and queue depth ----------------------------------------------------
+
+    def record_refusal(self, reason: str, run_id: str = "", rank: int | None = None,
+                       table: str = "") -> None:
+        """Count a refused request globally and, when one owns it, on its (run, rank, table)."""
+        with self._lock:
+            self._refusals[reason] += 1
+            part = self._partitions.get((run_id, rank)) if rank is not None else None
+            state = part.tables.get(table) if part is not None else None
+            if state is not None:
+                state.refusals[reason] += 1
+
+    def _queue_add(self, key: TableKey, n: int) -> None:
+        with self._lock:
+            self._queued[key] += n
+            if self._queued[key] <= 0:
+                del self._queued[key]
+
+    # -- Register --------------------------------------------------------------------
+
+    def register(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                 tables: Sequence[TableSpec],
+                 optimizer: OptimizerSpec | Mapping[str, Any]) -> list[RegisteredTable]:
+        try:
+            return self._register(run_id, rank, world_size, incarnation, list(tables),
+                                  optimizer)
+        except ShardError as exc:
+            self.record_refusal(exc.reason)
+            raise
+
+    def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                  tables: list[TableSpec],
+                  optimizer: OptimizerSpec | Mapping[str, Any]) -> list[RegisteredTable]:
+        what = f"register run={run_id!r} rank={rank}"
+        if not run_id:
+            raise InvalidArgument("register: run_id must not be empty")
+        if len(run_id) > MAX_RUN_ID_LEN:
+            raise InvalidArgument(f"register: run_id of {len(run_id)} characters is longer "
+                                  f"than {MAX_RUN_ID_LEN}")
+        if world_size < 1:
+            raise InvalidArgument(f"{what}: world_size={world_size} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise InvalidArgument(f"{what}: rank={rank} must be in [0, world_size={world_size})")
+        if incarnation < 0:
+            raise InvalidArgument(f"{what}: incarnation={incarnation} must be >= 0")
+        if not tables:
+            raise InvalidArgument(f"{what}: at least one table is required")
+        seen: set[str] = set()
+        for spec in tables:
+            spec.validate()
+            if spec.name in seen:
+                raise InvalidArgument(f"{what}: table name {spec.name!r} appears twice")
+            seen.add(spec.name)
+        spec_opt = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(
+            **dict(optimizer))
+
+        existing = self.partition(run_id, rank)
+        if existing is None:
+            self._check_run_consistency(run_id, rank, world_size, tables, what)
+            fresh = Partition(run_id, rank, world_size, incarnation, tables, spec_opt,
+                              answer_cache_steps=self.answer_cache_steps,
+                              rate_window_s=self.rate_window_s, clock=self._clock)
+            with self._lock:
+                existing = self._partitions.get((run_id, rank))
+                if existing is None:  # nobody registered it while we allocated
+                    self._partitions[(run_id, rank)] = fresh
+            if existing is None:
+                log.info(kv("register", run=run_id, rank=rank, world_size=world_size,
+                            incarnation=incarnation, created=True,
+                            tables=",".join(t.describe() for t in tables),
+                            optimizer=optimizer_description(spec_opt)))
+                return [RegisteredTable(t.name, t.rows_held, -1, True) for t in tables]
+
+        with existing.lock:
+            diff = existing.difference(world_size, tables, spec_opt)
+            if diff is not None:
+                raise Conflict(f"{what}: does not match the registered partition: {diff}")
+            if incarnation < existing.incarnation:
+                raise StaleIncarnation(
+                    f"{what}: incarnation {incarnation} is older than the registered "
+                    f"incarnation {existing.incarnation}"
+                )
+            previous = existing.incarnation
+            existing.incarnation = incarnation
+            result = [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, False)
+                      for t in existing.tables.values()]
+        log.info(kv("register", run=run_id, rank=rank, incarnation=incarnation,
+                    previous_incarnation=previous, created=False,
+                    last_steps=",".join(f"{t.name}:{t.last_step}" for t in result)))
+        return result
+
+    def _check_run_consistency(self, run_id: str, rank: int, world_size: int,
+                               tables: list[TableSpec], what: str) -> None:
+        """Other ranks of the run on this server must agree on world_size and table shapes."""
+        for other in self.partitions():
+            if other.run_id != run_id or other.rank == rank:
+                continue
+            if other.world_size != world_size:
+                raise Conflict(f"{what}: world_size {world_size} != {other.world_size} "
+                               f"registered by rank {other.rank} of the run")
+            for spec in tables:
+                theirs = other.tables.get(spec.name)
+                if theirs is None:
+                    continue
+                o = theirs.spec
+                if (o.num_rows, o.dim) != (spec.num_rows, spec.dim):
+                    raise Conflict(
+                        f"{what}: table {spec.describe()} has a different shape than "
+                        f"{o.describe()} registered by rank {other.rank}"
+                    )
+                if spec.row_start < o.row_end and o.row_start < spec.row_end:
+                    raise Conflict(
+                        f"{what}: rows [{spec.row_start}, {spec.row_end}) of table "
+                        f"{spec.name!r} overlap rows [{o.row_start}, {o.row_end}) held by "
+                        f"rank {other.rank}"
+                    )
+
+    # -- Sync ------------------------------------------------------------------------
+
+    def open_session(self) -> SyncSession:
+        return SyncSession(self)
+
+    # -- Flush -----------------------------------------------------------------------
+
+    def flush_status(self, run_id: str, rank: int,
+                     step: int) -> tuple[list[RankStep], list[RankStep]]:
+        """(every named (rank, table) with its last step, those still before `step`)."""
+        if rank < -1:
+            raise InvalidArgument(f"flush run={run_id!r}: rank={rank} must be >= 0 or -1 (all)")
+        parts = [p for p in self.partitions()
+                 if p.run_id == run_id and (rank == -1 or p.rank == rank)]
+        if not parts:
+            who = "no rank of it" if rank == -1 else f"rank {rank} is not"
+            raise NotRegistered(f"flush: run {run_id!r}: {who} registered on this server")
+        applied = [RankStep(p.rank, name, t.last_step)
+                   for p in sorted(parts, key=lambda p: p.rank)
+                   for name, t in p.tables.items()]
+        return applied, [r for r in applied if r.last_step < step]
+
+    # -- GetShardStats ---------------------------------------------------------------
+
+    def stats(self, run_id: str = "") -> ServerStats:
+        """A snapshot; counters are read without the partition locks (ints, GIL-atomic)."""
+        parts = sorted((p for p in self.partitions() if not run_id or p.run_id == run_id),
+                       key=lambda p: (p.run_id, p.rank))
+        with self._lock:
+            queued = dict(self._queued)
+            refusals = dict(self._refusals)
+        newest: dict[str, int] = {}
+        for p in parts:
+            for t in p.tables.values():
+                newest[p.run_id] = max(newest.get(p.run_id, -1), t.last_step)
+        rows: list[PartitionStatsRow] = []
+        for p in parts:
+            opt = optimizer_description(p.optimizer)
+            for name, t in p.tables.items():
+                s = t.spec
+                rows.append(PartitionStatsRow(
+                    run_id=p.run_id, rank=p.rank, incarnation=p.incarnation, table=name,
+                    row_start=s.row_start, row_end=s.row_end, rows_held=s.rows_held,
+                    state_bytes=t.state_bytes, pushes_applied=t.pushes_applied,
+                    rows_updated=t.rows_updated, rows_per_second=t.rate.rate(),
+                    distinct_rows_touched=t.distinct_touched, last_step=t.last_step,
+                    lag_steps=newest[p.run_id] - t.last_step,
+                    queue_depth=queued.get((p.run_id, p.rank, name), 0),
+                    refusals=dict(t.refusals), optimizer=opt,
+                ))
+        return ServerStats(
+            server_id=self.server_id,
+            uptime_s=self._clock() - self._started,
+            partitions=rows,
+            refusals=refusals,
+            state_bytes_total=sum(r.state_bytes for r in rows),
+            pushes_applied_total=sum(r.pushes_applied for r in rows),
+            rows_updated_total=sum(r.rows_updated for r in rows),
+        )
+
+
+@dataclass
+class _Pending:
+    """The buffered chunks of the push in progress on one session."""
+
+    identity: tuple[str, int, int, int, str]
+    num_chunks: int
+    part: Partition
+    table: TableState
+    what: str
+    ids: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    tickets: list[TableKey] = field(default_factory=list)  # queue_depth entries it holds
+
+    @property
+    def next_chunk(self) -> int:
+        return len(self.ids)
+
+
+class SyncSession:
+    """One Sync stream: chunk assembly, exactly-once application, queue-depth accounting.
+
+    Call `received(chunk)` when a chunk arrives (it then counts in queue_depth until
+    its push is answered or refused), `feed(chunk)` in arrival order (returns the
+    Answer when the chunk completes a push, else None), and `close()` at the end.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._pending: _Pending | None = None
+        # received() and close() run on the event loop while feed() runs in a pool thread
+        # (and may still be running when a cancelled stream closes): guard the counts.
+        self._count_lock = threading.Lock()
+        self._counted: collections.Counter[TableKey] = collections.Counter()
+        self._closed = False
+
+    @staticmethod
+    def _key(chunk: PushChunk) -> TableKey:
+        return (chunk.run_id, chunk.rank, chunk.table)
+
+    def received(self, chunk: PushChunk) -> None:
+        if chunk.chunk == 0:
+            key = self._key(chunk)
+            with self._count_lock:
+                if self._closed:
+                    return
+                self._counted[key] += 1
+                self._store._queue_add(key, 1)
+            chunk.queued = True
+
+    def _finish(self, key: TableKey) -> None:
+        with self._count_lock:
+            if self._counted[key] > 0:
+                self._counted[key] -= 1
+                self._store._queue_add(key, -1)
+
+    @property
+    def buffered_chunks(self) -> int:
+        return 0 if self._pending is None else self._pending.next_chunk
+
+    def feed(self, chunk: PushChunk) -> Answer | None:
+        try:
+            return self._feed(chunk)
+        except Exception as exc:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                for key in pending.tickets:
+                    self._finish(key)
+            if chunk.queued:
+                chunk.queued = False
+                self._finish(self._key(chunk))
+            reason = exc.reason if isinstance(exc, ShardError) else "internal"
+            self._store.record_refusal(reason, chunk.run_id, chunk.rank, chunk.table)
+            raise
+
+    def _feed(self, chunk: PushChunk) -> Answer | None:
+        n = chunk.total_chunks
+        what = chunk.describe()
+        if n != 1 or chunk.chunk != 0:
+            what += f" chunk {chunk.chunk} of {n}"
+        if n < 1 or not 0 <= chunk.chunk < n:
+            raise InvalidArgument(
+                f"{what}: chunk={chunk.chunk} num_chunks={chunk.num_chunks} is invalid "
+                "(need 0 <= chunk < num_chunks)"
+            )
+        pending = self._pending
+        if pending is None:
+            if chunk.chunk != 0:
+                raise InvalidArgument(
+                    f"{what}: no push is in progress on this stream; the chunks of a push "
+                    "must arrive in order starting with chunk 0"
+                )
+            part, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
+                                              chunk.table, what)
+            table.classify_step(chunk.step, what)  # fail fast on out-of-order / evicted
+            pending = _Pending(chunk.identity, n, part, table, chunk.describe())
+            self._pending = pending
+        elif chunk.identity != pending.identity or n != pending.num_chunks:
+            raise InvalidArgument(
+                f"{what}: arrived while {pending.what} waits for chunk {pending.next_chunk} "
+                f"of {pending.num_chunks}; the chunks of a push must arrive in order, unmixed"
+            )
+        elif chunk.chunk != pending.next_chunk:
+            raise InvalidArgument(
+                f"{what}: expected chunk {pending.next_chunk} of {pending.num_chunks} next"
+            )
+        if chunk.queued:
+            chunk.queued = False
+            pending.tickets.append(self._key(chunk))
+        pending.table.check_rows(chunk.ids, chunk.grads, what)
+        pending.ids.append(chunk.ids)
+        pending.grads.append(chunk.grads)
+        if pending.next_chunk < n:
+            return None
+
+        # The last chunk: apply the whole push under the partition lock.
+        if n == 1:
+            ids, grads = pending.ids[0], pending.grads[0]
+        else:
+            ids, grads = torch.cat(pending.ids), torch.cat(pending.grads)
+            dup = first_duplicate(ids)
+            if dup is not None:
+                raise InvalidArgument(
+                    f"{pending.what}: id {dup} appears in more than one chunk; pushes must "
+                    "be coalesced (each id once)"
+                )
+        with pending.part.lock:
+            _, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
+                                           chunk.table, pending.what)
+            saved = table.classify_step(chunk.step, pending.what)
+            answer = saved if saved is not None else table.apply(chunk.step, ids, grads)
+        self._pending = None
+        for key in pending.tickets:
+            self._finish(key)
+        return answer
+
+    def close(self) -> None:
+        """End of stream: pushes received but never answered leave queue_depth."""
+        with self._count_lock:
+            self._closed = True
+            for key, n in self._counted.items():
+                if n > 0:
+                    self._store._queue_add(key, -n)
+            self._counted.clear()

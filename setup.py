@@ -1,0 +1,74 @@
+"""Build hook for the optional native row kernels (ps/native/fused_adam.c).
+
+All project metadata lives in pyproject.toml; this file only declares the C
+extension, which is optional: without a working C compiler `pip install` still
+succeeds and ps.optim uses its torch kernels. Each compiler flag is probed with the
+actual compiler and kept only if it works. No OpenMP: the kernels run on their own
+small pthread pool (see the comment at the top of fused_adam.c for why).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+# -ffp-contract=off: no fused multiply-add contraction, so float32 results stay those
+# of torch's separate ops; -fno-math-errno lets sqrtf vectorize. Never -ffast-math.
+# Portable ISA baseline on purpose (no -march=native): the loops are memory-bound.
+UNIX_CFLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
+UNIX_LDFLAGS = ["-pthread", "-lm"]
+# Function multiversioning (an extra AVX2+FMA build of the loops, chosen at load time).
+CLONES_PROBE = """
+__attribute__((target_clones("arch=haswell", "default")))
+static void twice(float *x, int n) { for (int i = 0; i < n; i++) x[i] *= 2.0f; }
+void (*probe_fn)(float *, int) = twice;
+"""
+
+
+class BuildExt(build_ext):
+    def _compiles(
+        self, flags: list[str], link: bool, code: str = "int probe(void) { return 0; }\n"
+    ) -> bool:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "probe.c")
+            with open(src, "w") as f:
+                f.write(code)
+            try:
+                objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+                if link:
+                    self.compiler.link_shared_object(
+                        objs, os.path.join(tmp, "probe.so"), extra_postargs=flags
+                    )
+            except Exception:
+                return False
+        return True
+
+    def build_extensions(self) -> None:
+        if self.compiler.compiler_type == "unix":
+            cflags = [f for f in UNIX_CFLAGS if self._compiles([f], link=False)]
+            ldflags = [f for f in UNIX_LDFLAGS if self._compiles([f], link=True)]
+            if self._compiles([*cflags, "-Werror"], link=True, code=CLONES_PROBE):
+                cflags.append("-DHYBRIDPS_TARGET_CLONES")
+        elif self.compiler.compiler_type == "msvc":
+            cflags, ldflags = ["/O2", "/fp:precise"], []
+        else:
+            cflags, ldflags = [], []
+        for ext in self.extensions:
+            ext.extra_compile_args = [*cflags, *ext.extra_compile_args]
+            ext.extra_link_args = [*ldflags, *ext.extra_link_args]
+        super().build_extensions()
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "ps.native._fused_adam",
+            sources=["ps/native/fused_adam.c"],
+            optional=True,  # no compiler: install anyway, ps.optim falls back to torch
+        )
+    ],
+    cmdclass={"build_ext": BuildExt},
+)

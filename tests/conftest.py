@@ -1,0 +1,20 @@
+"""Shared fixtures. Helpers live in tests/helpers.py (importable as tests.helpers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import start_ps_server
+
+
+@pytest.fixture
+def ps_server(tmp_path: Path) -> Iterator[str]:
+    """A fresh shard server subprocess on a free port; yields "127.0.0.1:PORT"."""
+    server = start_ps_server(tmp_path)
+    try:
+        yield server.address
+    finally:
+        server.terminate()

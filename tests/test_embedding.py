@@ -1,0 +1,254 @@
+"""Sharded embedding: routing, init, and lookups/gradients against plain nn.Embedding.
+
+The multi-process case spawns 2 real gloo processes (FileStore rendezvous);
+each looks up its slice of one global batch, and the test compares outputs
+and the coalesced, 1/W-scaled owned-row gradients with a single-process
+nn.Embedding / nn.EmbeddingBag forward+backward of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from worker import embedding as emb_mod
+from worker.embedding import (
+    ShardedEmbedding,
+    TableConfig,
+    init_rows,
+    owner_of,
+    route,
+    row_range,
+)
+from worker.tasks.base import Batch
+
+WORLD = 2
+LOCAL_B = 6
+TABLES = [TableConfig("a", 37, 4), TableConfig("b", 11, 3), TableConfig("c", 20, 2),
+          TableConfig("tiny", 1, 2)]
+SEED, STD = 3, 0.5
+
+
+# -- routing and init -------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 100, 65537])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_row_ranges_cover_table(num_rows: int, world: int) -> None:
+    ranges = [row_range(num_rows, r, world) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_rows
+    for (_, end), (start, _) in itertools.pairwise(ranges):
+        assert end == start
+    sizes = [e - s for s, e in ranges]
+    assert max(sizes) - min(sizes) <= 1
+    ids = torch.arange(num_rows)
+    owners = owner_of(ids, num_rows, world)
+    expected = torch.tensor([next(r for r, (s, e) in enumerate(ranges) if s <= i < e)
+                             for i in range(num_rows)]) if num_rows < 1000 else None
+    if expected is not None:
+        assert torch.equal(owners, expected)
+    for r, (s, e) in enumerate(ranges):
+        assert bool((owners[s:e] == r).all())
+
+
+def test_route_dedupes_and_groups_by_owner() -> None:
+    ids = torch.tensor([[9, 1, 9], [5, 1, 0]])
+    routing = route(ids, num_rows=10, world_size=3)  # ranges [0,3) [3,6) [6,10)
+    assert routing.unique_U.tolist() == [0, 1, 5, 9]
+    assert torch.equal(routing.unique_U[routing.inverse_N], ids.reshape(-1))
+    assert routing.send_counts == [2, 1, 1]
+
+
+def test_route_rejects_out_of_range_ids() -> None:
+    with pytest.raises(IndexError, match=r"table 'x': row id 10 outside \[0, 10\)"):
+        route(torch.tensor([3, 10]), num_rows=10, world_size=2, table="x")
+    with pytest.raises(IndexError, match="row id -1"):
+        route(torch.tensor([-1]), num_rows=10, world_size=2, table="x")
+
+
+def test_init_rows_is_world_size_independent() -> None:
+    rows, dim = 70_000, 2  # spans two init chunks of 65536 rows
+    full = init_rows(rows, dim, 0, rows, seed=5, table_index=1, init_std=0.1)
+    for world in (2, 3):
+        parts = [init_rows(rows, dim, *row_range(rows, r, world), seed=5, table_index=1,
+                           init_std=0.1) for r in range(world)]
+        assert torch.equal(torch.cat(parts), full)
+    assert abs(float(full.std()) - 0.1) < 0.01
+    other = init_rows(rows, dim, 0, 10, seed=5, table_index=2, init_std=0.1)
+    assert not torch.equal(other, full[:10])
+
+
+def test_batch_slice_rebases_bags() -> None:
+    ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    offsets = torch.tensor([0, 2, 2, 5])  # bags [1,2] [] [3,4,5] [6]
+    batch = Batch(4, ids={"u": torch.arange(4)}, bags={"t": (ids, offsets)})
+    part = batch.slice(1, 3)
+    assert part.size == 2 and part.ids["u"].tolist() == [1, 2]
+    assert part.bags["t"][0].tolist() == [3, 4, 5] and part.bags["t"][1].tolist() == [0, 0]
+    tail = batch.slice(3, 4)
+    assert tail.bags["t"][0].tolist() == [6] and tail.bags["t"][1].tolist() == [0]
+
+
+# -- the lookup case shared by the one-process and two-process tests -----------------------
+
+def global_case() -> dict[str, torch.Tensor]:
+    """One global batch of WORLD * LOCAL_B samples, with duplicates and an empty bag."""
+    g = torch.Generator().manual_seed(11)
+    n = WORLD * LOCAL_B
+    a_ids = torch.randint(0, 37, (n, 3), generator=g)
+    a_ids[:, 0] = 36  # a hot row, owned by the last rank, requested by every rank
+    lengths = torch.randint(0, 4, (n,), generator=g)
+    lengths[1] = 0
+    b_ids = torch.randint(0, 11, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    c_ids = torch.randint(0, 10, (n,), generator=g)  # only rank 0's rows of c
+    return {
+        "a_ids": a_ids, "b_ids": b_ids, "b_offsets": offsets, "b_lengths": lengths,
+        "c_ids": c_ids, "tiny_ids": torch.zeros(n, dtype=torch.int64),
+        "g_a": torch.randn(n, 3, 4, generator=g), "g_sum": torch.randn(n, 3, generator=g),
+        "g_mean": torch.randn(n, 3, generator=g), "g_c": torch.randn(n, 2, generator=g),
+        "g_tiny": torch.randn(n, 2, generator=g),
+    }
+
+
+def local_slice(case: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    lo, hi = rank * LOCAL_B, (rank + 1) * LOCAL_B
+    out = {k: v[lo:hi] for k, v in case.items() if k not in ("b_ids", "b_offsets")}
+    start = int(case["b_offsets"][lo])
+    stop = start + int(case["b_lengths"][lo:hi].sum())
+    out["b_ids"] = case["b_ids"][start:stop]
+    out["b_offsets"] = case["b_offsets"][lo:hi] - start
+    return out
+
+
+def sharded_forward(emb: ShardedEmbedding, part: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean-over-local-samples loss and the raw lookup outputs."""
+    rows_a = emb.lookup("a", part["a_ids"])
+    bag_sum = emb.lookup_bag("b", part["b_ids"], part["b_offsets"], mode="sum")
+    bag_mean = emb.lookup_bag("b", part["b_ids"], part["b_offsets"], mode="mean")
+    rows_c = emb.lookup("c", part["c_ids"])
+    rows_tiny = emb.lookup("tiny", part["tiny_ids"])
+    per_sample = ((rows_a * part["g_a"]).sum((1, 2)) + (bag_sum * part["g_sum"]).sum(1)
+                  + (bag_mean * part["g_mean"]).sum(1) + (rows_c * part["g_c"]).sum(1)
+                  + (rows_tiny * part["g_tiny"]).sum(1))
+    outs = {"a": rows_a, "sum": bag_sum, "mean": bag_mean, "c": rows_c, "tiny": rows_tiny}
+    return per_sample.mean(), {k: v.detach() for k, v in outs.items()}
+
+
+def reference(case: dict[str, torch.Tensor]
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Plain nn.Embedding / nn.EmbeddingBag over the global batch: outputs, dense grads."""
+    weights = {t.name: init_rows(t.num_rows, t.dim, 0, t.num_rows, seed=SEED, table_index=i,
+                                 init_std=STD) for i, t in enumerate(TABLES)}
+    plain = {name: nn.Embedding.from_pretrained(w, freeze=False, sparse=True)
+             for name, w in weights.items()}
+    bag_sum = nn.EmbeddingBag(11, 3, mode="sum", sparse=True)
+    bag_mean = nn.EmbeddingBag(11, 3, mode="mean", sparse=True)
+    bag_sum.weight = bag_mean.weight = plain["b"].weight
+    rows_a = plain["a"](case["a_ids"])
+    s = bag_sum(case["b_ids"], case["b_offsets"])
+    m = bag_mean(case["b_ids"], case["b_offsets"])
+    rows_c = plain["c"](case["c_ids"])
+    rows_tiny = plain["tiny"](case["tiny_ids"])
+    per_sample = ((rows_a * case["g_a"]).sum((1, 2)) + (s * case["g_sum"]).sum(1)
+                  + (m * case["g_mean"]).sum(1) + (rows_c * case["g_c"]).sum(1)
+                  + (rows_tiny * case["g_tiny"]).sum(1))
+    per_sample.mean().backward()  # the global mean loss
+    grads = {}
+    for name, mod in plain.items():
+        grad = mod.weight.grad
+        assert grad is not None and grad.is_sparse
+        grads[name] = grad.coalesce().to_dense()
+    outs = {"a": rows_a, "sum": s, "mean": m, "c": rows_c, "tiny": rows_tiny}
+    return {k: v.detach() for k, v in outs.items()}, grads
+
+
+def _spawned(rank: int, store: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    try:
+        group = dist.new_group()
+        emb = ShardedEmbedding(TABLES, rank=rank, world_size=WORLD, group=group, seed=SEED,
+                               init_std=STD)
+        loss, outs = sharded_forward(emb, local_slice(global_case(), rank))
+        loss.backward()
+        grads = emb.pop_grads(scale=1.0 / WORLD)
+        weights = {k: w.detach().clone() for k, w in emb.weights.items()}
+        torch.save({"outs": outs, "grads": grads, "ranges": emb.ranges, "weights": weights,
+                    "full": emb.gather_full(dst=0)}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_grads(per_rank: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+                 ranges: list[dict[str, tuple[int, int]]],
+                 ref_grads: dict[str, torch.Tensor]) -> None:
+    for table in TABLES:
+        got = torch.zeros(table.num_rows, table.dim)
+        for rank, grads in enumerate(per_rank):
+            ids_U, grads_UD = grads[table.name]
+            start, end = ranges[rank][table.name]
+            assert ids_U.dtype == torch.int64 and grads_UD.shape == (ids_U.numel(), table.dim)
+            assert bool(((ids_U >= start) & (ids_U < end)).all()), "push outside owned rows"
+            assert torch.equal(ids_U, torch.unique(ids_U)), "not coalesced (unique, sorted)"
+            got[ids_U] = grads_UD
+        torch.testing.assert_close(got, ref_grads[table.name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_two_process_lookup_and_grads_match_nn_embedding(tmp_path: Path) -> None:
+    mp.spawn(_spawned, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    case = global_case()
+    ref_outs, ref_grads = reference(case)
+    for key, ref in ref_outs.items():
+        got = torch.cat([res["outs"][key] for res in results])
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    _check_grads([res["grads"] for res in results], [res["ranges"] for res in results],
+                 ref_grads)
+    # rank 1 requested no row of c: an empty gradient (-> an empty push), not a missing one
+    ids_c, grads_c = results[1]["grads"]["c"]
+    assert ids_c.numel() == 0 and grads_c.shape == (0, 2)
+    # rank 0 owns no row of the 1-row table
+    assert results[0]["ranges"]["tiny"] == (0, 0)
+    full = results[0]["full"]
+    for i, t in enumerate(TABLES):
+        expect = init_rows(t.num_rows, t.dim, 0, t.num_rows, seed=SEED, table_index=i,
+                           init_std=STD)
+        assert torch.equal(full[t.name], expect)
+
+
+def test_world_size_one_uses_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("world size 1 must not communicate")
+
+    monkeypatch.setattr(dist, "all_to_all_single", forbidden)
+    monkeypatch.setattr(emb_mod, "exchange", forbidden)
+    monkeypatch.setattr(emb_mod, "all_to_all_rows", forbidden)
+    assert not dist.is_initialized()
+    emb = ShardedEmbedding(TABLES, seed=SEED, init_std=STD)  # no process group at all
+    case = global_case()
+    loss, outs = sharded_forward(emb, case)
+    loss.backward()
+    grads = emb.pop_grads(scale=1.0)
+    ref_outs, ref_grads = reference(case)
+    for key, ref in ref_outs.items():
+        torch.testing.assert_close(outs[key], ref, rtol=1e-6, atol=1e-7)
+    _check_grads([grads], [emb.ranges], ref_grads)
+    assert all(w.grad is None for w in emb.weights.values()), "pop_grads clears the grads"
+
+
+def test_apply_update_checks_owned_range() -> None:
+    emb = ShardedEmbedding([TableConfig("a", 10, 2)], rank=1, world_size=2, init_std=0.0)
+    emb.apply_update("a", torch.tensor([5, 7]), torch.ones(2, 2), 1.0)
+    assert emb.weights["a"].detach()[[0, 2]].eq(1).all() and emb.weights["a"].sum() == 4
+    emb.apply_update("a", torch.tensor([5]), torch.zeros(1, 2), 0.5)
+    assert emb.weights["a"].detach()[0].tolist() == [0.5, 0.5]
+    with pytest.raises(IndexError, match=r"outside the owned range \[5, 10\) of rank 1"):
+        emb.apply_update("a", torch.tensor([4]), torch.ones(1, 2), 1.0)

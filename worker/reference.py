@@ -1,0 +1,108 @@
+"""The single-process reference trainer: what the distributed worker must equal.
+
+Plain PyTorch, no sharding, no server: one nn.Embedding(sparse=True) per
+table (pooled bags call F.embedding_bag(..., sparse=True) on the same weight,
+which is exactly nn.EmbeddingBag(sparse=True).forward) trained by
+torch.optim.SparseAdam (or torch.optim.SGD for --optimizer sgd), the dense
+module trained by the same torch.optim optimizer as the worker's, starting
+from the same rows (worker.embedding.init_rows over the whole table) and the
+same dense init (the run seed), on the same GLOBAL batches
+(task.global_batch(step, world_size)), with the loss = the mean over the
+global batch. With --staleness 0 the worker must reach the same rows and
+dense weights up to float rounding (tests/test_worker_e2e.py).
+
+    from worker.reference import train_reference
+    result = train_reference(cfg, world_size=2)
+    result.tables["user"], result.dense["0.weight"], result.losses
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.config import TrainConfig
+from worker.embedding import POOLING_MODES, TableConfig, init_rows
+from worker.tasks import build_task
+from worker.tasks.base import HybridModel, Task, build_dense_seeded
+from worker.train import make_dense_optimizer, num_steps
+
+
+class LocalEmbedding(nn.Module):
+    """Whole tables in one process, with the lookups API of ShardedEmbedding."""
+
+    def __init__(self, tables: Sequence[TableConfig], *, seed: int, init_std: float,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.tables = nn.ModuleDict()
+        for index, t in enumerate(tables):
+            rows_RD = init_rows(t.num_rows, t.dim, 0, t.num_rows, seed=seed, table_index=index,
+                                init_std=init_std)
+            self.tables[t.name] = nn.Embedding(t.num_rows, t.dim, sparse=True, _weight=rows_RD,
+                                               device=device)
+
+    def lookup(self, name: str, ids_N: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.tables[name](ids_N)
+        return out
+
+    def lookup_bag(self, name: str, ids_N: torch.Tensor, offsets_B: torch.Tensor,
+                   mode: str = "sum") -> torch.Tensor:
+        if mode not in POOLING_MODES:
+            raise ValueError(f"mode={mode!r} is not one of {POOLING_MODES}")
+        return F.embedding_bag(ids_N, self.weight(name), offsets_B, mode=mode, sparse=True)
+
+    def weight(self, name: str) -> torch.Tensor:
+        module = self.tables[name]
+        assert isinstance(module, nn.Embedding)
+        return module.weight
+
+    def full_tables(self) -> dict[str, torch.Tensor]:
+        return {name: self.weight(name).detach().cpu().clone() for name in self.tables}
+
+
+def make_sparse_optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]
+                          ) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam":
+        return torch.optim.SparseAdam(list(params), lr=cfg.lr)
+    if cfg.optimizer == "sgd" and cfg.weight_decay == 0:
+        return torch.optim.SGD(list(params), lr=cfg.lr)
+    raise NotImplementedError(
+        f"the reference has no torch sparse optimizer for optimizer={cfg.optimizer!r} "
+        f"with weight_decay={cfg.weight_decay}: it supports adam and sgd without decay")
+
+
+@dataclass
+class ReferenceResult:
+    tables: dict[str, torch.Tensor]  # full tables after the last step
+    dense: dict[str, torch.Tensor]   # dense state_dict after the last step
+    losses: list[float]              # global-batch loss of every step
+
+
+def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = None,
+                    task: Task | None = None, device: torch.device | str = "cpu"
+                    ) -> ReferenceResult:
+    """Train like the worker at --staleness 0 on `world_size` ranks, in one process."""
+    task = task or build_task(cfg)
+    steps = num_steps(cfg, task, world_size) if steps is None else steps
+    embedding = LocalEmbedding(task.tables(), seed=cfg.seed, init_std=cfg.init_std,
+                               device=device)
+    dense = build_dense_seeded(task, cfg.seed).to(device)
+    model = HybridModel(embedding, dense)
+    sparse_opt = make_sparse_optimizer(cfg, list(embedding.parameters()))
+    dense_opt = make_dense_optimizer(cfg, dense.parameters())
+    losses = []
+    for step in range(steps):
+        batch = task.global_batch(step, world_size).to(device)
+        loss = task.loss(model, batch)  # mean over the global batch
+        loss.backward()
+        dense_opt.step()
+        sparse_opt.step()
+        dense_opt.zero_grad(set_to_none=True)
+        sparse_opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    state = {k: v.detach().cpu().clone() for k, v in dense.state_dict().items()}
+    return ReferenceResult(embedding.full_tables(), state, losses)

@@ -1,0 +1,666 @@
+"""The sparse side of the loop: pushes out, row updates in, bounded staleness.
+
+Two sources of row updates share one interface (`UpdateSource`):
+- `ShardClient`: the node's shard server over gRPC (Register once, then one
+  bidirectional Sync stream);
+- `LocalSparseOptimizer` (--local-optimizer): the same ps.optim kernels run
+  in-process, m/v on the device, no server.
+`StalenessWindow` decides, at each step boundary on the training thread,
+which updates are due and applies them to the local rows.
+
+Staleness contract (K = --staleness): before the forward of step t, every
+update of steps <= t-1-K is applied to the local rows, and no newer one:
+updates are applied exactly in step order (tables in task order), whatever
+the timing, so a run is a deterministic function of its config. K=0 is
+fully synchronous (and equal to a plain single-process trainer).
+
+Why a dedicated thread with its own asyncio event loop (uvloop when
+available) and a grpc.aio channel, rather than the sync grpc API with a
+request-iterator thread: one thread owns every piece of connection state
+(the stream, unanswered pushes, partial chunked updates, reconnect/backoff),
+so reconnecting and re-sending is a plain sequential coroutine without locks
+around the stream; the training thread only hands over pushes with
+`loop.call_soon_threadsafe` (never blocks on the network) and takes
+complete updates from a condition-guarded buffer with a deadline. Encoding
+the protobuf messages also happens on that thread, off the training loop.
+No fork is ever made after the channel exists (batches are generated
+in-process, no DataLoader workers), so the gRPC core is fork-safe here.
+
+Failure handling: every wait has a deadline (`--ps-timeout`): registering,
+waiting for an update, and a broken stream, which is retried with
+exponential backoff (re-Register, then re-send every unanswered push; the
+server dedupes by (run, rank, incarnation, step) and answers duplicates from
+its cache). If the server stays down past the deadline, or refuses a push,
+the error is raised on the training thread naming the server and the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from hybridps import wire
+from hybridps.v1 import shard_pb2, shard_pb2_grpc
+from ps.client_options import channel_options
+from ps.optim import OptimizerSpec, apply_rows_
+from worker.embedding import ShardedEmbedding, TableConfig
+
+log = logging.getLogger("worker.sync")
+
+# gRPC codes after which a broken stream is worth re-registering and re-sending.
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+})
+BACKOFF_START_S = 0.05
+BACKOFF_MAX_S = 2.0
+OPTIMIZER_KIND = {"adam": shard_pb2.OptimizerConfig.ADAM,
+                  "adamw": shard_pb2.OptimizerConfig.ADAMW,
+                  "sgd": shard_pb2.OptimizerConfig.SGD}
+
+Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids_U global, grads_UD)
+
+
+class SyncError(RuntimeError):
+    """The sparse optimizer side failed; the message names the server and the step."""
+
+
+class ServerTimeout(SyncError):
+    """An update (or registration) did not arrive within --ps-timeout."""
+
+
+class ServerUnavailable(SyncError):
+    """The shard server stayed unreachable for longer than --ps-timeout."""
+
+
+class ServerRefused(SyncError):
+    """The shard server refused a request (not retryable)."""
+
+
+@dataclass
+class RowUpdate:
+    """rows[ids] = rows[ids] * decay + delta for one (step, table)."""
+
+    step: int
+    table: str
+    ids_U: torch.Tensor    # int64 global row ids, inside the owned range
+    delta_UD: torch.Tensor
+    decay: float
+    duplicate: bool = False
+
+
+@dataclass
+class SyncStats:
+    pushes: int = 0
+    push_chunks: int = 0
+    push_bytes: int = 0
+    push_rows: int = 0
+    updates: int = 0
+    update_chunks: int = 0
+    duplicates: int = 0
+    ignored_updates: int = 0
+    registers: int = 0
+    reconnects: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def make_incarnation() -> int:
+    """Grows across restarts: wall-clock milliseconds, then torchelastic's restart count."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return int(time.time() * 1000) * 1000 + min(restarts, 999)
+
+
+def optimizer_message(spec: OptimizerSpec) -> shard_pb2.OptimizerConfig:
+    return shard_pb2.OptimizerConfig(kind=OPTIMIZER_KIND[spec.kind], lr=spec.lr,
+                                     beta1=spec.beta1, beta2=spec.beta2, eps=spec.eps,
+                                     weight_decay=spec.weight_decay)
+
+
+class UpdateBuffer:
+    """Complete updates by step, handed to the training thread in step order.
+
+    Filled by the producer (the sync thread or the local optimizer), drained
+    by `take` on the training thread; `fail` wakes a waiting `take` with the
+    producer's error.
+    """
+
+    def __init__(self, tables: Sequence[str]) -> None:
+        self.tables = list(tables)
+        self._cond = threading.Condition()
+        self._ready: dict[int, dict[str, RowUpdate]] = {}
+        self._next = 0       # the next step `take` hands out
+        self._arrived = -1   # every table of every step <= _arrived has arrived
+        self._fatal: SyncError | None = None
+
+    def put(self, update: RowUpdate) -> None:
+        with self._cond:
+            self._ready.setdefault(update.step, {})[update.table] = update
+            while len(self._ready.get(self._arrived + 1, ())) == len(self.tables):
+                self._arrived += 1
+            self._cond.notify_all()
+
+    def fail(self, exc: SyncError) -> None:
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = exc
+            self._cond.notify_all()
+
+    @property
+    def fatal(self) -> SyncError | None:
+        return self._fatal
+
+    @property
+    def arrived_through(self) -> int:
+        return self._arrived
+
+    def missing(self, step: int) -> list[str]:
+        with self._cond:
+            return [t for t in self.tables if t not in self._ready.get(step, {})]
+
+    def take(self, through_step: int, timeout_s: float,
+             describe_wait: Callable[[int, float], str]) -> tuple[list[RowUpdate], bool]:
+        """Every update of steps [next, through_step], in (step, table) order.
+
+        Blocks until they have all arrived; returns (updates, blocked?). Raises
+        the producer's error, or ServerTimeout after `timeout_s` without them.
+        """
+        blocked = False
+        with self._cond:
+            deadline: float | None = None
+            while self._arrived < through_step:
+                if self._fatal is not None:
+                    raise self._fatal
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout_s
+                    blocked = True
+                elif now >= deadline:
+                    raise ServerTimeout(describe_wait(self._arrived + 1, timeout_s))
+                self._cond.wait(deadline - now)
+            out: list[RowUpdate] = []
+            for step in range(self._next, through_step + 1):
+                row = self._ready.pop(step)
+                out.extend(row[t] for t in self.tables)
+            self._next = max(self._next, through_step + 1)
+        return out, blocked
+
+
+class UpdateSource(ABC):
+    """Where pushes go and row updates come from (the server or in-process)."""
+
+    def __init__(self, tables: Sequence[str], timeout_s: float) -> None:
+        self.buffer = UpdateBuffer(tables)
+        self.timeout_s = timeout_s
+        self.stats = SyncStats()
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Connect/register; called once before the first push."""
+
+    @abstractmethod
+    def push(self, step: int, grads: Grads) -> None:
+        """Hand over the coalesced gradients of every table for `step` (never blocks)."""
+
+    def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
+        return self.buffer.take(through_step, self.timeout_s, self.describe_wait)
+
+    def describe_wait(self, step: int, timeout_s: float) -> str:
+        return f"no update for step {step} after {timeout_s:g}s"
+
+    def finish(self, last_step: int) -> None:  # noqa: B027 - optional hook
+        """After every update through `last_step` was taken: confirm with the source."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections/threads; safe to call twice and after errors."""
+
+
+class LocalSparseOptimizer(UpdateSource):
+    """--local-optimizer: the shard server's kernels (ps.optim) run in-process.
+
+    One optimizer step count per table advancing on every push (exactly like
+    the server and torch.optim.SparseAdam); m/v live on the rows' device.
+    Updates are computed at push time and applied by the StalenessWindow at
+    the same step boundaries as server updates, so results match the server
+    path for every --staleness.
+    """
+
+    def __init__(self, embedding: ShardedEmbedding, spec: OptimizerSpec,
+                 timeout_s: float = 60.0) -> None:
+        super().__init__(list(embedding.tables), timeout_s)
+        self.embedding, self.spec = embedding, spec
+        self.moments: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.counts = dict.fromkeys(embedding.tables, 0)
+        for name, weight in embedding.weights.items():
+            if spec.has_moments:
+                self.moments[name] = (torch.zeros_like(weight.data),
+                                      torch.zeros_like(weight.data))
+            else:
+                self.moments[name] = (None, None)
+
+    @torch.no_grad()
+    def push(self, step: int, grads: Grads) -> None:
+        for name in self.buffer.tables:
+            ids_U, grads_UD = grads[name]
+            start = self.embedding.ranges[name][0]
+            self.counts[name] += 1
+            m_RD, v_RD = self.moments[name]
+            delta_UD, decay = apply_rows_(self.spec, m_RD, v_RD, ids_U - start, grads_UD,
+                                          self.counts[name])
+            self.stats.pushes += 1
+            self.stats.push_rows += int(ids_U.numel())
+            self.stats.updates += 1
+            self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
+
+
+class ShardClient(UpdateSource):
+    """Register + one Sync stream to the node's shard server, from a background thread."""
+
+    def __init__(self, address: str, *, run_id: str, rank: int, world_size: int,
+                 tables: Sequence[TableConfig], ranges: dict[str, tuple[int, int]],
+                 optimizer: OptimizerSpec, timeout_s: float, max_chunk_bytes: int,
+                 incarnation: int | None = None) -> None:
+        super().__init__([t.name for t in tables], timeout_s)
+        self.address, self.run_id, self.rank, self.world_size = address, run_id, rank, world_size
+        self.incarnation = make_incarnation() if incarnation is None else incarnation
+        self.table_specs = [shard_pb2.TableSpec(name=t.name, num_rows=t.num_rows, dim=t.dim,
+                                                row_start=ranges[t.name][0],
+                                                row_end=ranges[t.name][1]) for t in tables]
+        self.dims = {t.name: t.dim for t in tables}
+        self.table_index = {t.name: i for i, t in enumerate(tables)}
+        self.optimizer = optimizer
+        self.max_chunk_bytes = max_chunk_bytes
+        self.server_id = ""
+        self.state = "starting"
+        self.last_error = ""
+        self.newest_pushed = -1
+        # Owned by the event-loop thread:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stub: shard_pb2_grpc.ShardServiceStub | None = None
+        self._unanswered: dict[tuple[int, int], list[shard_pb2.Push]] = {}
+        self._partial: dict[tuple[int, int], list[shard_pb2.Update]] = {}
+        self._outq: asyncio.Queue[shard_pb2.Push | None] | None = None
+        self._call: Any = None
+        self._closing = False
+        self._progress = False
+        self._enqueued_through = -1  # newest step whose pushes the loop thread holds
+        self._registered = threading.Event()
+        self._thread = threading.Thread(target=self._thread_main, name="hybridps-sync",
+                                        daemon=True)
+
+    # -- training-thread API ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        if not self._registered.wait(self.timeout_s + 5.0):
+            raise ServerTimeout(f"rank {self.rank}: could not register with shard server "
+                                f"{self.address} within {self.timeout_s:g}s")
+        if self.buffer.fatal is not None:
+            raise self.buffer.fatal
+
+    def push(self, step: int, grads: Grads) -> None:
+        if self.buffer.fatal is not None:
+            raise self.buffer.fatal
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            raise SyncError(f"rank {self.rank}: sync thread for shard server {self.address} "
+                            "is not running")
+        payload = [(name, grads[name][0].detach().cpu(), grads[name][1].detach().cpu())
+                   for name in self.buffer.tables]
+        self.newest_pushed = step
+        loop.call_soon_threadsafe(self._enqueue, step, payload)
+
+    def describe_wait(self, step: int, timeout_s: float) -> str:
+        missing = ", ".join(self.buffer.missing(step)) or "?"
+        text = (f"rank {self.rank}: no update from shard server {self.address} for step {step} "
+                f"(tables {missing}) after {timeout_s:g}s; newest step pushed "
+                f"{self.newest_pushed}, newest fully answered {self.buffer.arrived_through}, "
+                f"connection {self.state}")
+        if self.last_error:
+            text += f", last error: {self.last_error}"
+        return text
+
+    def finish(self, last_step: int) -> None:
+        """Flush: the server confirms it applied every push through `last_step`."""
+        loop = self._loop
+        if last_step < 0 or loop is None or loop.is_closed() or self._stub is None:
+            return
+        request = shard_pb2.FlushRequest(run_id=self.run_id, rank=self.rank, step=last_step,
+                                         timeout_s=self.timeout_s)
+        stub = self._stub
+
+        async def flush() -> Any:
+            return await stub.Flush(request, timeout=self.timeout_s + 5.0)
+
+        future = asyncio.run_coroutine_threadsafe(flush(), loop)
+        try:
+            future.result(self.timeout_s + 10.0)
+        except grpc.RpcError as exc:
+            raise SyncError(f"rank {self.rank}: Flush through step {last_step} on shard server "
+                            f"{self.address} failed: {_rpc_text(exc)}") from None
+        except TimeoutError:
+            future.cancel()
+            raise ServerTimeout(f"rank {self.rank}: Flush through step {last_step} on shard "
+                                f"server {self.address} timed out") from None
+
+    def close(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop may close meanwhile
+                loop.call_soon_threadsafe(self._begin_close)
+            self._thread.join(min(self.timeout_s, 10.0))
+            if self._thread.is_alive() and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._cancel_call)
+                self._thread.join(5.0)
+
+    # -- event-loop thread --------------------------------------------------------------
+    def _thread_main(self) -> None:
+        try:
+            import uvloop
+
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+            loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except SyncError as exc:
+            self.buffer.fail(exc)
+        except BaseException as exc:  # surfaced on the training thread, never swallowed
+            self.buffer.fail(SyncError(f"rank {self.rank}: sync thread for shard server "
+                                       f"{self.address} died: {type(exc).__name__}: {exc}"))
+        finally:
+            self.state = "closed"
+            self._registered.set()
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+    async def _main(self) -> None:
+        options = channel_options(max(self.max_chunk_bytes * 2, 64 * 1024 * 1024))
+        async with grpc.aio.insecure_channel(self.address, options=options) as channel:
+            self._stub = shard_pb2_grpc.ShardServiceStub(channel)
+            await self._register(first=True)
+            self._registered.set()
+            broken_since: float | None = None
+            while True:
+                self._progress = False
+                try:
+                    self.state = "streaming"
+                    if await self._stream():
+                        return
+                    self.last_error = "server ended the Sync stream"
+                except grpc.aio.AioRpcError as exc:
+                    self.last_error = _rpc_text(exc)
+                    if exc.code() not in RETRYABLE:
+                        raise ServerRefused(self._refusal_text(exc)) from None
+                if self._closing:
+                    return
+                if self._progress or broken_since is None:
+                    broken_since = time.monotonic()
+                self.stats.reconnects += 1
+                log.warning("rank %d: Sync stream to %s broke (%s); reconnecting", self.rank,
+                            self.address, self.last_error)
+                await self._reconnect(broken_since)
+                if self._closing:
+                    return
+
+    async def _reconnect(self, broken_since: float) -> None:
+        """Backoff + re-Register until it works, or ServerUnavailable past the deadline."""
+        self.state = "reconnecting"
+        delay = BACKOFF_START_S
+        while not self._closing:
+            left = broken_since + self.timeout_s - time.monotonic()
+            if left <= 0:
+                first = min(self._unanswered)[0] if self._unanswered else None
+                raise ServerUnavailable(
+                    f"rank {self.rank}: shard server {self.address} unreachable for "
+                    f"{self.timeout_s:g}s (last error: {self.last_error}); "
+                    f"{len(self._unanswered)} pushes unanswered"
+                    + (f" from step {first}" if first is not None else ""))
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+            try:
+                await self._register(first=False, timeout=max(min(left, 10.0), 0.1))
+                return
+            except grpc.aio.AioRpcError as exc:
+                self.last_error = _rpc_text(exc)
+                if exc.code() not in RETRYABLE:
+                    raise ServerRefused(self._refusal_text(exc)) from None
+
+    async def _register(self, *, first: bool, timeout: float | None = None) -> None:
+        assert self._stub is not None
+        request = shard_pb2.RegisterRequest(
+            run_id=self.run_id, rank=self.rank, world_size=self.world_size,
+            incarnation=self.incarnation, tables=self.table_specs,
+            optimizer=optimizer_message(self.optimizer))
+        try:
+            response = await self._stub.Register(
+                request, timeout=timeout or self.timeout_s, wait_for_ready=first)
+        except grpc.aio.AioRpcError as exc:
+            if not first:
+                raise
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ServerTimeout(f"rank {self.rank}: could not register with shard server "
+                                    f"{self.address} within {self.timeout_s:g}s "
+                                    f"({_rpc_text(exc)})") from None
+            raise ServerRefused(self._refusal_text(exc)) from None
+        self.stats.registers += 1
+        self.server_id = response.server_id
+        if response.max_message_bytes > 0:
+            self.max_chunk_bytes = min(self.max_chunk_bytes, int(response.max_message_bytes))
+        self._check_registered_state(response, first)
+
+    def _check_registered_state(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
+        """The server's optimizer state must be where this process left it."""
+        for table in response.tables:
+            if first and table.last_step >= 0:
+                raise ServerRefused(
+                    f"rank {self.rank}: shard server {self.address} already holds optimizer "
+                    f"state of run {self.run_id!r} (table {table.name!r} applied through step "
+                    f"{table.last_step}); this worker starts at step 0 and cannot resume: use a "
+                    "fresh --run-id")
+            if not first:
+                pending = [s for (s, i) in self._unanswered
+                           if self.buffer.tables[i] == table.name]
+                oldest = min(pending) if pending else self._enqueued_through + 1
+                if ((table.created and self._enqueued_through >= 0)
+                        or table.last_step < oldest - 1):
+                    raise ServerRefused(
+                        f"rank {self.rank}: shard server {self.address} lost the optimizer "
+                        f"state of run {self.run_id!r} table {table.name!r} (server says last "
+                        f"step {table.last_step}, created={table.created}; this worker has "
+                        f"answers through step {oldest - 1}): was it restarted?")
+
+    async def _stream(self) -> bool:
+        """One Sync stream; True when it ended because we closed it with nothing pending."""
+        assert self._stub is not None
+        outq: asyncio.Queue[shard_pb2.Push | None] = asyncio.Queue()
+        for key in sorted(self._unanswered):
+            for msg in self._unanswered[key]:
+                outq.put_nowait(msg)
+        if self._closing:
+            outq.put_nowait(None)
+        self._partial.clear()
+        self._outq = outq
+        self._call = self._stub.Sync(_drain(outq))
+        try:
+            async for update in self._call:
+                self._on_update(update)
+        finally:
+            self._outq = None
+            self._call = None
+        return self._closing and not self._unanswered
+
+    def _enqueue(self, step: int, payload: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        self._enqueued_through = max(self._enqueued_through, step)
+        for name, ids_U, grads_UD in payload:
+            msgs = self._encode(step, name, ids_U, grads_UD)
+            self._unanswered[(step, self.table_index[name])] = msgs
+            self.stats.pushes += 1
+            self.stats.push_rows += int(ids_U.numel())
+            self.stats.push_chunks += len(msgs)
+            self.stats.push_bytes += sum(m.ByteSize() for m in msgs)
+            if self._outq is not None:
+                for msg in msgs:
+                    self._outq.put_nowait(msg)
+
+    def _encode(self, step: int, name: str, ids_U: torch.Tensor,
+                grads_UD: torch.Tensor) -> list[shard_pb2.Push]:
+        per_chunk = wire.rows_per_chunk(self.dims[name], self.max_chunk_bytes)
+        bounds = list(wire.chunk_bounds(int(ids_U.shape[0]), per_chunk))
+        msgs = []
+        for chunk, (lo, hi) in enumerate(bounds):
+            msg = shard_pb2.Push(run_id=self.run_id, rank=self.rank,
+                                 incarnation=self.incarnation, step=step, table=name,
+                                 chunk=chunk, num_chunks=len(bounds))
+            wire.encode(ids_U[lo:hi], msg.ids)
+            wire.encode(grads_UD[lo:hi].to(torch.float32), msg.grads)
+            msgs.append(msg)
+        return msgs
+
+    def _on_update(self, update: shard_pb2.Update) -> None:
+        index = self.table_index.get(update.table)
+        if index is None:
+            raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an update "
+                                f"for unknown table {update.table!r} (step {update.step})")
+        key = (update.step, index)
+        if key not in self._unanswered:  # an answer we already have (re-sent push)
+            self.stats.ignored_updates += 1
+            return
+        parts = self._partial.setdefault(key, [])
+        if update.chunk != len(parts):
+            raise ServerRefused(f"rank {self.rank}: update step {update.step} table "
+                                f"{update.table!r}: chunk {update.chunk} arrived, expected "
+                                f"{len(parts)}")
+        parts.append(update)
+        self.stats.update_chunks += 1
+        if len(parts) < max(update.num_chunks, 1):
+            return
+        del self._partial[key]
+        what = f"update step {update.step} table {update.table!r}"
+        ids = [wire.decode(p.ids, f"{what}: ids") for p in parts]
+        deltas = [wire.decode(p.delta, f"{what}: delta") for p in parts]
+        ids_U = torch.cat(ids) if len(ids) > 1 else ids[0].clone()
+        delta_UD = torch.cat(deltas) if len(deltas) > 1 else deltas[0].clone()
+        dim = self.dims[update.table]
+        if ids_U.dim() != 1 or delta_UD.shape != (ids_U.shape[0], dim):
+            raise ServerRefused(f"rank {self.rank}: {what}: ids {list(ids_U.shape)} and delta "
+                                f"{list(delta_UD.shape)} do not fit a table of dim {dim}")
+        del self._unanswered[key]
+        self._progress = True
+        self.stats.updates += 1
+        self.stats.duplicates += int(update.duplicate)
+        self.buffer.put(RowUpdate(update.step, update.table, ids_U, delta_UD,
+                                  float(update.decay), update.duplicate))
+
+    def _begin_close(self) -> None:
+        self._closing = True
+        if self._outq is not None:
+            self._outq.put_nowait(None)
+
+    def _cancel_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    def _refusal_text(self, exc: grpc.aio.AioRpcError) -> str:
+        step = min(self._unanswered)[0] if self._unanswered else self.newest_pushed
+        return (f"rank {self.rank}: shard server {self.address} refused run {self.run_id!r} "
+                f"(around step {step}): {_rpc_text(exc)}")
+
+
+async def _drain(outq: asyncio.Queue[shard_pb2.Push | None]) -> AsyncIterator[shard_pb2.Push]:
+    """The request stream: messages from the queue until the None sentinel (half-close)."""
+    while True:
+        msg = await outq.get()
+        if msg is None:
+            return
+        yield msg
+
+
+def _rpc_text(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    name = code.name if code is not None else "ERROR"
+    return f"{name}: {details}"
+
+
+@dataclass
+class StalenessStats:
+    steps: int = 0
+    applied_sum: int = 0
+    applied_max: int = 0
+    lag_sum: int = 0
+    lag_max: int = 0
+    waits: int = 0
+    wait_s: float = 0.0
+    updates_applied: int = 0
+    histogram: dict[int, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        n = max(self.steps, 1)
+        return {"applied_mean": self.applied_sum / n, "applied_max": self.applied_max,
+                "arrival_lag_mean": self.lag_sum / n, "arrival_lag_max": self.lag_max,
+                "waits": self.waits, "wait_fraction": self.waits / n, "wait_s": self.wait_s,
+                "updates_applied": self.updates_applied,
+                "histogram": {str(k): v for k, v in sorted(self.histogram.items())}}
+
+
+class StalenessWindow:
+    """Applies due updates at step boundaries, on the training thread.
+
+    Before step t: take and apply every update of steps <= t-1-K (waiting for
+    them if needed), none newer. Observed staleness of step t = steps whose
+    updates are not in the rows yet = t-1 - newest applied step (K after the
+    first K steps); arrival lag = t-1 - newest step fully answered (how far
+    behind the server actually was); a wait = the step had to block.
+    """
+
+    def __init__(self, source: UpdateSource, embedding: ShardedEmbedding, staleness: int) -> None:
+        self.source, self.embedding, self.staleness = source, embedding, staleness
+        self.applied_through = -1
+        self.stats = StalenessStats()
+        self.last_applied_staleness = 0
+
+    def _apply_through(self, step: int) -> bool:
+        if step <= self.applied_through:
+            return False
+        t0 = time.perf_counter()
+        updates, blocked = self.source.take(step)
+        if blocked:
+            self.stats.waits += 1
+            self.stats.wait_s += time.perf_counter() - t0
+        for u in updates:
+            self.embedding.apply_update(u.table, u.ids_U, u.delta_UD, u.decay)
+        self.stats.updates_applied += len(updates)
+        self.applied_through = step
+        return blocked
+
+    def before_step(self, step: int) -> None:
+        """Make the rows hold exactly the updates of steps <= step-1-K."""
+        self._apply_through(step - 1 - self.staleness)
+        applied = step - 1 - self.applied_through
+        lag = step - 1 - max(self.source.buffer.arrived_through, -1)
+        s = self.stats
+        s.steps += 1
+        s.applied_sum += applied
+        s.applied_max = max(s.applied_max, applied)
+        s.lag_sum += lag
+        s.lag_max = max(s.lag_max, lag)
+        s.histogram[applied] = s.histogram.get(applied, 0) + 1
+        self.last_applied_staleness = applied
+
+    def drain(self, last_step: int) -> None:
+        """End of training: apply every remaining update, through `last_step`."""
+        self._apply_through(last_step)

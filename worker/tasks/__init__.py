@@ -1,0 +1,38 @@
+"""Task registry: `--task NAME` or `--task module.path:ClassName`.
+
+A task is a subclass of worker.tasks.base.Task constructed from the run's
+TrainConfig. Register a new one by adding its "module:Class" to TASKS (or
+pass the dotted path directly, no registration needed).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from worker.config import TrainConfig
+from worker.tasks.base import Batch, HybridModel, Task
+
+__all__ = ["TASKS", "Batch", "HybridModel", "Task", "build_task", "task_class"]
+
+TASKS: dict[str, str] = {
+    "synthetic": "worker.tasks.synthetic:SyntheticTask",
+}
+
+
+def task_class(name: str) -> type[Task]:
+    """Resolve a registered name or a module.path:ClassName to a Task subclass."""
+    target = TASKS.get(name, name)
+    if ":" not in target:
+        raise ValueError(f"task={name!r} is not one of {sorted(TASKS)} nor module.path:ClassName")
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"task={name!r}: cannot load {target!r} ({exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"task={name!r}: {target!r} is not a worker.tasks.base.Task subclass")
+    return cls
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    return task_class(cfg.task)(cfg)

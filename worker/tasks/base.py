@@ -1,0 +1,156 @@
+"""The Task interface: what a job plugs into the (task-agnostic) training loop.
+
+A task says which embedding tables it needs, builds its dense module, makes
+batches and computes the loss. The loop (worker/train.py) and the
+single-process reference (worker/reference.py) never change per task.
+
+Contract:
+- `tables()` lists the tables (name, num_rows, dim); their order is the
+  table index used for row init and the order of pushes.
+- `build_dense()` returns the dense nn.Module; the caller seeds torch's RNG
+  with the run seed first (`build_dense_seeded`), so every rank and the
+  reference start from the same weights. It is trained under FSDP2.
+- `global_batch(step, world_size)` makes the GLOBAL batch of step `step`
+  (world_size * batch_size samples) from (seed, step) alone; `batch(step,
+  rank, world_size)` is slice `rank` of it (the default slices; override
+  only to avoid generating what the rank drops).
+- `loss(model, batch)` returns the MEAN loss over the batch's samples. It
+  reads embeddings only through `model.embedding.lookup(...)` /
+  `lookup_bag(...)` and must issue the same lookups in the same order on
+  every rank (they are collectives).
+- optional: `eval_batch(index, rank, world_size)` (held-out data, None when
+  there is none), `evaluate(model, batch)` (metrics as mean-over-batch
+  scalar tensors), `steps_per_epoch(world_size)` (finite data),
+  `fsdp_units(dense)` (submodules to shard separately), `describe()`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from worker.config import TrainConfig
+from worker.embedding import TableConfig
+
+__all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task",
+           "build_dense_seeded"]
+
+
+class EmbeddingLookups(Protocol):
+    """What a task may call on `model.embedding` (sharded or the reference's)."""
+
+    def lookup(self, name: str, ids_N: torch.Tensor) -> torch.Tensor: ...
+
+    def lookup_bag(self, name: str, ids_N: torch.Tensor, offsets_B: torch.Tensor,
+                   mode: str = "sum") -> torch.Tensor: ...
+
+
+class HybridModel(nn.Module):
+    """The whole model: embedding tables + the dense module (FSDP in the worker)."""
+
+    def __init__(self, embedding: nn.Module, dense: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.dense = dense
+
+    @property
+    def lookups(self) -> EmbeddingLookups:
+        return self.embedding  # type: ignore[return-value]
+
+
+@dataclass
+class Batch:
+    """`size` samples. Every tensor's first dimension is the sample, except bags.
+
+    ids: per-sample id features, [size] or [size, k] (global row ids).
+    bags: multi-hot features as (ids_N flat, offsets_B) like nn.EmbeddingBag.
+    values: per-sample float (or label) tensors, [size, ...].
+    """
+
+    size: int
+    ids: dict[str, torch.Tensor] = field(default_factory=dict)
+    bags: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def slice(self, lo: int, hi: int) -> Batch:
+        """Samples [lo, hi) (bags re-based to start at offset 0)."""
+        if not 0 <= lo <= hi <= self.size:
+            raise IndexError(f"slice [{lo}, {hi}) outside a batch of {self.size}")
+        bags = {}
+        for name, (ids_N, offsets_B) in self.bags.items():
+            ends = torch.cat([offsets_B[1:], offsets_B.new_tensor([ids_N.numel()])])
+            start = int(offsets_B[lo]) if lo < self.size else ids_N.numel()
+            stop = int(ends[hi - 1]) if hi > lo else start
+            bags[name] = (ids_N[start:stop], offsets_B[lo:hi] - start)
+        return Batch(hi - lo, {k: v[lo:hi] for k, v in self.ids.items()}, bags,
+                     {k: v[lo:hi] for k, v in self.values.items()})
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            self.size,
+            {k: v.to(device, non_blocking=True) for k, v in self.ids.items()},
+            {k: (i.to(device, non_blocking=True), o.to(device, non_blocking=True))
+             for k, (i, o) in self.bags.items()},
+            {k: v.to(device, non_blocking=True) for k, v in self.values.items()},
+        )
+
+
+class Task(ABC):
+    """One job. Constructed from the run's TrainConfig (sizes, seed, batch size)."""
+
+    name = "task"
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def tables(self) -> list[TableConfig]:
+        """The embedding tables, in a fixed order."""
+
+    @abstractmethod
+    def build_dense(self) -> nn.Module:
+        """The dense module (random init from torch's global RNG)."""
+
+    @abstractmethod
+    def global_batch(self, step: int, world_size: int) -> Batch:
+        """world_size * cfg.batch_size samples, a pure function of (seed, step)."""
+
+    @abstractmethod
+    def loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
+        """Mean loss over the batch's samples (a scalar)."""
+
+    def batch(self, step: int, rank: int, world_size: int) -> Batch:
+        """This rank's slice of the global batch of `step`."""
+        b = self.cfg.batch_size
+        return self.global_batch(step, world_size).slice(rank * b, (rank + 1) * b)
+
+    def eval_batch(self, index: int, rank: int, world_size: int) -> Batch | None:
+        """This rank's slice of held-out global batch `index`; None: no eval data."""
+        return None
+
+    def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
+        """Mean-over-batch metrics (scalar tensors); runs under torch.no_grad()."""
+        return {"loss": self.loss(model, batch)}
+
+    def steps_per_epoch(self, world_size: int) -> int | None:
+        """Steps in one pass over finite data; None for generated data."""
+        return None
+
+    def fsdp_units(self, dense: nn.Module) -> list[nn.Module]:
+        """Submodules of `dense` to shard as their own FSDP units (default: root only)."""
+        return []
+
+    def describe(self) -> dict[str, object]:
+        """Facts worth printing/saving with the results (sizes, planted truth...)."""
+        return {"task": self.name, "tables": [t.__dict__ for t in self.tables()]}
+
+
+def build_dense_seeded(task: Task, seed: int) -> nn.Module:
+    """task.build_dense() under torch.manual_seed(seed), leaving the global RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return task.build_dense()

@@ -1,0 +1,319 @@
+"""The training loop, written out: one step is
+
+    apply due updates (staleness window)  ->  batch  ->  forward  ->  backward
+    ->  dense optimizer step  ->  coalesced embedding grads * 1/W  ->  push
+
+The loop is the same for every task, for the server path and for
+--local-optimizer. Rank 0 shows a progress bar, prints a summary and the
+server's shard stats, and writes --results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm import tqdm
+
+from ps.optim import OptimizerSpec
+from worker import comm
+from worker.config import TrainConfig
+from worker.embedding import ShardedEmbedding
+from worker.parallel import DistContext, apply_fsdp
+from worker.sync import (
+    LocalSparseOptimizer,
+    ShardClient,
+    StalenessWindow,
+    UpdateSource,
+)
+from worker.tasks import build_task
+from worker.tasks.base import HybridModel, Task, build_dense_seeded
+
+TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log")
+
+
+def sparse_optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
+    """The embedding rows' optimizer (SparseAdam's defaults for betas/eps)."""
+    return OptimizerSpec(kind=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
+                         ) -> torch.optim.Optimizer:
+    """adam -> Adam, adamw -> AdamW, sgd -> SGD, at --dense-lr (shared with the reference)."""
+    params = list(params)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.dense_lr)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay)
+
+
+def num_steps(cfg: TrainConfig, task: Task, world_size: int) -> int:
+    if cfg.epochs == 0:
+        return cfg.steps
+    per_epoch = task.steps_per_epoch(world_size)
+    if per_epoch is None:
+        raise ValueError(f"epochs={cfg.epochs}: task {task.name!r} generates its data and has "
+                         "no epochs; use --steps")
+    return cfg.epochs * per_epoch
+
+
+def resolve_run_id(cfg: TrainConfig, ctx: DistContext) -> str:
+    """--run-id, else TORCHELASTIC_RUN_ID, else a fresh id; rank 0's choice wins."""
+    run_id = cfg.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id in ("", "none"):
+        run_id = f"run-{uuid.uuid4().hex[:12]}"
+    box = [run_id]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+class Trainer:
+    """Builds the model and the update source from a config; `train()` runs the loop."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, task: Task | None = None) -> None:
+        t0 = self.created_at = time.perf_counter()
+        self.cfg, self.ctx = cfg, ctx
+        self.task = task or build_task(cfg)
+        self.steps = num_steps(cfg, self.task, ctx.world_size)
+        self.run_id = resolve_run_id(cfg, ctx)
+        tables = self.task.tables()
+        self.embedding = ShardedEmbedding(
+            tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
+            device=ctx.device, seed=cfg.seed, init_std=cfg.init_std)
+        dense = build_dense_seeded(self.task, cfg.seed).to(ctx.device)
+        apply_fsdp(dense, ctx.mesh, self.task.fsdp_units(dense))
+        self.model = HybridModel(self.embedding, dense)
+        self.dense_opt = make_dense_optimizer(cfg, dense.parameters())
+        spec = sparse_optimizer_spec(cfg)
+        self.source: UpdateSource
+        if cfg.local_optimizer:
+            self.source = LocalSparseOptimizer(self.embedding, spec, cfg.ps_timeout)
+        else:
+            self.source = ShardClient(
+                cfg.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
+                tables=tables, ranges=self.embedding.ranges, optimizer=spec,
+                timeout_s=cfg.ps_timeout, max_chunk_bytes=cfg.max_chunk_bytes)
+        self.source.start()  # the gRPC channel exists only from here on (no fork after it)
+        self.window = StalenessWindow(self.source, self.embedding, cfg.staleness)
+        self.times = dict.fromkeys(TIME_KEYS, 0.0)
+        self.loss_curve: list[tuple[int, float]] = []
+        self.setup_s = time.perf_counter() - t0
+        self.train_s = 0.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.rank == 0
+
+    # -- the loop -----------------------------------------------------------------------
+    def train(self) -> None:
+        cfg, ctx, task, model = self.cfg, self.ctx, self.task, self.model
+        world, rank = ctx.world_size, ctx.rank
+        bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True,
+                   mininterval=0.5, disable=not (self.is_main and cfg.progress), file=sys.stderr)
+        window_loss = torch.zeros((), device=ctx.device)
+        window_steps = 0
+        t = self.times
+        start = time.perf_counter()
+        comm.reset_comm_seconds()
+        for step in range(self.steps):
+            t0 = time.perf_counter()
+            self.window.before_step(step)  # rows now hold every update of steps <= step-1-K
+            t1 = time.perf_counter()
+            batch = task.batch(step, rank, world).to(ctx.device)
+            t2 = time.perf_counter()
+            loss = task.loss(model, batch)  # mean over this rank's B samples
+            t3 = time.perf_counter()
+            loss.backward()  # dense grads: FSDP reduce-scatter averages them across ranks
+            t4 = time.perf_counter()
+            self.dense_opt.step()
+            self.dense_opt.zero_grad(set_to_none=True)
+            # Each rank's loss is its local mean, so its gradient is W times the global-mean
+            # loss's gradient share: scale by 1/W (FSDP's averaging does the same for dense).
+            grads = self.embedding.pop_grads(scale=1.0 / world)
+            t5 = time.perf_counter()
+            self.source.push(step, grads)  # handed to the sync thread; never blocks
+            t6 = time.perf_counter()
+            a2a = comm.reset_comm_seconds()
+            t["apply"] += t1 - t0
+            t["data"] += t2 - t1
+            t["forward"] += (t3 - t2) - a2a["forward"]
+            t["backward"] += (t4 - t3) - a2a["backward"]
+            t["a2a"] += a2a["forward"] + a2a["backward"]
+            t["optimizer"] += t5 - t4
+            t["push"] += t6 - t5
+
+            window_loss += loss.detach()
+            window_steps += 1
+            if (step + 1) % cfg.log_every == 0 or step + 1 == self.steps:
+                mean = self._global_mean(window_loss, window_steps)
+                self.loss_curve.append((step, mean))
+                window_loss.zero_()
+                window_steps = 0
+                elapsed = time.perf_counter() - start
+                st = self.window.stats
+                bar.set_postfix(loss=f"{mean:.4f}",
+                                sps=f"{(step + 1) * cfg.batch_size * world / elapsed:.0f}",
+                                stale=self.window.last_applied_staleness,
+                                lag=f"{st.lag_sum / max(st.steps, 1):.2f}",
+                                waits=st.waits, refresh=False)
+                t["log"] += time.perf_counter() - t6
+            bar.update(1)
+        self.window.drain(self.steps - 1)  # the final rows include every update
+        self.source.finish(self.steps - 1)
+        self.train_s = time.perf_counter() - start
+        bar.close()
+
+    def _global_mean(self, total: torch.Tensor, count: int) -> float:
+        pair = torch.stack([total.detach().float(),
+                            torch.tensor(float(count), device=total.device)])
+        if self.ctx.world_size > 1:
+            dist.all_reduce(pair)
+        return float(pair[0] / pair[1])
+
+    # -- after training -----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics, mean over eval batches and ranks (all ranks must call)."""
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        for index in range(self.cfg.eval_batches):
+            batch = self.task.eval_batch(index, self.ctx.rank, self.ctx.world_size)
+            if batch is None:
+                break
+            for key, value in self.task.evaluate(self.model, batch.to(self.ctx.device)).items():
+                sums[key] = sums.get(key, 0) + value.detach().float()
+            count += 1
+        if not sums:
+            return {}
+        keys = sorted(sums)
+        stacked = torch.stack([sums[k] for k in keys]) / (count * self.ctx.world_size)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(stacked)
+        return {k: float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
+
+    def dump_state(self, path: str) -> None:
+        """Full tables + full dense state_dict to `path` on rank 0 (collective)."""
+        tables = self.embedding.gather_full(dst=0)
+        dense = get_model_state_dict(
+            self.model.dense, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            assert tables is not None
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"tables": tables, "dense": dense, "steps": self.steps,
+                        "world_size": self.ctx.world_size, "run_id": self.run_id}, path)
+
+    def server_stats(self) -> tuple[dict[str, Any] | None, str]:
+        """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
+        if self.cfg.local_optimizer:
+            return None, ""
+        from google.protobuf import json_format
+
+        from ps.admin import format_shard_stats, get_shard_stats
+
+        try:
+            stats = get_shard_stats(self.cfg.ps_address, timeout=self.cfg.ps_timeout,
+                                    run_id=self.run_id)
+        except Exception as exc:  # stats are a report, not a reason to fail the run
+            return None, f"(shard stats unavailable: {exc})"
+        as_dict = json_format.MessageToDict(stats, preserving_proto_field_name=True,
+                                            always_print_fields_with_no_presence=True)
+        return as_dict, format_shard_stats(stats)
+
+    def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
+                wall_s: float) -> dict[str, Any]:
+        per_step = {k: v / max(self.steps, 1) for k, v in self.times.items()}
+        samples = self.steps * self.cfg.batch_size * self.ctx.world_size
+        sync_stats = dataclasses.asdict(self.source.stats)
+        return {
+            "config": dataclasses.asdict(self.cfg),
+            "task": self.task.describe(),
+            "run_id": self.run_id,
+            "world_size": self.ctx.world_size,
+            "device": str(self.ctx.device),
+            "backend": self.ctx.backend,
+            "mode": "local-optimizer" if self.cfg.local_optimizer else "server",
+            "steps": self.steps,
+            "samples": samples,
+            "first_loss": self.loss_curve[0][1] if self.loss_curve else None,
+            "final_loss": self.loss_curve[-1][1] if self.loss_curve else None,
+            "loss_curve": [[s, v] for s, v in self.loss_curve],
+            "eval": eval_metrics,
+            "samples_per_s": samples / self.train_s if self.train_s else 0.0,
+            "wall_time_s": wall_s,
+            "setup_time_s": self.setup_s,
+            "train_time_s": self.train_s,
+            "staleness": {"k": self.cfg.staleness, **self.window.stats.as_dict()},
+            "step_time_s": per_step,
+            "sync": sync_stats,
+            "server_stats": server,
+        }
+
+    def summary(self, res: dict[str, Any]) -> str:
+        st = res["staleness"]
+        ev = res["eval"]
+        parts = [
+            f"hybridps worker: task={self.task.name} mode={res['mode']} world={res['world_size']}"
+            f" device={res['device']} run_id={res['run_id']}",
+            f"steps {res['steps']}  loss {res['first_loss']:.4f} -> {res['final_loss']:.4f}"
+            f"  samples/s {res['samples_per_s']:.0f}  train {res['train_time_s']:.1f}s"
+            f"  wall {res['wall_time_s']:.1f}s",
+            f"staleness K={st['k']}: applied mean {st['applied_mean']:.2f} max "
+            f"{st['applied_max']}; arrival lag mean {st['arrival_lag_mean']:.2f} max "
+            f"{st['arrival_lag_max']}; waited {st['waits']} steps ({st['wait_s']:.2f}s)",
+            "step time (ms, rank 0): " + "  ".join(
+                f"{k} {v * 1000:.1f}" for k, v in res["step_time_s"].items()),
+        ]
+        if ev:
+            parts.append("eval: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        sync = res["sync"]
+        if res["mode"] == "server":
+            parts.append(f"sync: pushes {sync['pushes']} ({sync['push_bytes'] / 2**20:.1f} MiB,"
+                         f" {sync['push_chunks']} chunks)  updates {sync['updates']}  "
+                         f"reconnects {sync['reconnects']}  duplicates {sync['duplicates']}")
+        return "\n".join(parts)
+
+    def report(self) -> dict[str, Any] | None:
+        """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
+        cfg, ctx = self.cfg, self.ctx
+        eval_metrics = self.evaluate()
+        if cfg.dump_state:
+            self.dump_state(cfg.dump_state)
+        if ctx.world_size > 1:
+            dist.barrier()  # every rank's pushes are applied before rank 0 reads the stats
+        if not self.is_main:
+            return None
+        server, table = self.server_stats()
+        res = self.results(eval_metrics, server, time.perf_counter() - self.created_at)
+        print(self.summary(res), flush=True)
+        if table:
+            print("shard server stats (this node):\n" + table, flush=True)
+        if cfg.results:
+            Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.results).write_text(json.dumps(res, indent=2) + "\n")
+        return res
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def run(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any] | None:
+    """Build, train, evaluate, report, close. Returns the results dict on rank 0."""
+    trainer = Trainer(cfg, ctx)
+    try:
+        trainer.train()
+        return trainer.report()
+    finally:
+        trainer.close()

@@ -1,7 +1,7 @@
 """`python -m ps.admin stats --ps HOST:PORT [--json] [--run-id R]`: a shard server's stats.
 
 Also the Python API for workers (no torch import):
-    stats = get_shard_stats("127.0.0.1:50061")   # admin_pb2.ShardStats
+    stats = get_shard_stats("127.0.0.1:50051")   # admin_pb2.ShardStats
     print(format_shard_stats(stats))
 """
 
@@ -77,7 +77,7 @@ def format_shard_stats(stats: admin_pb2.ShardStats) -> str:
 
 @dataclass(frozen=True)
 class StatsConfig:
-    ps: str = field(default="127.0.0.1:50061", metadata={"help": "shard server HOST:PORT"})
+    ps: str = field(default="127.0.0.1:50051", metadata={"help": "shard server HOST:PORT"})
     json: bool = field(default=False, metadata={"help": "print the ShardStats message as JSON"})
     run_id: str = field(default="", metadata={"help": "only this run (default: every run)"})
     timeout_s: float = field(default=DEFAULT_TIMEOUT_S, metadata={"help": "RPC timeout"})

@@ -21,7 +21,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={
         "help": "address to listen on (0.0.0.0 or :: for every interface)"})
-    port: int = field(default=50061, metadata={"help": "TCP port; 0 picks a free one"})
+    port: int = field(default=50051, metadata={"help": "TCP port; 0 picks a free one"})
     port_file: str = field(default="", metadata={
         "help": "write the bound port to this file once serving (atomically)"})
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={

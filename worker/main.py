@@ -1,6 +1,6 @@
 """hybridps worker entry point.
 
-    torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50061
+    torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051
     torchrun --standalone --nproc_per_node 2 worker/main.py --local-optimizer
     python -m worker.main --local-optimizer --steps 50     # a world of one
 

@@ -1,35 +1,65 @@
-# hybridps image: shard server and workers share it.
-#   docker build .                                  -> CPU torch (default)
-#   docker build --build-arg TORCH_VARIANT=cu124 \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 .   -> CUDA torch
+# hybridps image: the shard server (`python -m ps`) and the workers (torchrun) share it.
+#
+#   docker build -t hybridps .                       # CPU torch (default)
+#   docker build -t hybridps:cuda \                  # CUDA torch on a CUDA base
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# Layers: dependencies first (they change rarely: only pyproject.toml/setup.py
+# invalidate them), the source last. The `build` stage has gcc and compiles the
+# optional native kernel (setup.py, ps/native/fused_adam.c) in place; the final
+# stage copies the venv and the tree and has no compiler. Runs as an unprivileged
+# user; /data (results) is owned by it, for a named volume.
 ARG BASE_IMAGE=python:3.11-slim
 
-FROM ${BASE_IMAGE} AS build
+# -- python + venv on the chosen base ---------------------------------------------------
+FROM ${BASE_IMAGE} AS base
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
+    DEBIAN_FRONTEND=noninteractive
+# CUDA/Ubuntu bases have no python: install the distribution's (3.10+ is required).
+RUN if ! command -v python3 >/dev/null 2>&1; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+# -- build: compiler, dependencies, native kernel ----------------------------------------
+FROM base AS build
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_VARIANT=cpu
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN if ! command -v python3 >/dev/null; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev; fi \
-    && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && if ! python3 -c "import sysconfig,os,sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then \
+           apt-get install -y --no-install-recommends python3-dev; fi \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# Dependency layers first: they change rarely and cache well.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
-COPY pyproject.toml setup.py* README.md /src/
-RUN mkdir -p /src/ps /src/worker /src/hybridps && touch /src/ps/__init__.py \
-    && pip install grpcio grpcio-health-checking grpcio-reflection "protobuf>=7.35.1,<8" numpy uvloop tqdm
-# Source last; the build stage compiles the native kernel, the final stage needs no compiler.
-COPY . /src
-RUN pip install --no-deps /src
+# 1. torch from the index the build args select (cpu or cuXXX wheels).
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# 2. The other runtime dependencies, read from pyproject.toml by installing a stub of
+#    the project (empty packages), then removing the stub: only these two files bust it.
+WORKDIR /app
+COPY pyproject.toml setup.py ./
+RUN mkdir -p ps/native worker hybridps && touch ps/__init__.py worker/__init__.py \
+        hybridps/__init__.py README.md \
+    && pip install . \
+    && pip uninstall -y hybridps \
+    && rm -rf build ps worker hybridps README.md *.egg-info
+# 3. The source; the editable install compiles the native kernel into the tree
+#    (ps/native/_fused_adam*.so; optional: without it ps.optim uses torch kernels).
+COPY . .
+RUN pip install --no-deps -e . \
+    && python -c "import ps.native as n; print('native kernel:', n.load_error or 'built')" \
+    && rm -rf build
 
-FROM ${BASE_IMAGE}
-RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 \
-    && if ! command -v python3 >/dev/null; then apt-get install -y --no-install-recommends python3; fi \
-    && rm -rf /var/lib/apt/lists/*
+# -- final: no compiler ----------------------------------------------------------------
+FROM base
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /src /app
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+COPY --from=build /app /app
+ENV PATH=/opt/venv/bin:$PATH
+RUN useradd --create-home --uid 10001 hybridps \
+    && mkdir -p /data && chown hybridps:hybridps /data
+USER hybridps
 WORKDIR /app
 EXPOSE 50051
 CMD ["python", "-m", "ps", "--host", "0.0.0.0", "--port", "50051"]

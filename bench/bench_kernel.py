@@ -1,6 +1,6 @@
 """Sparse-Adam row-update throughput against the memory-bandwidth ceiling, in one process.
 
-    python bench/bench_kernel.py                 # full run (~1-2 min, ~6 GiB RAM)
+    python bench/bench_kernel.py                 # full run (~1.5 min, ~6 GiB RAM)
     python bench/bench_kernel.py --quick         # dim 64, 2 batch sizes, smaller table
     python bench/bench_kernel.py --json runs/bench_kernel.json
 
@@ -18,10 +18,11 @@ thread count (1, 2):
       reused output buffer (so the Python-side checks are included): "native" on
       state from torch.zeros (4 KiB pages: what a plain torch allocation gives), and
       "native_thp" on state from ps.optim.alloc_state (transparent huge pages).
-The table is a partition of --table-mib MiB per state tensor (4M rows at dim 64);
-every call takes the next batch of a random permutation of all rows (sorted within
-the batch, as torch.unique/coalesce give them) and the next slice of a large gradient
-pool, so the rows come from DRAM, not from a cache warmed by earlier calls.
+The table is a partition of --table-mib MiB per tensor (4M rows at dim 64, 2M at
+dim 128), the same memory for every dim, warmed up once (see Buffers). Every call
+takes the next batch of a random permutation of all rows (sorted within the batch,
+as torch.unique/coalesce give them) and the next slice of a large gradient pool, so
+the rows come from DRAM, not from a cache warmed by earlier calls.
 
 Bytes moved per row (the same model for every implementation, so GB/s and the ratios
 compare like with like): read m, v, grad and write m, v, delta = 24 * dim bytes. The
@@ -78,11 +79,11 @@ def log(msg: str) -> None:
 
 # -- (a) bandwidth --------------------------------------------------------------------------
 
-def triad_bandwidth(n: int, threads: list[int], passes: int) -> dict[str, dict[int, float]]:
+def triad_bandwidth(arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    threads: list[int], passes: int) -> dict[str, dict[int, float]]:
     """Best-of-`passes` STREAM triad GB/s (12 bytes per float32 element) per thread count."""
-    a = torch.zeros(n)
-    b = torch.rand(n)
-    c = torch.rand(n)
+    a, b, c = arrays
+    n = a.numel()
     out: dict[str, dict[int, float]] = {"torch": {}, "native": {}}
     ext = native.ext
     try:
@@ -108,20 +109,46 @@ def triad_bandwidth(n: int, threads: list[int], passes: int) -> dict[str, dict[i
 
 # -- (b)-(d) row updates ------------------------------------------------------------------
 
-class Workload:
-    """A table of `rows` x `dim`, a stream of unique-row batches and gradient slices."""
+class Buffers:
+    """The big tensors, allocated once and viewed as [rows, dim] for every dim.
 
-    def __init__(self, rows: int, dim: int, pool_rows: int, thp: bool, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
+    In a VM, memory the process touches for the first time is slow to allocate
+    (host page faults) and random accesses to it stay slow for a while; reusing the
+    same memory for every dim, after one warm-up, keeps that out of the numbers.
+    """
+
+    def __init__(self, table_bytes: int, pool_bytes: int, thp: bool) -> None:
+        n, pool_n = table_bytes // 4, pool_bytes // 4
+        # State as a plain torch allocation gives it (4 KiB pages unless
+        # THP_MEM_ALLOC_ENABLE=1 or THP "always"): used by SparseAdam (its
+        # exp_avg/exp_avg_sq), the torch reference and "native"...
+        self.m = torch.zeros(n)
+        self.v = torch.zeros(n)
+        self.weight = torch.zeros(n).uniform_(-0.1, 0.1)  # the nn.Embedding table
+        # ... and from ps.optim.alloc_state (transparent huge pages) for "native_thp".
+        self.m_thp = optim.alloc_state(n, 1).view(-1) if thp else None
+        self.v_thp = optim.alloc_state(n, 1).view(-1) if thp else None
+        self.pool = torch.empty(pool_n).uniform_(-0.01, 0.01)
+
+    def tables(self) -> list[torch.Tensor]:
+        return [t for t in (self.m, self.v, self.weight, self.m_thp, self.v_thp)
+                if t is not None]
+
+
+class Workload:
+    """[rows, dim] views of the buffers, unique-row batches and gradient slices."""
+
+    def __init__(self, bufs: Buffers, dim: int, seed: int = 0) -> None:
+        rows = bufs.m.numel() // dim
         self.rows, self.dim = rows, dim
-        self.perm = torch.randperm(rows, generator=gen)
-        self.pool = torch.empty(pool_rows, dim).uniform_(-0.01, 0.01, generator=gen)
-        # The state as the server allocates it today (torch.zeros: 4 KiB pages unless
-        # THP_MEM_ALLOC_ENABLE=1 or THP "always"), and via ps.optim.alloc_state.
-        self.m = torch.zeros(rows, dim)
-        self.v = torch.zeros(rows, dim)
-        self.m_thp = optim.alloc_state(rows, dim) if thp else None
-        self.v_thp = optim.alloc_state(rows, dim) if thp else None
+
+        def view(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[: rows * dim].view(rows, dim)
+
+        self.m, self.v, self.weight = view(bufs.m), view(bufs.v), view(bufs.weight)
+        self.m_thp, self.v_thp = view(bufs.m_thp), view(bufs.v_thp)
+        self.pool = bufs.pool[: bufs.pool.numel() // dim * dim].view(-1, dim)
+        self.perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
         self.cursor = 0  # shared by every measurement: never revisit rows while warm
         self.gcursor = 0
 
@@ -136,6 +163,30 @@ class Workload:
             grads = self.pool[self.gcursor:self.gcursor + batch]
             self.gcursor += batch
             yield ids, grads
+
+
+def warm_up(bufs: Buffers, seconds: float, threads: int) -> None:
+    """Random-row updates on every table for `seconds` each (not timed)."""
+    work = Workload(bufs, 64, seed=1)
+    stream = work.batches(16384)
+    delta = torch.zeros(16384, 64)
+    step = 0
+    for m, v in ((work.m, work.v), (work.m_thp, work.v_thp), (work.weight, None)):
+        if m is None:
+            continue
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            ids, grads = next(stream)
+            step += 1
+            if v is None:
+                optim.apply_update_(m, ids, delta, 1.0, num_threads=threads)
+            else:
+                optim.apply_rows_(SPEC, m, v, ids, grads, step, num_threads=threads)
+    bufs.m.zero_()
+    bufs.v.zero_()
+    if bufs.m_thp is not None and bufs.v_thp is not None:
+        bufs.m_thp.zero_()
+        bufs.v_thp.zero_()
 
 
 def measure(step_fn: Callable[[torch.Tensor, torch.Tensor], None],
@@ -161,29 +212,19 @@ def measure(step_fn: Callable[[torch.Tensor, torch.Tensor], None],
     return len(times), times[len(times) // 2], times[0]
 
 
-def run_dim(dim: int, table_mib: int, pool_mib: int, batches: list[int], threads: list[int],
-            seconds: float, rounds: int, min_calls: int, thp: bool) -> list[Result]:
-    rows = table_mib * 2**20 // (4 * dim)
-    pool_rows = max(max(batches), pool_mib * 2**20 // (4 * dim))
-    t0 = time.perf_counter()
-    work = Workload(rows, dim, pool_rows, thp)
-    emb = torch.nn.Embedding(rows, dim, sparse=True,
-                             _weight=torch.zeros(rows, dim).uniform_(-0.1, 0.1))
+def run_dim(bufs: Buffers, dim: int, batches: list[int], threads: list[int], seconds: float,
+            rounds: int, min_calls: int) -> list[Result]:
+    work = Workload(bufs, dim)
+    rows = work.rows
+    assert work.m is not None and work.v is not None and work.weight is not None
+    m, v = work.m, work.v
+    emb = torch.nn.Embedding(rows, dim, sparse=True, _weight=work.weight)
     sparse_adam = torch.optim.SparseAdam(emb.parameters(), lr=SPEC.lr,
                                          betas=(SPEC.beta1, SPEC.beta2), eps=SPEC.eps)
+    # SparseAdam's state lives in the m/v buffers (it would zeros_like() fresh ones).
+    sparse_adam.state[emb.weight] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
+    log(f"dim {dim}: table {rows} rows x {dim} ({m.numel() * 4 >> 20} MiB per tensor)")
     step = 0
-    # Settle: freshly allocated memory (first touch in a VM, THP, page tables) runs
-    # slower for a while; sweep the state tables once before timing anything.
-    sweep = work.batches(max(batches))
-    for m, v in ((work.m, work.v), (work.m_thp, work.v_thp)):
-        if m is None or v is None:
-            continue
-        for _ in range(rows // max(batches)):
-            ids, grads = next(sweep)
-            step += 1
-            optim.apply_rows_(SPEC, m, v, ids, grads, step, num_threads=max(threads))
-    log(f"dim {dim}: table {rows} rows x {dim} ({table_mib} MiB per tensor), "
-        f"setup {time.perf_counter() - t0:.1f}s")
     results: list[Result] = []
 
     def sparse_grad(ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -196,7 +237,7 @@ def run_dim(dim: int, table_mib: int, pool_mib: int, batches: list[int], threads
     def run_torch_ref(ids: torch.Tensor, grads: torch.Tensor) -> None:
         nonlocal step
         step += 1
-        optim.apply_rows_torch_(SPEC, work.m, work.v, ids, grads, step)
+        optim.apply_rows_torch_(SPEC, m, v, ids, grads, step)
 
     out = torch.empty(max(batches), dim)
     for batch in batches:
@@ -210,8 +251,7 @@ def run_dim(dim: int, table_mib: int, pool_mib: int, batches: list[int], threads
                 def run_native(ids: torch.Tensor, grads: torch.Tensor, nt: int = nt) -> None:
                     nonlocal step
                     step += 1
-                    optim.apply_rows_(SPEC, work.m, work.v, ids, grads, step, out=out,
-                                      num_threads=nt)
+                    optim.apply_rows_(SPEC, m, v, ids, grads, step, out=out, num_threads=nt)
 
                 def run_native_thp(ids: torch.Tensor, grads: torch.Tensor, nt: int = nt
                                    ) -> None:
@@ -245,6 +285,7 @@ def run_dim(dim: int, table_mib: int, pool_mib: int, batches: list[int], threads
                 f"{rps / 1e6:7.2f} M rows/s ({calls} calls, window medians "
                 + ", ".join(f"{batch / w[1] / 1e6:.2f}" for w in wins) + ")")
     torch.set_num_threads(max(threads))
+    emb.weight.grad = None
     return results
 
 
@@ -285,20 +326,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="4096,16384,65536")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--table-mib", type=int, default=1024,
-                   help="MiB per state tensor (m, v, embedding weight); keep >> L3")
-    p.add_argument("--pool-mib", type=int, default=512, help="MiB of gradient pool")
+                   help="MiB per table tensor (m, v, weight): 4M rows at dim 64, 2M at 128; "
+                        "keep it well above the last-level cache")
+    p.add_argument("--pool-mib", type=int, default=256, help="MiB of gradient pool")
+    p.add_argument("--warmup-s", type=float, default=1.5,
+                   help="seconds of untimed random-row updates per table after allocation")
     p.add_argument("--seconds", type=float, default=0.45,
                    help="per configuration, split over --rounds windows")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--triad-mib", type=int, default=512, help="MiB per triad array")
+    p.add_argument("--triad-mib", type=int, default=256, help="MiB per triad array")
     p.add_argument("--no-thp", action="store_true",
                    help="skip native_thp (state from ps.optim.alloc_state, huge pages)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
         args.dims, args.batches = "64", "4096,65536"
-        args.table_mib, args.pool_mib, args.triad_mib = 512, 256, 256
-        args.seconds = 0.3
+        args.table_mib, args.pool_mib, args.triad_mib = 512, 128, 256
+        args.seconds, args.warmup_s = 0.3, 1.0
     dims = [int(x) for x in args.dims.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     threads = [int(x) for x in args.threads.split(",")]
@@ -309,15 +353,20 @@ def main(argv: list[str] | None = None) -> int:
     if info["kernel"] != "native":
         log("native kernel not in use: measuring SparseAdam and the torch path only")
 
+    t0 = time.perf_counter()
     n = args.triad_mib * 2**20 // 4
-    bandwidth = {"start": triad_bandwidth(n, threads, passes=5)}
+    triad_arrays = (torch.zeros(n), torch.rand(n), torch.rand(n))
+    bufs = Buffers(args.table_mib << 20, args.pool_mib << 20, thp=not args.no_thp)
+    warm_up(bufs, args.warmup_s, max(threads))
+    log(f"setup {time.perf_counter() - t0:.1f}s")
+    bandwidth = {"start": triad_bandwidth(triad_arrays, threads, passes=5)}
     log(f"triad GB/s at start: {bandwidth['start']}")
     results: list[Result] = []
     for i, dim in enumerate(dims):
-        results += run_dim(dim, args.table_mib, args.pool_mib, batches, threads,
-                           args.seconds, args.rounds, min_calls=2, thp=not args.no_thp)
+        results += run_dim(bufs, dim, batches, threads, args.seconds, args.rounds,
+                           min_calls=2)
         label = "end" if i == len(dims) - 1 else f"after dim {dim}"
-        bandwidth[label] = triad_bandwidth(n, threads, passes=5)
+        bandwidth[label] = triad_bandwidth(triad_arrays, threads, passes=5)
         log(f"triad GB/s {label}: {bandwidth[label]}")
     ceiling = {nt: max(bw[impl].get(nt, 0.0) for bw in bandwidth.values()
                        for impl in ("torch", "native")) for nt in threads}

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -85,9 +85,17 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         )
 
 
+DefaultsHook = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+
 def from_namespace(cls: type[T], ns: argparse.Namespace,
-                   environ: Mapping[str, str] | None = None) -> T:
-    """Build the dataclass from parsed flags, falling back to the environment."""
+                   environ: Mapping[str, str] | None = None,
+                   defaults: DefaultsHook | None = None) -> T:
+    """Build the dataclass from parsed flags, falling back to the environment.
+
+    `defaults(given)` (optional) sees the values given by flag or environment and returns
+    defaults for other fields (e.g. a task's own defaults): flag > env > hook > dataclass.
+    """
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
@@ -99,6 +107,9 @@ def from_namespace(cls: type[T], ns: argparse.Namespace,
             where = env_name(field.name)
         if raw is not None:
             values[field.name] = _convert(hints[field.name], raw, where)
+    if defaults is not None:
+        for name, value in defaults(dict(values)).items():
+            values.setdefault(name, value)
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
@@ -107,12 +118,13 @@ def from_namespace(cls: type[T], ns: argparse.Namespace,
 
 def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None,
                  description: str | None = None,
-                 environ: Mapping[str, str] | None = None) -> T:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+                 environ: Mapping[str, str] | None = None,
+                 defaults: DefaultsHook | None = None, epilog: str | None = None) -> T:
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     add_dataclass_flags(parser, cls)
     ns = parser.parse_args(argv)
     try:
-        return from_namespace(cls, ns, environ)
+        return from_namespace(cls, ns, environ, defaults)
     except ConfigError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

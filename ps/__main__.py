@@ -5,17 +5,17 @@
 Every flag can also come from the environment as HYBRIDPS_<FLAG> (e.g.
 HYBRIDPS_MAX_MESSAGE_BYTES); see `python -m ps --help`. Once serving, prints
 exactly one line `hybridps-ps listening on HOST:PORT` to stdout. Logs go to
-stderr, one `event=... key=value` line per event.
+stderr, one `server=ID event=... key=value` line per event (--log-level).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
 from hybridps.cli import parse_config
+from hybridps.logs import setup_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,8 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     config = parse_config(ServerConfig, argv, prog="python -m ps",
                           description="hybridps shard server: sparse optimizer state on CPU")
-    logging.basicConfig(level=config.log_level_number, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(config.log_level_number, sys.stderr)
     from ps.server import serve  # imports torch and grpc: after argument parsing
 
     try:

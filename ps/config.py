@@ -44,6 +44,27 @@ class ServerConfig:
         "help": "close a connection whose keepalive ping is unanswered this long"})
     server_id: str = field(default="", metadata={"help": "id reported to clients (default: "
                                                          "host-pid-random)"})
+    # --- lifecycle ------------------------------------------------------------------
+    exit_after_run: bool = field(default=False, metadata={
+        "help": "stop gracefully (exit 0) once the first run is over: every rank registered "
+                "here sent Finish (or one aborted and no stream of the run is left open)"})
+    run_idle_timeout_s: float = field(default=120.0, metadata={
+        "help": "with --exit-after-run: a run whose Sync streams all stayed closed this long "
+                "without every rank finishing counts as over (0: never)"})
+    # --- security (docs/deploy.md) ----------------------------------------------------
+    auth_token_file: str = field(default="", metadata={
+        "help": "file with the shared token every RPC must carry (else env "
+                "HYBRIDPS_AUTH_TOKEN; neither: no auth). Health stays open"})
+    admin_token_file: str = field(default="", metadata={
+        "help": "file with the admin token for Shutdown (else env HYBRIDPS_ADMIN_TOKEN; "
+                "neither: Shutdown is refused)"})
+    stats_without_token: bool = field(default=False, metadata={
+        "help": "serve the read-only GetShardStats without a token"})
+    tls_cert: str = field(default="", metadata={
+        "help": "PEM certificate (chain) of this server: serve TLS (with --tls-key)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str = field(default="", metadata={
+        "help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -69,6 +90,12 @@ class ServerConfig:
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
         if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
             raise ValueError("--keepalive-time-ms and --keepalive-timeout-ms must be > 0")
+        if not self.run_idle_timeout_s >= 0:
+            raise ValueError(f"--run-idle-timeout-s {self.run_idle_timeout_s} must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
 
     @property
     def log_level_number(self) -> int:

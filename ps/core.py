@@ -62,9 +62,10 @@ class ShardCore:
 
     async def register(self, run_id: str, rank: int, world_size: int, incarnation: int,
                        tables: Sequence[TableSpec],
-                       optimizer: OptimizerSpec | Mapping[str, Any]) -> list[RegisteredTable]:
+                       optimizer: OptimizerSpec | Mapping[str, Any],
+                       restore: tuple[str, int] | None = None) -> list[RegisteredTable]:
         return await self._run(self.store.register, run_id, rank, world_size, incarnation,
-                               tables, optimizer)
+                               tables, optimizer, restore)
 
     def open_session(self) -> SyncSession:
         return self.store.open_session()
@@ -106,6 +107,13 @@ class ShardCore:
         except ShardError as exc:
             self.store.record_refusal(exc.reason, run_id)
             raise
+
+    async def checkpoint(self, run_id: str, ranks: Sequence[int], step: int, directory: str,
+                         timeout_s: float = 0.0) -> list[tuple[int, Any]]:
+        """Wait until `ranks` (all: empty) applied every push through `step`, then save."""
+        for rank in (list(ranks) or [-1]):
+            await self.flush(run_id, rank, step, timeout_s)
+        return await self._run(self.store.checkpoint, run_id, list(ranks), step, directory)
 
     def stats(self, run_id: str = "") -> ServerStats:
         return self.store.stats(run_id)

@@ -2,7 +2,15 @@
 
 Services: hybridps.v1.ShardService, hybridps.v1.AdminService, grpc.health.v1
 (SERVING once up, NOT_SERVING on shutdown) and, unless switched off, server
-reflection. Stops gracefully on SIGTERM/SIGINT.
+reflection. Every call passes the token check of ps/auth.py; TLS / mutual TLS
+when given a certificate (hybridps/security.py).
+
+Graceful stop, on SIGTERM/SIGINT, an admin Shutdown, or (--exit-after-run)
+the end of the first run: health -> NOT_SERVING; every Sync stream answers the
+pushes it already received and then ends with UNAVAILABLE (nothing answered
+is lost: an answer is only sent after its push is applied); other in-flight
+RPCs get --grace-s seconds; the update threads finish; the final applied step
+of every partition is logged (`event=final_state`); exit 0.
 """
 
 from __future__ import annotations
@@ -23,10 +31,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from hybridps.logs import set_log_fields
+from hybridps.security import (
+    ADMIN_TOKEN_ENV,
+    AUTH_TOKEN_ENV,
+    SecurityError,
+    read_token,
+    server_credentials,
+)
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
+from ps.auth import AuthInterceptor, AuthPolicy
 from ps.client_options import server_options
 from ps.config import ServerConfig
 from ps.core import ShardCore
+from ps.lifecycle import RunTracker
 from ps.service import AdminServicer, ShardServicer
 from ps.store import Store, kv
 
@@ -63,34 +81,94 @@ def _bind_diagnosis(host: str, port: int) -> str:
     return "see the grpc log above"
 
 
+class StopRequest:
+    """Why and how the server should stop; set once (by a signal, Shutdown or a run's end)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason = ""
+        self.grace_s: float | None = None
+
+    def set(self, reason: str, grace_s: float | None = None) -> None:
+        if self.event.is_set():
+            return
+        self.reason, self.grace_s = reason, (grace_s or None)
+        log.info(kv("stop_requested", reason=reason))
+        self.event.set()
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     health: HealthServicer
     core: ShardCore
     port: int
+    shard: ShardServicer
+    stop_request: StopRequest
 
     async def stop(self, grace: float) -> None:
-        log.info(kv("shutdown", grace_s=grace))
+        log.info(kv("shutdown", grace_s=grace, reason=self.stop_request.reason or "-"))
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
+        self.shard.begin_drain()  # Sync streams answer what they hold, then end
         await self.server.stop(grace)
         self.core.shutdown()
+        log_final_state(self.core.store)
         log.info(kv("stopped"))
 
 
-async def start_server(config: ServerConfig) -> RunningServer:
+def log_final_state(store: Store) -> None:
+    """One line per (run, rank, table): what this server applied, for the record."""
+    for row in store.stats().partitions:
+        log.info(kv("final_state", run=row.run_id, rank=row.rank, table=row.table,
+                    last_step=row.last_step, pushes_applied=row.pushes_applied,
+                    rows_updated=row.rows_updated))
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def _security_warnings(config: ServerConfig, token: str, tls: bool) -> None:
+    if _is_loopback(config.host):
+        return
+    if not token:
+        log.warning(kv("no_auth", host=config.host, hint="anyone who reaches this port can "
+                       "register and push; set --auth-token-file or HYBRIDPS_AUTH_TOKEN"))
+    elif not tls:
+        log.warning(kv("token_in_clear", host=config.host, hint="the token travels "
+                       "unencrypted; add --tls-cert/--tls-key (docs/deploy.md)"))
+
+
+async def start_server(config: ServerConfig, stop_request: StopRequest | None = None
+                       ) -> RunningServer:
     """Build, bind and start the server (BindError when the port is taken)."""
+    stop_request = stop_request or StopRequest()
+    token = read_token(config.auth_token_file, AUTH_TOKEN_ENV, what="auth token")
+    admin_token = read_token(config.admin_token_file, ADMIN_TOKEN_ENV, what="admin token")
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     store = Store(server_id=config.server_id or None,
                   answer_cache_steps=config.answer_cache_steps,
                   rate_window_s=config.rate_window_s)
+    set_log_fields(server=store.server_id)
     core = ShardCore(store, update_threads=config.update_threads,
                      flush_timeout_s=config.flush_timeout_s)
-    server = grpc.aio.server(options=server_options(
+
+    def run_over(run_id: str, why: str) -> None:
+        log.info(kv("run_over", run=run_id, why=why, exit_after_run=config.exit_after_run))
+        if config.exit_after_run:
+            stop_request.set(f"--exit-after-run: run {run_id} is over ({why})")
+
+    policy = AuthPolicy(token, admin_token, config.stats_without_token)
+    interceptor = AuthInterceptor(policy, on_refused=store.record_refusal)
+    server = grpc.aio.server(interceptors=[interceptor], options=server_options(
         config.max_message_bytes, keepalive_time_ms=config.keepalive_time_ms,
         keepalive_timeout_ms=config.keepalive_timeout_ms))
-    shard_pb2_grpc.add_ShardServiceServicer_to_server(
-        ShardServicer(core, config.max_message_bytes), server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(core), server)
+    shard = ShardServicer(core, config.max_message_bytes, tracker=RunTracker(run_over),
+                          stop_when_run_over=config.exit_after_run,
+                          run_idle_timeout_s=config.run_idle_timeout_s)
+    shard_pb2_grpc.add_ShardServiceServicer_to_server(shard, server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(core, stop_request.set),
+                                                      server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     services = [SHARD_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE]
@@ -99,7 +177,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
         reflection.enable_server_reflection(services, server)
     address = format_address(config.host, config.port)
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError:
         core.shutdown()
         raise BindError(f"cannot listen on {address}: "
@@ -107,10 +188,14 @@ async def start_server(config: ServerConfig) -> RunningServer:
     await server.start()
     for name in ("", *services):
         await health.set(name, SERVING)
+    tls = "off" if credentials is None else ("mutual" if config.tls_client_ca else "on")
     log.info(kv("serving", address=format_address(config.host, port),
                 server_id=store.server_id, max_message_bytes=config.max_message_bytes,
-                reflection=config.reflection))
-    return RunningServer(server, health, core, port)
+                reflection=config.reflection, tls=tls, auth="token" if token else "off",
+                admin_shutdown="token" if admin_token else "off",
+                exit_after_run=config.exit_after_run))
+    _security_warnings(config, token, credentials is not None)
+    return RunningServer(server, health, core, port, shard, stop_request)
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -127,20 +212,26 @@ def write_port_file(path: str, port: int) -> None:
 
 
 async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
-    stop = asyncio.Event()
+    """Run until SIGTERM/SIGINT, an admin Shutdown or (--exit-after-run) the end of a run."""
+    stop = StopRequest()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop.set, f"signal {sig.name}")
     try:
-        running = await start_server(config)
+        running = await start_server(config, stop)
     except BindError as exc:
         log.error(kv("bind_failed", error=str(exc)))
         print(f"hybridps-ps: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except SecurityError as exc:
+        log.error(kv("bad_security_config", error=str(exc)))
+        print(f"hybridps-ps: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     print(f"hybridps-ps listening on {format_address(config.host, running.port)}", flush=True)
     if config.port_file:
         write_port_file(config.port_file, running.port)
-    await stop.wait()
-    await running.stop(config.grace_s)
+    await stop.event.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal: the default (exit now)
+        loop.remove_signal_handler(sig)
+    await running.stop(config.grace_s if stop.grace_s is None else stop.grace_s)
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -28,6 +28,7 @@ from ps.errors import (
     ShardError,
     StaleIncarnation,
 )
+from ps.lifecycle import RunTracker, check_finish
 from ps.partition import Answer, PushChunk, TableSpec
 from ps.store import ServerStats, SyncSession, kv
 
@@ -37,6 +38,15 @@ log = logging.getLogger("ps.service")
 # stream is not read, so HTTP/2 flow control pushes back on the client. Bounds the
 # memory of one stream to about (SYNC_READ_AHEAD + 2) * max_message_bytes.
 SYNC_READ_AHEAD = 4
+SHUTTING_DOWN = ("server shutting down: pushes received so far are answered; reconnect to a "
+                 "restarted server")
+
+
+class _Stop:
+    """Marker: the server is stopping and this stream has nothing queued any more."""
+
+
+_STOP = _Stop()
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -139,19 +149,58 @@ def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
 # -- servicers ----------------------------------------------------------------------
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
-    def __init__(self, core: ShardCore, max_message_bytes: int) -> None:
+    def __init__(self, core: ShardCore, max_message_bytes: int, *,
+                 tracker: RunTracker | None = None, stop_when_run_over: bool = False,
+                 run_idle_timeout_s: float = 0.0) -> None:
         self.core = core
         self.max_message_bytes = max_message_bytes
+        self.tracker = tracker or RunTracker()
+        self.stop_when_run_over = stop_when_run_over
+        self.run_idle_timeout_s = run_idle_timeout_s
+        self.stopping = asyncio.Event()
+
+    def begin_drain(self) -> None:
+        """Graceful stop: every Sync stream answers what it already received, then ends."""
+        self.stopping.set()
+
+    async def _next_item(self, inbox: asyncio.Queue[PushChunk | BaseException | None],
+                         stop_wait: asyncio.Future[Any], reader: asyncio.Task[None]
+                         ) -> PushChunk | BaseException | _Stop | None:
+        """The next queued item; once the server stops, the rest of the queue, then _STOP."""
+        if not stop_wait.done():
+            if not inbox.empty():  # the common case while pushes stream in: no task
+                return inbox.get_nowait()
+            get = asyncio.ensure_future(inbox.get())
+            try:
+                await asyncio.wait({get, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                get.cancel()
+                raise
+            if not get.cancel():  # it completed: use the item
+                return get.result()
+        reader.cancel()  # read nothing more off the wire; what is queued is answered
+        return _STOP if inbox.empty() else inbox.get_nowait()
+
+    def _stream_closed(self, run_id: str, rank: int) -> None:
+        self.tracker.stream_closed(run_id, rank)
+        status = self.tracker.status(run_id)
+        if (self.stop_when_run_over and self.run_idle_timeout_s > 0 and status is not None
+                and status.open_streams == 0 and not status.over):
+            asyncio.get_running_loop().call_later(
+                self.run_idle_timeout_s + 0.05, self.tracker.check_idle, self.run_idle_timeout_s)
 
     async def Register(self, request: shard_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> shard_pb2.RegisterResponse:
         try:
+            restore = ((request.restore.directory, request.restore.step)
+                       if request.HasField("restore") else None)
             tables = await self.core.register(
                 request.run_id, request.rank, request.world_size, request.incarnation,
-                table_specs(request), optimizer_args(request.optimizer))
+                table_specs(request), optimizer_args(request.optimizer), restore)
         except Exception as exc:
             await abort_with(context, "Register", exc, run=request.run_id, rank=request.rank)
             raise  # unreachable: abort raises
+        self.tracker.registered(request.run_id, request.rank)
         response = shard_pb2.RegisterResponse(server_id=self.core.store.server_id,
                                               max_message_bytes=self.max_message_bytes)
         for t in tables:
@@ -164,16 +213,24 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         session = self.core.open_session()
         inbox: asyncio.Queue[PushChunk | BaseException | None] = asyncio.Queue(SYNC_READ_AHEAD)
         reader = asyncio.create_task(self._read(request_iterator, session, inbox))
+        stop_wait = asyncio.ensure_future(self.stopping.wait())
         current: PushChunk | None = None
+        stream_of: tuple[str, int] | None = None  # (run, rank), once a push was accepted
         try:
             while True:
-                item = await inbox.get()
+                item = await self._next_item(inbox, stop_wait, reader)
                 if item is None:
                     return
+                if isinstance(item, _Stop):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
                 if isinstance(item, BaseException):
                     raise item
+                assert isinstance(item, PushChunk)
                 current = item
                 answer = await self.core.feed(session, item)
+                if stream_of is None:
+                    stream_of = (item.run_id, item.rank)
+                    self.tracker.stream_opened(*stream_of)
                 if answer is None:
                     continue
                 if log.isEnabledFor(logging.DEBUG):
@@ -191,8 +248,11 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                           "table": current.table}
             await abort_with(context, "Sync", exc, **fields)
         finally:
+            stop_wait.cancel()
             reader.cancel()
             session.close()
+            if stream_of is not None:
+                self._stream_closed(*stream_of)
 
     async def _read(self, request_iterator: AsyncIterator[shard_pb2.Push], session: SyncSession,
                     inbox: asyncio.Queue[PushChunk | BaseException | None]) -> None:
@@ -234,9 +294,64 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return response
 
 
+    async def Checkpoint(self, request: shard_pb2.CheckpointRequest,
+                         context: grpc.aio.ServicerContext) -> shard_pb2.CheckpointResponse:
+        timeout = request.timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None and (timeout == 0 or remaining < timeout):
+            timeout = max(remaining * 0.95, 1e-3)
+        try:
+            saved = await self.core.checkpoint(request.run_id, list(request.ranks),
+                                               request.step, request.directory, timeout)
+        except Exception as exc:
+            await abort_with(context, "Checkpoint", exc, run=request.run_id,
+                             step=request.step, directory=request.directory)
+            raise
+        response = shard_pb2.CheckpointResponse()
+        for rank, info in saved:
+            response.files.add(rank=rank, table=info.table, row_start=info.row_start,
+                               row_end=info.row_end, file=info.file, bytes=info.bytes,
+                               crc32=info.crc32)
+        return response
+
+
+    async def Finish(self, request: shard_pb2.FinishRequest,
+                     context: grpc.aio.ServicerContext) -> shard_pb2.FinishResponse:
+        fields = {"run": request.run_id, "rank": request.rank, "last_step": request.last_step}
+        try:
+            check_finish(self.core.store, request.run_id, request.rank, request.incarnation,
+                         request.last_step, request.aborted)
+        except Exception as exc:
+            await abort_with(context, "Finish", exc, **fields)
+            raise
+        registered, finished, over = self.tracker.finish(
+            request.run_id, request.rank, request.last_step, request.aborted, request.reason)
+        log.info(kv("finish", **fields, aborted=request.aborted, reason=request.reason or "-",
+                    ranks_finished=f"{finished}/{registered}", run_over=over))
+        return shard_pb2.FinishResponse(ranks_registered=registered, ranks_finished=finished,
+                                        server_stopping=over and self.stop_when_run_over)
+
+
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, core: ShardCore) -> None:
+    def __init__(self, core: ShardCore,
+                 request_stop: Callable[[str, float], None] | None = None) -> None:
         self.core = core
+        self.request_stop = request_stop
+
+    async def Shutdown(self, request: admin_pb2.ShutdownRequest,
+                       context: grpc.aio.ServicerContext) -> admin_pb2.ShutdownResponse:
+        """Reached only with the admin token (ps/auth.py); the stop begins after the answer."""
+        if self.request_stop is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot be stopped "
+                                "remotely")
+        if not request.grace_s >= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"grace_s={request.grace_s} must be >= 0")
+        assert self.request_stop is not None
+        reason = f"admin Shutdown from {context.peer()}" + (
+            f": {request.reason}" if request.reason else "")
+        asyncio.get_running_loop().call_soon(self.request_stop, reason, request.grace_s)
+        return admin_pb2.ShutdownResponse(server_id=self.core.store.server_id)
 
     async def GetShardStats(self, request: admin_pb2.ShardStatsRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.ShardStats:

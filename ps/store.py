@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hybridps import logs
 from ps.errors import (
     Conflict,
     InvalidArgument,
@@ -55,15 +56,7 @@ MAX_RUN_ID_LEN = 256
 TableKey = tuple[str, int, str]  # (run_id, rank, table)
 
 
-def kv(event: str, **fields: Any) -> str:
-    """One structured log line: `event=NAME key=value ...` (values with spaces quoted)."""
-    parts = [f"event={event}"]
-    for key, value in fields.items():
-        text = str(value)
-        if not text or any(c in text for c in ' ="\n'):
-            text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
+kv = logs.kv  # one structured log line: `event=NAME key=value ...` (hybridps/logs.py)
 
 
 @dataclass(frozen=True)
@@ -196,8 +189,13 @@ class Store:
 
     def register(self, run_id: str, rank: int, world_size: int, incarnation: int,
                  tables: Sequence[TableSpec],
-                 optimizer: OptimizerSpec | Mapping[str, Any]) -> list[RegisteredTable]:
+                 optimizer: OptimizerSpec | Mapping[str, Any],
+                 restore: tuple[str, int] | None = None) -> list[RegisteredTable]:
+        """Register a partition; `restore` = (checkpoint directory, step) loads its state."""
         try:
+            if restore is not None:
+                return self._register_restore(run_id, rank, world_size, incarnation,
+                                              list(tables), optimizer, restore)
             return self._register(run_id, rank, world_size, incarnation, list(tables),
                                   optimizer)
         except ShardError as exc:
@@ -264,6 +262,79 @@ class Store:
                     previous_incarnation=previous, created=False,
                     last_steps=",".join(f"{t.name}:{t.last_step}" for t in result)))
         return result
+
+    def _register_restore(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                          tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
+                          restore: tuple[str, int]) -> list[RegisteredTable]:
+        """Register from a checkpoint: a fresh partition loaded for this rank's ranges.
+
+        It replaces the rank's partition if one is held (the run restarts from the
+        checkpoint), and drops partitions of the run registered with another
+        world size (the previous shape of a re-sharded run).
+        """
+        from ps.checkpoint import restore_partition
+
+        directory, step = restore
+        started = time.perf_counter()
+        what = f"register run={run_id!r} rank={rank}"
+        if not directory or step < 0:
+            raise InvalidArgument(f"{what}: restore needs a checkpoint directory and a step "
+                                  f">= 0 (got {directory!r}, {step})")
+        with self._lock:
+            held = self._partitions.get((run_id, rank))
+            if held is not None and incarnation < held.incarnation:
+                raise StaleIncarnation(
+                    f"{what}: incarnation {incarnation} is older than the registered "
+                    f"incarnation {held.incarnation}")
+            stale = [key for key, p in self._partitions.items()
+                     if key[0] == run_id and (key[1] == rank or p.world_size != world_size)]
+            for key in stale:
+                del self._partitions[key]
+        # Validates like a fresh Register, then loads the state before anyone can push.
+        self._register(run_id, rank, world_size, incarnation, tables, optimizer)
+        part = self.partition(run_id, rank)
+        assert part is not None
+        try:
+            with part.lock:
+                restore_partition(part, directory, step)
+        except BaseException:
+            with self._lock:
+                if self._partitions.get((run_id, rank)) is part:
+                    del self._partitions[(run_id, rank)]
+            raise
+        log.info(kv("restore", run=run_id, rank=rank, world_size=world_size,
+                    incarnation=incarnation, step=step, directory=directory,
+                    dropped=len(stale), seconds=f"{time.perf_counter() - started:.3f}"))
+        return [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, True)
+                for t in part.tables.values()]
+
+    def checkpoint(self, run_id: str, ranks: Sequence[int], step: int,
+                   directory: str) -> list[tuple[int, Any]]:
+        """Save the partitions of `ranks` (all of the run when empty) at exactly `step`."""
+        from ps.checkpoint import save_partition
+
+        try:
+            if not directory:
+                raise InvalidArgument(f"checkpoint run={run_id!r}: directory must not be empty")
+            parts = [p for p in self.partitions()
+                     if p.run_id == run_id and (not ranks or p.rank in ranks)]
+            missing = set(ranks) - {p.rank for p in parts}
+            if not parts or missing:
+                raise NotRegistered(f"checkpoint: run {run_id!r}: rank(s) "
+                                    f"{sorted(missing) or 'any'} not registered on this server")
+            started = time.perf_counter()
+            out: list[tuple[int, Any]] = []
+            for part in sorted(parts, key=lambda p: p.rank):
+                with part.lock:
+                    out.extend((part.rank, info)
+                               for info in save_partition(part, directory, step))
+            log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
+                        step=step, directory=directory, files=len(out),
+                        seconds=f"{time.perf_counter() - started:.3f}"))
+            return out
+        except ShardError as exc:
+            self.record_refusal(exc.reason, run_id)
+            raise
 
     def _check_run_consistency(self, run_id: str, rank: int, world_size: int,
                                tables: list[TableSpec], what: str) -> None:

@@ -27,6 +27,19 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "dense_lr": ("0.25", 0.25),
     "weight_decay": ("0.01", 0.01),
     "init_std": ("0.2", 0.2),
+    "dense_parallel": ("hsdp", "hsdp"),  # dense part: tests/test_dense_parallel.py
+    "reshard_after_forward": ("false", False),
+    "dense_cpu_offload": ("true", True),
+    "precision": ("bf16", "bf16"),
+    "reduce_dtype": ("bf16", "bf16"),
+    "loss_scale_init": ("65536", 65536.0),  # another value needs --precision fp16
+    "hsdp_shard_size": ("0", 0),  # > 0 needs --dense-parallel hsdp
+    "ddp_bucket_mb": ("25", 25.0),  # ddp_* other than the default need --dense-parallel ddp
+    "ddp_static_graph": ("false", False),
+    "ddp_find_unused_parameters": ("0", False),
+    "ddp_grad_reduce": ("mean", "mean"),
+    "compile": ("true", True),
+    "clip_grad_norm": ("1.5", 1.5),
     "num_rows": ("1234", 1234),
     "dim": ("8", 8),
     "device": ("cpu", "cpu"),
@@ -35,6 +48,29 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "results": ("/tmp/r.json", "/tmp/r.json"),
     "dump_state": ("/tmp/s.pt", "/tmp/s.pt"),
     "progress": ("0", False),
+    "auth_token_file": ("/tmp/token", "/tmp/token"),
+    "tls": ("true", True),
+    "tls_ca": ("/tmp/ca.pem", "/tmp/ca.pem"),
+    "tls_cert": ("/tmp/c.pem", "/tmp/c.pem"),  # without --tls-key: refused at start (exit 2)
+    "tls_key": ("/tmp/c.key", "/tmp/c.key"),
+    "tls_server_name": ("node0", "node0"),
+    "log_level": ("debug", "debug"),
+    "plan": ("1", True),
+    "device_memory_gb": ("80", 80.0),
+    "host_memory_gb": ("512.5", 512.5),
+    "checkpoint_dir": ("/tmp/ck", "/tmp/ck"),
+    "checkpoint_every": ("0", 0),  # > 0 needs --checkpoint-dir (tests/test_checkpoint.py)
+    "checkpoint_keep": ("2", 2),
+    "resume": ("false", False),
+    "resume_from": ("/tmp/ck/step-0000000009", "/tmp/ck/step-0000000009"),
+    "data_dir": ("/data/UMLS", "/data/UMLS"),  # --task kge|dlrm: tests/test_kge_task.py ...
+    "model": ("keci", "keci"),
+    "training": ("negsample", "negsample"),
+    "neg_ratio": ("4", 4),
+    "data_path": ("/data/day_0.tsv", "/data/day_0.tsv"),
+    "table_rows": ("100,200", "100,200"),
+    "model_config": ("/tmp/m.json", "/tmp/m.json"),
+    "eval_every": ("50", 50),
 }
 BASE = {"HYBRIDPS_OPTIMIZER": "adamw"}  # weight_decay samples need a decaying optimizer
 

@@ -13,9 +13,15 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from worker.dense_options import check_dense_options
+from worker.nodes import node_ps_address, rank_layout, split_ps
+
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
+KGE_MODELS = ("distmult", "complex", "keci", "qmult")
+KGE_TRAINING = ("kvsall", "negsample")
 MIN_CHUNK_BYTES = 64 * 1024
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 _HOST_PORT = re.compile(
     r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d+)$")
@@ -45,7 +51,8 @@ class TrainConfig:
 
     # --- parameter server -------------------------------------------------
     ps: str = field(default="", metadata=_h(
-        "shard server of this node, HOST:PORT (empty only with --local-optimizer)", "HOST:PORT"))
+        "shard server of this node, HOST:PORT, or one per node A,B,... (rank r uses entry "
+        "r // LOCAL_WORLD_SIZE); empty only with --local-optimizer", "HOST:PORT[,..]"))
     local_optimizer: bool = field(default=False, metadata=_h(
         "apply the sparse optimizer in-process (no server)", "BOOL"))
     staleness: int = field(default=1, metadata=_h(
@@ -56,6 +63,26 @@ class TrainConfig:
         "largest push message; bigger pushes are split into chunks", "BYTES"))
     run_id: str = field(default="", metadata=_h(
         "run id on the server (default: TORCHELASTIC_RUN_ID, else a fresh uuid)", "ID"))
+    # --- security / deployment (docs/deploy.md; hybridps/security.py, worker/plan.py) --
+    auth_token_file: str = field(default="", metadata=_h(
+        "file with the server's shared token (else env HYBRIDPS_AUTH_TOKEN)", "PATH"))
+    tls: bool = field(default=False, metadata=_h(
+        "TLS to the server (implied by --tls-ca/--tls-cert/--tls-server-name)", "BOOL"))
+    tls_ca: str = field(default="", metadata=_h(
+        "PEM CA that signed the server's certificate (default: system roots)", "PATH"))
+    tls_cert: str = field(default="", metadata=_h(
+        "PEM client certificate, for servers that require one (mutual TLS)", "PATH"))
+    tls_key: str = field(default="", metadata=_h("PEM private key of --tls-cert", "PATH"))
+    tls_server_name: str = field(default="", metadata=_h(
+        "name to verify in the server's certificate (default: the --ps host)", "NAME"))
+    log_level: str = field(default="INFO", metadata=_h(
+        "DEBUG | INFO | WARNING | ERROR (one `rank=R event=...` line per event)", "LEVEL"))
+    plan: bool = field(default=False, metadata=_h(
+        "print the memory/traffic plan for these flags and exit (1 if it cannot fit)", "BOOL"))
+    device_memory_gb: float = field(default=0.0, metadata=_h(
+        "memory of one rank's device in GB (0: detect CUDA; checked before allocating)", "GB"))
+    host_memory_gb: float = field(default=0.0, metadata=_h(
+        "host memory of one node in GB, for the shard server (0: detect with --plan)", "GB"))
     # --- job ----------------------------------------------------------------
     task: str = field(default="synthetic", metadata=_h(
         "task name (synthetic) or module.path:ClassName", "NAME"))
@@ -73,20 +100,81 @@ class TrainConfig:
         "weight decay (adamw/sgd only; SparseAdam has none)", "WD"))
     init_std: float = field(default=0.05, metadata=_h(
         "embedding rows start as N(0, 1) * init_std", "STD"))
+    # --- dense part (worker/parallel.py; checks in worker/dense_options.py) -----
+    dense_parallel: str = field(default="fsdp", metadata=_h(
+        "fsdp (FSDP2 over all ranks) | hsdp (replicate across nodes, shard within) | ddp",
+        "KIND"))
+    reshard_after_forward: bool = field(default=True, metadata=_h(
+        "fsdp/hsdp: free the gathered dense parameters after forward", "BOOL"))
+    dense_cpu_offload: bool = field(default=False, metadata=_h(
+        "fsdp/hsdp: sharded dense params, grads, optimizer step on CPU (CPUOffloadPolicy)",
+        "BOOL"))
+    precision: str = field(default="fp32", metadata=_h(
+        "fsdp/hsdp dense compute dtype: fp32 | bf16 | fp16 (fp16: with a GradScaler)", "P"))
+    reduce_dtype: str = field(default="", metadata=_h(
+        "fsdp/hsdp gradient reduce dtype: fp32 | bf16 | fp16 (empty: fp32)", "P"))
+    loss_scale_init: float = field(default=2.0**16, metadata=_h(
+        "--precision fp16: initial loss scale of the GradScaler", "S"))
+    hsdp_shard_size: int = field(default=0, metadata=_h(
+        "hsdp: ranks per shard group (0: LOCAL_WORLD_SIZE, one node)", "N"))
+    ddp_bucket_mb: float = field(default=25.0, metadata=_h(
+        "ddp: gradient bucket size (bucket_cap_mb)", "MB"))
+    ddp_static_graph: bool = field(default=False, metadata=_h("ddp: static_graph", "BOOL"))
+    ddp_find_unused_parameters: bool = field(default=False, metadata=_h(
+        "ddp: find_unused_parameters", "BOOL"))
+    ddp_grad_reduce: str = field(default="mean", metadata=_h(
+        "ddp: mean (gradient of the global mean loss) | sum (of the sum over ranks of each "
+        "rank's mean loss, i.e. world_size x; embedding gradients follow)", "HOW"))
+    compile: bool = field(default=False, metadata=_h(
+        "torch.compile the dense part (the embedding all_to_all stays eager)", "BOOL"))
+    clip_grad_norm: float = field(default=0.0, metadata=_h(
+        "clip the dense part's total gradient norm (over the full parameters) to X (0: off)",
+        "X"))
     # --- synthetic job sizes ------------------------------------------------
     num_rows: int = field(default=1_000_000, metadata=_h(
         "rows of the biggest synthetic table (user); the others scale from it", "R"))
     dim: int = field(default=16, metadata=_h("embedding width of every table", "D"))
+    # --- real workloads: --task kge | dlrm (worker/tasks/kge.py, dlrm.py) --------
+    data_dir: str = field(default="", metadata=_h(
+        "kge: dataset directory with train.txt (+ valid.txt, test.txt)", "DIR"))
+    model: str = field(default="distmult", metadata=_h(
+        "kge: scoring model, one of " + " | ".join(KGE_MODELS), "NAME"))
+    training: str = field(default="kvsall", metadata=_h(
+        "kge: kvsall (1-vs-all BCE, sharded by entity rows) | negsample", "MODE"))
+    neg_ratio: int = field(default=8, metadata=_h(
+        "kge --training negsample: corrupted tails per positive triple", "N"))
+    data_path: str = field(default="", metadata=_h(
+        "dlrm: Criteo TSV file or directory (empty: the synthetic generator)", "PATH"))
+    table_rows: str = field(default="", metadata=_h(
+        "dlrm: rows per categorical table: one int for all 26, or 26 comma-separated", "R[,R..]"))
+    model_config: str = field(default="", metadata=_h(
+        "JSON file of task model options (kge: p, q; dlrm: table_rows, bottom_mlp, top_mlp)",
+        "PATH"))
     # --- runtime / output ---------------------------------------------------
     device: str = field(default="auto", metadata=_h("auto | cpu | cuda", "DEV"))
     log_every: int = field(default=10, metadata=_h(
         "steps between cross-rank loss reductions / progress updates", "N"))
     eval_batches: int = field(default=4, metadata=_h(
         "held-out global batches evaluated at the end (0: none)", "N"))
+    eval_every: int = field(default=0, metadata=_h(
+        "steps between evaluations shown in the progress bar (0: only at the end)", "N"))
     results: str = field(default="", metadata=_h("write a JSON summary here (rank 0)", "PATH"))
     dump_state: str = field(default="", metadata=_h(
         "write final full tables + dense state_dict here (torch.save; for tests)", "PATH"))
     progress: bool = field(default=True, metadata=_h("tqdm progress bar on rank 0", "BOOL"))
+    # --- checkpoints (worker/checkpoint.py) -----------------------------------
+    checkpoint_dir: str = field(default="", metadata=_h(
+        "write step-consistent checkpoints under DIR/step-<s>/ (shared by the ranks and the "
+        "shard servers)", "DIR"))
+    checkpoint_every: int = field(default=0, metadata=_h(
+        "checkpoint after every N steps (0: never)", "N"))
+    checkpoint_keep: int = field(default=0, metadata=_h(
+        "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N"))
+    resume: bool = field(default=False, metadata=_h(
+        "resume from the newest complete checkpoint under --checkpoint-dir (none: start at "
+        "step 0)", "BOOL"))
+    resume_from: str = field(default="", metadata=_h(
+        "resume from this checkpoint (a step-<s> directory, or a root: its newest)", "PATH"))
 
     def __post_init__(self) -> None:
         if self.local_optimizer and self.ps:
@@ -95,7 +183,14 @@ class TrainConfig:
             if not self.ps:
                 raise ValueError(
                     "ps='' (empty): --ps HOST:PORT is required unless --local-optimizer")
-            parse_host_port(self.ps)
+            for address in split_ps(self.ps):
+                parse_host_port(address)
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level={self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        for name in ("device_memory_gb", "host_memory_gb"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value!r} must be finite and >= 0 (0: detect)")
         self._at_least("staleness", self.staleness, 0)
         self._at_least("steps", self.steps, 1)
         self._at_least("epochs", self.epochs, 0)
@@ -105,6 +200,23 @@ class TrainConfig:
         self._at_least("dim", self.dim, 1)
         self._at_least("log_every", self.log_every, 1)
         self._at_least("eval_batches", self.eval_batches, 0)
+        self._at_least("checkpoint_every", self.checkpoint_every, 0)
+        self._at_least("checkpoint_keep", self.checkpoint_keep, 0)
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} needs --checkpoint-dir")
+        if self.resume and not (self.checkpoint_dir or self.resume_from):
+            raise ValueError("resume=True needs --checkpoint-dir (or --resume-from PATH)")
+        self._at_least("eval_every", self.eval_every, 0)
+        self._at_least("neg_ratio", self.neg_ratio, 1)
+        if self.model.lower() not in KGE_MODELS:
+            raise ValueError(f"model={self.model!r} is not one of {', '.join(KGE_MODELS)}")
+        if self.training not in KGE_TRAINING:
+            raise ValueError(
+                f"training={self.training!r} is not one of {', '.join(KGE_TRAINING)}")
+        if self.table_rows and not re.fullmatch(r"\d+(,\d+)*", self.table_rows.replace(" ", "")):
+            raise ValueError(f"table_rows={self.table_rows!r} is not an int or a comma list")
+        if self.task == "kge" and not self.data_dir:
+            raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt)")
         self._at_least("max_chunk_bytes", self.max_chunk_bytes, MIN_CHUNK_BYTES)
         for name in ("lr", "dense_lr", "weight_decay", "init_std"):
             value = getattr(self, name)
@@ -122,6 +234,7 @@ class TrainConfig:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         if not self.task or (":" not in self.task and not self.task.isidentifier()):
             raise ValueError(f"task={self.task!r} is not a task name or module.path:ClassName")
+        check_dense_options(self)
 
     @staticmethod
     def _at_least(name: str, value: int, low: int) -> None:
@@ -130,4 +243,5 @@ class TrainConfig:
 
     @property
     def ps_address(self) -> str:
-        return self.ps.strip()
+        """This rank's node's server (one --ps entry per node; see worker/nodes.py)."""
+        return node_ps_address(self.ps, *rank_layout())

@@ -3,24 +3,38 @@
     torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051
     torchrun --standalone --nproc_per_node 2 worker/main.py --local-optimizer
     python -m worker.main --local-optimizer --steps 50     # a world of one
+    python worker/main.py --plan --num-rows 1000000000 --dim 128   # sizing only
 
 Every flag is also the env var HYBRIDPS_<FLAG> (see `--help`). Flags are
 parsed and validated before torch is imported, so a bad flag fails fast with
-a message naming the value (exit code 2).
+a message naming the value (exit code 2). Before any table is allocated the
+memory plan (worker/plan.py) is checked: a config that cannot fit is refused
+with the numbers (exit 1); `--plan` prints the plan and exits.
+
+Exit codes: 0 trained to the end; 1 error; 2 bad flags; 143 stopped by
+SIGTERM/SIGINT after finishing the step, flushing and telling the server
+(worker/lifecycle.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if not __package__:  # `torchrun worker/main.py` / `python worker/main.py` from the tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridps.cli import parse_config
+from hybridps.logs import kv, setup_logging
 from worker.config import TrainConfig
+
+if TYPE_CHECKING:
+    from worker.plan import Plan
+from worker.task_defaults import TASK_DEFAULTS, task_defaults
 
 DESCRIPTION = ("hybridps worker: row-wise sharded embeddings (all_to_all), FSDP2 dense part, "
                "sparse optimizer state on the node's shard server")
@@ -29,29 +43,96 @@ log = logging.getLogger("worker")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    epilog = "task defaults (when the flag is not given): " + "; ".join(
+        f"{task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
+        for task, d in TASK_DEFAULTS.items())
+    cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
+                       defaults=task_defaults, epilog=epilog)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    setup_logging(cfg.log_level, sys.stderr, rank=rank)
+    from worker.lifecycle import STOP, STOPPED_EXIT_CODE, install_signal_handlers
+
+    install_signal_handlers()  # SIGTERM/SIGINT: finish the step, flush, exit
+    early = _check_deployment(cfg, rank)
+    if early is not None:
+        return early
 
     # Heavy imports (torch, grpc) only once the flags are known to be good.
-    from worker.parallel import destroy_distributed, init_distributed
+    from worker.parallel import DenseParallelError, destroy_distributed, init_distributed
     from worker.sync import SyncError
     from worker.train import Trainer
 
     trainer: Trainer | None = None
+    ended = False
     try:
         ctx = init_distributed(cfg.device, timeout_s=max(600.0, 4 * cfg.ps_timeout))
         trainer = Trainer(cfg, ctx)  # task, sharded tables, FSDP dense, server connection
         trainer.train()              # the loop; ends with every update applied
+        if STOP.requested and trainer.last_step < trainer.steps - 1:
+            ended = trainer.source.end_run(trainer.last_step, aborted=True, reason=STOP.reason)
+            log.warning(kv("stopped", step=trainer.last_step, reason=STOP.reason,
+                           flushed=trainer.source.buffer.fatal is None,
+                           exit_code=STOPPED_EXIT_CODE))
+            return STOPPED_EXIT_CODE
         trainer.report()             # eval, --dump-state, summary, shard stats, --results
+        ended = trainer.source.end_run(trainer.last_step)  # Finish: the server may now stop
         return 0
-    except SyncError as exc:  # server trouble: one clear line, torchrun stops the other ranks
+    except (SyncError, DenseParallelError) as exc:  # server trouble or a dense setup this
+        # world cannot run: one clear line, torchrun stops the other ranks
         print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         if trainer is not None:
+            if not ended:  # failing: tell the server, so --exit-after-run can end
+                trainer.source.end_run(getattr(trainer, "last_step", -1), aborted=True,
+                                       reason=STOP.reason or "error")
             trainer.close()  # sync thread and channel
         destroy_distributed()
+
+
+def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
+    """Server address, TLS/token files and the memory plan, before anything is allocated.
+
+    Returns the exit code when the worker must stop here (--plan, or a problem)."""
+    from hybridps.security import SecurityError
+    from worker.nodes import client_security_for
+    from worker.plan import PlanError, format_plan, plan_for_config
+
+    try:
+        if not cfg.local_optimizer:
+            address = cfg.ps_address
+            security = client_security_for(cfg)
+            log.info(kv("start", ps=address, connection=security.describe(),
+                        world_size=os.environ.get("WORLD_SIZE", "1"),
+                        local_world_size=os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (ValueError, SecurityError) as exc:
+        print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        plan: Plan | None = plan_for_config(cfg) if cfg.plan else _cheap_plan(cfg)
+    except PlanError as exc:
+        print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if cfg.plan and plan is not None:
+        if rank == 0:
+            print(format_plan(plan), flush=True)
+        return 0 if plan.fits else 1
+    if plan is not None and not plan.fits:
+        if rank == 0:
+            print("hybridps worker: error: this config cannot fit; nothing was allocated:\n"
+                  + format_plan(plan), file=sys.stderr, flush=True)
+        return 1
+    return None
+
+
+def _cheap_plan(cfg: TrainConfig) -> Plan | None:
+    """The plan when the task can give its tables without loading data, else None."""
+    from worker.plan import plan_for_config
+    from worker.tasks import task_class
+
+    if getattr(task_class(cfg.task), "plan_tables", None) is None:
+        return None
+    return plan_for_config(cfg)
 
 
 if __name__ == "__main__":

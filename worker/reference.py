@@ -19,7 +19,7 @@ dense weights up to float rounding (tests/test_worker_e2e.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,16 @@ class LocalEmbedding(nn.Module):
         assert isinstance(module, nn.Embedding)
         return module.weight
 
+    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor]
+                    ) -> list[torch.Tensor]:
+        return [self.lookup(n, i) for n, i in zip(names, ids, strict=True)]
+
+    def local_block(self, name: str) -> tuple[int, torch.Tensor]:
+        """(0, whole table) with a sparse gradient: ShardedEmbedding.local_block at world 1."""
+        weight = self.weight(name)
+        local_R = torch.arange(weight.shape[0], device=weight.device)
+        return 0, F.embedding(local_R, weight, sparse=True)
+
     def full_tables(self) -> dict[str, torch.Tensor]:
         return {name: self.weight(name).detach().cpu().clone() for name in self.tables}
 
@@ -80,6 +90,7 @@ class ReferenceResult:
     tables: dict[str, torch.Tensor]  # full tables after the last step
     dense: dict[str, torch.Tensor]   # dense state_dict after the last step
     losses: list[float]              # global-batch loss of every step
+    grad_norms: list[float] = field(default_factory=list)  # --clip-grad-norm: pre-clip norms
 
 
 def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = None,
@@ -94,15 +105,21 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
     model = HybridModel(embedding, dense)
     sparse_opt = make_sparse_optimizer(cfg, list(embedding.parameters()))
     dense_opt = make_dense_optimizer(cfg, dense.parameters())
-    losses = []
+    losses, grad_norms = [], []
+    # --dense-parallel ddp --ddp-grad-reduce sum: the objective is the sum over ranks of each
+    # rank's mean loss, i.e. world_size x the global mean (for dense and embedding grads).
+    loss_factor = world_size if cfg.dense_parallel == "ddp" and cfg.ddp_grad_reduce == "sum" else 1
     for step in range(steps):
         batch = task.global_batch(step, world_size).to(device)
         loss = task.loss(model, batch)  # mean over the global batch
-        loss.backward()
+        (loss * loss_factor if loss_factor != 1 else loss).backward()
+        if cfg.clip_grad_norm > 0:  # the dense part only, like the worker
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
+                list(dense.parameters()), cfg.clip_grad_norm)))
         dense_opt.step()
         sparse_opt.step()
         dense_opt.zero_grad(set_to_none=True)
         sparse_opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     state = {k: v.detach().cpu().clone() for k, v in dense.state_dict().items()}
-    return ReferenceResult(embedding.full_tables(), state, losses)
+    return ReferenceResult(embedding.full_tables(), state, losses, grad_norms)

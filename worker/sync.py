@@ -51,6 +51,8 @@ import grpc
 import torch
 
 from hybridps import wire
+from hybridps.logs import kv
+from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.client_options import channel_options
 from ps.optim import OptimizerSpec, apply_rows_
@@ -160,6 +162,12 @@ class UpdateBuffer:
     def fatal(self) -> SyncError | None:
         return self._fatal
 
+    def start_at(self, step: int) -> None:
+        """Resume: steps <= `step` are done (in the restored rows); `take` continues after."""
+        with self._cond:
+            self._next = step + 1
+            self._arrived = step
+
     @property
     def arrived_through(self) -> int:
         return self._arrived
@@ -203,6 +211,7 @@ class UpdateSource(ABC):
         self.buffer = UpdateBuffer(tables)
         self.timeout_s = timeout_s
         self.stats = SyncStats()
+        self.security = ClientSecurity()  # token/TLS for the server (ShardClient)
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Connect/register; called once before the first push."""
@@ -219,6 +228,10 @@ class UpdateSource(ABC):
 
     def finish(self, last_step: int) -> None:  # noqa: B027 - optional hook
         """After every update through `last_step` was taken: confirm with the source."""
+
+    def end_run(self, last_step: int, aborted: bool = False, reason: str = "") -> bool:
+        """Tell the source this rank is done with the run (server: Finish). True if told."""
+        return True
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections/threads; safe to call twice and after errors."""
@@ -268,8 +281,13 @@ class ShardClient(UpdateSource):
     def __init__(self, address: str, *, run_id: str, rank: int, world_size: int,
                  tables: Sequence[TableConfig], ranges: dict[str, tuple[int, int]],
                  optimizer: OptimizerSpec, timeout_s: float, max_chunk_bytes: int,
-                 incarnation: int | None = None) -> None:
+                 incarnation: int | None = None,
+                 restore: tuple[str, int] | None = None,
+                 security: ClientSecurity | None = None) -> None:
         super().__init__([t.name for t in tables], timeout_s)
+        self.security = security or ClientSecurity()
+        # (checkpoint directory, step): the first Register loads the server state from it.
+        self.restore = restore
         self.address, self.run_id, self.rank, self.world_size = address, run_id, rank, world_size
         self.incarnation = make_incarnation() if incarnation is None else incarnation
         self.table_specs = [shard_pb2.TableSpec(name=t.name, num_rows=t.num_rows, dim=t.dim,
@@ -293,6 +311,9 @@ class ShardClient(UpdateSource):
         self._closing = False
         self._progress = False
         self._enqueued_through = -1  # newest step whose pushes the loop thread holds
+        if restore is not None:
+            self._enqueued_through = self.newest_pushed = restore[1]
+            self.buffer.start_at(restore[1])
         self._registered = threading.Event()
         self._thread = threading.Thread(target=self._thread_main, name="hybridps-sync",
                                         daemon=True)
@@ -338,7 +359,8 @@ class ShardClient(UpdateSource):
         stub = self._stub
 
         async def flush() -> Any:
-            return await stub.Flush(request, timeout=self.timeout_s + 5.0)
+            return await stub.Flush(request, timeout=self.timeout_s + 5.0,
+                                    metadata=self.security.metadata)
 
         future = asyncio.run_coroutine_threadsafe(flush(), loop)
         try:
@@ -350,6 +372,71 @@ class ShardClient(UpdateSource):
             future.cancel()
             raise ServerTimeout(f"rank {self.rank}: Flush through step {last_step} on shard "
                                 f"server {self.address} timed out") from None
+
+    def checkpoint(self, step: int, directory: str) -> list[Any]:
+        """The server saves this rank's optimizer state once it applied every push <= step."""
+        loop, stub = self._loop, self._stub
+        if loop is None or loop.is_closed() or stub is None:
+            raise SyncError(f"rank {self.rank}: sync thread for shard server {self.address} "
+                            "is not running")
+        request = shard_pb2.CheckpointRequest(run_id=self.run_id, step=step,
+                                              directory=directory, ranks=[self.rank],
+                                              timeout_s=self.timeout_s)
+
+        async def call() -> Any:
+            return await stub.Checkpoint(request, timeout=self.timeout_s + 60.0,
+                                         metadata=self.security.metadata)
+
+        future = asyncio.run_coroutine_threadsafe(call(), loop)
+        try:
+            response = future.result(self.timeout_s + 70.0)
+        except grpc.RpcError as exc:
+            raise SyncError(f"rank {self.rank}: Checkpoint of step {step} on shard server "
+                            f"{self.address} failed: {_rpc_text(exc)}") from None
+        except TimeoutError:
+            future.cancel()
+            raise ServerTimeout(f"rank {self.rank}: Checkpoint of step {step} on shard server "
+                                f"{self.address} timed out") from None
+        return list(response.files)
+
+    def end_run(self, last_step: int, aborted: bool = False, reason: str = "") -> bool:
+        """Finish: this rank is done (after its last Flush, or stopping early).
+
+        A server with --exit-after-run stops once every rank of the run finished. The
+        Sync stream is then ended by the server, so the sync thread stops instead of
+        reconnecting. Never raises: returns False (and logs) when the server was not told.
+        """
+        request = shard_pb2.FinishRequest(run_id=self.run_id, rank=self.rank,
+                                          incarnation=self.incarnation, last_step=last_step,
+                                          aborted=aborted, reason=reason)
+        timeout = min(self.timeout_s, 10.0)
+        loop, stub = self._loop, self._stub
+        try:
+            if loop is None or loop.is_closed() or stub is None or not self._thread.is_alive():
+                # The sync thread is gone (an error ended it): a short call of our own.
+                log.info(kv("finish_direct", server=self.address,
+                            last_error=self.last_error or "-"))
+                with open_channel(self.address, channel_options(), self.security) as channel:
+                    response = shard_pb2_grpc.ShardServiceStub(channel).Finish(
+                        request, timeout=timeout, metadata=self.security.metadata)
+            else:
+                async def call() -> Any:
+                    self._closing = True  # the stream ending from here on is expected
+                    return await stub.Finish(request, timeout=timeout,
+                                             metadata=self.security.metadata)
+
+                future = asyncio.run_coroutine_threadsafe(call(), loop)
+                response = future.result(timeout + 5.0)
+        except Exception as exc:  # best effort: the run's outcome does not depend on it
+            text = _rpc_text(exc) if isinstance(exc, grpc.RpcError) else repr(exc)
+            log.warning(kv("finish_failed", server=self.address, last_step=last_step,
+                           aborted=aborted, error=text))
+            return False
+        log.info(kv("finished", server=self.address, last_step=last_step, aborted=aborted,
+                    reason=reason or "-",
+                    ranks_finished=f"{response.ranks_finished}/{response.ranks_registered}",
+                    server_stopping=response.server_stopping))
+        return True
 
     def close(self) -> None:
         loop = self._loop
@@ -383,13 +470,19 @@ class ShardClient(UpdateSource):
             self.state = "closed"
             self._registered.set()
             try:
+                # Like asyncio.run: end what is left (e.g. the request pump of a stream the
+                # server ended while we were closing), then the async generators.
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 loop.close()
 
     async def _main(self) -> None:
         options = channel_options(max(self.max_chunk_bytes * 2, 64 * 1024 * 1024))
-        async with grpc.aio.insecure_channel(self.address, options=options) as channel:
+        async with open_aio_channel(self.address, options, self.security) as channel:
             self._stub = shard_pb2_grpc.ShardServiceStub(channel)
             await self._register(first=True)
             self._registered.set()
@@ -410,8 +503,8 @@ class ShardClient(UpdateSource):
                 if self._progress or broken_since is None:
                     broken_since = time.monotonic()
                 self.stats.reconnects += 1
-                log.warning("rank %d: Sync stream to %s broke (%s); reconnecting", self.rank,
-                            self.address, self.last_error)
+                log.warning(kv("reconnect", server=self.address, error=self.last_error,
+                               unanswered=len(self._unanswered)))
                 await self._reconnect(broken_since)
                 if self._closing:
                     return
@@ -445,9 +538,12 @@ class ShardClient(UpdateSource):
             run_id=self.run_id, rank=self.rank, world_size=self.world_size,
             incarnation=self.incarnation, tables=self.table_specs,
             optimizer=optimizer_message(self.optimizer))
+        if first and self.restore is not None:
+            request.restore.directory, request.restore.step = self.restore
         try:
             response = await self._stub.Register(
-                request, timeout=timeout or self.timeout_s, wait_for_ready=first)
+                request, timeout=timeout or self.timeout_s, wait_for_ready=first,
+                metadata=self.security.metadata)
         except grpc.aio.AioRpcError as exc:
             if not first:
                 raise
@@ -465,7 +561,8 @@ class ShardClient(UpdateSource):
     def _check_registered_state(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
         """The server's optimizer state must be where this process left it."""
         for table in response.tables:
-            if first and table.last_step >= 0:
+            resumed = -1 if self.restore is None else self.restore[1]
+            if first and table.last_step != resumed:
                 raise ServerRefused(
                     f"rank {self.rank}: shard server {self.address} already holds optimizer "
                     f"state of run {self.run_id!r} (table {table.name!r} applied through step "
@@ -494,7 +591,7 @@ class ShardClient(UpdateSource):
             outq.put_nowait(None)
         self._partial.clear()
         self._outq = outq
-        self._call = self._stub.Sync(_drain(outq))
+        self._call = self._stub.Sync(_drain(outq), metadata=self.security.metadata)
         try:
             async for update in self._call:
                 self._on_update(update)

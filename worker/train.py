@@ -28,9 +28,12 @@ from tqdm import tqdm
 
 from ps.optim import OptimizerSpec
 from worker import comm
+from worker.checkpoint import Checkpointer
 from worker.config import TrainConfig
 from worker.embedding import ShardedEmbedding
-from worker.parallel import DistContext, apply_fsdp
+from worker.lifecycle import stop_agreed
+from worker.nodes import client_security_for
+from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
 from worker.sync import (
     LocalSparseOptimizer,
     ShardClient,
@@ -40,7 +43,8 @@ from worker.sync import (
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, build_dense_seeded
 
-TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log")
+TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log",
+             "eval")
 
 
 def sparse_optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
@@ -86,6 +90,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, task: Task | None = None) -> None:
         t0 = self.created_at = time.perf_counter()
         self.cfg, self.ctx = cfg, ctx
+        check_dense_parallel(cfg, ctx.world_size, ctx.local_world_size, ctx.device)  # fail early
         self.task = task or build_task(cfg)
         self.steps = num_steps(cfg, self.task, ctx.world_size)
         self.run_id = resolve_run_id(cfg, ctx)
@@ -94,10 +99,13 @@ class Trainer:
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.seed, init_std=cfg.init_std)
         dense = build_dense_seeded(self.task, cfg.seed).to(ctx.device)
-        apply_fsdp(dense, ctx.mesh, self.task.fsdp_units(dense))
-        self.model = HybridModel(self.embedding, dense)
-        self.dense_opt = make_dense_optimizer(cfg, dense.parameters())
-        spec = sparse_optimizer_spec(cfg)
+        # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
+        self.dense_parallel = build_dense_parallel(cfg, ctx, dense, self.task.fsdp_units(dense))
+        self.model = HybridModel(self.embedding, self.dense_parallel.module)
+        self.dense_opt = make_dense_optimizer(cfg, self.dense_parallel.module.parameters())
+        spec = self.sparse_spec = sparse_optimizer_spec(cfg)
+        self.checkpointer = Checkpointer(self)
+        resume = self.checkpointer.resume_target()  # (directory, step) or None
         self.source: UpdateSource
         if cfg.local_optimizer:
             self.source = LocalSparseOptimizer(self.embedding, spec, cfg.ps_timeout)
@@ -105,11 +113,18 @@ class Trainer:
             self.source = ShardClient(
                 cfg.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 tables=tables, ranges=self.embedding.ranges, optimizer=spec,
-                timeout_s=cfg.ps_timeout, max_chunk_bytes=cfg.max_chunk_bytes)
+                timeout_s=cfg.ps_timeout, max_chunk_bytes=cfg.max_chunk_bytes,
+                restore=None if resume is None else (str(resume[0]), resume[1]),
+                security=client_security_for(cfg))
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
         self.window = StalenessWindow(self.source, self.embedding, cfg.staleness)
+        self.start_step = 0
+        if resume is not None:
+            self.checkpointer.restore_local(*resume)
+            self.start_step = resume[1] + 1
         self.times = dict.fromkeys(TIME_KEYS, 0.0)
         self.loss_curve: list[tuple[int, float]] = []
+        self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
         self.setup_s = time.perf_counter() - t0
         self.train_s = 0.0
 
@@ -128,7 +143,8 @@ class Trainer:
         t = self.times
         start = time.perf_counter()
         comm.reset_comm_seconds()
-        for step in range(self.steps):
+        self.last_step = self.steps - 1  # earlier when stopped by a signal
+        for step in range(self.start_step, self.steps):
             t0 = time.perf_counter()
             self.window.before_step(step)  # rows now hold every update of steps <= step-1-K
             t1 = time.perf_counter()
@@ -136,13 +152,12 @@ class Trainer:
             t2 = time.perf_counter()
             loss = task.loss(model, batch)  # mean over this rank's B samples
             t3 = time.perf_counter()
-            loss.backward()  # dense grads: FSDP reduce-scatter averages them across ranks
+            self.dense_parallel.backward(loss)  # dense grads: FSDP/DDP average them across ranks
             t4 = time.perf_counter()
-            self.dense_opt.step()
-            self.dense_opt.zero_grad(set_to_none=True)
+            # Dense step (fp16 unscale + inf check, clipping) and the embedding grads to push.
             # Each rank's loss is its local mean, so its gradient is W times the global-mean
-            # loss's gradient share: scale by 1/W (FSDP's averaging does the same for dense).
-            grads = self.embedding.pop_grads(scale=1.0 / world)
+            # loss's gradient share: scaled by 1/W (the dense averaging does the same).
+            grads = self.dense_parallel.step(self.dense_opt, self.embedding)
             t5 = time.perf_counter()
             self.source.push(step, grads)  # handed to the sync thread; never blocks
             t6 = time.perf_counter()
@@ -157,6 +172,11 @@ class Trainer:
 
             window_loss += loss.detach()
             window_steps += 1
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == self.steps):
+                t_eval = time.perf_counter()  # a collective on every rank: same steps
+                self.eval_curve.append((step, self.evaluate(quick=True)))
+                t["eval"] += time.perf_counter() - t_eval
+                t6 += time.perf_counter() - t_eval
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.steps:
                 mean = self._global_mean(window_loss, window_steps)
                 self.loss_curve.append((step, mean))
@@ -164,15 +184,21 @@ class Trainer:
                 window_steps = 0
                 elapsed = time.perf_counter() - start
                 st = self.window.stats
-                bar.set_postfix(loss=f"{mean:.4f}",
+                last = self.eval_curve[-1][1] if self.eval_curve else {}
+                bar.set_postfix(loss=f"{mean:.4f}", **{k: f"{v:.4f}" for k, v in last.items()},
                                 sps=f"{(step + 1) * cfg.batch_size * world / elapsed:.0f}",
                                 stale=self.window.last_applied_staleness,
                                 lag=f"{st.lag_sum / max(st.steps, 1):.2f}",
                                 waits=st.waits, refresh=False)
                 t["log"] += time.perf_counter() - t6
+            if self.checkpointer.due(step):
+                self.checkpointer.save(step)
             bar.update(1)
-        self.window.drain(self.steps - 1)  # the final rows include every update
-        self.source.finish(self.steps - 1)
+            if stop_agreed(step, cfg.log_every, ctx):  # SIGTERM: worker/lifecycle.py
+                self.last_step = step
+                break
+        self.window.drain(self.last_step)  # the final rows include every update
+        self.source.finish(self.last_step)
         self.train_s = time.perf_counter() - start
         bar.close()
 
@@ -185,8 +211,15 @@ class Trainer:
 
     # -- after training -----------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out metrics, mean over eval batches and ranks (all ranks must call)."""
+    def evaluate(self, quick: bool = False) -> dict[str, float]:
+        """Held-out metrics, mean over eval batches and ranks (all ranks must call).
+
+        A task with `evaluate_full` (whole-split, collective) is asked first; `quick` is its
+        cheap progress-bar subset (the batch-wise path ignores it)."""
+        full = self.task.evaluate_full(self.model, self.ctx.rank, self.ctx.world_size,
+                                       quick=quick)
+        if full is not None:
+            return full
         sums: dict[str, torch.Tensor] = {}
         count = 0
         for index in range(self.cfg.eval_batches):
@@ -225,7 +258,7 @@ class Trainer:
 
         try:
             stats = get_shard_stats(self.cfg.ps_address, timeout=self.cfg.ps_timeout,
-                                    run_id=self.run_id)
+                                    run_id=self.run_id, security=self.source.security)
         except Exception as exc:  # stats are a report, not a reason to fail the run
             return None, f"(shard stats unavailable: {exc})"
         as_dict = json_format.MessageToDict(stats, preserving_proto_field_name=True,
@@ -250,6 +283,7 @@ class Trainer:
             "first_loss": self.loss_curve[0][1] if self.loss_curve else None,
             "final_loss": self.loss_curve[-1][1] if self.loss_curve else None,
             "loss_curve": [[s, v] for s, v in self.loss_curve],
+            "eval_curve": [[s, m] for s, m in self.eval_curve],
             "eval": eval_metrics,
             "samples_per_s": samples / self.train_s if self.train_s else 0.0,
             "wall_time_s": wall_s,
@@ -259,6 +293,7 @@ class Trainer:
             "step_time_s": per_step,
             "sync": sync_stats,
             "server_stats": server,
+            "dense": self.dense_parallel.describe(),
         }
 
     def summary(self, res: dict[str, Any]) -> str:
@@ -267,7 +302,8 @@ class Trainer:
         parts = [
             f"hybridps worker: task={self.task.name} mode={res['mode']} world={res['world_size']}"
             f" device={res['device']} run_id={res['run_id']}",
-            f"steps {res['steps']}  loss {res['first_loss']:.4f} -> {res['final_loss']:.4f}"
+            f"steps {res['steps']}  loss {_num(res['first_loss']):.4f} -> "
+            f"{_num(res['final_loss']):.4f}"
             f"  samples/s {res['samples_per_s']:.0f}  train {res['train_time_s']:.1f}s"
             f"  wall {res['wall_time_s']:.1f}s",
             f"staleness K={st['k']}: applied mean {st['applied_mean']:.2f} max "
@@ -278,6 +314,9 @@ class Trainer:
         ]
         if ev:
             parts.append("eval: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        if "dense" in res:  # --dense-parallel and friends (worker/parallel.py)
+            parts.append("dense: " + "  ".join(
+                f"{k} {v}" for k, v in res["dense"].items() if v is not None))
         sync = res["sync"]
         if res["mode"] == "server":
             parts.append(f"sync: pushes {sync['pushes']} ({sync['push_bytes'] / 2**20:.1f} MiB,"
@@ -303,10 +342,20 @@ class Trainer:
         if cfg.results:
             Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.results).write_text(json.dumps(res, indent=2) + "\n")
+            from worker.plot import plot_path, save_loss_curve
+
+            files = [save_loss_curve(res, plot_path(cfg.results))]
+            files += self.task.save_artifacts(cfg.results)
+            print("wrote " + "  ".join([cfg.results, *files]), flush=True)
         return res
 
     def close(self) -> None:
         self.source.close()
+
+
+def _num(value: float | None) -> float:
+    """None (no step ran: e.g. resumed from the final checkpoint) prints as nan."""
+    return float("nan") if value is None else value
 
 
 def run(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any] | None:

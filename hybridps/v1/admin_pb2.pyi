@@ -81,3 +81,17 @@ class ShardStats(_message.Message):
     pushes_applied_total: int
     rows_updated_total: int
     def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("grace_s", "reason")
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    grace_s: float
+    reason: str
+    def __init__(self, grace_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ("server_id",)
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    def __init__(self, server_id: _Optional[str] = ...) -> None: ...

@@ -39,6 +39,11 @@ class AdminServiceStub:
                 request_serializer=hybridps_dot_v1_dot_admin__pb2.ShardStatsRequest.SerializeToString,
                 response_deserializer=hybridps_dot_v1_dot_admin__pb2.ShardStats.FromString,
                 _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/hybridps.v1.AdminService/Shutdown',
+                request_serializer=hybridps_dot_v1_dot_admin__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_admin__pb2.ShutdownResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -50,6 +55,15 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shutdown(self, request, context):
+        """Graceful stop (health NOT_SERVING, in-flight pushes answered, exit 0).
+        Needs the admin token (server flag --admin-token-file / HYBRIDPS_ADMIN_TOKEN);
+        refused with PERMISSION_DENIED when the server has none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +71,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetShardStats,
                     request_deserializer=hybridps_dot_v1_dot_admin__pb2.ShardStatsRequest.FromString,
                     response_serializer=hybridps_dot_v1_dot_admin__pb2.ShardStats.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=hybridps_dot_v1_dot_admin__pb2.ShutdownRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_admin__pb2.ShutdownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +105,33 @@ class AdminService:
             '/hybridps.v1.AdminService/GetShardStats',
             hybridps_dot_v1_dot_admin__pb2.ShardStatsRequest.SerializeToString,
             hybridps_dot_v1_dot_admin__pb2.ShardStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridps.v1.AdminService/Shutdown',
+            hybridps_dot_v1_dot_admin__pb2.ShutdownRequest.SerializeToString,
+            hybridps_dot_v1_dot_admin__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,

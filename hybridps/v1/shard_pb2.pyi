@@ -73,20 +73,30 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer")
+    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     world_size: int
     incarnation: int
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
     optimizer: OptimizerConfig
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ...) -> None: ...
+    restore: RestoreFrom
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., restore: _Optional[_Union[RestoreFrom, _Mapping]] = ...) -> None: ...
+
+class RestoreFrom(_message.Message):
+    __slots__ = ("directory", "step")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    step: int
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class TableState(_message.Message):
     __slots__ = ("name", "rows_held", "last_step", "created")
@@ -179,3 +189,67 @@ class FlushResponse(_message.Message):
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     applied: _containers.RepeatedCompositeFieldContainer[RankStep]
     def __init__(self, applied: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...
+
+class FinishRequest(_message.Message):
+    __slots__ = ("run_id", "rank", "incarnation", "last_step", "aborted", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    incarnation: int
+    last_step: int
+    aborted: bool
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., last_step: _Optional[int] = ..., aborted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FinishResponse(_message.Message):
+    __slots__ = ("ranks_registered", "ranks_finished", "server_stopping")
+    RANKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SERVER_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    ranks_registered: int
+    ranks_finished: int
+    server_stopping: bool
+    def __init__(self, ranks_registered: _Optional[int] = ..., ranks_finished: _Optional[int] = ..., server_stopping: _Optional[bool] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "step", "directory", "ranks", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    directory: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SavedPartition(_message.Message):
+    __slots__ = ("rank", "table", "row_start", "row_end", "file", "bytes", "crc32")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    table: str
+    row_start: int
+    row_end: int
+    file: str
+    bytes: int
+    crc32: str
+    def __init__(self, rank: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., file: _Optional[str] = ..., bytes: _Optional[int] = ..., crc32: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[SavedPartition]
+    def __init__(self, files: _Optional[_Iterable[_Union[SavedPartition, _Mapping]]] = ...) -> None: ...

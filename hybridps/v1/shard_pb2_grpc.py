@@ -49,6 +49,16 @@ class ShardServiceStub:
                 request_serializer=hybridps_dot_v1_dot_shard__pb2.FlushRequest.SerializeToString,
                 response_deserializer=hybridps_dot_v1_dot_shard__pb2.FlushResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/hybridps.v1.ShardService/Checkpoint',
+                request_serializer=hybridps_dot_v1_dot_shard__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Finish = channel.unary_unary(
+                '/hybridps.v1.ShardService/Finish',
+                request_serializer=hybridps_dot_v1_dot_shard__pb2.FinishRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_shard__pb2.FinishResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -73,6 +83,19 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Finish(self, request, context):
+        """This rank is done with the run (see FinishRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +113,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=hybridps_dot_v1_dot_shard__pb2.FlushRequest.FromString,
                     response_serializer=hybridps_dot_v1_dot_shard__pb2.FlushResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=hybridps_dot_v1_dot_shard__pb2.CheckpointRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Finish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finish,
+                    request_deserializer=hybridps_dot_v1_dot_shard__pb2.FinishRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_shard__pb2.FinishResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +206,60 @@ class ShardService:
             '/hybridps.v1.ShardService/Flush',
             hybridps_dot_v1_dot_shard__pb2.FlushRequest.SerializeToString,
             hybridps_dot_v1_dot_shard__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridps.v1.ShardService/Checkpoint',
+            hybridps_dot_v1_dot_shard__pb2.CheckpointRequest.SerializeToString,
+            hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridps.v1.ShardService/Finish',
+            hybridps_dot_v1_dot_shard__pb2.FinishRequest.SerializeToString,
+            hybridps_dot_v1_dot_shard__pb2.FinishResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,8 @@ __all__ = ["TASKS", "Batch", "HybridModel", "Task", "build_task", "task_class"]
 
 TASKS: dict[str, str] = {
     "synthetic": "worker.tasks.synthetic:SyntheticTask",
+    "kge": "worker.tasks.kge:KGETask",
+    "dlrm": "worker.tasks.dlrm:DLRMTask",
 }
 
 

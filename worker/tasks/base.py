@@ -21,12 +21,17 @@ Contract:
 - optional: `eval_batch(index, rank, world_size)` (held-out data, None when
   there is none), `evaluate(model, batch)` (metrics as mean-over-batch
   scalar tensors), `steps_per_epoch(world_size)` (finite data),
-  `fsdp_units(dense)` (submodules to shard separately), `describe()`.
+  `fsdp_units(dense)` (submodules to shard separately), `describe()`,
+  `evaluate_full(model, rank, world_size, quick=...)` (a whole-split evaluation
+  that is itself a collective, e.g. shard-parallel ranking; replaces the
+  eval_batch/evaluate averaging when it returns metrics), `save_artifacts(
+  results_path)` (rank 0 writes task files next to --results, e.g. id maps).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +52,11 @@ class EmbeddingLookups(Protocol):
 
     def lookup_bag(self, name: str, ids_N: torch.Tensor, offsets_B: torch.Tensor,
                    mode: str = "sum") -> torch.Tensor: ...
+
+    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor]
+                    ) -> list[torch.Tensor]: ...
+
+    def local_block(self, name: str) -> tuple[int, torch.Tensor]: ...
 
 
 class HybridModel(nn.Module):
@@ -139,6 +149,17 @@ class Task(ABC):
     def steps_per_epoch(self, world_size: int) -> int | None:
         """Steps in one pass over finite data; None for generated data."""
         return None
+
+    def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
+                      quick: bool = False) -> dict[str, float] | None:
+        """Whole-split metrics computed by all ranks together (a collective: every rank calls
+        it at the same point); the same dict on every rank. `quick`: the cheap subset shown
+        in the progress bar during training. None: use eval_batch/evaluate instead."""
+        return None
+
+    def save_artifacts(self, results_path: str) -> list[str]:
+        """Rank 0, after --results is written: task files next to it; returns their paths."""
+        return []
 
     def fsdp_units(self, dense: nn.Module) -> list[nn.Module]:
         """Submodules of `dense` to shard as their own FSDP units (default: root only)."""

@@ -68,6 +68,12 @@ class Scatter:
         return (ranks * self.mult + self.add) % self.n
 
 
+def table_sizes(num_rows: int) -> dict[str, int]:
+    r = num_rows
+    return {"user": r, "item": max(r // 10, 8), "category": max(r // 1000, 4),
+            "tag": max(r // 100, 8)}
+
+
 class SyntheticTask(Task):
     """Recommendation-style click prediction with a planted model (see module doc)."""
 
@@ -75,9 +81,7 @@ class SyntheticTask(Task):
 
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
-        r = cfg.num_rows
-        self.sizes = {"user": r, "item": max(r // 10, 8), "category": max(r // 1000, 4),
-                      "tag": max(r // 100, 8)}
+        self.sizes = table_sizes(cfg.num_rows)
         rng = np.random.default_rng([cfg.seed, 7919])
         self.planted = {name: (rng.standard_normal(n) * PLANTED_STD[name]).astype(np.float32)
                         for name, n in self.sizes.items()}
@@ -90,6 +94,13 @@ class SyntheticTask(Task):
         self.dense_w = (rng.standard_normal(NUM_DENSE) * 0.5).astype(np.float32)
         self.scatter = {name: Scatter(n, salt) for salt, (name, n) in
                         enumerate(self.sizes.items())}
+
+    @classmethod
+    def plan_tables(cls, cfg: TrainConfig) -> list[tuple[TableConfig, float]]:
+        """(table, mean lookups per sample) without building the task (worker/plan.py)."""
+        lookups = {"user": 1.0, "item": 1.0, "category": 1.0, "tag": (1 + MAX_TAGS) / 2}
+        return [(TableConfig(name, n, cfg.dim), lookups[name])
+                for name, n in table_sizes(cfg.num_rows).items()]
 
     # -- Task interface -------------------------------------------------------------
     def tables(self) -> list[TableConfig]:

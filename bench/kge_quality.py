@@ -1,0 +1,221 @@
+"""KGE quality table: hybridps (2 ranks, real shard server, --staleness 0 and 1) vs the
+single-process reference (bench/kge_reference.py) vs dicee's figures.
+
+    python bench/kge_quality.py                       # every setting of the data README
+    python bench/kge_quality.py --only UMLS-DistMult-32 --seeds 0,1,2 --out runs/kge
+
+For each setting (data set, model, dim, epochs; KvsAll, reciprocal triples, Adam lr 0.1,
+global batch 1024, as /work/shared/data/README.md) it runs bench/kge_reference.py and
+`torchrun --nproc_per_node 2 worker/main.py --task kge` for each variant against one
+`python -m ps` server, then prints a markdown table (filtered test MRR and wall times) and
+writes everything to <out>/kge_quality.json. A variant is STALENESS:ROW_LR (the entity rows'
+Adam lr; relations always use lr 0.1): the default runs --staleness 0 and 1 at dicee's lr
+0.1, and --staleness 1 with the rows' lr halved (a one-step-stale Adam step of 0.1 on every
+row, every step, overshoots: see the report). With several seeds the table shows the mean
+test MRR over seeds (per-seed values are in the JSON). A variant passes when its mean test
+MRR is >= the dicee figure (rerun on CPU) - 0.01.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path("/work/shared/data")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class Setting:
+    data: str
+    model: str
+    dim: int
+    epochs: int
+    dicee_mrr: float            # dicee 0.3.3 rerun on a 2-core CPU (the README)
+    published: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.data}-{self.model}-{self.dim}"
+
+
+SETTINGS = [
+    Setting("UMLS", "DistMult", 32, 100, 0.703),
+    Setting("UMLS", "Keci", 32, 100, 0.788),
+    Setting("UMLS", "ComplEx", 256, 300, 0.667, published=0.680),
+    Setting("UMLS", "Keci", 256, 300, 0.549, published=0.543),
+    Setting("KINSHIP", "DistMult", 32, 100, 0.507),
+    Setting("KINSHIP", "Keci", 32, 100, 0.721),
+]
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+class Server:
+    """One `python -m ps` for all the runs (each run registers under its own run id)."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        port_file = directory / "ps.port"
+        port_file.unlink(missing_ok=True)
+        self.log = open(directory / "ps.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ps", "--host", "127.0.0.1", "--port", "0", "--port-file",
+             str(port_file), "--log-level", "WARNING"],
+            cwd=REPO, env=child_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"shard server did not start; see {directory / 'ps.log'}")
+            time.sleep(0.1)
+        self.address = f"127.0.0.1:{port_file.read_text().strip()}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def run_reference(s: Setting, seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, str(REPO / "bench" / "kge_reference.py"), "--data",
+           str(DATA / s.data), "--model", s.model.lower(), "--dim", str(s.dim), "--epochs",
+           str(s.epochs), "--seed", str(seed)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference failed:\n{proc.stderr[-3000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["process_wall_s"] = wall
+    return out
+
+
+def run_hybridps(s: Setting, seed: int, staleness: int, row_lr: float, server: Server,
+                 out: Path) -> dict[str, Any]:
+    results = out / f"{s.name}-k{staleness}-lr{row_lr:g}-s{seed}.json"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(REPO / "worker" / "main.py"),
+           "--ps", server.address, "--task", "kge", "--data-dir", str(DATA / s.data),
+           "--model", s.model.lower(), "--dim", str(s.dim), "--epochs", str(s.epochs),
+           "--training", "kvsall", "--batch-size", "512", "--lr", str(row_lr), "--dense-lr", "0.1",
+           "--init-std", "1", "--staleness", str(staleness), "--seed", str(seed),
+           "--eval-every", "0", "--progress", "false", "--results", str(results)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"hybridps run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    res = json.loads(results.read_text())
+    ev = res["eval"]
+    return {"results": str(results), "process_wall_s": wall, "train_time_s": res["train_time_s"],
+            "wall_time_s": res["wall_time_s"], "samples_per_s": res["samples_per_s"],
+            "final_loss": res["final_loss"], "steps": res["steps"],
+            **{k: ev[k] for k in ev if k.startswith(("valid_", "test_"))}}
+
+
+def mean(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.fmean(r[key] for r in rows)
+
+
+def variant_label(v: str) -> str:
+    k, lr = v.split(":")
+    return f"K={k}" + ("" if float(lr) == 0.1 else f" lr {float(lr):g}")
+
+
+def table(report: list[dict[str, Any]], variants: list[str]) -> str:
+    head = ["setting", "dicee MRR", "reference MRR", "ref train s / wall s"]
+    for v in variants:
+        head += [f"hybridps {variant_label(v)} MRR", "train s / wall s"]
+    head.append(f">= dicee - {TOLERANCE}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for item in report:
+        s = item["setting"]
+        dicee = f"{s['dicee_mrr']:.3f}" + (f" ({s['published']:.3f} publ.)"
+                                           if s["published"] else "")
+        ref = item["reference"]
+        row = [item["name"] + f" {s['epochs']} ep", dicee, f"{mean(ref, 'test_mrr'):.3f}",
+               f"{mean(ref, 'train_seconds'):.1f} / {mean(ref, 'process_wall_s'):.1f}"]
+        ok = []
+        for v in variants:
+            runs = item["hybridps"][v]
+            m = mean(runs, "test_mrr")
+            ok.append(m >= s["dicee_mrr"] - TOLERANCE)
+            row += [f"{m:.3f}", f"{mean(runs, 'train_time_s'):.1f} / "
+                                f"{mean(runs, 'process_wall_s'):.1f}"]
+        row.append(" ".join(f"{variant_label(v)}: {'yes' if good else 'NO'}"
+                            for v, good in zip(variants, ok, strict=True)))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma list of setting names, e.g. "
+                    + ",".join(s.name for s in SETTINGS))
+    ap.add_argument("--seeds", default="0", help="comma list of seeds")
+    ap.add_argument("--variants", default="0:0.1,1:0.1,1:0.05",
+                    help="comma list of STALENESS:ROW_LR")
+    ap.add_argument("--out", default=str(REPO / "runs" / "kge_quality"))
+    args = ap.parse_args()
+    wanted = {n for n in args.only.split(",") if n}
+    settings = [s for s in SETTINGS if not wanted or s.name in wanted]
+    if wanted - {s.name for s in settings}:
+        ap.error(f"unknown settings {sorted(wanted - {s.name for s in settings})}")
+    seeds = [int(v) for v in args.seeds.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        k, _, lr = v.partition(":")
+        if not (k.isdigit() and lr and float(lr) > 0):
+            ap.error(f"variant {v!r} is not STALENESS:ROW_LR")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = Server(out / "ps")
+    report: list[dict[str, Any]] = []
+    try:
+        for s in settings:
+            item: dict[str, Any] = {"name": s.name, "setting": s.__dict__, "reference": [],
+                                    "hybridps": {v: [] for v in variants}}
+            for seed in seeds:
+                item["reference"].append({"seed": seed, **run_reference(s, seed)})
+                for v in variants:
+                    k, lr = v.split(":")
+                    item["hybridps"][v].append(
+                        {"seed": seed, **run_hybridps(s, seed, int(k), float(lr), server, out)})
+                print(f"{s.name} seed {seed}: reference {item['reference'][-1]['test_mrr']:.4f}"
+                      + "".join(f"  {variant_label(v)} {item['hybridps'][v][-1]['test_mrr']:.4f}"
+                                for v in variants), flush=True)
+            report.append(item)
+    finally:
+        server.stop()
+    text = table(report, variants)
+    print(text)
+    (out / "kge_quality.json").write_text(json.dumps(
+        {"seeds": seeds, "variants": variants, "tolerance": TOLERANCE, "settings": report,
+         "table": text, "cpu_count": os.cpu_count()}, indent=2) + "\n")
+    print(f"wrote {out / 'kge_quality.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Shared-token auth for the shard server: one grpc.aio server interceptor.
+
+Policy (checked before any servicer code runs, so a refused call changes nothing):
+- grpc.health.v1.Health/*: always open (load balancers, `docker compose`
+  healthchecks and `python -m ps.admin health` need no secret; it reveals only
+  SERVING / NOT_SERVING).
+- hybridps.v1.ShardService/* and server reflection: the worker token, when the
+  server has one (--auth-token-file / HYBRIDPS_AUTH_TOKEN).
+- hybridps.v1.AdminService/GetShardStats (read-only): the worker token or the
+  admin token; open only when the operator passes --stats-without-token.
+- hybridps.v1.AdminService/Shutdown (changes state): the admin token only
+  (--admin-token-file / HYBRIDPS_ADMIN_TOKEN); PERMISSION_DENIED when the
+  server has no admin token at all, so it cannot be stopped remotely by default.
+A missing or wrong token is UNAUTHENTICATED. Tokens are compared with
+hmac.compare_digest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from hybridps.logs import kv
+from hybridps.security import bearer_token, token_matches
+
+log = logging.getLogger("ps.auth")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+STATS_METHOD = "/hybridps.v1.AdminService/GetShardStats"
+SHUTDOWN_METHOD = "/hybridps.v1.AdminService/Shutdown"
+
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+
+
+@dataclass(frozen=True)
+class AuthPolicy:
+    token: str = ""        # worker token ('' = shard calls open)
+    admin_token: str = ""  # admin token ('' = Shutdown disabled)
+    stats_without_token: bool = False
+
+    def check(self, method: str, given: str) -> tuple[grpc.StatusCode, str] | None:
+        """None when `given` may call `method`, else the (code, message) to refuse with."""
+        if method.startswith(HEALTH_PREFIX):
+            return None
+        if method == SHUTDOWN_METHOD:
+            if not self.admin_token:
+                return (grpc.StatusCode.PERMISSION_DENIED,
+                        "Shutdown is disabled: the server was started without an admin token "
+                        "(--admin-token-file or HYBRIDPS_ADMIN_TOKEN)")
+            if given and token_matches(given, self.admin_token):
+                return None
+            return grpc.StatusCode.UNAUTHENTICATED, _missing_or_wrong(given, "admin token")
+        if method == STATS_METHOD:
+            if self.stats_without_token or not (self.token or self.admin_token):
+                return None
+            if given and any(token_matches(given, t) for t in (self.token, self.admin_token)
+                             if t):
+                return None
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    _missing_or_wrong(given, "token (auth or admin)"))
+        if not self.token:
+            return None
+        if given and token_matches(given, self.token):
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, _missing_or_wrong(given, "auth token")
+
+
+def _missing_or_wrong(given: str, what: str) -> str:
+    if not given:
+        return (f"missing {what}: send metadata 'authorization: Bearer <token>' "
+                "(--auth-token-file or HYBRIDPS_AUTH_TOKEN on the client)")
+    return f"wrong {what}"
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Applies an AuthPolicy to every incoming call; `on_refused(reason)` counts refusals."""
+
+    def __init__(self, policy: AuthPolicy,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        self.policy = policy
+        self.on_refused = on_refused
+
+    async def intercept_service(  # type: ignore[override]  # None: unknown method
+            self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        given = bearer_token(handler_call_details.invocation_metadata)  # type: ignore[arg-type]
+        refusal = self.policy.check(method, given)
+        handler = await continuation(handler_call_details)
+        if refusal is None or handler is None:
+            return handler
+        code, message = refusal
+        reason = "unauthenticated" if code == grpc.StatusCode.UNAUTHENTICATED else "denied"
+        if self.on_refused is not None:
+            self.on_refused(reason)
+        return _refusing_handler(handler, method, code, message)
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
+                      message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only aborts with (code, message)."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        log.warning(kv("refused", rpc=method.rsplit("/", 1)[-1], code=code.name,
+                       reason="auth", peer=context.peer(), error=message))
+        await context.abort(code, message)
+
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)

@@ -1,0 +1,165 @@
+"""When is a run over on this server? (transport-free, no grpc, no torch)
+
+`RunTracker` follows, per run, the ranks registered on this server, their
+open Sync streams and their Finish calls. A run is over when
+- every registered rank has sent Finish (the normal end: each rank's last
+  Flush came first, so every acknowledged push is applied), or
+- a rank finished with aborted=true (it stopped early: signal, error) and no
+  other rank of the run still has a Sync stream open (they died or stopped
+  too; torchrun tears the whole group down when one rank fails), or
+- the run is abandoned: it had streams, none has been open for
+  `idle_timeout_s`, and nobody finished (e.g. the worker was SIGKILLed).
+The server uses this for --exit-after-run: it stops gracefully after the first
+run that is over, which is how a `docker compose up` of one job ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ps.errors import Conflict, InvalidArgument, NotRegistered, StaleIncarnation
+
+if TYPE_CHECKING:
+    from ps.store import Store
+
+
+@dataclass
+class RankStatus:
+    streams: int = 0
+    finished: bool = False
+    aborted: bool = False
+    last_step: int = -1
+    reason: str = ""
+
+
+@dataclass
+class RunStatus:
+    ranks: dict[int, RankStatus] = field(default_factory=dict)
+    ever_streamed: bool = False
+    idle_since: float | None = None  # when the last open stream closed
+    over: str = ""  # why the run is over ('' while it is not)
+
+    @property
+    def open_streams(self) -> int:
+        return sum(r.streams for r in self.ranks.values())
+
+    def summary(self) -> tuple[int, int]:
+        """(ranks registered, ranks finished)."""
+        return len(self.ranks), sum(r.finished for r in self.ranks.values())
+
+
+class RunTracker:
+    """Thread-safe; `on_over(run_id, why)` is called once per run, when it is over."""
+
+    def __init__(self, on_over: Callable[[str, str], None] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.on_over = on_over
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._runs: dict[str, RunStatus] = {}
+
+    def _rank(self, run_id: str, rank: int) -> tuple[RunStatus, RankStatus]:
+        run = self._runs.setdefault(run_id, RunStatus())
+        return run, run.ranks.setdefault(rank, RankStatus())
+
+    def registered(self, run_id: str, rank: int) -> None:
+        with self._lock:
+            self._rank(run_id, rank)
+
+    def stream_opened(self, run_id: str, rank: int) -> None:
+        with self._lock:
+            run, status = self._rank(run_id, rank)
+            status.streams += 1
+            run.ever_streamed = True
+            run.idle_since = None
+
+    def stream_closed(self, run_id: str, rank: int) -> None:
+        with self._lock:
+            run, status = self._rank(run_id, rank)
+            status.streams = max(0, status.streams - 1)
+            if run.open_streams == 0:
+                run.idle_since = self._clock()
+            why = self._check(run)
+        self._notify(run_id, why)
+
+    def finish(self, run_id: str, rank: int, last_step: int, aborted: bool,
+               reason: str) -> tuple[int, int, bool]:
+        """Record a Finish; returns (ranks registered, ranks finished, run over now?)."""
+        with self._lock:
+            run, status = self._rank(run_id, rank)
+            status.finished, status.aborted = True, aborted
+            status.last_step, status.reason = last_step, reason
+            why = self._check(run)
+            registered, finished = run.summary()
+            over = bool(run.over)
+        self._notify(run_id, why)
+        return registered, finished, over
+
+    def check_idle(self, idle_timeout_s: float) -> None:
+        """Declare abandoned every run with no stream open for `idle_timeout_s`."""
+        now = self._clock()
+        over: list[tuple[str, str]] = []
+        with self._lock:
+            for run_id, run in self._runs.items():
+                if (not run.over and run.ever_streamed and run.idle_since is not None
+                        and now - run.idle_since >= idle_timeout_s):
+                    run.over = (f"abandoned: no Sync stream open for {now - run.idle_since:.0f}s "
+                                "and not every rank finished")
+                    over.append((run_id, run.over))
+        for run_id, why in over:
+            self._notify(run_id, why)
+
+    def status(self, run_id: str) -> RunStatus | None:
+        with self._lock:
+            return self._runs.get(run_id)
+
+    def _check(self, run: RunStatus) -> str:
+        """Under the lock: mark the run over if it is; returns the reason when it just became so."""
+        if run.over or not run.ranks:
+            return ""
+        ranks = run.ranks.values()
+        if all(r.finished for r in ranks):
+            aborted = sorted(k for k, r in run.ranks.items() if r.aborted)
+            run.over = ("every rank finished" if not aborted
+                        else f"every rank finished (aborted: ranks {aborted})")
+        elif any(r.aborted for r in ranks) and all(r.streams == 0 for r in ranks
+                                                   if not r.finished):
+            aborted = sorted(k for k, r in run.ranks.items() if r.aborted)
+            missing = sorted(k for k, r in run.ranks.items() if not r.finished)
+            run.over = (f"aborted by ranks {aborted}; ranks {missing} have no stream open")
+        else:
+            return ""
+        return run.over
+
+    def _notify(self, run_id: str, why: str) -> None:
+        if why and self.on_over is not None:
+            self.on_over(run_id, why)
+
+
+def check_finish(store: Store, run_id: str, rank: int, incarnation: int, last_step: int,
+                 aborted: bool) -> None:
+    """Refuse a Finish that names no registered partition, an old process, or unapplied steps.
+
+    A normal (not aborted) Finish must come after the rank's last Flush: every table
+    of the partition has applied `last_step`.
+    """
+    what = f"finish run={run_id!r} rank={rank}"
+    if last_step < -1:
+        raise InvalidArgument(f"{what}: last_step={last_step} must be >= -1")
+    part = store.partition(run_id, rank)
+    if part is None:
+        raise NotRegistered(f"{what}: not registered on this server (server {store.server_id})")
+    if incarnation < part.incarnation:
+        raise StaleIncarnation(f"{what}: incarnation {incarnation} is older than the registered "
+                               f"incarnation {part.incarnation}")
+    if aborted:
+        return
+    behind = sorted(f"{name}:{t.last_step}" for name, t in part.tables.items()
+                    if t.last_step < last_step)
+    if behind:
+        raise Conflict(f"{what}: last_step {last_step} is not applied yet (tables {behind}); "
+                       "Flush before Finish")

@@ -1,0 +1,420 @@
+"""Checkpoints: file format + re-sharding (unit), and end to end with real servers/torchrun.
+
+(a) deterministic resume: 2 ranks x 20 steps straight == 10 steps, stop, --resume, 10 more
+    (rows, server m/v/step count of the step-19 checkpoints, dense weights: bitwise);
+(b) re-shard: the 2-rank checkpoint resumed at 3 ranks and at 1 rank (same global batch)
+    equals the straight 2-rank run (float rounding);
+(c) torn checkpoints: a rank os._exit()s at each phase of a checkpoint; --resume loads the
+    previous complete one and the result equals the uninterrupted run;
+(d) crash: kill -9 the shard server mid-run, restart it; the workers fail, and relaunched
+    with the same `--resume` command come back from the last checkpoint and end bitwise
+    equal to the uninterrupted run (see the test for why not `torchrun --max-restarts`);
+(e) export: `python -m worker.export` gives a plain state_dict that loads into the
+    un-sharded reference model and reproduces the sharded model's eval metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ps.checkpoint import (
+    ShardInfo,
+    complete_checkpoints,
+    load_rows,
+    read_shard,
+    save_partition,
+    save_shard,
+    step_dir,
+    write_manifest,
+)
+from ps.errors import Conflict, InvalidArgument
+from ps.optim import OptimizerSpec
+from ps.partition import PushChunk, TableSpec
+from ps.store import Store
+from tests.helpers import PsServer, start_ps_server
+from worker.checkpoint import FAULT_ENV, FAULT_EXIT_CODE, fault_point
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = str(REPO / "worker" / "main.py")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+COMMON = ["--num-rows", "2000", "--dim", "8", "--log-every", "5", "--eval-batches", "1",
+          "--progress", "false", "--staleness", "0"]
+GLOBAL_BATCH = 96  # 2 x 48 = 3 x 32 = 1 x 96: the same global batches at every world size
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})})
+    return env
+
+
+def worker_cmd(args: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
+    if nproc == 1 and not max_restarts:
+        return [sys.executable, "-m", "worker.main", *args]
+    return [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc),
+            "--max-restarts", str(max_restarts), MAIN, *args]
+
+
+def run(args: list[str], *, nproc: int = 2, expect: int = 0,
+        env: dict[str, str] | None = None, timeout: float = 180.0
+        ) -> subprocess.CompletedProcess[str]:
+    batch = ["--batch-size", str(GLOBAL_BATCH // nproc)]
+    proc = subprocess.run(worker_cmd([*COMMON, *batch, *args], nproc), cwd=REPO,
+                          env=_env(env), capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    ok = proc.returncode == 0 if expect == 0 else proc.returncode != 0
+    if not ok:
+        raise AssertionError(f"worker exit {proc.returncode} (expected "
+                             f"{'0' if expect == 0 else 'failure'}):\n{proc.stdout}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def assert_states(a_path: Path, b_path: Path, *, exact: bool, atol: float = 1e-5) -> None:
+    a, b = torch.load(a_path), torch.load(b_path)
+    for part in ("tables", "dense"):
+        assert set(a[part]) == set(b[part])
+        for key in a[part]:
+            if exact:
+                assert torch.equal(a[part][key], b[part][key]), f"{part} {key} differs"
+            else:
+                try:
+                    torch.testing.assert_close(a[part][key], b[part][key], rtol=1e-4,
+                                               atol=atol)
+                except AssertionError as exc:
+                    raise AssertionError(f"{part} {key}: {exc}") from None
+
+
+# -- unit: format and re-sharding -------------------------------------------------------
+
+def _shards(tmp: Path, bounds: list[int], full: torch.Tensor) -> list[ShardInfo]:
+    out = []
+    for rank, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        out.append(save_shard(tmp, f"rows/t.r{rank:05d}.pt", kind="rows", table="t",
+                              rank=rank, num_rows=full.shape[0], dim=full.shape[1],
+                              row_start=lo, row_end=hi, tensors={"weight": full[lo:hi]}))
+    return out
+
+
+def test_load_rows_reshards_any_range(tmp_path: Path) -> None:
+    full = torch.randn(10, 3)
+    shards = _shards(tmp_path, [0, 3, 3, 7, 10], full)  # incl. an empty range
+    assert not list(tmp_path.rglob("*.tmp-*"))
+    for lo, hi in [(0, 10), (2, 8), (3, 3), (9, 10), (0, 1)]:
+        got, _ = load_rows(tmp_path, "t", 10, 3, shards, lo, hi, ["weight"])
+        weight = got["weight"]
+        assert weight is not None and torch.equal(weight, full[lo:hi])
+    with pytest.raises(InvalidArgument, match="do not tile"):
+        load_rows(tmp_path, "t", 10, 3, shards[:2] + shards[3:], 0, 10, ["weight"])
+    with pytest.raises(Conflict, match="manifest says"):
+        load_rows(tmp_path, "t", 11, 3, [*shards[:-1], ShardInfo("t", 3, 7, 11,
+                                                                 shards[-1].file)],
+                  0, 11, ["weight"])
+
+
+def _push(store: Store, rank: int, step: int, ids: list[int]) -> None:
+    session = store.open_session()
+    gen = torch.Generator().manual_seed(step * 10 + rank)
+    grads = torch.randn(len(ids), 4, generator=gen)
+    session.feed(PushChunk("run", rank, 0, step, "t", torch.tensor(ids), grads))
+
+
+def test_server_partitions_restore_at_another_world_size(tmp_path: Path) -> None:
+    opt = OptimizerSpec()
+    old = Store()
+    for rank, (lo, hi) in enumerate([(0, 5), (5, 10)]):
+        old.register("run", rank, 2, 0, [TableSpec("t", 10, 4, lo, hi)], opt)
+    for step in range(3):
+        _push(old, 0, step, [0, 3, 4][: step + 1])
+        _push(old, 1, step, [9, 5][: step + 1])
+    shards = []
+    for rank in (0, 1):
+        part = old.partition("run", rank)
+        assert part is not None
+        with pytest.raises(Conflict, match="needs exactly 1"):
+            save_partition(part, tmp_path, 1)
+        shards += old.checkpoint("run", [rank], 2, str(tmp_path))
+    write_manifest(tmp_path, {"step": 2, "tables": {"t": {"num_rows": 10, "dim": 4, "shards": [
+        {"rank": r, "row_start": i.row_start, "row_end": i.row_end,
+         "optim": {"file": i.file, "bytes": i.bytes, "crc32": i.crc32}} for r, i in shards]}}})
+    m_old = torch.cat([old.partition("run", r).tables["t"].m for r in (0, 1)])  # type: ignore
+    v_old = torch.cat([old.partition("run", r).tables["t"].v for r in (0, 1)])  # type: ignore
+    new = Store()
+    bounds = [(0, 3), (3, 6), (6, 10)]
+    for rank, (lo, hi) in enumerate(bounds):
+        got = new.register("run", rank, 3, 5, [TableSpec("t", 10, 4, lo, hi)], opt,
+                           restore=(str(tmp_path), 2))
+        assert got[0].last_step == 2
+    for rank, (lo, hi) in enumerate(bounds):
+        t = new.partition("run", rank).tables["t"]  # type: ignore[union-attr]
+        assert t.m is not None and t.v is not None
+        assert torch.equal(t.m, m_old[lo:hi]) and torch.equal(t.v, v_old[lo:hi])
+        assert t.adam_step == 3 and t.last_step == 2
+    # The same store: a restore replaces the run's partitions of the old world size.
+    old.register("run", 0, 1, 9, [TableSpec("t", 10, 4, 0, 10)], opt,
+                 restore=(str(tmp_path), 2))
+    assert [p.world_size for p in old.partitions()] == [1]
+    with pytest.raises(Conflict, match="not 1"):
+        Store().register("run", 0, 1, 0, [TableSpec("t", 10, 4, 0, 10)], opt,
+                         restore=(str(tmp_path), 1))
+
+
+def test_fault_point_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "1:7:rows:sleep=0")
+    fault_point(1, 7, "rows")  # sleeps 0s, returns
+    fault_point(0, 7, "rows")
+    monkeypatch.setenv(FAULT_ENV, "7:bogus")
+    with pytest.raises(ValueError, match="phase"):
+        fault_point(0, 7, "rows")
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
+    srv = start_ps_server(tmp_path_factory.mktemp("ps"))
+    try:
+        yield srv
+    finally:
+        srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def runs(server: PsServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """2 ranks: 20 steps straight; 10 steps then --resume to 20 (checkpoints every 10)."""
+    d = tmp_path_factory.mktemp("runs")
+    ps = ["--ps", server.address, "--checkpoint-every", "10"]
+    run([*ps, "--run-id", "straight", "--steps", "20", "--checkpoint-dir", str(d / "ck_a"),
+         "--dump-state", str(d / "straight.pt"), "--results", str(d / "straight.json")])
+    run([*ps, "--run-id", "first", "--steps", "10", "--checkpoint-dir", str(d / "ck_b")])
+    run([*ps, "--run-id", "resumed", "--steps", "20", "--checkpoint-dir", str(d / "ck_b"),
+         "--resume", "--dump-state", str(d / "resumed.pt")])
+    return {"dir": d, "straight": d / "straight.pt", "resumed": d / "resumed.pt",
+            "ck_a": d / "ck_a", "ck_b": d / "ck_b"}
+
+
+@pytest.mark.timeout(600)
+def test_resume_is_bitwise_deterministic(runs: dict[str, Path]) -> None:
+    assert_states(runs["straight"], runs["resumed"], exact=True)
+    assert [s for s, _ in complete_checkpoints(runs["ck_b"])] == [9, 19]
+    for table in ("user", "item", "category", "tag"):
+        for rank in (0, 1):
+            name = f"optim/{table}.r{rank:05d}.pt"
+            a = read_shard(step_dir(runs["ck_a"], 19) / name)
+            b = read_shard(step_dir(runs["ck_b"], 19) / name)
+            assert a["meta"]["adam_step"] == b["meta"]["adam_step"] == 20
+            assert a["meta"]["last_step"] == b["meta"]["last_step"] == 19
+            for key in ("m", "v"):
+                assert torch.equal(a["tensors"][key], b["tensors"][key]), (name, key)
+    manifest = json.loads((step_dir(runs["ck_b"], 9) / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["next_step"] == 10
+    assert [(s["row_start"], s["row_end"]) for s in manifest["tables"]["user"]["shards"]] == [
+        (0, 1000), (1000, 2000)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc", [3, 1])
+def test_resume_at_another_world_size(runs: dict[str, Path], server: PsServer,
+                                      nproc: int) -> None:
+    out = runs["dir"] / f"reshard{nproc}.pt"
+    run(["--ps", server.address, "--run-id", f"reshard{nproc}", "--steps", "20",
+         "--resume-from", str(step_dir(runs["ck_b"], 9)),
+         "--checkpoint-dir", str(runs["dir"] / f"ck_w{nproc}"), "--dump-state", str(out)],
+        nproc=nproc)
+    assert_states(runs["straight"], out, exact=False)
+
+
+@pytest.mark.timeout(600)
+def test_local_optimizer_checkpoint_resumes_on_the_server(runs: dict[str, Path],
+                                                          server: PsServer,
+                                                          tmp_path: Path) -> None:
+    """--local-optimizer writes the server's format: a local checkpoint resumes on a server."""
+    run(["--local-optimizer", "--steps", "10", "--checkpoint-every", "10",
+         "--checkpoint-dir", str(tmp_path / "ck")])
+    run(["--ps", server.address, "--run-id", "from-local", "--steps", "20", "--resume",
+         "--checkpoint-dir", str(tmp_path / "ck"), "--dump-state", str(tmp_path / "x.pt")])
+    assert_states(runs["straight"], tmp_path / "x.pt", exact=False, atol=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_torn_checkpoints_are_never_loaded(tmp_path: Path, server: PsServer,
+                                           runs: dict[str, Path]) -> None:
+    """A rank dies during the write of a checkpoint; --resume loads the previous one."""
+    local = ["--local-optimizer", "--steps", "15", "--checkpoint-every", "5"]
+    (step_dir(tmp_path / "straight", 2) / "rows").mkdir(parents=True)  # an old torn one
+    run([*local, "--checkpoint-dir", str(tmp_path / "straight"), "--checkpoint-keep", "2",
+         "--dump-state", str(tmp_path / "straight.pt")], nproc=1)
+    assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == [
+        "step-0000000009", "step-0000000014"]  # --checkpoint-keep 2 pruned the rest
+    for phase in ("rows", "dense", "manifest"):
+        ck = tmp_path / phase
+        failed = run([*local, "--checkpoint-dir", str(ck)], nproc=1, expect=1,
+                     env={FAULT_ENV: f"9:{phase}"})
+        assert failed.returncode == FAULT_EXIT_CODE
+        assert [s for s, _ in complete_checkpoints(ck)] == [4], phase
+        proc = run([*local, "--checkpoint-dir", str(ck), "--resume", "--dump-state",
+                    str(ck / "final.pt")], nproc=1)
+        assert "resumed from" in proc.stderr and "step 4" in proc.stderr
+        assert_states(tmp_path / "straight.pt", ck / "final.pt", exact=True)
+    # 2 ranks on the server: rank 1 dies after the server saved its partition of step 19.
+    srv = ["--ps", server.address, "--steps", "20", "--checkpoint-every", "10"]
+    ck = tmp_path / "server"
+    run([*srv, "--run-id", "torn-a", "--checkpoint-dir", str(ck)], expect=1,
+        env={FAULT_ENV: "1:19:optim"})
+    assert [s for s, _ in complete_checkpoints(ck)] == [9]
+    run([*srv, "--run-id", "torn-b", "--checkpoint-dir", str(ck), "--resume",
+         "--dump-state", str(ck / "final.pt")])
+    assert_states(runs["straight"], ck / "final.pt", exact=True)
+
+
+@pytest.mark.timeout(600)
+def test_server_crash_recovery(tmp_path: Path, runs: dict[str, Path]) -> None:
+    """kill -9 the server after the step-9 checkpoint and restart it (empty): the workers
+    fail ("lost the optimizer state"), and relaunched with the same command (--resume)
+    they come back from the step-9 checkpoint and end bitwise equal to the uninterrupted
+    run. The relaunch is done here rather than by `torchrun --max-restarts`: a restarted
+    worker's `dist.new_group` (gloo) often fails to connect under --standalone restarts
+    (connectFullMesh: connection refused), a torchrun/gloo problem outside this code."""
+    first = start_ps_server(tmp_path / "ps1")
+    port = first.port
+    ck = tmp_path / "ck"
+    args = [*COMMON, "--batch-size", str(GLOBAL_BATCH // 2), "--ps", first.address,
+            "--run-id", "crash", "--steps", "20", "--checkpoint-every", "10",
+            "--checkpoint-dir", str(ck), "--resume", "--ps-timeout", "20",
+            "--dump-state", str(tmp_path / "final.pt")]
+    second: PsServer | None = None
+    try:
+        with open(tmp_path / "first.log", "w") as log:
+            proc = subprocess.Popen(worker_cmd(args, 2), cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT,
+                                    env=_env({FAULT_ENV: "0:9:after:sleep=6"}))
+            try:
+                deadline = time.monotonic() + 120
+                while not (step_dir(ck, 9) / "manifest.json").exists():
+                    assert proc.poll() is None and time.monotonic() < deadline, \
+                        (tmp_path / "first.log").read_text()
+                    time.sleep(0.05)
+                os.kill(first.proc.pid, signal.SIGKILL)
+                first.proc.wait()
+                second = start_ps_server(tmp_path / "ps2", "--port", str(port))
+                assert proc.wait(180) != 0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        assert "lost the optimizer state" in (tmp_path / "first.log").read_text()
+        again = subprocess.run(worker_cmd(args, 2), cwd=REPO, env=_env(), capture_output=True,
+                               text=True, timeout=180, check=False)
+        assert again.returncode == 0, again.stderr[-6000:]
+    finally:
+        if second is not None:
+            second.terminate()
+    assert "resumed from" in again.stderr and "step 9" in again.stderr
+    assert_states(runs["straight"], tmp_path / "final.pt", exact=True)
+
+
+@pytest.mark.timeout(600)
+def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Path) -> None:
+    from worker.config import TrainConfig
+    from worker.reference import LocalEmbedding
+    from worker.tasks import build_task
+    from worker.tasks.base import HybridModel, build_dense_seeded
+
+    out = tmp_path / "model.pt"
+    proc = subprocess.run([sys.executable, "-m", "worker.export", "--checkpoint",
+                           str(runs["ck_a"]), "--out", str(out)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "exported step 19" in proc.stdout
+    exported = torch.load(out)
+    cfg = TrainConfig(local_optimizer=True, num_rows=2000, dim=8, batch_size=48)
+    task = build_task(cfg)
+    model = HybridModel(LocalEmbedding(task.tables(), seed=1, init_std=1.0),
+                        build_dense_seeded(task, 1))
+    model.load_state_dict(exported)  # strict: exactly the un-sharded model's keys
+    dump = torch.load(runs["straight"])
+    for name, rows in dump["tables"].items():
+        assert torch.equal(exported[f"embedding.tables.{name}.weight"], rows)
+    for key, value in dump["dense"].items():
+        assert torch.equal(exported[f"dense.{key}"], value)
+    # The sharded run's eval metrics (mean over its 2 ranks' eval slices) are reproduced.
+    res = json.loads((runs["dir"] / "straight.json").read_text())
+    with torch.no_grad():
+        sums: dict[str, float] = {}
+        for rank in (0, 1):
+            batch = task.eval_batch(0, rank, 2)
+            assert batch is not None
+            for k, v in task.evaluate(model, batch).items():
+                sums[k] = sums.get(k, 0.0) + float(v) / 2
+    for k, v in res["eval"].items():
+        assert sums[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_checkpoint_flags_validate() -> None:
+    from hybridps.cli import parse_config
+    from worker.config import TrainConfig
+
+    env = {"HYBRIDPS_LOCAL_OPTIMIZER": "1"}
+    cfg = parse_config(TrainConfig, ["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "5",
+                                     "--resume", "true"], environ=env)
+    assert (cfg.checkpoint_dir, cfg.checkpoint_every, cfg.resume) == ("/tmp/x", 5, True)
+    for kwargs, named in [({"checkpoint_every": 5}, "checkpoint_every=5 needs"),
+                          ({"resume": True}, "resume=True needs"),
+                          ({"checkpoint_every": -1, "checkpoint_dir": "d"},
+                           "checkpoint_every=-1")]:
+        with pytest.raises(ValueError, match=named):
+            TrainConfig(local_optimizer=True, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(600)
+def test_resume_on_two_nodes_with_two_servers(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The checkpoint written by ONE server resumes on two "nodes" (`--ps A,B`, one rank
+    each, like tests/test_multinode.py): each new server loads only its node's rank."""
+    import socket
+
+    from ps.admin import get_shard_stats
+
+    servers = [start_ps_server(tmp_path / f"node{i}") for i in range(2)]
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+        dump = tmp_path / "state.pt"
+        agents = []
+        for i in range(2):
+            cmd = [TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", endpoint, "--rdzv-id", "ckpt-two-nodes", "--local-addr",
+                   "127.0.0.1", MAIN, *COMMON, "--batch-size", str(GLOBAL_BATCH // 2),
+                   "--ps", ",".join(s.address for s in servers), "--run-id", "two-nodes",
+                   "--steps", "20", "--resume-from", str(step_dir(runs["ck_b"], 9)),
+                   "--checkpoint-dir", str(tmp_path / "ck"), "--dump-state", str(dump)]
+            log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - closed below
+            agents.append((subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log,
+                                            stderr=subprocess.STDOUT), log))
+            time.sleep(0.5)  # the first agent hosts the rendezvous store
+        for proc, log in agents:
+            try:
+                proc.wait(300)
+            finally:
+                log.close()
+        for i, (proc, _) in enumerate(agents):
+            assert proc.returncode == 0, (tmp_path / f"agent{i}.log").read_text()[-4000:]
+        for node, server in enumerate(servers):
+            stats = get_shard_stats(server.address, run_id="two-nodes")
+            assert {p.rank for p in stats.partitions} == {node}, stats
+            assert all(p.last_step == 19 for p in stats.partitions)
+        assert_states(runs["straight"], dump, exact=True)
+    finally:
+        for server in servers:
+            server.terminate()

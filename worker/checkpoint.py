@@ -1,0 +1,348 @@
+"""Step-consistent checkpoints of a training run, and resuming from one (any world size).
+
+A checkpoint at step s (taken after step s's push, `--checkpoint-every N` -> steps
+N-1, 2N-1, ...) holds the state a run has before step s+1 once every update of
+steps <= s is in the rows:
+
+1. every rank drains its staleness window through s (all its pushes <= s are
+   answered, i.e. applied on the server, and their updates are in its rows);
+2. every rank writes the rows it owns (`rows/<table>.r<rank>.pt`);
+3. the sparse optimizer state: each rank asks ITS shard server to save its own
+   partition (Checkpoint RPC, ranks=[rank]: the server waits until the pushes
+   <= s are applied, then writes m, v, step count, last_step); under
+   --local-optimizer the rank writes the same files itself;
+4. the full (unsharded) dense + dense optimizer state dicts (rank 0, `dense.pt`);
+5. barrier; rank 0 renames `manifest.json` into place LAST (step, world size,
+   tables, row ranges, files with sizes + crc32, data position); barrier.
+
+A directory without a manifest is torn and ignored; `--resume` loads the newest
+directory with one. Resuming: each rank reads the saved row ranges that overlap
+the range it owns now (ps/checkpoint.py load_rows), so the world size may
+differ; the server loads the optimizer state the same way (Register with
+`restore`), and sets last_step = s so no update is applied twice; the data
+position is the step (tasks make batches from (seed, step)); training
+continues at step s+1.
+
+Note: with --staleness K > 0 a checkpoint is a synchronisation point (the rows
+get updates through s before step s+1 instead of through s-K), so a run with
+checkpoints equals its resumed runs, not a run without checkpoints (K=0: all equal).
+
+Fault injection for tests: HYBRIDPS_FAULT_CHECKPOINT=[RANK:]STEP:PHASE[:sleep=SEC]
+makes rank RANK (default any) os._exit(FAULT_EXIT_CODE) (or sleep) at PHASE of the
+checkpoint of STEP, PHASE one of FAULT_PHASES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ps.checkpoint import (
+    MANIFEST,
+    STEP_DIR,
+    OptimState,
+    ShardInfo,
+    complete_checkpoints,
+    file_crc32,
+    load_optim_state,
+    load_rows,
+    manifest_shards,
+    read_manifest,
+    rows_file,
+    save_optim_state,
+    save_shard,
+    save_torch,
+    step_dir,
+    write_manifest,
+)
+from worker.sync import LocalSparseOptimizer, ShardClient
+
+if TYPE_CHECKING:
+    from worker.train import Trainer
+
+log = logging.getLogger("worker.checkpoint")
+
+FAULT_ENV = "HYBRIDPS_FAULT_CHECKPOINT"
+FAULT_PHASES = ("start", "rows", "optim", "dense", "manifest", "after")
+FAULT_EXIT_CODE = 43
+DENSE_FILE = "dense.pt"
+
+
+def fault_point(rank: int, step: int, phase: str) -> None:
+    """Test hook: exit (or sleep) here when HYBRIDPS_FAULT_CHECKPOINT names this point."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    parts = spec.split(":")
+    action = ""
+    if parts[-1].startswith("sleep="):
+        action = parts.pop()
+    if len(parts) == 2:
+        parts.insert(0, "")
+    if len(parts) != 3:
+        raise ValueError(f"{FAULT_ENV}={spec!r} is not [RANK:]STEP:PHASE[:sleep=SEC]")
+    want_rank, want_step, want_phase = parts
+    if want_phase not in FAULT_PHASES:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: phase {want_phase!r} not in {FAULT_PHASES}")
+    if (want_rank and int(want_rank) != rank) or int(want_step) != step or want_phase != phase:
+        return
+    if action:
+        time.sleep(float(action.split("=", 1)[1]))
+        return
+    log.warning("rank %d: %s: exiting at checkpoint step %d phase %s", rank, FAULT_ENV, step,
+                phase)
+    os._exit(FAULT_EXIT_CODE)
+
+
+def find_checkpoint(root: str | Path) -> Path | None:
+    """A complete checkpoint directory itself, or the newest complete one under `root`."""
+    root = Path(root)
+    if (root / "manifest.json").is_file():
+        return root
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _full_options() -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class Checkpointer:
+    """Saves (`save`) and restores (`restore`) a Trainer's state; see the module doc."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.t = trainer
+        self.cfg = trainer.cfg
+        self.rank = trainer.ctx.rank
+        self.world = trainer.ctx.world_size
+        self.root = Path(self.cfg.checkpoint_dir).resolve() if self.cfg.checkpoint_dir else None
+        self.resumed_step = -1
+        self.save_s: list[float] = []
+        self.restore_s = 0.0
+
+    # -- which checkpoint to resume from (called before the source starts) ----------
+    def resume_target(self) -> tuple[Path, int] | None:
+        cfg = self.cfg
+        if not (cfg.resume or cfg.resume_from):
+            return None
+        where = cfg.resume_from or cfg.checkpoint_dir
+        found = find_checkpoint(where)
+        box: list[Any] = [None if found is None else str(found.resolve())]
+        if self.world > 1:  # rank 0's choice wins (a checkpoint may complete meanwhile)
+            dist.broadcast_object_list(box, src=0)
+        found = None if box[0] is None else Path(box[0])
+        if found is None:
+            if cfg.resume_from:
+                raise FileNotFoundError(f"resume_from={cfg.resume_from!r}: no complete "
+                                        "checkpoint (manifest.json) there")
+            log.info("rank %d: --resume: no complete checkpoint under %s; starting at step 0",
+                     self.rank, where)
+            return None
+        manifest = read_manifest(found)
+        return found, int(manifest["step"])
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return (self.root is not None and every > 0 and (step + 1) % every == 0
+                and step != self.resumed_step)
+
+    # -- save -------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        """A checkpoint of `step` (collective: every rank calls it after pushing `step`)."""
+        assert self.root is not None
+        t0 = time.perf_counter()
+        tr = self.t
+        tr.window.drain(step)  # every update of steps <= step is in the rows
+        directory = step_dir(self.root, step)
+        fault_point(self.rank, step, "start")
+        if self.rank == 0:
+            (directory / "manifest.json").unlink(missing_ok=True)  # re-saving a step
+        self._barrier()
+        tables = tr.embedding.tables
+        rows: dict[str, ShardInfo] = {}
+        for name, table in tables.items():
+            start, end = tr.embedding.ranges[name]
+            rows[name] = save_shard(directory, rows_file(name, self.rank), kind="rows",
+                                    table=name, rank=self.rank, num_rows=table.num_rows,
+                                    dim=table.dim, row_start=start, row_end=end,
+                                    tensors={"weight": tr.embedding.weights[name].data},
+                                    meta={"step": step})
+        fault_point(self.rank, step, "rows")
+        t_rows = time.perf_counter()
+        optim = self._save_optim(step, directory)
+        fault_point(self.rank, step, "optim")
+        t_optim = time.perf_counter()
+        dense = get_model_state_dict(tr.model.dense, options=_full_options())
+        dense_opt = get_optimizer_state_dict(tr.model.dense, tr.dense_opt,
+                                             options=_full_options())
+        dense_info: dict[str, Any] = {}
+        if self.rank == 0:
+            dense_info = {"file": DENSE_FILE, **save_torch(
+                directory / DENSE_FILE, {"model": dense, "optimizer": dense_opt, "step": step})}
+        fault_point(self.rank, step, "dense")
+        mine = {name: {"rank": self.rank, "row_start": rows[name].row_start,
+                       "row_end": rows[name].row_end,
+                       "rows": _file_entry(rows[name]), "optim": _file_entry(optim[name])}
+                for name in tables}
+        gathered: list[Any] = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        if self.rank == 0:
+            manifest = {
+                "step": step,
+                "next_step": step + 1,
+                "world_size": self.world,
+                "run_id": tr.run_id,
+                "mode": "local-optimizer" if self.cfg.local_optimizer else "server",
+                "optimizer": dataclasses.asdict(tr.sparse_spec),
+                "task": self.cfg.task,
+                "seed": self.cfg.seed,
+                "data": {"step": step, "samples_seen": (step + 1) * self.cfg.batch_size
+                         * self.world},
+                "created_unix": time.time(),
+                "tables": {name: {"num_rows": t.num_rows, "dim": t.dim,
+                                  "shards": [g[name] for g in gathered]}
+                           for name, t in tables.items()},
+                "dense": dense_info,
+            }
+            fault_point(self.rank, step, "manifest")
+            write_manifest(directory, manifest)
+            self._prune(step)
+        self._barrier()
+        fault_point(self.rank, step, "after")
+        elapsed = time.perf_counter() - t0
+        self.save_s.append(elapsed)
+        if self.rank == 0:
+            log.info("checkpoint step %d -> %s in %.2fs (drain+rows %.2fs, optimizer state "
+                     "%.2fs)", step, directory, elapsed, t_rows - t0, t_optim - t_rows)
+        return directory
+
+    def _prune(self, step: int) -> None:
+        """--checkpoint-keep N: delete all but the newest N complete checkpoints, and torn
+        directories older than the newest complete one."""
+        keep = self.cfg.checkpoint_keep
+        if keep <= 0 or self.root is None:
+            return
+        complete = complete_checkpoints(self.root)
+        doomed = [d for _, d in complete[:-keep]]
+        newest = complete[-1][0] if complete else -1
+        for child in self.root.iterdir():
+            m = STEP_DIR.match(child.name)
+            if m and int(m.group(1)) < newest and not (child / MANIFEST).exists():
+                doomed.append(child)
+        for d in doomed:
+            (d / MANIFEST).unlink(missing_ok=True)  # first: never a half-deleted loadable one
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _save_optim(self, step: int, directory: Path) -> dict[str, ShardInfo]:
+        tr = self.t
+        source = tr.source
+        if isinstance(source, ShardClient):
+            files = source.checkpoint(step, str(directory))
+            return {f.table: ShardInfo(f.table, f.rank, f.row_start, f.row_end, f.file,
+                                       f.bytes, f.crc32) for f in files}
+        assert isinstance(source, LocalSparseOptimizer)
+        out = {}
+        opt = dataclasses.asdict(tr.sparse_spec)
+        for name, table in tr.embedding.tables.items():
+            start, end = tr.embedding.ranges[name]
+            m, v = source.moments[name]
+            out[name] = save_optim_state(
+                directory, table=name, rank=self.rank, num_rows=table.num_rows, dim=table.dim,
+                row_start=start, row_end=end,
+                state=OptimState(m, v, source.counts[name], step), optimizer=opt)
+        return out
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    # -- restore ----------------------------------------------------------------------
+    @torch.no_grad()
+    def restore_local(self, directory: Path, step: int) -> None:
+        """Rows, --local-optimizer state and dense state from `directory` (before training).
+
+        The server-side optimizer state is loaded by the server when the ShardClient
+        registers with restore=(directory, step).
+        """
+        t0 = time.perf_counter()
+        tr = self.t
+        manifest = read_manifest(directory)
+        saved = manifest["tables"]
+        for name, table in tr.embedding.tables.items():
+            entry = saved.get(name)
+            if entry is None or (entry["num_rows"], entry["dim"]) != (table.num_rows, table.dim):
+                raise ValueError(f"checkpoint {directory}: table {name!r} is "
+                                 f"{'missing' if entry is None else 'of another shape'}; "
+                                 f"this run has {table.num_rows}x{table.dim}")
+        saved_opt = manifest.get("optimizer", {})
+        if saved_opt and saved_opt != dataclasses.asdict(tr.sparse_spec):
+            raise ValueError(f"checkpoint {directory}: sparse optimizer {saved_opt} differs "
+                             f"from this run's {dataclasses.asdict(tr.sparse_spec)}")
+        for name, table in tr.embedding.tables.items():
+            start, end = tr.embedding.ranges[name]
+            shards = manifest_shards(manifest, name, "rows")
+            _verify(directory, [s for s in shards if s.row_start < end and start < s.row_end])
+            got, _ = load_rows(directory, name, table.num_rows, table.dim, shards, start, end,
+                               ["weight"])
+            weight = got["weight"]
+            assert weight is not None
+            tr.embedding.weights[name].data.copy_(weight)
+        source = tr.source
+        if isinstance(source, LocalSparseOptimizer):
+            for name, table in tr.embedding.tables.items():
+                start, end = tr.embedding.ranges[name]
+                state = load_optim_state(directory, table=name, num_rows=table.num_rows,
+                                         dim=table.dim, row_start=start, row_end=end,
+                                         step=step, has_moments=tr.sparse_spec.has_moments)
+                m, v = source.moments[name]
+                if m is not None and state.m is not None:
+                    m.copy_(state.m)
+                if v is not None and state.v is not None:
+                    v.copy_(state.v)
+                source.counts[name] = state.adam_step
+            source.buffer.start_at(step)
+        dense_entry = manifest["dense"]
+        _verify_entry(directory, dense_entry)
+        blob = torch.load(directory / dense_entry["file"], map_location="cpu",
+                          weights_only=False)
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(tr.model.dense, blob["model"], options=full)
+        set_optimizer_state_dict(tr.model.dense, tr.dense_opt, blob["optimizer"], options=full)
+        tr.window.applied_through = step
+        self.resumed_step = step
+        self.restore_s = time.perf_counter() - t0
+        log.info("rank %d: resumed from %s (step %d, saved by world %d) in %.2fs", self.rank,
+                 directory, step, manifest["world_size"], self.restore_s)
+
+
+def _file_entry(info: ShardInfo) -> dict[str, Any]:
+    return {"file": info.file, "bytes": info.bytes, "crc32": info.crc32}
+
+
+def _verify_entry(directory: Path, entry: dict[str, Any]) -> None:
+    path = directory / entry["file"]
+    if path.stat().st_size != entry["bytes"] or file_crc32(path) != entry["crc32"]:
+        raise ValueError(f"checkpoint file {path} does not match its manifest entry (corrupt)")
+
+
+def _verify(directory: Path, shards: list[ShardInfo]) -> None:
+    for s in shards:
+        _verify_entry(directory, {"file": s.file, "bytes": s.bytes, "crc32": s.crc32})

@@ -1,0 +1,76 @@
+"""Export a checkpoint as one plain, single-process state_dict.
+
+    python -m worker.export --checkpoint CKPT_DIR --out model.pt
+
+CKPT_DIR is a complete checkpoint (`.../step-<s>/` with manifest.json) or a
+checkpoint root (its newest complete one is taken). model.pt is a torch.save
+of a plain state_dict of the un-sharded model `HybridModel(embedding, dense)`
+as built by worker/reference.py (LocalEmbedding: one nn.Embedding per table):
+
+    embedding.tables.<table>.weight   the full [num_rows, dim] table
+    dense.<key>                       the dense module's (unsharded) weights
+
+so `HybridModel(LocalEmbedding(task.tables(), ...), task.build_dense())
+.load_state_dict(torch.load("model.pt"))` rebuilds the trained model in one
+process. No process group, no server, no optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ps.checkpoint import load_rows, manifest_shards, read_manifest, save_torch
+from ps.errors import ShardError
+
+EMBEDDING_PREFIX = "embedding.tables."
+DENSE_PREFIX = "dense."
+
+
+def export_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], int]:
+    """(the plain state_dict, the checkpoint's step) of a checkpoint directory or root."""
+    from worker.checkpoint import find_checkpoint
+
+    directory = find_checkpoint(checkpoint)
+    if directory is None:
+        raise FileNotFoundError(f"{checkpoint}: no complete checkpoint (manifest.json)")
+    manifest = read_manifest(directory)
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in manifest["tables"].items():
+        num_rows, dim = int(entry["num_rows"]), int(entry["dim"])
+        shards = manifest_shards(manifest, name, "rows")
+        got, _ = load_rows(directory, name, num_rows, dim, shards, 0, num_rows, ["weight"])
+        weight = got["weight"]
+        assert weight is not None
+        out[f"{EMBEDDING_PREFIX}{name}.weight"] = weight
+    blob = torch.load(Path(directory) / manifest["dense"]["file"], map_location="cpu",
+                      weights_only=False)
+    for key, value in blob["model"].items():
+        out[f"{DENSE_PREFIX}{key}"] = value.detach().clone()
+    return out, int(manifest["step"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a step-<s> checkpoint directory, or a root (its newest)")
+    parser.add_argument("--out", required=True, metavar="PATH", help="output .pt file")
+    args = parser.parse_args(argv)
+    try:
+        state, step = export_state_dict(args.checkpoint)
+    except (OSError, ValueError, ShardError) as exc:
+        print(f"worker.export: error: {exc}", file=sys.stderr)
+        return 1
+    save_torch(args.out, state)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"exported step {step}: {len(state)} tensors, {total / 2**20:.1f} MiB -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Sizing: bytes per device, per shard server and on the wire, before anything is allocated.
+
+Per embedding row of width D (float32 everywhere):
+- device of the rank that owns the row: the row itself, 4*D bytes
+  (+ 8*D for Adam's m and v with --local-optimizer, which keeps them on the device);
+- host of the shard server of that rank's node: the optimizer state, 8*D bytes for
+  adam/adamw (m and v), 0 for sgd, plus 1 byte (the "touched" flag); the server
+  holds no copy of the rows;
+- on the wire, per step and rank: every touched owned row once up (id 8 B +
+  gradient 4*D B) and once down (id + delta).
+Rows are split evenly: rank r of W owns ceil(R/W) rows of a table of R rows at
+most, and a node's server holds the state of its ranks' rows.
+
+    from worker.plan import plan_for_config, format_plan
+    plan = plan_for_config(cfg, world_size=64, ranks_per_node=8)
+    print(format_plan(plan)); plan.refusals  # [] when it fits
+
+`python -m worker.plan --rows 1000000000 --dim 128 --nodes 8 --ranks-per-node 8`
+is the calculator for one table (docs/deploy.md's worked example);
+`worker/main.py --plan` prints the plan of the actual flags and layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.config import TrainConfig
+
+GB = 10**9
+ID_BYTES = 8
+FLOAT_BYTES = 4
+TOUCHED_FLAG_BYTES = 1
+ANSWER_CACHE_STEPS = 8  # ps.partition.DEFAULT_ANSWER_CACHE_STEPS (kept torch-free here)
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (e.g. a task that cannot say its tables without data)."""
+
+
+@dataclass(frozen=True)
+class TableShape:
+    name: str
+    num_rows: int
+    dim: int
+    lookups_per_sample: float = 1.0
+
+
+@dataclass
+class Plan:
+    tables: list[TableShape]
+    world_size: int
+    ranks_per_node: int
+    batch_size: int
+    optimizer: str
+    staleness: int
+    local_optimizer: bool
+    device_kind: str = "cuda"  # "cuda": per-rank devices; "cpu": ranks share host memory
+    device_capacity: int | None = None  # bytes of one rank's device (cuda)
+    host_capacity: int | None = None    # bytes of one node's host memory
+    notes: list[str] = field(default_factory=list)
+
+    # -- layout ----------------------------------------------------------------------
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.world_size / self.ranks_per_node)
+
+    def rows_per_rank(self, t: TableShape) -> int:
+        return math.ceil(t.num_rows / self.world_size)
+
+    def touched_per_step(self, t: TableShape) -> int:
+        """Rows one rank pushes per step, at most: its share of the global batch's lookups."""
+        return min(self.rows_per_rank(t), math.ceil(self.batch_size * t.lookups_per_sample))
+
+    @property
+    def moments(self) -> int:
+        return 0 if self.optimizer == "sgd" else 2
+
+    # -- bytes -----------------------------------------------------------------------
+    @property
+    def device_rows_bytes(self) -> int:
+        return sum(self.rows_per_rank(t) * t.dim * FLOAT_BYTES for t in self.tables)
+
+    @property
+    def device_state_bytes(self) -> int:
+        """m, v on the device: only with --local-optimizer."""
+        if not self.local_optimizer:
+            return 0
+        return sum(self.rows_per_rank(t) * t.dim * FLOAT_BYTES * self.moments
+                   for t in self.tables)
+
+    @property
+    def device_step_bytes(self) -> int:
+        """Per-step working set (estimate): looked-up rows, their grads, pending updates."""
+        total = 0
+        for t in self.tables:
+            lookups = math.ceil(self.batch_size * t.lookups_per_sample)
+            touched = self.touched_per_step(t)
+            total += 3 * lookups * t.dim * FLOAT_BYTES
+            total += (self.staleness + 3) * touched * (t.dim * FLOAT_BYTES + ID_BYTES)
+        return total
+
+    @property
+    def device_bytes_per_rank(self) -> int:
+        return self.device_rows_bytes + self.device_state_bytes + self.device_step_bytes
+
+    @property
+    def host_state_bytes_per_rank(self) -> int:
+        if self.local_optimizer:
+            return 0
+        return sum(self.rows_per_rank(t) * (t.dim * FLOAT_BYTES * self.moments
+                                            + TOUCHED_FLAG_BYTES) for t in self.tables)
+
+    @property
+    def host_cache_bytes_per_rank(self) -> int:
+        """The server's saved answers (re-sent pushes are answered from them)."""
+        if self.local_optimizer:
+            return 0
+        return sum(ANSWER_CACHE_STEPS * self.touched_per_step(t) * (t.dim * FLOAT_BYTES
+                                                                    + ID_BYTES)
+                   for t in self.tables)
+
+    @property
+    def host_bytes_per_server(self) -> int:
+        per_rank = self.host_state_bytes_per_rank + self.host_cache_bytes_per_rank
+        return per_rank * min(self.ranks_per_node, self.world_size)
+
+    @property
+    def wire_bytes_per_rank_step(self) -> tuple[int, int]:
+        """(push bytes up, update bytes down) of one rank per step, at most."""
+        if self.local_optimizer:
+            return 0, 0
+        one_way = sum(self.touched_per_step(t) * (ID_BYTES + t.dim * FLOAT_BYTES)
+                      for t in self.tables)
+        return one_way, one_way
+
+    @property
+    def a2a_bytes_per_rank_step(self) -> int:
+        """Embedding all_to_all traffic of one rank per step (ids out, rows back, grads out)."""
+        return sum(math.ceil(self.batch_size * t.lookups_per_sample)
+                   * (ID_BYTES + 2 * t.dim * FLOAT_BYTES) for t in self.tables)
+
+    @property
+    def node_bytes_cpu(self) -> int:
+        """device=cpu: the ranks' rows and the server's state share one host."""
+        return self.device_bytes_per_rank * self.ranks_per_node + self.host_bytes_per_server
+
+    # -- verdict ---------------------------------------------------------------------
+    @property
+    def refusals(self) -> list[str]:
+        out = []
+        if self.device_kind == "cuda":
+            cap = self.device_capacity
+            if cap is not None and self.device_bytes_per_rank > cap:
+                out.append(f"device memory: each rank needs {_gb(self.device_bytes_per_rank)} "
+                           f"(rows {_gb(self.device_rows_bytes)}) but a device has "
+                           f"{_gb(cap)}")
+            if self.host_capacity is not None and self.host_bytes_per_server > self.host_capacity:
+                out.append(f"host memory: each node's shard server needs "
+                           f"{_gb(self.host_bytes_per_server)} but a node has "
+                           f"{_gb(self.host_capacity)}")
+        elif self.host_capacity is not None and self.node_bytes_cpu > self.host_capacity:
+            out.append(f"host memory (device=cpu: {self.ranks_per_node} ranks x "
+                       f"{_gb(self.device_bytes_per_rank)} + shard server "
+                       f"{_gb(self.host_bytes_per_server)}) = {_gb(self.node_bytes_cpu)} but a "
+                       f"node has {_gb(self.host_capacity)}")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.refusals
+
+
+def _gb(n: int | float) -> str:
+    return f"{n / GB:.3f} GB"
+
+
+def format_plan(plan: Plan) -> str:
+    up, down = plan.wire_bytes_per_rank_step
+    g = min(plan.ranks_per_node, plan.world_size)
+    lines = [
+        f"hybridps plan: {plan.world_size} ranks = {plan.nodes} node(s) x {g} ranks, "
+        f"batch {plan.batch_size}/rank, optimizer {plan.optimizer}, staleness {plan.staleness}"
+        + (", --local-optimizer" if plan.local_optimizer else ""),
+        "tables:",
+    ]
+    for t in plan.tables:
+        lines.append(f"  {t.name}: {t.num_rows:,} rows x {t.dim} dim, "
+                     f"{t.lookups_per_sample:g} lookups/sample -> {plan.rows_per_rank(t):,} "
+                     f"rows/rank, <= {plan.touched_per_step(t):,} rows pushed/rank/step")
+    cap_dev = "?" if plan.device_capacity is None else _gb(plan.device_capacity)
+    cap_host = "?" if plan.host_capacity is None else _gb(plan.host_capacity)
+    lines += [
+        f"device bytes per rank ({plan.device_kind}): {_gb(plan.device_bytes_per_rank)} = rows "
+        f"{_gb(plan.device_rows_bytes)} + optimizer state {_gb(plan.device_state_bytes)} + "
+        f"step working set {_gb(plan.device_step_bytes)} (dense part, activations, framework "
+        f"not included) [capacity {cap_dev}]",
+        f"host bytes per shard server: {_gb(plan.host_bytes_per_server)} = {g} ranks x "
+        f"(state {_gb(plan.host_state_bytes_per_rank)} + answer cache "
+        f"{_gb(plan.host_cache_bytes_per_rank)}) [capacity {cap_host}]",
+        f"wire bytes per step: per rank {up / 1e6:.3f} MB up + {down / 1e6:.3f} MB down; per "
+        f"server {g * (up + down) / 1e6:.3f} MB; embedding all_to_all "
+        f"{plan.a2a_bytes_per_rank_step / 1e6:.3f} MB per rank",
+    ]
+    if plan.device_kind == "cpu":
+        lines.append(f"device=cpu: ranks and server share the host: {_gb(plan.node_bytes_cpu)} "
+                     "per node")
+    lines += [f"note: {n}" for n in plan.notes]
+    refusals = plan.refusals
+    lines.append("verdict: fits" if not refusals else "verdict: DOES NOT FIT: "
+                 + "; ".join(refusals))
+    return "\n".join(lines)
+
+
+# -- from a worker config --------------------------------------------------------------
+
+def table_shapes(cfg: TrainConfig, notes: list[str]) -> list[TableShape]:
+    """The task's tables without building it, when it can say them (`plan_tables`)."""
+    from worker.tasks import build_task, task_class
+
+    cls = task_class(cfg.task)
+    plan_tables = getattr(cls, "plan_tables", None)
+    if plan_tables is not None:
+        return [TableShape(t.name, t.num_rows, t.dim, float(lookups))
+                for t, lookups in plan_tables(cfg)]
+    notes.append(f"task {cfg.task!r} has no plan_tables(): it was built to read its tables "
+                 "(its data loaded); 1 lookup per sample assumed")
+    return [TableShape(t.name, t.num_rows, t.dim) for t in build_task(cfg).tables()]
+
+
+def detect_host_memory() -> int | None:
+    """Physical memory, or the cgroup's limit when lower (containers)."""
+    candidates = []
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        candidates.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            candidates.append(int(text))
+    return min(candidates) if candidates else None
+
+
+def detect_device(device_request: str, local_rank: int) -> tuple[str, int | None]:
+    """('cuda', bytes of the device) or ('cpu', None), like worker.parallel.pick_device."""
+    if device_request == "cpu":
+        return "cpu", None
+    import torch
+
+    if device_request == "cuda" or torch.cuda.is_available():
+        if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+            return "cuda", int(torch.cuda.get_device_properties(local_rank).total_memory)
+        return "cuda", None
+    return "cpu", None
+
+
+def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
+                    ranks_per_node: int | None = None, local_rank: int | None = None,
+                    detect: bool = True) -> Plan:
+    """The plan of `cfg` on this launch's layout (torchrun env) unless given."""
+    env = os.environ
+    world = world_size or int(env.get("WORLD_SIZE", "1") or 1)
+    per_node = ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", "0") or 0) or world
+    local = local_rank if local_rank is not None else int(env.get("LOCAL_RANK", "0") or 0)
+    notes: list[str] = []
+    plan = Plan(table_shapes(cfg, notes), world, per_node, cfg.batch_size, cfg.optimizer,
+                cfg.staleness, cfg.local_optimizer, notes=notes)
+    kind, detected = detect_device(cfg.device, local) if detect else ("cpu", None)
+    plan.device_kind = kind
+    if cfg.device_memory_gb > 0:
+        plan.device_capacity = int(cfg.device_memory_gb * GB)
+        if kind == "cpu":
+            notes.append("--device-memory-gb is ignored on device=cpu (the host is the device)")
+    else:
+        plan.device_capacity = detected
+    if cfg.host_memory_gb > 0:
+        plan.host_capacity = int(cfg.host_memory_gb * GB)
+    elif detect:
+        plan.host_capacity = detect_host_memory()
+    return plan
+
+
+# -- `python -m worker.plan`: the calculator -----------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.plan", description=(
+        "memory and traffic of one embedding table on a cluster (docs/deploy.md)"))
+    parser.add_argument("--rows", type=int, required=True, help="rows of the table")
+    parser.add_argument("--dim", type=int, required=True, help="embedding width")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank/step")
+    parser.add_argument("--lookups", type=float, default=1.0, help="lookups per sample")
+    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
+    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--device-memory-gb", type=float, default=0.0)
+    parser.add_argument("--host-memory-gb", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    if min(args.rows, args.dim, args.nodes, args.ranks_per_node, args.batch_size) < 1:
+        parser.error("--rows, --dim, --nodes, --ranks-per-node, --batch-size must be >= 1")
+    plan = Plan([TableShape("table", args.rows, args.dim, args.lookups)],
+                args.nodes * args.ranks_per_node, args.ranks_per_node, args.batch_size,
+                args.optimizer, args.staleness, local_optimizer=False, device_kind="cuda",
+                device_capacity=int(args.device_memory_gb * GB) or None,
+                host_capacity=int(args.host_memory_gb * GB) or None)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

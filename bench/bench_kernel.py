@@ -165,28 +165,45 @@ class Workload:
             yield ids, grads
 
 
-def warm_up(bufs: Buffers, seconds: float, threads: int) -> None:
-    """Random-row updates on every table for `seconds` each (not timed)."""
+def warm_up(bufs: Buffers, max_seconds: float, threads: int) -> dict[str, float]:
+    """Untimed random-row updates on each table until its rate stops rising.
+
+    Per table: 0.25 s windows, stopping once two windows in a row are within 15% of
+    the best so far (after at least 1 s), or after `max_seconds`. Returns the
+    seconds spent per table. (In the VM this was written on, tables on fresh huge
+    pages ran ~10x slower than later for their first seconds of random access.)
+    """
     work = Workload(bufs, 64, seed=1)
-    stream = work.batches(16384)
-    delta = torch.zeros(16384, 64)
+    stream = work.batches(4096)
+    delta = torch.zeros(4096, 64)
     step = 0
-    for m, v in ((work.m, work.v), (work.m_thp, work.v_thp), (work.weight, None)):
+    spent: dict[str, float] = {}
+    for name, m, v in (("state", work.m, work.v), ("state_thp", work.m_thp, work.v_thp),
+                       ("weight", work.weight, None)):
         if m is None:
             continue
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            ids, grads = next(stream)
-            step += 1
-            if v is None:
-                optim.apply_update_(m, ids, delta, 1.0, num_threads=threads)
-            else:
-                optim.apply_rows_(SPEC, m, v, ids, grads, step, num_threads=threads)
+        t0 = time.perf_counter()
+        best, steady = 0.0, 0
+        while time.perf_counter() - t0 < max_seconds and steady < 2:
+            w0, calls = time.perf_counter(), 0
+            while time.perf_counter() - w0 < 0.25:
+                ids, grads = next(stream)
+                step += 1
+                calls += 1
+                if v is None:
+                    optim.apply_update_(m, ids, delta, 1.0, num_threads=threads)
+                else:
+                    optim.apply_rows_(SPEC, m, v, ids, grads, step, num_threads=threads)
+            rate = calls / (time.perf_counter() - w0)
+            steady = steady + 1 if rate >= 0.85 * best and time.perf_counter() - t0 > 1 else 0
+            best = max(best, rate)
+        spent[name] = time.perf_counter() - t0
     bufs.m.zero_()
     bufs.v.zero_()
     if bufs.m_thp is not None and bufs.v_thp is not None:
         bufs.m_thp.zero_()
         bufs.v_thp.zero_()
+    return spent
 
 
 def measure(step_fn: Callable[[torch.Tensor, torch.Tensor], None],
@@ -329,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="MiB per table tensor (m, v, weight): 4M rows at dim 64, 2M at 128; "
                         "keep it well above the last-level cache")
     p.add_argument("--pool-mib", type=int, default=256, help="MiB of gradient pool")
-    p.add_argument("--warmup-s", type=float, default=1.5,
-                   help="seconds of untimed random-row updates per table after allocation")
+    p.add_argument("--warmup-s", type=float, default=5.0,
+                   help="at most this many seconds of untimed random-row updates per table "
+                        "after allocation (stops earlier once the rate is steady)")
     p.add_argument("--seconds", type=float, default=0.45,
                    help="per configuration, split over --rounds windows")
     p.add_argument("--rounds", type=int, default=4)
@@ -342,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.dims, args.batches = "64", "4096,65536"
         args.table_mib, args.pool_mib, args.triad_mib = 512, 128, 256
-        args.seconds, args.warmup_s = 0.3, 1.0
+        args.seconds, args.warmup_s = 0.3, 3.0
     dims = [int(x) for x in args.dims.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     threads = [int(x) for x in args.threads.split(",")]
@@ -357,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     n = args.triad_mib * 2**20 // 4
     triad_arrays = (torch.zeros(n), torch.rand(n), torch.rand(n))
     bufs = Buffers(args.table_mib << 20, args.pool_mib << 20, thp=not args.no_thp)
-    warm_up(bufs, args.warmup_s, max(threads))
-    log(f"setup {time.perf_counter() - t0:.1f}s")
+    warmed = warm_up(bufs, args.warmup_s, max(threads))
+    log(f"setup {time.perf_counter() - t0:.1f}s (warm-up s per table: "
+        + ", ".join(f"{k} {x:.1f}" for k, x in warmed.items()) + ")")
     bandwidth = {"start": triad_bandwidth(triad_arrays, threads, passes=5)}
     log(f"triad GB/s at start: {bandwidth['start']}")
     results: list[Result] = []

@@ -5,8 +5,10 @@ open Sync streams and their Finish calls. A run is over when
 - every registered rank has sent Finish (the normal end: each rank's last
   Flush came first, so every acknowledged push is applied), or
 - a rank finished with aborted=true (it stopped early: signal, error) and no
-  other rank of the run still has a Sync stream open (they died or stopped
-  too; torchrun tears the whole group down when one rank fails), or
+  other rank of the run has had a Sync stream open for `abort_grace_s` (they
+  died or stopped too; torchrun tears the whole group down when one rank
+  fails). The grace lets a rank that closed its stream still send its own
+  Finish before the server stops, or
 - the run is abandoned: it had streams, none has been open for
   `idle_timeout_s`, and nobody finished (e.g. the worker was SIGKILLed).
 The server uses this for --exit-after-run: it stops gracefully after the first
@@ -56,8 +58,10 @@ class RunTracker:
     """Thread-safe; `on_over(run_id, why)` is called once per run, when it is over."""
 
     def __init__(self, on_over: Callable[[str, str], None] | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 abort_grace_s: float = 3.0) -> None:
         self.on_over = on_over
+        self.abort_grace_s = abort_grace_s
         self._clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, RunStatus] = {}
@@ -113,6 +117,13 @@ class RunTracker:
         for run_id, why in over:
             self._notify(run_id, why)
 
+    def recheck(self, run_id: str) -> None:
+        """Re-apply the rules (the aborted rule waits `abort_grace_s`; call after it)."""
+        with self._lock:
+            run = self._runs.get(run_id)
+            why = self._check(run) if run is not None else ""
+        self._notify(run_id, why)
+
     def status(self, run_id: str) -> RunStatus | None:
         with self._lock:
             return self._runs.get(run_id)
@@ -126,8 +137,10 @@ class RunTracker:
             aborted = sorted(k for k, r in run.ranks.items() if r.aborted)
             run.over = ("every rank finished" if not aborted
                         else f"every rank finished (aborted: ranks {aborted})")
-        elif any(r.aborted for r in ranks) and all(r.streams == 0 for r in ranks
-                                                   if not r.finished):
+        elif (any(r.aborted for r in ranks)
+              and all(r.streams == 0 for r in ranks if not r.finished)
+              and run.idle_since is not None
+              and self._clock() - run.idle_since >= self.abort_grace_s):
             aborted = sorted(k for k, r in run.ranks.items() if r.aborted)
             missing = sorted(k for k, r in run.ranks.items() if not r.finished)
             run.over = (f"aborted by ranks {aborted}; ranks {missing} have no stream open")

@@ -184,6 +184,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def _stream_closed(self, run_id: str, rank: int) -> None:
         self.tracker.stream_closed(run_id, rank)
         status = self.tracker.status(run_id)
+        if self.stop_when_run_over and status is not None and not status.over:
+            asyncio.get_running_loop().call_later(
+                self.tracker.abort_grace_s + 0.05, self.tracker.recheck, run_id)
         if (self.stop_when_run_over and self.run_idle_timeout_s > 0 and status is not None
                 and status.open_streams == 0 and not status.over):
             asyncio.get_running_loop().call_later(
@@ -328,6 +331,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             request.run_id, request.rank, request.last_step, request.aborted, request.reason)
         log.info(kv("finish", **fields, aborted=request.aborted, reason=request.reason or "-",
                     ranks_finished=f"{finished}/{registered}", run_over=over))
+        if request.aborted and not over and self.stop_when_run_over:
+            asyncio.get_running_loop().call_later(
+                self.tracker.abort_grace_s + 0.05, self.tracker.recheck, request.run_id)
         return shard_pb2.FinishResponse(ranks_registered=registered, ranks_finished=finished,
                                         server_stopping=over and self.stop_when_run_over)
 

@@ -94,6 +94,9 @@ def test_run_tracker_rules() -> None:
     tracker.stream_closed("b", 0)
     assert tracker.finish("b", 0, 3, True, "SIGTERM")[2] is False  # rank 1 still streams
     tracker.stream_closed("b", 1)
+    assert over[-1][0] == "a"  # not yet: rank 1 gets a grace to send its own Finish
+    now[0] += tracker.abort_grace_s
+    tracker.recheck("b")
     assert over[-1][0] == "b" and "aborted by ranks [0]" in over[-1][1]
     # Abandoned: streams closed long enough, nobody finished.
     tracker.registered("c", 0)

@@ -37,6 +37,7 @@ the error is raised on the training thread naming the server and the step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -411,14 +412,17 @@ class ShardClient(UpdateSource):
                                           aborted=aborted, reason=reason)
         timeout = min(self.timeout_s, 10.0)
         loop, stub = self._loop, self._stub
+
+        def direct() -> Any:
+            # The sync thread is gone or its loop ended under the call: a short call of our own.
+            log.info(kv("finish_direct", server=self.address, last_error=self.last_error or "-"))
+            with open_channel(self.address, channel_options(), self.security) as channel:
+                return shard_pb2_grpc.ShardServiceStub(channel).Finish(
+                    request, timeout=timeout, metadata=self.security.metadata)
+
         try:
             if loop is None or loop.is_closed() or stub is None or not self._thread.is_alive():
-                # The sync thread is gone (an error ended it): a short call of our own.
-                log.info(kv("finish_direct", server=self.address,
-                            last_error=self.last_error or "-"))
-                with open_channel(self.address, channel_options(), self.security) as channel:
-                    response = shard_pb2_grpc.ShardServiceStub(channel).Finish(
-                        request, timeout=timeout, metadata=self.security.metadata)
+                response = direct()
             else:
                 async def call() -> Any:
                     self._closing = True  # the stream ending from here on is expected
@@ -426,7 +430,12 @@ class ShardClient(UpdateSource):
                                              metadata=self.security.metadata)
 
                 future = asyncio.run_coroutine_threadsafe(call(), loop)
-                response = future.result(timeout + 5.0)
+                try:
+                    response = future.result(timeout + 5.0)
+                except (asyncio.CancelledError, concurrent.futures.CancelledError, RuntimeError):
+                    # The stream ended meanwhile and the sync loop shut down with our call
+                    # still pending: the Finish was never sent to completion, send it again.
+                    response = direct()
         except Exception as exc:  # best effort: the run's outcome does not depend on it
             text = _rpc_text(exc) if isinstance(exc, grpc.RpcError) else repr(exc)
             log.warning(kv("finish_failed", server=self.address, last_step=last_step,

@@ -16,4 +16,4 @@ for _ in $(seq 1 100); do [ -s "$PORT_FILE" ] && break; sleep 0.1; done
 PS_ADDR="127.0.0.1:$(cat "$PORT_FILE")"
 torchrun --standalone --nproc_per_node 2 worker/main.py --ps "$PS_ADDR" \
     --results "$RUN_DIR/results.json" "$@"
-python -m ps.admin stats --ps "$PS_ADDR"
+# The worker printed the shard stats; `python -m ps.admin stats --ps "$PS_ADDR"` shows them too.

@@ -1,6 +1,6 @@
 """Sparse-Adam row-update throughput against the memory-bandwidth ceiling, in one process.
 
-    python bench/bench_kernel.py                 # full run (~1.5 min, ~6 GiB RAM)
+    python bench/bench_kernel.py                 # full run (~1.5 min, ~8 GiB RAM)
     python bench/bench_kernel.py --quick         # dim 64, 2 batch sizes, smaller table
     python bench/bench_kernel.py --json runs/bench_kernel.json
 
@@ -12,12 +12,14 @@ thread count (1, 2):
       and at the end. The ceiling is the best of all of them: a conservative bar
       on a machine whose load varies.
   (b) torch.optim.SparseAdam.step() on an nn.Embedding(sparse=True) of the same size,
-      given the same coalesced gradients (building the sparse gradient is not timed);
+      given the same coalesced gradients (building the sparse gradient is not timed),
+      on 4 KiB-page tables ("sparse_adam") and on huge-page ones ("sparse_adam_thp");
   (c) the torch reference kernel, ps.optim.apply_rows_torch_;
   (d) the native kernel through the public dispatch ps.optim.apply_rows_ with a
       reused output buffer (so the Python-side checks are included): "native" on
       state from torch.zeros (4 KiB pages: what a plain torch allocation gives), and
       "native_thp" on state from ps.optim.alloc_state (transparent huge pages).
+      Each "x SpAdam" ratio is against SparseAdam on the same kind of pages.
 The table is a partition of --table-mib MiB per tensor (4M rows at dim 64, 2M at
 dim 128), the same memory for every dim, warmed up once (see Buffers). Every call
 takes the next batch of a random permutation of all rows (sorted within the batch,
@@ -61,7 +63,7 @@ SPEC = OptimizerSpec("adam", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
 class Result:
     dim: int
     batch: int
-    impl: str  # sparse_adam | torch_ref | native | native_thp
+    impl: str  # sparse_adam | torch_ref | native, and *_thp on huge-page tables
     threads: int
     calls: int
     median_s: float
@@ -125,14 +127,17 @@ class Buffers:
         self.m = torch.zeros(n)
         self.v = torch.zeros(n)
         self.weight = torch.zeros(n).uniform_(-0.1, 0.1)  # the nn.Embedding table
-        # ... and from ps.optim.alloc_state (transparent huge pages) for "native_thp".
+        # ... and from ps.optim.alloc_state (transparent huge pages) for "native_thp"
+        # and "sparse_adam_thp".
         self.m_thp = optim.alloc_state(n, 1).view(-1) if thp else None
         self.v_thp = optim.alloc_state(n, 1).view(-1) if thp else None
+        self.weight_thp = (optim.alloc_state(n, 1).view(-1).uniform_(-0.1, 0.1) if thp
+                           else None)
         self.pool = torch.empty(pool_n).uniform_(-0.01, 0.01)
 
     def tables(self) -> list[torch.Tensor]:
-        return [t for t in (self.m, self.v, self.weight, self.m_thp, self.v_thp)
-                if t is not None]
+        return [t for t in (self.m, self.v, self.weight, self.m_thp, self.v_thp,
+                            self.weight_thp) if t is not None]
 
 
 class Workload:
@@ -147,6 +152,7 @@ class Workload:
 
         self.m, self.v, self.weight = view(bufs.m), view(bufs.v), view(bufs.weight)
         self.m_thp, self.v_thp = view(bufs.m_thp), view(bufs.v_thp)
+        self.weight_thp = view(bufs.weight_thp)
         self.pool = bufs.pool[: bufs.pool.numel() // dim * dim].view(-1, dim)
         self.perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
         self.cursor = 0  # shared by every measurement: never revisit rows while warm
@@ -179,7 +185,7 @@ def warm_up(bufs: Buffers, max_seconds: float, threads: int) -> dict[str, float]
     step = 0
     spent: dict[str, float] = {}
     for name, m, v in (("state", work.m, work.v), ("state_thp", work.m_thp, work.v_thp),
-                       ("weight", work.weight, None)):
+                       ("weight", work.weight, None), ("weight_thp", work.weight_thp, None)):
         if m is None:
             continue
         t0 = time.perf_counter()
@@ -235,21 +241,36 @@ def run_dim(bufs: Buffers, dim: int, batches: list[int], threads: list[int], sec
     rows = work.rows
     assert work.m is not None and work.v is not None and work.weight is not None
     m, v = work.m, work.v
-    emb = torch.nn.Embedding(rows, dim, sparse=True, _weight=work.weight)
-    sparse_adam = torch.optim.SparseAdam(emb.parameters(), lr=SPEC.lr,
-                                         betas=(SPEC.beta1, SPEC.beta2), eps=SPEC.eps)
-    # SparseAdam's state lives in the m/v buffers (it would zeros_like() fresh ones).
-    sparse_adam.state[emb.weight] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
+    def sparse_adam_on(weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+                       ) -> tuple[torch.nn.Embedding, torch.optim.SparseAdam]:
+        emb = torch.nn.Embedding(rows, dim, sparse=True, _weight=weight)
+        opt = torch.optim.SparseAdam(emb.parameters(), lr=SPEC.lr,
+                                     betas=(SPEC.beta1, SPEC.beta2), eps=SPEC.eps)
+        # Its state lives in our buffers (it would zeros_like() fresh memory).
+        opt.state[emb.weight] = {"step": 0, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        return emb, opt
+
+    emb, sparse_adam = sparse_adam_on(work.weight, m, v)
+    thp = (sparse_adam_on(work.weight_thp, work.m_thp, work.v_thp)
+           if work.weight_thp is not None and work.m_thp is not None
+           and work.v_thp is not None else None)
     log(f"dim {dim}: table {rows} rows x {dim} ({m.numel() * 4 >> 20} MiB per tensor)")
     step = 0
     results: list[Result] = []
 
     def sparse_grad(ids: torch.Tensor, grads: torch.Tensor) -> None:
-        emb.weight.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), grads, (rows, dim),
-                                                  is_coalesced=True)
+        grad = torch.sparse_coo_tensor(ids.unsqueeze(0), grads, (rows, dim),
+                                       is_coalesced=True)
+        emb.weight.grad = grad
+        if thp is not None:
+            thp[0].weight.grad = grad
 
     def run_sparse_adam(ids: torch.Tensor, grads: torch.Tensor) -> None:
         sparse_adam.step()
+
+    def run_sparse_adam_thp(ids: torch.Tensor, grads: torch.Tensor) -> None:
+        assert thp is not None
+        thp[1].step()
 
     def run_torch_ref(ids: torch.Tensor, grads: torch.Tensor) -> None:
         nonlocal step
@@ -284,7 +305,9 @@ def run_dim(bufs: Buffers, dim: int, batches: list[int], threads: list[int], sec
                 ]
                 if optim.kernel_name() == "native":
                     impls.append(("native", run_native, None))
-                    if work.m_thp is not None:
+                if thp is not None:
+                    impls.append(("sparse_adam_thp", run_sparse_adam_thp, sparse_grad))
+                    if optim.kernel_name() == "native":
                         impls.append(("native_thp", run_native_thp, None))
                 torch.set_num_threads(nt)
                 for name, fn, prepare in impls:
@@ -298,27 +321,30 @@ def run_dim(bufs: Buffers, dim: int, batches: list[int], threads: list[int], sec
             results.append(Result(dim, batch, name, nt, calls, med, best, rps,
                                   rps * BYTES_PER_ELEM * dim / 1e9,
                                   window_medians_s=[w[1] for w in wins]))
-            log(f"  dim {dim} batch {batch:6d} {name:11s} threads {nt}: "
+            log(f"  dim {dim} batch {batch:6d} {name:15s} threads {nt}: "
                 f"{rps / 1e6:7.2f} M rows/s ({calls} calls, window medians "
                 + ", ".join(f"{batch / w[1] / 1e6:.2f}" for w in wins) + ")")
     torch.set_num_threads(max(threads))
     emb.weight.grad = None
+    if thp is not None:
+        thp[0].weight.grad = None
     return results
 
 
 # -- report ---------------------------------------------------------------------------------
 
 def finish(results: list[Result], ceiling: dict[int, float]) -> None:
-    base = {(r.dim, r.batch, r.threads): r.rows_per_s for r in results
-            if r.impl == "sparse_adam"}
+    # Ratios against SparseAdam on the same kind of pages (4 KiB or huge).
+    base = {(r.dim, r.batch, r.threads, r.impl.endswith("_thp")): r.rows_per_s
+            for r in results if r.impl.startswith("sparse_adam")}
     for r in results:
         r.fraction_of_ceiling = r.gb_per_s / ceiling[r.threads]
-        sa = base.get((r.dim, r.batch, r.threads))
+        sa = base.get((r.dim, r.batch, r.threads, r.impl.endswith("_thp")))
         r.vs_sparse_adam = r.rows_per_s / sa if sa else math.nan
 
 
 def table(results: list[Result], ceiling: dict[int, float]) -> str:
-    head = (f"{'dim':>4} {'batch':>6} {'impl':<11} {'thr':>3} {'Mrows/s':>8} {'GB/s':>6} "
+    head = (f"{'dim':>4} {'batch':>6} {'impl':<15} {'thr':>3} {'Mrows/s':>8} {'GB/s':>6} "
             f"{'ceil Mrows/s':>12} {'of ceil':>7} {'x SpAdam':>8} {'goal':>5}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -329,7 +355,7 @@ def table(results: list[Result], ceiling: dict[int, float]) -> str:
                   and r.vs_sparse_adam >= GOAL_VS_SPARSE_ADAM)
             goal = "ok" if ok else "MISS"
         lines.append(
-            f"{r.dim:>4} {r.batch:>6} {r.impl:<11} {r.threads:>3} {r.rows_per_s / 1e6:>8.2f} "
+            f"{r.dim:>4} {r.batch:>6} {r.impl:<15} {r.threads:>3} {r.rows_per_s / 1e6:>8.2f} "
             f"{r.gb_per_s:>6.1f} {ceil_rows / 1e6:>12.2f} {r.fraction_of_ceiling:>7.0%} "
             f"{r.vs_sparse_adam:>8.1f} {goal:>5}")
     return "\n".join(lines)
@@ -354,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--triad-mib", type=int, default=256, help="MiB per triad array")
     p.add_argument("--no-thp", action="store_true",
-                   help="skip native_thp (state from ps.optim.alloc_state, huge pages)")
+                   help="skip the *_thp rows (tables from ps.optim.alloc_state, huge pages)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:

@@ -241,7 +241,8 @@ def alloc_state(rows: int, dim: int, *, hugepages: bool = True) -> torch.Tensor:
     huge pages before it is first touched. The row kernels touch random rows of
     tables far beyond the reach of the TLB with 4 KiB pages, and in a VM each TLB
     miss is a two-level page walk: bench/bench_kernel.py measured the native update
-    1.5-2.5x faster on such tables. Without the extension this is torch.zeros.
+    1.2-1.7x faster on such tables (more right after allocation). Without the
+    extension this is torch.zeros.
     """
     t = torch.empty(rows, dim, dtype=torch.float32)
     ext, _ = _native_module()

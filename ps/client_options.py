@@ -22,6 +22,19 @@ SERVER_MAX_PING_STRIKES = 2
 Options = list[tuple[str, int | str]]
 
 
+def _common_options(max_message_bytes: int, keepalive_time_ms: int,
+                    keepalive_timeout_ms: int) -> Options:
+    """Message limits and keepalive, set explicitly and alike on both sides."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # 0: keep pinging an idle connection
+    ]
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
                     keepalive_time_ms: int = CLIENT_KEEPALIVE_TIME_MS,
                     keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> Options:
@@ -35,14 +48,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
             f"keepalive_time_ms={keepalive_time_ms} is below the server's minimum ping "
             f"interval {SERVER_MIN_PING_INTERVAL_MS} ms; the server would drop the connection"
         )
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),  # 0: keep pinging an idle connection
-    ]
+    return _common_options(max_message_bytes, keepalive_time_ms, keepalive_timeout_ms)
 
 
 def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
@@ -50,12 +56,7 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
                    keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS) -> Options:
     """Options for the shard server (`grpc.aio.server(options=...)`)."""
     return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+        *_common_options(max_message_bytes, keepalive_time_ms, keepalive_timeout_ms),
         # Smallest interval between client pings (without data) the server tolerates.
         ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", SERVER_MAX_PING_STRIKES),

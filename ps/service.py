@@ -148,6 +148,15 @@ def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
 
 # -- servicers ----------------------------------------------------------------------
 
+def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float:
+    """The request's timeout (0: server default), cut to end shortly before the
+    client's deadline, so the client gets our message rather than DEADLINE_EXCEEDED."""
+    remaining = context.time_remaining()
+    if remaining is not None and (requested_s == 0 or remaining < requested_s):
+        return max(remaining * 0.95, 1e-3)
+    return requested_s
+
+
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def __init__(self, core: ShardCore, max_message_bytes: int, *,
                  tracker: RunTracker | None = None, stop_when_run_over: bool = False,
@@ -279,11 +288,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def Flush(self, request: shard_pb2.FlushRequest,
                     context: grpc.aio.ServicerContext) -> shard_pb2.FlushResponse:
-        timeout = request.timeout_s
-        remaining = context.time_remaining()
-        if remaining is not None and (timeout == 0 or remaining < timeout):
-            # Answer with our own message shortly before the client's deadline hits.
-            timeout = max(remaining * 0.95, 1e-3)
+        timeout = wait_timeout(request.timeout_s, context)
         try:
             applied = await self.core.flush(request.run_id, request.rank, request.step,
                                             timeout)
@@ -299,10 +304,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def Checkpoint(self, request: shard_pb2.CheckpointRequest,
                          context: grpc.aio.ServicerContext) -> shard_pb2.CheckpointResponse:
-        timeout = request.timeout_s
-        remaining = context.time_remaining()
-        if remaining is not None and (timeout == 0 or remaining < timeout):
-            timeout = max(remaining * 0.95, 1e-3)
+        timeout = wait_timeout(request.timeout_s, context)
         try:
             saved = await self.core.checkpoint(request.run_id, list(request.ranks),
                                                request.step, request.directory, timeout)

@@ -18,3 +18,13 @@ def ps_server(tmp_path: Path) -> Iterator[str]:
         yield server.address
     finally:
         server.terminate()
+
+
+@pytest.fixture(scope="module")
+def ps_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One shard server shared by a test module's runs (each uses its own run id)."""
+    server = start_ps_server(tmp_path_factory.mktemp("ps"))
+    try:
+        yield server.address
+    finally:
+        server.terminate()

@@ -27,7 +27,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import start_ps_server
 from tests.test_worker_e2e import MAIN, REPO, run_worker
 from worker.config import TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig
@@ -95,15 +94,6 @@ def assert_clip_norm(res: dict[str, Any], ref: ReferenceResult) -> None:
 
 
 # -- fsdp --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ps_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_ps_server(tmp_path_factory.mktemp("ps"))
-    try:
-        yield server.address
-    finally:
-        server.terminate()
-
-
 @pytest.mark.timeout(120)
 def test_fsdp_server_knobs_clipping_match_reference(ps_address: str, tmp_path: Path) -> None:
     """Real server; no reshard after forward, the CPU offload policy, clipping over the

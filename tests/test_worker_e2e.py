@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +72,6 @@ def assert_matches_reference(dump_path: Path, cfg: TrainConfig) -> None:
             torch.testing.assert_close(value, ref.dense[key], rtol=1e-5, atol=1e-6)
         except AssertionError as exc:
             raise AssertionError(f"dense {key}: {exc}") from None
-
-
-@pytest.fixture(scope="module")
-def ps_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_ps_server(tmp_path_factory.mktemp("ps"))
-    try:
-        yield server.address
-    finally:
-        server.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,8 @@ def format_shard_stats(stats: admin_pb2.ShardStats) -> str:
     lines = [
         f"server {stats.server_id}  uptime {stats.uptime_s:.1f}s  "
         f"partitions {len(stats.partitions)}",
-        f"totals: state {_mb(stats.state_bytes_total)} MB  pushes "
+        f"totals: state {_mb(stats.state_bytes_total)} MB  master rows "
+        f"{_mb(stats.master_bytes_total)} MB  pushes "
         f"{stats.pushes_applied_total}  rows updated {stats.rows_updated_total}",
         f"refusals: {_refusals(stats.refusals)}",
     ]

@@ -6,10 +6,14 @@ A checkpoint of step s is one directory (`<checkpoint-dir>/step-<s:010d>/`):
                              a directory without it is torn and never loaded
     rows/<table>.r<rank>.pt  the rows [row_start, row_end) rank `rank` owned
     optim/<table>.r<rank>.pt the sparse optimizer state of those rows: m, v,
-                             the optimizer step count, last_step (written by the
-                             shard server's Checkpoint RPC, or by the worker
+                             the optimizer step count, last_step, and with
+                             --row-dtype bf16 the fp32 master rows (the rows
+                             file then holds them rounded to bf16) (written by
+                             the shard server's Checkpoint RPC, or by the worker
                              itself under --local-optimizer: same format)
-    dense.pt                 full (unsharded) dense + dense-optimizer state dicts
+    dense/                   the dense part + its optimizer, a torch.distributed.checkpoint
+                             (DCP) directory written by every rank (worker/checkpoint.py);
+                             older checkpoints: dense.pt, full state dicts
 
 Every shard file is a `torch.save` dict: {"format", "kind", "table", "num_rows",
 "dim", "row_start", "row_end", "tensors": {name: [rows, dim] float32 or None},
@@ -243,8 +247,9 @@ def verify_files(directory: str | Path, manifest: Mapping[str, Any]) -> None:
     for t in manifest["tables"].values():
         for s in t["shards"]:
             entries.extend(s[k] for k in ("rows", "optim") if k in s)
-    if "dense" in manifest:
-        entries.append(manifest["dense"])
+    if "dense" in manifest:  # DCP files, or one dense.pt in older checkpoints
+        dense = manifest["dense"]
+        entries.extend(dense.get("files", [dense]))
     for e in entries:
         path = Path(directory) / e["file"]
         if not path.exists():
@@ -282,6 +287,8 @@ class OptimState:
     v: torch.Tensor | None
     adam_step: int
     last_step: int
+    # fp32 master rows of a rank with bf16 device rows (None: the rows file is exact)
+    master: torch.Tensor | None = None
 
 
 def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: int, dim: int,
@@ -289,22 +296,31 @@ def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: 
                      optimizer: Mapping[str, Any], incarnation: int = 0) -> ShardInfo:
     return save_shard(directory, optim_file(table, rank), kind="optim", table=table, rank=rank,
                       num_rows=num_rows, dim=dim, row_start=row_start, row_end=row_end,
-                      tensors={"m": state.m, "v": state.v},
+                      tensors={"m": state.m, "v": state.v, "master": state.master},
                       meta={"adam_step": state.adam_step, "last_step": state.last_step,
                             "incarnation": incarnation, "optimizer": dict(optimizer)})
 
 
 def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: int,
                      row_start: int, row_end: int, step: int,
-                     has_moments: bool) -> OptimState:
-    """The optimizer state of rows [row_start, row_end) at checkpoint step `step`."""
+                     has_moments: bool, master: bool = False) -> OptimState:
+    """The optimizer state of rows [row_start, row_end) at checkpoint step `step`.
+
+    `master`: also the fp32 master rows. A checkpoint saved without them (fp32 device
+    rows) has its exact rows in the rows files, so they seed the master instead.
+    """
     manifest = read_manifest(directory)
     if int(manifest["step"]) != step:
         raise Conflict(f"checkpoint {directory} is of step {manifest['step']}, not {step}")
     shards = manifest_shards(manifest, table, "optim")
-    names = ("m", "v") if has_moments else ()
+    names = (("m", "v") if has_moments else ()) + (("master",) if master else ())
     tensors, metas = load_rows(directory, table, num_rows, dim, shards, row_start, row_end,
                                names)
+    if master and tensors["master"] is None:
+        rows, _ = load_rows(directory, table, num_rows, dim,
+                            manifest_shards(manifest, table, "rows"), row_start, row_end,
+                            ["weight"])
+        tensors["master"] = rows["weight"]
     counts = {int(m["adam_step"]) for m in metas}
     lasts = {int(m["last_step"]) for m in metas}
     if len(counts) > 1 or lasts - {step}:
@@ -315,7 +331,8 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
         raise Conflict(f"checkpoint {directory} table {table!r} has no Adam moments (saved "
                        "with an optimizer without them)")
     adam_step = counts.pop() if counts else step + 1
-    return OptimState(tensors.get("m"), tensors.get("v"), adam_step, step)
+    return OptimState(tensors.get("m"), tensors.get("v"), adam_step, step,
+                      tensors.get("master"))
 
 
 # -- server partitions ---------------------------------------------------------------
@@ -336,7 +353,7 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
         out.append(save_optim_state(
             directory, table=name, rank=part.rank, num_rows=s.num_rows, dim=s.dim,
             row_start=s.row_start, row_end=s.row_end,
-            state=OptimState(t.m, t.v, t.adam_step, t.last_step), optimizer=opt,
+            state=OptimState(t.m, t.v, t.adam_step, t.last_step, t.master), optimizer=opt,
             incarnation=part.incarnation))
     return out
 
@@ -347,7 +364,11 @@ def restore_partition(part: Partition, directory: str | Path, step: int) -> None
         s = t.spec
         state = load_optim_state(directory, table=name, num_rows=s.num_rows, dim=s.dim,
                                  row_start=s.row_start, row_end=s.row_end, step=step,
-                                 has_moments=part.optimizer.has_moments)
+                                 has_moments=part.optimizer.has_moments,
+                                 master=t.master is not None)
+        if t.master is not None and state.master is not None:
+            t.master.copy_(state.master)
+            t.rows_seeded = s.rows_held
         if t.m is not None and state.m is not None:
             t.m.copy_(state.m)
         if t.v is not None and state.v is not None:

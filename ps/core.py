@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ps import optim
 from ps.errors import FlushTimeout, InvalidArgument, ShardError
 from ps.optim import OptimizerSpec
 from ps.partition import Answer, PushChunk, TableSpec
@@ -41,11 +42,23 @@ def _init_update_thread(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
+def _feed_float32(session: SyncSession, chunk: PushChunk) -> Answer | None:
+    """Feed a chunk whose gradients may have travelled as bf16/fp16 (--wire-dtype): the
+    optimizer math is float32, so upcast here, in the update thread, not on the loop."""
+    if chunk.grads.dtype in (torch.bfloat16, torch.float16):
+        chunk.grads = chunk.grads.float()
+    return session.feed(chunk)
+
+
 class ShardCore:
-    def __init__(self, store: Store, *, update_threads: int = 0,
+    def __init__(self, store: Store, *, update_threads: int = 0, kernel_threads: int = 0,
                  flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> None:
         self.store = store
         self.update_threads = update_threads or default_update_threads()
+        # The native kernel's threads are its own pool, not torch's intra-op threads (which
+        # are cut per update thread below): one update of a big push may use every core.
+        self.kernel_threads = kernel_threads or optim.default_kernel_threads()
+        optim.set_kernel_threads(self.kernel_threads)
         self.flush_timeout_s = flush_timeout_s
         per_thread = torch_threads_per_worker(self.update_threads)
         torch.set_num_threads(per_thread)
@@ -56,23 +69,38 @@ class ShardCore:
         self._applied = asyncio.Condition()
         log.info(kv("core_start", server_id=store.server_id, update_threads=self.update_threads,
                     torch_threads=per_thread))
+        # Which row kernel runs (native C loops or the torch fallback) and why, for users.
+        info = optim.kernel_info()
+        log.info(kv("kernel", **{k: v for k, v in info.items() if k != "native_build"},
+                    build=info.get("native_build", "-")))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a bulk conversion of the transport (encoding an answer) in the update pool,
+        so the event loop keeps moving messages meanwhile."""
+        return await self._run(fn, *args)
+
     async def register(self, run_id: str, rank: int, world_size: int, incarnation: int,
                        tables: Sequence[TableSpec],
                        optimizer: OptimizerSpec | Mapping[str, Any],
-                       restore: tuple[str, int] | None = None) -> list[RegisteredTable]:
+                       restore: tuple[str, int] | None = None,
+                       row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
         return await self._run(self.store.register, run_id, rank, world_size, incarnation,
-                               tables, optimizer, restore)
+                               tables, optimizer, restore, row_dtype)
+
+    async def seed_rows(self, run_id: str, rank: int, incarnation: int, table: str,
+                        row_start: int, rows_ND: torch.Tensor) -> tuple[int, int]:
+        return await self._run(self.store.seed_rows, run_id, rank, incarnation, table,
+                               row_start, rows_ND)
 
     def open_session(self) -> SyncSession:
         return self.store.open_session()
 
     async def feed(self, session: SyncSession, chunk: PushChunk) -> Answer | None:
         """Check/buffer one chunk; apply (in the pool) when it completes its push."""
-        answer = await self._run(session.feed, chunk)
+        answer = await self._run(_feed_float32, session, chunk)
         if answer is not None and not answer.duplicate:
             async with self._applied:
                 self._applied.notify_all()

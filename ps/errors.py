@@ -31,6 +31,13 @@ class NotRegistered(ShardError):
     reason = "not_registered"
 
 
+class NotSeeded(NotRegistered):
+    """A push to a master-rows partition whose fp32 master is not fully seeded yet
+    (SeedRows completes what Register began, so it maps like NotRegistered)."""
+
+    reason = "not_seeded"
+
+
 class StaleIncarnation(ShardError):
     reason = "stale_incarnation"
 

@@ -25,8 +25,9 @@ Two implementations of apply_rows_ / apply_update_:
 The module picks one at import (`HYBRIDPS_KERNEL=auto|native|torch`, default auto:
 native when the extension is built); `kernel_name()` says which. Calls whose
 tensors the C loops do not take (not CPU, not float32, not contiguous...) use the
-torch path whatever the choice. Kernel threads: `HYBRIDPS_KERNEL_THREADS`, else
-torch.get_num_threads() of the calling thread; `num_threads=` overrides per call.
+torch path whatever the choice. Kernel threads: `HYBRIDPS_KERNEL_THREADS` (0 or unset:
+torch.get_num_threads() of the calling thread; the shard server's --kernel-threads,
+the same variable, sets default_kernel_threads() for 0); `num_threads=` overrides per call.
 """
 
 from __future__ import annotations
@@ -218,6 +219,16 @@ def kernel_info() -> dict[str, Any]:
     return info
 
 
+def default_kernel_threads() -> int:
+    """The shard server's default: every core, up to 8.
+
+    The native pool's caller works too and never waits for a pool thread the OS has not
+    scheduled, so asking for more threads than are free costs little; past ~8 threads a
+    node's memory bandwidth, not the thread count, bounds the (memory-bound) loops.
+    """
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def _threads_from_env() -> int | None:
     raw = os.environ.get(THREADS_ENV, "").strip()
     if not raw:
@@ -226,9 +237,10 @@ def _threads_from_env() -> int | None:
         n = int(raw)
     except ValueError:
         raise ValueError(f"{THREADS_ENV}={raw!r} is not an integer") from None
-    if n < 1:
-        raise ValueError(f"{THREADS_ENV}={raw!r} must be >= 1")
-    return n
+    if n < 0:
+        raise ValueError(f"{THREADS_ENV}={raw!r} must be >= 0 (0: the default)")
+    # 0 is the server's --kernel-threads default (the same variable): decided by the caller.
+    return n or None
 
 
 HUGEPAGE_MIN_BYTES = 4 << 20

@@ -5,6 +5,15 @@ rows [row_start, row_end) it owns, with Adam's m and v for exactly those rows
 (allocated once, at Register), the optimizer step count, the last applied
 training step, and the bookkeeping behind GetShardStats.
 
+Row dtype. A rank whose device rows are fp32 (the default) holds the only copy
+of its rows: the server answers deltas. A rank that stores its rows in bf16
+(worker --row-dtype bf16, half the device bytes) cannot accumulate small Adam
+steps in them (bf16 keeps 8 mantissa bits: lr*1e-3 updates would round away),
+so its partition also holds an fp32 *master* copy of the rows: seeded once from
+the rank's fp32 initial rows (`seed`) or from a checkpoint, updated by the
+optimizer in fp32 here, and answered as the new rows rounded to the row dtype
+(Answer.rows): the rank's rows are always the master rounded to bf16.
+
 Everything in this module is synchronous and holds no locks of its own; the
 Store (ps/store.py) serialises access to one partition with `Partition.lock`.
 """
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,18 +32,28 @@ import torch
 
 from ps.errors import (
     AnswerEvicted,
+    Conflict,
     InvalidArgument,
     NonFiniteGradient,
+    NotSeeded,
     OutOfOrder,
     ResourceExhausted,
     RowOutOfRange,
 )
-from ps.optim import OptimizerSpec, apply_rows_
+from ps.optim import OptimizerSpec, alloc_state, apply_rows_, apply_update_
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
 INT64_MAX = 2**63 - 1
 MAX_TABLE_NAME_LEN = 256  # answers reserve ~1 KiB per message for header fields
+# Device row dtypes a rank may register; every one but float32 gets an fp32 master here.
+ROW_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def check_row_dtype(row_dtype: torch.dtype, what: str) -> None:
+    if row_dtype not in ROW_DTYPES:
+        names = ", ".join(str(d) for d in ROW_DTYPES)
+        raise InvalidArgument(f"{what}: row dtype {row_dtype} is not one of {names}")
 
 
 @dataclass(frozen=True)
@@ -103,14 +123,19 @@ class PushChunk:
 
 @dataclass(frozen=True)
 class Answer:
-    """The server's answer to one push: rows[ids] = rows[ids] * decay + delta."""
+    """The server's answer to one push: rows[ids] = rows[ids] * decay + delta.
+
+    With `rows` (master-rows partitions) `delta` holds the new rows themselves, in
+    the registered row dtype, and decay is 0: rows[ids] = delta.
+    """
 
     step: int
     table: str
     ids: torch.Tensor    # int64 [U], global ids, in the push's order
-    delta: torch.Tensor  # float32 [U, dim]
+    delta: torch.Tensor  # float32 [U, dim] (rows: [U, dim] in the row dtype)
     decay: float
     duplicate: bool = False
+    rows: bool = False
 
     def as_duplicate(self) -> Answer:
         return dataclasses.replace(self, duplicate=True)
@@ -158,6 +183,10 @@ def optimizer_description(spec: OptimizerSpec) -> str:
 def first_duplicate(ids_U: torch.Tensor) -> int | None:
     if ids_U.numel() < 2:
         return None
+    # Coalesced gradients come sorted: strictly increasing ids are unique, an O(U) check
+    # instead of an O(U log U) sort (which then only runs for unsorted pushes).
+    if bool((ids_U[1:] > ids_U[:-1]).all()):
+        return None
     sorted_ids = ids_U.sort().values
     same = sorted_ids[1:] == sorted_ids[:-1]
     if not bool(same.any()):
@@ -170,22 +199,31 @@ class TableState:
 
     def __init__(self, owner: str, spec: TableSpec, optimizer: OptimizerSpec,
                  answer_cache_steps: int, rate_window_s: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], row_dtype: torch.dtype = torch.float32) -> None:
         self.owner = owner  # "run='r' rank=0", for messages
         self.spec = spec
         self.optimizer = optimizer
+        self.row_dtype = row_dtype
         rows, dim = spec.rows_held, spec.dim
         try:
             if optimizer.has_moments:
-                self.m: torch.Tensor | None = torch.zeros(rows, dim, dtype=torch.float32)
-                self.v: torch.Tensor | None = torch.zeros(rows, dim, dtype=torch.float32)
+                # Huge pages where available: the kernel touches random rows of tables far
+                # beyond the TLB's reach (ps.optim.alloc_state; zeroed like torch.zeros).
+                self.m: torch.Tensor | None = alloc_state(rows, dim)
+                self.v: torch.Tensor | None = alloc_state(rows, dim)
             else:
                 self.m = self.v = None
+            # fp32 master rows for a rank with low-precision rows; seeded before any push
+            # (and accessed at random rows like m and v: huge pages too).
+            self.master: torch.Tensor | None = (
+                None if row_dtype == torch.float32 else alloc_state(rows, dim))
             self.touched = torch.zeros(rows, dtype=torch.bool)
         except (RuntimeError, MemoryError) as exc:
             raise ResourceExhausted(
                 f"{owner}: cannot allocate optimizer state for {spec.describe()}: {exc}"
             ) from None
+        # Owned rows [0, rows_seeded) of the master hold the rank's rows (all: no master).
+        self.rows_seeded = rows if self.master is None else 0
         self.adam_step = 0   # pushes applied == torch optimizer state['step']
         self.last_step = -1  # last training step whose push was applied
         self.pushes_applied = 0
@@ -208,6 +246,43 @@ class TableState:
                 total += t.numel() * t.element_size()
         return total
 
+    @property
+    def master_bytes(self) -> int:
+        master = self.master
+        return 0 if master is None else master.numel() * master.element_size()
+
+    # -- master rows -----------------------------------------------------------------
+
+    def seed(self, row_start: int, rows_ND: torch.Tensor, what: str) -> int:
+        """Copy fp32 rows [row_start, row_start + N) (global ids) into the master.
+
+        Chunks go in order from the first owned row; re-sending one is harmless
+        (a retried RPC). Returns the owned rows seeded so far.
+        """
+        spec = self.spec
+        if self.master is None:
+            raise InvalidArgument(f"{what}: {self.where} was registered with fp32 rows and "
+                                  "holds no master rows to seed")
+        if self.last_step >= 0:
+            raise Conflict(f"{what}: {self.where} already applied pushes through step "
+                           f"{self.last_step}; its master rows can no longer be seeded")
+        if rows_ND.dtype != torch.float32 or rows_ND.dim() != 2 or rows_ND.shape[1] != spec.dim:
+            raise InvalidArgument(f"{what}: rows must be float32 [N, {spec.dim}], got "
+                                  f"{rows_ND.dtype} of shape {list(rows_ND.shape)}")
+        n = int(rows_ND.shape[0])
+        if not spec.row_start <= row_start <= row_start + n <= spec.row_end:
+            raise RowOutOfRange(f"{what}: rows [{row_start}, {row_start + n}) are outside the "
+                                f"rows [{spec.row_start}, {spec.row_end}) of {self.where}")
+        local = row_start - spec.row_start
+        if local > self.rows_seeded:
+            raise InvalidArgument(f"{what}: rows from {row_start} leave a gap; seed from row "
+                                  f"{spec.row_start + self.rows_seeded} next (in order)")
+        if not bool(torch.isfinite(rows_ND).all()):
+            raise NonFiniteGradient(f"{what}: the master rows hold non-finite values")
+        self.master[local:local + n].copy_(rows_ND)
+        self.rows_seeded = max(self.rows_seeded, local + n)
+        return self.rows_seeded
+
     # -- validation (no state change) ------------------------------------------------
 
     def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> None:
@@ -219,7 +294,8 @@ class TableState:
                 f"{list(ids.shape)}"
             )
         if grads.dtype != torch.float32:
-            raise InvalidArgument(f"{what}: grads must be float32, got {grads.dtype}")
+            raise InvalidArgument(f"{what}: grads must be float32 (or bfloat16/float16 on the "
+                                  f"wire), got {grads.dtype}")
         n = ids.shape[0]
         if grads.dim() != 2 or grads.shape[1] != spec.dim:
             raise InvalidArgument(
@@ -232,8 +308,10 @@ class TableState:
             )
         if n == 0:
             return
-        bad = (ids < spec.row_start) | (ids >= spec.row_end)
-        if bool(bad.any()):
+        lo, hi = (int(x) for x in torch.aminmax(ids))  # two scalars, no [U] temporaries
+        bad = ((ids < spec.row_start) | (ids >= spec.row_end)
+               if lo < spec.row_start or hi >= spec.row_end else None)
+        if bad is not None:
             pos = int(bad.nonzero()[0, 0])
             bad_id = int(ids[pos])
             extra = " (int64 max)" if bad_id == INT64_MAX else ""
@@ -248,8 +326,11 @@ class TableState:
                 f"{what}: id {dup} appears more than once; pushes must be coalesced "
                 "(send grad.coalesce() rows, each id once)"
             )
-        finite = torch.isfinite(grads)
-        if not bool(finite.all()):
+        # A finite sum implies finite elements (inf and NaN propagate through +), and a sum
+        # allocates nothing, where isfinite() makes a [U, dim] mask; only a non-finite sum
+        # (a bad element, or an overflow of finite ones) takes the exact check.
+        finite = None if math.isfinite(float(grads.sum())) else torch.isfinite(grads)
+        if finite is not None and not bool(finite.all()):
             row, col = (int(x) for x in (~finite).nonzero()[0])
             raise NonFiniteGradient(
                 f"{what}: gradient of id {int(ids[row])} (row {row}, column {col}) is "
@@ -261,6 +342,11 @@ class TableState:
         if step < 0:
             raise InvalidArgument(f"{what}: step must be >= 0")
         if step == self.last_step + 1:
+            if self.rows_seeded < self.spec.rows_held:
+                raise NotSeeded(
+                    f"{what}: {self.where} keeps fp32 master rows and only "
+                    f"{self.rows_seeded} of its {self.spec.rows_held} rows are seeded; "
+                    "call SeedRows for every owned row before pushing")
             return None
         if step > self.last_step + 1:
             raise OutOfOrder(
@@ -294,8 +380,16 @@ class TableState:
             self.distinct_touched += int((~self.touched.index_select(0, local)).sum())
             self.touched.index_fill_(0, local, True)
         self.rate.add(n)
-        answer = Answer(step=step, table=self.spec.name, ids=ids, delta=delta,
-                        decay=float(decay))
+        if self.master is not None:
+            # The optimizer step lands on the fp32 master (exactly what the rank would do to
+            # fp32 rows); the rank gets the new rows rounded once to its row dtype.
+            apply_update_(self.master, local, delta, float(decay))
+            new_rows = self.master.index_select(0, local).to(self.row_dtype)
+            answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
+                            decay=0.0, rows=True)
+        else:
+            answer = Answer(step=step, table=self.spec.name, ids=ids, delta=delta,
+                            decay=float(decay))
         self.answers[step] = answer
         while len(self.answers) > self.answer_cache_steps:
             self.answers.popitem(last=False)
@@ -309,16 +403,19 @@ class Partition:
                  tables: list[TableSpec], optimizer: OptimizerSpec, *,
                  answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 row_dtype: torch.dtype = torch.float32) -> None:
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
         self.incarnation = incarnation
         self.optimizer = optimizer
+        self.row_dtype = row_dtype
         self.lock = threading.Lock()
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
-            t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock)
+            t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,
+                               row_dtype)
             for t in tables
         }
 
@@ -330,10 +427,13 @@ class Partition:
         return [t.spec for t in self.tables.values()]
 
     def difference(self, world_size: int, tables: list[TableSpec],
-                   optimizer: OptimizerSpec) -> str | None:
+                   optimizer: OptimizerSpec,
+                   row_dtype: torch.dtype = torch.float32) -> str | None:
         """Why a re-Register does not match what this partition holds (None: it matches)."""
         if world_size != self.world_size:
             return f"world_size {world_size} != registered {self.world_size}"
+        if row_dtype != self.row_dtype:
+            return f"row dtype {row_dtype} != registered {self.row_dtype}"
         if optimizer != self.optimizer:
             return (f"optimizer {optimizer_description(optimizer)} != registered "
                     f"{optimizer_description(self.optimizer)}")

@@ -39,13 +39,13 @@ from hybridps.security import (
     read_token,
     server_credentials,
 )
-from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
+from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
 from ps.auth import AuthInterceptor, AuthPolicy
 from ps.client_options import server_options
 from ps.config import ServerConfig
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker
-from ps.service import AdminServicer, ShardServicer
+from ps.service import AdminServicer, ShardServicer, add_shard_service
 from ps.store import Store, kv
 
 log = logging.getLogger("ps.server")
@@ -151,6 +151,7 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                   rate_window_s=config.rate_window_s)
     set_log_fields(server=store.server_id)
     core = ShardCore(store, update_threads=config.update_threads,
+                     kernel_threads=config.kernel_threads,
                      flush_timeout_s=config.flush_timeout_s)
 
     def run_over(run_id: str, why: str) -> None:
@@ -166,7 +167,7 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
     shard = ShardServicer(core, config.max_message_bytes, tracker=RunTracker(run_over),
                           stop_when_run_over=config.exit_after_run,
                           run_idle_timeout_s=config.run_idle_timeout_s)
-    shard_pb2_grpc.add_ShardServiceServicer_to_server(shard, server)
+    add_shard_service(shard, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(core, stop_request.set),
                                                       server)
     health = HealthServicer()
@@ -185,17 +186,47 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
         core.shutdown()
         raise BindError(f"cannot listen on {address}: "
                         f"{_bind_diagnosis(config.host, config.port)}") from None
+    if config.uds:
+        _bind_uds(server, config.uds, credentials, core)
     await server.start()
     for name in ("", *services):
         await health.set(name, SERVING)
     tls = "off" if credentials is None else ("mutual" if config.tls_client_ca else "on")
     log.info(kv("serving", address=format_address(config.host, port),
+                uds=config.uds or "-", kernel_threads=core.kernel_threads,
                 server_id=store.server_id, max_message_bytes=config.max_message_bytes,
                 reflection=config.reflection, tls=tls, auth="token" if token else "off",
                 admin_shutdown="token" if admin_token else "off",
                 exit_after_run=config.exit_after_run))
     _security_warnings(config, token, credentials is not None)
     return RunningServer(server, health, core, port, shard, stop_request)
+
+
+def _bind_uds(server: grpc.aio.Server, path: str,
+              credentials: grpc.ServerCredentials | None, core: ShardCore) -> None:
+    """Listen on a Unix domain socket too: same services, no TCP/IP stack for a worker on
+    this node. A leftover socket file (a server killed earlier) is replaced; any other
+    file at the path is not."""
+    target = Path(path)
+    if target.exists() or target.is_symlink():
+        if not target.is_socket():
+            core.shutdown()
+            raise BindError(f"cannot listen on unix:{path}: a file that is not a socket is "
+                            "in the way")
+        target.unlink()
+    address = f"unix:{path}"
+    try:
+        if credentials is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, credentials)
+    except RuntimeError:
+        core.shutdown()
+        parent = target.parent
+        why = ("directory does not exist" if not parent.is_dir() else
+               "directory not writable" if not os.access(parent, os.W_OK) else
+               "see the grpc log above")
+        raise BindError(f"cannot listen on {address}: {why}") from None
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -234,4 +265,6 @@ async def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal: the default (exit now)
         loop.remove_signal_handler(sig)
     await running.stop(config.grace_s if stop.grace_s is None else stop.grace_s)
+    if config.uds and Path(config.uds).is_socket():
+        Path(config.uds).unlink(missing_ok=True)
     return 0

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 
 from hybridps import wire
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
@@ -38,6 +40,7 @@ log = logging.getLogger("ps.service")
 # stream is not read, so HTTP/2 flow control pushes back on the client. Bounds the
 # memory of one stream to about (SYNC_READ_AHEAD + 2) * max_message_bytes.
 SYNC_READ_AHEAD = 4
+MIN_ANSWER_MESSAGE_BYTES = 1 << 20
 SHUTTING_DOWN = ("server shutting down: pushes received so far are answered; reconnect to a "
                  "restarted server")
 
@@ -101,34 +104,142 @@ def optimizer_args(msg: shard_pb2.OptimizerConfig) -> dict[str, Any]:
             "eps": msg.eps, "weight_decay": msg.weight_decay}
 
 
+def row_dtype_arg(msg: shard_pb2.RegisterRequest) -> torch.dtype:
+    """RegisterRequest.row_dtype as a torch dtype (unset: float32, the fp32-rows mode)."""
+    if msg.row_dtype == shard_pb2.DTYPE_UNSPECIFIED:
+        return torch.float32
+    dtype = wire.torch_dtype(msg.row_dtype)
+    if dtype is None:
+        raise InvalidArgument(f"register: row_dtype {wire.dtype_name(msg.row_dtype)} is not a "
+                              "known dtype")
+    return dtype
+
+
 def table_specs(msg: shard_pb2.RegisterRequest) -> list[TableSpec]:
     return [TableSpec(t.name, t.num_rows, t.dim, t.row_start, t.row_end) for t in msg.tables]
 
 
-def push_chunk(msg: shard_pb2.Push) -> PushChunk:
-    """Decode a Push (tensors view the message bytes); WireError names the bad tensor."""
-    head = (f"push run={msg.run_id!r} rank={msg.rank} step={msg.step} table={msg.table!r} "
-            f"chunk {msg.chunk}")
-    return PushChunk(
-        run_id=msg.run_id, rank=msg.rank, incarnation=msg.incarnation, step=msg.step,
-        table=msg.table, ids=wire.decode(msg.ids, f"{head}: ids"),
-        grads=wire.decode(msg.grads, f"{head}: grads"), chunk=msg.chunk,
-        num_chunks=msg.num_chunks,
+# What the Sync stream's deserializer gives (wire.Framed); a generated Push is accepted too.
+SyncRequest = wire.Framed[shard_pb2.Push] | shard_pb2.Push
+
+
+@dataclass
+class WirePushChunk(PushChunk):
+    """A PushChunk plus what only the transport needs: the dtype of the answer's delta and
+    the size of the message it came in."""
+
+    update_dtype: torch.dtype = torch.float32
+    message_bytes: int = 0
+
+
+# --wire-dtype: the dtypes gradients and deltas may travel in (math is always float32).
+WIRE_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def push_header(msg: SyncRequest) -> shard_pb2.Push:
+    return msg.message if isinstance(msg, wire.Framed) else msg
+
+
+def push_chunk(msg: SyncRequest) -> WirePushChunk:
+    """Decode a Push (tensors view the message bytes); WireError names the bad tensor.
+
+    `msg` is what the Sync stream's deserializer gives (wire.Framed: decoded without
+    copies) or a generated Push message."""
+    head_msg = push_header(msg)
+    head = (f"push run={head_msg.run_id!r} rank={head_msg.rank} step={head_msg.step} "
+            f"table={head_msg.table!r} chunk {head_msg.chunk}")
+    if isinstance(msg, wire.Framed):
+        # The grads stay a view of the message (read once, by the update). The ids are
+        # copied (8 bytes a row): the answer cache keeps them, and a view would keep the
+        # whole received message, gradients included, alive with it.
+        ids, grads = msg.tensor("ids", head).clone(), msg.tensor("grads", head)
+    else:
+        ids = wire.decode(msg.ids, f"{head}: ids")
+        grads = wire.decode(msg.grads, f"{head}: grads")
+    update_dtype = torch.float32
+    if head_msg.update_dtype != shard_pb2.DTYPE_UNSPECIFIED:
+        asked = wire.torch_dtype(head_msg.update_dtype)
+        if asked not in WIRE_FLOAT_DTYPES:
+            raise wire.WireError(f"{head}: update_dtype {wire.dtype_name(head_msg.update_dtype)}"
+                                 f" is not one of FLOAT32, BFLOAT16, FLOAT16")
+        update_dtype = asked
+    return WirePushChunk(
+        run_id=head_msg.run_id, rank=head_msg.rank, incarnation=head_msg.incarnation,
+        step=head_msg.step, table=head_msg.table, ids=ids, grads=grads, chunk=head_msg.chunk,
+        num_chunks=head_msg.num_chunks, update_dtype=update_dtype,
+        message_bytes=msg.nbytes if isinstance(msg, wire.Framed) else 0,
     )
 
 
-def answer_updates(answer: Answer, max_message_bytes: int) -> Iterator[shard_pb2.Update]:
-    """The answer as Update messages, split by rows so each fits in max_message_bytes."""
-    dim = int(answer.delta.shape[1])
-    per_chunk = wire.rows_per_chunk(dim, max_message_bytes)
+def answer_updates(answer: Answer, max_message_bytes: int,
+                   delta_dtype: torch.dtype = torch.float32) -> Iterator[bytes]:
+    """The answer as encoded Update messages, split by rows so each fits in
+    max_message_bytes; a float32 delta travels in `delta_dtype` (the push's
+    update_dtype)."""
+    delta = answer.delta
+    if delta.dtype == torch.float32 and delta_dtype != torch.float32:
+        delta = delta.to(delta_dtype)
+    dim = int(delta.shape[1])
+    per_chunk = wire.rows_per_chunk(dim, max_message_bytes, delta.element_size())
     bounds = list(wire.chunk_bounds(int(answer.ids.shape[0]), per_chunk))
     for i, (start, end) in enumerate(bounds):
         update = shard_pb2.Update(step=answer.step, table=answer.table, decay=answer.decay,
+                                  rows=answer.rows,
                                   chunk=i, num_chunks=len(bounds),
                                   duplicate=answer.duplicate)
-        wire.encode(answer.ids[start:end], update.ids)
-        wire.encode(answer.delta[start:end], update.delta)
-        yield update
+        yield wire.encode_framed(update, [("ids", answer.ids[start:end]),
+                                          ("delta", delta[start:end])])
+
+
+def encode_answer(answer: Answer, max_message_bytes: int,
+                  delta_dtype: torch.dtype = torch.float32) -> list[bytes]:
+    return list(answer_updates(answer, max_message_bytes, delta_dtype))
+
+
+def _decode_push(data: bytes) -> wire.Framed[shard_pb2.Push]:
+    return wire.decode_framed(shard_pb2.Push, data, ("ids", "grads"), "push")
+
+
+def _encode_update(update: bytes | shard_pb2.Update) -> bytes:
+    return update if isinstance(update, bytes) else update.SerializeToString()
+
+
+class _SyncCodecServer:
+    """Stands in for the server while the generated code registers ShardService, so that
+    Sync gets the copy-free codec of hybridps/wire.py and every other RPC (present or
+    added to the proto later) the generated one."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+        self.registered = False
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: add_registered_method_handlers below registers both kinds."""
+
+    def add_registered_method_handlers(self, service: str,
+                                       handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        handlers = dict(handlers)
+        sync = handlers["Sync"].stream_stream
+        if sync is None:
+            raise TypeError("ShardService.Sync is no longer a bidi-streaming method")
+        handlers["Sync"] = grpc.stream_stream_rpc_method_handler(
+            sync, request_deserializer=_decode_push,
+            response_serializer=_encode_update)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, handlers),))
+        # grpcio >= 1.63 (missing from its type stubs).
+        self._server.add_registered_method_handlers(  # type: ignore[attr-defined]
+            service, handlers)
+        self.registered = True
+
+
+def add_shard_service(servicer: ShardServicer, server: grpc.aio.Server) -> None:
+    """shard_pb2_grpc.add_ShardServiceServicer_to_server, with Sync's codec swapped."""
+    proxy = _SyncCodecServer(server)
+    shard_pb2_grpc.add_ShardServiceServicer_to_server(servicer, proxy)
+    if not proxy.registered:  # generated by a grpcio-tools that registers differently
+        raise RuntimeError("shard_pb2_grpc did not call add_registered_method_handlers: "
+                           "adapt ps/service.py add_shard_service to the generated code")
 
 
 def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
@@ -137,6 +248,7 @@ def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
         state_bytes_total=stats.state_bytes_total,
         pushes_applied_total=stats.pushes_applied_total,
         rows_updated_total=stats.rows_updated_total,
+        master_bytes_total=stats.master_bytes_total,
     )
     msg.refusals.update(stats.refusals)
     for row in stats.partitions:
@@ -206,27 +318,31 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         try:
             restore = ((request.restore.directory, request.restore.step)
                        if request.HasField("restore") else None)
+            row_dtype = row_dtype_arg(request)
             tables = await self.core.register(
                 request.run_id, request.rank, request.world_size, request.incarnation,
-                table_specs(request), optimizer_args(request.optimizer), restore)
+                table_specs(request), optimizer_args(request.optimizer), restore, row_dtype)
         except Exception as exc:
             await abort_with(context, "Register", exc, run=request.run_id, rank=request.rank)
             raise  # unreachable: abort raises
         self.tracker.registered(request.run_id, request.rank)
         response = shard_pb2.RegisterResponse(server_id=self.core.store.server_id,
                                               max_message_bytes=self.max_message_bytes)
+        response.row_dtype = wire.wire_dtype(row_dtype)  # type: ignore[assignment]
         for t in tables:
             response.tables.add(name=t.name, rows_held=t.rows_held, last_step=t.last_step,
                                 created=t.created)
         return response
 
-    async def Sync(self, request_iterator: AsyncIterator[shard_pb2.Push],
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[shard_pb2.Update]:
+    async def Sync(self, request_iterator: AsyncIterator[SyncRequest],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Yields encoded Update messages (answer_updates; the codec passes bytes on)."""
         session = self.core.open_session()
         inbox: asyncio.Queue[PushChunk | BaseException | None] = asyncio.Queue(SYNC_READ_AHEAD)
         reader = asyncio.create_task(self._read(request_iterator, session, inbox))
         stop_wait = asyncio.ensure_future(self.stopping.wait())
         current: PushChunk | None = None
+        push_message_bytes = 0  # the largest message of the push being received
         stream_of: tuple[str, int] | None = None  # (run, rank), once a push was accepted
         try:
             while True:
@@ -239,6 +355,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     raise item
                 assert isinstance(item, PushChunk)
                 current = item
+                if isinstance(item, WirePushChunk):
+                    push_message_bytes = max(push_message_bytes, item.message_bytes)
                 answer = await self.core.feed(session, item)
                 if stream_of is None:
                     stream_of = (item.run_id, item.rank)
@@ -249,7 +367,21 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     log.debug(kv("answered", run=item.run_id, rank=item.rank, step=answer.step,
                                  table=answer.table, rows=int(answer.ids.shape[0]),
                                  duplicate=answer.duplicate))
-                for update in answer_updates(answer, self.max_message_bytes):
+                delta_dtype = (item.update_dtype if isinstance(item, WirePushChunk)
+                               else torch.float32)
+                # Encoding copies the answer (and converts a bf16/fp16 delta): in the
+                # update pool, where the copy runs without the GIL, not on the event loop.
+                # Answer in messages as large as the push's (the client's --max-chunk-bytes:
+                # gRPC moves 1-4 MiB messages fastest, and an answer of one 30+ MiB message
+                # is a fresh mmap, page faults included, every time).
+                # (+1 KiB: rows_per_chunk leaves that much for the header fields; a push
+                # from the generated code, of unknown size, gets the server's limit.)
+                limit = self.max_message_bytes if not push_message_bytes else min(
+                    self.max_message_bytes,
+                    max(push_message_bytes + 1024, MIN_ANSWER_MESSAGE_BYTES))
+                push_message_bytes = 0
+                updates = await self.core.offload(encode_answer, answer, limit, delta_dtype)
+                for update in updates:
                     yield update
         except grpc.aio.AbortError:
             raise
@@ -266,7 +398,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             if stream_of is not None:
                 self._stream_closed(*stream_of)
 
-    async def _read(self, request_iterator: AsyncIterator[shard_pb2.Push], session: SyncSession,
+    async def _read(self, request_iterator: AsyncIterator[SyncRequest], session: SyncSession,
                     inbox: asyncio.Queue[PushChunk | BaseException | None]) -> None:
         """Decode pushes as they arrive, ahead of the one being applied."""
         try:
@@ -274,8 +406,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 try:
                     chunk = push_chunk(msg)
                 except wire.WireError as exc:
-                    self.core.store.record_refusal("wire_error", msg.run_id, msg.rank,
-                                                   msg.table)
+                    head = push_header(msg)
+                    self.core.store.record_refusal("wire_error", head.run_id, head.rank,
+                                                   head.table)
                     await inbox.put(exc)
                     return
                 session.received(chunk)
@@ -285,6 +418,21 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             raise
         except Exception as exc:  # the stream broke; the handler ends with it
             await inbox.put(exc)
+
+    async def SeedRows(self, request: shard_pb2.SeedRowsRequest,
+                       context: grpc.aio.ServicerContext) -> shard_pb2.SeedRowsResponse:
+        what = (f"seed run={request.run_id!r} rank={request.rank} table={request.table!r} "
+                f"rows from {request.row_start}")
+        try:
+            rows_ND = wire.decode(request.rows, f"{what}: rows")
+            seeded, held = await self.core.seed_rows(request.run_id, request.rank,
+                                                     request.incarnation, request.table,
+                                                     request.row_start, rows_ND)
+        except Exception as exc:
+            await abort_with(context, "SeedRows", exc, run=request.run_id, rank=request.rank,
+                             table=request.table)
+            raise
+        return shard_pb2.SeedRowsResponse(rows_seeded=seeded, rows_held=held)
 
     async def Flush(self, request: shard_pb2.FlushRequest,
                     context: grpc.aio.ServicerContext) -> shard_pb2.FlushResponse:

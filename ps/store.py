@@ -41,11 +41,13 @@ from ps.optim import OptimizerSpec
 from ps.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
+    ROW_DTYPES,
     Answer,
     Partition,
     PushChunk,
     TableSpec,
     TableState,
+    check_row_dtype,
     first_duplicate,
     optimizer_description,
 )
@@ -95,6 +97,8 @@ class PartitionStatsRow:
     queue_depth: int
     refusals: dict[str, int]
     optimizer: str
+    master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
+    row_dtype: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class ServerStats:
     state_bytes_total: int
     pushes_applied_total: int
     rows_updated_total: int
+    master_bytes_total: int = 0
 
 
 def default_server_id() -> str:
@@ -190,21 +195,26 @@ class Store:
     def register(self, run_id: str, rank: int, world_size: int, incarnation: int,
                  tables: Sequence[TableSpec],
                  optimizer: OptimizerSpec | Mapping[str, Any],
-                 restore: tuple[str, int] | None = None) -> list[RegisteredTable]:
-        """Register a partition; `restore` = (checkpoint directory, step) loads its state."""
+                 restore: tuple[str, int] | None = None,
+                 row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+        """Register a partition; `restore` = (checkpoint directory, step) loads its state.
+
+        `row_dtype` other than float32: the partition keeps fp32 master rows (seeded by
+        `seed_rows`, or loaded with `restore`) and answers new rows (ps/partition.py).
+        """
         try:
             if restore is not None:
                 return self._register_restore(run_id, rank, world_size, incarnation,
-                                              list(tables), optimizer, restore)
+                                              list(tables), optimizer, restore, row_dtype)
             return self._register(run_id, rank, world_size, incarnation, list(tables),
-                                  optimizer)
+                                  optimizer, row_dtype)
         except ShardError as exc:
             self.record_refusal(exc.reason)
             raise
 
     def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
-                  tables: list[TableSpec],
-                  optimizer: OptimizerSpec | Mapping[str, Any]) -> list[RegisteredTable]:
+                  tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
+                  row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
         what = f"register run={run_id!r} rank={rank}"
         if not run_id:
             raise InvalidArgument("register: run_id must not be empty")
@@ -219,6 +229,7 @@ class Store:
             raise InvalidArgument(f"{what}: incarnation={incarnation} must be >= 0")
         if not tables:
             raise InvalidArgument(f"{what}: at least one table is required")
+        check_row_dtype(row_dtype, what)
         seen: set[str] = set()
         for spec in tables:
             spec.validate()
@@ -233,7 +244,8 @@ class Store:
             self._check_run_consistency(run_id, rank, world_size, tables, what)
             fresh = Partition(run_id, rank, world_size, incarnation, tables, spec_opt,
                               answer_cache_steps=self.answer_cache_steps,
-                              rate_window_s=self.rate_window_s, clock=self._clock)
+                              rate_window_s=self.rate_window_s, clock=self._clock,
+                              row_dtype=row_dtype)
             with self._lock:
                 existing = self._partitions.get((run_id, rank))
                 if existing is None:  # nobody registered it while we allocated
@@ -242,11 +254,12 @@ class Store:
                 log.info(kv("register", run=run_id, rank=rank, world_size=world_size,
                             incarnation=incarnation, created=True,
                             tables=",".join(t.describe() for t in tables),
-                            optimizer=optimizer_description(spec_opt)))
+                            optimizer=optimizer_description(spec_opt),
+                            row_dtype=ROW_DTYPES[row_dtype]))
                 return [RegisteredTable(t.name, t.rows_held, -1, True) for t in tables]
 
         with existing.lock:
-            diff = existing.difference(world_size, tables, spec_opt)
+            diff = existing.difference(world_size, tables, spec_opt, row_dtype)
             if diff is not None:
                 raise Conflict(f"{what}: does not match the registered partition: {diff}")
             if incarnation < existing.incarnation:
@@ -265,7 +278,8 @@ class Store:
 
     def _register_restore(self, run_id: str, rank: int, world_size: int, incarnation: int,
                           tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
-                          restore: tuple[str, int]) -> list[RegisteredTable]:
+                          restore: tuple[str, int],
+                          row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
         """Register from a checkpoint: a fresh partition loaded for this rank's ranges.
 
         It replaces the rank's partition if one is held (the run restarts from the
@@ -291,7 +305,7 @@ class Store:
             for key in stale:
                 del self._partitions[key]
         # Validates like a fresh Register, then loads the state before anyone can push.
-        self._register(run_id, rank, world_size, incarnation, tables, optimizer)
+        self._register(run_id, rank, world_size, incarnation, tables, optimizer, row_dtype)
         part = self.partition(run_id, rank)
         assert part is not None
         try:
@@ -307,6 +321,23 @@ class Store:
                     dropped=len(stale), seconds=f"{time.perf_counter() - started:.3f}"))
         return [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, True)
                 for t in part.tables.values()]
+
+    def seed_rows(self, run_id: str, rank: int, incarnation: int, table: str, row_start: int,
+                  rows_ND: torch.Tensor) -> tuple[int, int]:
+        """Seed master rows of a registered partition: (rows seeded so far, rows held)."""
+        what = (f"seed run={run_id!r} rank={rank} table={table!r} rows from {row_start}")
+        try:
+            part, state = self.resolve(run_id, rank, incarnation, table, what)
+            with part.lock:
+                seeded = state.seed(row_start, rows_ND, what)
+            if seeded == state.spec.rows_held and row_start + rows_ND.shape[0] == \
+                    state.spec.row_end:
+                log.info(kv("seeded", run=run_id, rank=rank, table=table, rows=seeded,
+                            master_bytes=state.master_bytes))
+            return seeded, state.spec.rows_held
+        except ShardError as exc:
+            self.record_refusal(exc.reason, run_id, rank, table)
+            raise
 
     def checkpoint(self, run_id: str, ranks: Sequence[int], step: int,
                    directory: str) -> list[tuple[int, Any]]:
@@ -411,6 +442,7 @@ class Store:
                     lag_steps=newest[p.run_id] - t.last_step,
                     queue_depth=queued.get((p.run_id, p.rank, name), 0),
                     refusals=dict(t.refusals), optimizer=opt,
+                    master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
                 ))
         return ServerStats(
             server_id=self.server_id,
@@ -420,6 +452,7 @@ class Store:
             state_bytes_total=sum(r.state_bytes for r in rows),
             pushes_applied_total=sum(r.pushes_applied for r in rows),
             rows_updated_total=sum(r.rows_updated for r in rows),
+            master_bytes_total=sum(r.master_bytes for r in rows),
         )
 
 

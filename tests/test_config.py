@@ -16,6 +16,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "staleness": ("3", 3),
     "ps_timeout": ("2.5", 2.5),
     "max_chunk_bytes": ("1048576", 1048576),
+    "wire_dtype": ("bf16", "bf16"),  # tests/test_wire_fast.py
     "run_id": ("r1", "r1"),
     "task": ("synthetic", "synthetic"),
     "steps": ("17", 17),
@@ -27,6 +28,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "dense_lr": ("0.25", 0.25),
     "weight_decay": ("0.01", 0.01),
     "init_std": ("0.2", 0.2),
+    "row_dtype": ("bf16", "bf16"),  # tests/test_row_dtype.py
     "dense_parallel": ("hsdp", "hsdp"),  # dense part: tests/test_dense_parallel.py
     "reshard_after_forward": ("false", False),
     "dense_cpu_offload": ("true", True),
@@ -42,12 +44,14 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "clip_grad_norm": ("1.5", 1.5),
     "num_rows": ("1234", 1234),
     "dim": ("8", 8),
+    "tables": ("a:100,b:20:3", "a:100,b:20:3"),  # --task tables: tests/test_pipeline.py
     "device": ("cpu", "cpu"),
     "log_every": ("5", 5),
     "eval_batches": ("0", 0),
     "results": ("/tmp/r.json", "/tmp/r.json"),
     "dump_state": ("/tmp/s.pt", "/tmp/s.pt"),
     "progress": ("0", False),
+    "pipeline": ("false", False),  # tests/test_pipeline.py
     "auth_token_file": ("/tmp/token", "/tmp/token"),
     "tls": ("true", True),
     "tls_ca": ("/tmp/ca.pem", "/tmp/ca.pem"),

@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_worker_e2e import MAIN, REPO, run_worker
+from tests.test_worker_e2e import MAIN, REPO, ROWS_ATOL, run_worker
 from worker.config import TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.parallel import (
@@ -70,7 +70,7 @@ def assert_matches(state: dict[str, Any], ref: ReferenceResult, cfg: TrainConfig
     for name, rows in state["tables"].items():
         assert not torch.equal(rows, initial.tables[name]), f"table {name} never trained"
         try:
-            torch.testing.assert_close(rows, ref.tables[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(rows, ref.tables[name], rtol=1e-5, atol=ROWS_ATOL)
         except AssertionError as exc:
             raise AssertionError(f"table {name}: {exc}") from None
     for key, value in state["dense"].items():

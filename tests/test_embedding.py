@@ -126,14 +126,23 @@ def local_slice(case: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Ten
     return out
 
 
-def sharded_forward(emb: ShardedEmbedding, part: dict[str, torch.Tensor]
+def sharded_forward(emb: ShardedEmbedding, part: dict[str, torch.Tensor], fused: bool = False
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean-over-local-samples loss and the raw lookup outputs."""
+    """Mean-over-local-samples loss and the raw lookup outputs.
+
+    fused: the same lookups through lookup_many (one exchange per width: the two bags of
+    b, pooled two ways, and the plain lookups of c and tiny)."""
     rows_a = emb.lookup("a", part["a_ids"])
-    bag_sum = emb.lookup_bag("b", part["b_ids"], part["b_offsets"], mode="sum")
-    bag_mean = emb.lookup_bag("b", part["b_ids"], part["b_offsets"], mode="mean")
-    rows_c = emb.lookup("c", part["c_ids"])
-    rows_tiny = emb.lookup("tiny", part["tiny_ids"])
+    if fused:
+        bag_sum, bag_mean = emb.lookup_many(
+            ["b", "b"], [part["b_ids"], part["b_ids"]],
+            bags=[(part["b_offsets"], "sum"), (part["b_offsets"], "mean")])
+        rows_c, rows_tiny = emb.lookup_many(["c", "tiny"], [part["c_ids"], part["tiny_ids"]])
+    else:
+        bag_sum = emb.lookup_bag("b", part["b_ids"], part["b_offsets"], mode="sum")
+        bag_mean = emb.lookup_bag("b", part["b_ids"], part["b_offsets"], mode="mean")
+        rows_c = emb.lookup("c", part["c_ids"])
+        rows_tiny = emb.lookup("tiny", part["tiny_ids"])
     per_sample = ((rows_a * part["g_a"]).sum((1, 2)) + (bag_sum * part["g_sum"]).sum(1)
                   + (bag_mean * part["g_mean"]).sum(1) + (rows_c * part["g_c"]).sum(1)
                   + (rows_tiny * part["g_tiny"]).sum(1))
@@ -169,14 +178,14 @@ def reference(case: dict[str, torch.Tensor]
     return {k: v.detach() for k, v in outs.items()}, grads
 
 
-def _spawned(rank: int, store: str, out_dir: str) -> None:
+def _spawned(rank: int, store: str, out_dir: str, fused: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=WORLD)
     try:
         group = dist.new_group()
         emb = ShardedEmbedding(TABLES, rank=rank, world_size=WORLD, group=group, seed=SEED,
                                init_std=STD)
-        loss, outs = sharded_forward(emb, local_slice(global_case(), rank))
+        loss, outs = sharded_forward(emb, local_slice(global_case(), rank), fused)
         loss.backward()
         grads = emb.pop_grads(scale=1.0 / WORLD)
         weights = {k: w.detach().clone() for k, w in emb.weights.items()}
@@ -202,8 +211,10 @@ def _check_grads(per_rank: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
 
 
 @pytest.mark.timeout(120)
-def test_two_process_lookup_and_grads_match_nn_embedding(tmp_path: Path) -> None:
-    mp.spawn(_spawned, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "lookup_many"])
+def test_two_process_lookup_and_grads_match_nn_embedding(tmp_path: Path, fused: bool) -> None:
+    mp.spawn(_spawned, args=(str(tmp_path / "store"), str(tmp_path), fused), nprocs=WORLD,
+             join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     case = global_case()
     ref_outs, ref_grads = reference(case)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from ps import optim
 from ps.errors import InvalidArgument
 from ps.optim import OptimizerSpec, apply_rows_, apply_update_
 
@@ -48,6 +51,18 @@ def _run_reference_and_kernel(spec: OptimizerSpec, reference_opt: type[torch.opt
     return emb.weight.detach(), weights
 
 
+@pytest.fixture
+def torch_kernel() -> Iterator[None]:
+    """The torch row kernel: op for op SparseAdam's. (The native kernel's correctly rounded
+    sqrtf may differ from torch's vectorized sqrt by an ulp; tests/test_native_kernel.py
+    holds it to a few ulps of SparseAdam instead.)"""
+    before = optim.kernel_info()["requested"]
+    optim.set_kernel("torch")
+    yield
+    optim.set_kernel(before)
+
+
+@pytest.mark.usefixtures("torch_kernel")
 def test_adam_kernel_is_sparse_adam_bitwise() -> None:
     spec = OptimizerSpec("adam", lr=0.01, beta1=0.8, beta2=0.95, eps=1e-7)
     ref, ours = _run_reference_and_kernel(

@@ -178,8 +178,10 @@ BAD: list[tuple[str, Callable[[shard_pb2.Push], object], grpc.StatusCode, str]] 
     ("duplicate ids", lambda m: _mutate_ids(m, [9, 9]), grpc.StatusCode.INVALID_ARGUMENT,
      "id 9 appears more than once"),
     ("nan", _nan, grpc.StatusCode.INVALID_ARGUMENT, "is nan"),
-    ("grads dtype", lambda m: wire.encode(torch.zeros(2, DIM, dtype=torch.float16), m.grads),
-     grpc.StatusCode.INVALID_ARGUMENT, "grads must be float32, got torch.float16"),
+    # float16/bfloat16 grads are valid (--wire-dtype); integers are not.
+    ("grads dtype", lambda m: wire.encode(torch.zeros(2, DIM, dtype=torch.int32), m.grads),
+     grpc.StatusCode.INVALID_ARGUMENT, "grads must be float32 (or bfloat16/float16 on the "
+     "wire), got torch.int32"),
     ("grads dim", lambda m: wire.encode(torch.zeros(2, DIM + 1), m.grads),
      grpc.StatusCode.INVALID_ARGUMENT, f"must be [U, dim] = [2, {DIM}]"),
     ("truncated bytes", lambda m: setattr(m.grads, "data", m.grads.data[:-4]),

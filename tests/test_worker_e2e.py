@@ -35,6 +35,11 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SMALL = ["--num-rows", "2000", "--batch-size", "32", "--steps", "20", "--dim", "8",
          "--log-every", "5", "--eval-batches", "1", "--progress", "false"]
 STEPS = 20
+# The server's native kernel rounds sqrt correctly, torch's vectorized sqrt is off by an ulp
+# now and then; Adam amplifies that for rows whose gradients are ~0 (m/sqrt(v) of tiny
+# values), seen up to 1.6e-6 on one element of 64k after 20 steps. The bugs these tests
+# catch are >= 1e-3 (no 1/W gradient scaling: 2e-2).
+ROWS_ATOL = 1e-5
 
 
 def run_worker(args: list[str], *, nproc: int = 2, timeout: float = 150.0,
@@ -63,7 +68,7 @@ def assert_matches_reference(dump_path: Path, cfg: TrainConfig) -> None:
     for name, rows in state["tables"].items():
         assert not torch.equal(rows, initial.tables[name]), f"table {name} never trained"
         try:
-            torch.testing.assert_close(rows, ref.tables[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(rows, ref.tables[name], rtol=1e-5, atol=ROWS_ATOL)
         except AssertionError as exc:
             raise AssertionError(f"table {name}: {exc}") from None
     assert set(state["dense"]) == set(ref.dense)

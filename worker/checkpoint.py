@@ -11,7 +11,9 @@ steps <= s is in the rows:
    partition (Checkpoint RPC, ranks=[rank]: the server waits until the pushes
    <= s are applied, then writes m, v, step count, last_step); under
    --local-optimizer the rank writes the same files itself;
-4. the full (unsharded) dense + dense optimizer state dicts (rank 0, `dense.pt`);
+4. the dense part and its optimizer with torch.distributed.checkpoint (DCP, `dense/`:
+   every rank writes its own FSDP shards; a resume at another world size re-shards
+   them), plus the fp16 GradScaler's state (scale, growth tracker) in the manifest;
 5. barrier; rank 0 renames `manifest.json` into place LAST (step, world size,
    tables, row ranges, files with sizes + crc32, data position); barrier.
 
@@ -29,7 +31,9 @@ checkpoints equals its resumed runs, not a run without checkpoints (K=0: all equ
 
 Fault injection for tests: HYBRIDPS_FAULT_CHECKPOINT=[RANK:]STEP:PHASE[:sleep=SEC]
 makes rank RANK (default any) os._exit(FAULT_EXIT_CODE) (or sleep) at PHASE of the
-checkpoint of STEP, PHASE one of FAULT_PHASES.
+checkpoint of STEP, PHASE one of FAULT_PHASES. HYBRIDPS_FAULT_KILL=RANK:STEP makes rank
+RANK SIGKILL itself right after pushing STEP, only in the first incarnation
+(TORCHELASTIC_RESTART_COUNT 0 or unset), so `torchrun --max-restarts` can bring it back.
 """
 
 from __future__ import annotations
@@ -38,12 +42,16 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -66,7 +74,6 @@ from ps.checkpoint import (
     rows_file,
     save_optim_state,
     save_shard,
-    save_torch,
     step_dir,
     write_manifest,
 )
@@ -80,7 +87,8 @@ log = logging.getLogger("worker.checkpoint")
 FAULT_ENV = "HYBRIDPS_FAULT_CHECKPOINT"
 FAULT_PHASES = ("start", "rows", "optim", "dense", "manifest", "after")
 FAULT_EXIT_CODE = 43
-DENSE_FILE = "dense.pt"
+KILL_ENV = "HYBRIDPS_FAULT_KILL"
+DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
 
 
 def fault_point(rank: int, step: int, phase: str) -> None:
@@ -109,6 +117,20 @@ def fault_point(rank: int, step: int, phase: str) -> None:
     os._exit(FAULT_EXIT_CODE)
 
 
+def kill_point(rank: int, step: int) -> None:
+    """Test hook: SIGKILL this process when HYBRIDPS_FAULT_KILL=RANK:STEP names it (first
+    incarnation only: a restarted rank passes the same step again and must live)."""
+    spec = os.environ.get(KILL_ENV, "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    want_rank, _, want_step = spec.partition(":")
+    if not (want_rank.isdigit() and want_step.isdigit()):
+        raise ValueError(f"{KILL_ENV}={spec!r} is not RANK:STEP (two integers)")
+    if (int(want_rank), int(want_step)) == (rank, step):
+        log.warning("rank %d: %s: SIGKILL at step %d", rank, KILL_ENV, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def find_checkpoint(root: str | Path) -> Path | None:
     """A complete checkpoint directory itself, or the newest complete one under `root`."""
     root = Path(root)
@@ -116,10 +138,6 @@ def find_checkpoint(root: str | Path) -> Path | None:
         return root
     found = complete_checkpoints(root)
     return found[-1][1] if found else None
-
-
-def _full_options() -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Checkpointer:
@@ -172,6 +190,7 @@ class Checkpointer:
         fault_point(self.rank, step, "start")
         if self.rank == 0:
             (directory / "manifest.json").unlink(missing_ok=True)  # re-saving a step
+            shutil.rmtree(directory / DENSE_DIR, ignore_errors=True)  # no stale DCP files
         self._barrier()
         tables = tr.embedding.tables
         rows: dict[str, ShardInfo] = {}
@@ -187,13 +206,7 @@ class Checkpointer:
         optim = self._save_optim(step, directory)
         fault_point(self.rank, step, "optim")
         t_optim = time.perf_counter()
-        dense = get_model_state_dict(tr.model.dense, options=_full_options())
-        dense_opt = get_optimizer_state_dict(tr.model.dense, tr.dense_opt,
-                                             options=_full_options())
-        dense_info: dict[str, Any] = {}
-        if self.rank == 0:
-            dense_info = {"file": DENSE_FILE, **save_torch(
-                directory / DENSE_FILE, {"model": dense, "optimizer": dense_opt, "step": step})}
+        dense_info = self._save_dense(directory)
         fault_point(self.rank, step, "dense")
         mine = {name: {"rank": self.rank, "row_start": rows[name].row_start,
                        "row_end": rows[name].row_end,
@@ -211,6 +224,7 @@ class Checkpointer:
                 "world_size": self.world,
                 "run_id": tr.run_id,
                 "mode": "local-optimizer" if self.cfg.local_optimizer else "server",
+                "row_dtype": self.cfg.row_dtype,  # bf16: the optim files hold fp32 masters
                 "optimizer": dataclasses.asdict(tr.sparse_spec),
                 "task": self.cfg.task,
                 "seed": self.cfg.seed,
@@ -267,8 +281,58 @@ class Checkpointer:
             out[name] = save_optim_state(
                 directory, table=name, rank=self.rank, num_rows=table.num_rows, dim=table.dim,
                 row_start=start, row_end=end,
-                state=OptimState(m, v, source.counts[name], step), optimizer=opt)
+                state=OptimState(m, v, source.counts[name], step, source.masters.get(name)),
+                optimizer=opt)
         return out
+
+    def _save_dense(self, directory: Path) -> dict[str, Any]:
+        """The dense part + its optimizer as a DCP checkpoint in `dense/` (collective).
+
+        Sharded state dicts: each rank writes only its own FSDP shards (nothing is gathered
+        on rank 0), and DCP's metadata lets a run of any world size read the pieces it
+        needs. Returns the manifest entry (on rank 0; {} elsewhere): every DCP file with
+        its size and crc32 (dcp.save has returned on rank 0 only after every rank's writes
+        finished), and the fp16 GradScaler's state, identical on all ranks.
+        """
+        tr = self.t
+        state = {"model": get_model_state_dict(tr.model.dense),
+                 "optim": get_optimizer_state_dict(tr.model.dense, tr.dense_opt)}
+        dcp.save(state, checkpoint_id=directory / DENSE_DIR)
+        if self.rank != 0:
+            return {}
+        scaler = tr.dense_parallel.scaler
+        files = sorted(p for p in (directory / DENSE_DIR).iterdir() if p.is_file())
+        return {"format": "dcp", "dir": DENSE_DIR,
+                "files": [{"file": f"{DENSE_DIR}/{p.name}", "bytes": p.stat().st_size,
+                           "crc32": file_crc32(p)} for p in files],
+                "grad_scaler": None if scaler is None else scaler.state_dict()}
+
+    def _restore_dense(self, directory: Path, entry: dict[str, Any]) -> None:
+        """Dense weights, dense optimizer and the loss scaler from a manifest entry."""
+        tr = self.t
+        dense, opt = tr.model.dense, tr.dense_opt
+        if "file" in entry:  # written before DCP: full state dicts in one torch.save file
+            _verify_entry(directory, entry)
+            blob = torch.load(directory / entry["file"], map_location="cpu",
+                              weights_only=False)
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(dense, blob["model"], options=full)
+            set_optimizer_state_dict(dense, opt, blob["optimizer"], options=full)
+        else:
+            for f in entry["files"]:
+                _verify_entry(directory, f)
+            state: dict[str, Any] = {"model": get_model_state_dict(dense),
+                                     "optim": get_optimizer_state_dict(dense, opt)}
+            dcp.load(state, checkpoint_id=directory / entry["dir"])  # reads only our shards
+            set_model_state_dict(dense, state["model"])
+            set_optimizer_state_dict(dense, opt, state["optim"])
+        scaler, saved = tr.dense_parallel.scaler, entry.get("grad_scaler")
+        if scaler is not None and saved:
+            scaler.load_state_dict(saved)  # else a fresh scale would skip steps again
+        elif scaler is not None:
+            log.warning("rank %d: checkpoint %s has no loss scaler state (saved without "
+                        "--precision fp16): the scale starts at --loss-scale-init %g",
+                        self.rank, directory, self.cfg.loss_scale_init)
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -303,6 +367,13 @@ class Checkpointer:
             got, _ = load_rows(directory, name, table.num_rows, table.dim, shards, start, end,
                                ["weight"])
             weight = got["weight"]
+            if manifest.get("row_dtype") == "bf16" and tr.embedding.row_dtype == torch.float32:
+                # Saved bf16 rows are their fp32 master rounded; fp32 rows resume from the
+                # master itself (in the optim files, next to m and v).
+                masters, _ = load_rows(directory, name, table.num_rows, table.dim,
+                                       manifest_shards(manifest, name, "optim"), start, end,
+                                       ["master"])
+                weight = masters["master"] if masters["master"] is not None else weight
             assert weight is not None
             tr.embedding.weights[name].data.copy_(weight)
         source = tr.source
@@ -311,26 +382,37 @@ class Checkpointer:
                 start, end = tr.embedding.ranges[name]
                 state = load_optim_state(directory, table=name, num_rows=table.num_rows,
                                          dim=table.dim, row_start=start, row_end=end,
-                                         step=step, has_moments=tr.sparse_spec.has_moments)
+                                         step=step, has_moments=tr.sparse_spec.has_moments,
+                                         master=name in source.masters)
                 m, v = source.moments[name]
+                if name in source.masters and state.master is not None:  # bf16 rows
+                    source.masters[name].copy_(state.master)
                 if m is not None and state.m is not None:
                     m.copy_(state.m)
                 if v is not None and state.v is not None:
                     v.copy_(state.v)
                 source.counts[name] = state.adam_step
             source.buffer.start_at(step)
-        dense_entry = manifest["dense"]
-        _verify_entry(directory, dense_entry)
-        blob = torch.load(directory / dense_entry["file"], map_location="cpu",
-                          weights_only=False)
-        full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(tr.model.dense, blob["model"], options=full)
-        set_optimizer_state_dict(tr.model.dense, tr.dense_opt, blob["optimizer"], options=full)
+        self._restore_dense(directory, manifest["dense"])
         tr.window.applied_through = step
         self.resumed_step = step
         self.restore_s = time.perf_counter() - t0
         log.info("rank %d: resumed from %s (step %d, saved by world %d) in %.2fs", self.rank,
                  directory, step, manifest["world_size"], self.restore_s)
+
+
+def read_dense_full(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """{"model": plain full state dict, ...} of a manifest's dense entry, in one process
+    with no process group (export): DCP's own converter to a torch.save file."""
+    if "file" in entry:  # written before DCP
+        _verify_entry(directory, entry)
+        return dict(torch.load(directory / entry["file"], map_location="cpu",
+                               weights_only=False))
+    for f in entry["files"]:
+        _verify_entry(directory, f)
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(directory / entry["dir"], Path(tmp) / "dense.pt")
+        return dict(torch.load(Path(tmp) / "dense.pt", map_location="cpu", weights_only=False))
 
 
 def _file_entry(info: ShardInfo) -> dict[str, Any]:

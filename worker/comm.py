@@ -32,20 +32,25 @@ def reset_comm_seconds() -> dict[str, float]:
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: dist.ProcessGroup | None, direction: str) -> torch.Tensor:
-    """x [sum(in_splits), ...] -> [sum(out_splits), ...]; chunk r of x goes to rank r."""
+                group: dist.ProcessGroup | None, direction: str | None) -> torch.Tensor:
+    """x [sum(in_splits), ...] -> [sum(out_splits), ...]; chunk r of x goes to rank r.
+
+    direction None: not added to COMM_SECONDS (the pipeline's input dist, which runs on
+    its own thread and would otherwise count into the training thread's step)."""
     t0 = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    COMM_SECONDS[direction] += time.perf_counter() - t0
+    if direction is not None:
+        COMM_SECONDS[direction] += time.perf_counter() - t0
     return out
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-             group: dist.ProcessGroup | None) -> torch.Tensor:
+             group: dist.ProcessGroup | None, direction: str | None = "forward"
+             ) -> torch.Tensor:
     """all_to_all without autograd (counts, ids)."""
     with torch.no_grad():
-        return _all_to_all(x, out_splits, in_splits, group, "forward")
+        return _all_to_all(x, out_splits, in_splits, group, direction)
 
 
 class AllToAllRows(torch.autograd.Function):

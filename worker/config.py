@@ -17,6 +17,8 @@ from worker.dense_options import check_dense_options
 from worker.nodes import node_ps_address, rank_layout, split_ps
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+ROW_DTYPES = ("fp32", "bf16")
+WIRE_DTYPES = ("fp32", "bf16", "fp16")  # worker/sync.py WIRE_DTYPES maps them to torch
 DEVICES = ("auto", "cpu", "cuda")
 KGE_MODELS = ("distmult", "complex", "keci", "qmult")
 KGE_TRAINING = ("kvsall", "negsample")
@@ -38,6 +40,34 @@ def parse_host_port(address: str) -> tuple[str, int]:
     return match.group("v6") or match.group("host"), port
 
 
+def check_ps_address(address: str) -> None:
+    """HOST:PORT, [V6]:PORT, or unix:PATH (a server's --uds on this node); ValueError if not."""
+    if address.startswith("unix:"):
+        path = address[len("unix:"):]
+        if not path.lstrip("/") or (path.startswith("//") and not path.startswith("///")):
+            raise ValueError(f"ps={address!r}: give unix:/absolute/path, unix:///absolute/path "
+                             "or unix:relative/path (the server's --uds path)")
+        return
+    parse_host_port(address)
+
+
+def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
+    """--tables 'NAME:ROWS[:POOL],...' -> [(name, rows, pool)]; ValueError naming the entry."""
+    out: list[tuple[str, int, int]] = []
+    for entry in spec.replace(" ", "").split(","):
+        parts = entry.split(":")
+        if (len(parts) not in (2, 3) or not parts[0].isidentifier()
+                or not all(p.isdigit() for p in parts[1:])):
+            raise ValueError(f"tables={spec!r}: entry {entry!r} is not NAME:ROWS[:POOL]")
+        rows, pool = int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
+        if rows < 1 or pool < 1:
+            raise ValueError(f"tables={spec!r}: entry {entry!r} needs ROWS >= 1 and POOL >= 1")
+        if parts[0] in {name for name, _, _ in out}:
+            raise ValueError(f"tables={spec!r}: table {parts[0]!r} appears twice")
+        out.append((parts[0], rows, pool))
+    return out
+
+
 def _h(text: str, metavar: str | None = None) -> dict[str, str]:
     meta = {"help": text}
     if metavar:
@@ -51,8 +81,9 @@ class TrainConfig:
 
     # --- parameter server -------------------------------------------------
     ps: str = field(default="", metadata=_h(
-        "shard server of this node, HOST:PORT, or one per node A,B,... (rank r uses entry "
-        "r // LOCAL_WORLD_SIZE); empty only with --local-optimizer", "HOST:PORT[,..]"))
+        "shard server of this node, HOST:PORT or unix:PATH (its --uds socket), or one per "
+        "node A,B,... (rank r uses entry r // LOCAL_WORLD_SIZE); empty only with "
+        "--local-optimizer", "HOST:PORT[,..]"))
     local_optimizer: bool = field(default=False, metadata=_h(
         "apply the sparse optimizer in-process (no server)", "BOOL"))
     staleness: int = field(default=1, metadata=_h(
@@ -61,6 +92,10 @@ class TrainConfig:
         "seconds to wait for the server (register, update, reconnect) before failing", "SEC"))
     max_chunk_bytes: int = field(default=4 * 1024 * 1024, metadata=_h(
         "largest push message; bigger pushes are split into chunks", "BYTES"))
+    wire_dtype: str = field(default="fp32", metadata=_h(
+        "dtype of gradients sent to and deltas received from the server: fp32 | bf16 | fp16 "
+        "(half the bytes; the server's math stays fp32; rounding error <= 2^-8 (bf16) or "
+        "2^-11 (fp16) relative per element, fp16 overflows beyond 65504)", "DTYPE"))
     run_id: str = field(default="", metadata=_h(
         "run id on the server (default: TORCHELASTIC_RUN_ID, else a fresh uuid)", "ID"))
     # --- security / deployment (docs/deploy.md; hybridps/security.py, worker/plan.py) --
@@ -100,6 +135,10 @@ class TrainConfig:
         "weight decay (adamw/sgd only; SparseAdam has none)", "WD"))
     init_std: float = field(default=0.05, metadata=_h(
         "embedding rows start as N(0, 1) * init_std", "STD"))
+    row_dtype: str = field(default="fp32", metadata=_h(
+        "dtype of the embedding rows on the device: fp32 | bf16 (bf16: 2 bytes per element; "
+        "the optimizer runs on an fp32 master copy, on the shard server or with "
+        "--local-optimizer on the worker, and the rows get it rounded to bf16)", "DTYPE"))
     # --- dense part (worker/parallel.py; checks in worker/dense_options.py) -----
     dense_parallel: str = field(default="fsdp", metadata=_h(
         "fsdp (FSDP2 over all ranks) | hsdp (replicate across nodes, shard within) | ddp",
@@ -134,6 +173,9 @@ class TrainConfig:
     num_rows: int = field(default=1_000_000, metadata=_h(
         "rows of the biggest synthetic table (user); the others scale from it", "R"))
     dim: int = field(default=16, metadata=_h("embedding width of every table", "D"))
+    tables: str = field(default="", metadata=_h(
+        "--task tables: NAME:ROWS[:POOL],... (POOL ids per sample, mean-pooled; default 1); "
+        "empty: one table t0 of --num-rows rows", "SPEC"))
     # --- real workloads: --task kge | dlrm (worker/tasks/kge.py, dlrm.py) --------
     data_dir: str = field(default="", metadata=_h(
         "kge: dataset directory with train.txt (+ valid.txt, test.txt)", "DIR"))
@@ -162,6 +204,10 @@ class TrainConfig:
     dump_state: str = field(default="", metadata=_h(
         "write final full tables + dense state_dict here (torch.save; for tests)", "PATH"))
     progress: bool = field(default=True, metadata=_h("tqdm progress bar on rank 0", "BOOL"))
+    pipeline: bool = field(default=False, metadata=_h(
+        "make the next batch and exchange its ids (input dist) on a second thread while this "
+        "step computes; the row lookup still waits for the staleness window (same results). "
+        "Off by default: on 2 CPU ranks it only paid off on a loaded machine", "BOOL"))
     # --- checkpoints (worker/checkpoint.py) -----------------------------------
     checkpoint_dir: str = field(default="", metadata=_h(
         "write step-consistent checkpoints under DIR/step-<s>/ (shared by the ranks and the "
@@ -184,7 +230,7 @@ class TrainConfig:
                 raise ValueError(
                     "ps='' (empty): --ps HOST:PORT is required unless --local-optimizer")
             for address in split_ps(self.ps):
-                parse_host_port(address)
+                check_ps_address(address)
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         for name in ("device_memory_gb", "host_memory_gb"):
@@ -215,6 +261,8 @@ class TrainConfig:
                 f"training={self.training!r} is not one of {', '.join(KGE_TRAINING)}")
         if self.table_rows and not re.fullmatch(r"\d+(,\d+)*", self.table_rows.replace(" ", "")):
             raise ValueError(f"table_rows={self.table_rows!r} is not an int or a comma list")
+        if self.tables:
+            parse_table_list(self.tables)
         if self.task == "kge" and not self.data_dir:
             raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt)")
         self._at_least("max_chunk_bytes", self.max_chunk_bytes, MIN_CHUNK_BYTES)
@@ -230,6 +278,11 @@ class TrainConfig:
             raise ValueError(
                 f"weight_decay={self.weight_decay!r} with optimizer='adam': SparseAdam has "
                 "no weight decay, use --optimizer adamw")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={self.wire_dtype!r} is not one of "
+                             f"{', '.join(WIRE_DTYPES)}")
+        if self.row_dtype not in ROW_DTYPES:
+            raise ValueError(f"row_dtype={self.row_dtype!r} is not one of {', '.join(ROW_DTYPES)}")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         if not self.task or (":" not in self.task and not self.task.isidentifier()):

@@ -27,11 +27,21 @@ Row init is deterministic and world-size independent: the global table is
 generated in fixed chunks of INIT_CHUNK_ROWS rows, chunk c of table t seeded
 by (seed, t, c), N(0, 1) * init_std like nn.Embedding; a rank generates only
 the chunks overlapping its range, so every world size sees the same table.
+
+Row dtype (--row-dtype): fp32 rows (default), or bf16 rows (2 bytes per element
+on the device). bf16 rows are the fp32 init rounded to bf16; the optimizer then
+runs on an fp32 master copy elsewhere (shard server, or --local-optimizer) and
+the rows are *set* to the master rounded to bf16 (`set_rows`), never
+incremented in bf16. Lookups hand the dense model fp32 rows (cast on the owner,
+right after the local gather, so the all_to_alls carry fp32 like in fp32 mode:
+gloo has no bf16 all_to_all), and the gradients of bf16 rows arrive as bf16
+sparse gradients (autograd casts to the leaf's dtype); `pop_grads` hands them
+on as fp32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +54,7 @@ from worker.comm import all_to_all_rows, exchange
 
 INIT_CHUNK_ROWS = 65536
 POOLING_MODES = ("sum", "mean")
+ROW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --row-dtype
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,44 @@ def route(ids_N: torch.Tensor, num_rows: int, world_size: int, table: str = "?")
     return Routing(unique_U, inverse_N, send_counts)
 
 
+ID_BITS = 40  # routing key ((owner * T + table) << ID_BITS) | id: ids below 2**40
+ID_MASK = (1 << ID_BITS) - 1
+
+
+@dataclass
+class InputDist:
+    """Stages 1-2 of one lookup of T tables (T = 1 for lookup/lookup_bag).
+
+    It depends on the ids only, never on the rows, so it may be computed ahead of the
+    step (worker/pipeline.py). inverse_N: the concatenated ids of the T tables (sizes:
+    how many per table) -> index into rows_UD; send_counts: distinct ids asked of each
+    rank, in rank order (rows_UD comes back so); recv_counts: ids each rank asked of this
+    one; local_ids: per table, the owned rows (global - start) this rank serves, grouped
+    by table; restore_M: their concatenation -> the received order (None when T = 1).
+    """
+
+    names: tuple[str, ...]
+    ids: tuple[torch.Tensor, ...]  # the lookup's own id tensors: identity is the staging key
+    inverse_N: torch.Tensor
+    sizes: list[int]
+    send_counts: list[int]
+    recv_counts: list[int]
+    local_ids: list[torch.Tensor]
+    restore_M: torch.Tensor | None
+
+
+def _plan_key(names: Sequence[str], ids: Sequence[torch.Tensor]) -> tuple[object, ...]:
+    return (*names, *(id(i) for i in ids))
+
+
+def _check_bag(ids_N: torch.Tensor, offsets_B: torch.Tensor, mode: str) -> None:
+    if mode not in POOLING_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {POOLING_MODES}")
+    if ids_N.dim() != 1 or offsets_B.dim() != 1:
+        raise ValueError(f"bags take 1-D ids and offsets, got {tuple(ids_N.shape)} and "
+                         f"{tuple(offsets_B.shape)}")
+
+
 def _chunk_seed(seed: int, table_index: int, chunk: int) -> int:
     state = np.random.SeedSequence([seed, table_index, chunk]).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
@@ -124,10 +173,14 @@ def init_rows(num_rows: int, dim: int, start: int, end: int, *, seed: int, table
         lo = chunk * INIT_CHUNK_ROWS
         hi = min(lo + INIT_CHUNK_ROWS, num_rows)
         gen = torch.Generator().manual_seed(_chunk_seed(seed, table_index, chunk))
-        chunk_CD = torch.randn(hi - lo, dim, generator=gen)
         a, b = max(lo, start), min(hi, end)
-        out_RD[a - start:b - start] = chunk_CD[a - lo:b - lo]
-    return out_RD.mul_(init_std)
+        if (a, b) == (lo, hi):  # whole chunk: generate in place (no copy; 50M rows: -30%)
+            torch.randn(hi - lo, dim, generator=gen, out=out_RD[a - start:b - start])
+        else:
+            chunk_CD = torch.randn(hi - lo, dim, generator=gen)
+            out_RD[a - start:b - start] = chunk_CD[a - lo:b - lo]
+        out_RD[a - start:b - start].mul_(init_std)  # while the chunk is in cache
+    return out_RD
 
 
 class ShardedEmbedding(nn.Module):
@@ -139,7 +192,8 @@ class ShardedEmbedding(nn.Module):
 
     def __init__(self, tables: Sequence[TableConfig], *, rank: int = 0, world_size: int = 1,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                 seed: int = 0, init_std: float = 1.0) -> None:
+                 seed: int = 0, init_std: float = 1.0,
+                 row_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} outside world_size={world_size}")
@@ -150,99 +204,170 @@ class ShardedEmbedding(nn.Module):
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device)
         self.ranges = {t.name: row_range(t.num_rows, rank, world_size) for t in tables}
+        if row_dtype not in ROW_DTYPES.values():
+            raise ValueError(f"row dtype {row_dtype} is not one of {sorted(ROW_DTYPES)}")
+        self.row_dtype = row_dtype
+        # What the dense model gets from lookups (bf16 rows are cast on the owner).
+        self.output_dtype = torch.float32
+        # Kept to regenerate the fp32 init rows that seed a master copy (initial_row_blocks).
+        self._init_seed, self._init_std = seed, init_std
+        self.table_index = {t.name: i for i, t in enumerate(tables)}
+        self._starts: dict[str, torch.Tensor] = {}  # owner range starts per table
+        self._staged: dict[tuple[object, ...], InputDist] = {}  # stage(): computed ahead
+        # worker/pipeline.py: (names, id tensors) of every lookup while not None
+        self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...]]] | None = None
         self.weights = nn.ParameterDict()
         for index, table in enumerate(tables):
             start, end = self.ranges[table.name]
             rows_RD = init_rows(table.num_rows, table.dim, start, end, seed=seed,
                                 table_index=index, init_std=init_std)
-            self.weights[table.name] = nn.Parameter(rows_RD.to(self.device))
+            self.weights[table.name] = nn.Parameter(rows_RD.to(self.device, row_dtype))
 
     # -- forward ------------------------------------------------------------
-    def _fetch_unique(self, name: str, ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stages 1-4 minus the expansion: (rows_UD of the distinct ids, inverse_N)."""
-        table = self.tables[name]
-        weight = self.weights[name]
-        start = self.ranges[name][0]
-        routing = route(ids_N.to(self.device), table.num_rows, self.world_size, name)  # 1
-        send_counts = routing.send_counts
-        if self.world_size == 1:
-            recv_counts, recv_ids_M = send_counts, routing.unique_U
+    def _local_rows(self, name: str, local_ids_M: torch.Tensor) -> torch.Tensor:
+        """Stage 3: the owner's gather (sparse gradient), in the dense model's dtype."""
+        rows_MD = F.embedding(local_ids_M, self.weights[name], sparse=True)
+        return rows_MD if rows_MD.dtype == self.output_dtype else rows_MD.to(self.output_dtype)
+
+    def _owner_starts(self, name: str) -> torch.Tensor:
+        starts = self._starts.get(name)
+        if starts is None:
+            starts = self._starts[name] = range_starts(self.tables[name].num_rows,
+                                                       self.world_size, self.device)
+        return starts
+
+    def input_dist(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                   group: dist.ProcessGroup | None = None, timed: bool = True) -> InputDist:
+        """Stages 1-2 of a lookup of one or more tables; depends on the ids only.
+
+        1. route: every id gets the key ((owner * T + table) << ID_BITS) | id, and ONE
+           torch.unique over the keys of all T tables dedupes and sorts them owner-major,
+           then by table, then by id: chunk r of unique_U is what rank r owns;
+        2. all_to_all the per-owner counts, then the keys.
+        The owner regroups what it received by table for its gathers (stage 3, `fetch`).
+        `group`/`timed`: worker/pipeline.py runs this for the next batch on its own process
+        group from its own thread, untimed (the training thread's a2a seconds stay its own).
+        """
+        if len(names) != len(ids):
+            raise ValueError(f"{len(names)} table names but {len(ids)} id tensors")
+        world, num = self.world_size, len(names)
+        flat = [i.reshape(-1).to(device=self.device, dtype=torch.int64) for i in ids]
+        keys = []
+        for t, (name, flat_N) in enumerate(zip(names, flat, strict=True)):
+            num_rows = self.tables[name].num_rows
+            if num_rows > ID_MASK + 1:
+                raise ValueError(f"table {name!r}: {num_rows} rows do not fit the {ID_BITS}-bit "
+                                 "row ids of the routing key")
+            if flat_N.numel():
+                lo, hi = torch.aminmax(flat_N)
+                if int(lo) < 0 or int(hi) >= num_rows:
+                    bad = int(lo) if int(lo) < 0 else int(hi)
+                    raise IndexError(f"table {name!r}: row id {bad} outside [0, {num_rows})")
+            if world == 1:
+                keys.append(flat_N | (t << ID_BITS))
+            else:
+                owner_N = torch.searchsorted(self._owner_starts(name), flat_N, right=True) - 1
+                keys.append(((owner_N * num + t) << ID_BITS) | flat_N)
+        keys_N = torch.cat(keys) if num > 1 else keys[0]
+        unique_U, inverse_N = torch.unique(keys_N, sorted=True, return_inverse=True)  # 1
+        if world == 1:
+            send_counts = recv_counts = [int(unique_U.numel())]
+            recv_keys_M = unique_U
         else:
+            owner_U = (unique_U >> ID_BITS) // num
+            send_counts = torch.bincount(owner_U, minlength=world).tolist()
             counts_W = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
-            ones = [1] * self.world_size
-            recv_counts = exchange(counts_W, ones, ones, self.group).tolist()  # 2: counts
-            recv_ids_M = exchange(routing.unique_U, recv_counts, send_counts, self.group)  # ids
-        local_rows_MD = F.embedding(recv_ids_M - start, weight, sparse=True)  # 3
+            ones = [1] * world
+            pg = group or self.group
+            direction = "forward" if timed else None
+            recv_counts = exchange(counts_W, ones, ones, pg, direction).tolist()  # 2: counts
+            recv_keys_M = exchange(unique_U, recv_counts, send_counts, pg, direction)  # keys
+        table_M = (recv_keys_M >> ID_BITS) - self.rank * num
+        ids_M = recv_keys_M & ID_MASK
+        if num == 1:
+            local_ids, restore_M = [ids_M - self.ranges[names[0]][0]], None
+        else:  # received blocks are sorted by table within each source: regroup stably
+            order_M = torch.argsort(table_M, stable=True)
+            per_table = torch.bincount(table_M, minlength=num).tolist()
+            grouped = ids_M.index_select(0, order_M).split(per_table)
+            local_ids = [g - self.ranges[n][0] for n, g in zip(names, grouped, strict=True)]
+            restore_M = torch.argsort(order_M)
+        return InputDist(tuple(names), tuple(ids), inverse_N, [f.numel() for f in flat],
+                         send_counts, recv_counts, local_ids, restore_M)
+
+    def fetch(self, plan: InputDist) -> torch.Tensor:
+        """Stages 3-4: the owner gathers its rows (after the staleness window applied the due
+        updates), all_to_all sends them back: rows_UD in the order of the asker's unique ids."""
+        rows = [self._local_rows(n, local_M)  # 3
+                for n, local_M in zip(plan.names, plan.local_ids, strict=True)]
+        local_rows_MD = rows[0]
+        if plan.restore_M is not None:
+            local_rows_MD = torch.cat(rows).index_select(0, plan.restore_M)
         if self.world_size == 1:
-            rows_UD = local_rows_MD
-        else:
-            rows_UD = all_to_all_rows(local_rows_MD, send_counts, recv_counts, self.group)  # 4
-        return rows_UD, routing.inverse_N
+            return local_rows_MD
+        return all_to_all_rows(local_rows_MD, plan.send_counts, plan.recv_counts, self.group)
+
+    def stage(self, plans: Sequence[InputDist]) -> None:
+        """Hand over input dists computed ahead (worker/pipeline.py): a lookup whose names and
+        id tensors (by identity) match one uses it instead of running stages 1-2 itself."""
+        self._staged = {_plan_key(p.names, p.ids): p for p in plans}
+
+    def unstage(self) -> int:
+        """Drop what the step did not use; returns how many (0 when the plan matched)."""
+        left, self._staged = len(self._staged), {}
+        return left
+
+    def _plan_for(self, names: Sequence[str], ids: Sequence[torch.Tensor]) -> InputDist:
+        if self.recording is not None:
+            self.recording.append((tuple(names), tuple(ids)))
+        plan = self._staged.pop(_plan_key(names, ids), None) if self._staged else None
+        if plan is not None and all(a is b for a, b in zip(plan.ids, ids, strict=True)):
+            return plan
+        return self.input_dist(names, ids)
 
     def lookup(self, name: str, ids_N: torch.Tensor) -> torch.Tensor:
         """Plain lookup: ids of any shape S -> rows of shape S + (dim,)."""
-        rows_UD, inverse_N = self._fetch_unique(name, ids_N)
-        rows_ND = rows_UD.index_select(0, inverse_N)
+        plan = self._plan_for((name,), (ids_N,))
+        rows_UD = self.fetch(plan)
+        rows_ND = rows_UD.index_select(0, plan.inverse_N)
         return rows_ND.reshape(*ids_N.shape, rows_UD.shape[-1])
 
     def lookup_bag(self, name: str, ids_N: torch.Tensor, offsets_B: torch.Tensor,
                    mode: str = "sum") -> torch.Tensor:
         """Pooled bags like nn.EmbeddingBag: flat ids_N, bag b = ids[offsets[b]:offsets[b+1]]."""
-        if mode not in POOLING_MODES:
-            raise ValueError(f"mode={mode!r} is not one of {POOLING_MODES}")
-        if ids_N.dim() != 1 or offsets_B.dim() != 1:
-            raise ValueError(f"bags take 1-D ids and offsets, got {tuple(ids_N.shape)} and "
-                             f"{tuple(offsets_B.shape)}")
-        rows_UD, inverse_N = self._fetch_unique(name, ids_N)
-        return F.embedding_bag(inverse_N, rows_UD, offsets_B.to(self.device), mode=mode)
+        _check_bag(ids_N, offsets_B, mode)
+        plan = self._plan_for((name,), (ids_N,))
+        rows_UD = self.fetch(plan)
+        return F.embedding_bag(plan.inverse_N, rows_UD, offsets_B.to(self.device), mode=mode)
 
-    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor]
+    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                    bags: Sequence[tuple[torch.Tensor, str] | None] | None = None
                     ) -> list[torch.Tensor]:
-        """Plain lookups of several tables of one width in ONE exchange.
-
-        Same rows and gradients as [lookup(n, i) for n, i in zip(names, ids)], but the
-        stages 2-4 run once for all the tables (3 all_to_alls instead of 3 per table): the
-        message to each owner holds its ids of table 0, then of table 1, ...; the owner
-        regroups them by table for the local gathers and sends the rows back in the same
-        order. For models with many small tables (DLRM: 26 lookups a step).
-        """
-        if len(names) != len(ids):
-            raise ValueError(f"{len(names)} table names but {len(ids)} id tensors")
-        if self.world_size == 1 or len(names) <= 1:
-            return [self.lookup(n, i) for n, i in zip(names, ids, strict=True)]
+        """Lookups of several tables of one width in ONE exchange (4 all_to_alls, not 4 per
+        table); entry t of `bags`, when given and not None, is (offsets_B, mode): table t is
+        pooled like lookup_bag. Same rows and gradients as the separate lookups. For models
+        with several tables (DLRM: 26 a step; the default job: 4)."""
+        if len(names) != len(ids) or (bags is not None and len(bags) != len(names)):
+            raise ValueError(f"{len(names)} table names but {len(ids)} id tensors"
+                             + ("" if bags is None else f" and {len(bags)} bag entries"))
         dims = {self.tables[n].dim for n in names}
-        if len(dims) != 1:
+        if len(dims) > 1:
             raise ValueError(f"lookup_many needs tables of one width, got dims {sorted(dims)}")
-        world, num = self.world_size, len(names)
-        routings = [route(i.to(self.device), self.tables[n].num_rows, world, n)
-                    for n, i in zip(names, ids, strict=True)]
-        send_TW = np.array([r.send_counts for r in routings], dtype=np.int64)
-        table_start = np.concatenate([np.zeros((num, 1), np.int64), send_TW.cumsum(1)], axis=1)
-        # send buffer: destination-major, table-minor; block (w, t) starts at block_WT[w, t]
-        block_WT = (np.cumsum(send_TW.T.reshape(-1)) - send_TW.T.reshape(-1)).reshape(world, num)
-        send_ids = torch.cat([routings[t].unique_U[table_start[t, w]:table_start[t, w + 1]]
-                              for w in range(world) for t in range(num)])
-        send_counts = send_TW.sum(0).tolist()
-        counts_WT = torch.from_numpy(send_TW.T.reshape(-1).copy()).to(self.device)
-        recv_WT = exchange(counts_WT, [num] * world, [num] * world, self.group).reshape(world, num)
-        recv_counts = recv_WT.sum(1).tolist()
-        recv_ids_M = exchange(send_ids, recv_counts, send_counts, self.group)
-        # owner side: regroup the received ids by table (stable), gather, restore the order
-        table_of_M = torch.repeat_interleave(
-            torch.arange(num, device=self.device).repeat(world), recv_WT.reshape(-1))
-        order_M = torch.argsort(table_of_M, stable=True)
-        per_table = torch.bincount(table_of_M, minlength=num).tolist()
-        grouped = recv_ids_M.index_select(0, order_M).split(per_table)
-        rows = [F.embedding(g - self.ranges[n][0], self.weights[n], sparse=True)
-                for n, g in zip(names, grouped, strict=True)]
-        local_rows_MD = torch.cat(rows).index_select(0, torch.argsort(order_M))
-        rows_UD = all_to_all_rows(local_rows_MD, send_counts, recv_counts, self.group)
+        for t, bag in enumerate(bags or ()):
+            if bag is not None:
+                _check_bag(ids[t], bag[0], bag[1])
+        plan = self._plan_for(names, ids)
+        rows_UD = self.fetch(plan)
         out = []
-        for t, (routing, ids_N) in enumerate(zip(routings, ids, strict=True)):
-            take = torch.cat([torch.arange(block_WT[w, t], block_WT[w, t] + send_TW[t, w])
-                              for w in range(world)]).to(self.device)
-            rows_tD = rows_UD.index_select(0, take).index_select(0, routing.inverse_N)
-            out.append(rows_tD.reshape(*ids_N.shape, rows_UD.shape[-1]))
+        for t, (inverse_N, ids_N) in enumerate(zip(plan.inverse_N.split(plan.sizes), ids,
+                                                   strict=True)):
+            bag = None if bags is None else bags[t]
+            if bag is None:
+                rows_ND = rows_UD.index_select(0, inverse_N)
+                out.append(rows_ND.reshape(*ids_N.shape, rows_UD.shape[-1]))
+            else:
+                out.append(F.embedding_bag(inverse_N, rows_UD, bag[0].to(self.device),
+                                           mode=bag[1]))
         return out
 
     def local_block(self, name: str) -> tuple[int, torch.Tensor]:
@@ -255,7 +380,7 @@ class ShardedEmbedding(nn.Module):
         """
         start, end = self.ranges[name]
         local_R = torch.arange(end - start, device=self.device)
-        return start, F.embedding(local_R, self.weights[name], sparse=True)
+        return start, self._local_rows(name, local_R)
 
     # -- gradients and updates ----------------------------------------------------
     def pop_grads(self, scale: float = 1.0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -271,13 +396,13 @@ class ShardedEmbedding(nn.Module):
             weight.grad = None
             if grad is None:
                 ids_U = torch.empty(0, dtype=torch.int64, device=self.device)
-                grads_UD = weight.new_empty((0, weight.shape[1]))
+                grads_UD = weight.new_empty((0, weight.shape[1]), dtype=torch.float32)
             elif not grad.is_sparse:
                 raise TypeError(f"table {name!r}: expected a sparse gradient, got a dense one")
             else:
                 grad = grad.coalesce()
                 ids_U = grad.indices()[0] + start
-                grads_UD = grad.values() * scale
+                grads_UD = grad.values().to(torch.float32) * scale  # bf16 rows: bf16 grads
             out[name] = (ids_U, grads_UD)
         return out
 
@@ -295,6 +420,50 @@ class ShardedEmbedding(nn.Module):
             raise IndexError(f"table {name!r}: update for rows [{lo}, {hi}] outside the owned "
                              f"range [{start}, {end}) of rank {self.rank}")
         apply_update_(self.weights[name].data, ids_U.to(torch.int64) - start, delta_UD, decay)
+
+    @torch.no_grad()
+    def set_rows(self, name: str, ids_U: torch.Tensor, rows_UD: torch.Tensor) -> None:
+        """rows[ids] = rows_UD (a "rows" answer: the master rows, rounded to the row dtype)."""
+        start, end = self.ranges[name]
+        if ids_U.numel() == 0:
+            return
+        lo, hi = int(ids_U.min()), int(ids_U.max())
+        if lo < start or hi >= end:
+            raise IndexError(f"table {name!r}: new rows [{lo}, {hi}] outside the owned "
+                             f"range [{start}, {end}) of rank {self.rank}")
+        weight = self.weights[name].data
+        local_U = ids_U.to(device=weight.device, dtype=torch.int64) - start
+        weight.index_copy_(0, local_U, rows_UD.to(device=weight.device, dtype=weight.dtype))
+
+    def initial_row_blocks(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(global start, fp32 rows on the CPU): the owned rows as initialised, in order.
+
+        They seed an fp32 master copy of bf16 rows. Regenerated one init chunk at a
+        time (init_rows is deterministic), so no fp32 copy of the table is kept; each
+        block is checked against the device rows, which must be it rounded to the row
+        dtype (else something changed the rows after init and the master would not be
+        the rows' master).
+        """
+        table = self.tables[name]
+        start, end = self.ranges[name]
+        weight = self.weights[name].data
+        lo = start
+        while lo < end:
+            hi = min((lo // INIT_CHUNK_ROWS + 1) * INIT_CHUNK_ROWS, end)
+            rows_RD = init_rows(table.num_rows, table.dim, lo, hi,
+                                seed=self._init_seed, table_index=self.table_index[name],
+                                init_std=self._init_std)
+            held_RD = weight[lo - start:hi - start].to("cpu")
+            if not torch.equal(rows_RD.to(weight.dtype), held_RD):
+                raise RuntimeError(f"table {name!r} rank {self.rank}: rows [{lo}, {hi}) on the "
+                                   "device are not the initial rows rounded to "
+                                   f"{weight.dtype}; cannot seed the master copy from them")
+            yield lo, rows_RD
+            lo = hi
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of the rows this rank holds on its device, per table (the tensors' own)."""
+        return {name: w.numel() * w.element_size() for name, w in self.weights.items()}
 
     # -- whole tables -------------------------------------------------------------
     def gather_full(self, dst: int = 0) -> dict[str, torch.Tensor] | None:

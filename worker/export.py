@@ -33,7 +33,7 @@ DENSE_PREFIX = "dense."
 
 def export_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], int]:
     """(the plain state_dict, the checkpoint's step) of a checkpoint directory or root."""
-    from worker.checkpoint import find_checkpoint
+    from worker.checkpoint import find_checkpoint, read_dense_full
 
     directory = find_checkpoint(checkpoint)
     if directory is None:
@@ -47,8 +47,7 @@ def export_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], 
         weight = got["weight"]
         assert weight is not None
         out[f"{EMBEDDING_PREFIX}{name}.weight"] = weight
-    blob = torch.load(Path(directory) / manifest["dense"]["file"], map_location="cpu",
-                      weights_only=False)
+    blob = read_dense_full(Path(directory), manifest["dense"])  # DCP -> full, no process group
     for key, value in blob["model"].items():
         out[f"{DENSE_PREFIX}{key}"] = value.detach().clone()
     return out, int(manifest["step"])

@@ -44,6 +44,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from worker.rendezvous import init_process_group as init_incarnation_group
+
 if TYPE_CHECKING:
     from worker.config import TrainConfig
     from worker.embedding import ShardedEmbedding
@@ -104,9 +106,10 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> 
     backend = backend_for(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:  # launched by torchrun (or an equivalent)
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timeout,
-            device_id=device if device.type == "cuda" else None)
+        # In a namespace of this incarnation: torchrun --max-restarts keeps one store
+        # across restarts, and stale keys break gloo/NCCL connects (worker/rendezvous.py).
+        init_incarnation_group(backend, rank, world_size, timeout_s,
+                               device_id=device if device.type == "cuda" else None)
     else:
         if world_size != 1:
             raise RuntimeError(f"WORLD_SIZE={world_size} without MASTER_ADDR: launch with torchrun")

@@ -8,6 +8,8 @@ Per embedding row of width D (float32 everywhere):
   holds no copy of the rows;
 - on the wire, per step and rank: every touched owned row once up (id 8 B +
   gradient 4*D B) and once down (id + delta).
+With --row-dtype bf16 the row takes 2*D bytes on the device and the server adds an
+fp32 master copy, 4*D bytes (with --local-optimizer that master is on the device).
 Rows are split evenly: rank r of W owns ceil(R/W) rows of a table of R rows at
 most, and a node's server holds the state of its ranks' rows.
 
@@ -67,6 +69,7 @@ class Plan:
     device_capacity: int | None = None  # bytes of one rank's device (cuda)
     host_capacity: int | None = None    # bytes of one node's host memory
     notes: list[str] = field(default_factory=list)
+    row_bytes: int = FLOAT_BYTES  # per element of a device row: 4 fp32, 2 --row-dtype bf16
 
     # -- layout ----------------------------------------------------------------------
     @property
@@ -86,16 +89,21 @@ class Plan:
 
     # -- bytes -----------------------------------------------------------------------
     @property
+    def master_copies(self) -> int:
+        """fp32 master rows kept next to the optimizer state: 1 with bf16 rows."""
+        return 1 if self.row_bytes < FLOAT_BYTES else 0
+
+    @property
     def device_rows_bytes(self) -> int:
-        return sum(self.rows_per_rank(t) * t.dim * FLOAT_BYTES for t in self.tables)
+        return sum(self.rows_per_rank(t) * t.dim * self.row_bytes for t in self.tables)
 
     @property
     def device_state_bytes(self) -> int:
-        """m, v on the device: only with --local-optimizer."""
+        """m, v (and the fp32 master of bf16 rows) on the device: only --local-optimizer."""
         if not self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * t.dim * FLOAT_BYTES * self.moments
-                   for t in self.tables)
+        return sum(self.rows_per_rank(t) * t.dim * FLOAT_BYTES
+                   * (self.moments + self.master_copies) for t in self.tables)
 
     @property
     def device_step_bytes(self) -> int:
@@ -116,7 +124,8 @@ class Plan:
     def host_state_bytes_per_rank(self) -> int:
         if self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * (t.dim * FLOAT_BYTES * self.moments
+        return sum(self.rows_per_rank(t) * (t.dim * FLOAT_BYTES
+                                            * (self.moments + self.master_copies)
                                             + TOUCHED_FLAG_BYTES) for t in self.tables)
 
     @property
@@ -274,7 +283,8 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
     local = local_rank if local_rank is not None else int(env.get("LOCAL_RANK", "0") or 0)
     notes: list[str] = []
     plan = Plan(table_shapes(cfg, notes), world, per_node, cfg.batch_size, cfg.optimizer,
-                cfg.staleness, cfg.local_optimizer, notes=notes)
+                cfg.staleness, cfg.local_optimizer, notes=notes,
+                row_bytes=2 if cfg.row_dtype == "bf16" else FLOAT_BYTES)
     kind, detected = detect_device(cfg.device, local) if detect else ("cpu", None)
     plan.device_kind = kind
     if cfg.device_memory_gb > 0:
@@ -303,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lookups", type=float, default=1.0, help="lookups per sample")
     parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
     parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--row-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="dtype of the rows on the device (bf16: + fp32 master on the host)")
     parser.add_argument("--device-memory-gb", type=float, default=0.0)
     parser.add_argument("--host-memory-gb", type=float, default=0.0)
     args = parser.parse_args(argv)
@@ -312,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.nodes * args.ranks_per_node, args.ranks_per_node, args.batch_size,
                 args.optimizer, args.staleness, local_optimizer=False, device_kind="cuda",
                 device_capacity=int(args.device_memory_gb * GB) or None,
-                host_capacity=int(args.host_memory_gb * GB) or None)
+                host_capacity=int(args.host_memory_gb * GB) or None,
+                row_bytes=2 if args.row_dtype == "bf16" else FLOAT_BYTES)
     print(format_plan(plan))
     return 0 if plan.fits else 1
 

@@ -60,9 +60,12 @@ class LocalEmbedding(nn.Module):
         assert isinstance(module, nn.Embedding)
         return module.weight
 
-    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor]
+    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                    bags: Sequence[tuple[torch.Tensor, str] | None] | None = None
                     ) -> list[torch.Tensor]:
-        return [self.lookup(n, i) for n, i in zip(names, ids, strict=True)]
+        bags = bags if bags is not None else [None] * len(names)
+        return [self.lookup(n, i) if bag is None else self.lookup_bag(n, i, *bag)
+                for n, i, bag in zip(names, ids, bags, strict=True)]
 
     def local_block(self, name: str) -> tuple[int, torch.Tensor]:
         """(0, whole table) with a sparse gradient: ShardedEmbedding.local_block at world 1."""

@@ -2,7 +2,8 @@
 
 Two sources of row updates share one interface (`UpdateSource`):
 - `ShardClient`: the node's shard server over gRPC (Register once, then one
-  bidirectional Sync stream);
+  bidirectional Sync stream; with --row-dtype bf16, SeedRows in between to upload
+  the fp32 initial rows into the server's master copy);
 - `LocalSparseOptimizer` (--local-optimizer): the same ps.optim kernels run
   in-process, m/v on the device, no server.
 `StalenessWindow` decides, at each step boundary on the training thread,
@@ -44,7 +45,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ from hybridps.logs import kv
 from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.client_options import channel_options
-from ps.optim import OptimizerSpec, apply_rows_
+from ps.optim import OptimizerSpec, apply_rows_, apply_update_
 from worker.embedding import ShardedEmbedding, TableConfig
 
 log = logging.getLogger("worker.sync")
@@ -73,6 +74,8 @@ OPTIMIZER_KIND = {"adam": shard_pb2.OptimizerConfig.ADAM,
                   "sgd": shard_pb2.OptimizerConfig.SGD}
 
 Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids_U global, grads_UD)
+# table -> the owned rows as initialised, fp32 blocks (global start, rows): seeds a master
+InitialRows = Callable[[str], Iterator[tuple[int, torch.Tensor]]]
 
 
 class SyncError(RuntimeError):
@@ -93,7 +96,10 @@ class ServerRefused(SyncError):
 
 @dataclass
 class RowUpdate:
-    """rows[ids] = rows[ids] * decay + delta for one (step, table)."""
+    """rows[ids] = rows[ids] * decay + delta for one (step, table).
+
+    `rows` (bf16 rows with an fp32 master): delta_UD holds the new rows, rows[ids] = delta.
+    """
 
     step: int
     table: str
@@ -101,6 +107,7 @@ class RowUpdate:
     delta_UD: torch.Tensor
     decay: float
     duplicate: bool = False
+    rows: bool = False
 
 
 @dataclass
@@ -246,6 +253,12 @@ class LocalSparseOptimizer(UpdateSource):
     Updates are computed at push time and applied by the StalenessWindow at
     the same step boundaries as server updates, so results match the server
     path for every --staleness.
+
+    bf16 rows (--row-dtype bf16): like the server, an fp32 master copy of the
+    rows (next to m and v, on the rows' device) takes the optimizer steps and
+    the updates are the new rows rounded to bf16. This mode is the in-process
+    reference, so it keeps the fp32 state where the rows are: it saves no
+    device memory (2 + 4 + 8 bytes per element), the server mode does.
     """
 
     def __init__(self, embedding: ShardedEmbedding, spec: OptimizerSpec,
@@ -253,13 +266,18 @@ class LocalSparseOptimizer(UpdateSource):
         super().__init__(list(embedding.tables), timeout_s)
         self.embedding, self.spec = embedding, spec
         self.moments: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.masters: dict[str, torch.Tensor] = {}  # fp32 master rows (bf16 rows only)
         self.counts = dict.fromkeys(embedding.tables, 0)
         for name, weight in embedding.weights.items():
             if spec.has_moments:
-                self.moments[name] = (torch.zeros_like(weight.data),
-                                      torch.zeros_like(weight.data))
+                self.moments[name] = (torch.zeros_like(weight.data, dtype=torch.float32),
+                                      torch.zeros_like(weight.data, dtype=torch.float32))
             else:
                 self.moments[name] = (None, None)
+            if weight.dtype != torch.float32:
+                blocks = [rows for _, rows in embedding.initial_row_blocks(name)]
+                self.masters[name] = (torch.cat(blocks) if blocks else
+                                      torch.empty(0, weight.shape[1])).to(weight.device)
 
     @torch.no_grad()
     def push(self, step: int, grads: Grads) -> None:
@@ -273,6 +291,12 @@ class LocalSparseOptimizer(UpdateSource):
             self.stats.pushes += 1
             self.stats.push_rows += int(ids_U.numel())
             self.stats.updates += 1
+            master_RD = self.masters.get(name)
+            if master_RD is not None:  # the shard server's master-rows math (ps/partition.py)
+                apply_update_(master_RD, ids_U - start, delta_UD, float(decay))
+                rows_UD = master_RD.index_select(0, ids_U - start).to(self.embedding.row_dtype)
+                self.buffer.put(RowUpdate(step, name, ids_U, rows_UD, 0.0, rows=True))
+                continue
             self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
 
 
@@ -284,8 +308,22 @@ class ShardClient(UpdateSource):
                  optimizer: OptimizerSpec, timeout_s: float, max_chunk_bytes: int,
                  incarnation: int | None = None,
                  restore: tuple[str, int] | None = None,
-                 security: ClientSecurity | None = None) -> None:
+                 security: ClientSecurity | None = None,
+                 row_dtype: torch.dtype = torch.float32,
+                 initial_rows: InitialRows | None = None,
+                 wire_dtype: torch.dtype = torch.float32) -> None:
         super().__init__([t.name for t in tables], timeout_s)
+        if wire_dtype not in WIRE_DTYPES.values():
+            raise ValueError(f"wire dtype {wire_dtype} is not one of "
+                             f"{', '.join(map(str, WIRE_DTYPES.values()))}")
+        # --wire-dtype: gradients go, and deltas come back, in this dtype (math is fp32).
+        self.wire_dtype = wire_dtype
+        # bf16 rows: the server keeps an fp32 master, seeded from `initial_rows` right
+        # after the Register that creates the partition (a restore loads it instead).
+        if row_dtype != torch.float32 and initial_rows is None:
+            raise ValueError(f"row dtype {row_dtype} needs initial_rows to seed the master")
+        self.row_dtype = row_dtype
+        self.initial_rows = initial_rows
         self.security = security or ClientSecurity()
         # (checkpoint directory, step): the first Register loads the server state from it.
         self.restore = restore
@@ -305,9 +343,11 @@ class ShardClient(UpdateSource):
         # Owned by the event-loop thread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stub: shard_pb2_grpc.ShardServiceStub | None = None
-        self._unanswered: dict[tuple[int, int], list[shard_pb2.Push]] = {}
-        self._partial: dict[tuple[int, int], list[shard_pb2.Update]] = {}
-        self._outq: asyncio.Queue[shard_pb2.Push | None] | None = None
+        self._sync: Any = None  # the Sync method with the copy-free codec (hybridps/wire.py)
+        # Pushes are kept encoded: a re-sent push is the same bytes, not encoded again.
+        self._unanswered: dict[tuple[int, int], list[bytes]] = {}
+        self._partial: dict[tuple[int, int], list[wire.Framed[shard_pb2.Update]]] = {}
+        self._outq: asyncio.Queue[bytes | None] | None = None
         self._call: Any = None
         self._closing = False
         self._progress = False
@@ -493,6 +533,8 @@ class ShardClient(UpdateSource):
         options = channel_options(max(self.max_chunk_bytes * 2, 64 * 1024 * 1024))
         async with open_aio_channel(self.address, options, self.security) as channel:
             self._stub = shard_pb2_grpc.ShardServiceStub(channel)
+            self._sync = channel.stream_stream(SYNC_METHOD, request_serializer=_as_bytes,
+                                               response_deserializer=_decode_update)
             await self._register(first=True)
             self._registered.set()
             broken_since: float | None = None
@@ -547,6 +589,8 @@ class ShardClient(UpdateSource):
             run_id=self.run_id, rank=self.rank, world_size=self.world_size,
             incarnation=self.incarnation, tables=self.table_specs,
             optimizer=optimizer_message(self.optimizer))
+        if self.row_dtype != torch.float32:  # unset for fp32: what older servers expect
+            request.row_dtype = wire.wire_dtype(self.row_dtype)  # type: ignore[assignment]
         if first and self.restore is not None:
             request.restore.directory, request.restore.step = self.restore
         try:
@@ -566,6 +610,52 @@ class ShardClient(UpdateSource):
         if response.max_message_bytes > 0:
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(response.max_message_bytes))
         self._check_registered_state(response, first)
+        if self.row_dtype != torch.float32:
+            await self._seed_master(response, first)
+
+    async def _seed_master(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
+        """Upload the fp32 initial rows into the server's master copy of a new partition.
+
+        Only a partition this Register created needs it, and not one restored from a
+        checkpoint (the server loaded its master). _check_registered_state already refused
+        a re-Register that found the state lost after pushes, so a created partition here
+        has seen no push and the initial rows are still the rows' master.
+        """
+        assert self._stub is not None and self.initial_rows is not None
+        if wire.torch_dtype(response.row_dtype) != self.row_dtype:
+            raise ServerRefused(
+                f"rank {self.rank}: shard server {self.address} registered row dtype "
+                f"{wire.dtype_name(response.row_dtype)}, not {self.row_dtype}: it keeps no fp32 "
+                "master rows (upgrade the server or use --row-dtype fp32)")
+        if first and self.restore is not None:
+            return
+        for table in response.tables:
+            if not table.created:
+                continue
+            per_chunk = wire.rows_per_chunk(self.dims[table.name], self.max_chunk_bytes)
+            seeded = 0
+            for start, block_RD in self.initial_rows(table.name):
+                for lo, hi in wire.chunk_bounds(int(block_RD.shape[0]), per_chunk):
+                    request = shard_pb2.SeedRowsRequest(
+                        run_id=self.run_id, rank=self.rank, incarnation=self.incarnation,
+                        table=table.name, row_start=start + lo)
+                    wire.encode(block_RD[lo:hi], request.rows)
+                    try:
+                        reply = await self._stub.SeedRows(request, timeout=self.timeout_s,
+                                                          metadata=self.security.metadata)
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() in RETRYABLE and not first:
+                            raise  # the reconnect loop registers (and seeds) again
+                        raise ServerRefused(f"rank {self.rank}: seeding the master rows of "
+                                            f"table {table.name!r} on shard server "
+                                            f"{self.address} failed: {_rpc_text(exc)}") from None
+                    seeded = int(reply.rows_seeded)
+            if seeded != table.rows_held:
+                raise ServerRefused(f"rank {self.rank}: shard server {self.address} seeded "
+                                    f"{seeded} of the {table.rows_held} master rows of table "
+                                    f"{table.name!r}")
+        log.info(kv("master_seeded", server=self.address,
+                    tables=",".join(t.name for t in response.tables if t.created)))
 
     def _check_registered_state(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
         """The server's optimizer state must be where this process left it."""
@@ -591,8 +681,8 @@ class ShardClient(UpdateSource):
 
     async def _stream(self) -> bool:
         """One Sync stream; True when it ended because we closed it with nothing pending."""
-        assert self._stub is not None
-        outq: asyncio.Queue[shard_pb2.Push | None] = asyncio.Queue()
+        assert self._sync is not None
+        outq: asyncio.Queue[bytes | None] = asyncio.Queue()
         for key in sorted(self._unanswered):
             for msg in self._unanswered[key]:
                 outq.put_nowait(msg)
@@ -600,7 +690,7 @@ class ShardClient(UpdateSource):
             outq.put_nowait(None)
         self._partial.clear()
         self._outq = outq
-        self._call = self._stub.Sync(_drain(outq), metadata=self.security.metadata)
+        self._call = self._sync(_drain(outq), metadata=self.security.metadata)
         try:
             async for update in self._call:
                 self._on_update(update)
@@ -617,26 +707,34 @@ class ShardClient(UpdateSource):
             self.stats.pushes += 1
             self.stats.push_rows += int(ids_U.numel())
             self.stats.push_chunks += len(msgs)
-            self.stats.push_bytes += sum(m.ByteSize() for m in msgs)
+            self.stats.push_bytes += sum(len(m) for m in msgs)
             if self._outq is not None:
                 for msg in msgs:
                     self._outq.put_nowait(msg)
 
     def _encode(self, step: int, name: str, ids_U: torch.Tensor,
-                grads_UD: torch.Tensor) -> list[shard_pb2.Push]:
-        per_chunk = wire.rows_per_chunk(self.dims[name], self.max_chunk_bytes)
+                grads_UD: torch.Tensor) -> list[bytes]:
+        grads = grads_UD.to(self.wire_dtype)
+        per_chunk = wire.rows_per_chunk(self.dims[name], self.max_chunk_bytes,
+                                        grads.element_size())
         bounds = list(wire.chunk_bounds(int(ids_U.shape[0]), per_chunk))
+        update_dtype = (shard_pb2.DTYPE_UNSPECIFIED if self.wire_dtype == torch.float32
+                        else wire.wire_dtype(self.wire_dtype))
         msgs = []
         for chunk, (lo, hi) in enumerate(bounds):
-            msg = shard_pb2.Push(run_id=self.run_id, rank=self.rank,
-                                 incarnation=self.incarnation, step=step, table=name,
-                                 chunk=chunk, num_chunks=len(bounds))
-            wire.encode(ids_U[lo:hi], msg.ids)
-            wire.encode(grads_UD[lo:hi].to(torch.float32), msg.grads)
-            msgs.append(msg)
+            head = shard_pb2.Push(run_id=self.run_id, rank=self.rank,
+                                  incarnation=self.incarnation, step=step, table=name,
+                                  chunk=chunk, num_chunks=len(bounds),
+                                  update_dtype=update_dtype)  # type: ignore[arg-type]
+            msgs.append(wire.encode_framed(head, [("ids", ids_U[lo:hi]),
+                                                  ("grads", grads[lo:hi])]))
         return msgs
 
-    def _on_update(self, update: shard_pb2.Update) -> None:
+    def _on_update(self, framed: wire.Framed[shard_pb2.Update]) -> None:
+        if framed.error is not None:
+            raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an "
+                                f"update that does not decode: {framed.error}")
+        update = framed.message
         index = self.table_index.get(update.table)
         if index is None:
             raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an update "
@@ -650,16 +748,20 @@ class ShardClient(UpdateSource):
             raise ServerRefused(f"rank {self.rank}: update step {update.step} table "
                                 f"{update.table!r}: chunk {update.chunk} arrived, expected "
                                 f"{len(parts)}")
-        parts.append(update)
+        parts.append(framed)
         self.stats.update_chunks += 1
         if len(parts) < max(update.num_chunks, 1):
             return
         del self._partial[key]
         what = f"update step {update.step} table {update.table!r}"
-        ids = [wire.decode(p.ids, f"{what}: ids") for p in parts]
-        deltas = [wire.decode(p.delta, f"{what}: delta") for p in parts]
-        ids_U = torch.cat(ids) if len(ids) > 1 else ids[0].clone()
-        delta_UD = torch.cat(deltas) if len(deltas) > 1 else deltas[0].clone()
+        ids = [p.tensor("ids", what) for p in parts]
+        deltas = [p.tensor("delta", what) for p in parts]
+        # One chunk: the tensors view the received bytes (read-only, kept alive by the
+        # views); every consumer of a RowUpdate only reads them, so no copy is made.
+        ids_U = torch.cat(ids) if len(ids) > 1 else ids[0]
+        delta_UD = torch.cat(deltas) if len(deltas) > 1 else deltas[0]
+        if not update.rows and delta_UD.dtype in (torch.bfloat16, torch.float16):
+            delta_UD = delta_UD.float()  # --wire-dtype: here, not on the training thread
         dim = self.dims[update.table]
         if ids_U.dim() != 1 or delta_UD.shape != (ids_U.shape[0], dim):
             raise ServerRefused(f"rank {self.rank}: {what}: ids {list(ids_U.shape)} and delta "
@@ -668,8 +770,12 @@ class ShardClient(UpdateSource):
         self._progress = True
         self.stats.updates += 1
         self.stats.duplicates += int(update.duplicate)
+        if update.rows != (self.row_dtype != torch.float32):
+            raise ServerRefused(f"rank {self.rank}: {what}: the server answered "
+                                f"{'rows' if update.rows else 'a delta'} but this rank keeps "
+                                f"{self.row_dtype} rows")
         self.buffer.put(RowUpdate(update.step, update.table, ids_U, delta_UD,
-                                  float(update.decay), update.duplicate))
+                                  float(update.decay), update.duplicate, update.rows))
 
     def _begin_close(self) -> None:
         self._closing = True
@@ -682,11 +788,28 @@ class ShardClient(UpdateSource):
 
     def _refusal_text(self, exc: grpc.aio.AioRpcError) -> str:
         step = min(self._unanswered)[0] if self._unanswered else self.newest_pushed
-        return (f"rank {self.rank}: shard server {self.address} refused run {self.run_id!r} "
+        text = (f"rank {self.rank}: shard server {self.address} refused run {self.run_id!r} "
                 f"(around step {step}): {_rpc_text(exc)}")
+        if self.wire_dtype == torch.float16 and "non-finite" in text:
+            text += (" (--wire-dtype fp16: gradients beyond +-65504 become inf on the wire; "
+                     "use bf16 or fp32)")
+        return text
 
 
-async def _drain(outq: asyncio.Queue[shard_pb2.Push | None]) -> AsyncIterator[shard_pb2.Push]:
+SYNC_METHOD = "/hybridps.v1.ShardService/Sync"
+# --wire-dtype values (worker/config.py validates the flag against these names).
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _as_bytes(msg: bytes) -> bytes:
+    return msg  # pushes are encoded by ShardClient._encode (wire.encode_framed)
+
+
+def _decode_update(data: bytes) -> wire.Framed[shard_pb2.Update]:
+    return wire.decode_framed(shard_pb2.Update, data, ("ids", "delta"), "update")
+
+
+async def _drain(outq: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
     """The request stream: messages from the queue until the None sentinel (half-close)."""
     while True:
         msg = await outq.get()
@@ -748,7 +871,10 @@ class StalenessWindow:
             self.stats.waits += 1
             self.stats.wait_s += time.perf_counter() - t0
         for u in updates:
-            self.embedding.apply_update(u.table, u.ids_U, u.delta_UD, u.decay)
+            if u.rows:
+                self.embedding.set_rows(u.table, u.ids_U, u.delta_UD)
+            else:
+                self.embedding.apply_update(u.table, u.ids_U, u.delta_UD, u.decay)
         self.stats.updates_applied += len(updates)
         self.applied_through = step
         return blocked

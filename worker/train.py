@@ -28,13 +28,15 @@ from tqdm import tqdm
 
 from ps.optim import OptimizerSpec
 from worker import comm
-from worker.checkpoint import Checkpointer
+from worker.checkpoint import Checkpointer, kill_point
 from worker.config import TrainConfig
-from worker.embedding import ShardedEmbedding
+from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.nodes import client_security_for
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
+from worker.pipeline import InputPipeline
 from worker.sync import (
+    WIRE_DTYPES,
     LocalSparseOptimizer,
     ShardClient,
     StalenessWindow,
@@ -54,12 +56,17 @@ def sparse_optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
 
 def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
                          ) -> torch.optim.Optimizer:
-    """adam -> Adam, adamw -> AdamW, sgd -> SGD, at --dense-lr (shared with the reference)."""
+    """adam -> Adam, adamw -> AdamW, sgd -> SGD, at --dense-lr (shared with the reference).
+
+    foreach: one dispatch per op for all parameters instead of one per parameter; torch
+    picks it by itself only on CUDA, and on the CPU the per-parameter loop over FSDP's
+    DTensors cost ~2 ms a step on the default job's 6-tensor MLP."""
     params = list(params)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.dense_lr)
+        return torch.optim.Adam(params, lr=cfg.dense_lr, foreach=True)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay,
+                                 foreach=True)
     return torch.optim.SGD(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay)
 
 
@@ -97,7 +104,8 @@ class Trainer:
         tables = self.task.tables()
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
-            device=ctx.device, seed=cfg.seed, init_std=cfg.init_std)
+            device=ctx.device, seed=cfg.seed, init_std=cfg.init_std,
+            row_dtype=ROW_DTYPES[cfg.row_dtype])
         dense = build_dense_seeded(self.task, cfg.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg, ctx, dense, self.task.fsdp_units(dense))
@@ -114,10 +122,17 @@ class Trainer:
                 cfg.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 tables=tables, ranges=self.embedding.ranges, optimizer=spec,
                 timeout_s=cfg.ps_timeout, max_chunk_bytes=cfg.max_chunk_bytes,
+                wire_dtype=WIRE_DTYPES[cfg.wire_dtype],
                 restore=None if resume is None else (str(resume[0]), resume[1]),
-                security=client_security_for(cfg))
+                security=client_security_for(cfg), row_dtype=self.embedding.row_dtype,
+                initial_rows=self.embedding.initial_row_blocks)
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
         self.window = StalenessWindow(self.source, self.embedding, cfg.staleness)
+        # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
+        self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
+                                    world_size=ctx.world_size, device=ctx.device,
+                                    backend=ctx.backend, end_step=self.steps,
+                                    enabled=cfg.pipeline)
         self.start_step = 0
         if resume is not None:
             self.checkpointer.restore_local(*resume)
@@ -148,7 +163,7 @@ class Trainer:
             t0 = time.perf_counter()
             self.window.before_step(step)  # rows now hold every update of steps <= step-1-K
             t1 = time.perf_counter()
-            batch = task.batch(step, rank, world).to(ctx.device)
+            batch = self.inputs.take(step)  # made (and input-dist'ed) ahead with --pipeline
             t2 = time.perf_counter()
             loss = task.loss(model, batch)  # mean over this rank's B samples
             t3 = time.perf_counter()
@@ -158,8 +173,10 @@ class Trainer:
             # Each rank's loss is its local mean, so its gradient is W times the global-mean
             # loss's gradient share: scaled by 1/W (the dense averaging does the same).
             grads = self.dense_parallel.step(self.dense_opt, self.embedding)
+            self.inputs.step_done(step)
             t5 = time.perf_counter()
             self.source.push(step, grads)  # handed to the sync thread; never blocks
+            kill_point(rank, step)  # HYBRIDPS_FAULT_KILL (tests): die with the push in flight
             t6 = time.perf_counter()
             a2a = comm.reset_comm_seconds()
             t["apply"] += t1 - t0
@@ -197,6 +214,7 @@ class Trainer:
             if stop_agreed(step, cfg.log_every, ctx):  # SIGTERM: worker/lifecycle.py
                 self.last_step = step
                 break
+        self.inputs.close()  # what is in flight is the same on every rank
         self.window.drain(self.last_step)  # the final rows include every update
         self.source.finish(self.last_step)
         self.train_s = time.perf_counter() - start
@@ -294,6 +312,10 @@ class Trainer:
             "sync": sync_stats,
             "server_stats": server,
             "dense": self.dense_parallel.describe(),
+            "pipeline": {"enabled": self.cfg.pipeline, "input_dist_ahead": self.inputs.dist_ahead,
+                         "unused_plans": self.inputs.unused_plans,
+                         "overlapped_s_per_step": {k: v / max(self.steps, 1) for k, v in
+                                                   self.inputs.overlapped.items()}},
         }
 
     def summary(self, res: dict[str, Any]) -> str:
@@ -350,6 +372,7 @@ class Trainer:
         return res
 
     def close(self) -> None:
+        self.inputs.close(wait=False)  # train() already waited, unless it failed
         self.source.close()
 
 

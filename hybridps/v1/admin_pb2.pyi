@@ -13,7 +13,7 @@ class ShardStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PartitionStats(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer")
+    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class PartitionStats(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MASTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -55,10 +57,12 @@ class PartitionStats(_message.Message):
     queue_depth: int
     refusals: _containers.ScalarMap[str, int]
     optimizer: str
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ...) -> None: ...
+    master_bytes: int
+    row_dtype: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ...) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total")
+    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +77,7 @@ class ShardStats(_message.Message):
     STATE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PUSHES_APPLIED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROWS_UPDATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MASTER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     uptime_s: float
     partitions: _containers.RepeatedCompositeFieldContainer[PartitionStats]
@@ -80,7 +85,8 @@ class ShardStats(_message.Message):
     state_bytes_total: int
     pushes_applied_total: int
     rows_updated_total: int
-    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ...) -> None: ...
+    master_bytes_total: int
+    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ..., master_bytes_total: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s", "reason")

@@ -23,14 +23,16 @@ INT64: DType
 INT32: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "pad")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("kind", "lr", "beta1", "beta2", "eps", "weight_decay")
@@ -73,7 +75,7 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore")
+    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore", "row_dtype")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class RegisterRequest(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
+    ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     world_size: int
@@ -88,7 +91,8 @@ class RegisterRequest(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
     optimizer: OptimizerConfig
     restore: RestoreFrom
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., restore: _Optional[_Union[RestoreFrom, _Mapping]] = ...) -> None: ...
+    row_dtype: DType
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., restore: _Optional[_Union[RestoreFrom, _Mapping]] = ..., row_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class RestoreFrom(_message.Message):
     __slots__ = ("directory", "step")
@@ -111,17 +115,43 @@ class TableState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows_held: _Optional[int] = ..., last_step: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("server_id", "tables", "max_message_bytes")
+    __slots__ = ("server_id", "tables", "max_message_bytes", "row_dtype")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     tables: _containers.RepeatedCompositeFieldContainer[TableState]
     max_message_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableState, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    row_dtype: DType
+    def __init__(self, server_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableState, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., row_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class SeedRowsRequest(_message.Message):
+    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "rows")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    incarnation: int
+    table: str
+    row_start: int
+    rows: Tensor
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SeedRowsResponse(_message.Message):
+    __slots__ = ("rows_seeded", "rows_held")
+    ROWS_SEEDED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
+    rows_seeded: int
+    rows_held: int
+    def __init__(self, rows_seeded: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class Push(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks")
+    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +161,7 @@ class Push(_message.Message):
     GRADS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -140,10 +171,11 @@ class Push(_message.Message):
     grads: Tensor
     chunk: int
     num_chunks: int
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    update_dtype: DType
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate")
+    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate", "rows")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +184,7 @@ class Update(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     step: int
     table: str
     ids: Tensor
@@ -160,7 +193,8 @@ class Update(_message.Message):
     chunk: int
     num_chunks: int
     duplicate: bool
-    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    rows: bool
+    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rows: _Optional[bool] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("run_id", "rank", "step", "timeout_s")

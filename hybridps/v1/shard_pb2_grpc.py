@@ -39,6 +39,11 @@ class ShardServiceStub:
                 request_serializer=hybridps_dot_v1_dot_shard__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=hybridps_dot_v1_dot_shard__pb2.RegisterResponse.FromString,
                 _registered_method=True)
+        self.SeedRows = channel.unary_unary(
+                '/hybridps.v1.ShardService/SeedRows',
+                request_serializer=hybridps_dot_v1_dot_shard__pb2.SeedRowsRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_shard__pb2.SeedRowsResponse.FromString,
+                _registered_method=True)
         self.Sync = channel.stream_stream(
                 '/hybridps.v1.ShardService/Sync',
                 request_serializer=hybridps_dot_v1_dot_shard__pb2.Push.SerializeToString,
@@ -66,6 +71,13 @@ class ShardServiceServicer:
 
     def Register(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SeedRows(self, request, context):
+        """Seed the fp32 master rows of a row_dtype BFLOAT16 partition (see SeedRowsRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -103,6 +115,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=hybridps_dot_v1_dot_shard__pb2.RegisterRequest.FromString,
                     response_serializer=hybridps_dot_v1_dot_shard__pb2.RegisterResponse.SerializeToString,
+            ),
+            'SeedRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.SeedRows,
+                    request_deserializer=hybridps_dot_v1_dot_shard__pb2.SeedRowsRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_shard__pb2.SeedRowsResponse.SerializeToString,
             ),
             'Sync': grpc.stream_stream_rpc_method_handler(
                     servicer.Sync,
@@ -152,6 +169,33 @@ class ShardService:
             '/hybridps.v1.ShardService/Register',
             hybridps_dot_v1_dot_shard__pb2.RegisterRequest.SerializeToString,
             hybridps_dot_v1_dot_shard__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SeedRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridps.v1.ShardService/SeedRows',
+            hybridps_dot_v1_dot_shard__pb2.SeedRowsRequest.SerializeToString,
+            hybridps_dot_v1_dot_shard__pb2.SeedRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,7 @@ TASKS: dict[str, str] = {
     "synthetic": "worker.tasks.synthetic:SyntheticTask",
     "kge": "worker.tasks.kge:KGETask",
     "dlrm": "worker.tasks.dlrm:DLRMTask",
+    "tables": "worker.tasks.tables:TablesTask",
 }
 
 

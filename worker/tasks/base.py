@@ -53,7 +53,8 @@ class EmbeddingLookups(Protocol):
     def lookup_bag(self, name: str, ids_N: torch.Tensor, offsets_B: torch.Tensor,
                    mode: str = "sum") -> torch.Tensor: ...
 
-    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor]
+    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                    bags: Sequence[tuple[torch.Tensor, str] | None] | None = None
                     ) -> list[torch.Tensor]: ...
 
     def local_block(self, name: str) -> tuple[int, torch.Tensor]: ...

@@ -140,12 +140,12 @@ class SyntheticTask(Task):
     # -- model ------------------------------------------------------------------------
     def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
         """logit_B of the model for a batch (the lookup order is fixed: collectives)."""
-        emb = model.lookups
-        user_BD = emb.lookup("user", batch.ids["user"])
-        item_BD = emb.lookup("item", batch.ids["item"])
-        cat_BD = emb.lookup("category", batch.ids["category"])
         tag_ids_N, tag_offsets_B = batch.bags["tag"]
-        tag_BD = emb.lookup_bag("tag", tag_ids_N, tag_offsets_B, mode="mean")
+        # One fused exchange for the 4 tables (4 all_to_alls a step instead of 16).
+        user_BD, item_BD, cat_BD, tag_BD = model.lookups.lookup_many(
+            ["user", "item", "category", "tag"],
+            [batch.ids["user"], batch.ids["item"], batch.ids["category"], tag_ids_N],
+            bags=[None, None, None, (tag_offsets_B, "mean")])
         x_BF = torch.cat([user_BD, item_BD, cat_BD, tag_BD, batch.values["dense"]], dim=1)
         out: torch.Tensor = model.dense(x_BF)
         return out.squeeze(-1)

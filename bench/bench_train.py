@@ -1,0 +1,383 @@
+"""Training throughput: plain PyTorch vs hybridps, async overhead, cost growth.
+
+    python bench/bench_train.py                  # full run (~2-5 min on 2 cores)
+    python bench/bench_train.py --quick          # fewer steps, growth to 10M rows (~2 min)
+    python bench/bench_train.py --json runs/bench/bench_train.json
+
+Side by side in one run, for two configurations, the default job (synthetic task, 4
+tables, batch 256 per rank) and a TorchRec-like one (`--task tables --dim 64
+--batch-size 1024`: one 1M x 64 table, batch 1024 per rank):
+  (a) plain: one process, nn.EmbeddingBag(sparse=True) per table + torch.optim.SparseAdam,
+      the same dense model + torch.optim.Adam, the same GLOBAL batches (2 x per-rank
+      batch) from the same task; run with 1 thread and with all cores, the faster counts;
+  (b) server: hybridps on 2 gloo ranks (torchrun, OMP_NUM_THREADS=1 each) with a real
+      shard server (`python -m ps --port 0`) at --staleness 1;
+  (c) local: hybridps on 2 ranks with --local-optimizer at --staleness 1;
+  (d) server-pipe-on|off: (b) with the config's --pipeline default flipped (off by
+      default: server-pipe-on), to show what the pipeline gains.
+Goal 3: samples/s server / plain >= 1.0. Goal 4: step time server / local <= 1.05.
+Goal 6: step time of (b) on `--task tables --dim 16 --batch-size 1024` with a table of 50M
+rows over one of 1M rows < 1.10 (--quick: 10M rows).
+Step times are wall time over all steps / steps (setup excluded, the same for every
+variant); the hybridps breakdown (rank 0, ms per step) comes from the worker's results
+JSON: apply (staleness window), data, forward, a2a (embedding all_to_alls on the
+training thread), backward, optimizer (dense step + gradient pop), push. Extra worker
+flags go after `--` (e.g. `-- --dense-parallel ddp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from hybridps.cli import parse_config  # noqa: E402
+from worker.config import TrainConfig  # noqa: E402
+from worker.embedding import TableConfig, init_rows  # noqa: E402
+from worker.task_defaults import task_defaults  # noqa: E402
+from worker.tasks import build_task  # noqa: E402
+from worker.tasks.base import HybridModel, build_dense_seeded  # noqa: E402
+
+GOAL_VS_PLAIN = 1.0
+GOAL_ASYNC = 1.05
+GOAL_GROWTH = 1.10
+WORLD = 2
+CONFIGS: dict[str, list[str]] = {
+    "default": [],
+    "torchrec": ["--task", "tables", "--dim", "64", "--batch-size", "1024"],
+}
+GROWTH = ["--task", "tables", "--dim", "16", "--batch-size", "1024"]
+BREAKDOWN = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push")
+STARTUP_TIMEOUT_S = 60.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Run:
+    config: str
+    variant: str  # plain | server | local | growth-<rows>
+    steps: int
+    global_batch: int
+    samples_per_s: float
+    step_ms: float
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+    eval_loss: float | None = None
+    wall_s: float = 0.0
+    repeats_step_ms: list[float] = field(default_factory=list)
+
+
+# -- (a) plain single-process PyTorch -------------------------------------------------------
+
+class PlainEmbedding(nn.Module):
+    """nn.EmbeddingBag(sparse=True) per table behind the lookups API the tasks call."""
+
+    def __init__(self, tables: list[TableConfig], seed: int, init_std: float) -> None:
+        super().__init__()
+        self.bags = nn.ModuleDict({
+            t.name: nn.EmbeddingBag(t.num_rows, t.dim, mode="sum", sparse=True,
+                                    _weight=init_rows(t.num_rows, t.dim, 0, t.num_rows,
+                                                      seed=seed, table_index=i,
+                                                      init_std=init_std))
+            for i, t in enumerate(tables)})
+
+    def lookup(self, name: str, ids_N: torch.Tensor) -> torch.Tensor:
+        flat = ids_N.reshape(-1)  # bags of one id: an embedding lookup
+        rows = self.bags[name](flat, torch.arange(flat.numel()))
+        return rows.reshape(*ids_N.shape, -1)
+
+    def lookup_bag(self, name: str, ids_N: torch.Tensor, offsets_B: torch.Tensor,
+                   mode: str = "sum") -> torch.Tensor:
+        bag = self.bags[name]
+        assert isinstance(bag, nn.EmbeddingBag)
+        return F.embedding_bag(ids_N, bag.weight, offsets_B, mode=mode, sparse=True)
+
+    def lookup_many(self, names: list[str], ids: list[torch.Tensor],
+                    bags: list[tuple[torch.Tensor, str] | None] | None = None
+                    ) -> list[torch.Tensor]:
+        bags = bags if bags is not None else [None] * len(names)
+        return [self.lookup(n, i) if b is None else self.lookup_bag(n, i, *b)
+                for n, i, b in zip(names, ids, bags, strict=True)]
+
+
+def worker_config(worker_args: list[str]) -> TrainConfig:
+    return parse_config(TrainConfig, [*worker_args, "--local-optimizer"],
+                        defaults=task_defaults)
+
+
+def run_plain(name: str, worker_args: list[str], steps: int) -> Run:
+    """The faster of 1 thread and all threads (tiny ops: extra threads often only cost).
+
+    The all-threads run stops after 3x the 1-thread run's time: on a loaded machine OpenMP
+    threads that spin for a core can make it 50x slower, and it is then not the faster."""
+    runs = [_plain_once(name, worker_args, steps, 1)]
+    if (os.cpu_count() or 1) > 1:
+        runs.append(_plain_once(name, worker_args, steps, os.cpu_count() or 1,
+                                max_s=3 * runs[0].wall_s))
+    best = min(runs, key=lambda r: r.step_ms)
+    best.repeats_step_ms = [r.step_ms for r in runs]
+    return best
+
+
+def _plain_once(name: str, worker_args: list[str], steps: int, threads: int,
+                max_s: float = float("inf")) -> Run:
+    cfg = worker_config(worker_args)
+    torch.set_num_threads(threads)
+    task = build_task(cfg)
+    emb = PlainEmbedding(task.tables(), cfg.seed, cfg.init_std)
+    dense = build_dense_seeded(task, cfg.seed)
+    model = HybridModel(emb, dense)
+    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=cfg.lr)
+    dense_opt = torch.optim.Adam(dense.parameters(), lr=cfg.dense_lr)
+    times = dict.fromkeys(("data", "forward", "backward", "optimizer"), 0.0)
+    start = time.perf_counter()
+    done = 0
+    for step in range(steps):
+        if step >= 20 and time.perf_counter() - start > max_s:
+            break
+        done += 1
+        t0 = time.perf_counter()
+        batch = task.global_batch(step, WORLD)
+        t1 = time.perf_counter()
+        loss = task.loss(model, batch)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        sparse_opt.step()
+        dense_opt.step()
+        sparse_opt.zero_grad(set_to_none=True)
+        dense_opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[key] += dt
+    wall = time.perf_counter() - start
+    with torch.no_grad():  # the held-out batch hybridps evaluates (--eval-batches 1)
+        parts = [task.eval_batch(0, r, WORLD) for r in range(WORLD)]
+        eval_loss = (sum(float(task.loss(model, b)) for b in parts if b is not None) / WORLD
+                     if all(b is not None for b in parts) else None)
+    b = WORLD * cfg.batch_size
+    return Run(name, f"plain {threads}t", done, b, done * b / wall, wall / done * 1000,
+               {k: v / done * 1000 for k, v in times.items()}, eval_loss, wall)
+
+
+# -- (b), (c) hybridps on 2 ranks ----------------------------------------------------------
+
+class Server:
+    """`python -m ps` on a free port, for one run (its state is freed with the process)."""
+
+    def __init__(self, directory: Path) -> None:
+        port_file = directory / "ps.port"
+        port_file.unlink(missing_ok=True)  # a file left by an earlier run is not this port
+        self.log = open(directory / "ps.log", "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ps", "--host", "127.0.0.1", "--port", "0",
+             "--port-file", str(port_file)], cwd=REPO, stdout=self.log,
+            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not port_file.exists() or not port_file.read_text().strip():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"shard server did not start; see {directory / 'ps.log'}")
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{port_file.read_text().strip()}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
+                 directory: Path) -> Run:
+    directory.mkdir(parents=True, exist_ok=True)
+    results = directory / f"{name}-{variant}.json"
+    server = Server(directory) if not variant.startswith("local") else None
+    try:
+        source = ["--local-optimizer"] if server is None else ["--ps", server.address]
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+               "--nproc_per_node", str(WORLD), str(REPO / "worker" / "main.py"), *source,
+               "--staleness", "1", "--steps", str(steps), "--progress", "false",
+               "--eval-batches", "1", "--log-every", "50", "--results", str(results),
+               *worker_args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              check=False, timeout=1800)
+        wall = time.perf_counter() - t0
+        (directory / f"{name}-{variant}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name}/{variant} failed ({proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
+    finally:
+        if server is not None:
+            server.close()
+    res = json.loads(results.read_text())
+    step_s = res["train_time_s"] / res["steps"]
+    b = res["world_size"] * res["config"]["batch_size"]
+    return Run(name, variant, res["steps"], b, res["samples_per_s"], step_s * 1000,
+               {k: res["step_time_s"].get(k, 0.0) * 1000 for k in BREAKDOWN},
+               res["eval"].get("loss"), wall)
+
+
+def best_of(runs: list[Run]) -> Run:
+    """The median-step-time run of the repeats (all step times kept)."""
+    ordered = sorted(runs, key=lambda r: r.step_ms)
+    pick = ordered[(len(ordered) - 1) // 2]
+    pick.repeats_step_ms = [r.step_ms for r in runs]
+    return pick
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def table(runs: list[Run]) -> str:
+    head = (f"{'config':<9} {'variant':<14} {'batch':>5} {'samples/s':>10} {'step ms':>8}  "
+            + " ".join(f"{k[:7]:>7}" for k in BREAKDOWN) + f" {'eval':>6}")
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        cells = " ".join(f"{r.breakdown_ms[k]:>7.2f}" if k in r.breakdown_ms else f"{'':>7}"
+                         for k in BREAKDOWN)
+        ev = f"{r.eval_loss:>6.3f}" if r.eval_loss is not None else f"{'':>6}"
+        lines.append(f"{r.config:<9} {r.variant:<14} {r.global_batch:>5} "
+                     f"{r.samples_per_s:>10.0f} {r.step_ms:>8.2f}  {cells} {ev}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true",
+                   help="fewer steps and growth to 10M rows instead of 50M")
+    p.add_argument("--steps", type=int, default=0,
+                   help="steps per run (default: 400 default job, 200 torchrec, 300 growth; "
+                        "quick: 150/80/120)")
+    p.add_argument("--configs", default="default,torchrec",
+                   help=f"comma list of {','.join(CONFIGS)}")
+    p.add_argument("--growth-rows", type=int, default=0,
+                   help="rows of the big growth table (default 50M, quick 10M; 0 with "
+                        "--no-growth skips)")
+    p.add_argument("--no-growth", action="store_true", help="skip goal 6")
+    p.add_argument("--no-pipeline-ab", action="store_true",
+                   help="skip the server run with --pipeline flipped (what the pipeline gains)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per hybridps variant; the median step time is reported")
+    p.add_argument("--work-dir", type=Path, default=None,
+                   help="worker results/logs (default: a temporary directory)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("worker_args", nargs="*", help="extra worker flags, after --")
+    args = p.parse_args(argv)
+    steps = {"default": 400, "torchrec": 200, "growth": 300}
+    if args.quick:
+        steps = {"default": 150, "torchrec": 80, "growth": 120}
+    if args.steps:
+        steps = dict.fromkeys(steps, args.steps)
+    growth_rows = args.growth_rows or (10_000_000 if args.quick else 50_000_000)
+    configs = [c for c in args.configs.split(",") if c]
+    for c in configs:
+        if c not in CONFIGS:
+            p.error(f"--configs: {c!r} is not one of {', '.join(CONFIGS)}")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_train-"))
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    runs: list[Run] = []
+    goals: list[dict[str, Any]] = []
+    pipeline_gain: dict[str, float] = {}  # server step time --pipeline false / true
+    for name in configs:
+        wargs = [*CONFIGS[name], *args.worker_args]
+        log(f"[{name}] plain ({steps.get(name, 200)} steps)")
+        plain = run_plain(name, wargs, steps.get(name, 200))
+        hyb = {}
+        # the A/B run flips the config's --pipeline default (task defaults included)
+        piped = worker_config(wargs).pipeline
+        flipped = f"server-pipe-{'off' if piped else 'on'}"
+        variants = {"server": [], "local": [], flipped: ["--pipeline", str(not piped).lower()]}
+        if args.no_pipeline_ab:
+            del variants[flipped]
+        for variant, extra in variants.items():
+            log(f"[{name}] hybridps {variant}")
+            hyb[variant] = best_of([run_hybridps(name, variant, [*wargs, *extra],
+                                                 steps.get(name, 200), work / f"r{i}")
+                                    for i in range(args.repeats)])
+        runs += [plain, *hyb.values()]
+        if flipped in hyb:
+            on, off = (hyb["server"], hyb[flipped]) if piped else (hyb[flipped], hyb["server"])
+            pipeline_gain[name] = off.step_ms / on.step_ms
+        goals.append(_goal(3, f"{name}: samples/s hybridps K=1 / plain",
+                           hyb["server"].samples_per_s / plain.samples_per_s,
+                           GOAL_VS_PLAIN, ">="))
+        goals.append(_goal(4, f"{name}: step time server K=1 / local-optimizer",
+                           hyb["server"].step_ms / hyb["local"].step_ms, GOAL_ASYNC, "<="))
+    if not args.no_growth:
+        small_big = []
+        for rows in (1_000_000, growth_rows):
+            log(f"[growth] hybridps server, {rows} rows")
+            gargs = [*GROWTH, "--num-rows", str(rows), *args.worker_args]
+            small_big.append(best_of([
+                run_hybridps("growth", f"rows-{rows}", gargs, steps["growth"], work / f"g{i}")
+                for i in range(args.repeats)]))
+        runs += small_big
+        goals.append(_goal(6, f"growth: step time {growth_rows // 10**6}M / 1M rows",
+                           small_big[1].step_ms / small_big[0].step_ms, GOAL_GROWTH, "<"))
+    load_after = os.getloadavg()
+    elapsed = time.perf_counter() - started
+
+    print("training throughput (2 gloo ranks, 1 thread each, vs one process); ms per step, "
+          "hybridps breakdown from rank 0")
+    print(table(runs))
+    print(_goal_table(goals))
+    for name, gain in pipeline_gain.items():
+        print(f"pipeline: {name}: server step time --pipeline false / true = {gain:.3f}")
+    print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s; "
+          f"worker logs in {work}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "goals": goals,
+            "pipeline_gain": pipeline_gain,
+            "runs": [asdict(r) for r in runs],
+            "configs": {**CONFIGS, "growth": GROWTH},
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "torch": torch.__version__, "loadavg_before": load_before,
+                        "loadavg_after": load_after},
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "elapsed_s": elapsed,
+        }, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return 0
+
+
+def _goal(number: int, what: str, ratio: float, target: float, op: str) -> dict[str, Any]:
+    ok = {">=": ratio >= target, "<=": ratio <= target, "<": ratio < target}[op]
+    return {"goal": number, "what": what, "ratio": ratio, "target": f"{op} {target:g}",
+            "met": ok}
+
+
+def _goal_table(goals: list[dict[str, Any]]) -> str:
+    return "\n".join(f"goal {g['goal']}: {g['what']:<48} {g['ratio']:>6.3f}  "
+                     f"(goal {g['target']})  {'met' if g['met'] else 'NOT met'}" for g in goals)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""`--task tables`: click prediction over a configurable list of tables (benchmarks).
+
+    --task tables                                    # one table t0 of --num-rows rows
+    --task tables --dim 64 --batch-size 1024         # TorchRec-like: one 1M x 64 table
+    --task tables --tables user:1000000,ad:50000:4   # ad: a bag of 4 ids, mean-pooled
+    --task tables --num-rows 50000000                # growth: 50M rows, same work a step
+
+Each sample has, per table, POOL ids (bounded Zipf over popularity ranks, scattered by a
+fixed bijection like the default job) and NUM_DENSE dense features. Planted truth: a
+per-row scalar b_t(id) with unit variance computed by hashing the id (no per-row array,
+so a 50M-row table costs no host memory for it); the label is
+Bernoulli(sigmoid(sum_t mean(b_t[ids]) + w . dense + BIAS)). The model: the tables'
+(pooled) rows concatenated with the dense features -> MLP -> logit, BCE loss; all tables
+in one fused lookup_many. The work a step is proportional to the ids touched, never to
+the table size: what the growth benchmark (bench/bench_train.py) relies on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.config import TrainConfig, parse_table_list
+from worker.tasks.base import Batch, HybridModel, TableConfig, Task
+from worker.tasks.synthetic import Scatter, zipf_ranks
+
+NUM_DENSE = 4
+BIAS = -0.2
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+_U64 = np.uint64
+
+
+def table_specs(cfg: TrainConfig) -> list[tuple[str, int, int]]:
+    """[(name, rows, pool)] from --tables, or one table t0 of --num-rows rows."""
+    return parse_table_list(cfg.tables) if cfg.tables else [("t0", cfg.num_rows, 1)]
+
+
+def planted_value(ids: np.ndarray, salt: int) -> np.ndarray:
+    """b(id): a fixed pseudo-random value per row, uniform with variance 1 (splitmix64)."""
+    z = ids.astype(_U64) + _U64((0x9E3779B97F4A7C15 * (salt + 1)) % 2**64)
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    z = z ^ (z >> _U64(31))
+    u = (z >> _U64(11)).astype(np.float64) * (1.0 / 2**53)
+    return ((u - 0.5) * np.sqrt(12.0)).astype(np.float32)
+
+
+class TablesTask(Task):
+    """Click prediction over --tables (see module doc)."""
+
+    name = "tables"
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__(cfg)
+        self.specs = table_specs(cfg)
+        self.scatter = [Scatter(rows, salt) for salt, (_, rows, _) in enumerate(self.specs)]
+        rng = np.random.default_rng([cfg.seed, 7907])
+        self.dense_w = (rng.standard_normal(NUM_DENSE) * 0.5).astype(np.float32)
+
+    @classmethod
+    def plan_tables(cls, cfg: TrainConfig) -> list[tuple[TableConfig, float]]:
+        """(table, lookups per sample) without building the task (worker/plan.py)."""
+        return [(TableConfig(name, rows, cfg.dim), float(pool))
+                for name, rows, pool in table_specs(cfg)]
+
+    def tables(self) -> list[TableConfig]:
+        return [TableConfig(name, rows, self.cfg.dim) for name, rows, _ in self.specs]
+
+    def build_dense(self) -> nn.Module:
+        width = len(self.specs) * self.cfg.dim + NUM_DENSE
+        return nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
+                             nn.Linear(32, 1))
+
+    def global_batch(self, step: int, world_size: int) -> Batch:
+        return self._generate(TRAIN_STREAM, step, world_size * self.cfg.batch_size)
+
+    def eval_batch(self, index: int, rank: int, world_size: int) -> Batch | None:
+        b = self.cfg.batch_size
+        return self._generate(EVAL_STREAM, index, world_size * b).slice(rank * b, (rank + 1) * b)
+
+    def loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self.forward(model, batch),
+                                                  batch.values["label"])
+
+    def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
+        logit_B, label_B = self.forward(model, batch), batch.values["label"]
+        return {"loss": F.binary_cross_entropy_with_logits(logit_B, label_B),
+                "planted_loss": F.binary_cross_entropy_with_logits(
+                    batch.values["planted_logit"], label_B)}
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "pool": {n: p for n, _, p in self.specs},
+                "num_dense": NUM_DENSE}
+
+    def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
+        names = [name for name, _, _ in self.specs]
+        ids: list[torch.Tensor] = []
+        bags: list[tuple[torch.Tensor, str] | None] = []
+        for name, _, pool in self.specs:
+            if pool == 1:
+                ids.append(batch.ids[name])
+                bags.append(None)
+            else:
+                ids_N, offsets_B = batch.bags[name]
+                ids.append(ids_N)
+                bags.append((offsets_B, "mean"))
+        rows = model.lookups.lookup_many(names, ids, bags=bags)
+        out: torch.Tensor = model.dense(torch.cat([*rows, batch.values["dense"]], dim=1))
+        return out.squeeze(-1)
+
+    def _generate(self, stream: int, index: int, size: int) -> Batch:
+        rng = np.random.default_rng([self.cfg.seed, stream, index])
+        ids: dict[str, torch.Tensor] = {}
+        bags: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        logit_B = np.full(size, BIAS, dtype=np.float32)
+        for salt, (name, rows, pool) in enumerate(self.specs):
+            ids_BP = self.scatter[salt](zipf_ranks(rng, rows, size * pool)).reshape(size, pool)
+            logit_B += planted_value(ids_BP, salt).mean(axis=1)
+            if pool == 1:
+                ids[name] = torch.from_numpy(ids_BP.reshape(size))
+            else:
+                offsets_B = torch.arange(0, size * pool, pool, dtype=torch.int64)
+                bags[name] = (torch.from_numpy(ids_BP.reshape(-1)), offsets_B)
+        dense_BF = rng.standard_normal((size, NUM_DENSE)).astype(np.float32)
+        logit_B += dense_BF @ self.dense_w
+        label_B = (rng.random(size) < 1.0 / (1.0 + np.exp(-logit_B))).astype(np.float32)
+        return Batch(size, ids=ids, bags=bags,
+                     values={"dense": torch.from_numpy(dense_BF),
+                             "label": torch.from_numpy(label_B),
+                             "planted_logit": torch.from_numpy(logit_B)})

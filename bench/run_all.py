@@ -81,11 +81,17 @@ def listed_goals(res: dict[str, Any]) -> list[Goal]:
     return list(res["goals"])
 
 
+def no_goals(res: dict[str, Any]) -> list[Goal]:
+    """A measurement without a goal (bench_checkpoint.py: seconds per GiB)."""
+    return []
+
+
 BENCHES: dict[str, tuple[str, Callable[[dict[str, Any]], list[Goal]]]] = {
     "kernel": ("bench/bench_kernel.py", kernel_goals),
     "wire": ("bench/bench_wire.py", wire_goals),
     "memory": ("bench/bench_memory.py", memory_goals),
     "train": ("bench/bench_train.py", listed_goals),
+    "checkpoint": ("bench/bench_checkpoint.py", no_goals),
 }
 
 

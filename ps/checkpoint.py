@@ -250,6 +250,8 @@ def verify_files(directory: str | Path, manifest: Mapping[str, Any]) -> None:
     if "dense" in manifest:  # DCP files, or one dense.pt in older checkpoints
         dense = manifest["dense"]
         entries.extend(dense.get("files", [dense]))
+    if "pending" in manifest:  # the workers' pending updates (worker/checkpoint.py)
+        entries.extend(manifest["pending"]["files"])
     for e in entries:
         path = Path(directory) / e["file"]
         if not path.exists():

@@ -4,9 +4,14 @@ A checkpoint at step s (taken after step s's push, `--checkpoint-every N` -> ste
 N-1, 2N-1, ...) holds the state a run has before step s+1 once every update of
 steps <= s is in the rows:
 
-1. every rank drains its staleness window through s (all its pushes <= s are
-   answered, i.e. applied on the server, and their updates are in its rows);
-2. every rank writes the rows it owns (`rows/<table>.r<rank>.pt`);
+1. every rank applies what the forward of step s+1 sees (updates <= s-K) and waits
+   for the updates of steps s-K+1..s (so every push <= s is applied on the server),
+   without applying them: they are *pending*;
+2. every rank writes the rows it owns (`rows/<table>.r<rank>.pt`) with the pending
+   updates applied (canonical rows: every update <= s, what export and a re-shard
+   read), and `pending/r<rank>.pt`: the pending updates plus the values the rows they
+   touch have before them. The live rows are put back exactly, so the run goes on as
+   if no checkpoint was taken; a resume restores the same rows and pending updates;
 3. the sparse optimizer state: each rank asks ITS shard server to save its own
    partition (Checkpoint RPC, ranks=[rank]: the server waits until the pushes
    <= s are applied, then writes m, v, step count, last_step); under
@@ -25,9 +30,10 @@ differ; the server loads the optimizer state the same way (Register with
 position is the step (tasks make batches from (seed, step)); training
 continues at step s+1.
 
-Note: with --staleness K > 0 a checkpoint is a synchronisation point (the rows
-get updates through s before step s+1 instead of through s-K), so a run with
-checkpoints equals its resumed runs, not a run without checkpoints (K=0: all equal).
+A run with checkpoints therefore equals a run without them, for every --staleness K,
+and a resumed run equals both (bitwise at the same world size). Resuming with another
+--row-dtype takes the canonical rows (or the fp32 masters) and drops the pending
+updates: the resumed run then sees every update <= s before step s+1.
 
 Fault injection for tests: HYBRIDPS_FAULT_CHECKPOINT=[RANK:]STEP:PHASE[:sleep=SEC]
 makes rank RANK (default any) os._exit(FAULT_EXIT_CODE) (or sleep) at PHASE of the
@@ -74,10 +80,11 @@ from ps.checkpoint import (
     rows_file,
     save_optim_state,
     save_shard,
+    save_torch,
     step_dir,
     write_manifest,
 )
-from worker.sync import LocalSparseOptimizer, ShardClient
+from worker.sync import LocalSparseOptimizer, RowUpdate, ShardClient
 
 if TYPE_CHECKING:
     from worker.train import Trainer
@@ -89,6 +96,11 @@ FAULT_PHASES = ("start", "rows", "optim", "dense", "manifest", "after")
 FAULT_EXIT_CODE = 43
 KILL_ENV = "HYBRIDPS_FAULT_KILL"
 DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
+PENDING_FORMAT = "hybridps-pending-v1"
+
+
+def pending_file(rank: int) -> str:
+    return f"pending/r{rank:05d}.pt"
 
 
 def fault_point(rank: int, step: int, phase: str) -> None:
@@ -185,7 +197,8 @@ class Checkpointer:
         assert self.root is not None
         t0 = time.perf_counter()
         tr = self.t
-        tr.window.drain(step)  # every update of steps <= step is in the rows
+        # Rows as the forward of step+1 sees them (updates <= step-K) + the later ones.
+        pending = tr.window.pending_at(step)
         directory = step_dir(self.root, step)
         fault_point(self.rank, step, "start")
         if self.rank == 0:
@@ -193,14 +206,7 @@ class Checkpointer:
             shutil.rmtree(directory / DENSE_DIR, ignore_errors=True)  # no stale DCP files
         self._barrier()
         tables = tr.embedding.tables
-        rows: dict[str, ShardInfo] = {}
-        for name, table in tables.items():
-            start, end = tr.embedding.ranges[name]
-            rows[name] = save_shard(directory, rows_file(name, self.rank), kind="rows",
-                                    table=name, rank=self.rank, num_rows=table.num_rows,
-                                    dim=table.dim, row_start=start, row_end=end,
-                                    tensors={"weight": tr.embedding.weights[name].data},
-                                    meta={"step": step})
+        rows, pending_info = self._save_rows(directory, step, pending)
         fault_point(self.rank, step, "rows")
         t_rows = time.perf_counter()
         optim = self._save_optim(step, directory)
@@ -214,9 +220,11 @@ class Checkpointer:
                 for name in tables}
         gathered: list[Any] = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, (mine, pending_info))
         else:
-            gathered = [mine]
+            gathered = [(mine, pending_info)]
+        pendings = [g[1] for g in gathered]
+        gathered = [g[0] for g in gathered]
         if self.rank == 0:
             manifest = {
                 "step": step,
@@ -235,6 +243,9 @@ class Checkpointer:
                                   "shards": [g[name] for g in gathered]}
                            for name, t in tables.items()},
                 "dense": dense_info,
+                "pending": {"staleness": tr.window.staleness,
+                            "applied_through": tr.window.applied_through,
+                            "files": pendings},
             }
             fault_point(self.rank, step, "manifest")
             write_manifest(directory, manifest)
@@ -247,6 +258,53 @@ class Checkpointer:
             log.info("checkpoint step %d -> %s in %.2fs (drain+rows %.2fs, optimizer state "
                      "%.2fs)", step, directory, elapsed, t_rows - t0, t_optim - t_rows)
         return directory
+
+    @torch.no_grad()
+    def _save_rows(self, directory: Path, step: int, pending: list[RowUpdate]
+                   ) -> tuple[dict[str, ShardInfo], dict[str, Any]]:
+        """This rank's rows files (every update <= step applied) and its pending file.
+
+        The rows the pending updates touch are saved as they are now (`before`), then get
+        the pending updates for the rows files, then are put back bitwise: only those rows
+        are copied (memory ~ rows touched in K steps), never the table."""
+        emb = self.t.embedding
+        touched: dict[str, list[torch.Tensor]] = {name: [] for name in emb.tables}
+        for u in pending:
+            touched[u.table].append(u.ids_U.to(torch.int64))
+        before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, ids in touched.items():
+            ids_P = torch.unique(torch.cat(ids)) if ids else torch.empty(0, dtype=torch.int64)
+            local_P = ids_P.to(emb.device) - emb.ranges[name][0]
+            before[name] = (ids_P.cpu(), emb.weights[name].data.index_select(0, local_P))
+        rows: dict[str, ShardInfo] = {}
+        try:
+            for u in pending:
+                if u.rows:
+                    emb.set_rows(u.table, u.ids_U, u.delta_UD)
+                else:
+                    emb.apply_update(u.table, u.ids_U, u.delta_UD, u.decay)
+            for name, table in emb.tables.items():
+                start, end = emb.ranges[name]
+                rows[name] = save_shard(directory, rows_file(name, self.rank), kind="rows",
+                                        table=name, rank=self.rank, num_rows=table.num_rows,
+                                        dim=table.dim, row_start=start, row_end=end,
+                                        tensors={"weight": emb.weights[name].data},
+                                        meta={"step": step})
+        finally:
+            for name, (ids_P, rows_PD) in before.items():
+                local_P = ids_P.to(emb.device) - emb.ranges[name][0]
+                emb.weights[name].data.index_copy_(0, local_P, rows_PD)
+        payload = {
+            "format": PENDING_FORMAT, "rank": self.rank, "step": step,
+            "applied_through": self.t.window.applied_through,
+            "updates": [{"step": u.step, "table": u.table, "ids": u.ids_U.cpu().clone(),
+                         "delta": u.delta_UD.cpu().clone(), "decay": float(u.decay),
+                         "rows": bool(u.rows)} for u in pending],
+            "before": {name: {"ids": ids_P, "rows": rows_PD.cpu()}
+                       for name, (ids_P, rows_PD) in before.items()},
+        }
+        info = save_torch(directory / pending_file(self.rank), payload)
+        return rows, {"rank": self.rank, "file": pending_file(self.rank), **info}
 
     def _prune(self, step: int) -> None:
         """--checkpoint-keep N: delete all but the newest N complete checkpoints, and torn
@@ -376,6 +434,7 @@ class Checkpointer:
                 weight = masters["master"] if masters["master"] is not None else weight
             assert weight is not None
             tr.embedding.weights[name].data.copy_(weight)
+        self._restore_pending(directory, manifest, step)
         source = tr.source
         if isinstance(source, LocalSparseOptimizer):
             for name, table in tr.embedding.tables.items():
@@ -392,13 +451,64 @@ class Checkpointer:
                 if v is not None and state.v is not None:
                     v.copy_(state.v)
                 source.counts[name] = state.adam_step
-            source.buffer.start_at(step)
         self._restore_dense(directory, manifest["dense"])
-        tr.window.applied_through = step
         self.resumed_step = step
         self.restore_s = time.perf_counter() - t0
         log.info("rank %d: resumed from %s (step %d, saved by world %d) in %.2fs", self.rank,
                  directory, step, manifest["world_size"], self.restore_s)
+
+
+    @torch.no_grad()
+    def _restore_pending(self, directory: Path, manifest: dict[str, Any], step: int) -> None:
+        """Put back the rows the pending updates touch and queue those updates (module doc);
+        every rank reads every rank's pending file and keeps the rows of its own ranges."""
+        tr = self.t
+        emb, window = tr.embedding, tr.window
+        entry = manifest.get("pending")
+        if entry is None or manifest.get("row_dtype", "fp32") != self.cfg.row_dtype:
+            if entry is not None and entry["applied_through"] < step:
+                log.info("rank %d: resuming with --row-dtype %s from %s rows: the pending "
+                         "updates are already in the saved rows", self.rank,
+                         self.cfg.row_dtype, manifest.get("row_dtype"))
+            window.restore_pending(step, [])  # the rows hold every update <= step
+            return
+        applied = int(entry["applied_through"])
+        payloads = []
+        for f in entry["files"]:
+            _verify_entry(directory, f)
+            payload = torch.load(directory / f["file"], map_location="cpu", weights_only=True)
+            if payload.get("format") != PENDING_FORMAT or payload.get("step") != step:
+                raise ValueError(f"checkpoint file {directory / f['file']} is not the pending "
+                                 f"updates of step {step}")
+            payloads.append(payload)
+        for name in emb.tables:
+            start, end = emb.ranges[name]
+            for payload in payloads:
+                saved = payload["before"].get(name)
+                if saved is None:
+                    continue
+                mine = (saved["ids"] >= start) & (saved["ids"] < end)
+                local_P = saved["ids"][mine].to(emb.device) - start
+                weight = emb.weights[name].data
+                weight.index_copy_(0, local_P, saved["rows"][mine].to(weight.device,
+                                                                      weight.dtype))
+        merged: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for payload in payloads:  # rank order: ascending row ranges, so ids stay sorted
+            for u in payload["updates"]:
+                merged.setdefault((u["step"], u["table"]), []).append(u)
+        updates = []
+        for (update_step, name), parts in sorted(
+                merged.items(), key=lambda kv: (kv[0][0], emb.table_index.get(kv[0][1], -1))):
+            if name not in emb.tables:
+                continue
+            start, end = emb.ranges[name]
+            ids = torch.cat([p["ids"] for p in parts])
+            delta = torch.cat([p["delta"] for p in parts])
+            mine = (ids >= start) & (ids < end)
+            updates.append(RowUpdate(update_step, name, ids[mine].to(emb.device),
+                                     delta[mine].to(emb.device), float(parts[0]["decay"]),
+                                     rows=bool(parts[0]["rows"])))
+        window.restore_pending(applied, updates)
 
 
 def read_dense_full(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:

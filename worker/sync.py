@@ -184,6 +184,23 @@ class UpdateBuffer:
         with self._cond:
             return [t for t in self.tables if t not in self._ready.get(step, {})]
 
+    def _wait_arrived(self, through_step: int, timeout_s: float,
+                      describe_wait: Callable[[int, float], str]) -> bool:
+        """With the lock held: until every update through `through_step` arrived; blocked?"""
+        blocked = False
+        deadline: float | None = None
+        while self._arrived < through_step:
+            if self._fatal is not None:
+                raise self._fatal
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout_s
+                blocked = True
+            elif now >= deadline:
+                raise ServerTimeout(describe_wait(self._arrived + 1, timeout_s))
+            self._cond.wait(deadline - now)
+        return blocked
+
     def take(self, through_step: int, timeout_s: float,
              describe_wait: Callable[[int, float], str]) -> tuple[list[RowUpdate], bool]:
         """Every update of steps [next, through_step], in (step, table) order.
@@ -191,25 +208,44 @@ class UpdateBuffer:
         Blocks until they have all arrived; returns (updates, blocked?). Raises
         the producer's error, or ServerTimeout after `timeout_s` without them.
         """
-        blocked = False
         with self._cond:
-            deadline: float | None = None
-            while self._arrived < through_step:
-                if self._fatal is not None:
-                    raise self._fatal
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout_s
-                    blocked = True
-                elif now >= deadline:
-                    raise ServerTimeout(describe_wait(self._arrived + 1, timeout_s))
-                self._cond.wait(deadline - now)
+            blocked = self._wait_arrived(through_step, timeout_s, describe_wait)
             out: list[RowUpdate] = []
             for step in range(self._next, through_step + 1):
                 row = self._ready.pop(step)
                 out.extend(row[t] for t in self.tables)
             self._next = max(self._next, through_step + 1)
         return out, blocked
+
+    def peek(self, through_step: int, timeout_s: float,
+             describe_wait: Callable[[int, float], str]) -> list[RowUpdate]:
+        """Every update of steps [next, through_step], in (step, table) order, left in the
+        buffer (a checkpoint saves the updates that are not in the rows yet). Waits like
+        `take`."""
+        with self._cond:
+            self._wait_arrived(through_step, timeout_s, describe_wait)
+            return [self._ready[step][t] for step in range(self._next, through_step + 1)
+                    for t in self.tables]
+
+    def restore_pending(self, applied_through: int, updates: Sequence[RowUpdate]) -> None:
+        """Resume: steps <= `applied_through` are in the rows, `updates` (every table of each
+        step after it, through the checkpoint's step) arrived and wait to be applied."""
+        with self._cond:
+            self._ready.clear()
+            self._next = applied_through + 1
+            self._arrived = applied_through
+            for update in updates:
+                if update.step <= applied_through:
+                    raise ValueError(f"pending update of step {update.step} (table "
+                                     f"{update.table!r}) is not after step {applied_through}")
+                self._ready.setdefault(update.step, {})[update.table] = update
+            for step in sorted(self._ready):
+                missing = [t for t in self.tables if t not in self._ready[step]]
+                if step != self._arrived + 1 or missing:
+                    raise ValueError(f"pending updates: step {step} "
+                                     + (f"lacks tables {missing}" if missing else
+                                        f"follows step {self._arrived}"))
+                self._arrived = step
 
 
 class UpdateSource(ABC):
@@ -230,6 +266,9 @@ class UpdateSource(ABC):
 
     def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
         return self.buffer.take(through_step, self.timeout_s, self.describe_wait)
+
+    def peek(self, through_step: int) -> list[RowUpdate]:
+        return self.buffer.peek(through_step, self.timeout_s, self.describe_wait)
 
     def describe_wait(self, step: int, timeout_s: float) -> str:
         return f"no update for step {step} after {timeout_s:g}s"
@@ -896,3 +935,16 @@ class StalenessWindow:
     def drain(self, last_step: int) -> None:
         """End of training: apply every remaining update, through `last_step`."""
         self._apply_through(last_step)
+
+    def pending_at(self, step: int) -> list[RowUpdate]:
+        """At a checkpoint of `step` (after its push): apply exactly what the forward of
+        step+1 sees (updates <= step-K) and return the later updates through `step`, in
+        order, left pending. These rows plus these updates are the state of an
+        uninterrupted run, so a checkpoint does not change the run (any K)."""
+        self._apply_through(step - self.staleness)
+        return self.source.peek(step) if self.applied_through < step else []
+
+    def restore_pending(self, applied_through: int, updates: Sequence[RowUpdate]) -> None:
+        """Resume: the rows hold the updates <= `applied_through`; `updates` come next."""
+        self.source.buffer.restore_pending(applied_through, updates)
+        self.applied_through = applied_through

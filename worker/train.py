@@ -312,6 +312,9 @@ class Trainer:
             "sync": sync_stats,
             "server_stats": server,
             "dense": self.dense_parallel.describe(),
+            "checkpoint": {"save_s": self.checkpointer.save_s,
+                           "restore_s": self.checkpointer.restore_s,
+                           "resumed_step": self.checkpointer.resumed_step},
             "pipeline": {"enabled": self.cfg.pipeline, "input_dist_ahead": self.inputs.dist_ahead,
                          "unused_plans": self.inputs.unused_plans,
                          "overlapped_s_per_step": {k: v / max(self.steps, 1) for k, v in

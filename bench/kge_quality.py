@@ -8,12 +8,13 @@ For each setting (data set, model, dim, epochs; KvsAll, reciprocal triples, Adam
 global batch 1024, as /work/shared/data/README.md) it runs bench/kge_reference.py and
 `torchrun --nproc_per_node 2 worker/main.py --task kge` for each variant against one
 `python -m ps` server, then prints a markdown table (filtered test MRR and wall times) and
-writes everything to <out>/kge_quality.json. A variant is STALENESS:ROW_LR (the entity rows'
-Adam lr; relations always use lr 0.1): the default runs --staleness 0 and 1 at dicee's lr
-0.1, and --staleness 1 with the rows' lr halved (a one-step-stale Adam step of 0.1 on every
-row, every step, overshoots: see the report). With several seeds the table shows the mean
-test MRR over seeds (per-seed values are in the JSON). A variant passes when its mean test
-MRR is >= the dicee figure (rerun on CPU) - 0.01.
+writes everything to <out>/kge_quality.json. A variant is STALENESS:ROW_LR[:COMPENSATION]
+(the entity rows' Adam lr, relations always use lr 0.1; --staleness-compensation none |
+predict, default none): the default runs --staleness 0, and --staleness 1 without and with
+weight prediction (worker/staleness.py), all at dicee's lr 0.1 (a one-step-stale Adam step
+of 0.1 on every row, every step, overshoots: see the report). With several seeds the table
+shows the mean test MRR over seeds (per-seed values are in the JSON). A variant passes when
+its mean test MRR is >= the dicee figure (rerun on CPU) - 0.01.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = Path("/work/shared/data")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TOLERANCE = 0.01
+COMPENSATIONS = ("none", "predict")  # --staleness-compensation (worker/config.py)
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,10 @@ class Server:
         self.log.close()
 
 
-def run_reference(s: Setting, seed: int) -> dict[str, Any]:
+def run_reference(s: Setting, seed: int, entity_init: str = "torch") -> dict[str, Any]:
     cmd = [sys.executable, str(REPO / "bench" / "kge_reference.py"), "--data",
            str(DATA / s.data), "--model", s.model.lower(), "--dim", str(s.dim), "--epochs",
-           str(s.epochs), "--seed", str(seed)]
+           str(s.epochs), "--seed", str(seed), "--entity-init", entity_init]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
                           check=False)
@@ -111,14 +113,47 @@ def run_reference(s: Setting, seed: int) -> dict[str, Any]:
     return out
 
 
-def run_hybridps(s: Setting, seed: int, staleness: int, row_lr: float, server: Server,
-                 out: Path) -> dict[str, Any]:
-    results = out / f"{s.name}-k{staleness}-lr{row_lr:g}-s{seed}.json"
+@dataclass(frozen=True)
+class Variant:
+    staleness: int
+    row_lr: float
+    compensation: str = "none"
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """STALENESS:ROW_LR[:COMPENSATION]; ValueError naming the text when it is not."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not parts[0].isdigit():
+            raise ValueError(f"variant {text!r} is not STALENESS:ROW_LR[:COMPENSATION]")
+        try:
+            row_lr = float(parts[1])
+        except ValueError:
+            raise ValueError(f"variant {text!r}: ROW_LR {parts[1]!r} is not a number") from None
+        compensation = parts[2] if len(parts) == 3 else "none"
+        if row_lr <= 0 or compensation not in COMPENSATIONS:
+            raise ValueError(f"variant {text!r}: ROW_LR must be > 0 and COMPENSATION one of "
+                             f"{', '.join(COMPENSATIONS)}")
+        return cls(int(parts[0]), row_lr, compensation)
+
+    @property
+    def label(self) -> str:
+        return (f"K={self.staleness}" + ("" if self.row_lr == 0.1 else f" lr {self.row_lr:g}")
+                + ("" if self.compensation == "none" or self.staleness == 0
+                   else f" {self.compensation}"))
+
+
+def run_hybridps(s: Setting, seed: int, v: Variant, server: Server, out: Path
+                 ) -> dict[str, Any]:
+    staleness, row_lr = v.staleness, v.row_lr
+    results = out / (f"{s.name}-k{staleness}-lr{row_lr:g}"
+                     + ("" if v.compensation == "none" else f"-{v.compensation}")
+                     + f"-s{seed}.json")
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(REPO / "worker" / "main.py"),
            "--ps", server.address, "--task", "kge", "--data-dir", str(DATA / s.data),
            "--model", s.model.lower(), "--dim", str(s.dim), "--epochs", str(s.epochs),
            "--training", "kvsall", "--batch-size", "512", "--lr", str(row_lr), "--dense-lr", "0.1",
            "--init-std", "1", "--staleness", str(staleness), "--seed", str(seed),
+           "--staleness-compensation", v.compensation,
            "--eval-every", "0", "--progress", "false", "--results", str(results)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
@@ -139,8 +174,7 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def variant_label(v: str) -> str:
-    k, lr = v.split(":")
-    return f"K={k}" + ("" if float(lr) == 0.1 else f" lr {float(lr):g}")
+    return Variant.parse(v).label
 
 
 def table(report: list[dict[str, Any]], variants: list[str]) -> str:
@@ -174,8 +208,11 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of setting names, e.g. "
                     + ",".join(s.name for s in SETTINGS))
     ap.add_argument("--seeds", default="0", help="comma list of seeds")
-    ap.add_argument("--variants", default="0:0.1,1:0.1,1:0.05",
-                    help="comma list of STALENESS:ROW_LR")
+    ap.add_argument("--variants", default="0:0.1,1:0.1:none,1:0.1:predict",
+                    help="comma list of STALENESS:ROW_LR[:COMPENSATION] (none | predict)")
+    ap.add_argument("--reference-init", choices=("torch", "hybridps"), default="torch",
+                    help="the reference's entity rows: torch (dicee's stream) or hybridps "
+                         "(the same start as hybridps per seed: a paired comparison)")
     ap.add_argument("--out", default=str(REPO / "runs" / "kge_quality"))
     args = ap.parse_args()
     wanted = {n for n in args.only.split(",") if n}
@@ -185,9 +222,10 @@ def main() -> int:
     seeds = [int(v) for v in args.seeds.split(",")]
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
-        k, _, lr = v.partition(":")
-        if not (k.isdigit() and lr and float(lr) > 0):
-            ap.error(f"variant {v!r} is not STALENESS:ROW_LR")
+        try:
+            Variant.parse(v)
+        except ValueError as exc:
+            ap.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = Server(out / "ps")
@@ -197,11 +235,11 @@ def main() -> int:
             item: dict[str, Any] = {"name": s.name, "setting": s.__dict__, "reference": [],
                                     "hybridps": {v: [] for v in variants}}
             for seed in seeds:
-                item["reference"].append({"seed": seed, **run_reference(s, seed)})
+                item["reference"].append(
+                    {"seed": seed, **run_reference(s, seed, args.reference_init)})
                 for v in variants:
-                    k, lr = v.split(":")
                     item["hybridps"][v].append(
-                        {"seed": seed, **run_hybridps(s, seed, int(k), float(lr), server, out)})
+                        {"seed": seed, **run_hybridps(s, seed, Variant.parse(v), server, out)})
                 print(f"{s.name} seed {seed}: reference {item['reference'][-1]['test_mrr']:.4f}"
                       + "".join(f"  {variant_label(v)} {item['hybridps'][v][-1]['test_mrr']:.4f}"
                                 for v in variants), flush=True)

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from worker.embedding import init_rows
 from worker.metrics import block_rank_counts, ranking_metrics, ranks_from_counts
 from worker.tasks.kge_data import TailIndex, epoch_batches, eval_queries, load_kg_dataset
 from worker.tasks.kge_models import KGEScorer, build_model, init_entity_rows
@@ -73,6 +74,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-blocks", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--entity-init", choices=("torch", "hybridps"), default="torch",
+                    help="torch: N(0,1) from the global stream (dicee); hybridps: the sharded "
+                         "table's rows (worker.embedding.init_rows), so a seed gives both "
+                         "trainers the same start (a paired comparison)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -82,7 +87,12 @@ def main() -> None:
     pairs = torch.from_numpy(kvs.pairs())
     kw = {"p": args.p, "q": args.q} if args.model.lower() == "keci" else {}
     model = build_model(args.model, 2 * ds.num_relations, args.dim, **kw)
-    ent = torch.nn.Parameter(init_entity_rows(ds.num_entities, args.dim))
+    if args.entity_init == "hybridps":
+        rows = init_rows(ds.num_entities, args.dim, 0, ds.num_entities, seed=args.seed,
+                         table_index=0, init_std=1.0)
+    else:
+        rows = init_entity_rows(ds.num_entities, args.dim)
+    ent = torch.nn.Parameter(rows)
     opt = torch.optim.Adam([ent, *model.parameters()], lr=args.lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import start_ps_server
+from tests.helpers import PsServer, start_ps_server
 
 
 @pytest.fixture
@@ -28,3 +28,13 @@ def ps_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.address
     finally:
         server.terminate()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
+    """One shard server (a PsServer: address, stderr, ...) shared by a module's runs."""
+    srv = start_ps_server(tmp_path_factory.mktemp("ps"))
+    try:
+        yield srv
+    finally:
+        srv.terminate()

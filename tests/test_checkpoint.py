@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,15 +180,6 @@ def test_fault_point_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- end to end ---------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
-    srv = start_ps_server(tmp_path_factory.mktemp("ps"))
-    try:
-        yield srv
-    finally:
-        srv.terminate()
-
 
 @pytest.fixture(scope="module")
 def runs(server: PsServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -17,6 +17,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "ps_timeout": ("2.5", 2.5),
     "max_chunk_bytes": ("1048576", 1048576),
     "wire_dtype": ("bf16", "bf16"),  # tests/test_wire_fast.py
+    "staleness_compensation": ("none", "none"),  # tests/test_staleness.py
     "run_id": ("r1", "r1"),
     "task": ("synthetic", "synthetic"),
     "steps": ("17", 17),

@@ -287,8 +287,8 @@ def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> N
         assert (step + 1) % 5 == 0  # at an agreement step (--log-every)
         assert text.count("exit_code=143") == 2
         finished = re.findall(rf"event=finished \S+ last_step={step} aborted=True", text)
-        assert len(finished) == 2, "\n".join(line for line in text.splitlines()
-                                             if "event=" in line)
+        assert len(finished) == 2, "\n".join(
+            line for line in (text + server.stderr()).splitlines() if "event=" in line)
         assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text
         assert re.search(r"INFO worker rank=1 event=start ps=", text)  # structured lines
         # Both ranks finished (aborted): the --exit-after-run server stops by itself.

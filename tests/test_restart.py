@@ -22,7 +22,6 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 from ps.admin import get_shard_stats
 from ps.checkpoint import complete_checkpoints, read_shard, step_dir
-from tests.helpers import PsServer, start_ps_server
+from tests.helpers import PsServer
 from tests.test_checkpoint import (
     COMMON,
     GLOBAL_BATCH,
@@ -47,15 +46,6 @@ from worker.checkpoint import KILL_ENV, kill_point
 from worker.rendezvous import agree_generation
 
 TABLES = ("user", "item", "category", "tag")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
-    srv = start_ps_server(tmp_path_factory.mktemp("ps"))
-    try:
-        yield srv
-    finally:
-        srv.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from ps.errors import Conflict, InvalidArgument, NotSeeded
 from ps.optim import OptimizerSpec
 from ps.partition import PushChunk, TableSpec
 from ps.store import Store
-from tests.helpers import PsServer, start_ps_server
+from tests.helpers import PsServer
 from worker.config import TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig, init_rows
 from worker.sync import LocalSparseOptimizer, ShardClient, SyncError
@@ -348,15 +348,6 @@ def run_worker(args: list[str], timeout: float = 300.0) -> subprocess.CompletedP
         raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
-    srv = start_ps_server(tmp_path_factory.mktemp("ps"))
-    try:
-        yield srv
-    finally:
-        srv.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ steps <= s is in the rows:
 2. every rank writes the rows it owns (`rows/<table>.r<rank>.pt`) with the pending
    updates applied (canonical rows: every update <= s, what export and a re-shard
    read), and `pending/r<rank>.pt`: the pending updates plus the values the rows they
-   touch have before them. The live rows are put back exactly, so the run goes on as
-   if no checkpoint was taken; a resume restores the same rows and pending updates;
+   touch have before them (and, with --staleness-compensation predict, the weight
+   predictor's state: worker/staleness.py). The live rows are put back exactly, so the
+   run goes on as if no checkpoint was taken; a resume restores the same rows, pending
+   updates and predictions;
 3. the sparse optimizer state: each rank asks ITS shard server to save its own
    partition (Checkpoint RPC, ranks=[rank]: the server waits until the pushes
    <= s are applied, then writes m, v, step count, last_step); under
@@ -302,6 +304,9 @@ class Checkpointer:
                          "rows": bool(u.rows)} for u in pending],
             "before": {name: {"ids": ids_P, "rows": rows_PD.cpu()}
                        for name, (ids_P, rows_PD) in before.items()},
+            # --staleness-compensation predict: what the next forwards' predictions need
+            "prediction": (None if self.t.window.predictor is None
+                           else self.t.window.predictor.state_dict()),
         }
         info = save_torch(directory / pending_file(self.rank), payload)
         return rows, {"rank": self.rank, "file": pending_file(self.rank), **info}
@@ -471,7 +476,7 @@ class Checkpointer:
                          "updates are already in the saved rows", self.rank,
                          self.cfg.row_dtype, manifest.get("row_dtype"))
             window.restore_pending(step, [])  # the rows hold every update <= step
-            return
+            return  # nothing pending: nothing to predict (a predictor starts empty)
         applied = int(entry["applied_through"])
         payloads = []
         for f in entry["files"]:
@@ -509,6 +514,13 @@ class Checkpointer:
                                      delta[mine].to(emb.device), float(parts[0]["decay"]),
                                      rows=bool(parts[0]["rows"])))
         window.restore_pending(applied, updates)
+        predictions = [p["prediction"] for p in payloads if p.get("prediction") is not None]
+        if window.predictor is not None and predictions:
+            window.predictor.load_state_dict(predictions)
+        elif window.predictor is not None and updates:
+            log.info("rank %d: checkpoint %s was saved without --staleness-compensation "
+                     "predict: predictions start again once updates are applied", self.rank,
+                     directory)
 
 
 def read_dense_full(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:

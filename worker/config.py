@@ -20,6 +20,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 ROW_DTYPES = ("fp32", "bf16")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")  # worker/sync.py WIRE_DTYPES maps them to torch
 DEVICES = ("auto", "cpu", "cuda")
+STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py
 KGE_MODELS = ("distmult", "complex", "keci", "qmult")
 KGE_TRAINING = ("kvsall", "negsample")
 MIN_CHUNK_BYTES = 64 * 1024
@@ -88,6 +89,11 @@ class TrainConfig:
         "apply the sparse optimizer in-process (no server)", "BOOL"))
     staleness: int = field(default=1, metadata=_h(
         "K: before step t, every update of steps <= t-1-K is applied (0 = synchronous)", "K"))
+    staleness_compensation: str = field(default="predict", metadata=_h(
+        "K >= 1: predict (weight prediction: the forward sees each row plus, once per step "
+        "whose update it still misses, the row's effective update in the newest applied "
+        "step; the stored rows and the pushes are unchanged; worker/staleness.py) | none. "
+        "No effect at K=0", "HOW"))
     ps_timeout: float = field(default=60.0, metadata=_h(
         "seconds to wait for the server (register, update, reconnect) before failing", "SEC"))
     max_chunk_bytes: int = field(default=4 * 1024 * 1024, metadata=_h(
@@ -238,6 +244,9 @@ class TrainConfig:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be finite and >= 0 (0: detect)")
         self._at_least("staleness", self.staleness, 0)
+        if self.staleness_compensation not in STALENESS_COMPENSATIONS:
+            raise ValueError(f"staleness_compensation={self.staleness_compensation!r} is not "
+                             f"one of {', '.join(STALENESS_COMPENSATIONS)}")
         self._at_least("steps", self.steps, 1)
         self._at_least("epochs", self.epochs, 0)
         self._at_least("batch_size", self.batch_size, 1)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -146,6 +147,14 @@ class InputDist:
     restore_M: torch.Tensor | None
 
 
+class RowOffsets(Protocol):
+    """Added to the rows the owner gathers (stage 3), not stored in them: worker/staleness.py's
+    weight prediction for the updates a stale forward misses."""
+
+    def add_to(self, name: str, local_ids_M: torch.Tensor | None, rows_MD: torch.Tensor
+               ) -> torch.Tensor: ...
+
+
 def _plan_key(names: Sequence[str], ids: Sequence[torch.Tensor]) -> tuple[object, ...]:
     return (*names, *(id(i) for i in ids))
 
@@ -216,6 +225,7 @@ class ShardedEmbedding(nn.Module):
         self._staged: dict[tuple[object, ...], InputDist] = {}  # stage(): computed ahead
         # worker/pipeline.py: (names, id tensors) of every lookup while not None
         self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...]]] | None = None
+        self.row_offsets: RowOffsets | None = None  # --staleness-compensation predict
         self.weights = nn.ParameterDict()
         for index, table in enumerate(tables):
             start, end = self.ranges[table.name]
@@ -224,10 +234,16 @@ class ShardedEmbedding(nn.Module):
             self.weights[table.name] = nn.Parameter(rows_RD.to(self.device, row_dtype))
 
     # -- forward ------------------------------------------------------------
-    def _local_rows(self, name: str, local_ids_M: torch.Tensor) -> torch.Tensor:
-        """Stage 3: the owner's gather (sparse gradient), in the dense model's dtype."""
+    def _local_rows(self, name: str, local_ids_M: torch.Tensor, whole: bool = False
+                    ) -> torch.Tensor:
+        """Stage 3: the owner's gather (sparse gradient), in the dense model's dtype.
+        `whole`: local_ids_M is every owned row in order (local_block)."""
         rows_MD = F.embedding(local_ids_M, self.weights[name], sparse=True)
-        return rows_MD if rows_MD.dtype == self.output_dtype else rows_MD.to(self.output_dtype)
+        if rows_MD.dtype != self.output_dtype:
+            rows_MD = rows_MD.to(self.output_dtype)
+        if self.row_offsets is not None:
+            rows_MD = self.row_offsets.add_to(name, None if whole else local_ids_M, rows_MD)
+        return rows_MD
 
     def _owner_starts(self, name: str) -> torch.Tensor:
         starts = self._starts.get(name)
@@ -380,7 +396,7 @@ class ShardedEmbedding(nn.Module):
         """
         start, end = self.ranges[name]
         local_R = torch.arange(end - start, device=self.device)
-        return start, self._local_rows(name, local_R)
+        return start, self._local_rows(name, local_R, whole=True)
 
     # -- gradients and updates ----------------------------------------------------
     def pop_grads(self, scale: float = 1.0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

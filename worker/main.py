@@ -69,13 +69,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(cfg, ctx)  # task, sharded tables, FSDP dense, server connection
         trainer.train()              # the loop; ends with every update applied
         if STOP.requested and trainer.last_step < trainer.steps - 1:
-            ended = trainer.source.end_run(trainer.last_step, aborted=True, reason=STOP.reason)
+            ended = True  # told the server (or tried: end_run logs a failure; no second try)
+            trainer.source.end_run(trainer.last_step, aborted=True, reason=STOP.reason)
             log.warning(kv("stopped", step=trainer.last_step, reason=STOP.reason,
                            flushed=trainer.source.buffer.fatal is None,
                            exit_code=STOPPED_EXIT_CODE))
             return STOPPED_EXIT_CODE
         trainer.report()             # eval, --dump-state, summary, shard stats, --results
-        ended = trainer.source.end_run(trainer.last_step)  # Finish: the server may now stop
+        ended = True
+        trainer.source.end_run(trainer.last_step)  # Finish: the server may now stop
         return 0
     except (SyncError, DenseParallelError) as exc:  # server trouble or a dense setup this
         # world cannot run: one clear line, torchrun stops the other ranks

@@ -59,6 +59,7 @@ from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.client_options import channel_options
 from ps.optim import OptimizerSpec, apply_rows_, apply_update_
 from worker.embedding import ShardedEmbedding, TableConfig
+from worker.staleness import RowPredictor
 
 log = logging.getLogger("worker.sync")
 
@@ -389,6 +390,7 @@ class ShardClient(UpdateSource):
         self._outq: asyncio.Queue[bytes | None] | None = None
         self._call: Any = None
         self._closing = False
+        self._finishing: asyncio.Task[Any] | None = None  # end_run's Finish call, in flight
         self._progress = False
         self._enqueued_through = -1  # newest step whose pushes the loop thread holds
         if restore is not None:
@@ -505,6 +507,7 @@ class ShardClient(UpdateSource):
             else:
                 async def call() -> Any:
                     self._closing = True  # the stream ending from here on is expected
+                    self._finishing = asyncio.current_task()  # _main waits for it
                     return await stub.Finish(request, timeout=timeout,
                                              metadata=self.security.metadata)
 
@@ -571,33 +574,50 @@ class ShardClient(UpdateSource):
     async def _main(self) -> None:
         options = channel_options(max(self.max_chunk_bytes * 2, 64 * 1024 * 1024))
         async with open_aio_channel(self.address, options, self.security) as channel:
-            self._stub = shard_pb2_grpc.ShardServiceStub(channel)
-            self._sync = channel.stream_stream(SYNC_METHOD, request_serializer=_as_bytes,
-                                               response_deserializer=_decode_update)
-            await self._register(first=True)
-            self._registered.set()
-            broken_since: float | None = None
-            while True:
-                self._progress = False
-                try:
-                    self.state = "streaming"
-                    if await self._stream():
-                        return
-                    self.last_error = "server ended the Sync stream"
-                except grpc.aio.AioRpcError as exc:
-                    self.last_error = _rpc_text(exc)
-                    if exc.code() not in RETRYABLE:
-                        raise ServerRefused(self._refusal_text(exc)) from None
-                if self._closing:
+            try:
+                await self._run(channel)
+            finally:
+                await self._settle_finish()
+
+    async def _settle_finish(self) -> None:
+        """Before the channel closes: let a Finish in flight get its answer.
+
+        The server that stops once every rank finished ends this stream while answering
+        the last Finish; ending the loop then would cancel that call on the channel.
+        """
+        task = self._finishing
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=min(self.timeout_s, 10.0) + 1.0)
+
+    async def _run(self, channel: grpc.aio.Channel) -> None:
+        """Register, then stream until done, reconnecting on retryable errors."""
+        self._stub = shard_pb2_grpc.ShardServiceStub(channel)
+        self._sync = channel.stream_stream(SYNC_METHOD, request_serializer=_as_bytes,
+                                           response_deserializer=_decode_update)
+        await self._register(first=True)
+        self._registered.set()
+        broken_since: float | None = None
+        while True:
+            self._progress = False
+            try:
+                self.state = "streaming"
+                if await self._stream():
                     return
-                if self._progress or broken_since is None:
-                    broken_since = time.monotonic()
-                self.stats.reconnects += 1
-                log.warning(kv("reconnect", server=self.address, error=self.last_error,
-                               unanswered=len(self._unanswered)))
-                await self._reconnect(broken_since)
-                if self._closing:
-                    return
+                self.last_error = "server ended the Sync stream"
+            except grpc.aio.AioRpcError as exc:
+                self.last_error = _rpc_text(exc)
+                if exc.code() not in RETRYABLE:
+                    raise ServerRefused(self._refusal_text(exc)) from None
+            if self._closing:
+                return
+            if self._progress or broken_since is None:
+                broken_since = time.monotonic()
+            self.stats.reconnects += 1
+            log.warning(kv("reconnect", server=self.address, error=self.last_error,
+                           unanswered=len(self._unanswered)))
+            await self._reconnect(broken_since)
+            if self._closing:
+                return
 
     async def _reconnect(self, broken_since: float) -> None:
         """Backoff + re-Register until it works, or ServerUnavailable past the deadline."""
@@ -895,8 +915,11 @@ class StalenessWindow:
     behind the server actually was); a wait = the step had to block.
     """
 
-    def __init__(self, source: UpdateSource, embedding: ShardedEmbedding, staleness: int) -> None:
+    def __init__(self, source: UpdateSource, embedding: ShardedEmbedding, staleness: int,
+                 predictor: RowPredictor | None = None) -> None:
         self.source, self.embedding, self.staleness = source, embedding, staleness
+        # --staleness-compensation predict (worker/staleness.py): the forward's view only
+        self.predictor = predictor
         self.applied_through = -1
         self.stats = StalenessStats()
         self.last_applied_staleness = 0
@@ -909,11 +932,15 @@ class StalenessWindow:
         if blocked:
             self.stats.waits += 1
             self.stats.wait_s += time.perf_counter() - t0
+        predictor = self.predictor
         for u in updates:
+            before_UD = None if predictor is None else predictor.rows_before(u.table, u.ids_U)
             if u.rows:
                 self.embedding.set_rows(u.table, u.ids_U, u.delta_UD)
             else:
                 self.embedding.apply_update(u.table, u.ids_U, u.delta_UD, u.decay)
+            if predictor is not None and before_UD is not None:
+                predictor.applied(u.table, u.ids_U, before_UD)
         self.stats.updates_applied += len(updates)
         self.applied_through = step
         return blocked
@@ -921,6 +948,8 @@ class StalenessWindow:
     def before_step(self, step: int) -> None:
         """Make the rows hold exactly the updates of steps <= step-1-K."""
         self._apply_through(step - 1 - self.staleness)
+        if self.predictor is not None:
+            self.predictor.refresh(self.applied_through)
         applied = step - 1 - self.applied_through
         lag = step - 1 - max(self.source.buffer.arrived_through, -1)
         s = self.stats
@@ -935,6 +964,13 @@ class StalenessWindow:
     def drain(self, last_step: int) -> None:
         """End of training: apply every remaining update, through `last_step`."""
         self._apply_through(last_step)
+        if self.predictor is not None:
+            self.predictor.clear()
+
+    def pushed(self, step: int, grads: Grads) -> None:
+        """After the push of `step`: the rows it holds miss its update until it is applied."""
+        if self.predictor is not None:
+            self.predictor.pushed_step(step, grads)
 
     def pending_at(self, step: int) -> list[RowUpdate]:
         """At a checkpoint of `step` (after its push): apply exactly what the forward of

@@ -35,6 +35,7 @@ from worker.lifecycle import stop_agreed
 from worker.nodes import client_security_for
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
 from worker.pipeline import InputPipeline
+from worker.staleness import RowPredictor
 from worker.sync import (
     WIRE_DTYPES,
     LocalSparseOptimizer,
@@ -127,7 +128,9 @@ class Trainer:
                 security=client_security_for(cfg), row_dtype=self.embedding.row_dtype,
                 initial_rows=self.embedding.initial_row_blocks)
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
-        self.window = StalenessWindow(self.source, self.embedding, cfg.staleness)
+        predictor = (RowPredictor(self.embedding, cfg.staleness)
+                     if cfg.staleness_compensation == "predict" and cfg.staleness > 0 else None)
+        self.window = StalenessWindow(self.source, self.embedding, cfg.staleness, predictor)
         # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
         self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
                                     world_size=ctx.world_size, device=ctx.device,
@@ -176,6 +179,7 @@ class Trainer:
             self.inputs.step_done(step)
             t5 = time.perf_counter()
             self.source.push(step, grads)  # handed to the sync thread; never blocks
+            self.window.pushed(step, grads)
             kill_point(rank, step)  # HYBRIDPS_FAULT_KILL (tests): die with the push in flight
             t6 = time.perf_counter()
             a2a = comm.reset_comm_seconds()
@@ -307,7 +311,9 @@ class Trainer:
             "wall_time_s": wall_s,
             "setup_time_s": self.setup_s,
             "train_time_s": self.train_s,
-            "staleness": {"k": self.cfg.staleness, **self.window.stats.as_dict()},
+            "staleness": {"k": self.cfg.staleness, **self.window.stats.as_dict(),
+                          "compensation": ({"method": "none"} if self.window.predictor is None
+                                           else self.window.predictor.describe())},
             "step_time_s": per_step,
             "sync": sync_stats,
             "server_stats": server,

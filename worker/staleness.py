@@ -1,0 +1,219 @@
+"""--staleness-compensation predict: weight prediction for the updates a stale forward misses.
+
+With --staleness K the forward of step t sees the rows with the updates of steps <= t-1-K
+only. When a row gets a gradient nearly every step (KvsAll scores every entity row every
+step), every forward misses that row's K latest optimizer steps; with only a few hundred
+steps in a run, Adam at lr 0.1 then loses up to 0.04 test MRR (docs/workload_results.md).
+
+Weight prediction (as in SpecTrain, Chen et al. 2018, and PipeMare, Yang et al. 2021, for
+pipelined training) gives the forward an estimate of the missing steps instead: Adam's
+per-step update is momentum-smoothed, so a row's next update is close to its previous
+one. Before the forward of step t, every row this rank owns gets, for each step
+s in t-K..t-1 whose push held the row (its update is not applied yet),
+
+    predicted_D = the row's latest *effective* applied update (new row - old row)
+
+added on top of the stored row. The effective update is measured when an update is
+applied, so it is the same thing for adam, adamw (decay), sgd and bf16 "rows" answers.
+
+Where the prediction lives: only in the lookup path. The owner adds it to the rows it
+gathers (stage 3, `ShardedEmbedding._local_rows`, so `lookup`, `lookup_bag`,
+`lookup_many` and `local_block` all see it, also with --pipeline whose stage 3 stays in
+the step); the stored rows are never modified, the gradient reaching them is unchanged
+(the prediction is a constant offset), and when the true update of step s is applied the
+prediction for s disappears with it: no drift. After `drain` nothing is pending, so
+evaluation, --dump-state, export and checkpoint rows files see the stored rows only.
+
+Determinism: the prediction is a function of the pushed ids and of the applied updates,
+which the staleness window fixes by step, so a run stays a deterministic function of its
+config (the server and --local-optimizer give the same results). K=0 creates no predictor.
+
+Memory (per table, on the rows' device): the ids pushed in the K steps not yet applied,
+and one fp32 delta per row touched in the last K+1 steps (rows not touched for longer are
+forgotten, and a row pushed again after such a gap gets no prediction for that step), plus
+the current prediction of the rows pending: bounded by the rows touched in the last K+1
+steps, never by the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from worker.embedding import ShardedEmbedding
+
+COMPENSATIONS = ("none", "predict")  # --staleness-compensation
+STATE_FORMAT = "hybridps-row-prediction-v1"
+
+Grads = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids_U global, grads_UD)
+
+
+def _empty_ids(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
+class RowPrediction:
+    """The offsets the owner adds to the rows it gathers: sorted local ids -> offset rows.
+
+    Held by the embedding (`ShardedEmbedding.row_offsets`) while a forward may run.
+    """
+
+    def __init__(self) -> None:
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # local_P, offset_PD
+
+    def add_to(self, name: str, local_ids_M: torch.Tensor | None, rows_MD: torch.Tensor
+               ) -> torch.Tensor:
+        """rows_MD + the offsets of the rows `local_ids_M` (None: rows_MD is every owned row,
+        in order: `local_block`). Out of place: a constant offset leaves the gradient that
+        reaches the stored rows unchanged."""
+        entry = self.tables.get(name)
+        if entry is None:
+            return rows_MD
+        local_P, offset_PD = entry
+        if local_ids_M is None:
+            return rows_MD.index_add(0, local_P, offset_PD.to(rows_MD.dtype))
+        if local_ids_M.numel() == 0:
+            return rows_MD
+        pos_M = torch.searchsorted(local_P, local_ids_M).clamp_(max=local_P.numel() - 1)
+        hit_M1 = (local_P.index_select(0, pos_M) == local_ids_M).unsqueeze(1)
+        offset_MD = offset_PD.index_select(0, pos_M).to(rows_MD.dtype)
+        return rows_MD + torch.where(hit_M1, offset_MD, 0.0)
+
+
+class RowPredictor:
+    """Weight prediction for one rank's rows (module doc). Driven by the StalenessWindow:
+    `pushed_step` after each push, `rows_before`/`applied` around each applied update,
+    `refresh` before each forward, `clear` once nothing is pending."""
+
+    def __init__(self, embedding: ShardedEmbedding, staleness: int) -> None:
+        if staleness < 1:
+            raise ValueError(f"staleness={staleness}: weight prediction needs K >= 1 "
+                             "(at K=0 no update is ever missing)")
+        self.embedding, self.staleness = embedding, staleness
+        device = embedding.device
+        # step -> table -> ids_U pushed in that step (global, sorted): steps not yet applied
+        self.pushed: dict[int, dict[str, torch.Tensor]] = {}
+        # table -> (ids_L sorted global, delta_LD fp32): the effective update of each row of
+        # the newest applied update of the table (a row it did not touch has no delta)
+        self.deltas: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
+            name: (_empty_ids(device), torch.empty(0, t.dim, device=device))
+            for name, t in embedding.tables.items()}
+        self.prediction = RowPrediction()
+        self.refreshes = 0
+        self.predicted_rows = 0  # rows with a prediction in the newest refresh (stats)
+        self.predicted_row_steps = 0  # summed over refreshes
+
+    # -- hooks ----------------------------------------------------------------------------
+    def pushed_step(self, step: int, grads: Grads) -> None:
+        """`grads` as pushed: per table, the ids sorted and distinct (`pop_grads`)."""
+        self.pushed[step] = {name: grads[name][0].detach().to(self.embedding.device,
+                                                              torch.int64)
+                             for name in self.embedding.tables}
+
+    @torch.no_grad()
+    def rows_before(self, name: str, ids_U: torch.Tensor) -> torch.Tensor:
+        """The stored rows an update is about to change (fp32)."""
+        emb = self.embedding
+        local_U = ids_U.to(emb.device, torch.int64) - emb.ranges[name][0]
+        return emb.weights[name].data.index_select(0, local_U).float()
+
+    @torch.no_grad()
+    def applied(self, name: str, ids_U: torch.Tensor, before_UD: torch.Tensor) -> None:
+        """An update of table `name` is in the rows: its rows' effective updates replace the
+        table's deltas (updates are applied in step order, so this is the newest step)."""
+        ids_U = ids_U.to(self.embedding.device, torch.int64)
+        delta_UD = self.rows_before(name, ids_U) - before_UD
+        ids_U, order_U = torch.sort(ids_U)  # pushes are coalesced (sorted); cheap insurance
+        self.deltas[name] = (ids_U, delta_UD.index_select(0, order_U))
+
+    def refresh(self, applied_through: int) -> None:
+        """Before a forward: the updates <= `applied_through` are in the rows; predict the
+        rows of every pushed step after it."""
+        for step in [s for s in self.pushed if s <= applied_through]:
+            del self.pushed[step]
+        offsets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.predicted_rows = 0
+        pending_steps = sorted(self.pushed)
+        for name in self.embedding.tables:
+            ids_L, delta_LD = self.deltas[name]
+            if not pending_steps or ids_L.numel() == 0:
+                continue
+            pending = [self.pushed[s][name] for s in pending_steps]
+            rows_N = torch.cat(pending) if len(pending) > 1 else pending[0]
+            pos_N = torch.searchsorted(ids_L, rows_N).clamp_(max=ids_L.numel() - 1)
+            pos_H = pos_N[ids_L.index_select(0, pos_N) == rows_N]
+            if pos_H.numel() == 0:
+                continue
+            if len(pending) == 1:  # K=1: each row once, positions sorted and distinct
+                have_P, offset_PD = pos_H, delta_LD.index_select(0, pos_H)
+            else:
+                # A row appears at most once per step: its prediction is (pending steps that
+                # pushed it) x its delta, with no summation order to depend on.
+                count_L = torch.bincount(pos_H, minlength=ids_L.numel())
+                have_P = torch.nonzero(count_L).squeeze(1)
+                count_P1 = count_L.index_select(0, have_P).unsqueeze(1).to(delta_LD.dtype)
+                offset_PD = delta_LD.index_select(0, have_P) * count_P1
+            local_P = ids_L.index_select(0, have_P) - self.embedding.ranges[name][0]
+            offsets[name] = (local_P, offset_PD)
+            self.predicted_rows += int(local_P.numel())
+        self.refreshes += 1
+        self.predicted_row_steps += self.predicted_rows
+        self.prediction.tables = offsets
+        self.embedding.row_offsets = self.prediction if offsets else None
+
+    def clear(self) -> None:
+        """Nothing pending (drain): the forward sees the stored rows."""
+        self.prediction.tables = {}
+        self.embedding.row_offsets = None
+
+    def describe(self) -> dict[str, Any]:
+        """For --results: how many of this rank's rows a forward saw predicted, on average."""
+        return {"method": "predict",
+                "predicted_rows_mean": self.predicted_row_steps / max(self.refreshes, 1)}
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """CPU tensors, global row ids: re-shardable by row range like the rows."""
+        return {"format": STATE_FORMAT, "staleness": self.staleness,
+                "pushed": {step: {n: ids.cpu() for n, ids in tables.items()}
+                           for step, tables in self.pushed.items()},
+                "deltas": {n: {"ids": ids.cpu(), "delta": d.cpu()}
+                           for n, (ids, d) in self.deltas.items()}}
+
+    def load_state_dict(self, states: Sequence[dict[str, Any]] | dict[str, Any]) -> None:
+        """The saved state of every rank (or one): keeps the rows this rank owns now."""
+        parts = [states] if isinstance(states, dict) else list(states)
+        emb, device = self.embedding, self.embedding.device
+        pushed: dict[int, dict[str, list[torch.Tensor]]] = {}
+        deltas: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {
+            n: ([], []) for n in emb.tables}
+        for part in parts:
+            if part.get("format") != STATE_FORMAT:
+                raise ValueError(f"not a row-prediction state: format {part.get('format')!r}")
+            for step, tables in part["pushed"].items():
+                for name, ids in tables.items():
+                    if name in emb.tables:
+                        pushed.setdefault(int(step), {n: [] for n in emb.tables})[name].append(
+                            self._mine(name, ids))
+            for name, entry in part["deltas"].items():
+                if name in emb.tables:
+                    mine = self._owned(name, entry["ids"])
+                    deltas[name][0].append(entry["ids"][mine])
+                    deltas[name][1].append(entry["delta"][mine])
+        self.pushed = {step: {n: torch.sort(torch.cat(v)).values.to(device) if v else
+                              _empty_ids(device) for n, v in tables.items()}
+                       for step, tables in pushed.items()}
+        for name, (ids, rows) in deltas.items():
+            ids_L = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+            delta_LD = torch.cat(rows) if rows else torch.empty(0, emb.tables[name].dim)
+            order = torch.argsort(ids_L)
+            self.deltas[name] = (ids_L[order].to(device), delta_LD[order].float().to(device))
+
+    def _owned(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        start, end = self.embedding.ranges[name]
+        return (ids >= start) & (ids < end)
+
+    def _mine(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return ids[self._owned(name, ids)]

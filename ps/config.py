@@ -35,6 +35,10 @@ class ServerConfig:
     uds: str = field(default="", metadata={
         "help": "also listen on this Unix domain socket path (workers on this node: "
                 "--ps unix:PATH); a stale socket file there is replaced"})
+    shm: bool = field(default=True, metadata={
+        "help": "accept the shared-memory arenas workers on this node offer at Register "
+                "(pushes and answers by reference into /dev/shm instead of inline; "
+                "false: every worker sends inline tensors)"})
     reflection: bool = field(default=True, metadata={"help": "serve gRPC server reflection"})
     log_level: str = field(default="INFO", metadata={"help": f"one of {LOG_LEVELS}"})
     answer_cache_steps: int = field(default=DEFAULT_ANSWER_CACHE_STEPS, metadata={

@@ -68,3 +68,17 @@ class ResourceExhausted(ShardError):
     """The server cannot allocate the state a request asks for."""
 
     reason = "resource_exhausted"
+
+
+class BadShmReference(InvalidArgument):
+    """A push whose shared-memory references do not describe valid regions of its arena
+    (out of bounds, misaligned, sizes not matching shape and dtype, overlapping)."""
+
+    reason = "bad_shm_reference"
+
+
+class StaleShmEpoch(ShardError):
+    """A shared-memory push of an epoch the rank's arena has left: a Sync stream that
+    outlived a re-Register (the rank reconnected). Retryable: the rank re-registers."""
+
+    reason = "stale_shm_epoch"

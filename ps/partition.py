@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -92,6 +93,22 @@ class TableSpec:
                 f"rows=[{self.row_start}, {self.row_end}))")
 
 
+class AnswerSink(Protocol):
+    """A transport's buffer for one push's answer (e.g. the rank's shared memory).
+
+    The partition writes every answer to the push into it under its lock: the kernel
+    writes the delta into `out` when the push is applied (float32 [U, dim], not
+    overlapping the gradients; None: not possible, e.g. another dtype), `write` copies
+    (and converts) anything else in - a duplicate's saved answer, master rows, a delta
+    that could not go to `out`. `write` raises a ShardError when the answer does not fit.
+    """
+
+    @property
+    def out(self) -> torch.Tensor | None: ...
+
+    def write(self, answer_UD: torch.Tensor) -> None: ...
+
+
 @dataclass
 class PushChunk:
     """One Push message with its tensors decoded (ids int64 [U], grads float32 [U, dim])."""
@@ -107,6 +124,9 @@ class PushChunk:
     num_chunks: int = 1  # 0 is read as 1 (an unchunked push that left the field unset)
     # Set by SyncSession.received(): this chunk opened a push counted in queue_depth.
     queued: bool = field(default=False, compare=False)
+    # Where the answer of a one-chunk push goes besides the return value (the
+    # transport's shared memory); None: the answer is only returned.
+    sink: AnswerSink | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_chunks(self) -> int:
@@ -136,6 +156,9 @@ class Answer:
     decay: float
     duplicate: bool = False
     rows: bool = False
+    # The delta is a buffer the answer cache reuses once the answer is evicted: read it
+    # only under the partition lock (SyncSession copies it for anyone else).
+    pooled: bool = field(default=False, compare=False)
 
     def as_duplicate(self) -> Answer:
         return dataclasses.replace(self, duplicate=True)
@@ -231,6 +254,8 @@ class TableState:
         self.distinct_touched = 0
         self.refusals: collections.Counter[str] = collections.Counter()
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
+        self._pool: dict[int, torch.Tensor] = {}  # step -> buffer of a pooled cached answer
+        self._spare: torch.Tensor | None = None   # an evicted one, for the next copy
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
 
@@ -366,11 +391,14 @@ class TableState:
 
     # -- the update ------------------------------------------------------------------
 
-    def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor) -> Answer:
-        """Apply a validated push that is the next step; returns (and saves) the answer."""
+    def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
+              sink: AnswerSink | None = None) -> Answer:
+        """Apply a validated push that is the next step; returns (and saves) the answer,
+        written into `sink` too (PushChunk.sink)."""
         local = ids - self.spec.row_start
         count = self.adam_step + 1
-        delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count)
+        out = sink.out if sink is not None and self.master is None else None
+        delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count, out=out)
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1
@@ -390,10 +418,31 @@ class TableState:
         else:
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=delta,
                             decay=float(decay))
-        self.answers[step] = answer
+        in_sink = out is not None and answer.delta is delta and (
+            delta.numel() == 0 or delta.data_ptr() == out.data_ptr())
+        if sink is not None and not in_sink:
+            sink.write(answer.delta)
+        # A delta the kernel wrote into the sink is the transport's (the rank reuses its
+        # shared memory once answered): the cache keeps a copy, in a recycled buffer
+        # (a fresh [U, dim] allocation costs more in page faults than the copy itself).
+        self.answers[step] = self._pooled_copy(step, answer) if in_sink else answer
         while len(self.answers) > self.answer_cache_steps:
-            self.answers.popitem(last=False)
+            evicted, _ = self.answers.popitem(last=False)
+            spare = self._pool.pop(evicted, None)
+            if spare is not None and (self._spare is None or spare.numel() > self._spare.numel()):
+                self._spare = spare
         return answer
+
+    def _pooled_copy(self, step: int, answer: Answer) -> Answer:
+        delta = answer.delta
+        n = delta.numel()
+        buffer = self._spare
+        if buffer is None or buffer.numel() < n:
+            buffer = torch.empty(n, dtype=delta.dtype)
+        self._spare = None
+        self._pool[step] = buffer
+        copy = buffer[:n].view(delta.shape).copy_(delta)
+        return dataclasses.replace(answer, delta=copy, pooled=True)
 
 
 class Partition:

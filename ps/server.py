@@ -46,6 +46,7 @@ from ps.config import ServerConfig
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker
 from ps.service import AdminServicer, ShardServicer, add_shard_service
+from ps.shm import ArenaRegistry
 from ps.store import Store, kv
 
 log = logging.getLogger("ps.server")
@@ -112,6 +113,8 @@ class RunningServer:
         self.shard.begin_drain()  # Sync streams answer what they hold, then end
         await self.server.stop(grace)
         self.core.shutdown()
+        if self.shard.shm_arenas is not None:
+            self.shard.shm_arenas.close()
         log_final_state(self.core.store)
         log.info(kv("stopped"))
 
@@ -166,7 +169,8 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
         keepalive_timeout_ms=config.keepalive_timeout_ms))
     shard = ShardServicer(core, config.max_message_bytes, tracker=RunTracker(run_over),
                           stop_when_run_over=config.exit_after_run,
-                          run_idle_timeout_s=config.run_idle_timeout_s)
+                          run_idle_timeout_s=config.run_idle_timeout_s,
+                          shm_arenas=ArenaRegistry() if config.shm else None)
     add_shard_service(shard, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(core, stop_request.set),
                                                       server)
@@ -197,7 +201,7 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                 server_id=store.server_id, max_message_bytes=config.max_message_bytes,
                 reflection=config.reflection, tls=tls, auth="token" if token else "off",
                 admin_shutdown="token" if admin_token else "off",
-                exit_after_run=config.exit_after_run))
+                exit_after_run=config.exit_after_run, shm=config.shm))
     _security_warnings(config, token, credentials is not None)
     return RunningServer(server, health, core, port, shard, stop_request)
 

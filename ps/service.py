@@ -20,6 +20,7 @@ from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.core import ShardCore
 from ps.errors import (
     AnswerEvicted,
+    BadShmReference,
     Conflict,
     FlushTimeout,
     InvalidArgument,
@@ -29,10 +30,12 @@ from ps.errors import (
     ResourceExhausted,
     ShardError,
     StaleIncarnation,
+    StaleShmEpoch,
 )
 from ps.lifecycle import RunTracker, check_finish
 from ps.partition import Answer, PushChunk, TableSpec
-from ps.store import ServerStats, SyncSession, kv
+from ps.shm import ArenaRegistry, ShmPush, ShmRef, resolve
+from ps.store import ServerStats, Store, SyncSession, kv
 
 log = logging.getLogger("ps.service")
 
@@ -64,6 +67,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.FAILED_PRECONDITION
     elif isinstance(exc, FlushTimeout):
         code = grpc.StatusCode.DEADLINE_EXCEEDED
+    elif isinstance(exc, StaleShmEpoch):
+        code = grpc.StatusCode.ABORTED
     elif isinstance(exc, ResourceExhausted):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
     else:
@@ -130,6 +135,7 @@ class WirePushChunk(PushChunk):
 
     update_dtype: torch.dtype = torch.float32
     message_bytes: int = 0
+    shm: ShmPush | None = None  # a shared-memory push: its arena and answer region
 
 
 # --wire-dtype: the dtypes gradients and deltas may travel in (math is always float32).
@@ -140,15 +146,57 @@ def push_header(msg: SyncRequest) -> shard_pb2.Push:
     return msg.message if isinstance(msg, wire.Framed) else msg
 
 
-def push_chunk(msg: SyncRequest) -> WirePushChunk:
+def shm_ref(name: str, msg: shard_pb2.ShmTensor) -> ShmRef:
+    return ShmRef(name, wire.torch_dtype(msg.dtype), wire.dtype_name(msg.dtype),
+                  tuple(int(s) for s in msg.shape), int(msg.offset), int(msg.length))
+
+
+def is_shm_push(head: shard_pb2.Push) -> bool:
+    return any(head.HasField(f) for f in ("shm_ids", "shm_grads", "shm_answer"))
+
+
+def _shm_push(msg: SyncRequest, head_msg: shard_pb2.Push, head: str,
+              arenas: ArenaRegistry | None, store: Store | None,
+              update_dtype: torch.dtype) -> ShmPush:
+    """Resolve a push's shared-memory references (BadShmReference names a bad one)."""
+    inline = (bool(msg.tensors) if isinstance(msg, wire.Framed)
+              else head_msg.HasField("ids") or head_msg.HasField("grads"))
+    if inline:
+        raise BadShmReference(f"{head}: carries both inline tensors and shm references")
+    missing = [f for f in ("shm_ids", "shm_grads", "shm_answer") if not head_msg.HasField(f)]
+    if missing:
+        raise BadShmReference(f"{head}: shm push without {', '.join(missing)}")
+    if head_msg.chunk != 0 or head_msg.num_chunks not in (0, 1):
+        raise BadShmReference(f"{head}: a shm push is one chunk (got chunk {head_msg.chunk} "
+                              f"of {head_msg.num_chunks})")
+    part = store.partition(head_msg.run_id, head_msg.rank) if store is not None else None
+    answer_dtype = (None if part is None else
+                    part.row_dtype if part.row_dtype != torch.float32 else update_dtype)
+    no_arena = ("this server runs with --shm false" if arenas is None else
+                f"run {head_msg.run_id!r} rank {head_msg.rank} has no shared-memory arena "
+                "accepted on this server (Register with one first)")
+    arena = arenas.get(head_msg.run_id, head_msg.rank) if arenas is not None else None
+    return resolve(arena, int(head_msg.shm_epoch),
+                   (shm_ref("ids", head_msg.shm_ids), shm_ref("grads", head_msg.shm_grads),
+                    shm_ref("answer", head_msg.shm_answer)), answer_dtype, head, no_arena)
+
+
+def push_chunk(msg: SyncRequest, arenas: ArenaRegistry | None = None,
+               store: Store | None = None) -> WirePushChunk:
     """Decode a Push (tensors view the message bytes); WireError names the bad tensor.
 
     `msg` is what the Sync stream's deserializer gives (wire.Framed: decoded without
-    copies) or a generated Push message."""
+    copies) or a generated Push message. A shared-memory push's tensors view the rank's
+    arena in `arenas` (BadShmReference / StaleShmEpoch when they cannot)."""
     head_msg = push_header(msg)
     head = (f"push run={head_msg.run_id!r} rank={head_msg.rank} step={head_msg.step} "
             f"table={head_msg.table!r} chunk {head_msg.chunk}")
-    if isinstance(msg, wire.Framed):
+    update_dtype = _update_dtype(head_msg, head)
+    shm: ShmPush | None = None
+    if is_shm_push(head_msg):
+        shm = _shm_push(msg, head_msg, head, arenas, store, update_dtype)
+        ids, grads = shm.ids, shm.grads
+    elif isinstance(msg, wire.Framed):
         # The grads stay a view of the message (read once, by the update). The ids are
         # copied (8 bytes a row): the answer cache keeps them, and a view would keep the
         # whole received message, gradients included, alive with it.
@@ -156,19 +204,33 @@ def push_chunk(msg: SyncRequest) -> WirePushChunk:
     else:
         ids = wire.decode(msg.ids, f"{head}: ids")
         grads = wire.decode(msg.grads, f"{head}: grads")
-    update_dtype = torch.float32
-    if head_msg.update_dtype != shard_pb2.DTYPE_UNSPECIFIED:
-        asked = wire.torch_dtype(head_msg.update_dtype)
-        if asked not in WIRE_FLOAT_DTYPES:
-            raise wire.WireError(f"{head}: update_dtype {wire.dtype_name(head_msg.update_dtype)}"
-                                 f" is not one of FLOAT32, BFLOAT16, FLOAT16")
-        update_dtype = asked
-    return WirePushChunk(
+    chunk = WirePushChunk(
         run_id=head_msg.run_id, rank=head_msg.rank, incarnation=head_msg.incarnation,
         step=head_msg.step, table=head_msg.table, ids=ids, grads=grads, chunk=head_msg.chunk,
         num_chunks=head_msg.num_chunks, update_dtype=update_dtype,
-        message_bytes=msg.nbytes if isinstance(msg, wire.Framed) else 0,
+        message_bytes=msg.nbytes if isinstance(msg, wire.Framed) else 0, shm=shm,
     )
+    chunk.sink = shm  # the core writes the answer into the arena (the kernel, if fp32)
+    return chunk
+
+
+def _update_dtype(head_msg: shard_pb2.Push, head: str) -> torch.dtype:
+    if head_msg.update_dtype == shard_pb2.DTYPE_UNSPECIFIED:
+        return torch.float32
+    asked = wire.torch_dtype(head_msg.update_dtype)
+    if asked not in WIRE_FLOAT_DTYPES:
+        raise wire.WireError(f"{head}: update_dtype {wire.dtype_name(head_msg.update_dtype)}"
+                             f" is not one of FLOAT32, BFLOAT16, FLOAT16")
+    return asked
+
+
+def answer_in_shm(push: ShmPush, answer: Answer) -> bytes:
+    """The header-only Update of a push whose answer the core wrote into its region."""
+    push.arena.pushes += 1
+    push.arena.bytes += push.tensor_bytes
+    return shard_pb2.Update(step=answer.step, table=answer.table, decay=answer.decay,
+                            rows=answer.rows, chunk=0, num_chunks=1,
+                            duplicate=answer.duplicate, shm=True).SerializeToString()
 
 
 def answer_updates(answer: Answer, max_message_bytes: int,
@@ -272,8 +334,11 @@ def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def __init__(self, core: ShardCore, max_message_bytes: int, *,
                  tracker: RunTracker | None = None, stop_when_run_over: bool = False,
-                 run_idle_timeout_s: float = 0.0) -> None:
+                 run_idle_timeout_s: float = 0.0,
+                 shm_arenas: ArenaRegistry | None = None) -> None:
         self.core = core
+        # Arenas of same-node ranks (ps/shm.py); None: --shm false, none is accepted.
+        self.shm_arenas = shm_arenas
         self.max_message_bytes = max_message_bytes
         self.tracker = tracker or RunTracker()
         self.stop_when_run_over = stop_when_run_over
@@ -332,6 +397,16 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         for t in tables:
             response.tables.add(name=t.name, rows_held=t.rows_held, last_step=t.last_step,
                                 created=t.created)
+        if request.HasField("shm"):
+            if self.shm_arenas is None:
+                accepted, reason, epoch = False, "this server runs with --shm false", 0
+            else:
+                offer = request.shm
+                accepted, reason, epoch = await self.core.offload(
+                    self.shm_arenas.attach, request.run_id, request.rank, offer.path,
+                    offer.size, offer.nonce)
+            response.shm.accepted, response.shm.reason = accepted, reason
+            response.shm.epoch = epoch
         return response
 
     async def Sync(self, request_iterator: AsyncIterator[SyncRequest],
@@ -367,6 +442,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     log.debug(kv("answered", run=item.run_id, rank=item.rank, step=answer.step,
                                  table=answer.table, rows=int(answer.ids.shape[0]),
                                  duplicate=answer.duplicate))
+                if isinstance(item, WirePushChunk) and item.shm is not None:
+                    yield answer_in_shm(item.shm, answer)
+                    continue
                 delta_dtype = (item.update_dtype if isinstance(item, WirePushChunk)
                                else torch.float32)
                 # Encoding copies the answer (and converts a bf16/fp16 delta): in the
@@ -404,10 +482,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         try:
             async for msg in request_iterator:
                 try:
-                    chunk = push_chunk(msg)
-                except wire.WireError as exc:
+                    chunk = push_chunk(msg, self.shm_arenas, self.core.store)
+                except (wire.WireError, BadShmReference, StaleShmEpoch) as exc:
                     head = push_header(msg)
-                    self.core.store.record_refusal("wire_error", head.run_id, head.rank,
+                    self.core.store.record_refusal(_reason(exc), head.run_id, head.rank,
                                                    head.table)
                     await inbox.put(exc)
                     return
@@ -477,6 +555,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         except Exception as exc:
             await abort_with(context, "Finish", exc, **fields)
             raise
+        if self.shm_arenas is not None:
+            self.shm_arenas.release(request.run_id, request.rank, "finish")
         registered, finished, over = self.tracker.finish(
             request.run_id, request.rank, request.last_step, request.aborted, request.reason)
         log.info(kv("finish", **fields, aborted=request.aborted, reason=request.reason or "-",

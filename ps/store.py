@@ -16,6 +16,7 @@ message names the offending value; a refused push leaves the state untouched
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import socket
@@ -585,7 +586,15 @@ class SyncSession:
             _, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
                                            chunk.table, pending.what)
             saved = table.classify_step(chunk.step, pending.what)
-            answer = saved if saved is not None else table.apply(chunk.step, ids, grads)
+            sink = chunk.sink if n == 1 else None
+            if saved is None:
+                answer = table.apply(chunk.step, ids, grads, sink)
+            elif sink is not None:
+                sink.write(saved.delta)
+                answer = saved
+            else:  # a pooled buffer is reused once evicted: the caller gets its own copy
+                answer = (dataclasses.replace(saved, delta=saved.delta.clone(), pooled=False)
+                          if saved.pooled else saved)
         self._pending = None
         for key in pending.tickets:
             self._finish(key)

@@ -18,6 +18,8 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "max_chunk_bytes": ("1048576", 1048576),
     "wire_dtype": ("bf16", "bf16"),  # tests/test_wire_fast.py
     "staleness_compensation": ("none", "none"),  # tests/test_staleness.py
+    "shm": ("off", "off"),  # tests/test_shm.py
+    "shm_mb": ("128", 128),
     "run_id": ("r1", "r1"),
     "task": ("synthetic", "synthetic"),
     "steps": ("17", 17),

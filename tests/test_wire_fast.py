@@ -218,7 +218,9 @@ def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
     server = start_ps_server(tmp_path, "--uds", str(sock))
     try:
         dump = tmp_path / "state.pt"
-        run_worker(["--ps", f"unix:{sock}", "--staleness", "0", "--wire-dtype", wire_dtype,
+        # --shm off: the tensors travel over the socket, not through /dev/shm.
+        run_worker(["--ps", f"unix:{sock}", "--shm", "off", "--staleness", "0",
+                    "--wire-dtype", wire_dtype,
                     "--run-id", f"uds-{wire_dtype}", "--dump-state", str(dump), *SMALL])
     finally:
         server.terminate()

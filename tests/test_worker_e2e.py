@@ -233,13 +233,13 @@ def test_broken_stream_is_retried_and_results_unchanged(tmp_path: Path) -> None:
     """Cut the TCP connections mid-run: reconnect, re-Register, re-send, same final state.
 
     The server's 4 KiB message limit (22 rows of dim 32) also splits pushes and updates
-    into chunks.
+    into chunks (inline tensors: --shm off; over shared memory: tests/test_shm.py).
     """
     with start_ps_server(tmp_path, "--max-message-bytes", "4096") as server:
         proxy = FaultProxy((server.host, server.port), after=30_000, mode="drop")
         try:
-            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--run-id",
-                        "e2e-reconnect", "--dump-state", str(tmp_path / "state.pt"),
+            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm", "off",
+                        "--run-id", "e2e-reconnect", "--dump-state", str(tmp_path / "state.pt"),
                         "--results", str(tmp_path / "r.json"), *SMALL, "--dim", "32"])
         finally:
             proxy.close()
@@ -257,8 +257,9 @@ def test_silent_server_times_out_naming_server_and_step(ps_address: str, tmp_pat
     host, port = ps_address.rsplit(":", 1)
     proxy = FaultProxy((host, int(port)), after=30_000, mode="freeze")
     try:
-        proc = run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0",
-                           "--ps-timeout", "3", *SMALL], check=False, timeout=100)
+        # --shm off: the proxy counts bytes, and shared-memory pushes are ~100-byte headers.
+        proc = run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm",
+                           "off", "--ps-timeout", "3", *SMALL], check=False, timeout=100)
     finally:
         proxy.close()
     assert proxy.tripped

@@ -19,6 +19,8 @@ from worker.nodes import node_ps_address, rank_layout, split_ps
 OPTIMIZERS = ("adam", "adamw", "sgd")
 ROW_DTYPES = ("fp32", "bf16")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")  # worker/sync.py WIRE_DTYPES maps them to torch
+SHM_MODES = ("auto", "on", "off")  # worker/shm.py
+MAX_SHM_MB = 1 << 20
 DEVICES = ("auto", "cpu", "cuda")
 STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py
 KGE_MODELS = ("distmult", "complex", "keci", "qmult")
@@ -102,6 +104,14 @@ class TrainConfig:
         "dtype of gradients sent to and deltas received from the server: fp32 | bf16 | fp16 "
         "(half the bytes; the server's math stays fp32; rounding error <= 2^-8 (bf16) or "
         "2^-11 (fp16) relative per element, fp16 overflows beyond 65504)", "DTYPE"))
+    shm: str = field(default="auto", metadata=_h(
+        "same-node shared memory for pushes and answers (worker/shm.py): auto (offer an "
+        "arena in /dev/shm at Register, fall back to inline tensors when the server "
+        "cannot map it: another host or container, --shm false, an older server) | on "
+        "(fail without it) | off (inline tensors over gRPC only)", "MODE"))
+    shm_mb: int = field(default=64, metadata=_h(
+        "size of the shared-memory arena in MiB; a push that does not fit goes inline "
+        "(hold ~K+2 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row)", "MB"))
     run_id: str = field(default="", metadata=_h(
         "run id on the server (default: TORCHELASTIC_RUN_ID, else a fresh uuid)", "ID"))
     # --- security / deployment (docs/deploy.md; hybridps/security.py, worker/plan.py) --
@@ -290,6 +300,12 @@ class TrainConfig:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype={self.wire_dtype!r} is not one of "
                              f"{', '.join(WIRE_DTYPES)}")
+        if self.shm not in SHM_MODES:
+            raise ValueError(f"shm={self.shm!r} is not one of {', '.join(SHM_MODES)}")
+        if not 1 <= self.shm_mb <= MAX_SHM_MB:
+            raise ValueError(f"shm_mb={self.shm_mb!r} must be in [1, {MAX_SHM_MB}]")
+        if self.shm == "on" and self.local_optimizer:
+            raise ValueError("shm='on' needs a shard server; --local-optimizer has none")
         if self.row_dtype not in ROW_DTYPES:
             raise ValueError(f"row_dtype={self.row_dtype!r} is not one of {', '.join(ROW_DTYPES)}")
         if self.device not in DEVICES:

@@ -59,6 +59,15 @@ from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.client_options import channel_options
 from ps.optim import OptimizerSpec, apply_rows_, apply_update_
 from worker.embedding import ShardedEmbedding, TableConfig
+from worker.shm import (
+    SHM_MODES,
+    ClientArena,
+    Region,
+    ShmPush,
+    create_arena,
+    log_fallback,
+    place,
+)
 from worker.staleness import RowPredictor
 
 log = logging.getLogger("worker.sync")
@@ -124,6 +133,11 @@ class SyncStats:
     registers: int = 0
     reconnects: int = 0
     errors: list[str] = field(default_factory=list)
+    # Same-node shared memory (worker/shm.py): "off", "on", or "inline: <why not>".
+    shm: str = "off"
+    shm_pushes: int = 0        # pushes sent by reference into the arena
+    shm_bytes: int = 0         # their tensor bytes (ids, gradients, answers) in the arena
+    shm_inline_pushes: int = 0  # pushes sent inline while shm was on (the arena was full)
 
 
 def make_incarnation() -> int:
@@ -351,8 +365,18 @@ class ShardClient(UpdateSource):
                  security: ClientSecurity | None = None,
                  row_dtype: torch.dtype = torch.float32,
                  initial_rows: InitialRows | None = None,
-                 wire_dtype: torch.dtype = torch.float32) -> None:
+                 wire_dtype: torch.dtype = torch.float32,
+                 shm: str = "off", shm_bytes: int = 64 << 20) -> None:
         super().__init__([t.name for t in tables], timeout_s)
+        # --shm auto|on|off, --shm-mb: the same-node data plane (worker/shm.py).
+        if shm not in SHM_MODES:
+            raise ValueError(f"shm={shm!r} is not one of {', '.join(SHM_MODES)}")
+        self.shm_mode, self.shm_bytes = shm, shm_bytes
+        self._arena: ClientArena | None = None
+        self._shm_epoch = 0  # > 0 while the server accepts the arena
+        self._shm_lock = threading.Lock()
+        self._shm_answered: dict[tuple[int, str], Region] = {}  # regions of arrived updates
+        self._shm_taken: list[Region] = []  # freed at the next take()
         if wire_dtype not in WIRE_DTYPES.values():
             raise ValueError(f"wire dtype {wire_dtype} is not one of "
                              f"{', '.join(map(str, WIRE_DTYPES.values()))}")
@@ -384,8 +408,9 @@ class ShardClient(UpdateSource):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stub: shard_pb2_grpc.ShardServiceStub | None = None
         self._sync: Any = None  # the Sync method with the copy-free codec (hybridps/wire.py)
-        # Pushes are kept encoded: a re-sent push is the same bytes, not encoded again.
-        self._unanswered: dict[tuple[int, int], list[bytes]] = {}
+        # Pushes are kept encoded: a re-sent push is the same bytes, not encoded again
+        # (a push by shared memory: its header, stamped with the epoch when sent).
+        self._unanswered: dict[tuple[int, int], list[bytes] | ShmPush] = {}
         self._partial: dict[tuple[int, int], list[wire.Framed[shard_pb2.Update]]] = {}
         self._outq: asyncio.Queue[bytes | None] | None = None
         self._call: Any = None
@@ -420,6 +445,23 @@ class ShardClient(UpdateSource):
                    for name in self.buffer.tables]
         self.newest_pushed = step
         loop.call_soon_threadsafe(self._enqueue, step, payload)
+
+    def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
+        """UpdateSource.take. Updates answered by shared memory view their regions of the
+        arena (ids and delta, no copy): valid until the next take, which frees them."""
+        arena = self._arena
+        if arena is None:
+            return super().take(through_step)
+        with self._shm_lock:
+            taken, self._shm_taken = self._shm_taken, []
+        for region in taken:
+            arena.ring.free(region)
+        updates, blocked = super().take(through_step)
+        with self._shm_lock:
+            for u in updates:
+                if (u.step, u.table) in self._shm_answered:
+                    self._shm_taken.append(self._shm_answered.pop((u.step, u.table)))
+        return updates, blocked
 
     def describe_wait(self, step: int, timeout_s: float) -> str:
         missing = ", ".join(self.buffer.missing(step)) or "?"
@@ -539,6 +581,8 @@ class ShardClient(UpdateSource):
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(self._cancel_call)
                 self._thread.join(5.0)
+        if self._arena is not None and not self._thread.is_alive():
+            self._arena.close()  # unmapped once the last RowUpdate viewing it is gone
 
     # -- event-loop thread --------------------------------------------------------------
     def _thread_main(self) -> None:
@@ -652,6 +696,12 @@ class ShardClient(UpdateSource):
             request.row_dtype = wire.wire_dtype(self.row_dtype)  # type: ignore[assignment]
         if first and self.restore is not None:
             request.restore.directory, request.restore.step = self.restore
+        if first and self.shm_mode != "off" and self._arena is None:
+            self._create_arena()
+        # The arena is offered first, then on every re-Register while the server uses it.
+        offer = self._arena is not None and (first or self._shm_epoch > 0)
+        if offer and self._arena is not None:
+            request.shm.CopyFrom(self._arena.offer())
         try:
             response = await self._stub.Register(
                 request, timeout=timeout or self.timeout_s, wait_for_ready=first,
@@ -669,8 +719,108 @@ class ShardClient(UpdateSource):
         if response.max_message_bytes > 0:
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(response.max_message_bytes))
         self._check_registered_state(response, first)
+        if offer:
+            self._on_shm_status(response.shm, first)
         if self.row_dtype != torch.float32:
             await self._seed_master(response, first)
+
+    # -- shared memory (worker/shm.py) ------------------------------------------------
+    def _create_arena(self) -> None:
+        try:
+            self._arena, why = create_arena(self.shm_mode, self.shm_bytes, self.rank)
+        except OSError as exc:  # ShmUnavailable, with --shm on
+            raise ServerRefused(f"rank {self.rank}: --shm on: {exc}") from None
+        if self._arena is None:
+            self.stats.shm = f"inline: {why}"
+            log_fallback(self.address, why)
+
+    def _on_shm_status(self, status: shard_pb2.SharedMemoryStatus, first: bool) -> None:
+        """The server's answer to the arena offered at Register."""
+        arena = self._arena
+        assert arena is not None
+        if first:
+            arena.unlink()  # the server mapped it by now, or never will: no file left behind
+        if status.accepted:
+            if first:
+                log.info(kv("shm", server=self.address, path=arena.path, bytes=arena.size,
+                            epoch=status.epoch))
+            self._shm_epoch = int(status.epoch)
+            self.stats.shm = "on"
+            return
+        reason = status.reason or "the server does not offer shared memory (an older server)"
+        if self.shm_mode == "on":
+            raise ServerRefused(
+                f"rank {self.rank}: --shm on, but shard server {self.address} did not accept "
+                f"the shared-memory arena {arena.path}: {reason} (--shm auto falls back to "
+                "inline tensors)")
+        self._shm_epoch = 0
+        self.stats.shm = f"inline: {reason}"
+        log_fallback(self.address, reason)
+        if first:
+            arena.close()
+            self._arena = None
+            return
+        # The server no longer holds the arena (it was restarted?): re-send inline.
+        for key, pending in self._unanswered.items():
+            if isinstance(pending, ShmPush):
+                self._unanswered[key] = self._encode(key[0], self.buffer.tables[key[1]],
+                                                     pending.slot.ids, pending.slot.grads)
+
+    def _place(self, step: int, name: str, ids_U: torch.Tensor,
+               grads_UD: torch.Tensor) -> ShmPush | None:
+        """The push by reference into the arena; None: inline (no arena, or no room)."""
+        arena = self._arena
+        if arena is None or not self._shm_epoch:
+            return None
+        answer_dtype = self.row_dtype if self.row_dtype != torch.float32 else self.wire_dtype
+        slot = place(arena, ids_U, grads_UD, self.wire_dtype, answer_dtype)
+        if slot is None:
+            self.stats.shm_inline_pushes += 1
+            if self.stats.shm_inline_pushes == 1:
+                log.warning(kv("shm_full", step=step, table=name, rows=int(ids_U.shape[0]),
+                               arena_bytes=arena.size, used=arena.ring.used,
+                               hint="this push (and others that do not fit) goes inline; "
+                                    "raise --shm-mb"))
+            return None
+        head = shard_pb2.Push(run_id=self.run_id, rank=self.rank, incarnation=self.incarnation,
+                              step=step, table=name, chunk=0, num_chunks=1,
+                              update_dtype=self._update_dtype(),  # type: ignore[arg-type]
+                              shm_ids=slot.refs[0], shm_grads=slot.refs[1],
+                              shm_answer=slot.refs[2])
+        self.stats.shm_pushes += 1
+        self.stats.shm_bytes += slot.tensor_bytes
+        return ShmPush(head, slot)
+
+    def _update_dtype(self) -> int:
+        return (shard_pb2.DTYPE_UNSPECIFIED if self.wire_dtype == torch.float32
+                else wire.wire_dtype(self.wire_dtype))
+
+    def _on_shm_update(self, key: tuple[int, int], pending: list[bytes] | ShmPush,
+                       update: shard_pb2.Update) -> None:
+        what = f"update step {update.step} table {update.table!r}"
+        if not (isinstance(pending, ShmPush) and update.shm and update.chunk == 0
+                and update.num_chunks in (0, 1)):
+            sent = "by shared memory" if isinstance(pending, ShmPush) else "inline"
+            got = "by shared memory" if update.shm else "inline"
+            raise ServerRefused(f"rank {self.rank}: {what}: a push sent {sent} was answered "
+                                f"{got} (chunk {update.chunk} of {update.num_chunks})")
+        if update.rows != (self.row_dtype != torch.float32):
+            raise ServerRefused(f"rank {self.rank}: {what}: the server answered "
+                                f"{'rows' if update.rows else 'a delta'} but this rank keeps "
+                                f"{self.row_dtype} rows")
+        slot = pending.slot
+        delta_UD = slot.answer
+        if not update.rows and delta_UD.dtype in (torch.bfloat16, torch.float16):
+            delta_UD = delta_UD.float()  # --wire-dtype: here, not on the training thread
+        del self._unanswered[key]
+        self._progress = True
+        self.stats.updates += 1
+        self.stats.update_chunks += 1
+        self.stats.duplicates += int(update.duplicate)
+        with self._shm_lock:
+            self._shm_answered[(update.step, update.table)] = slot.region
+        self.buffer.put(RowUpdate(update.step, update.table, slot.ids, delta_UD,
+                                  float(update.decay), update.duplicate, update.rows))
 
     async def _seed_master(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
         """Upload the fp32 initial rows into the server's master copy of a new partition.
@@ -743,7 +893,11 @@ class ShardClient(UpdateSource):
         assert self._sync is not None
         outq: asyncio.Queue[bytes | None] = asyncio.Queue()
         for key in sorted(self._unanswered):
-            for msg in self._unanswered[key]:
+            pending = self._unanswered[key]
+            if isinstance(pending, ShmPush):  # stamped with the epoch of this Register
+                outq.put_nowait(pending.message(self._shm_epoch))
+                continue
+            for msg in pending:
                 outq.put_nowait(msg)
         if self._closing:
             outq.put_nowait(None)
@@ -761,8 +915,13 @@ class ShardClient(UpdateSource):
     def _enqueue(self, step: int, payload: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         self._enqueued_through = max(self._enqueued_through, step)
         for name, ids_U, grads_UD in payload:
-            msgs = self._encode(step, name, ids_U, grads_UD)
-            self._unanswered[(step, self.table_index[name])] = msgs
+            by_reference = self._place(step, name, ids_U, grads_UD)
+            if by_reference is not None:
+                msgs = [by_reference.message(self._shm_epoch)]
+                self._unanswered[(step, self.table_index[name])] = by_reference
+            else:
+                msgs = self._encode(step, name, ids_U, grads_UD)
+                self._unanswered[(step, self.table_index[name])] = msgs
             self.stats.pushes += 1
             self.stats.push_rows += int(ids_U.numel())
             self.stats.push_chunks += len(msgs)
@@ -777,8 +936,7 @@ class ShardClient(UpdateSource):
         per_chunk = wire.rows_per_chunk(self.dims[name], self.max_chunk_bytes,
                                         grads.element_size())
         bounds = list(wire.chunk_bounds(int(ids_U.shape[0]), per_chunk))
-        update_dtype = (shard_pb2.DTYPE_UNSPECIFIED if self.wire_dtype == torch.float32
-                        else wire.wire_dtype(self.wire_dtype))
+        update_dtype = self._update_dtype()
         msgs = []
         for chunk, (lo, hi) in enumerate(bounds):
             head = shard_pb2.Push(run_id=self.run_id, rank=self.rank,
@@ -801,6 +959,10 @@ class ShardClient(UpdateSource):
         key = (update.step, index)
         if key not in self._unanswered:  # an answer we already have (re-sent push)
             self.stats.ignored_updates += 1
+            return
+        pending = self._unanswered[key]
+        if update.shm or isinstance(pending, ShmPush):
+            self._on_shm_update(key, pending, update)
             return
         parts = self._partial.setdefault(key, [])
         if update.chunk != len(parts):

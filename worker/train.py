@@ -123,7 +123,7 @@ class Trainer:
                 cfg.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 tables=tables, ranges=self.embedding.ranges, optimizer=spec,
                 timeout_s=cfg.ps_timeout, max_chunk_bytes=cfg.max_chunk_bytes,
-                wire_dtype=WIRE_DTYPES[cfg.wire_dtype],
+                wire_dtype=WIRE_DTYPES[cfg.wire_dtype], shm=cfg.shm, shm_bytes=cfg.shm_mb << 20,
                 restore=None if resume is None else (str(resume[0]), resume[1]),
                 security=client_security_for(cfg), row_dtype=self.embedding.row_dtype,
                 initial_rows=self.embedding.initial_row_blocks)

@@ -75,7 +75,7 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore", "row_dtype")
+    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore", "row_dtype", "shm")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class RegisterRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     world_size: int
@@ -92,7 +93,40 @@ class RegisterRequest(_message.Message):
     optimizer: OptimizerConfig
     restore: RestoreFrom
     row_dtype: DType
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., restore: _Optional[_Union[RestoreFrom, _Mapping]] = ..., row_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    shm: SharedMemoryArena
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., restore: _Optional[_Union[RestoreFrom, _Mapping]] = ..., row_dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryArena(_message.Message):
+    __slots__ = ("path", "size", "nonce")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    nonce: bytes
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class SharedMemoryStatus(_message.Message):
+    __slots__ = ("accepted", "reason", "epoch")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    epoch: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ShmTensor(_message.Message):
+    __slots__ = ("dtype", "shape", "offset", "length")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    length: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RestoreFrom(_message.Message):
     __slots__ = ("directory", "step")
@@ -115,16 +149,18 @@ class TableState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows_held: _Optional[int] = ..., last_step: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("server_id", "tables", "max_message_bytes", "row_dtype")
+    __slots__ = ("server_id", "tables", "max_message_bytes", "row_dtype", "shm")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     tables: _containers.RepeatedCompositeFieldContainer[TableState]
     max_message_bytes: int
     row_dtype: DType
-    def __init__(self, server_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableState, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., row_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    shm: SharedMemoryStatus
+    def __init__(self, server_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableState, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., row_dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[SharedMemoryStatus, _Mapping]] = ...) -> None: ...
 
 class SeedRowsRequest(_message.Message):
     __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "rows")
@@ -151,7 +187,7 @@ class SeedRowsResponse(_message.Message):
     def __init__(self, rows_seeded: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class Push(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype")
+    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype", "shm_ids", "shm_grads", "shm_answer", "shm_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +198,10 @@ class Push(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHM_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_GRADS_FIELD_NUMBER: _ClassVar[int]
+    SHM_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    SHM_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -172,10 +212,14 @@ class Push(_message.Message):
     chunk: int
     num_chunks: int
     update_dtype: DType
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    shm_ids: ShmTensor
+    shm_grads: ShmTensor
+    shm_answer: ShmTensor
+    shm_epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., shm_ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_grads: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_answer: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_epoch: _Optional[int] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate", "rows")
+    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate", "rows", "shm")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +229,7 @@ class Update(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     step: int
     table: str
     ids: Tensor
@@ -194,7 +239,8 @@ class Update(_message.Message):
     num_chunks: int
     duplicate: bool
     rows: bool
-    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rows: _Optional[bool] = ...) -> None: ...
+    shm: bool
+    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rows: _Optional[bool] = ..., shm: _Optional[bool] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("run_id", "rank", "step", "timeout_s")

@@ -1,0 +1,53 @@
+"""The shared-memory arena of the Sync stream's same-node data plane: layout only.
+
+A worker rank creates the arena (worker/shm.py), a file under /dev/shm that the
+shard server on its node maps (ps/shm.py) when it accepts it at Register. Pushes then
+carry (offset, length) references into it instead of inline tensors, and the server
+writes each answer into a region the push names. Both sides agree on this module.
+
+Layout: a HEADER_BYTES header, then data. The header is MAGIC, the NONCE_BYTES
+random nonce the worker also sends in RegisterRequest.shm (so the server knows it
+opened the worker's file, not a same-named one of another host or IPC namespace),
+and the arena's size as a little-endian uint64. Every region starts at a multiple of
+ALIGN (natural alignment of every dtype that travels, and what the kernels expect).
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+
+MAGIC = b"HPSSHM01"
+NONCE_BYTES = 32
+HEADER_BYTES = 4096
+ALIGN = 64  # regions are cache-line aligned: no false sharing between two regions
+SHM_DIR = "/dev/shm"
+# Arena file names: what the server agrees to map (nothing else in the directory).
+NAME_PATTERN = re.compile(r"^hybridps-[A-Za-z0-9_.\-]{1,200}\.arena$")
+MIN_ARENA_BYTES = HEADER_BYTES + (1 << 20)
+MAX_ARENA_BYTES = 1 << 40
+_SIZE = struct.Struct("<Q")
+# Both sides map the arena with its page tables filled up front (Linux; else 0).
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def pack_header(nonce: bytes, size: int) -> bytes:
+    if len(nonce) != NONCE_BYTES:
+        raise ValueError(f"nonce of {len(nonce)} bytes, expected {NONCE_BYTES}")
+    return MAGIC + nonce + _SIZE.pack(size)
+
+
+def unpack_header(data: bytes) -> tuple[bytes, bytes, int]:
+    """(magic, nonce, size) of an arena's first bytes."""
+    need = len(MAGIC) + NONCE_BYTES + _SIZE.size
+    if len(data) < need:
+        raise ValueError(f"arena header of {len(data)} bytes, expected {need}")
+    magic = data[:len(MAGIC)]
+    nonce = data[len(MAGIC):len(MAGIC) + NONCE_BYTES]
+    (size,) = _SIZE.unpack_from(data, len(MAGIC) + NONCE_BYTES)
+    return bytes(magic), bytes(nonce), int(size)
+
+
+def align_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to

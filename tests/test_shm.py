@@ -1,0 +1,538 @@
+"""The same-node shared-memory data plane of the Sync stream (worker/shm.py, ps/shm.py).
+
+Every test that runs the feature checks that it was used (the client's shm counters,
+the server's log), so a silent fallback to inline tensors fails them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from hybridps import shm as layout
+from hybridps.cli import parse_config
+from hybridps.v1 import shard_pb2, shard_pb2_grpc
+from ps.admin import get_shard_stats
+from ps.config import ServerConfig
+from ps.errors import AnswerEvicted, BadShmReference, StaleShmEpoch
+from ps.shm import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
+from tests.helpers import start_ps_server
+from tests.test_wire_fast import SPEC, _client, _reference_deltas, _run, _steps
+from worker.config import TrainConfig
+from worker.embedding import TableConfig
+from worker.shm import ClientArena, RingAllocator, place
+from worker.sync import ServerRefused, ShardClient, optimizer_message
+
+ROWS, DIM = 2000, 32
+
+
+# -- the allocator and the arena file ----------------------------------------------------
+
+def test_ring_allocator_reuses_space_in_fifo_order_and_wraps() -> None:
+    ring = RingAllocator(0, 1024)
+    a, b, c = (ring.alloc(256) for _ in range(3))
+    assert a is not None and b is not None and c is not None
+    assert [a.offset, b.offset, c.offset] == [0, 256, 512]
+    assert ring.alloc(512) is None, "only 256 bytes are free"
+    ring.free(b)  # out of order: nothing comes back while `a` is live
+    assert ring.used == 768 and ring.alloc(512) is None
+    ring.free(a)  # now [0, 512) is free: the next region wraps to the start
+    d = ring.alloc(300)
+    assert d is not None and d.offset == 0 and d.nbytes == layout.align_up(300)
+    assert ring.alloc(256) is None  # [320, 512) is too small, [768, 1024) is behind d
+    ring.free(c)
+    e = ring.alloc(512)
+    assert e is not None and e.offset == d.nbytes
+    empty = ring.alloc(0)
+    assert empty is not None and empty.nbytes == 0
+    ring.free(d)
+    ring.free(e)
+    assert ring.used == 0 and ring.alloc(1024) is not None
+
+
+def test_arena_file_is_private_reserved_and_unlinked() -> None:
+    arena = ClientArena(2 << 20, rank=3)
+    st = os.stat(arena.path)
+    assert oct(st.st_mode & 0o777) == "0o600" and st.st_size == arena.size
+    assert st.st_blocks * 512 >= arena.size, "pages are reserved up front (no SIGBUS later)"
+    magic, nonce, size = layout.unpack_header(Path(arena.path).read_bytes()[:4096])
+    assert (magic, nonce, size) == (layout.MAGIC, arena.nonce, arena.size)
+    slot = place(arena, torch.arange(5), torch.ones(5, 3), torch.bfloat16, torch.float32)
+    assert slot is not None and slot.grads.dtype == torch.bfloat16
+    path = arena.path
+    arena.close()
+    assert not os.path.exists(path)
+    assert float(slot.grads.float().sum()) == 15.0, "views outlive close (no unmap under them)"
+
+
+def test_server_refuses_arenas_that_are_not_the_offered_one(tmp_path: Path) -> None:
+    arena = ClientArena(2 << 20, rank=0)
+    try:
+        mapping, _ = open_arena(arena.path, arena.size, arena.nonce)
+        del mapping
+        cases = [
+            ((arena.path, arena.size, b"x" * 32), "header does not match"),
+            ((arena.path, arena.size + 4096, arena.nonce), f"has {arena.size} bytes"),
+            ((arena.path, arena.size, b"short"), "nonce of 5 bytes"),
+            (("/etc/passwd", arena.size, arena.nonce), "is not an arena file in /dev/shm"),
+            ((layout.SHM_DIR + "/hybridps-nope.arena", arena.size, arena.nonce),
+             "does not exist here"),
+        ]
+        for args, message in cases:
+            with pytest.raises(ArenaRefused, match=message):
+                open_arena(*args)
+        os.chmod(arena.path, 0o644)
+        with pytest.raises(ArenaRefused, match="mode 0600"):
+            open_arena(arena.path, arena.size, arena.nonce)
+        link = Path(layout.SHM_DIR) / f"hybridps-link-{os.getpid()}.arena"
+        link.symlink_to(arena.path)
+        try:
+            with pytest.raises(ArenaRefused, match="cannot open"):
+                open_arena(str(link), arena.size, arena.nonce)
+        finally:
+            link.unlink()
+    finally:
+        arena.close()
+
+
+# -- reference checks and the epoch fence (pure) -----------------------------------------
+
+def _ref(name: str, dtype: torch.dtype, shape: tuple[int, ...], offset: int,
+         length: int | None = None) -> ShmRef:
+    n = 1
+    for s in shape:
+        n *= s
+    return ShmRef(name, dtype, str(dtype), shape, offset,
+                  n * dtype.itemsize if length is None else length)
+
+
+@pytest.mark.parametrize(("ref", "message"), [
+    (_ref("grads", torch.float32, (4, 2), 4096, 31), "length 31 does not match"),
+    (_ref("grads", torch.float32, (4, 2), 4100), "offset 4100 is not a multiple of 64"),
+    (_ref("grads", torch.float32, (4, 2), 0), "[0, 32) is outside the arena's data"),
+    (_ref("grads", torch.float32, (1 << 20, 2), 4096), "is outside the arena's data"),
+    (_ref("grads", torch.float32, (-1, 2), 4096, 0), "negative dimension"),
+    (ShmRef("ids", None, "<unknown dtype 77>", (3,), 4096, 24), "cannot travel"),
+])
+def test_bad_references_name_the_value(ref: ShmRef, message: str) -> None:
+    with pytest.raises(BadShmReference, match=message.replace("[", r"\[").replace(")", r"\)")):
+        check_ref(ref, 1 << 20, "push step=3")
+
+
+def test_answer_writes_of_an_old_epoch_are_fenced() -> None:
+    import mmap
+
+    arena = ServerArena("/dev/shm/x", 1 << 20, b"n" * 32, mmap.mmap(-1, 1 << 20), epoch=5)
+    region = arena.view(_ref("answer", torch.float32, (2, 2), 4096))
+    arena.write_answer(5, region, torch.ones(2, 2), "push")
+    assert torch.equal(region, torch.ones(2, 2))
+    arena.epoch = 6  # the rank registered again
+    with pytest.raises(StaleShmEpoch, match="epoch 5 is not the arena's current epoch 6"):
+        arena.write_answer(5, region, torch.zeros(2, 2), "push")
+    assert torch.equal(region, torch.ones(2, 2)), "a fenced write wrote"
+
+
+class FakeSink:
+    """The core's AnswerSink as a transport gives it (here: plain memory)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        self.region = torch.zeros(rows, dim)
+        self.writes = 0
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.region
+
+    def write(self, answer_UD: torch.Tensor) -> None:
+        self.writes += 1
+        self.region.copy_(answer_UD)
+
+
+def test_answer_cache_keeps_its_own_copy_of_deltas_written_into_the_sink() -> None:
+    from ps.partition import PushChunk, TableSpec
+    from ps.store import Store
+
+    store = Store(answer_cache_steps=2)
+    store.register("r", 0, 1, 1, [TableSpec("t", 100, 4, 0, 100)], SPEC)
+    session = store.open_session()
+    table = store.partition("r", 0).tables["t"]  # type: ignore[union-attr]
+    ids, sink = torch.arange(0, 20, 2), FakeSink(10, 4)
+    grads = [torch.randn(10, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    deltas, cached_at = [], []
+    for step, g in enumerate(grads):
+        answer = session.feed(PushChunk("r", 0, 1, step, "t", ids, g, sink=sink))
+        assert answer is not None and answer.delta.data_ptr() == sink.region.data_ptr()
+        assert sink.writes == 0, "the kernel writes the delta into the sink itself"
+        deltas.append(sink.region.clone())
+        cached_at.append(table.answers[step].delta.data_ptr())
+        sink.region.fill_(7.0)  # the rank reuses its region once answered
+    assert cached_at[3] == cached_at[0], "the evicted answer's buffer was not recycled"
+    dup = session.feed(PushChunk("r", 0, 1, 3, "t", ids, grads[3], sink=sink))
+    assert dup is not None and dup.duplicate and sink.writes == 1
+    assert torch.equal(sink.region, deltas[3])
+    inline = session.feed(PushChunk("r", 0, 1, 2, "t", ids, grads[2]))  # no sink
+    assert inline is not None and inline.duplicate and not inline.pooled
+    assert torch.equal(inline.delta, deltas[2])
+    assert inline.delta.data_ptr() != table.answers[2].delta.data_ptr()
+    with pytest.raises(AnswerEvicted, match="no longer held"):
+        session.feed(PushChunk("r", 0, 1, 1, "t", ids, grads[1], sink=sink))
+
+
+# -- against a real server -----------------------------------------------------------------
+
+@pytest.mark.parametrize("wire_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shm_client_equals_inline_client_bitwise(ps_address: str,
+                                                 wire_dtype: torch.dtype) -> None:
+    ids, grads = _steps(ROWS, DIM, 6)
+    shm = _client(ps_address, ROWS, DIM, wire_dtype=wire_dtype, shm="on")
+    got = _run(shm, ids, grads)
+    inline = _run(_client(ps_address, ROWS, DIM, wire_dtype=wire_dtype), ids, grads)
+    assert shm.stats.shm == "on" and shm.stats.shm_pushes == 6
+    assert shm.stats.shm_inline_pushes == 0
+    assert shm.stats.push_bytes < 6 * 400, "the messages carried tensors"
+    for a, b in zip(got, inline, strict=True):
+        assert torch.equal(a, b)
+    if wire_dtype == torch.float32:
+        for a, ref in zip(got, _reference_deltas(grads, ids, ROWS, DIM, wire_dtype),
+                          strict=True):
+            torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-9)
+
+
+def test_bf16_rows_over_shm_equal_inline(ps_address: str) -> None:
+    """Master-rows partitions answer rows (bf16) into the region."""
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)) * 0.05
+
+    def client(shm: str) -> ShardClient:
+        return _client(ps_address, ROWS, DIM, row_dtype=torch.bfloat16, shm=shm,
+                       initial_rows=lambda name: iter([(0, init)]))
+
+    ids, grads = _steps(ROWS, DIM, 4)
+    shm = client("on")
+    got = _run_rows(shm, ids, grads)
+    inline = _run_rows(client("off"), ids, grads)
+    assert shm.stats.shm_pushes == 4
+    for a, b in zip(got, inline, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def _run_rows(client: ShardClient, ids: list[torch.Tensor],
+              grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    client.start()
+    try:
+        for step, (i, g) in enumerate(zip(ids, grads, strict=True)):
+            client.push(step, {"t": (i, g)})
+        updates, _ = client.take(len(ids) - 1)
+        assert all(u.rows for u in updates)
+        return [u.delta_UD.clone() for u in updates]
+    finally:
+        client.close()
+
+
+def test_arena_regions_are_freed_after_the_next_take(ps_address: str) -> None:
+    """A small arena: every push still goes by reference because regions come back."""
+    client = _client(ps_address, ROWS, DIM, shm="on", shm_bytes=1)  # the minimum, 1 MiB
+    ids, grads = _steps(ROWS, DIM, 30)  # 30 x 1000 rows x (8 + 2 x 128) bytes = 7.9 MB
+    reference = _reference_deltas(grads, ids, ROWS, DIM, torch.float32)
+    client.start()
+    try:
+        for step, (i, g) in enumerate(zip(ids, grads, strict=True)):
+            client.push(step, {"t": (i, g)})
+            (update,), _ = client.take(step)
+            assert torch.equal(update.ids_U, i)
+            torch.testing.assert_close(update.delta_UD, reference[step], rtol=1e-5,
+                                       atol=1e-9)
+        assert client.stats.shm_pushes == 30 and client.stats.shm_inline_pushes == 0
+        # Three pushes of 400 kB in flight do not fit in 1 MiB: one of them goes inline.
+        big = torch.arange(ROWS // 2 + 500)
+        for step in (30, 31, 32):
+            client.push(step, {"t": (big, torch.ones(len(big), DIM))})
+        updates, _ = client.take(32)
+        assert [u.step for u in updates] == [30, 31, 32]
+        assert all(torch.equal(u.ids_U, big) for u in updates)
+        assert client.stats.shm_inline_pushes >= 1
+        assert client.stats.shm_pushes + client.stats.shm_inline_pushes == 33
+    finally:
+        client.close()
+
+
+def test_arena_file_is_gone_once_registered(ps_address: str) -> None:
+    client = _client(ps_address, ROWS, DIM, shm="on")
+    client.start()
+    try:
+        assert client._arena is not None
+        assert not os.path.exists(client._arena.path), "left in /dev/shm after Register"
+    finally:
+        client.close()
+    mine = [p for p in os.listdir(layout.SHM_DIR) if p.startswith(f"hybridps-{os.getpid()}-")]
+    assert mine == []
+
+
+# -- raw pushes: bad references, duplicates, epochs -----------------------------------------
+
+class RawRank:
+    """A rank speaking the protocol by hand (the generated code) with an arena."""
+
+    def __init__(self, address: str, run_id: str) -> None:
+        self.run_id = run_id
+        self.arena = ClientArena(2 << 20, rank=0)
+        self.channel = grpc.insecure_channel(address)
+        self.stub = shard_pb2_grpc.ShardServiceStub(self.channel)
+        self.epoch = 0
+
+    def register(self, nonce: bytes | None = None) -> shard_pb2.RegisterResponse:
+        offer = self.arena.offer()
+        if nonce is not None:
+            offer.nonce = nonce
+        request = shard_pb2.RegisterRequest(
+            run_id=self.run_id, rank=0, world_size=1, incarnation=1,
+            tables=[shard_pb2.TableSpec(name="t", num_rows=ROWS, dim=DIM, row_start=0,
+                                        row_end=ROWS)],
+            optimizer=optimizer_message(SPEC), shm=offer)
+        response = self.stub.Register(request, timeout=30)
+        self.epoch = response.shm.epoch
+        return response
+
+    def push(self, step: int, rows: int = 10) -> tuple[shard_pb2.Push, torch.Tensor]:
+        ids = torch.arange(0, 2 * rows, 2)
+        grads = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(step))
+        slot = place(self.arena, ids, grads, torch.float32, torch.float32)
+        assert slot is not None
+        head = shard_pb2.Push(run_id=self.run_id, rank=0, incarnation=1, step=step,
+                              table="t", chunk=0, num_chunks=1, shm_epoch=self.epoch,
+                              shm_ids=slot.refs[0], shm_grads=slot.refs[1],
+                              shm_answer=slot.refs[2])
+        return head, slot.answer
+
+    def sync(self, *pushes: shard_pb2.Push) -> list[shard_pb2.Update]:
+        return list(self.stub.Sync(iter(pushes), timeout=30))
+
+    def close(self) -> None:
+        self.channel.close()
+        self.arena.close()
+
+
+@pytest.fixture
+def raw_rank(ps_address: str, request: pytest.FixtureRequest) -> Iterator[RawRank]:
+    rank = RawRank(ps_address, f"raw-{request.node.name}-{os.urandom(3).hex()}")
+    try:
+        yield rank
+    finally:
+        rank.close()
+
+
+def _edit(push: shard_pb2.Push, field: str, **changes: object) -> shard_pb2.Push:
+    bad = shard_pb2.Push()
+    bad.CopyFrom(push)
+    ref = getattr(bad, field)
+    for key, value in changes.items():
+        if key == "shape":
+            ref.shape[:] = value  # type: ignore[index]
+        else:
+            setattr(ref, key, value)
+    return bad
+
+
+@pytest.mark.parametrize(("field", "changes", "message"), [
+    ("shm_grads", {"offset": 1 << 30}, "shm grads (offset 1073741824"),
+    ("shm_grads", {"offset": 4100}, "offset 4100 is not a multiple of 64"),
+    ("shm_grads", {"length": 12}, "length 12 does not match shape [10, 32] of FLOAT32"),
+    ("shm_ids", {"dtype": shard_pb2.INT32, "length": 40}, "must be INT64 [U]"),
+    ("shm_answer", {"dtype": shard_pb2.BFLOAT16, "length": 640},
+     "the answer of this push is torch.float32, not BFLOAT16"),
+    ("shm_answer", {"shape": [5, 32], "length": 640}, "must have the shape of the gradients"),
+    ("shm_answer", {"offset": layout.HEADER_BYTES + 128}, "overlaps shm grads"),
+])
+def test_bad_shm_reference_is_refused_and_changes_nothing(
+        raw_rank: RawRank, ps_address: str, field: str, changes: dict[str, object],
+        message: str) -> None:
+    assert raw_rank.register().shm.accepted
+    good, answer = raw_rank.push(0)
+    with pytest.raises(grpc.RpcError) as info:
+        raw_rank.sync(_edit(good, field, **changes))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in str(info.value.details()), info.value.details()
+    assert "step=0" in str(info.value.details())
+    stats = get_shard_stats(ps_address, run_id=raw_rank.run_id).partitions[0]
+    assert stats.last_step == -1 and stats.pushes_applied == 0
+    assert stats.refusals["bad_shm_reference"] == 1
+    (update,) = raw_rank.sync(good)  # the partition takes the good push as step 0
+    assert update.shm and update.step == 0 and not update.HasField("delta")
+    assert float(answer.abs().sum()) > 0
+
+
+def test_shm_push_without_an_accepted_arena_is_refused(raw_rank: RawRank) -> None:
+    request = shard_pb2.RegisterRequest(
+        run_id=raw_rank.run_id, rank=0, world_size=1, incarnation=1,
+        tables=[shard_pb2.TableSpec(name="t", num_rows=ROWS, dim=DIM, row_start=0,
+                                    row_end=ROWS)],
+        optimizer=optimizer_message(SPEC))  # no arena offered
+    raw_rank.stub.Register(request, timeout=30)
+    push, _ = raw_rank.push(0)
+    with pytest.raises(grpc.RpcError) as info:
+        raw_rank.sync(push)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "has no shared-memory arena accepted on this server" in str(info.value.details())
+
+
+def test_wrong_nonce_is_not_accepted(raw_rank: RawRank) -> None:
+    response = raw_rank.register(nonce=b"\0" * 32)
+    assert not response.shm.accepted
+    assert "header does not match" in response.shm.reason
+    assert [t.name for t in response.tables] == ["t"], "the Register itself succeeded"
+
+
+def test_duplicate_push_writes_the_saved_answer_into_the_region_again(
+        raw_rank: RawRank) -> None:
+    assert raw_rank.register().shm.accepted
+    push, answer = raw_rank.push(0)
+    (first,) = raw_rank.sync(push)
+    saved = answer.clone()
+    answer.zero_()  # the region is the rank's: the duplicate must fill it again
+    (again,) = raw_rank.sync(push)
+    assert not first.duplicate and again.duplicate and again.shm
+    assert torch.equal(answer, saved) and float(saved.abs().sum()) > 0
+
+
+def test_push_of_an_old_epoch_is_aborted(raw_rank: RawRank) -> None:
+    assert raw_rank.register().shm.accepted
+    old = raw_rank.epoch
+    push, answer = raw_rank.push(0)
+    second = raw_rank.register()  # a reconnect: the same arena, a new epoch
+    assert second.shm.accepted and second.shm.epoch > old
+    with pytest.raises(grpc.RpcError) as info:
+        raw_rank.sync(push)  # still stamped with the old epoch
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert f"shm epoch {old} is not the arena's current epoch" in str(info.value.details())
+    assert float(answer.abs().sum()) == 0, "a stale stream wrote into the arena"
+
+
+# -- fallback and refusal ----------------------------------------------------------------------
+
+def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
+    server = start_ps_server(tmp_path, "--shm", "false")
+    try:
+        ids, grads = _steps(ROWS, DIM, 3)
+        auto = _client(server.address, ROWS, DIM, shm="auto")
+        got = _run(auto, ids, grads)
+        assert auto.stats.shm == "inline: this server runs with --shm false"
+        assert auto.stats.shm_pushes == 0 and auto.stats.pushes == 3
+        for a, ref in zip(got, _reference_deltas(grads, ids, ROWS, DIM, torch.float32),
+                          strict=True):
+            torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-9)
+        strict = _client(server.address, ROWS, DIM, shm="on")
+        with pytest.raises(ServerRefused, match=r"--shm on, but shard server .* did not "
+                                                r"accept .*--shm false"):
+            strict.start()
+        strict.close()
+    finally:
+        server.terminate()
+    assert "event=serving" in server.stderr() and "shm=False" in server.stderr()
+    assert [p for p in os.listdir(layout.SHM_DIR) if p.startswith(f"hybridps-{os.getpid()}-")] \
+        == [], "a refused arena was left behind"
+
+
+# -- flags ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--shm", "maybe"], "shm='maybe' is not one of auto, on, off"),
+    (["--shm-mb", "0"], "shm_mb=0 must be in [1, 1048576]"),
+    (["--shm", "on", "--local-optimizer"], "shm='on' needs a shard server"),
+])
+def test_worker_shm_flags_name_bad_values(argv: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    full = argv if "--local-optimizer" in argv else [*argv, "--ps", "127.0.0.1:1"]
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, full, environ={})
+    assert message in capsys.readouterr().err
+
+
+def test_shm_flags_from_environment() -> None:
+    cfg = parse_config(TrainConfig, ["--ps", "127.0.0.1:1"],
+                       environ={"HYBRIDPS_SHM": "off", "HYBRIDPS_SHM_MB": "256"})
+    assert (cfg.shm, cfg.shm_mb) == ("off", 256)
+    assert TrainConfig(ps="127.0.0.1:1").shm == "auto"
+    assert parse_config(ServerConfig, [], environ={"HYBRIDPS_SHM": "false"}).shm is False
+    with pytest.raises(ValueError, match="shm='sometimes'"):
+        ShardClient("127.0.0.1:1", run_id="r", rank=0, world_size=1,
+                    tables=[TableConfig("t", 10, 2)], ranges={"t": (0, 10)}, optimizer=SPEC,
+                    timeout_s=1.0, max_chunk_bytes=1 << 20, shm="sometimes")
+
+
+# -- 2-rank training runs (torchrun) ---------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_worker_run_over_shm_equals_inline_run_bitwise(ps_address: str,
+                                                       tmp_path: Path) -> None:
+    from tests.test_worker_e2e import (
+        SMALL,
+        STEPS,
+        assert_matches_reference,
+        run_worker,
+        small_config,
+    )
+
+    for mode in ("on", "off"):
+        run_worker(["--ps", ps_address, "--staleness", "0", "--shm", mode, "--run-id",
+                    f"shm-{mode}-{os.urandom(3).hex()}", "--dump-state",
+                    str(tmp_path / f"{mode}.pt"), "--results", str(tmp_path / f"{mode}.json"),
+                    *SMALL])
+    res = json.loads((tmp_path / "on.json").read_text())["sync"]
+    assert res["shm"] == "on" and res["shm_pushes"] == STEPS * 4, res
+    assert res["shm_inline_pushes"] == 0
+    assert json.loads((tmp_path / "off.json").read_text())["sync"]["shm"] == "off"
+    on, off = torch.load(tmp_path / "on.pt"), torch.load(tmp_path / "off.pt")
+    for part in ("tables", "dense"):
+        assert set(on[part]) == set(off[part])
+        for key in on[part]:
+            assert torch.equal(on[part][key], off[part][key]), (part, key)
+    assert_matches_reference(tmp_path / "on.pt", small_config())
+
+
+@pytest.mark.timeout(300)
+def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
+    """Cut the connections mid-run: re-Register (same arena, new epoch), re-send the
+    unanswered pushes by reference, same result as the reference."""
+    from tests.test_worker_e2e import (
+        SMALL,
+        STEPS,
+        FaultProxy,
+        assert_matches_reference,
+        run_worker,
+        small_config,
+    )
+
+    with start_ps_server(tmp_path) as server:
+        # Shared-memory pushes are ~100-byte headers: the run sends ~20 KB through the proxy.
+        proxy = FaultProxy((server.host, server.port), after=8_000, mode="drop")
+        try:
+            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm", "on",
+                        "--run-id", "shm-reconnect", "--dump-state", str(tmp_path / "state.pt"),
+                        "--results", str(tmp_path / "r.json"), *SMALL])
+        finally:
+            proxy.close()
+        err = server.stderr()
+    assert proxy.tripped, f"proxy never cut the connection ({proxy.forwarded} bytes forwarded)"
+    res = json.loads((tmp_path / "r.json").read_text())["sync"]
+    assert res["reconnects"] >= 1 and res["registers"] >= 2
+    assert res["shm"] == "on" and res["shm_pushes"] == STEPS * 4
+    assert "event=shm_reattached run=shm-reconnect" in err
+    assert_matches_reference(tmp_path / "state.pt", small_config())
+
+
+@pytest.mark.timeout(120)
+def test_shm_on_against_a_refusing_server_is_a_clear_error(tmp_path: Path) -> None:
+    from tests.test_worker_e2e import SMALL, run_worker
+
+    with start_ps_server(tmp_path, "--shm", "false") as server:
+        proc = run_worker(["--ps", server.address, "--shm", "on", *SMALL], check=False,
+                          timeout=100)
+    assert proc.returncode != 0
+    assert (f"--shm on, but shard server {server.address} did not accept the shared-memory "
+            "arena") in proc.stderr
+    assert "this server runs with --shm false" in proc.stderr

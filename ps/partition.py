@@ -156,9 +156,10 @@ class Answer:
     decay: float
     duplicate: bool = False
     rows: bool = False
-    # The delta is a buffer the answer cache reuses once the answer is evicted: read it
-    # only under the partition lock (SyncSession copies it for anyone else).
-    pooled: bool = field(default=False, compare=False)
+    # The delta is a view of the transport's memory (the rank's shared-memory answer
+    # region), which the rank reuses once it has this answer: valid for a re-sent push
+    # (the rank did not get the answer, so it has not reused the region), not after.
+    borrowed: bool = field(default=False, compare=False)
 
     def as_duplicate(self) -> Answer:
         return dataclasses.replace(self, duplicate=True)
@@ -254,8 +255,6 @@ class TableState:
         self.distinct_touched = 0
         self.refusals: collections.Counter[str] = collections.Counter()
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
-        self._pool: dict[int, torch.Tensor] = {}  # step -> buffer of a pooled cached answer
-        self._spare: torch.Tensor | None = None   # an evicted one, for the next copy
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
 
@@ -422,27 +421,14 @@ class TableState:
             delta.numel() == 0 or delta.data_ptr() == out.data_ptr())
         if sink is not None and not in_sink:
             sink.write(answer.delta)
-        # A delta the kernel wrote into the sink is the transport's (the rank reuses its
-        # shared memory once answered): the cache keeps a copy, in a recycled buffer
-        # (a fresh [U, dim] allocation costs more in page faults than the copy itself).
-        self.answers[step] = self._pooled_copy(step, answer) if in_sink else answer
+        # A delta the kernel wrote into the sink stays there, and the cache only borrows
+        # it (no [U, dim] copy a push): the cache is read for a re-sent push alone, and a
+        # rank re-sends only pushes it got no answer for, whose regions it has not reused.
+        self.answers[step] = (dataclasses.replace(answer, borrowed=True) if in_sink
+                              else answer)
         while len(self.answers) > self.answer_cache_steps:
-            evicted, _ = self.answers.popitem(last=False)
-            spare = self._pool.pop(evicted, None)
-            if spare is not None and (self._spare is None or spare.numel() > self._spare.numel()):
-                self._spare = spare
+            self.answers.popitem(last=False)
         return answer
-
-    def _pooled_copy(self, step: int, answer: Answer) -> Answer:
-        delta = answer.delta
-        n = delta.numel()
-        buffer = self._spare
-        if buffer is None or buffer.numel() < n:
-            buffer = torch.empty(n, dtype=delta.dtype)
-        self._spare = None
-        self._pool[step] = buffer
-        copy = buffer[:n].view(delta.shape).copy_(delta)
-        return dataclasses.replace(answer, delta=copy, pooled=True)
 
 
 class Partition:

@@ -26,8 +26,9 @@ all under the partition lock (the push's ShmPush is the core's AnswerSink):
   deltas): no Update of that push exists yet, so the region is still the push's
   whichever stream applies it (a push is applied once);
 - (b) through `write_answer` in every other case - a duplicate (from the answer
-  cache, which keeps its own copy of a delta the kernel wrote here: the region is the
-  rank's again once answered), a --wire-dtype delta converted, master rows copied.
+  cache, which only borrows a delta the kernel wrote here: a duplicate is a push the
+  rank got no answer for, so it has not reused the region), a --wire-dtype delta
+  converted, master rows copied.
   `write_answer` holds the arena's lock and checks the push's epoch; each Register
   that accepts the arena starts a new epoch (under that lock). So a Sync handler of a
   stream that broke - still running here while the rank reconnected, re-sent, got

@@ -592,9 +592,9 @@ class SyncSession:
             elif sink is not None:
                 sink.write(saved.delta)
                 answer = saved
-            else:  # a pooled buffer is reused once evicted: the caller gets its own copy
-                answer = (dataclasses.replace(saved, delta=saved.delta.clone(), pooled=False)
-                          if saved.pooled else saved)
+            else:  # re-sent inline: the caller gets its own copy of a borrowed delta
+                answer = (dataclasses.replace(saved, delta=saved.delta.clone(), borrowed=False)
+                          if saved.borrowed else saved)
         self._pending = None
         for key in pending.tickets:
             self._finish(key)

@@ -154,7 +154,10 @@ class FakeSink:
         self.region.copy_(answer_UD)
 
 
-def test_answer_cache_keeps_its_own_copy_of_deltas_written_into_the_sink() -> None:
+def test_answer_cache_borrows_deltas_written_into_the_sink() -> None:
+    """The kernel writes the delta into the rank's region and the cache keeps a view of
+    it (no copy): a re-sent push - one the rank got no answer for, so its region still
+    holds the delta - is answered from it, by reference or inline."""
     from ps.partition import PushChunk, TableSpec
     from ps.store import Store
 
@@ -162,26 +165,35 @@ def test_answer_cache_keeps_its_own_copy_of_deltas_written_into_the_sink() -> No
     store.register("r", 0, 1, 1, [TableSpec("t", 100, 4, 0, 100)], SPEC)
     session = store.open_session()
     table = store.partition("r", 0).tables["t"]  # type: ignore[union-attr]
-    ids, sink = torch.arange(0, 20, 2), FakeSink(10, 4)
+    ids = torch.arange(0, 20, 2)
+    sinks = [FakeSink(10, 4) for _ in range(4)]  # one region a step in flight
     grads = [torch.randn(10, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
-    deltas, cached_at = [], []
+    deltas = []
     for step, g in enumerate(grads):
-        answer = session.feed(PushChunk("r", 0, 1, step, "t", ids, g, sink=sink))
-        assert answer is not None and answer.delta.data_ptr() == sink.region.data_ptr()
-        assert sink.writes == 0, "the kernel writes the delta into the sink itself"
-        deltas.append(sink.region.clone())
-        cached_at.append(table.answers[step].delta.data_ptr())
-        sink.region.fill_(7.0)  # the rank reuses its region once answered
-    assert cached_at[3] == cached_at[0], "the evicted answer's buffer was not recycled"
-    dup = session.feed(PushChunk("r", 0, 1, 3, "t", ids, grads[3], sink=sink))
-    assert dup is not None and dup.duplicate and sink.writes == 1
-    assert torch.equal(sink.region, deltas[3])
-    inline = session.feed(PushChunk("r", 0, 1, 2, "t", ids, grads[2]))  # no sink
-    assert inline is not None and inline.duplicate and not inline.pooled
+        answer = session.feed(PushChunk("r", 0, 1, step, "t", ids, g, sink=sinks[step]))
+        assert answer is not None and answer.delta.data_ptr() == sinks[step].region.data_ptr()
+        assert sinks[step].writes == 0, "the kernel writes the delta into the sink itself"
+        assert table.answers[step].borrowed
+        assert table.answers[step].delta.data_ptr() == sinks[step].region.data_ptr()
+        deltas.append(sinks[step].region.clone())
+    assert sorted(table.answers) == [2, 3], "the cache holds answer_cache_steps answers"
+    # Step 3 re-sent by reference (its answer was lost): the region already holds it.
+    dup = session.feed(PushChunk("r", 0, 1, 3, "t", ids, grads[3], sink=sinks[3]))
+    assert dup is not None and dup.duplicate and torch.equal(sinks[3].region, deltas[3])
+    # Re-sent into another region: copied there from the first one.
+    other = FakeSink(10, 4)
+    dup = session.feed(PushChunk("r", 0, 1, 3, "t", ids, grads[3], sink=other))
+    assert dup is not None and other.writes == 1 and torch.equal(other.region, deltas[3])
+    # Re-sent inline (the re-Register fell back): the caller gets its own copy.
+    inline = session.feed(PushChunk("r", 0, 1, 2, "t", ids, grads[2]))
+    assert inline is not None and inline.duplicate and not inline.borrowed
     assert torch.equal(inline.delta, deltas[2])
-    assert inline.delta.data_ptr() != table.answers[2].delta.data_ptr()
+    assert inline.delta.data_ptr() != sinks[2].region.data_ptr()
     with pytest.raises(AnswerEvicted, match="no longer held"):
-        session.feed(PushChunk("r", 0, 1, 1, "t", ids, grads[1], sink=sink))
+        session.feed(PushChunk("r", 0, 1, 1, "t", ids, grads[1], sink=sinks[1]))
+    # Duplicates change nothing: the next step applies on the state after step 3.
+    nxt = session.feed(PushChunk("r", 0, 1, 4, "t", ids, grads[0], sink=FakeSink(10, 4)))
+    assert nxt is not None and not nxt.duplicate and table.last_step == 4
 
 
 # -- against a real server -----------------------------------------------------------------
@@ -387,16 +399,25 @@ def test_wrong_nonce_is_not_accepted(raw_rank: RawRank) -> None:
     assert [t.name for t in response.tables] == ["t"], "the Register itself succeeded"
 
 
-def test_duplicate_push_writes_the_saved_answer_into_the_region_again(
+def test_duplicate_push_is_answered_in_its_region_and_into_another(
         raw_rank: RawRank) -> None:
+    """A re-sent push (its answer was lost, so the rank left the region alone) gets the
+    saved answer: in its own region as it stands, or copied into another region it
+    names; the state does not move."""
     assert raw_rank.register().shm.accepted
     push, answer = raw_rank.push(0)
     (first,) = raw_rank.sync(push)
     saved = answer.clone()
-    answer.zero_()  # the region is the rank's: the duplicate must fill it again
     (again,) = raw_rank.sync(push)
     assert not first.duplicate and again.duplicate and again.shm
     assert torch.equal(answer, saved) and float(saved.abs().sum()) > 0
+    elsewhere, region = raw_rank.push(0)  # the same ids and grads, a new answer region
+    region.zero_()
+    (third,) = raw_rank.sync(elsewhere)
+    assert third.duplicate and torch.equal(region, saved)
+    nxt, next_answer = raw_rank.push(1)
+    (fourth,) = raw_rank.sync(nxt)
+    assert not fourth.duplicate and fourth.step == 1
 
 
 def test_push_of_an_old_epoch_is_aborted(raw_rank: RawRank) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import PsServer, start_ps_server
+
+# Workers' shared-memory arenas in the tests: 8 MiB a rank (their pushes are KBs), so a
+# machine with a small /dev/shm (a container's default is 64 MB) holds every arena the
+# tests have at once; the workers the tests start read it as --shm-mb.
+os.environ.setdefault("HYBRIDPS_SHM_MB", "8")
 
 
 @pytest.fixture

@@ -129,6 +129,7 @@ def _reference_deltas(grads: list[torch.Tensor], ids: list[torch.Tensor], rows: 
 
 
 def _client(address: str, rows: int, dim: int, **kwargs: object) -> ShardClient:
+    kwargs.setdefault("shm_bytes", 8 << 20)  # see tests/conftest.py HYBRIDPS_SHM_MB
     return ShardClient(address, run_id=f"wire-{os.urandom(4).hex()}", rank=0, world_size=1,
                        tables=[TableConfig("t", rows, dim)], ranges={"t": (0, rows)},
                        optimizer=SPEC, timeout_s=60.0, max_chunk_bytes=64 * 1024,

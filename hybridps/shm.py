@@ -5,6 +5,8 @@ shard server on its node maps (ps/shm.py) when it accepts it at Register. Pushes
 carry (offset, length) references into it instead of inline tensors, and the server
 writes each answer into a region the push names. Both sides agree on this module.
 
+`view` is the one way either side turns a region into a tensor.
+
 Layout: a HEADER_BYTES header, then data. The header is MAGIC, the NONCE_BYTES
 random nonce the worker also sends in RegisterRequest.shm (so the server knows it
 opened the worker's file, not a same-named one of another host or IPC namespace),
@@ -14,9 +16,12 @@ ALIGN (natural alignment of every dtype that travels, and what the kernels expec
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import struct
+
+import torch
 
 MAGIC = b"HPSSHM01"
 NONCE_BYTES = 32
@@ -51,3 +56,12 @@ def unpack_header(data: bytes) -> tuple[bytes, bytes, int]:
 
 def align_up(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
+
+
+def view(mapping: mmap.mmap, offset: int, dtype: torch.dtype,
+         shape: tuple[int, ...]) -> torch.Tensor:
+    """The region at `offset` as a tensor (it keeps the mapping alive while it lives)."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset).view(shape)

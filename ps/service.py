@@ -135,7 +135,6 @@ class WirePushChunk(PushChunk):
 
     update_dtype: torch.dtype = torch.float32
     message_bytes: int = 0
-    shm: ShmPush | None = None  # a shared-memory push: its arena and answer region
 
 
 # --wire-dtype: the dtypes gradients and deltas may travel in (math is always float32).
@@ -204,14 +203,13 @@ def push_chunk(msg: SyncRequest, arenas: ArenaRegistry | None = None,
     else:
         ids = wire.decode(msg.ids, f"{head}: ids")
         grads = wire.decode(msg.grads, f"{head}: grads")
-    chunk = WirePushChunk(
+    return WirePushChunk(
         run_id=head_msg.run_id, rank=head_msg.rank, incarnation=head_msg.incarnation,
         step=head_msg.step, table=head_msg.table, ids=ids, grads=grads, chunk=head_msg.chunk,
         num_chunks=head_msg.num_chunks, update_dtype=update_dtype,
-        message_bytes=msg.nbytes if isinstance(msg, wire.Framed) else 0, shm=shm,
+        message_bytes=msg.nbytes if isinstance(msg, wire.Framed) else 0,
+        sink=shm,  # a shared-memory push: the core writes the answer into the arena
     )
-    chunk.sink = shm  # the core writes the answer into the arena (the kernel, if fp32)
-    return chunk
 
 
 def _update_dtype(head_msg: shard_pb2.Push, head: str) -> torch.dtype:
@@ -442,8 +440,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     log.debug(kv("answered", run=item.run_id, rank=item.rank, step=answer.step,
                                  table=answer.table, rows=int(answer.ids.shape[0]),
                                  duplicate=answer.duplicate))
-                if isinstance(item, WirePushChunk) and item.shm is not None:
-                    yield answer_in_shm(item.shm, answer)
+                if isinstance(item, PushChunk) and isinstance(item.sink, ShmPush):
+                    yield answer_in_shm(item.sink, answer)
                     continue
                 delta_dtype = (item.update_dtype if isinstance(item, WirePushChunk)
                                else torch.float32)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import math
 import mmap
 import os
 import stat
@@ -88,9 +89,7 @@ def check_ref(ref: ShmRef, size: int, what: str) -> None:
         raise BadShmReference(f"{where}: dtype {ref.dtype_name} cannot travel")
     if any(s < 0 for s in ref.shape):
         raise BadShmReference(f"{where}: negative dimension in shape {list(ref.shape)}")
-    numel = 1
-    for s in ref.shape:
-        numel *= s
+    numel = math.prod(ref.shape)
     itemsize = ref.dtype.itemsize
     if ref.length != numel * itemsize:
         raise BadShmReference(f"{where}: length {ref.length} does not match shape "
@@ -123,11 +122,7 @@ class ServerArena:
     def view(self, ref: ShmRef) -> torch.Tensor:
         """The checked region as a tensor (keeps the mapping alive while it lives)."""
         assert ref.dtype is not None  # check_ref ran
-        if ref.length == 0:
-            return torch.empty(ref.shape, dtype=ref.dtype)
-        numel = ref.length // ref.dtype.itemsize
-        return torch.frombuffer(self._mmap, dtype=ref.dtype, count=numel,
-                                offset=ref.offset).view(ref.shape)
+        return layout.view(self._mmap, ref.offset, ref.dtype, ref.shape)
 
     def check_epoch(self, epoch: int, what: str) -> None:
         if epoch != self.epoch:

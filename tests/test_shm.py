@@ -23,7 +23,7 @@ from ps.config import ServerConfig
 from ps.errors import AnswerEvicted, BadShmReference, StaleShmEpoch
 from ps.shm import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
 from tests.helpers import start_ps_server
-from tests.test_wire_fast import SPEC, _client, _reference_deltas, _run, _steps
+from tests.test_wire_fast import SPEC, _client, _push_all, _reference_deltas, _run, _steps
 from worker.config import TrainConfig
 from worker.embedding import TableConfig
 from worker.shm import ClientArena, RingAllocator, place
@@ -235,15 +235,9 @@ def test_bf16_rows_over_shm_equal_inline(ps_address: str) -> None:
 
 def _run_rows(client: ShardClient, ids: list[torch.Tensor],
               grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    client.start()
-    try:
-        for step, (i, g) in enumerate(zip(ids, grads, strict=True)):
-            client.push(step, {"t": (i, g)})
-        updates, _ = client.take(len(ids) - 1)
-        assert all(u.rows for u in updates)
-        return [u.delta_UD.clone() for u in updates]
-    finally:
-        client.close()
+    updates = _push_all(client, ids, grads)
+    assert all(u.rows for u in updates)
+    return [u.delta_UD.clone() for u in updates]
 
 
 def test_arena_regions_are_freed_after_the_next_take(ps_address: str) -> None:

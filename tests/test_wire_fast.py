@@ -33,7 +33,7 @@ from ps.optim import OptimizerSpec, apply_rows_torch_
 from tests.helpers import start_ps_server
 from worker.config import TrainConfig
 from worker.embedding import TableConfig
-from worker.sync import WIRE_DTYPES, ShardClient
+from worker.sync import WIRE_DTYPES, RowUpdate, ShardClient
 
 SPEC = OptimizerSpec("adam", lr=1e-2)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -144,8 +144,9 @@ def _steps(rows: int, dim: int, n: int) -> tuple[list[torch.Tensor], list[torch.
     return ids, grads
 
 
-def _run(client: ShardClient, ids: list[torch.Tensor],
-         grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _push_all(client: ShardClient, ids: list[torch.Tensor],
+              grads: list[torch.Tensor]) -> list[RowUpdate]:
+    """Start `client`, push step i = (ids[i], grads[i]) of table "t", take every update."""
     client.start()
     try:
         for step, (i, g) in enumerate(zip(ids, grads, strict=True)):
@@ -153,6 +154,12 @@ def _run(client: ShardClient, ids: list[torch.Tensor],
         updates, _ = client.take(len(ids) - 1)
     finally:
         client.close()
+    return updates
+
+
+def _run(client: ShardClient, ids: list[torch.Tensor],
+         grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    updates = _push_all(client, ids, grads)
     assert [u.step for u in updates] == list(range(len(ids)))
     for u, i in zip(updates, ids, strict=True):
         assert torch.equal(u.ids_U, i) and u.delta_UD.dtype == torch.float32

@@ -19,7 +19,7 @@ from worker.nodes import node_ps_address, rank_layout, split_ps
 OPTIMIZERS = ("adam", "adamw", "sgd")
 ROW_DTYPES = ("fp32", "bf16")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")  # worker/sync.py WIRE_DTYPES maps them to torch
-SHM_MODES = ("auto", "on", "off")  # worker/shm.py
+SHM_MODES = ("auto", "on", "off")  # worker/shm.py (the one list; this module has no torch)
 MAX_SHM_MB = 1 << 20
 DEVICES = ("auto", "cpu", "cuda")
 STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py

@@ -48,7 +48,6 @@ from hybridps.v1 import shard_pb2
 
 log = logging.getLogger("worker.shm")
 
-SHM_MODES = ("auto", "on", "off")  # worker/config.py keeps its own copy (no torch there)
 
 
 class ShmUnavailable(RuntimeError):
@@ -174,13 +173,7 @@ class ClientArena:
         return shard_pb2.SharedMemoryArena(path=self.path, size=self.size, nonce=self.nonce)
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self._mmap, dtype=dtype, count=numel,
-                                offset=offset).view(shape)
+        return layout.view(self._mmap, offset, dtype, shape)
 
     def unlink(self) -> None:
         """Remove the file name (the mappings stay valid)."""

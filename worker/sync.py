@@ -58,9 +58,9 @@ from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.client_options import channel_options
 from ps.optim import OptimizerSpec, apply_rows_, apply_update_
+from worker.config import SHM_MODES
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.shm import (
-    SHM_MODES,
     ClientArena,
     Region,
     ShmPush,

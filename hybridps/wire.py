@@ -339,7 +339,7 @@ def decode_framed(cls: type[M], data: bytes, tensor_fields: Sequence[str],
                 pos = _skip(buf, pos, end, wire_type)
                 rest.append(data[field_at:pos])
         message = cls.FromString(b"".join(rest))  # type: ignore[attr-defined]
-        head = describe_head(message)
+        head = describe_head(message) if spans else ""  # for error texts; none: no tensors
         for name, (start, stop) in spans.items():
             tensors[name] = _view_tensor(data, buf, start, stop, f"{what} {head}: {name}")
         return Framed(message, tensors, nbytes=end)

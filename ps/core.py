@@ -27,6 +27,9 @@ log = logging.getLogger("ps.core")
 T = TypeVar("T")
 
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
+# A push of at most this many gradient elements is applied on the event loop itself: its
+# kernel takes microseconds, less than the two thread hops of the update pool cost.
+INLINE_FEED_ELEMENTS = 1 << 16
 
 
 def default_update_threads() -> int:
@@ -100,7 +103,10 @@ class ShardCore:
 
     async def feed(self, session: SyncSession, chunk: PushChunk) -> Answer | None:
         """Check/buffer one chunk; apply (in the pool) when it completes its push."""
-        answer = await self._run(_feed_float32, session, chunk)
+        if chunk.grads.numel() <= INLINE_FEED_ELEMENTS:
+            answer = _feed_float32(session, chunk)
+        else:
+            answer = await self._run(_feed_float32, session, chunk)
         if answer is not None and not answer.duplicate:
             async with self._applied:
                 self._applied.notify_all()

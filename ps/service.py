@@ -135,6 +135,9 @@ class WirePushChunk(PushChunk):
 
     update_dtype: torch.dtype = torch.float32
     message_bytes: int = 0
+    # Entry batch_index of a batch push of batch_size entries (0: a push of its own).
+    batch_index: int = 0
+    batch_size: int = 0
 
 
 # --wire-dtype: the dtypes gradients and deltas may travel in (math is always float32).
@@ -212,6 +215,37 @@ def push_chunk(msg: SyncRequest, arenas: ArenaRegistry | None = None,
     )
 
 
+def push_chunks(msg: SyncRequest, arenas: ArenaRegistry | None = None,
+                store: Store | None = None) -> list[WirePushChunk]:
+    """The chunks one Sync message carries: itself, or the entries of a batch push.
+
+    A batch is checked whole before any entry is handed on, so a bad entry refuses the
+    message and applies none of it."""
+    head_msg = push_header(msg)
+    if not head_msg.batch:
+        return [push_chunk(msg, arenas, store)]
+    head = f"batch push run={head_msg.run_id!r} rank={head_msg.rank}"
+    if (isinstance(msg, wire.Framed) and msg.tensors) or head_msg.HasField("ids") \
+            or head_msg.HasField("grads") or is_shm_push(head_msg):
+        raise wire.WireError(f"{head}: a batch message carries its pushes in `batch` only")
+    chunks = []
+    size = len(head_msg.batch)
+    for i, entry in enumerate(head_msg.batch):
+        what = f"{head}: entry {i} (step={entry.step} table={entry.table!r})"
+        if entry.batch:
+            raise wire.WireError(f"{what} is itself a batch")
+        if not is_shm_push(entry):
+            raise wire.WireError(f"{what} is not a shared-memory push (a batch carries "
+                                 "shared-memory pushes only)")
+        if (entry.run_id, entry.rank) != (head_msg.run_id, head_msg.rank):
+            raise wire.WireError(f"{what} is of run={entry.run_id!r} rank={entry.rank}, not "
+                                 "the batch's")
+        chunk = push_chunk(entry, arenas, store)
+        chunk.batch_index, chunk.batch_size = i, size
+        chunks.append(chunk)
+    return chunks
+
+
 def _update_dtype(head_msg: shard_pb2.Push, head: str) -> torch.dtype:
     if head_msg.update_dtype == shard_pb2.DTYPE_UNSPECIFIED:
         return torch.float32
@@ -222,13 +256,13 @@ def _update_dtype(head_msg: shard_pb2.Push, head: str) -> torch.dtype:
     return asked
 
 
-def answer_in_shm(push: ShmPush, answer: Answer) -> bytes:
+def answer_in_shm(push: ShmPush, answer: Answer) -> shard_pb2.Update:
     """The header-only Update of a push whose answer the core wrote into its region."""
     push.arena.pushes += 1
     push.arena.bytes += push.tensor_bytes
     return shard_pb2.Update(step=answer.step, table=answer.table, decay=answer.decay,
                             rows=answer.rows, chunk=0, num_chunks=1,
-                            duplicate=answer.duplicate, shm=True).SerializeToString()
+                            duplicate=answer.duplicate, shm=True)
 
 
 def answer_updates(answer: Answer, max_message_bytes: int,
@@ -416,6 +450,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         stop_wait = asyncio.ensure_future(self.stopping.wait())
         current: PushChunk | None = None
         push_message_bytes = 0  # the largest message of the push being received
+        batch_answers: list[shard_pb2.Update] = []  # of the batch push being taken
         stream_of: tuple[str, int] | None = None  # (run, rank), once a push was accepted
         try:
             while True:
@@ -434,6 +469,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if stream_of is None:
                     stream_of = (item.run_id, item.rank)
                     self.tracker.stream_opened(*stream_of)
+                if isinstance(item, WirePushChunk) and item.batch_size:
+                    if answer is not None and isinstance(item.sink, ShmPush):
+                        batch_answers.append(answer_in_shm(item.sink, answer))
+                    if item.batch_index == item.batch_size - 1 and batch_answers:
+                        yield shard_pb2.Update(batch=batch_answers).SerializeToString()
+                        batch_answers = []
+                    continue
                 if answer is None:
                     continue
                 if log.isEnabledFor(logging.DEBUG):
@@ -441,7 +483,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                                  table=answer.table, rows=int(answer.ids.shape[0]),
                                  duplicate=answer.duplicate))
                 if isinstance(item, PushChunk) and isinstance(item.sink, ShmPush):
-                    yield answer_in_shm(item.sink, answer)
+                    yield answer_in_shm(item.sink, answer).SerializeToString()
                     continue
                 delta_dtype = (item.update_dtype if isinstance(item, WirePushChunk)
                                else torch.float32)
@@ -480,15 +522,16 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         try:
             async for msg in request_iterator:
                 try:
-                    chunk = push_chunk(msg, self.shm_arenas, self.core.store)
+                    chunks = push_chunks(msg, self.shm_arenas, self.core.store)
                 except (wire.WireError, BadShmReference, StaleShmEpoch) as exc:
                     head = push_header(msg)
                     self.core.store.record_refusal(_reason(exc), head.run_id, head.rank,
                                                    head.table)
                     await inbox.put(exc)
                     return
-                session.received(chunk)
-                await inbox.put(chunk)
+                for chunk in chunks:
+                    session.received(chunk)
+                    await inbox.put(chunk)
             await inbox.put(None)
         except asyncio.CancelledError:
             raise

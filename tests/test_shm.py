@@ -414,6 +414,60 @@ def test_duplicate_push_is_answered_in_its_region_and_into_another(
     assert not fourth.duplicate and fourth.step == 1 and float(next_answer.abs().sum()) > 0
 
 
+def _batch(rank: RawRank, *pushes: shard_pb2.Push) -> shard_pb2.Push:
+    return shard_pb2.Push(run_id=rank.run_id, rank=0, batch=list(pushes))
+
+
+def test_batch_push_is_answered_in_one_update_like_separate_pushes(
+        raw_rank: RawRank, ps_address: str) -> None:
+    alone = RawRank(ps_address, f"{raw_rank.run_id}-alone")
+    try:
+        assert raw_rank.register().shm.accepted and alone.register().shm.accepted
+        batched = [raw_rank.push(step) for step in range(3)]
+        separate = [alone.push(step) for step in range(3)]
+        (update,) = raw_rank.sync(_batch(raw_rank, *(p for p, _ in batched)))
+        answers = [u for p, _ in separate for u in alone.sync(p)]
+    finally:
+        alone.close()
+    assert [u.step for u in update.batch] == [0, 1, 2] and not update.table
+    assert all(u.shm and not u.duplicate for u in update.batch)
+    assert [u.step for u in answers] == [0, 1, 2]
+    for (_, got), (_, want) in zip(batched, separate, strict=True):
+        assert torch.equal(got, want) and float(got.abs().sum()) > 0
+    stats = get_shard_stats(ps_address, run_id=raw_rank.run_id).partitions[0]
+    assert stats.last_step == 2 and stats.pushes_applied == 3
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("inline", "entry 1 (step=1 table='t') is not a shared-memory push"),
+    ("nested", "entry 1 (step=0 table='') is itself a batch"),
+    ("rank", "entry 1 (step=1 table='t') is of run="),
+    ("outer", "a batch message carries its pushes in `batch` only"),
+])
+def test_bad_batch_is_refused_whole(raw_rank: RawRank, ps_address: str, case: str,
+                                    message: str) -> None:
+    assert raw_rank.register().shm.accepted
+    first, first_answer = raw_rank.push(0)
+    second, _ = raw_rank.push(1)
+    if case == "inline":
+        second = shard_pb2.Push(run_id=raw_rank.run_id, rank=0, incarnation=1, step=1,
+                                table="t", chunk=0, num_chunks=1)
+    elif case == "nested":
+        second = _batch(raw_rank, second)
+    elif case == "rank":
+        second.run_id = "another-run"
+    batch = _batch(raw_rank, first, second)
+    if case == "outer":
+        batch.shm_ids.CopyFrom(first.shm_ids)
+    with pytest.raises(grpc.RpcError) as info:
+        raw_rank.sync(batch)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in str(info.value.details()), info.value.details()
+    stats = get_shard_stats(ps_address, run_id=raw_rank.run_id).partitions[0]
+    assert stats.last_step == -1 and stats.pushes_applied == 0, "part of the batch applied"
+    assert float(first_answer.abs().sum()) == 0
+
+
 def test_push_of_an_old_epoch_is_aborted(raw_rank: RawRank) -> None:
     assert raw_rank.register().shm.accepted
     old = raw_rank.epoch
@@ -499,6 +553,7 @@ def test_worker_run_over_shm_equals_inline_run_bitwise(ps_address: str,
                     *SMALL])
     res = json.loads((tmp_path / "on.json").read_text())["sync"]
     assert res["shm"] == "on" and res["shm_pushes"] == STEPS * 4, res
+    assert res["shm_batches"] == STEPS and res["push_chunks"] == STEPS, "one message a step"
     assert res["shm_inline_pushes"] == 0
     assert json.loads((tmp_path / "off.json").read_text())["sync"]["shm"] == "off"
     on, off = torch.load(tmp_path / "on.pt"), torch.load(tmp_path / "off.pt")

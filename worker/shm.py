@@ -37,6 +37,7 @@ import os
 import secrets
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -259,3 +260,12 @@ class ShmPush:
     def message(self, epoch: int) -> bytes:
         self.head.shm_epoch = epoch
         return self.head.SerializeToString()
+
+
+def batch_message(pushes: Sequence[ShmPush], epoch: int, run_id: str, rank: int) -> bytes:
+    """One Push message carrying several pushes by reference (Push.batch), each stamped
+    with `epoch`: the server answers them in one Update."""
+    for push in pushes:
+        push.head.shm_epoch = epoch
+    return shard_pb2.Push(run_id=run_id, rank=rank,
+                          batch=[p.head for p in pushes]).SerializeToString()

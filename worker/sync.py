@@ -64,6 +64,7 @@ from worker.shm import (
     ClientArena,
     Region,
     ShmPush,
+    batch_message,
     create_arena,
     log_fallback,
     place,
@@ -138,6 +139,7 @@ class SyncStats:
     shm_pushes: int = 0        # pushes sent by reference into the arena
     shm_bytes: int = 0         # their tensor bytes (ids, gradients, answers) in the arena
     shm_inline_pushes: int = 0  # pushes sent inline while shm was on (the arena was full)
+    shm_batches: int = 0       # messages carrying a step's shm pushes of several tables
 
 
 def make_incarnation() -> int:
@@ -914,21 +916,29 @@ class ShardClient(UpdateSource):
 
     def _enqueue(self, step: int, payload: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         self._enqueued_through = max(self._enqueued_through, step)
+        msgs: list[bytes] = []
+        by_reference: list[ShmPush] = []
         for name, ids_U, grads_UD in payload:
-            by_reference = self._place(step, name, ids_U, grads_UD)
-            if by_reference is not None:
-                msgs = [by_reference.message(self._shm_epoch)]
-                self._unanswered[(step, self.table_index[name])] = by_reference
+            placed = self._place(step, name, ids_U, grads_UD)
+            if placed is not None:
+                by_reference.append(placed)
+                self._unanswered[(step, self.table_index[name])] = placed
             else:
-                msgs = self._encode(step, name, ids_U, grads_UD)
-                self._unanswered[(step, self.table_index[name])] = msgs
+                inline = self._encode(step, name, ids_U, grads_UD)
+                self._unanswered[(step, self.table_index[name])] = inline
+                msgs += inline
             self.stats.pushes += 1
             self.stats.push_rows += int(ids_U.numel())
-            self.stats.push_chunks += len(msgs)
-            self.stats.push_bytes += sum(len(m) for m in msgs)
-            if self._outq is not None:
-                for msg in msgs:
-                    self._outq.put_nowait(msg)
+        if len(by_reference) > 1:  # one message for the step's tables, not one per table
+            msgs.append(batch_message(by_reference, self._shm_epoch, self.run_id, self.rank))
+            self.stats.shm_batches += 1
+        elif by_reference:
+            msgs.append(by_reference[0].message(self._shm_epoch))
+        self.stats.push_chunks += len(msgs)
+        self.stats.push_bytes += sum(len(m) for m in msgs)
+        if self._outq is not None:
+            for msg in msgs:
+                self._outq.put_nowait(msg)
 
     def _encode(self, step: int, name: str, ids_U: torch.Tensor,
                 grads_UD: torch.Tensor) -> list[bytes]:
@@ -952,13 +962,14 @@ class ShardClient(UpdateSource):
             raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an "
                                 f"update that does not decode: {framed.error}")
         update = framed.message
-        index = self.table_index.get(update.table)
-        if index is None:
-            raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an update "
-                                f"for unknown table {update.table!r} (step {update.step})")
-        key = (update.step, index)
-        if key not in self._unanswered:  # an answer we already have (re-sent push)
-            self.stats.ignored_updates += 1
+        if update.batch:  # the answers to a batch push: shared-memory answers, in order
+            for entry in update.batch:
+                key = self._answered_key(entry)
+                if key is not None:
+                    self._on_shm_update(key, self._unanswered[key], entry)
+            return
+        key = self._answered_key(update)
+        if key is None:
             return
         pending = self._unanswered[key]
         if update.shm or isinstance(pending, ShmPush):
@@ -997,6 +1008,19 @@ class ShardClient(UpdateSource):
                                 f"{self.row_dtype} rows")
         self.buffer.put(RowUpdate(update.step, update.table, ids_U, delta_UD,
                                   float(update.decay), update.duplicate, update.rows))
+
+    def _answered_key(self, update: shard_pb2.Update) -> tuple[int, int] | None:
+        """(step, table index) of the unanswered push `update` answers; None: one we
+        already have the answer of (a re-sent push)."""
+        index = self.table_index.get(update.table)
+        if index is None:
+            raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an update "
+                                f"for unknown table {update.table!r} (step {update.step})")
+        key = (update.step, index)
+        if key not in self._unanswered:
+            self.stats.ignored_updates += 1
+            return None
+        return key
 
     def _begin_close(self) -> None:
         self._closing = True

@@ -187,7 +187,7 @@ class SeedRowsResponse(_message.Message):
     def __init__(self, rows_seeded: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class Push(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype", "shm_ids", "shm_grads", "shm_answer", "shm_epoch")
+    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype", "shm_ids", "shm_grads", "shm_answer", "shm_epoch", "batch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class Push(_message.Message):
     SHM_GRADS_FIELD_NUMBER: _ClassVar[int]
     SHM_ANSWER_FIELD_NUMBER: _ClassVar[int]
     SHM_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -216,10 +217,11 @@ class Push(_message.Message):
     shm_grads: ShmTensor
     shm_answer: ShmTensor
     shm_epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., shm_ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_grads: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_answer: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_epoch: _Optional[int] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[Push]
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., shm_ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_grads: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_answer: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_epoch: _Optional[int] = ..., batch: _Optional[_Iterable[_Union[Push, _Mapping]]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate", "rows", "shm")
+    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate", "rows", "shm", "batch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +232,7 @@ class Update(_message.Message):
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     table: str
     ids: Tensor
@@ -240,7 +243,8 @@ class Update(_message.Message):
     duplicate: bool
     rows: bool
     shm: bool
-    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rows: _Optional[bool] = ..., shm: _Optional[bool] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[Update]
+    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rows: _Optional[bool] = ..., shm: _Optional[bool] = ..., batch: _Optional[_Iterable[_Union[Update, _Mapping]]] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("run_id", "rank", "step", "timeout_s")

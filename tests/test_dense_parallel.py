@@ -320,3 +320,29 @@ def test_hsdp_world_not_divisible_fails_before_training(tmp_path: Path) -> None:
     assert "hybridps worker: error:" in proc.stderr
     assert f'File "{REPO / "worker"}' not in proc.stderr  # one clear line, no worker traceback
     assert "steps" not in proc.stdout  # no summary: it never trained
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_root_keeps_its_gathered_parameters_for_backward(tmp_path: Path,
+                                                         reshard: bool) -> None:
+    """--reshard-after-forward true reshards the units after forward but not the root,
+    whose parameters backward would all-gather again at once (one collective a step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from worker.parallel import apply_fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        unit = nn.Linear(4, 4)
+        model = nn.Sequential(unit, nn.ReLU(), nn.Linear(4, 1))
+        apply_fsdp(model, mesh, [unit], reshard_after_forward=reshard)
+        model(torch.randn(3, 4)).sum()
+        root_group = model._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        unit_group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        assert root_group.is_unsharded
+        assert unit_group.is_unsharded is not reshard
+    finally:
+        dist.destroy_process_group()

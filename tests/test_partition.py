@@ -505,3 +505,41 @@ def test_flush_waits_for_the_step_and_times_out_naming_who_is_behind() -> None:
             core.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("inline_elements", [0, 1 << 16])
+def test_small_pushes_apply_on_the_loop_and_large_ones_in_the_pool_alike(
+        monkeypatch: pytest.MonkeyPatch, inline_elements: int) -> None:
+    """Pushes up to INLINE_FEED_ELEMENTS gradient elements skip the update pool; both
+    paths give the answers of the Store fed directly."""
+    import threading
+
+    import ps.core
+
+    monkeypatch.setattr(ps.core, "INLINE_FEED_ELEMENTS", inline_elements)
+    threads: list[str] = []
+    feed = ps.core._feed_float32
+
+    def spy(session: Any, chunk: PushChunk) -> Any:
+        threads.append(threading.current_thread().name)
+        return feed(session, chunk)
+
+    monkeypatch.setattr(ps.core, "_feed_float32", spy)
+    pushes = [push(step, [10, 12 + step, 19]) for step in range(3)]
+
+    async def scenario() -> list[Any]:
+        core = ShardCore(make_store(), update_threads=1)
+        try:
+            session = core.open_session()
+            return [await core.feed(session, p) for p in pushes]
+        finally:
+            core.shutdown()
+
+    got = asyncio.run(scenario())
+    direct = make_store().open_session()
+    for answer, p in zip(got, pushes, strict=True):
+        want = direct.feed(p)
+        assert answer is not None and want is not None
+        assert torch.equal(answer.ids, want.ids) and torch.equal(answer.delta, want.delta)
+    on_loop = [name == threading.main_thread().name for name in threads]
+    assert on_loop == [bool(inline_elements)] * 3, threads

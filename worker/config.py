@@ -160,7 +160,8 @@ class TrainConfig:
         "fsdp (FSDP2 over all ranks) | hsdp (replicate across nodes, shard within) | ddp",
         "KIND"))
     reshard_after_forward: bool = field(default=True, metadata=_h(
-        "fsdp/hsdp: free the gathered dense parameters after forward", "BOOL"))
+        "fsdp/hsdp: free the gathered dense parameters of each unit after forward (the "
+        "root's are kept for backward, which would gather them again at once)", "BOOL"))
     dense_cpu_offload: bool = field(default=False, metadata=_h(
         "fsdp/hsdp: sharded dense params, grads, optimizer step on CPU (CPUOffloadPolicy)",
         "BOOL"))

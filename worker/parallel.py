@@ -182,12 +182,15 @@ def apply_fsdp(module: nn.Module, mesh: DeviceMesh, units: list[nn.Module] | Non
     ShardedEmbedding and trained by the sparse optimizer, never by FSDP.
     A 1-D mesh shards over all its ranks; a 2-D (replicate, shard) mesh is HSDP.
     """
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-                              "mp_policy": mp_policy or MixedPrecisionPolicy(),
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
                               "offload_policy": offload_policy or OffloadPolicy()}
     for unit in units or []:
-        fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters would be all-gathered again as soon as backward starts, so
+    # resharding them after forward buys no memory and costs a collective a step; None
+    # lets FSDP2 apply that root heuristic of its own (an explicit True turns it off).
+    fully_shard(module, reshard_after_forward=None if reshard_after_forward else False,
+                **kwargs)
     return module
 
 

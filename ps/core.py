@@ -27,8 +27,9 @@ log = logging.getLogger("ps.core")
 T = TypeVar("T")
 
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
-# A push of at most this many gradient elements is applied on the event loop itself: its
-# kernel takes microseconds, less than the two thread hops of the update pool cost.
+# A one-chunk push of at most this many gradient elements is applied on the event loop
+# itself: its kernel takes microseconds, less than the two thread hops of the update pool.
+# (The last chunk of a chunked push applies the whole push, however small that chunk is.)
 INLINE_FEED_ELEMENTS = 1 << 16
 
 
@@ -102,8 +103,9 @@ class ShardCore:
         return self.store.open_session()
 
     async def feed(self, session: SyncSession, chunk: PushChunk) -> Answer | None:
-        """Check/buffer one chunk; apply (in the pool) when it completes its push."""
-        if chunk.grads.numel() <= INLINE_FEED_ELEMENTS:
+        """Check/buffer one chunk; apply when it completes its push (in the pool, or here
+        for a small one-chunk push)."""
+        if chunk.total_chunks == 1 and chunk.grads.numel() <= INLINE_FEED_ELEMENTS:
             answer = _feed_float32(session, chunk)
         else:
             answer = await self._run(_feed_float32, session, chunk)

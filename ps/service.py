@@ -469,21 +469,23 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if stream_of is None:
                     stream_of = (item.run_id, item.rank)
                     self.tracker.stream_opened(*stream_of)
+                if answer is not None and log.isEnabledFor(logging.DEBUG):
+                    log.debug(kv("answered", run=item.run_id, rank=item.rank, step=answer.step,
+                                 table=answer.table, rows=int(answer.ids.shape[0]),
+                                 duplicate=answer.duplicate))
+                in_shm = (answer_in_shm(item.sink, answer)
+                          if answer is not None and isinstance(item.sink, ShmPush) else None)
                 if isinstance(item, WirePushChunk) and item.batch_size:
-                    if answer is not None and isinstance(item.sink, ShmPush):
-                        batch_answers.append(answer_in_shm(item.sink, answer))
+                    if in_shm is not None:
+                        batch_answers.append(in_shm)
                     if item.batch_index == item.batch_size - 1 and batch_answers:
                         yield shard_pb2.Update(batch=batch_answers).SerializeToString()
                         batch_answers = []
                     continue
                 if answer is None:
                     continue
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug(kv("answered", run=item.run_id, rank=item.rank, step=answer.step,
-                                 table=answer.table, rows=int(answer.ids.shape[0]),
-                                 duplicate=answer.duplicate))
-                if isinstance(item, PushChunk) and isinstance(item.sink, ShmPush):
-                    yield answer_in_shm(item.sink, answer).SerializeToString()
+                if in_shm is not None:
+                    yield in_shm.SerializeToString()
                     continue
                 delta_dtype = (item.update_dtype if isinstance(item, WirePushChunk)
                                else torch.float32)

@@ -543,3 +543,33 @@ def test_small_pushes_apply_on_the_loop_and_large_ones_in_the_pool_alike(
         assert torch.equal(answer.ids, want.ids) and torch.equal(answer.delta, want.delta)
     on_loop = [name == threading.main_thread().name for name in threads]
     assert on_loop == [bool(inline_elements)] * 3, threads
+
+
+def test_chunked_push_applies_in_the_pool_however_small_its_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last chunk applies the whole push, so a chunked push never runs on the loop."""
+    import threading
+
+    import ps.core
+
+    threads: list[str] = []
+    feed = ps.core._feed_float32
+
+    def spy(session: Any, chunk: PushChunk) -> Any:
+        threads.append(threading.current_thread().name)
+        return feed(session, chunk)
+
+    monkeypatch.setattr(ps.core, "_feed_float32", spy)
+
+    async def scenario() -> Any:
+        core = ShardCore(make_store(), update_threads=1)
+        try:
+            session = core.open_session()
+            assert await core.feed(session, push(0, [10, 11], chunk=0, num_chunks=2)) is None
+            return await core.feed(session, push(0, [12], chunk=1, num_chunks=2))
+        finally:
+            core.shutdown()
+
+    answer = asyncio.run(scenario())
+    assert answer is not None and answer.ids.tolist() == [10, 11, 12]
+    assert threading.main_thread().name not in threads and len(threads) == 2, threads

@@ -257,15 +257,16 @@ class ShmPush:
     head: shard_pb2.Push
     slot: ShmSlot
 
-    def message(self, epoch: int) -> bytes:
+    def stamped(self, epoch: int) -> shard_pb2.Push:
         self.head.shm_epoch = epoch
-        return self.head.SerializeToString()
+        return self.head
+
+    def message(self, epoch: int) -> bytes:
+        return self.stamped(epoch).SerializeToString()
 
 
 def batch_message(pushes: Sequence[ShmPush], epoch: int, run_id: str, rank: int) -> bytes:
     """One Push message carrying several pushes by reference (Push.batch), each stamped
     with `epoch`: the server answers them in one Update."""
-    for push in pushes:
-        push.head.shm_epoch = epoch
     return shard_pb2.Push(run_id=run_id, rank=rank,
-                          batch=[p.head for p in pushes]).SerializeToString()
+                          batch=[p.stamped(epoch) for p in pushes]).SerializeToString()

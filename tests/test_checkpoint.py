@@ -281,6 +281,10 @@ def test_server_crash_recovery(tmp_path: Path, runs: dict[str, Path]) -> None:
     rng = random.Random(seed)
     kills = [(4, rng.uniform(0.0, 0.5)), (14, rng.uniform(0.0, 0.3))]  # (after step, delay s)
     what = f"random seed {seed}: kills {kills}"
+    # The whole 20-step run can take under 0.5 s: every rank sleeps 1 s at the start of
+    # the step-9 checkpoint, so the first kill always finds the run alive (mid-step or
+    # mid-checkpoint).
+    pace = {FAULT_ENV: "9:start:sleep=1"}
     servers = [start_ps_server(tmp_path / "ps0")]
     port = servers[0].port
     ck = tmp_path / "ck"
@@ -292,7 +296,7 @@ def test_server_crash_recovery(tmp_path: Path, runs: dict[str, Path]) -> None:
     try:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(worker_cmd(args, 2, max_restarts=3), cwd=REPO, stdout=log,
-                                    stderr=subprocess.STDOUT, env=_env())
+                                    stderr=subprocess.STDOUT, env=_env(pace))
             try:
                 for n, (after, delay) in enumerate(kills):
                     deadline = time.monotonic() + 300
@@ -314,8 +318,8 @@ def test_server_crash_recovery(tmp_path: Path, runs: dict[str, Path]) -> None:
             server.terminate()
     text = log_path.read_text()
     assert returncode == 0, f"{what}\n{text[-8000:]}"
-    # The first kill lands mid-run (15 steps and 3 checkpoints take far more than 0.5 s):
-    # at least one restart, on both ranks.
+    # The first kill lands mid-run (the step-9 checkpoint waits 1 s, longer than the
+    # delay): at least one restart, on both ranks.
     assert text.count("resumed from") >= 2, f"{what}\n{text[-8000:]}"
     assert_states(runs["straight"], tmp_path / "final.pt", exact=True)
 

@@ -293,6 +293,8 @@ def test_hsdp_mesh_shape_and_errors() -> None:
      "precision='bf16' reduce_dtype='' with dense_parallel='ddp'"),
     (["--dense-parallel", "ddp", "--reshard-after-forward", "false"],
      "reshard_after_forward=False with dense_parallel='ddp'"),
+    (["--dense-parallel", "ddp", "--prefetch-dense", "false"],
+     "prefetch_dense=False with dense_parallel='ddp'"),
     (["--hsdp-shard-size", "2"], "hsdp_shard_size=2 with dense_parallel='fsdp'"),
     (["--ddp-grad-reduce", "sum"], "ddp_grad_reduce='sum' with dense_parallel='fsdp'"),
     (["--dense-parallel", "ddp", "--ddp-bucket-mb", "0"], "ddp_bucket_mb=0.0 must be > 0"),
@@ -346,3 +348,42 @@ def test_root_keeps_its_gathered_parameters_for_backward(tmp_path: Path,
         assert unit_group.is_unsharded is not reshard
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_prefetch_dense_is_bitwise_the_unprefetched_run(tmp_path: Path) -> None:
+    """--prefetch-dense (the default) starts the all-gather at the top of every step after
+    the first; the run is bitwise the one that gathers at the dense forward."""
+    on_state, on_res = run(tmp_path / "on", [])
+    off_state, off_res = run(tmp_path / "off", ["--prefetch-dense", "false"])
+    assert on_res["dense"]["prefetch"] is True and on_res["dense"]["prefetches"] == STEPS - 1
+    assert off_res["dense"]["prefetch"] is False and off_res["dense"]["prefetches"] == 0
+    for name, rows in on_state["tables"].items():
+        assert torch.equal(rows, off_state["tables"][name]), name
+    assert set(on_state["dense"]) == set(off_state["dense"])
+    for key, value in on_state["dense"].items():
+        assert torch.equal(value, off_state["dense"][key]), key
+
+
+def test_prefetch_starts_the_root_gather_before_forward(world_of_one: Any) -> None:
+    """After the first step, prefetch() leaves the root's all-gather pending (FSDP2's
+    pre-forward then only waits for it); before any forward it does nothing (lazy init);
+    with --prefetch-dense false it never gathers early."""
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        dp = build_dense_parallel(small_config(prefetch_dense=enabled), world_of_one,
+                                  nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
+        group = dp.module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        opt = torch.optim.SGD(dp.module.parameters(), lr=0.1)
+        dp.prefetch()  # before the first forward: FSDP2 has not picked its root yet
+        assert group._all_gather_result is None and dp.prefetches == 0
+        for _ in range(2):
+            dp.prefetch()
+            assert (group._all_gather_result is not None) is (enabled and dp.steps > 0)
+            loss = dp.module(torch.randn(3, 4)).pow(2).mean()
+            dp.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            dp.steps += 1
+            assert not group.is_unsharded  # resharded after backward: nothing held over
+        assert dp.prefetches == (1 if enabled else 0)

@@ -56,6 +56,20 @@ def test_row_ranges_cover_table(num_rows: int, world: int) -> None:
         assert bool((owners[s:e] == r).all())
 
 
+@pytest.mark.parametrize("num_rows", [3, 1000, 10**9 + 7, (1 << 40) - 1])
+@pytest.mark.parametrize("world", [2, 3, 8, 13])
+def test_owner_by_division_is_the_range_search(num_rows: int, world: int) -> None:
+    """owner_of's division equals a search of row_range's starts at the ends of every range
+    and at random ids, with one table size per id (a fused multi-table lookup) too."""
+    starts = torch.tensor([row_range(num_rows, r, world)[0] for r in range(world)])
+    edges = torch.cat([starts, starts - 1, starts + 1]).clamp(0, num_rows - 1)
+    ids = torch.cat([edges, torch.randint(0, num_rows, (5000,))])
+    expected = torch.searchsorted(starts, ids, right=True) - 1
+    assert torch.equal(owner_of(ids, num_rows, world), expected)
+    per_id = torch.full_like(ids, num_rows)
+    assert torch.equal(owner_of(ids, per_id, world), expected)
+
+
 def test_route_dedupes_and_groups_by_owner() -> None:
     ids = torch.tensor([[9, 1, 9], [5, 1, 0]])
     routing = route(ids, num_rows=10, world_size=3)  # ranges [0,3) [3,6) [6,10)
@@ -69,6 +83,19 @@ def test_route_rejects_out_of_range_ids() -> None:
         route(torch.tensor([3, 10]), num_rows=10, world_size=2, table="x")
     with pytest.raises(IndexError, match="row id -1"):
         route(torch.tensor([-1]), num_rows=10, world_size=2, table="x")
+
+
+def test_fused_lookup_names_the_table_and_id_out_of_range() -> None:
+    """One range check covers all tables of a fused lookup; the error names the bad
+    table and id (each table against its own size), and nothing is left staged."""
+    emb = ShardedEmbedding([TableConfig("small", 5, 2), TableConfig("big", 100, 2)])
+    ok = emb.lookup_many(["small", "big"], [torch.tensor([4]), torch.tensor([99, 5])])
+    assert [tuple(r.shape) for r in ok] == [(1, 2), (2, 2)]
+    with pytest.raises(IndexError, match=r"table 'small': row id 5 outside \[0, 5\)"):
+        emb.lookup_many(["small", "big"], [torch.tensor([0, 5]), torch.tensor([99])])
+    with pytest.raises(IndexError, match=r"table 'big': row id -2 outside \[0, 100\)"):
+        emb.lookup_many(["small", "big"], [torch.tensor([1]), torch.tensor([7, -2])])
+    assert emb.weights["small"].grad is None and emb.weights["big"].grad is None
 
 
 def test_init_rows_is_world_size_independent() -> None:

@@ -10,7 +10,7 @@ updates come back through `apply_update`.
 
 A lookup of ids_N on one rank goes through visible stages:
   1. route: dedupe (unique_U + inverse_N) and bucketize unique ids by owner
-     with searchsorted on the range starts; unique ids are sorted, so they are
+     (an integer division, `owner_of`); unique ids are sorted, so they are
      already grouped by owner in rank order;
   2. all_to_all the per-owner counts, then the ids themselves;
   3. the owner gathers the requested rows from its shard with
@@ -87,10 +87,13 @@ def range_starts(num_rows: int, world_size: int, device: torch.device | None = N
                         dtype=torch.int64, device=device)
 
 
-def owner_of(ids_N: torch.Tensor, num_rows: int, world_size: int) -> torch.Tensor:
-    """owner_N: the rank owning each id (searchsorted on the range starts)."""
-    starts_W = range_starts(num_rows, world_size, ids_N.device)
-    return torch.searchsorted(starts_W, ids_N, right=True) - 1
+def owner_of(ids_N: torch.Tensor, num_rows: int | torch.Tensor, world_size: int
+             ) -> torch.Tensor:
+    """owner_N: the rank owning each id of a table of `num_rows` rows (an int, or one per id).
+
+    ((id + 1) * W - 1) // R is the largest r with r * R // W <= id, i.e. row_range's
+    owner, with no search: r * R // W <= id  <=>  r * R < (id + 1) * W."""
+    return ((ids_N + 1) * world_size - 1) // num_rows
 
 
 @dataclass
@@ -221,7 +224,6 @@ class ShardedEmbedding(nn.Module):
         # Kept to regenerate the fp32 init rows that seed a master copy (initial_row_blocks).
         self._init_seed, self._init_std = seed, init_std
         self.table_index = {t.name: i for i, t in enumerate(tables)}
-        self._starts: dict[str, torch.Tensor] = {}  # owner range starts per table
         self._staged: dict[tuple[object, ...], InputDist] = {}  # stage(): computed ahead
         # worker/pipeline.py: (names, id tensors) of every lookup while not None
         self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...]]] | None = None
@@ -245,13 +247,6 @@ class ShardedEmbedding(nn.Module):
             rows_MD = self.row_offsets.add_to(name, None if whole else local_ids_M, rows_MD)
         return rows_MD
 
-    def _owner_starts(self, name: str) -> torch.Tensor:
-        starts = self._starts.get(name)
-        if starts is None:
-            starts = self._starts[name] = range_starts(self.tables[name].num_rows,
-                                                       self.world_size, self.device)
-        return starts
-
     def input_dist(self, names: Sequence[str], ids: Sequence[torch.Tensor],
                    group: dist.ProcessGroup | None = None, timed: bool = True) -> InputDist:
         """Stages 1-2 of a lookup of one or more tables; depends on the ids only.
@@ -268,23 +263,7 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"{len(names)} table names but {len(ids)} id tensors")
         world, num = self.world_size, len(names)
         flat = [i.reshape(-1).to(device=self.device, dtype=torch.int64) for i in ids]
-        keys = []
-        for t, (name, flat_N) in enumerate(zip(names, flat, strict=True)):
-            num_rows = self.tables[name].num_rows
-            if num_rows > ID_MASK + 1:
-                raise ValueError(f"table {name!r}: {num_rows} rows do not fit the {ID_BITS}-bit "
-                                 "row ids of the routing key")
-            if flat_N.numel():
-                lo, hi = torch.aminmax(flat_N)
-                if int(lo) < 0 or int(hi) >= num_rows:
-                    bad = int(lo) if int(lo) < 0 else int(hi)
-                    raise IndexError(f"table {name!r}: row id {bad} outside [0, {num_rows})")
-            if world == 1:
-                keys.append(flat_N | (t << ID_BITS))
-            else:
-                owner_N = torch.searchsorted(self._owner_starts(name), flat_N, right=True) - 1
-                keys.append(((owner_N * num + t) << ID_BITS) | flat_N)
-        keys_N = torch.cat(keys) if num > 1 else keys[0]
+        keys_N = self._route_keys(names, flat)
         unique_U, inverse_N = torch.unique(keys_N, sorted=True, return_inverse=True)  # 1
         if world == 1:
             send_counts = recv_counts = [int(unique_U.numel())]
@@ -310,6 +289,41 @@ class ShardedEmbedding(nn.Module):
             restore_M = torch.argsort(order_M)
         return InputDist(tuple(names), tuple(ids), inverse_N, [f.numel() for f in flat],
                          send_counts, recv_counts, local_ids, restore_M)
+
+    def _route_keys(self, names: Sequence[str], flat: Sequence[torch.Tensor]) -> torch.Tensor:
+        """keys_N: ((owner * T + table) << ID_BITS) | id for the ids of T tables at once.
+
+        A fixed handful of ops and one host sync (the range check) whatever T is: the
+        owner of id in a table of R rows is ((id + 1) * W - 1) // R, the largest r with
+        r * R // W <= id (`owner_of`), so no per-table searchsorted is needed."""
+        world, num = self.world_size, len(names)
+        num_rows_T = [self.tables[n].num_rows for n in names]
+        for name, num_rows in zip(names, num_rows_T, strict=True):
+            if num_rows > ID_MASK + 1:
+                raise ValueError(f"table {name!r}: {num_rows} rows do not fit the {ID_BITS}-bit "
+                                 "row ids of the routing key")
+        ids_N = torch.cat(list(flat)) if num > 1 else flat[0]
+        if num == 1:
+            rows_N: torch.Tensor | int = num_rows_T[0]
+            table_N: torch.Tensor | int = 0
+        else:
+            sizes_T = torch.tensor([f.numel() for f in flat], device=self.device)
+            rows_N = torch.repeat_interleave(
+                torch.tensor(num_rows_T, dtype=torch.int64, device=self.device), sizes_T,
+                output_size=ids_N.numel())
+            table_N = torch.repeat_interleave(
+                torch.arange(num, dtype=torch.int64, device=self.device), sizes_T,
+                output_size=ids_N.numel())
+        if ids_N.numel() and bool(((ids_N < 0) | (ids_N >= rows_N)).any()):
+            for name, num_rows, flat_N in zip(names, num_rows_T, flat, strict=True):
+                lo, hi = (int(x) for x in torch.aminmax(flat_N)) if flat_N.numel() else (0, 0)
+                if lo < 0 or hi >= num_rows:
+                    raise IndexError(f"table {name!r}: row id {lo if lo < 0 else hi} outside "
+                                     f"[0, {num_rows})")
+        if world == 1:
+            return ids_N | (table_N << ID_BITS) if num > 1 else ids_N
+        owner_N = owner_of(ids_N, rows_N, world)
+        return ((owner_N * num + table_N) << ID_BITS) | ids_N
 
     def fetch(self, plan: InputDist) -> torch.Tensor:
         """Stages 3-4: the owner gathers its rows (after the staleness window applied the due

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -274,8 +275,29 @@ class DenseParallel:
         self.steps = 0
         self.grad_norm_last: torch.Tensor | None = None
         self.grad_norm_max = torch.zeros((), device=ctx.device)
+        # The root only: its parameters are the first the forward needs, and FSDP2 already
+        # prefetches each further unit during forward; gathering every unit up front
+        # would hold the whole unsharded model at once (--reshard-after-forward's memory).
+        self._root: FSDPModule | None = module if isinstance(module, FSDPModule) else None
+        self.prefetching = self._root is not None and cfg.prefetch_dense
+        self._forward_seen = False
+        self.prefetches = 0
+
+    def prefetch(self) -> None:
+        """Start the dense parameters' all-gather now (async) rather than at the dense
+        forward (--prefetch-dense, fsdp/hsdp): the loop calls it at the top of a step, so
+        the collective overlaps the staleness window, the batch and the embedding
+        exchange (which run on another process group). FSDP2's pre-forward waits for it;
+        a call while the parameters are gathered or in flight is a no-op. The root only
+        (see __init__). Skipped until the first backward, i.e. until a forward has run
+        FSDP2's lazy init (it picks the root there)."""
+        if self._root is None or not self.prefetching or not self._forward_seen:
+            return
+        self._root.unshard(async_op=True)
+        self.prefetches += 1
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._forward_seen = True
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, embedding: ShardedEmbedding) -> Grads:
@@ -341,6 +363,7 @@ class DenseParallel:
                        grad_reduce=cfg.ddp_grad_reduce)
         else:
             out.update(reshard_after_forward=cfg.reshard_after_forward,
+                       prefetch=self.prefetching, prefetches=self.prefetches,
                        cpu_offload=cfg.dense_cpu_offload, reduce_dtype=cfg.reduce_dtype or (
                            "fp32" if cfg.precision != "fp32" else "param"))
         if self.scaler is not None:

@@ -164,6 +164,7 @@ class Trainer:
         self.last_step = self.steps - 1  # earlier when stopped by a signal
         for step in range(self.start_step, self.steps):
             t0 = time.perf_counter()
+            self.dense_parallel.prefetch()  # --prefetch-dense: all-gather under what follows
             self.window.before_step(step)  # rows now hold every update of steps <= step-1-K
             t1 = time.perf_counter()
             batch = self.inputs.take(step)  # made (and input-dist'ed) ahead with --pipeline

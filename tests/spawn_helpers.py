@@ -42,5 +42,17 @@ def _child(rank: int, world: int, port: int, target: str, args: tuple[Any, ...])
         destroy_distributed()
 
 
+PORT_TAKEN = ("address already in use", "eaddrinuse")
+ATTEMPTS = 3
+
+
 def run_ranks(target: str, world: int, *args: Any) -> None:
-    mp.spawn(_child, args=(world, free_port(), target, args), nprocs=world, join=True)
+    """free_port() closes its socket before rank 0's store binds the port, so another
+    process may take it in between: only that failure is retried, on a new port."""
+    for attempt in range(ATTEMPTS):
+        try:
+            mp.spawn(_child, args=(world, free_port(), target, args), nprocs=world, join=True)
+            return
+        except mp.ProcessRaisedException as exc:
+            if attempt + 1 == ATTEMPTS or not any(m in str(exc).lower() for m in PORT_TAKEN):
+                raise

@@ -225,6 +225,8 @@ class ShardedEmbedding(nn.Module):
         self._init_seed, self._init_std = seed, init_std
         self.table_index = {t.name: i for i, t in enumerate(tables)}
         self._staged: dict[tuple[object, ...], InputDist] = {}  # stage(): computed ahead
+        self._route_consts: dict[tuple[str, ...], tuple[list[int], torch.Tensor,
+                                                        torch.Tensor]] = {}
         # worker/pipeline.py: (names, id tensors) of every lookup while not None
         self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...]]] | None = None
         self.row_offsets: RowOffsets | None = None  # --staleness-compensation predict
@@ -297,23 +299,15 @@ class ShardedEmbedding(nn.Module):
         owner of id in a table of R rows is ((id + 1) * W - 1) // R, the largest r with
         r * R // W <= id (`owner_of`), so no per-table searchsorted is needed."""
         world, num = self.world_size, len(names)
-        num_rows_T = [self.tables[n].num_rows for n in names]
-        for name, num_rows in zip(names, num_rows_T, strict=True):
-            if num_rows > ID_MASK + 1:
-                raise ValueError(f"table {name!r}: {num_rows} rows do not fit the {ID_BITS}-bit "
-                                 "row ids of the routing key")
+        num_rows_T, rows_T, tables_T = self._route_constants(tuple(names))
         ids_N = torch.cat(list(flat)) if num > 1 else flat[0]
         if num == 1:
             rows_N: torch.Tensor | int = num_rows_T[0]
             table_N: torch.Tensor | int = 0
         else:
             sizes_T = torch.tensor([f.numel() for f in flat], device=self.device)
-            rows_N = torch.repeat_interleave(
-                torch.tensor(num_rows_T, dtype=torch.int64, device=self.device), sizes_T,
-                output_size=ids_N.numel())
-            table_N = torch.repeat_interleave(
-                torch.arange(num, dtype=torch.int64, device=self.device), sizes_T,
-                output_size=ids_N.numel())
+            rows_N = torch.repeat_interleave(rows_T, sizes_T, output_size=ids_N.numel())
+            table_N = torch.repeat_interleave(tables_T, sizes_T, output_size=ids_N.numel())
         if ids_N.numel() and bool(((ids_N < 0) | (ids_N >= rows_N)).any()):
             for name, num_rows, flat_N in zip(names, num_rows_T, flat, strict=True):
                 lo, hi = (int(x) for x in torch.aminmax(flat_N)) if flat_N.numel() else (0, 0)
@@ -324,6 +318,22 @@ class ShardedEmbedding(nn.Module):
             return ids_N | (table_N << ID_BITS) if num > 1 else ids_N
         owner_N = owner_of(ids_N, rows_N, world)
         return ((owner_N * num + table_N) << ID_BITS) | ids_N
+
+    def _route_constants(self, names: tuple[str, ...]
+                         ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(rows per table, the same as a tensor, 0..T-1) of a lookup's tables, made (and
+        checked against the key's ID_BITS) once per table list."""
+        consts = self._route_consts.get(names)
+        if consts is None:
+            num_rows_T = [self.tables[n].num_rows for n in names]
+            for name, num_rows in zip(names, num_rows_T, strict=True):
+                if num_rows > ID_MASK + 1:
+                    raise ValueError(f"table {name!r}: {num_rows} rows do not fit the "
+                                     f"{ID_BITS}-bit row ids of the routing key")
+            consts = self._route_consts[names] = (
+                num_rows_T, torch.tensor(num_rows_T, dtype=torch.int64, device=self.device),
+                torch.arange(len(names), dtype=torch.int64, device=self.device))
+        return consts
 
     def fetch(self, plan: InputDist) -> torch.Tensor:
         """Stages 3-4: the owner gathers its rows (after the staleness window applied the due

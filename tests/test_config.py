@@ -34,7 +34,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "row_dtype": ("bf16", "bf16"),  # tests/test_row_dtype.py
     "dense_parallel": ("hsdp", "hsdp"),  # dense part: tests/test_dense_parallel.py
     "reshard_after_forward": ("false", False),
-    "prefetch_dense": ("false", False),
+    "prefetch_dense": ("true", True),
     "dense_cpu_offload": ("true", True),
     "precision": ("bf16", "bf16"),
     "reduce_dtype": ("bf16", "bf16"),

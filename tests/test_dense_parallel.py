@@ -293,8 +293,8 @@ def test_hsdp_mesh_shape_and_errors() -> None:
      "precision='bf16' reduce_dtype='' with dense_parallel='ddp'"),
     (["--dense-parallel", "ddp", "--reshard-after-forward", "false"],
      "reshard_after_forward=False with dense_parallel='ddp'"),
-    (["--dense-parallel", "ddp", "--prefetch-dense", "false"],
-     "prefetch_dense=False with dense_parallel='ddp'"),
+    (["--dense-parallel", "ddp", "--prefetch-dense", "true"],
+     "prefetch_dense=True with dense_parallel='ddp'"),
     (["--hsdp-shard-size", "2"], "hsdp_shard_size=2 with dense_parallel='fsdp'"),
     (["--ddp-grad-reduce", "sum"], "ddp_grad_reduce='sum' with dense_parallel='fsdp'"),
     (["--dense-parallel", "ddp", "--ddp-bucket-mb", "0"], "ddp_bucket_mb=0.0 must be > 0"),
@@ -352,10 +352,10 @@ def test_root_keeps_its_gathered_parameters_for_backward(tmp_path: Path,
 
 @pytest.mark.timeout(120)
 def test_prefetch_dense_is_bitwise_the_unprefetched_run(tmp_path: Path) -> None:
-    """--prefetch-dense (the default) starts the all-gather at the top of every step after
-    the first; the run is bitwise the one that gathers at the dense forward."""
-    on_state, on_res = run(tmp_path / "on", [])
-    off_state, off_res = run(tmp_path / "off", ["--prefetch-dense", "false"])
+    """--prefetch-dense starts the all-gather at the top of every step after the first; the
+    run is bitwise the one that gathers at the dense forward (the default)."""
+    on_state, on_res = run(tmp_path / "on", ["--prefetch-dense", "true"])
+    off_state, off_res = run(tmp_path / "off", [])
     assert on_res["dense"]["prefetch"] is True and on_res["dense"]["prefetches"] == STEPS - 1
     assert off_res["dense"]["prefetch"] is False and off_res["dense"]["prefetches"] == 0
     for name, rows in on_state["tables"].items():

@@ -55,9 +55,9 @@ def check_dense_options(cfg: Any) -> None:
             raise ValueError(
                 f"reshard_after_forward=False with dense_parallel={kind!r}: DDP keeps whole "
                 "parameters on every rank and never reshards; the flag is for fsdp/hsdp")
-        if not cfg.prefetch_dense:
+        if cfg.prefetch_dense:
             raise ValueError(
-                f"prefetch_dense=False with dense_parallel={kind!r}: DDP gathers no "
+                f"prefetch_dense=True with dense_parallel={kind!r}: DDP gathers no "
                 "parameters to prefetch; the flag is for fsdp/hsdp")
         if cfg.precision != "fp32" or cfg.reduce_dtype not in ("", "fp32"):
             raise ValueError(

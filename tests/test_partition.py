@@ -507,6 +507,23 @@ def test_flush_waits_for_the_step_and_times_out_naming_who_is_behind() -> None:
     asyncio.run(scenario())
 
 
+def _record_feed_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of the thread of every ps.core._feed_float32 call, as they happen."""
+    import threading
+
+    import ps.core
+
+    threads: list[str] = []
+    feed = ps.core._feed_float32
+
+    def spy(session: Any, chunk: PushChunk) -> Any:
+        threads.append(threading.current_thread().name)
+        return feed(session, chunk)
+
+    monkeypatch.setattr(ps.core, "_feed_float32", spy)
+    return threads
+
+
 @pytest.mark.parametrize("inline_elements", [0, 1 << 16])
 def test_small_pushes_apply_on_the_loop_and_large_ones_in_the_pool_alike(
         monkeypatch: pytest.MonkeyPatch, inline_elements: int) -> None:
@@ -517,14 +534,7 @@ def test_small_pushes_apply_on_the_loop_and_large_ones_in_the_pool_alike(
     import ps.core
 
     monkeypatch.setattr(ps.core, "INLINE_FEED_ELEMENTS", inline_elements)
-    threads: list[str] = []
-    feed = ps.core._feed_float32
-
-    def spy(session: Any, chunk: PushChunk) -> Any:
-        threads.append(threading.current_thread().name)
-        return feed(session, chunk)
-
-    monkeypatch.setattr(ps.core, "_feed_float32", spy)
+    threads = _record_feed_threads(monkeypatch)
     pushes = [push(step, [10, 12 + step, 19]) for step in range(3)]
 
     async def scenario() -> list[Any]:
@@ -550,16 +560,7 @@ def test_chunked_push_applies_in_the_pool_however_small_its_chunks(
     """The last chunk applies the whole push, so a chunked push never runs on the loop."""
     import threading
 
-    import ps.core
-
-    threads: list[str] = []
-    feed = ps.core._feed_float32
-
-    def spy(session: Any, chunk: PushChunk) -> Any:
-        threads.append(threading.current_thread().name)
-        return feed(session, chunk)
-
-    monkeypatch.setattr(ps.core, "_feed_float32", spy)
+    threads = _record_feed_threads(monkeypatch)
 
     async def scenario() -> Any:
         core = ShardCore(make_store(), update_threads=1)

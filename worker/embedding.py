@@ -80,13 +80,6 @@ def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * num_rows // world_size, (rank + 1) * num_rows // world_size
 
 
-def range_starts(num_rows: int, world_size: int, device: torch.device | None = None
-                 ) -> torch.Tensor:
-    """starts_W: first row of every rank's range (int64)."""
-    return torch.tensor([row_range(num_rows, r, world_size)[0] for r in range(world_size)],
-                        dtype=torch.int64, device=device)
-
-
 def owner_of(ids_N: torch.Tensor, num_rows: int | torch.Tensor, world_size: int
              ) -> torch.Tensor:
     """owner_N: the rank owning each id of a table of `num_rows` rows (an int, or one per id).

@@ -278,8 +278,9 @@ class DenseParallel:
         # The root only: its parameters are the first the forward needs, and FSDP2 already
         # prefetches each further unit during forward; gathering every unit up front
         # would hold the whole unsharded model at once (--reshard-after-forward's memory).
-        self._root: FSDPModule | None = module if isinstance(module, FSDPModule) else None
-        self.prefetching = self._root is not None and cfg.prefetch_dense
+        self._prefetch_root: FSDPModule | None = (
+            module if cfg.prefetch_dense and isinstance(module, FSDPModule) else None)
+        self.prefetching = self._prefetch_root is not None
         self._forward_seen = False
         self.prefetches = 0
 
@@ -291,9 +292,9 @@ class DenseParallel:
         a call while the parameters are gathered or in flight is a no-op. The root only
         (see __init__). Skipped until the first backward, i.e. until a forward has run
         FSDP2's lazy init (it picks the root there)."""
-        if self._root is None or not self.prefetching or not self._forward_seen:
+        if self._prefetch_root is None or not self._forward_seen:
             return
-        self._root.unshard(async_op=True)
+        self._prefetch_root.unshard(async_op=True)
         self.prefetches += 1
 
     def backward(self, loss: torch.Tensor) -> None:

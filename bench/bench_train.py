@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         steps = dict.fromkeys(steps, args.steps)
     growth_rows = args.growth_rows or (10_000_000 if args.quick else 50_000_000)
+    if growth_rows <= 1_000_000:
+        p.error(f"--growth-rows {growth_rows} must be above the 1M-row table it is compared to")
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
         if c not in CONFIGS:
@@ -304,22 +306,29 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     goals: list[dict[str, Any]] = []
     pipeline_gain: dict[str, float] = {}  # server step time --pipeline false / true
+    paired: dict[str, list[float]] = {}  # server / local step time of each repeat's pair
     for name in configs:
         wargs = [*CONFIGS[name], *args.worker_args]
         log(f"[{name}] plain ({steps.get(name, 200)} steps)")
         plain = run_plain(name, wargs, steps.get(name, 200))
-        hyb = {}
         # the A/B run flips the config's --pipeline default (task defaults included)
         piped = worker_config(wargs).pipeline
         flipped = f"server-pipe-{'off' if piped else 'on'}"
         variants = {"server": [], "local": [], flipped: ["--pipeline", str(not piped).lower()]}
         if args.no_pipeline_ab:
             del variants[flipped]
-        for variant, extra in variants.items():
-            log(f"[{name}] hybridps {variant}")
-            hyb[variant] = best_of([run_hybridps(name, variant, [*wargs, *extra],
-                                                 steps.get(name, 200), work / f"r{i}")
-                                    for i in range(args.repeats)])
+        # Repeats interleave the variants (server, local, ..., server, local, ...): this VM's
+        # speed drifts over minutes, and a block of server runs then a block of local ones
+        # would read that drift as a difference between them.
+        tries: dict[str, list[Run]] = {v: [] for v in variants}
+        for i in range(args.repeats):
+            for variant, extra in variants.items():
+                log(f"[{name}] hybridps {variant} ({i + 1}/{args.repeats})")
+                tries[variant].append(run_hybridps(name, variant, [*wargs, *extra],
+                                                   steps.get(name, 200), work / f"r{i}"))
+        paired[name] = [s.step_ms / lo.step_ms
+                        for s, lo in zip(tries["server"], tries["local"], strict=True)]
+        hyb = {variant: best_of(r) for variant, r in tries.items()}
         runs += [plain, *hyb.values()]
         if flipped in hyb:
             on, off = (hyb["server"], hyb[flipped]) if piped else (hyb[flipped], hyb["server"])
@@ -330,13 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         goals.append(_goal(4, f"{name}: step time server K=1 / local-optimizer",
                            hyb["server"].step_ms / hyb["local"].step_ms, GOAL_ASYNC, "<="))
     if not args.no_growth:
-        small_big = []
-        for rows in (1_000_000, growth_rows):
-            log(f"[growth] hybridps server, {rows} rows")
-            gargs = [*GROWTH, "--num-rows", str(rows), *args.worker_args]
-            small_big.append(best_of([
-                run_hybridps("growth", f"rows-{rows}", gargs, steps["growth"], work / f"g{i}")
-                for i in range(args.repeats)]))
+        sizes: dict[int, list[Run]] = {1_000_000: [], growth_rows: []}
+        for i in range(args.repeats):  # interleaved, as above
+            for rows, tried in sizes.items():
+                log(f"[growth] hybridps server, {rows} rows ({i + 1}/{args.repeats})")
+                gargs = [*GROWTH, "--num-rows", str(rows), *args.worker_args]
+                tried.append(run_hybridps("growth", f"rows-{rows}", gargs, steps["growth"],
+                                          work / f"g{i}"))
+        small_big = [best_of(tried) for tried in sizes.values()]
         runs += small_big
         goals.append(_goal(6, f"growth: step time {growth_rows // 10**6}M / 1M rows",
                            small_big[1].step_ms / small_big[0].step_ms, GOAL_GROWTH, "<"))
@@ -349,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     print(_goal_table(goals))
     for name, gain in pipeline_gain.items():
         print(f"pipeline: {name}: server step time --pipeline false / true = {gain:.3f}")
+    for name, ratios in paired.items():
+        if len(ratios) > 1:
+            print(f"goal 4 per repeat: {name}: server / local = "
+                  + ", ".join(f"{r:.3f}" for r in ratios))
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s; "
           f"worker logs in {work}")
     if args.json:
@@ -356,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "goals": goals,
             "pipeline_gain": pipeline_gain,
+            "server_over_local_per_repeat": paired,
             "runs": [asdict(r) for r in runs],
             "configs": {**CONFIGS, "growth": GROWTH},
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),

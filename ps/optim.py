@@ -291,10 +291,16 @@ def _delta_buffer(out: torch.Tensor | None, n: int, dim: int,
             f"out must be a contiguous CPU float32 tensor of at least {n}x{dim} elements, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
-    view = out.view(-1)[: n * dim].view(n, dim)
-    if n and any(t.numel() and _overlaps(view, t) for t in inputs):
-        raise ValueError("out must not overlap the optimizer state or the gradients")
-    return view
+    if n:  # the server calls this once per push: plain ints, no tensor views to compare
+        start = out.data_ptr()
+        end = start + n * dim * 4
+        for t in inputs:
+            if t.numel():
+                t_start = t.data_ptr()
+                if t_start < end and start < t_start + t.numel() * t.element_size():
+                    raise ValueError(
+                        "out must not overlap the optimizer state or the gradients")
+    return out.as_strided((n, dim), (dim, 1))  # out's first n*dim elements (contiguous)
 
 
 def _int64_ids(ids_U: torch.Tensor) -> torch.Tensor | None:
@@ -399,6 +405,56 @@ def apply_update_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Te
                              delta.data_ptr(), float(decay), threads)
             return
     apply_update_torch_(rows_RD, ids_U, delta_UD, decay)
+
+
+# -- push checks and row marks (the server's per-push bookkeeping) ------------------------
+
+def scan_push(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
+              hi: int) -> tuple[int, bool, int]:
+    """(first position of an id outside [lo, hi) or -1, whether the ids strictly
+    increase, first non-finite element of grads (flat, row-major) or -1).
+
+    `ids_U` int64 [U], `grads_UD` float32 [U, D] (the caller checked dtypes and shapes).
+    The native kernels do it in one allocation-free pass over each; the torch path
+    allocates [U] masks. After a bad id the other two are (False, -1).
+    """
+    ext = _native
+    if (ext is not None and ids_U.device.type == "cpu" and ids_U.is_contiguous()
+            and _is_cpu_f32(grads_UD)):
+        return ext.scan_push(ids_U.data_ptr(), ids_U.shape[0], lo, hi, grads_UD.data_ptr(),
+                             grads_UD.numel())
+    return _scan_push_torch(ids_U, grads_UD, lo, hi)
+
+
+def _scan_push_torch(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
+                     hi: int) -> tuple[int, bool, int]:
+    n = ids_U.shape[0]
+    if n == 0:
+        return -1, True, -1
+    low, high = (int(x) for x in torch.aminmax(ids_U))  # two scalars, no [U] temporaries
+    if low < lo or high >= hi:
+        return int(((ids_U < lo) | (ids_U >= hi)).nonzero()[0, 0]), False, -1
+    increasing = n < 2 or bool((ids_U[1:] > ids_U[:-1]).all())
+    # A finite sum implies finite elements (inf and NaN propagate through +), and a sum
+    # allocates nothing, where isfinite() makes a [U, dim] mask; only a non-finite sum
+    # (a bad element, or an overflow of finite ones) takes the exact check.
+    if math.isfinite(float(grads_UD.sum())):
+        return -1, increasing, -1
+    bad = (~torch.isfinite(grads_UD)).reshape(-1).nonzero()
+    return -1, increasing, int(bad[0, 0]) if bad.numel() else -1
+
+
+def mark_rows_(flags_R: torch.Tensor, ids_U: torch.Tensor) -> int:
+    """flags[ids] = True (bool [R], unique local ids); returns how many were False."""
+    ext = _native
+    if (ext is not None and flags_R.device.type == "cpu" and flags_R.dtype == torch.bool
+            and flags_R.is_contiguous() and ids_U.device.type == "cpu"
+            and ids_U.dtype == torch.int64 and ids_U.is_contiguous()):
+        return int(ext.mark_rows(flags_R.data_ptr(), flags_R.shape[0], ids_U.data_ptr(),
+                                 ids_U.shape[0]))
+    fresh = int((~flags_R.index_select(0, ids_U)).sum()) if ids_U.numel() else 0
+    flags_R.index_fill_(0, ids_U, True)
+    return fresh
 
 
 set_kernel(os.environ.get(KERNEL_ENV, "auto"))

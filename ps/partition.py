@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +40,14 @@ from ps.errors import (
     ResourceExhausted,
     RowOutOfRange,
 )
-from ps.optim import OptimizerSpec, alloc_state, apply_rows_, apply_update_
+from ps.optim import (
+    OptimizerSpec,
+    alloc_state,
+    apply_rows_,
+    apply_update_,
+    mark_rows_,
+    scan_push,
+)
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
@@ -332,30 +338,25 @@ class TableState:
             )
         if n == 0:
             return
-        lo, hi = (int(x) for x in torch.aminmax(ids))  # two scalars, no [U] temporaries
-        bad = ((ids < spec.row_start) | (ids >= spec.row_end)
-               if lo < spec.row_start or hi >= spec.row_end else None)
-        if bad is not None:
-            pos = int(bad.nonzero()[0, 0])
-            bad_id = int(ids[pos])
+        bad, increasing, nonfinite = scan_push(ids, grads, spec.row_start, spec.row_end)
+        if bad >= 0:
+            bad_id = int(ids[bad])
             extra = " (int64 max)" if bad_id == INT64_MAX else ""
             raise RowOutOfRange(
-                f"{what}: id {bad_id}{extra} at position {pos} is outside the rows "
+                f"{what}: id {bad_id}{extra} at position {bad} is outside the rows "
                 f"[{spec.row_start}, {spec.row_end}) this rank owns of table {spec.name!r} "
                 f"({spec.num_rows} rows)"
             )
-        dup = first_duplicate(ids)
+        # Strictly increasing ids (coalesced pushes come sorted) are unique; others are
+        # sorted to find a repeat.
+        dup = None if increasing else first_duplicate(ids)
         if dup is not None:
             raise InvalidArgument(
                 f"{what}: id {dup} appears more than once; pushes must be coalesced "
                 "(send grad.coalesce() rows, each id once)"
             )
-        # A finite sum implies finite elements (inf and NaN propagate through +), and a sum
-        # allocates nothing, where isfinite() makes a [U, dim] mask; only a non-finite sum
-        # (a bad element, or an overflow of finite ones) takes the exact check.
-        finite = None if math.isfinite(float(grads.sum())) else torch.isfinite(grads)
-        if finite is not None and not bool(finite.all()):
-            row, col = (int(x) for x in (~finite).nonzero()[0])
+        if nonfinite >= 0:
+            row, col = divmod(nonfinite, spec.dim)
             raise NonFiniteGradient(
                 f"{what}: gradient of id {int(ids[row])} (row {row}, column {col}) is "
                 f"{float(grads[row, col])}; non-finite gradients are refused"
@@ -394,7 +395,7 @@ class TableState:
               sink: AnswerSink | None = None) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
         written into `sink` too (PushChunk.sink)."""
-        local = ids - self.spec.row_start
+        local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
         delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count, out=out)
@@ -404,8 +405,7 @@ class TableState:
         n = int(ids.shape[0])
         self.rows_updated += n
         if n:
-            self.distinct_touched += int((~self.touched.index_select(0, local)).sum())
-            self.touched.index_fill_(0, local, True)
+            self.distinct_touched += mark_rows_(self.touched, local)
         self.rate.add(n)
         if self.master is not None:
             # The optimizer step lands on the fp32 master (exactly what the rank would do to

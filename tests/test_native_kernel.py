@@ -233,6 +233,69 @@ def test_native_ineligible_tensors_use_the_torch_path() -> None:
     assert torch.equal(delta, ref)
 
 
+def _scan_cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
+    """(case, ids, grads, lo, hi): clean, bad ids, unsorted, repeats, non-finite values."""
+    gen = torch.Generator().manual_seed(7)
+    for n, dim in ((0, 4), (1, 4), (7, 3), (300, 16), (5000, 2)):
+        ids = torch.randperm(10_000, generator=gen)[:n].sort().values + 100
+        grads = torch.randn(n, dim, generator=gen)
+        yield f"clean n={n}", ids, grads, 100, 10_100
+        if n == 0:
+            continue
+        yield f"shuffled n={n}", ids[torch.randperm(n, generator=gen)], grads, 100, 10_100
+        for pos in sorted({0, n // 2, n - 1}):
+            for bad in (99, 10_100, -1, 2**63 - 1):
+                wrong = ids.clone()
+                wrong[pos] = bad
+                if n > 2:  # a second bad id later: the first position is reported
+                    wrong[-1] = -5
+                yield f"bad id {bad} at {pos} n={n}", wrong, grads, 100, 10_100
+            if n > 1:
+                repeat = ids.clone()
+                repeat[pos] = ids[pos - 1] if pos else ids[1]
+                yield f"repeat at {pos} n={n}", repeat, grads, 100, 10_100
+            for value in (float("nan"), float("inf"), float("-inf")):
+                wrong_g = grads.clone()
+                wrong_g.view(-1)[(pos * dim + dim // 2)] = value
+                if grads.numel() > 3:
+                    wrong_g.view(-1)[-1] = float("nan")
+                yield f"{value} at row {pos} n={n}", ids, wrong_g, 100, 10_100
+    huge = torch.full((3, 2), 3e38)  # finite, but its sum overflows: the exact check
+    yield "finite but overflowing sum", torch.tensor([1, 2, 3]), huge, 0, 10
+
+
+@needs_native
+def test_scan_push_native_equals_torch() -> None:
+    """The server's push checks: the C scan gives the torch path's answer in every case."""
+    cases = list(_scan_cases())
+    assert len(cases) > 80
+    for case, ids, grads, lo, hi in cases:
+        ref = optim._scan_push_torch(ids, grads, lo, hi)
+        got = native.ext.scan_push(ids.data_ptr(), ids.shape[0], lo, hi, grads.data_ptr(),
+                                   grads.numel())
+        assert got == ref, case
+        assert optim.scan_push(ids, grads, lo, hi) == ref, case  # the dispatch
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_mark_rows_counts_fresh_rows(kernel: str) -> None:
+    if kernel == "native" and native.ext is None:
+        pytest.skip(f"native kernels not built ({native.load_error})")
+    before = optim.kernel_info()["requested"]
+    optim.set_kernel(kernel)
+    try:
+        flags = torch.zeros(50, dtype=torch.bool)
+        assert optim.mark_rows_(flags, torch.tensor([3, 9, 4], dtype=torch.int64)) == 3
+        assert optim.mark_rows_(flags, torch.tensor([9, 10], dtype=torch.int64)) == 1
+        assert optim.mark_rows_(flags, torch.tensor([], dtype=torch.int64)) == 0
+        assert flags.nonzero().view(-1).tolist() == [3, 4, 9, 10]
+        with pytest.raises(IndexError):
+            optim.mark_rows_(flags, torch.tensor([2, 50], dtype=torch.int64))
+        assert flags.nonzero().view(-1).tolist() == [3, 4, 9, 10]  # nothing marked
+    finally:
+        optim.set_kernel(before)
+
+
 @needs_native
 @pytest.mark.usefixtures("native_kernel")
 def test_native_concurrent_callers() -> None:
@@ -323,13 +386,15 @@ def test_set_kernel_torch_never_calls_the_extension(monkeypatch: pytest.MonkeyPa
             def boom(*args: object) -> None:
                 raise AssertionError("native kernel called with HYBRIDPS_KERNEL=torch")
 
-            for name in ("adam", "adamw", "scale", "apply_update"):
+            for name in ("adam", "adamw", "scale", "apply_update", "scan_push", "mark_rows"):
                 monkeypatch.setattr(native.ext, name, boom)
         m, v = torch.zeros(10, 4), torch.zeros(10, 4)
         for spec in SPECS.values():
             delta, decay = optim.apply_rows_(spec, m, v, torch.tensor([1, 2]),
                                              torch.ones(2, 4), 1)
             optim.apply_update_(m, torch.tensor([1, 2]), delta, decay)
+        assert optim.scan_push(torch.tensor([1, 2]), torch.ones(2, 4), 0, 10) == (-1, True, -1)
+        assert optim.mark_rows_(torch.zeros(10, dtype=torch.bool), torch.tensor([1, 2])) == 2
     finally:
         monkeypatch.undo()
         optim.set_kernel(before)

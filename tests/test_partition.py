@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+import ps.optim as optim
+from ps import native
 from ps.core import ShardCore
 from ps.errors import (
     AnswerEvicted,
@@ -286,6 +289,10 @@ BAD_PUSHES: list[tuple[str, dict[str, Any], type[ShardError], str]] = [
     ("id too large", {"ids": [10, 20]}, RowOutOfRange, r"id 20 .*\[10, 20\)"),
     ("int64 max", {"ids": [I64_MAX]}, RowOutOfRange, rf"id {I64_MAX} \(int64 max\)"),
     ("duplicate ids", {"ids": [12, 13, 12]}, InvalidArgument, "id 12 appears more than once"),
+    ("duplicate sorted ids", {"ids": [12, 13, 13]}, InvalidArgument,
+     "id 13 appears more than once"),
+    ("bad id after a duplicate", {"ids": [12, 12, 20]}, RowOutOfRange,
+     r"id 20 at position 2 .*\[10, 20\)"),
     ("ids int32", {"ids_tensor": torch.tensor([10], dtype=torch.int32)}, InvalidArgument,
      "1-D int64 .* torch.int32"),
     ("ids 2-D", {"ids_tensor": torch.tensor([[10, 11]])}, InvalidArgument, r"shape \[1, 2\]"),
@@ -305,8 +312,20 @@ BAD_PUSHES: list[tuple[str, dict[str, Any], type[ShardError], str]] = [
 ]
 
 
+@pytest.fixture(params=["native", "torch"])
+def row_kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each kernel choice: the push checks and row marks run in C or in torch."""
+    if request.param == "native" and native.ext is None:
+        pytest.skip(f"native kernels not built ({native.load_error})")
+    before = optim.kernel_info()["requested"]
+    optim.set_kernel(request.param)
+    yield request.param
+    optim.set_kernel(before)
+
+
 @pytest.mark.parametrize(("case", "changes", "exc", "named"), BAD_PUSHES,
                          ids=[c[0] for c in BAD_PUSHES])
+@pytest.mark.usefixtures("row_kernel")
 def test_bad_push_is_refused_without_state_change(case: str, changes: dict[str, Any],
                                                   exc: type[ShardError], named: str) -> None:
     store = make_store()

@@ -568,6 +568,79 @@ static PyObject *py_triad(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------- push checks */
+
+/* One pass over a push's ids and one over its gradients, with no allocation (the torch
+ * checks make [U] and [U, dim] temporaries): the first id outside [lo, hi), whether the
+ * ids strictly increase (coalesced pushes come sorted: then they are unique), and the
+ * first non-finite gradient element (an exponent of all ones: inf or NaN). */
+MULTIVERSION static int64_t first_nonfinite(const float *g, int64_t n) {
+    const uint32_t *u = (const uint32_t *)g;
+    const int64_t block = 4096;
+    for (int64_t lo = 0; lo < n; lo += block) {
+        const int64_t hi = lo + block < n ? lo + block : n;
+        uint32_t any = 0; /* branch-free within a block, so the loop vectorizes */
+        for (int64_t i = lo; i < hi; i++) any |= ((u[i] & 0x7f800000u) == 0x7f800000u);
+        if (any)
+            for (int64_t i = lo; i < hi; i++)
+                if ((u[i] & 0x7f800000u) == 0x7f800000u) return i;
+    }
+    return -1;
+}
+
+PyDoc_STRVAR(scan_push_doc,
+             "scan_push(ids, n_ids, lo, hi, g, n_elems)\n--\n\n"
+             "Checks of one push, allocation-free: (first position of an id outside [lo, hi)\n"
+             "or -1, whether the ids strictly increase, first non-finite element of the\n"
+             "float32 gradients g[:n_elems] or -1). After a bad id the other two are not\n"
+             "computed (False, -1).");
+
+static PyObject *py_scan_push(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pids, pg;
+    long long n_ids, lo, hi, n_elems;
+    if (!PyArg_ParseTuple(args, "KLLLKL", &pids, &n_ids, &lo, &hi, &pg, &n_elems)) return NULL;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    int64_t bad = -1, nonfinite = -1;
+    int increasing = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < n_ids; i++) {
+        if (ids[i] < lo || ids[i] >= hi) {
+            bad = i;
+            break;
+        }
+        if (i && ids[i] <= ids[i - 1]) increasing = 0;
+    }
+    if (bad < 0 && n_elems > 0) nonfinite = first_nonfinite(PTR(const float *, pg), n_elems);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) increasing = 0;
+    return Py_BuildValue("(LOL)", (long long)bad, increasing ? Py_True : Py_False,
+                         (long long)nonfinite);
+}
+
+PyDoc_STRVAR(mark_rows_doc,
+             "mark_rows(flags, n_flags, ids, n_ids)\n--\n\n"
+             "Set the bytes flags[ids] (bool [n_flags]) to 1 and return how many were 0 (the\n"
+             "unique int64 ids must be in [0, n_flags): checked, IndexError otherwise).");
+
+static PyObject *py_mark_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pflags, pids;
+    long long n_flags, n_ids;
+    if (!PyArg_ParseTuple(args, "KLKL", &pflags, &n_flags, &pids, &n_ids)) return NULL;
+    if (n_ids <= 0) return PyLong_FromLong(0);
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t bad = first_bad_id(ids, n_ids, n_flags);
+    if (bad >= 0) return raise_bad_id(ids, bad, n_flags);
+    uint8_t *flags = PTR(uint8_t *, pflags);
+    int64_t fresh = 0;
+    for (int64_t i = 0; i < n_ids; i++) {
+        fresh += flags[ids[i]] == 0;
+        flags[ids[i]] = 1;
+    }
+    return PyLong_FromLongLong((long long)fresh);
+}
+
 PyDoc_STRVAR(advise_hugepages_doc,
              "advise_hugepages(ptr, nbytes)\n--\n\n"
              "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of [ptr, ptr+nbytes): ask for\n"
@@ -608,6 +681,8 @@ static PyMethodDef methods[] = {
     {"scale", py_scale, METH_VARARGS, scale_doc},
     {"triad", py_triad, METH_VARARGS, triad_doc},
     {"advise_hugepages", py_advise_hugepages, METH_VARARGS, advise_hugepages_doc},
+    {"scan_push", py_scan_push, METH_VARARGS, scan_push_doc},
+    {"mark_rows", py_mark_rows, METH_VARARGS, mark_rows_doc},
     {"build_info", py_build_info, METH_NOARGS, "Build options (threads, prefetch, chunking)."},
     {NULL, NULL, 0, NULL},
 };
@@ -615,7 +690,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT,
     "_fused_adam",
-    "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad).",
+    "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad) and the\n"
+    "server's allocation-free push checks (scan_push, mark_rows).",
     -1,
     methods,
     NULL,

@@ -42,6 +42,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -574,16 +575,21 @@ static PyObject *py_triad(PyObject *self, PyObject *args) {
  * checks make [U] and [U, dim] temporaries): the first id outside [lo, hi), whether the
  * ids strictly increase (coalesced pushes come sorted: then they are unique), and the
  * first non-finite gradient element (an exponent of all ones: inf or NaN). */
+static inline uint32_t nonfinite_bit(const float *g, int64_t i) {
+    uint32_t bits; /* memcpy, not a uint32_t* cast: no strict-aliasing question */
+    memcpy(&bits, g + i, sizeof bits);
+    return (bits & 0x7f800000u) == 0x7f800000u;
+}
+
 MULTIVERSION static int64_t first_nonfinite(const float *g, int64_t n) {
-    const uint32_t *u = (const uint32_t *)g;
     const int64_t block = 4096;
     for (int64_t lo = 0; lo < n; lo += block) {
         const int64_t hi = lo + block < n ? lo + block : n;
         uint32_t any = 0; /* branch-free within a block, so the loop vectorizes */
-        for (int64_t i = lo; i < hi; i++) any |= ((u[i] & 0x7f800000u) == 0x7f800000u);
+        for (int64_t i = lo; i < hi; i++) any |= nonfinite_bit(g, i);
         if (any)
             for (int64_t i = lo; i < hi; i++)
-                if ((u[i] & 0x7f800000u) == 0x7f800000u) return i;
+                if (nonfinite_bit(g, i)) return i;
     }
     return -1;
 }

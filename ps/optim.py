@@ -275,10 +275,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
+def _spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, a1 = _span(a)
-    b0, b1 = _span(b)
-    return a0 < b1 and b0 < a1
+    return _spans_overlap(_span(a), _span(b))
 
 
 def _delta_buffer(out: torch.Tensor | None, n: int, dim: int,
@@ -291,15 +293,10 @@ def _delta_buffer(out: torch.Tensor | None, n: int, dim: int,
             f"out must be a contiguous CPU float32 tensor of at least {n}x{dim} elements, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
-    if n:  # the server calls this once per push: plain ints, no tensor views to compare
-        start = out.data_ptr()
-        end = start + n * dim * 4
-        for t in inputs:
-            if t.numel():
-                t_start = t.data_ptr()
-                if t_start < end and start < t_start + t.numel() * t.element_size():
-                    raise ValueError(
-                        "out must not overlap the optimizer state or the gradients")
+    # The span of the n*dim elements used, compared as ints: no view is made to compare.
+    used = (out.data_ptr(), out.data_ptr() + n * dim * out.element_size())
+    if n and any(t.numel() and _spans_overlap(used, _span(t)) for t in inputs):
+        raise ValueError("out must not overlap the optimizer state or the gradients")
     return out.as_strided((n, dim), (dim, 1))  # out's first n*dim elements (contiguous)
 
 

@@ -187,11 +187,9 @@ class Store:
 
     def _queue_add(self, key: TableKey, n: int) -> None:
         with self._lock:
-            count = self._queued[key] + n
-            if count > 0:
-                self._queued[key] = count
-            else:
-                self._queued.pop(key, None)
+            self._queued[key] += n
+            if self._queued[key] <= 0:
+                del self._queued[key]
 
     # -- Register --------------------------------------------------------------------
 

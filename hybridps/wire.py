@@ -36,11 +36,12 @@ class WireError(ValueError):
     """A Tensor message that does not describe a valid tensor."""
 
 
+_NAME_BY_WIRE = {v: str(shard_pb2.DType.Name(v)) for v in shard_pb2.DType.values()}
+
+
 def dtype_name(wire_dtype: int) -> str:
-    try:
-        return str(shard_pb2.DType.Name(wire_dtype))
-    except ValueError:
-        return f"<unknown dtype {wire_dtype}>"
+    name = _NAME_BY_WIRE.get(wire_dtype)
+    return name if name is not None else f"<unknown dtype {wire_dtype}>"
 
 
 def torch_dtype(wire_dtype: int) -> torch.dtype | None:

@@ -150,7 +150,7 @@ def push_header(msg: SyncRequest) -> shard_pb2.Push:
 
 def shm_ref(name: str, msg: shard_pb2.ShmTensor) -> ShmRef:
     return ShmRef(name, wire.torch_dtype(msg.dtype), wire.dtype_name(msg.dtype),
-                  tuple(int(s) for s in msg.shape), int(msg.offset), int(msg.length))
+                  tuple(msg.shape), int(msg.offset), int(msg.length))
 
 
 def is_shm_push(head: shard_pb2.Push) -> bool:

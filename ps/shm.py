@@ -81,10 +81,21 @@ class ArenaRefused(Exception):
     """The arena cannot be used; the message says why (sent back in RegisterResponse)."""
 
 
+class _Where:
+    """`what: <the ref>` for an error message, formatted only if one is raised (three
+    refs a push are checked on the event loop)."""
+
+    def __init__(self, what: str, ref: ShmRef) -> None:
+        self.what, self.ref = what, ref
+
+    def __format__(self, spec: str) -> str:
+        return f"{self.what}: {self.ref.describe()}"
+
+
 def check_ref(ref: ShmRef, size: int, what: str) -> None:
     """Raise BadShmReference naming the value unless `ref` is a valid region of an arena
     of `size` bytes."""
-    where = f"{what}: {ref.describe()}"
+    where = _Where(what, ref)
     if ref.dtype is None:
         raise BadShmReference(f"{where}: dtype {ref.dtype_name} cannot travel")
     if any(s < 0 for s in ref.shape):
@@ -114,6 +125,7 @@ class ServerArena:
                  epoch: int) -> None:
         self.path, self.size, self.nonce = path, size, nonce
         self._mmap = mapping
+        self._views = layout.Views(mapping)
         self.lock = threading.Lock()
         self.epoch = epoch
         self.pushes = 0
@@ -122,7 +134,7 @@ class ServerArena:
     def view(self, ref: ShmRef) -> torch.Tensor:
         """The checked region as a tensor (keeps the mapping alive while it lives)."""
         assert ref.dtype is not None  # check_ref ran
-        return layout.view(self._mmap, ref.offset, ref.dtype, ref.shape)
+        return self._views.view(ref.offset, ref.dtype, ref.shape)
 
     def check_epoch(self, epoch: int, what: str) -> None:
         if epoch != self.epoch:
@@ -145,6 +157,7 @@ class ServerArena:
         buffer export, so closing it would unmap memory they still point into (a handler
         finishing, an answer in the cache)."""
         self._mmap = None  # type: ignore[assignment]
+        self._views = None  # type: ignore[assignment]
 
 
 def open_arena(path: str, size: int, nonce: bytes, directory: str = layout.SHM_DIR

@@ -7,6 +7,7 @@ the server's log), so a silent fallback to inline tensors fails them.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,8 +122,34 @@ def _ref(name: str, dtype: torch.dtype, shape: tuple[int, ...], offset: int,
     (ShmRef("ids", None, "<unknown dtype 77>", (3,), 4096, 24), "cannot travel"),
 ])
 def test_bad_references_name_the_value(ref: ShmRef, message: str) -> None:
-    with pytest.raises(BadShmReference, match=message.replace("[", r"\[").replace(")", r"\)")):
+    with pytest.raises(BadShmReference, match=message.replace("[", r"\[").replace(")", r"\)")
+                       ) as err:
         check_ref(ref, 1 << 20, "push step=3")
+    # ... after the push and the whole reference (formatted only when one is refused)
+    assert str(err.value).startswith(f"push step=3: {ref.describe()}: ")
+
+
+def test_views_are_the_mapping_s_bytes() -> None:
+    """Views.view: an as_strided view of one whole-mapping tensor per dtype, equal to a
+    frombuffer of the same bytes, writing through to the mapping; bad offsets refused."""
+    mapping = mmap.mmap(-1, 1 << 16)
+    views = layout.Views(mapping)
+    data = torch.arange(96, dtype=torch.float32)
+    mapping[4096:4096 + 384] = data.numpy().tobytes()
+    grads = views.view(4096, torch.float32, (12, 8))
+    assert grads.is_contiguous() and grads.shape == (12, 8)
+    assert torch.equal(grads, data.view(12, 8))
+    assert torch.equal(views.view(4096 + 64, torch.float32, (8,)), data[16:24])
+    assert torch.equal(views.view(4096, torch.int64, (2,)),
+                       torch.frombuffer(mapping, dtype=torch.int64, count=2, offset=4096))
+    grads[1, 0] = -5.0  # the server writes answers this way
+    assert torch.frombuffer(mapping, dtype=torch.float32, count=1, offset=4096 + 32).item() \
+        == -5.0
+    assert views.view(8192, torch.float32, (0, 8)).shape == (0, 8)
+    with pytest.raises(ValueError, match="offset 4098 is not a multiple of"):
+        views.view(4098, torch.float32, (2,))
+    with pytest.raises(RuntimeError):  # torch's own bounds check: past the mapping's end
+        views.view((1 << 16) - 16, torch.float32, (2, 4))
 
 
 def test_answer_writes_of_an_old_epoch_are_fenced() -> None:

@@ -166,6 +166,7 @@ class ClientArena:
                                  ) from None
         finally:
             os.close(fd)
+        self._views = layout.Views(self._mmap)
         header = layout.pack_header(self.nonce, size)
         self._mmap[:len(header)] = header
         self.ring = RingAllocator(layout.HEADER_BYTES, size)
@@ -174,7 +175,7 @@ class ClientArena:
         return shard_pb2.SharedMemoryArena(path=self.path, size=self.size, nonce=self.nonce)
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        return layout.view(self._mmap, offset, dtype, shape)
+        return self._views.view(offset, dtype, shape)
 
     def unlink(self) -> None:
         """Remove the file name (the mappings stay valid)."""
@@ -187,6 +188,7 @@ class ClientArena:
         it would unmap memory they still point into."""
         self._unlink()
         self._mmap = None  # type: ignore[assignment]
+        self._views = None  # type: ignore[assignment]
 
 
 @dataclass

@@ -20,9 +20,9 @@
  * Two distances: rows PF_FAR_BYTES ahead are fetched into L2 only (prefetcht2),
  * rows PF_BYTES ahead into L1. One L1-only distance is capped by the few L1 miss
  * buffers; staging through L2 keeps more misses in flight (measured on a Zen 4 VM,
- * huge-page tables, one thread: dim 64 +50-90%, dim 128 +30-40%; less on two
- * threads, where the memory system saturates). A longer L1-only distance, or
- * prefetcht1/t2 alone, gained less.
+ * huge-page tables: +12% to +150% in 10 of bench_kernel.py's 12 configurations,
+ * nothing at dim 64 with 4k rows; README, Performance). A longer L1-only distance,
+ * or prefetcht1/t2 alone, gained less.
  *
  * Threads: a small persistent pthread pool rather than OpenMP. The rows are cut into
  * chunks of ~CHUNK_ELEMS elements claimed from one atomic counter, and the calling
@@ -91,7 +91,9 @@
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH_L1(p) __builtin_prefetch((p), 1, 3)
-#define PREFETCH_L2(p) __builtin_prefetch((p), 1, 1)
+/* Read intent for the L2 stage: with write intent a target that has PREFETCHW
+ * would emit it, and it fetches into L1, not L2. */
+#define PREFETCH_L2(p) __builtin_prefetch((p), 0, 1)
 #define RESTRICT __restrict__
 /* A function that only prefetches has no visible effect, so GCC's IPA may mark it
  * const and drop the call before inlining it (it did: no prefetch was left in the

@@ -81,37 +81,30 @@ class ArenaRefused(Exception):
     """The arena cannot be used; the message says why (sent back in RegisterResponse)."""
 
 
-class _Where:
-    """`what: <the ref>` for an error message, formatted only if one is raised (three
-    refs a push are checked on the event loop)."""
-
-    def __init__(self, what: str, ref: ShmRef) -> None:
-        self.what, self.ref = what, ref
-
-    def __format__(self, spec: str) -> str:
-        return f"{self.what}: {self.ref.describe()}"
-
-
 def check_ref(ref: ShmRef, size: int, what: str) -> None:
     """Raise BadShmReference naming the value unless `ref` is a valid region of an arena
     of `size` bytes."""
-    where = _Where(what, ref)
+    problem = _ref_problem(ref, size)
+    if problem is not None:  # the message is formatted only then (3 refs a push, on the loop)
+        raise BadShmReference(f"{what}: {ref.describe()}: {problem}")
+
+
+def _ref_problem(ref: ShmRef, size: int) -> str | None:
     if ref.dtype is None:
-        raise BadShmReference(f"{where}: dtype {ref.dtype_name} cannot travel")
+        return f"dtype {ref.dtype_name} cannot travel"
     if any(s < 0 for s in ref.shape):
-        raise BadShmReference(f"{where}: negative dimension in shape {list(ref.shape)}")
+        return f"negative dimension in shape {list(ref.shape)}"
     numel = math.prod(ref.shape)
     itemsize = ref.dtype.itemsize
     if ref.length != numel * itemsize:
-        raise BadShmReference(f"{where}: length {ref.length} does not match shape "
-                              f"{list(ref.shape)} of {ref.dtype_name} ({numel * itemsize} "
-                              "bytes)")
+        return (f"length {ref.length} does not match shape {list(ref.shape)} of "
+                f"{ref.dtype_name} ({numel * itemsize} bytes)")
     if ref.offset % layout.ALIGN:
-        raise BadShmReference(f"{where}: offset {ref.offset} is not a multiple of "
-                              f"{layout.ALIGN}")
+        return f"offset {ref.offset} is not a multiple of {layout.ALIGN}"
     if not layout.HEADER_BYTES <= ref.offset <= ref.offset + ref.length <= size:
-        raise BadShmReference(f"{where}: [{ref.offset}, {ref.offset + ref.length}) is "
-                              f"outside the arena's data [{layout.HEADER_BYTES}, {size})")
+        return (f"[{ref.offset}, {ref.offset + ref.length}) is outside the arena's data "
+                f"[{layout.HEADER_BYTES}, {size})")
+    return None
 
 
 def _overlap(a: ShmRef, b: ShmRef) -> bool:

@@ -71,6 +71,9 @@ class ShardCore:
                                         initializer=_init_update_thread,
                                         initargs=(per_thread,))
         self._applied = asyncio.Condition()
+        # Flushes waiting on _applied: a push wakes them only when there are any (the loop
+        # runs both, so none can start waiting between the check and the notify).
+        self._flush_waiters = 0
         log.info(kv("core_start", server_id=store.server_id, update_threads=self.update_threads,
                     torch_threads=per_thread))
         # Which row kernel runs (native C loops or the torch fallback) and why, for users.
@@ -109,7 +112,7 @@ class ShardCore:
             answer = _feed_float32(session, chunk)
         else:
             answer = await self._run(_feed_float32, session, chunk)
-        if answer is not None and not answer.duplicate:
+        if answer is not None and not answer.duplicate and self._flush_waiters:
             async with self._applied:
                 self._applied.notify_all()
         return answer
@@ -117,6 +120,7 @@ class ShardCore:
     async def flush(self, run_id: str, rank: int, step: int,
                     timeout_s: float = 0.0) -> list[RankStep]:
         """Wait until every named (rank, table) applied `step`; FlushTimeout otherwise."""
+        self._flush_waiters += 1
         try:
             if timeout_s < 0:
                 raise InvalidArgument(f"flush run={run_id!r}: timeout_s={timeout_s} must be >= 0")
@@ -143,6 +147,8 @@ class ShardCore:
         except ShardError as exc:
             self.store.record_refusal(exc.reason, run_id)
             raise
+        finally:
+            self._flush_waiters -= 1
 
     async def checkpoint(self, run_id: str, ranks: Sequence[int], step: int, directory: str,
                          timeout_s: float = 0.0) -> list[tuple[int, Any]]:

@@ -402,7 +402,7 @@ class TableState:
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1
-        n = int(ids.shape[0])
+        n = ids.shape[0]
         self.rows_updated += n
         if n:
             self.distinct_touched += mark_rows_(self.touched, local)
@@ -415,17 +415,16 @@ class TableState:
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
                             decay=0.0, rows=True)
         else:
+            # A delta the kernel wrote into the sink stays there, and the cache only
+            # borrows it (no [U, dim] copy a push): the cache is read for a re-sent push
+            # alone, and a rank re-sends only pushes it got no answer for, whose regions
+            # it has not reused.
+            in_sink = out is not None and (n == 0 or delta.data_ptr() == out.data_ptr())
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=delta,
-                            decay=float(decay))
-        in_sink = out is not None and answer.delta is delta and (
-            delta.numel() == 0 or delta.data_ptr() == out.data_ptr())
-        if sink is not None and not in_sink:
+                            decay=float(decay), borrowed=in_sink)
+        if sink is not None and not answer.borrowed:
             sink.write(answer.delta)
-        # A delta the kernel wrote into the sink stays there, and the cache only borrows
-        # it (no [U, dim] copy a push): the cache is read for a re-sent push alone, and a
-        # rank re-sends only pushes it got no answer for, whose regions it has not reused.
-        self.answers[step] = (dataclasses.replace(answer, borrowed=True) if in_sink
-                              else answer)
+        self.answers[step] = answer
         while len(self.answers) > self.answer_cache_steps:
             self.answers.popitem(last=False)
         return answer

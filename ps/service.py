@@ -154,7 +154,8 @@ def shm_ref(name: str, msg: shard_pb2.ShmTensor) -> ShmRef:
 
 
 def is_shm_push(head: shard_pb2.Push) -> bool:
-    return any(head.HasField(f) for f in ("shm_ids", "shm_grads", "shm_answer"))
+    return (head.HasField("shm_ids") or head.HasField("shm_grads")
+            or head.HasField("shm_answer"))
 
 
 def _shm_push(msg: SyncRequest, head_msg: shard_pb2.Push, head: str,

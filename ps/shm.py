@@ -264,6 +264,7 @@ class ShmPush:
     grads: torch.Tensor   # a view of the arena
     answer: torch.Tensor  # a view of the arena, [U, dim] in the answer's dtype
     what: str = "push"
+    tensor_bytes: int = 0  # of the three regions (their checked lengths)
 
     @property
     def out(self) -> torch.Tensor | None:
@@ -276,10 +277,6 @@ class ShmPush:
                                   f"push's shm answer region {list(self.answer.shape)} (a "
                                   "re-sent push that differs from the first?)")
         self.arena.write_answer(self.epoch, self.answer, answer_UD, self.what)
-
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.grads, self.answer))
 
 
 def resolve(arena: ServerArena | None, epoch: int, refs: tuple[ShmRef, ShmRef, ShmRef],
@@ -312,4 +309,5 @@ def resolve(arena: ServerArena | None, epoch: int, refs: tuple[ShmRef, ShmRef, S
             raise BadShmReference(f"{what}: {answer_ref.describe()} overlaps "
                                   f"{other.describe()}")
     return ShmPush(arena, epoch, arena.view(ids_ref).clone(), arena.view(grads_ref),
-                   arena.view(answer_ref), what)
+                   arena.view(answer_ref), what,
+                   ids_ref.length + grads_ref.length + answer_ref.length)

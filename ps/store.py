@@ -551,7 +551,8 @@ class SyncSession:
             part, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
                                               chunk.table, what)
             table.classify_step(chunk.step, what)  # fail fast on out-of-order / evicted
-            pending = _Pending(chunk.identity, n, part, table, chunk.describe())
+            pending = _Pending(chunk.identity, n, part, table,
+                               what if n == 1 else chunk.describe())
             self._pending = pending
         elif chunk.identity != pending.identity or n != pending.num_chunks:
             raise InvalidArgument(

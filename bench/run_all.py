@@ -88,7 +88,8 @@ def listed_goals(res: dict[str, Any]) -> list[Goal]:
 
 
 def no_goals(res: dict[str, Any]) -> list[Goal]:
-    """A measurement without a goal (bench_checkpoint.py: seconds per GiB)."""
+    """A measurement without a goal (bench_checkpoint.py: seconds per GiB;
+    bench_push_cpu.py: the server's CPU per batch push)."""
     return []
 
 
@@ -98,6 +99,7 @@ BENCHES: dict[str, tuple[str, Callable[[dict[str, Any]], list[Goal]]]] = {
     "memory": ("bench/bench_memory.py", memory_goals),
     "train": ("bench/bench_train.py", listed_goals),
     "checkpoint": ("bench/bench_checkpoint.py", no_goals),
+    "push_cpu": ("bench/bench_push_cpu.py", no_goals),
 }
 
 

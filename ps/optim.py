@@ -297,7 +297,7 @@ def _delta_buffer(out: torch.Tensor | None, n: int, dim: int,
         )
     # The span of the n*dim elements used, compared as ints: no view is made to compare.
     start = out.data_ptr()
-    used = (start, start + n * dim * 4)
+    used = (start, start + n * dim * out.element_size())
     if n:
         for t in inputs:
             if t.numel() and _spans_overlap(used, _span(t)):

@@ -263,8 +263,8 @@ class ShmPush:
     ids: torch.Tensor     # a copy (see the module docstring)
     grads: torch.Tensor   # a view of the arena
     answer: torch.Tensor  # a view of the arena, [U, dim] in the answer's dtype
+    tensor_bytes: int     # of the three regions (their checked lengths)
     what: str = "push"
-    tensor_bytes: int = 0  # of the three regions (their checked lengths)
 
     @property
     def out(self) -> torch.Tensor | None:
@@ -309,5 +309,5 @@ def resolve(arena: ServerArena | None, epoch: int, refs: tuple[ShmRef, ShmRef, S
             raise BadShmReference(f"{what}: {answer_ref.describe()} overlaps "
                                   f"{other.describe()}")
     return ShmPush(arena, epoch, arena.view(ids_ref).clone(), arena.view(grads_ref),
-                   arena.view(answer_ref), what,
-                   ids_ref.length + grads_ref.length + answer_ref.length)
+                   arena.view(answer_ref),
+                   ids_ref.length + grads_ref.length + answer_ref.length, what)

@@ -8,7 +8,8 @@ each, by reference into its arena, in one `Push.batch` message), measured two wa
 in one run:
   (a) in process: the server's Python path alone (decode, the Store's checks and
       update, the answer message), no gRPC; min and median of 7 rounds;
-  (b) a real `python -m ps` and one rank on a real Sync stream, one batch in flight:
+  (b) a real `python -m ps` and one rank on a real Sync stream, and on the server's
+      Sync socket (ps/direct.py, the default for a same-node rank), one batch in flight:
       the server's CPU per batch (/proc/<pid>/stat) and the client's, with the next
       batch sent at once (`gap 0`) and after a pause like a training step's (`gap 5`
       ms): a server that sleeps between messages pays more for each (cold caches).
@@ -42,9 +43,10 @@ from hybridps.v1 import shard_pb2, shard_pb2_grpc  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
 from ps.optim import OptimizerSpec  # noqa: E402
 from ps.partition import TableSpec  # noqa: E402
-from ps.service import _decode_push, answer_in_shm, push_chunks  # noqa: E402
+from ps.service import answer_in_shm, decode_push, push_chunks  # noqa: E402
 from ps.shm import ArenaRegistry, ShmPush  # noqa: E402
 from ps.store import Store  # noqa: E402
+from worker.direct import DirectChannel  # noqa: E402
 from worker.shm import ClientArena, ShmSlot, place  # noqa: E402
 from worker.sync import optimizer_message  # noqa: E402
 
@@ -120,7 +122,7 @@ async def _rounds(store: Store, registry: ArenaRegistry, pushes: Pushes,
             data = [msg.SerializeToString() for msg, _ in made]
             start = time.perf_counter()
             for raw in data:  # what ShardServicer._read and Sync do with one message
-                chunks = push_chunks(_decode_push(raw), registry, store)
+                chunks = push_chunks(decode_push(raw), registry, store)
                 for chunk in chunks:
                     session.received(chunk)
                 answers = []
@@ -146,9 +148,11 @@ def process_cpu_s(pid: int) -> float:
 
 
 def over_stream(address: str, server_pid: int, tables: int, rows: int, dim: int,
-                batches: int, gap_s: float) -> dict[str, float]:
+                batches: int, gap_s: float, transport: str = "stream") -> dict[str, float]:
+    """`transport` "stream": the gRPC Sync stream; "socket": the server's Sync socket
+    (ps/direct.py), written and read on this thread as a rank's training thread does."""
     arena = ClientArena(64 << 20, rank=0)
-    run_id = f"bench-{os.getpid()}-{int(gap_s * 1e6)}"
+    run_id = f"bench-{os.getpid()}-{int(gap_s * 1e6)}-{transport}"
     outbox: queue.Queue[shard_pb2.Push | None] = queue.Queue()
 
     def requests() -> Iterator[shard_pb2.Push]:
@@ -166,12 +170,29 @@ def over_stream(address: str, server_pid: int, tables: int, rows: int, dim: int,
         if not response.shm.accepted:
             raise RuntimeError(f"the server refused the arena: {response.shm.reason}")
         pushes = Pushes(arena, run_id, response.shm.epoch, tables, rows, dim)
-        answers = stub.Sync(requests())
+        direct = None
+        if transport == "socket":
+            if not response.shm.sync_socket:
+                raise RuntimeError("the server offers no Sync socket (--shm-socket false?)")
+            direct = DirectChannel(response.shm.sync_socket, "", 60.0, 64 << 20)
+        answers = stub.Sync(requests()) if direct is None else None
+
+        def next_update() -> shard_pb2.Update:
+            if answers is not None:
+                return next(answers)
+            assert direct is not None
+            got: list[bytes] = []
+            while not got:
+                got = direct.receive(60.0)
+            return shard_pb2.Update.FromString(got[0])
 
         def one(step: int) -> None:
             msg, slots = pushes.batch(step)
-            outbox.put(msg)
-            update = next(answers)
+            if direct is not None:
+                direct.send(msg.SerializeToString())
+            else:
+                outbox.put(msg)
+            update = next_update()
             if len(update.batch) != tables:
                 raise RuntimeError(f"step {step}: {len(update.batch)} answers, not {tables}")
             pushes.free(slots)
@@ -188,7 +209,10 @@ def over_stream(address: str, server_pid: int, tables: int, rows: int, dim: int,
         server1, client1, wall1 = (process_cpu_s(server_pid), time.process_time(),
                                    time.perf_counter())
         outbox.put(None)
-        answers.cancel()
+        if answers is not None:
+            answers.cancel()
+        if direct is not None:
+            direct.close()
     arena.close()
     return {"server_cpu_us": (server1 - server0) / batches * 1e6,
             "client_cpu_us": (client1 - client0) / batches * 1e6,
@@ -222,16 +246,25 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(Path(tmp), [], None)
         try:
             for gap in gaps:
-                results[f"{gap:g}"] = over_stream(server.address("tcp"), server.proc.pid,
-                                                  args.tables, args.rows, args.dim, batches,
-                                                  gap / 1000)
+                for transport in ("stream", "socket"):
+                    results[f"{transport} {gap:g}"] = over_stream(
+                        server.address("tcp"), server.proc.pid, args.tables, args.rows,
+                        args.dim, batches, gap / 1000, transport)
         finally:
             server.close()
-    print(f"(b) real server, one Sync stream, {batches} batches, one in flight")
-    print(f"{'gap ms':>7} {'server CPU us':>14} {'client CPU us':>14} {'wall us':>9}")
-    for gap_ms, r in results.items():
-        print(f"{gap_ms:>7} {r['server_cpu_us']:>14.0f} {r['client_cpu_us']:>14.0f} "
-              f"{r['wall_us']:>9.0f}")
+    print(f"(b) real server, the gRPC Sync stream or the Sync socket, {batches} batches, "
+          "one in flight")
+    print(f"{'transport':>9} {'gap ms':>7} {'server CPU us':>14} {'client CPU us':>14} "
+          f"{'wall us':>9}")
+    for key, r in results.items():
+        transport, gap_ms = key.split()
+        print(f"{transport:>9} {gap_ms:>7} {r['server_cpu_us']:>14.0f} "
+              f"{r['client_cpu_us']:>14.0f} {r['wall_us']:>9.0f}")
+    for gap in gaps:
+        stream, sock = results[f"stream {gap:g}"], results[f"socket {gap:g}"]
+        print(f"gap {gap:g} ms: socket / stream CPU per batch: server "
+              f"{sock['server_cpu_us'] / stream['server_cpu_us']:.2f}, client "
+              f"{sock['client_cpu_us'] / stream['client_cpu_us']:.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary: dict[str, Any] = {

@@ -39,6 +39,10 @@ class ServerConfig:
         "help": "accept the shared-memory arenas workers on this node offer at Register "
                 "(pushes and answers by reference into /dev/shm instead of inline; "
                 "false: every worker sends inline tensors)"})
+    shm_socket: bool = field(default=True, metadata={
+        "help": "with --shm: offer the ranks whose arena it accepts a Unix socket next to "
+                "the arenas for their Sync messages, written and read by their training "
+                "thread instead of a gRPC stream (ps/direct.py; false: the Sync stream)"})
     reflection: bool = field(default=True, metadata={"help": "serve gRPC server reflection"})
     log_level: str = field(default="INFO", metadata={"help": f"one of {LOG_LEVELS}"})
     answer_cache_steps: int = field(default=DEFAULT_ANSWER_CACHE_STEPS, metadata={

@@ -44,6 +44,7 @@ from ps.auth import AuthInterceptor, AuthPolicy
 from ps.client_options import server_options
 from ps.config import ServerConfig
 from ps.core import ShardCore
+from ps.direct import DirectSyncServer
 from ps.lifecycle import RunTracker
 from ps.service import AdminServicer, ShardServicer, add_shard_service
 from ps.shm import ArenaRegistry
@@ -106,12 +107,15 @@ class RunningServer:
     port: int
     shard: ShardServicer
     stop_request: StopRequest
+    direct: DirectSyncServer | None = None
 
     async def stop(self, grace: float) -> None:
         log.info(kv("shutdown", grace_s=grace, reason=self.stop_request.reason or "-"))
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
         self.shard.begin_drain()  # Sync streams answer what they hold, then end
         await self.server.stop(grace)
+        if self.direct is not None:
+            await self.direct.close()
         self.core.shutdown()
         if self.shard.shm_arenas is not None:
             self.shard.shm_arenas.close()
@@ -193,6 +197,15 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
     if config.uds:
         _bind_uds(server, config.uds, credentials, core)
     await server.start()
+    direct = None
+    if config.shm and config.shm_socket:
+        direct = DirectSyncServer(shard, token, config.max_message_bytes)
+        try:
+            await direct.start()
+            shard.sync_socket = direct.path
+        except OSError as exc:  # e.g. no /dev/shm: the ranks keep the Sync stream
+            log.warning(kv("sync_socket_unavailable", path=direct.path, error=str(exc)))
+            direct = None
     for name in ("", *services):
         await health.set(name, SERVING)
     tls = "off" if credentials is None else ("mutual" if config.tls_client_ca else "on")
@@ -201,9 +214,10 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                 server_id=store.server_id, max_message_bytes=config.max_message_bytes,
                 reflection=config.reflection, tls=tls, auth="token" if token else "off",
                 admin_shutdown="token" if admin_token else "off",
-                exit_after_run=config.exit_after_run, shm=config.shm))
+                exit_after_run=config.exit_after_run, shm=config.shm,
+                sync_socket=direct.path if direct is not None else "-"))
     _security_warnings(config, token, credentials is not None)
-    return RunningServer(server, health, core, port, shard, stop_request)
+    return RunningServer(server, health, core, port, shard, stop_request, direct)
 
 
 def _bind_uds(server: grpc.aio.Server, path: str,

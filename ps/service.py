@@ -291,7 +291,7 @@ def encode_answer(answer: Answer, max_message_bytes: int,
     return list(answer_updates(answer, max_message_bytes, delta_dtype))
 
 
-def _decode_push(data: bytes) -> wire.Framed[shard_pb2.Push]:
+def decode_push(data: bytes) -> wire.Framed[shard_pb2.Push]:
     return wire.decode_framed(shard_pb2.Push, data, ("ids", "grads"), "push")
 
 
@@ -318,7 +318,7 @@ class _SyncCodecServer:
         if sync is None:
             raise TypeError("ShardService.Sync is no longer a bidi-streaming method")
         handlers["Sync"] = grpc.stream_stream_rpc_method_handler(
-            sync, request_deserializer=_decode_push,
+            sync, request_deserializer=decode_push,
             response_serializer=_encode_update)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, handlers),))
@@ -377,6 +377,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self.stop_when_run_over = stop_when_run_over
         self.run_idle_timeout_s = run_idle_timeout_s
         self.stopping = asyncio.Event()
+        # ps/direct.py's socket, told to ranks whose arena is accepted ("": none).
+        self.sync_socket = ""
 
     def begin_drain(self) -> None:
         """Graceful stop: every Sync stream answers what it already received, then ends."""
@@ -440,6 +442,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     offer.size, offer.nonce)
             response.shm.accepted, response.shm.reason = accepted, reason
             response.shm.epoch = epoch
+            if accepted:
+                response.shm.sync_socket = self.sync_socket
         return response
 
     async def Sync(self, request_iterator: AsyncIterator[SyncRequest],

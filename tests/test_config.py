@@ -20,6 +20,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "staleness_compensation": ("none", "none"),  # tests/test_staleness.py
     "shm": ("off", "off"),  # tests/test_shm.py
     "shm_mb": ("128", 128),
+    "shm_socket": ("off", "off"),  # tests/test_direct.py
     "run_id": ("r1", "r1"),
     "task": ("synthetic", "synthetic"),
     "steps": ("17", 17),

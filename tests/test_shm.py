@@ -608,8 +608,10 @@ def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
         # Shared-memory pushes are ~100-byte headers: the run sends ~20 KB through the proxy.
         proxy = FaultProxy((server.host, server.port), after=8_000, mode="drop")
         try:
+            # The stream's reconnect (the Sync socket's is tests/test_direct.py).
             run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm", "on",
-                        "--run-id", "shm-reconnect", "--dump-state", str(tmp_path / "state.pt"),
+                        "--shm-socket", "off", "--run-id", "shm-reconnect",
+                        "--dump-state", str(tmp_path / "state.pt"),
                         "--results", str(tmp_path / "r.json"), *SMALL])
         finally:
             proxy.close()
@@ -618,6 +620,7 @@ def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "r.json").read_text())["sync"]
     assert res["reconnects"] >= 1 and res["registers"] >= 2
     assert res["shm"] == "on" and res["shm_pushes"] == STEPS * 4
+    assert res["transport"] == "stream"
     assert "event=shm_reattached run=shm-reconnect" in err
     assert_matches_reference(tmp_path / "state.pt", small_config())
 

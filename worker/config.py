@@ -20,6 +20,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 ROW_DTYPES = ("fp32", "bf16")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")  # worker/sync.py WIRE_DTYPES maps them to torch
 SHM_MODES = ("auto", "on", "off")  # worker/shm.py (the one list; this module has no torch)
+SHM_SOCKET_MODES = ("auto", "off")  # worker/direct.py
 MAX_SHM_MB = 1 << 20
 DEVICES = ("auto", "cpu", "cuda")
 STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py
@@ -112,6 +113,10 @@ class TrainConfig:
     shm_mb: int = field(default=64, metadata=_h(
         "size of the shared-memory arena in MiB; a push that does not fit goes inline "
         "(hold ~K+2 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row)", "MB"))
+    shm_socket: str = field(default="auto", metadata=_h(
+        "with the arena accepted, the step's Push and Update messages over the server's "
+        "Unix socket, sent and read by the training thread (worker/direct.py): auto (when "
+        "the server offers one and it connects) | off (the gRPC Sync stream)", "MODE"))
     run_id: str = field(default="", metadata=_h(
         "run id on the server (default: TORCHELASTIC_RUN_ID, else a fresh uuid)", "ID"))
     # --- security / deployment (docs/deploy.md; hybridps/security.py, worker/plan.py) --
@@ -308,6 +313,9 @@ class TrainConfig:
                              f"{', '.join(WIRE_DTYPES)}")
         if self.shm not in SHM_MODES:
             raise ValueError(f"shm={self.shm!r} is not one of {', '.join(SHM_MODES)}")
+        if self.shm_socket not in SHM_SOCKET_MODES:
+            raise ValueError(f"shm_socket={self.shm_socket!r} is not one of "
+                             f"{', '.join(SHM_SOCKET_MODES)}")
         if not 1 <= self.shm_mb <= MAX_SHM_MB:
             raise ValueError(f"shm_mb={self.shm_mb!r} must be in [1, {MAX_SHM_MB}]")
         if self.shm == "on" and self.local_optimizer:

@@ -58,7 +58,8 @@ from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.client_options import channel_options
 from ps.optim import OptimizerSpec, apply_rows_, apply_update_
-from worker.config import SHM_MODES
+from worker.config import SHM_MODES, SHM_SOCKET_MODES
+from worker.direct import DirectChannel
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.shm import (
     ClientArena,
@@ -140,6 +141,8 @@ class SyncStats:
     shm_bytes: int = 0         # their tensor bytes (ids, gradients, answers) in the arena
     shm_inline_pushes: int = 0  # pushes sent inline while shm was on (the arena was full)
     shm_batches: int = 0       # messages carrying a step's shm pushes of several tables
+    # "stream" (gRPC Sync) or "socket" (the server's Sync socket, worker/direct.py)
+    transport: str = "stream"
 
 
 def make_incarnation() -> int:
@@ -368,12 +371,25 @@ class ShardClient(UpdateSource):
                  row_dtype: torch.dtype = torch.float32,
                  initial_rows: InitialRows | None = None,
                  wire_dtype: torch.dtype = torch.float32,
-                 shm: str = "off", shm_bytes: int = 64 << 20) -> None:
+                 shm: str = "off", shm_bytes: int = 64 << 20,
+                 shm_socket: str = "auto") -> None:
         super().__init__([t.name for t in tables], timeout_s)
         # --shm auto|on|off, --shm-mb: the same-node data plane (worker/shm.py).
         if shm not in SHM_MODES:
             raise ValueError(f"shm={shm!r} is not one of {', '.join(SHM_MODES)}")
         self.shm_mode, self.shm_bytes = shm, shm_bytes
+        # --shm-socket auto|off: with an accepted arena, the Sync messages go over the
+        # server's Unix socket, sent and read on the training thread (worker/direct.py).
+        if shm_socket not in SHM_SOCKET_MODES:
+            raise ValueError(f"shm_socket={shm_socket!r} is not one of "
+                             f"{', '.join(SHM_SOCKET_MODES)}")
+        self.shm_socket_mode = shm_socket
+        self._direct_path = ""  # the socket the server offered at the latest Register
+        # While set, the training thread owns the data plane: _unanswered, _partial, the
+        # arena's ring and the buffer's filling; the loop thread only runs control calls.
+        self._direct: DirectChannel | None = None
+        self._leave_direct: asyncio.Event | None = None  # set: stream over gRPC, or closing
+        self._broken_since: float | None = None  # the socket broke with no answer since
         self._arena: ClientArena | None = None
         self._shm_epoch = 0  # > 0 while the server accepts the arena
         self._shm_lock = threading.Lock()
@@ -446,14 +462,19 @@ class ShardClient(UpdateSource):
         payload = [(name, grads[name][0].detach().cpu(), grads[name][1].detach().cpu())
                    for name in self.buffer.tables]
         self.newest_pushed = step
+        if self._direct is not None:
+            self._send_direct(self._enqueue(step, payload))
+            return
         loop.call_soon_threadsafe(self._enqueue, step, payload)
 
     def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
         """UpdateSource.take. Updates answered by shared memory view their regions of the
         arena (ids and delta, no copy): valid until the next take, which frees them."""
+        waited = self._pump_direct(through_step)
         arena = self._arena
         if arena is None:
-            return super().take(through_step)
+            updates, blocked = super().take(through_step)
+            return updates, blocked or waited
         with self._shm_lock:
             taken, self._shm_taken = self._shm_taken, []
         for region in taken:
@@ -463,7 +484,11 @@ class ShardClient(UpdateSource):
             for u in updates:
                 if (u.step, u.table) in self._shm_answered:
                     self._shm_taken.append(self._shm_answered.pop((u.step, u.table)))
-        return updates, blocked
+        return updates, blocked or waited
+
+    def peek(self, through_step: int) -> list[RowUpdate]:
+        self._pump_direct(through_step)
+        return super().peek(through_step)
 
     def describe_wait(self, step: int, timeout_s: float) -> str:
         missing = ", ".join(self.buffer.missing(step)) or "?"
@@ -574,6 +599,9 @@ class ShardClient(UpdateSource):
         return True
 
     def close(self) -> None:
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
         loop = self._loop
         if loop is not None and not loop.is_closed() and self._thread.is_alive():
             with contextlib.suppress(RuntimeError):  # the loop may close meanwhile
@@ -618,7 +646,7 @@ class ShardClient(UpdateSource):
                 loop.close()
 
     async def _main(self) -> None:
-        options = channel_options(max(self.max_chunk_bytes * 2, 64 * 1024 * 1024))
+        options = channel_options(self._max_receive_bytes)
         async with open_aio_channel(self.address, options, self.security) as channel:
             try:
                 await self._run(channel)
@@ -641,7 +669,13 @@ class ShardClient(UpdateSource):
         self._sync = channel.stream_stream(SYNC_METHOD, request_serializer=_as_bytes,
                                            response_deserializer=_decode_update)
         await self._register(first=True)
+        self._leave_direct = asyncio.Event()
+        self._open_direct()
         self._registered.set()
+        if self._direct is not None:
+            await self._leave_direct.wait()
+            if self._direct is not None or self._closing:
+                return  # closing while the socket carried the data plane
         broken_since: float | None = None
         while True:
             self._progress = False
@@ -742,6 +776,7 @@ class ShardClient(UpdateSource):
         assert arena is not None
         if first:
             arena.unlink()  # the server mapped it by now, or never will: no file left behind
+        self._direct_path = status.sync_socket if self.shm_socket_mode != "off" else ""
         if status.accepted:
             if first:
                 log.info(kv("shm", server=self.address, path=arena.path, bytes=arena.size,
@@ -823,6 +858,105 @@ class ShardClient(UpdateSource):
             self._shm_answered[(update.step, update.table)] = slot.region
         self.buffer.put(RowUpdate(update.step, update.table, slot.ids, delta_UD,
                                   float(update.decay), update.duplicate, update.rows))
+
+    @property
+    def _max_receive_bytes(self) -> int:
+        """The largest answer message taken (the channel's and the socket's limit)."""
+        return max(self.max_chunk_bytes * 2, 64 * 1024 * 1024)
+
+    # -- the Sync socket (worker/direct.py), on the training thread ---------------------
+    def _open_direct(self) -> None:
+        """Connect to the Sync socket the server offered, if any; else keep the stream."""
+        if not self._direct_path or not self._shm_epoch:
+            return
+        try:
+            self._direct = DirectChannel(self._direct_path, self.security.token,
+                                         self.timeout_s, self._max_receive_bytes)
+        except grpc.aio.AioRpcError as exc:
+            log.info(kv("sync_socket_fallback", server=self.address, path=self._direct_path,
+                        error=_rpc_text(exc), hint="Sync messages travel over gRPC"))
+            self.stats.transport = "stream"
+            return
+        if self.stats.transport != "socket":
+            log.info(kv("sync_socket", server=self.address, path=self._direct_path))
+        self.stats.transport = "socket"
+        self.state = "socket"
+
+    def _send_direct(self, msgs: list[bytes]) -> None:
+        direct = self._direct
+        try:
+            for msg in msgs:
+                assert direct is not None
+                direct.send(msg)
+        except grpc.aio.AioRpcError as exc:
+            self._recover_direct(exc)  # re-sends every unanswered push, these included
+
+    def _pump_direct(self, through_step: int) -> bool:
+        """Read the socket until every update through `through_step` arrived; waited?"""
+        deadline: float | None = None
+        while self._direct is not None and self.buffer.arrived_through < through_step:
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout_s
+            if now >= deadline:
+                raise ServerTimeout(self.describe_wait(self.buffer.arrived_through + 1,
+                                                       self.timeout_s))
+            try:
+                for data in self._direct.receive(deadline - now):
+                    self._on_update(_decode_update(data))
+            except grpc.aio.AioRpcError as exc:
+                self._recover_direct(exc)
+        return deadline is not None
+
+    def _recover_direct(self, exc: grpc.aio.AioRpcError) -> None:
+        """The socket broke or the server ended it: re-Register (backoff, up to
+        --ps-timeout), reconnect, re-send every unanswered push; the stream when the
+        server no longer offers the socket. Refusals are raised naming the server."""
+        loop = self._loop
+        while True:
+            now = time.monotonic()
+            if self._progress or self._broken_since is None:
+                self._broken_since = now  # the deadline runs from the last answer
+            self._progress = False
+            self.last_error = _rpc_text(exc)
+            if exc.code() not in RETRYABLE:
+                raise ServerRefused(self._refusal_text(exc))
+            broken, self._direct = self._direct, None
+            if broken is not None:
+                broken.close()
+            self.stats.reconnects += 1
+            self.state = "reconnecting"
+            log.warning(kv("reconnect", server=self.address, error=self.last_error,
+                           unanswered=len(self._unanswered), transport="socket"))
+            if loop is None or loop.is_closed():
+                raise SyncError(f"rank {self.rank}: sync thread for shard server "
+                                f"{self.address} is not running")
+            future = asyncio.run_coroutine_threadsafe(self._reconnect(self._broken_since), loop)
+            try:
+                future.result(self.timeout_s + 15.0)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                raise ServerUnavailable(f"rank {self.rank}: shard server {self.address}: "
+                                        "re-registering did not finish") from None
+            self._open_direct()
+            if self._direct is None:  # no socket now: hand the data plane to the stream
+                self.state = "streaming"
+                loop.call_soon_threadsafe(self._leave_direct_now)
+                return
+            self._partial.clear()
+            try:
+                for key in sorted(self._unanswered):
+                    pending = self._unanswered[key]
+                    msgs = ([pending.message(self._shm_epoch)] if isinstance(pending, ShmPush)
+                            else pending)
+                    for msg in msgs:
+                        self._direct.send(msg)
+                return
+            except grpc.aio.AioRpcError as again:
+                exc = again
+
+    def _leave_direct_now(self) -> None:
+        if self._leave_direct is not None:
+            self._leave_direct.set()
 
     async def _seed_master(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
         """Upload the fp32 initial rows into the server's master copy of a new partition.
@@ -914,7 +1048,10 @@ class ShardClient(UpdateSource):
             self._call = None
         return self._closing and not self._unanswered
 
-    def _enqueue(self, step: int, payload: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    def _enqueue(self, step: int, payload: list[tuple[str, torch.Tensor, torch.Tensor]]
+                 ) -> list[bytes]:
+        """Record the step's pushes as unanswered and encode them; queued for the stream
+        when one runs (the caller sends them over the Sync socket otherwise)."""
         self._enqueued_through = max(self._enqueued_through, step)
         msgs: list[bytes] = []
         by_reference: list[ShmPush] = []
@@ -939,6 +1076,7 @@ class ShardClient(UpdateSource):
         if self._outq is not None:
             for msg in msgs:
                 self._outq.put_nowait(msg)
+        return msgs
 
     def _encode(self, step: int, name: str, ids_U: torch.Tensor,
                 grads_UD: torch.Tensor) -> list[bytes]:
@@ -1024,6 +1162,8 @@ class ShardClient(UpdateSource):
 
     def _begin_close(self) -> None:
         self._closing = True
+        if self._leave_direct is not None:
+            self._leave_direct.set()
         if self._outq is not None:
             self._outq.put_nowait(None)
 

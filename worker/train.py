@@ -124,6 +124,7 @@ class Trainer:
                 tables=tables, ranges=self.embedding.ranges, optimizer=spec,
                 timeout_s=cfg.ps_timeout, max_chunk_bytes=cfg.max_chunk_bytes,
                 wire_dtype=WIRE_DTYPES[cfg.wire_dtype], shm=cfg.shm, shm_bytes=cfg.shm_mb << 20,
+                shm_socket=cfg.shm_socket,
                 restore=None if resume is None else (str(resume[0]), resume[1]),
                 security=client_security_for(cfg), row_dtype=self.embedding.row_dtype,
                 initial_rows=self.embedding.initial_row_blocks)

@@ -107,14 +107,16 @@ class SharedMemoryArena(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class SharedMemoryStatus(_message.Message):
-    __slots__ = ("accepted", "reason", "epoch")
+    __slots__ = ("accepted", "reason", "epoch", "sync_socket")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SOCKET_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     epoch: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    sync_socket: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., sync_socket: _Optional[str] = ...) -> None: ...
 
 class ShmTensor(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "length")

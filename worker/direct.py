@@ -1,0 +1,171 @@
+"""The training thread's end of the shard server's Sync socket (ps/direct.py).
+
+Owned by one thread (ShardClient's training thread while the socket is in use): a
+non-blocking Unix socket, written with the Push messages of each step and read for
+Update messages only when the StalenessWindow needs them. Nothing runs between steps,
+so no other Python thread takes the GIL from the training loop. Every failure is a
+`grpc.aio.AioRpcError` with the status it maps to (the server's STATUS frame, or
+UNAVAILABLE for a lost connection), so ShardClient handles both transports alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import time
+
+import grpc
+
+from hybridps.direct import (
+    CODE,
+    FRAME,
+    FRAME_SLACK_BYTES,
+    HELLO,
+    PUSH,
+    STATUS,
+    UPDATE,
+    frame,
+    kind_name,
+)
+
+RECV_BYTES = 1 << 20
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+
+
+def _code_of(number: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+class DirectChannel:
+    """Connect, say HELLO (the token), then send pushes and read updates."""
+
+    def __init__(self, path: str, token: str, timeout_s: float, max_message_bytes: int) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.max_frame_bytes = max_message_bytes + FRAME_SLACK_BYTES
+        self._buf = bytearray()
+        self._updates: list[bytes] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.settimeout(min(timeout_s, 10.0))
+            self._sock.connect(path)
+            self._sock.setblocking(False)
+            self.send_frame(frame(HELLO, token.encode()))
+            deadline = time.monotonic() + min(timeout_s, 10.0)
+            while not self._updates:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"sync socket {path}: no HELLO from the server")
+                self._read(left, hello=True)
+        except OSError as exc:
+            self._sock.close()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"sync socket {path}: {exc.strerror or exc}") from None
+        except grpc.aio.AioRpcError:
+            self._sock.close()
+            raise
+        self._updates.clear()
+
+    def send(self, message: bytes) -> None:
+        """One Push (blocks only while the socket buffer is full, up to the timeout)."""
+        self.send_frame(FRAME.pack(PUSH, len(message)), message)
+
+    def send_frame(self, *parts: bytes) -> None:
+        views = [memoryview(p) for p in parts if p]
+        deadline: float | None = None
+        while views:
+            try:
+                sent = self._sock.sendmsg(views)
+            except BlockingIOError:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now >= deadline:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"sync socket {self.path}: the server reads nothing for "
+                                    f"{self.timeout_s:g}s") from None
+                select.select([], [self._sock], [], deadline - now)
+                continue
+            except OSError as exc:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                f"sync socket {self.path}: {exc.strerror or exc}") from None
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+
+    def receive(self, wait_s: float) -> list[bytes]:
+        """The Update messages that arrived, waiting up to `wait_s` for the first one."""
+        deadline = time.monotonic() + wait_s
+        while not self._updates:
+            left = deadline - time.monotonic()
+            if not self._read(max(left, 0.0)) and left <= 0:
+                break
+        out, self._updates = self._updates, []
+        return out
+
+    def _read(self, wait_s: float, hello: bool = False) -> bool:
+        """Read what is there (waiting up to `wait_s` for something); True if bytes came."""
+        try:
+            data = self._sock.recv(RECV_BYTES)
+        except BlockingIOError:
+            ready, _, _ = select.select([self._sock], [], [], wait_s)
+            if not ready:
+                return False
+            try:
+                data = self._sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                raise self._lost(exc.strerror or str(exc)) from None
+        except OSError as exc:
+            raise self._lost(exc.strerror or str(exc)) from None
+        if not data:
+            raise self._lost("the server closed the connection")
+        self._buf += data
+        self._parse(hello)
+        return True
+
+    def _parse(self, hello: bool) -> None:
+        buf = self._buf
+        at = 0
+        while len(buf) - at >= FRAME.size:
+            kind, length = FRAME.unpack_from(buf, at)
+            if length > self.max_frame_bytes:
+                raise rpc_error(grpc.StatusCode.INTERNAL,
+                                f"sync socket {self.path}: a frame of {length} bytes is over "
+                                f"the limit of {self.max_frame_bytes}")
+            end = at + FRAME.size + length
+            if len(buf) < end:
+                break
+            payload = bytes(buf[at + FRAME.size:end])
+            at = end
+            if kind == STATUS:
+                number = CODE.unpack_from(payload)[0] if len(payload) >= CODE.size else 2
+                details = payload[CODE.size:].decode("utf-8", "replace")
+                code = _code_of(number)
+                if code == grpc.StatusCode.OK:
+                    code, details = grpc.StatusCode.UNAVAILABLE, "server ended the Sync socket"
+                raise rpc_error(code, details)
+            if kind != (HELLO if hello else UPDATE):
+                raise rpc_error(grpc.StatusCode.INTERNAL,
+                                f"sync socket {self.path}: unexpected {kind_name(kind)} frame")
+            self._updates.append(payload)
+        del buf[:at]
+
+    def _lost(self, why: str) -> grpc.aio.AioRpcError:
+        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"sync socket {self.path}: {why}")
+
+    def close(self) -> None:
+        """Half-close first: the server answers what it read, then ends."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+        self._sock.close()

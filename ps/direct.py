@@ -201,4 +201,5 @@ class DirectSyncServer:
             return
         if not writer.is_closing():
             writer.write(status_frame(grpc.StatusCode.OK, ""))
-            await writer.drain()
+            with contextlib.suppress(ConnectionError):  # the worker closed after its half-close
+                await writer.drain()

@@ -147,7 +147,7 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def over_stream(address: str, server_pid: int, tables: int, rows: int, dim: int,
+def through_server(address: str, server_pid: int, tables: int, rows: int, dim: int,
                 batches: int, gap_s: float, transport: str = "stream") -> dict[str, float]:
     """`transport` "stream": the gRPC Sync stream; "socket": the server's Sync socket
     (ps/direct.py), written and read on this thread as a rank's training thread does."""
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for gap in gaps:
                 for transport in ("stream", "socket"):
-                    results[f"{transport} {gap:g}"] = over_stream(
+                    results[f"{transport} {gap:g}"] = through_server(
                         server.address("tcp"), server.proc.pid, args.tables, args.rows,
                         args.dim, batches, gap / 1000, transport)
         finally:
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary: dict[str, Any] = {
             "shape": {"tables": args.tables, "rows": args.rows, "dim": args.dim},
-            "in_process_us": local, "over_stream": results, "batches": batches,
+            "in_process_us": local, "through_server": results, "batches": batches,
             "loadavg": os.getloadavg()}
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 0

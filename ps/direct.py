@@ -119,7 +119,6 @@ class DirectSyncServer:
         self.path = path or socket_path()
         self._server: asyncio.AbstractServer | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
-        self.connections = 0
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path,
@@ -143,7 +142,6 @@ class DirectSyncServer:
             self._handlers.add(task)
         try:
             if await self._hello(reader, writer):
-                self.connections += 1
                 await self._sync(reader, writer)
         except (ConnectionError, FrameError) as exc:
             log.info(kv("sync_socket_closed", error=str(exc) or type(exc).__name__))
@@ -193,7 +191,8 @@ class DirectSyncServer:
             async for update in self.servicer.Sync(pushes(), context):  # type: ignore[arg-type]
                 if writer.is_closing():
                     return
-                writer.write(frame(UPDATE, update))
+                # (header and message as they are: an inline answer may be megabytes)
+                writer.writelines((FRAME.pack(UPDATE, len(update)), update))
                 await writer.drain()
         except grpc.aio.AbortError:
             if not writer.is_closing():

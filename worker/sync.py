@@ -884,9 +884,9 @@ class ShardClient(UpdateSource):
 
     def _send_direct(self, msgs: list[bytes]) -> None:
         direct = self._direct
+        assert direct is not None
         try:
             for msg in msgs:
-                assert direct is not None
                 direct.send(msg)
         except grpc.aio.AioRpcError as exc:
             self._recover_direct(exc)  # re-sends every unanswered push, these included
@@ -944,15 +944,21 @@ class ShardClient(UpdateSource):
                 return
             self._partial.clear()
             try:
-                for key in sorted(self._unanswered):
-                    pending = self._unanswered[key]
-                    msgs = ([pending.message(self._shm_epoch)] if isinstance(pending, ShmPush)
-                            else pending)
-                    for msg in msgs:
-                        self._direct.send(msg)
+                for msg in self._unanswered_messages():
+                    self._direct.send(msg)
                 return
             except grpc.aio.AioRpcError as again:
                 exc = again
+
+    def _unanswered_messages(self) -> Iterator[bytes]:
+        """Every unanswered push's messages, in (step, table) order, to re-send after a
+        reconnect (by reference: stamped with the epoch of the latest Register)."""
+        for key in sorted(self._unanswered):
+            pending = self._unanswered[key]
+            if isinstance(pending, ShmPush):
+                yield pending.message(self._shm_epoch)
+            else:
+                yield from pending
 
     def _leave_direct_now(self) -> None:
         if self._leave_direct is not None:
@@ -1028,13 +1034,8 @@ class ShardClient(UpdateSource):
         """One Sync stream; True when it ended because we closed it with nothing pending."""
         assert self._sync is not None
         outq: asyncio.Queue[bytes | None] = asyncio.Queue()
-        for key in sorted(self._unanswered):
-            pending = self._unanswered[key]
-            if isinstance(pending, ShmPush):  # stamped with the epoch of this Register
-                outq.put_nowait(pending.message(self._shm_epoch))
-                continue
-            for msg in pending:
-                outq.put_nowait(msg)
+        for msg in self._unanswered_messages():
+            outq.put_nowait(msg)
         if self._closing:
             outq.put_nowait(None)
         self._partial.clear()

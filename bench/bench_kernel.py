@@ -18,7 +18,9 @@ thread count (1, 2):
   (d) the native kernel through the public dispatch ps.optim.apply_rows_ with a
       reused output buffer (so the Python-side checks are included): "native" on
       state from torch.zeros (4 KiB pages: what a plain torch allocation gives), and
-      "native_thp" on state from ps.optim.alloc_state (transparent huge pages).
+      "native_thp" on state from ps.optim.alloc_state (transparent huge pages, and
+      m, v at different offsets past 2 MiB, so m[id] and v[id] never share an L1 set:
+      the server's layout).
       Each "x SpAdam" ratio is against SparseAdam on the same kind of pages.
 The table is a partition of --table-mib MiB per tensor (4M rows at dim 64, 2M at
 dim 128), the same memory for every dim, warmed up once (see Buffers). Every call
@@ -127,13 +129,18 @@ class Buffers:
         self.m = torch.zeros(n)
         self.v = torch.zeros(n)
         self.weight = torch.zeros(n).uniform_(-0.1, 0.1)  # the nn.Embedding table
-        # ... and from ps.optim.alloc_state (transparent huge pages) for "native_thp"
-        # and "sparse_adam_thp".
-        self.m_thp = optim.alloc_state(n, 1).view(-1) if thp else None
-        self.v_thp = optim.alloc_state(n, 1).view(-1) if thp else None
-        self.weight_thp = (optim.alloc_state(n, 1).view(-1).uniform_(-0.1, 0.1) if thp
+        # ... and from ps.optim.alloc_state (transparent huge pages, and each table at
+        # its offset past 2 MiB, as the server allocates them) for "native_thp" and
+        # "sparse_adam_thp".
+        self.m_thp = self._server_state(n, "m") if thp else None
+        self.v_thp = self._server_state(n, "v") if thp else None
+        self.weight_thp = (self._server_state(n, "master").uniform_(-0.1, 0.1) if thp
                            else None)
         self.pool = torch.empty(pool_n).uniform_(-0.01, 0.01)
+
+    @staticmethod
+    def _server_state(n: int, which: str) -> torch.Tensor:
+        return optim.alloc_state(n, 1, offset=optim.STATE_OFFSETS[which]).view(-1)
 
     def tables(self) -> list[torch.Tensor]:
         return [t for t in (self.m, self.v, self.weight, self.m_thp, self.v_thp,

@@ -13,11 +13,12 @@ Side by side in one run, for each dim (64, 128) and batch of unique rows (4k, 16
       (range, duplicates, finiteness) left out: the kernel alone, the bar to reach;
   (b) wire: push -> update through a real Sync stream against a real `python -m ps`
       (started on port 0, or on a Unix socket for --transport uds), with the real client
-      (worker/sync.py ShardClient: background thread, chunking, the wire codec), keeping
-      --window pushes in flight; rows/s = rows answered / wall time. --transport shm:
-      the same stream over TCP with the same-node shared-memory data plane (--shm on:
-      ids and gradients copied into the arena, the answer written there by the server,
-      the messages only headers);
+      (worker/sync.py ShardClient: background thread, chunking, the wire codec; one
+      torch thread, like a torchrun rank), keeping --window pushes in flight; rows/s =
+      rows answered / wall time. --transport shm: the same-node shared-memory data
+      plane (--shm on: ids and gradients copied into the arena, the answer written
+      there by the server, the messages only headers, sent over the server's Sync
+      socket);
   (c) the stream's bytes/s: push bytes out + update bytes back, over the same wall time
       (shm: the tensor bytes the messages would have carried, ids + gradients out and
       ids + delta back, so the ratio compares the same payload);
@@ -105,8 +106,8 @@ class Batches:
 # -- (a) the kernel in this process -----------------------------------------------------
 
 def kernel_rate(rows: int, dim: int, batch: int, seconds: float, threads: int) -> float:
-    m = optim.alloc_state(rows, dim)
-    v = optim.alloc_state(rows, dim)
+    m = optim.alloc_state(rows, dim, offset=optim.STATE_OFFSETS["m"])  # as the server does
+    v = optim.alloc_state(rows, dim, offset=optim.STATE_OFFSETS["v"])
     data = Batches(rows, dim, batch, 8, seed=dim + batch)
     out = torch.empty(batch, dim)
     step = 0
@@ -185,6 +186,10 @@ def wire_rates(address: str, rows: int, dim: int, batches: list[int], seconds: f
     client.start()
     out: dict[int, tuple[float, float, int]] = {}
     step = 0
+    # The client copies like a torchrun rank (OMP_NUM_THREADS=1): torch's intra-op pool
+    # would split a large copy and spin-wait after it, on the cores the server runs on.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for batch in batches:
             data = Batches(rows, dim, batch, 8, seed=dim * 7 + batch)
@@ -225,6 +230,7 @@ def wire_rates(address: str, rows: int, dim: int, batches: list[int], seconds: f
                 up = steps * batch * (8 + dim * WIRE_ITEMSIZE[wire_dtype])
             out[batch] = (steps * batch / elapsed, (up + bytes_down) / elapsed, steps)
     finally:
+        torch.set_num_threads(threads)
         client.close()
     return out
 

@@ -41,6 +41,7 @@ from ps.errors import (
     RowOutOfRange,
 )
 from ps.optim import (
+    STATE_OFFSETS,
     OptimizerSpec,
     alloc_state,
     apply_rows_,
@@ -237,16 +238,20 @@ class TableState:
         rows, dim = spec.rows_held, spec.dim
         try:
             if optimizer.has_moments:
-                # Huge pages where available: the kernel touches random rows of tables far
-                # beyond the TLB's reach (ps.optim.alloc_state; zeroed like torch.zeros).
-                self.m: torch.Tensor | None = alloc_state(rows, dim)
-                self.v: torch.Tensor | None = alloc_state(rows, dim)
+                # Huge pages where available (the kernel touches random rows of tables far
+                # beyond the TLB's reach), and m[id], v[id] in different L1 sets
+                # (ps.optim.alloc_state; zeroed like torch.zeros).
+                self.m: torch.Tensor | None = alloc_state(rows, dim,
+                                                          offset=STATE_OFFSETS["m"])
+                self.v: torch.Tensor | None = alloc_state(rows, dim,
+                                                          offset=STATE_OFFSETS["v"])
             else:
                 self.m = self.v = None
             # fp32 master rows for a rank with low-precision rows; seeded before any push
             # (and accessed at random rows like m and v: huge pages too).
             self.master: torch.Tensor | None = (
-                None if row_dtype == torch.float32 else alloc_state(rows, dim))
+                None if row_dtype == torch.float32
+                else alloc_state(rows, dim, offset=STATE_OFFSETS["master"]))
             self.touched = torch.zeros(rows, dtype=torch.bool)
         except (RuntimeError, MemoryError) as exc:
             raise ResourceExhausted(

@@ -12,7 +12,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch
 import ps.optim as optim
 from ps import native
 from ps.optim import OptimizerSpec
+from ps.partition import TableSpec, TableState
 
 needs_native = pytest.mark.skipif(
     native.ext is None, reason=f"native kernels not built ({native.load_error})"
@@ -419,3 +422,32 @@ def test_alloc_state_is_zeroed_float32(hugepages: bool) -> None:
     assert t.shape == (3 << 16, 16) and t.dtype == torch.float32 and t.is_contiguous()
     assert not t.any()
     assert optim.alloc_state(0, 8).shape == (0, 8)
+
+
+@pytest.mark.parametrize("offset", [0, 1024, 2048])
+def test_alloc_state_places_the_table_at_its_offset(offset: int, tmp_path: Path) -> None:
+    """Past a 2 MiB boundary by `offset`, storage exactly the table (a save adds no slack)."""
+    rows, dim = 3 << 16, 16
+    t = optim.alloc_state(rows, dim, offset=offset)
+    assert t.data_ptr() % optim.HUGEPAGE_BYTES == offset
+    assert t.untyped_storage().nbytes() == rows * dim * 4 and not t.any()
+    t[-1] = 7.0  # the last row is writable and the table is its own storage
+    torch.save(t, tmp_path / "t.pt")
+    assert (tmp_path / "t.pt").stat().st_size < rows * dim * 4 + 4096
+    assert torch.equal(torch.load(tmp_path / "t.pt"), t)
+
+
+@pytest.mark.parametrize("offset", [-64, 32, 4096])
+def test_alloc_state_refuses_a_bad_offset(offset: int) -> None:
+    with pytest.raises(ValueError, match=f"offset {offset} must be"):
+        optim.alloc_state(8, 8, offset=offset)
+
+
+def test_server_state_tables_never_share_l1_sets() -> None:
+    """m[id], v[id] (and the master row) at different offsets within a 4 KiB page."""
+    spec = TableSpec(name="t", num_rows=1 << 17, dim=16, row_start=0, row_end=1 << 17)
+    state = TableState("r", spec, OptimizerSpec("adam", lr=0.1), 4, 10.0, time.monotonic,
+                       row_dtype=torch.bfloat16)
+    assert state.m is not None and state.v is not None and state.master is not None
+    pages = {t.data_ptr() % 4096 for t in (state.m, state.v, state.master)}
+    assert len(pages) == 3

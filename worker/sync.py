@@ -57,7 +57,7 @@ from hybridps.logs import kv
 from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.client_options import channel_options
-from ps.optim import OptimizerSpec, apply_rows_, apply_update_
+from ps.optim import STATE_OFFSETS, OptimizerSpec, alloc_state, apply_rows_, apply_update_
 from worker.config import SHM_MODES, SHM_SOCKET_MODES
 from worker.direct import DirectChannel
 from worker.embedding import ShardedEmbedding, TableConfig
@@ -304,6 +304,13 @@ class UpdateSource(ABC):
         """Release connections/threads; safe to call twice and after errors."""
 
 
+def _moment(weight: torch.Tensor, which: str) -> torch.Tensor:
+    """Zeroed fp32 m or v for `weight`'s rows; on CPU laid out like the server's."""
+    if weight.device.type == "cpu":
+        return alloc_state(weight.shape[0], weight.shape[1], offset=STATE_OFFSETS[which])
+    return torch.zeros_like(weight.data, dtype=torch.float32)
+
+
 class LocalSparseOptimizer(UpdateSource):
     """--local-optimizer: the shard server's kernels (ps.optim) run in-process.
 
@@ -329,8 +336,7 @@ class LocalSparseOptimizer(UpdateSource):
         self.counts = dict.fromkeys(embedding.tables, 0)
         for name, weight in embedding.weights.items():
             if spec.has_moments:
-                self.moments[name] = (torch.zeros_like(weight.data, dtype=torch.float32),
-                                      torch.zeros_like(weight.data, dtype=torch.float32))
+                self.moments[name] = (_moment(weight, "m"), _moment(weight, "v"))
             else:
                 self.moments[name] = (None, None)
             if weight.dtype != torch.float32:

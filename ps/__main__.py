@@ -11,11 +11,38 @@ stderr, one `server=ID event=... key=value` line per event (--log-level).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from hybridps.cli import parse_config
-from hybridps.logs import setup_logging
+from hybridps.logs import kv, setup_logging
+
+log = logging.getLogger("ps")
+
+
+def use_batch_scheduling() -> bool:
+    """SCHED_BATCH for this process's threads and every thread they start later.
+
+    Why: ranks and their node's server share cores. Under the default policy a push
+    wakes the server, which then usually preempts the rank that sent it, so the
+    rank's step waits for the server's work. SCHED_BATCH keeps the server's share of
+    the CPU but gives up that wake-up preemption. Lowering the policy needs no
+    privilege; where it does not exist (not Linux) this is a no-op."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None:
+        return False
+    try:
+        # Libraries imported so far may have started threads already (a BLAS pool).
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+    except OSError as exc:
+        log.warning(kv("sched_batch_failed", error=exc.strerror))
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(ServerConfig, argv, prog="python -m ps",
                           description="hybridps shard server: sparse optimizer state on CPU")
     setup_logging(config.log_level_number, sys.stderr)
+    if config.sched_batch and use_batch_scheduling():
+        log.info(kv("sched", policy="batch"))
     from ps.server import serve  # imports torch and grpc: after argument parsing
 
     try:

@@ -43,6 +43,10 @@ class ServerConfig:
         "help": "with --shm: offer the ranks whose arena it accepts a Unix socket next to "
                 "the arenas for their Sync messages, written and read by their training "
                 "thread instead of a gRPC stream (ps/direct.py; false: the Sync stream)"})
+    sched_batch: bool = field(default=True, metadata={
+        "help": "run the server's threads under SCHED_BATCH (Linux): woken by a rank's "
+                "push, the server waits for the scheduler's next decision instead of "
+                "preempting the rank on its core (false: normal scheduling)"})
     reflection: bool = field(default=True, metadata={"help": "serve gRPC server reflection"})
     log_level: str = field(default="INFO", metadata={"help": f"one of {LOG_LEVELS}"})
     answer_cache_steps: int = field(default=DEFAULT_ANSWER_CACHE_STEPS, metadata={

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import signal
 import subprocess
@@ -414,3 +415,19 @@ def launch_args() -> list[str]:
     import sys
 
     return [sys.executable, "-m", "ps"]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
+@pytest.mark.parametrize("flag", ["true", "false"])
+def test_sched_batch_covers_every_server_thread(tmp_path: Path, flag: str) -> None:
+    """--sched-batch (default true): the main thread and the threads it started later
+    (gRPC, update pool, native kernel pool) all run under SCHED_BATCH; false: normal."""
+    ps = start_ps_server(tmp_path, "--sched-batch", flag, "--log-level", "INFO")
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{ps.proc.pid}/task")]
+        assert len(tids) > 1, "the server should have started threads by now"
+        want = os.SCHED_BATCH if flag == "true" else os.SCHED_OTHER
+        assert {os.sched_getscheduler(tid) for tid in tids} == {want}
+        assert ("event=sched policy=batch" in ps.stderr()) == (flag == "true")
+    finally:
+        ps.terminate()

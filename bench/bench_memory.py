@@ -44,7 +44,7 @@ from ps.optim import OptimizerSpec
 from ps.partition import TableSpec
 from ps.store import Store
 from worker.embedding import ShardedEmbedding, TableConfig
-from worker.sync import LocalSparseOptimizer
+from worker.updates import LocalSparseOptimizer
 
 DEVICE_ADAM_BYTES_PER_ELEM = 12  # fp32 rows + m + v
 GOAL = {"fp32": 4.0, "bf16": 2.0}  # device bytes per element

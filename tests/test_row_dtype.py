@@ -38,7 +38,8 @@ from ps.store import Store
 from tests.helpers import PsServer
 from worker.config import TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig, init_rows
-from worker.sync import LocalSparseOptimizer, ShardClient, SyncError
+from worker.sync import ShardClient, SyncError
+from worker.updates import LocalSparseOptimizer
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")

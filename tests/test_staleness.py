@@ -20,7 +20,7 @@ from hybridps.cli import parse_config
 from worker.config import TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.staleness import RowPredictor
-from worker.sync import Grads, RowUpdate, StalenessWindow, UpdateSource
+from worker.updates import Grads, RowUpdate, StalenessWindow, UpdateSource
 
 
 class ScriptedSource(UpdateSource):

@@ -86,7 +86,8 @@ from ps.checkpoint import (
     step_dir,
     write_manifest,
 )
-from worker.sync import LocalSparseOptimizer, RowUpdate, ShardClient
+from worker.sync import ShardClient
+from worker.updates import LocalSparseOptimizer, RowUpdate
 
 if TYPE_CHECKING:
     from worker.train import Trainer

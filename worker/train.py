@@ -36,15 +36,10 @@ from worker.nodes import client_security_for
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
 from worker.pipeline import InputPipeline
 from worker.staleness import RowPredictor
-from worker.sync import (
-    WIRE_DTYPES,
-    LocalSparseOptimizer,
-    ShardClient,
-    StalenessWindow,
-    UpdateSource,
-)
+from worker.sync import WIRE_DTYPES, ShardClient
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, build_dense_seeded
+from worker.updates import LocalSparseOptimizer, StalenessWindow, UpdateSource
 
 TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log",
              "eval")
@@ -282,7 +277,9 @@ class Trainer:
 
         try:
             stats = get_shard_stats(self.cfg.ps_address, timeout=self.cfg.ps_timeout,
-                                    run_id=self.run_id, security=self.source.security)
+                                    run_id=self.run_id,
+                                    security=(self.source.security
+                                              if isinstance(self.source, ShardClient) else None))
         except Exception as exc:  # stats are a report, not a reason to fail the run
             return None, f"(shard stats unavailable: {exc})"
         as_dict = json_format.MessageToDict(stats, preserving_proto_field_name=True,

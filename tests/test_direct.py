@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,6 +84,23 @@ def test_cut_socket_reconnects_and_resends(ps_address: str, cut_before: str) -> 
     assert client.stats.transport == "socket"
     for a, ref in zip(got, reference, strict=True):
         torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-9)
+
+
+def test_take_of_an_update_already_sent_is_not_a_wait(ps_address: str) -> None:
+    """The socket is read only when updates are needed; one the server sent while the rank
+    trained is read at once and counts as no wait (the staleness stats' `waits`)."""
+    ids, grads = _steps(ROWS, DIM, 2)
+    client = _client(ps_address, ROWS, DIM, shm="on")
+    client.start()
+    try:
+        for step, (i, g) in enumerate(zip(ids, grads, strict=True)):
+            client.push(step, {"t": (i, g)})
+            time.sleep(0.5)  # the server answers meanwhile (a step's compute)
+            (update,), blocked = client.take(step)
+            assert update.step == step and not blocked, f"step {step}"
+    finally:
+        client.close()
+    assert client.stats.transport == "socket"
 
 
 def test_refusal_over_socket_keeps_its_code_and_names_the_server(ps_address: str) -> None:

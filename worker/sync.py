@@ -631,20 +631,26 @@ class ShardClient(UpdateSource):
             self._recover_direct(exc)  # re-sends every unanswered push, these included
 
     def _pump_direct(self, through_step: int) -> bool:
-        """Read the socket until every update through `through_step` arrived; waited?"""
+        """Read the socket until every update through `through_step` arrived; True if it
+        had to wait for one (what already arrived is read without waiting first, so the
+        staleness stats count real waits, not reads)."""
         deadline: float | None = None
+        waited = False
         while self._direct is not None and self.buffer.arrived_through < through_step:
             now = time.monotonic()
-            deadline = deadline or now + self.timeout_s
-            if now >= deadline:
+            if deadline is None:
+                deadline, wait_s = now + self.timeout_s, 0.0
+            elif now >= deadline:
                 raise ServerTimeout(self.describe_wait(self.buffer.arrived_through + 1,
                                                        self.timeout_s))
+            else:
+                waited, wait_s = True, deadline - now
             try:
-                for data in self._direct.receive(deadline - now):
+                for data in self._direct.receive(wait_s):
                     self._on_update(_decode_update(data))
             except grpc.aio.AioRpcError as exc:
                 self._recover_direct(exc)
-        return deadline is not None
+        return waited
 
     def _recover_direct(self, exc: grpc.aio.AioRpcError) -> None:
         """The socket broke or the server ended it: re-Register (backoff, up to

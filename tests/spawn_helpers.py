@@ -35,11 +35,14 @@ def _child(rank: int, world: int, port: int, target: str, args: tuple[Any, ...])
 
     module, _, name = target.partition(":")
     fn = getattr(importlib.import_module(module), name)
+    from worker.lifecycle import exit_process
+
     ctx = init_distributed("cpu", timeout_s=120.0)
     try:
         fn(ctx, *args)
     finally:
         destroy_distributed()
+    exit_process(0)  # as worker/main.py does: no teardown abort after a clean finish
 
 
 PORT_TAKEN = ("address already in use", "eaddrinuse")

@@ -220,6 +220,9 @@ def _spawned(rank: int, store: str, out_dir: str, fused: bool) -> None:
                     "full": emb.gather_full(dst=0)}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    from worker.lifecycle import exit_process
+
+    exit_process(0)  # as worker/main.py does: no teardown abort after a clean finish
 
 
 def _check_grads(per_rank: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],

@@ -302,3 +302,20 @@ def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> N
             proc.kill()
             proc.wait()
         server.terminate()
+
+
+def test_exit_process_keeps_the_code_and_flushes_what_was_written() -> None:
+    """No interpreter teardown, but the exit code, buffered stdout and the logs survive."""
+    script = ("import logging, sys\n"
+              "from worker.lifecycle import exit_process\n"
+              "logging.basicConfig(stream=sys.stderr)\n"
+              "sys.stdout.write('buffered, no newline')\n"
+              "logging.getLogger('t').warning('logged before the exit')\n"
+              "exit_process(3)\n"
+              "print('never')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 3
+    assert done.stdout == "buffered, no newline"
+    assert "logged before the exit" in done.stderr

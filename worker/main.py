@@ -138,4 +138,6 @@ def _cheap_plan(cfg: TrainConfig) -> Plan | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from worker.lifecycle import exit_process
+
+    exit_process(main())  # no interpreter teardown of torch's C++ state (see there)

@@ -128,7 +128,7 @@ class ShardClient(UpdateSource):
         # arena's ring and the buffer's filling; the loop thread only runs control calls.
         self._direct: DirectChannel | None = None
         self._leave_direct: asyncio.Event | None = None  # set: stream over gRPC, or closing
-        self._broken_since: float | None = None  # the socket broke with no answer since
+        self._broken_since: float | None = None  # broke, with no answer since (_broken)
         self._arena: ClientArena | None = None
         self._shm_epoch = 0  # > 0 while the server accepts the arena
         self._shm_lock = threading.Lock()
@@ -415,26 +415,17 @@ class ShardClient(UpdateSource):
             await self._leave_direct.wait()
             if self._direct is not None or self._closing:
                 return  # closing while the socket carried the data plane
-        broken_since: float | None = None
         while True:
-            self._progress = False
             try:
                 self.state = "streaming"
                 if await self._stream():
                     return
                 self.last_error = "server ended the Sync stream"
             except grpc.aio.AioRpcError as exc:
-                self.last_error = _rpc_text(exc)
-                if exc.code() not in RETRYABLE:
-                    raise ServerRefused(self._refusal_text(exc)) from None
+                self._check_retryable(exc)
             if self._closing:
                 return
-            if self._progress or broken_since is None:
-                broken_since = time.monotonic()
-            self.stats.reconnects += 1
-            log.warning(kv("reconnect", server=self.address, error=self.last_error,
-                           unanswered=len(self._unanswered)))
-            await self._reconnect(broken_since)
+            await self._reconnect(self._broken("stream"))
             if self._closing:
                 return
 
@@ -457,9 +448,24 @@ class ShardClient(UpdateSource):
                 await self._register(first=False, timeout=max(min(left, 10.0), 0.1))
                 return
             except grpc.aio.AioRpcError as exc:
-                self.last_error = _rpc_text(exc)
-                if exc.code() not in RETRYABLE:
-                    raise ServerRefused(self._refusal_text(exc)) from None
+                self._check_retryable(exc)
+
+    def _check_retryable(self, exc: grpc.aio.AioRpcError) -> None:
+        """Note the error; a refusal (not worth a retry) is raised naming the server."""
+        self.last_error = _rpc_text(exc)
+        if exc.code() not in RETRYABLE:
+            raise ServerRefused(self._refusal_text(exc)) from None
+
+    def _broken(self, transport: str) -> float:
+        """Count and log a broken connection; returns when it broke: the re-Register
+        deadline runs from the last answer, not from each of several breaks in a row."""
+        if self._progress or self._broken_since is None:
+            self._broken_since = time.monotonic()
+        self._progress = False
+        self.stats.reconnects += 1
+        log.warning(kv("reconnect", server=self.address, error=self.last_error,
+                       unanswered=len(self._unanswered), transport=transport))
+        return self._broken_since
 
     async def _register(self, *, first: bool, timeout: float | None = None) -> None:
         assert self._stub is not None
@@ -658,24 +664,15 @@ class ShardClient(UpdateSource):
         server no longer offers the socket. Refusals are raised naming the server."""
         loop = self._loop
         while True:
-            now = time.monotonic()
-            if self._progress or self._broken_since is None:
-                self._broken_since = now  # the deadline runs from the last answer
-            self._progress = False
-            self.last_error = _rpc_text(exc)
-            if exc.code() not in RETRYABLE:
-                raise ServerRefused(self._refusal_text(exc))
+            self._check_retryable(exc)
             broken, self._direct = self._direct, None
             if broken is not None:
                 broken.close()
-            self.stats.reconnects += 1
-            self.state = "reconnecting"
-            log.warning(kv("reconnect", server=self.address, error=self.last_error,
-                           unanswered=len(self._unanswered), transport="socket"))
+            since = self._broken("socket")
             if loop is None or loop.is_closed():
                 raise SyncError(f"rank {self.rank}: sync thread for shard server "
                                 f"{self.address} is not running")
-            future = asyncio.run_coroutine_threadsafe(self._reconnect(self._broken_since), loop)
+            future = asyncio.run_coroutine_threadsafe(self._reconnect(since), loop)
             try:
                 future.result(self.timeout_s + 15.0)
             except concurrent.futures.TimeoutError:

@@ -35,7 +35,7 @@ from ps.errors import (
 from ps.lifecycle import RunTracker, check_finish
 from ps.partition import Answer, PushChunk, TableSpec
 from ps.shm import ArenaRegistry, ShmPush, ShmRef, resolve
-from ps.store import ServerStats, Store, SyncSession, kv
+from ps.store import ServerStats, Store, kv
 
 log = logging.getLogger("ps.service")
 
@@ -364,6 +364,88 @@ def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float
     return requested_s
 
 
+class SyncStream:
+    """One Sync stream, whatever carries it (the gRPC stream, ps/direct.py's socket).
+
+    `decode` each message as it arrives (a refused one is recorded and raises), then
+    `answer` its chunks in order: the encoded Update messages to send back. `close` once,
+    at the end. On an error, `fields()` names the push it happened in, for the log.
+    """
+
+    def __init__(self, servicer: ShardServicer) -> None:
+        self._servicer = servicer
+        self._core = servicer.core
+        self.session = self._core.open_session()
+        self._current: PushChunk | None = None
+        self._push_message_bytes = 0  # the largest message of the push being received
+        self._batch_answers: list[shard_pb2.Update] = []  # of the batch push being taken
+        self._stream_of: tuple[str, int] | None = None  # (run, rank), once a push was accepted
+
+    def decode(self, msg: SyncRequest) -> list[WirePushChunk]:
+        store = self._core.store
+        try:
+            chunks = push_chunks(msg, self._servicer.shm_arenas, store)
+        except (wire.WireError, BadShmReference, StaleShmEpoch) as exc:
+            head = push_header(msg)
+            store.record_refusal(_reason(exc), head.run_id, head.rank, head.table)
+            raise
+        for chunk in chunks:
+            self.session.received(chunk)
+        return chunks
+
+    async def answer(self, chunk: PushChunk) -> list[bytes]:
+        self._current = chunk
+        if isinstance(chunk, WirePushChunk):
+            self._push_message_bytes = max(self._push_message_bytes, chunk.message_bytes)
+        answer = await self._core.feed(self.session, chunk)
+        if self._stream_of is None:
+            self._stream_of = (chunk.run_id, chunk.rank)
+            self._servicer.tracker.stream_opened(*self._stream_of)
+        if answer is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug(kv("answered", run=chunk.run_id, rank=chunk.rank, step=answer.step,
+                         table=answer.table, rows=int(answer.ids.shape[0]),
+                         duplicate=answer.duplicate))
+        in_shm = (answer_in_shm(chunk.sink, answer)
+                  if answer is not None and isinstance(chunk.sink, ShmPush) else None)
+        if isinstance(chunk, WirePushChunk) and chunk.batch_size:
+            if in_shm is not None:
+                self._batch_answers.append(in_shm)
+            if chunk.batch_index == chunk.batch_size - 1 and self._batch_answers:
+                batch, self._batch_answers = self._batch_answers, []
+                return [shard_pb2.Update(batch=batch).SerializeToString()]
+            return []
+        if answer is None:
+            return []
+        if in_shm is not None:
+            return [in_shm.SerializeToString()]
+        delta_dtype = chunk.update_dtype if isinstance(chunk, WirePushChunk) else torch.float32
+        # Encoding copies the answer (and converts a bf16/fp16 delta): in the update pool,
+        # where the copy runs without the GIL, not on the event loop. Answer in messages
+        # as large as the push's (the client's --max-chunk-bytes: gRPC moves 1-4 MiB
+        # messages fastest, and an answer of one 30+ MiB message is a fresh mmap, page
+        # faults included, every time). (+1 KiB: rows_per_chunk leaves that much for the
+        # header fields; a push from the generated code, of unknown size, gets the
+        # server's limit.)
+        limit_bytes = self._servicer.max_message_bytes
+        if self._push_message_bytes:
+            limit_bytes = min(limit_bytes, max(self._push_message_bytes + 1024,
+                                               MIN_ANSWER_MESSAGE_BYTES))
+        self._push_message_bytes = 0
+        return await self._core.offload(encode_answer, answer, limit_bytes, delta_dtype)
+
+    def fields(self) -> dict[str, Any]:
+        chunk = self._current
+        if chunk is None:
+            return {}
+        return {"run": chunk.run_id, "rank": chunk.rank, "step": chunk.step,
+                "table": chunk.table}
+
+    def close(self) -> None:
+        self.session.close()
+        if self._stream_of is not None:
+            self._servicer._stream_closed(*self._stream_of)
+
+
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     def __init__(self, core: ShardCore, max_message_bytes: int, *,
                  tracker: RunTracker | None = None, stop_when_run_over: bool = False,
@@ -449,14 +531,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def Sync(self, request_iterator: AsyncIterator[SyncRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Yields encoded Update messages (answer_updates; the codec passes bytes on)."""
-        session = self.core.open_session()
+        stream = SyncStream(self)
         inbox: asyncio.Queue[PushChunk | BaseException | None] = asyncio.Queue(SYNC_READ_AHEAD)
-        reader = asyncio.create_task(self._read(request_iterator, session, inbox))
+        reader = asyncio.create_task(self._read(request_iterator, stream, inbox))
         stop_wait = asyncio.ensure_future(self.stopping.wait())
-        current: PushChunk | None = None
-        push_message_bytes = 0  # the largest message of the push being received
-        batch_answers: list[shard_pb2.Update] = []  # of the batch push being taken
-        stream_of: tuple[str, int] | None = None  # (run, rank), once a push was accepted
         try:
             while True:
                 item = await self._next_item(inbox, stop_wait, reader)
@@ -467,77 +545,28 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, PushChunk)
-                current = item
-                if isinstance(item, WirePushChunk):
-                    push_message_bytes = max(push_message_bytes, item.message_bytes)
-                answer = await self.core.feed(session, item)
-                if stream_of is None:
-                    stream_of = (item.run_id, item.rank)
-                    self.tracker.stream_opened(*stream_of)
-                if answer is not None and log.isEnabledFor(logging.DEBUG):
-                    log.debug(kv("answered", run=item.run_id, rank=item.rank, step=answer.step,
-                                 table=answer.table, rows=int(answer.ids.shape[0]),
-                                 duplicate=answer.duplicate))
-                in_shm = (answer_in_shm(item.sink, answer)
-                          if answer is not None and isinstance(item.sink, ShmPush) else None)
-                if isinstance(item, WirePushChunk) and item.batch_size:
-                    if in_shm is not None:
-                        batch_answers.append(in_shm)
-                    if item.batch_index == item.batch_size - 1 and batch_answers:
-                        yield shard_pb2.Update(batch=batch_answers).SerializeToString()
-                        batch_answers = []
-                    continue
-                if answer is None:
-                    continue
-                if in_shm is not None:
-                    yield in_shm.SerializeToString()
-                    continue
-                delta_dtype = (item.update_dtype if isinstance(item, WirePushChunk)
-                               else torch.float32)
-                # Encoding copies the answer (and converts a bf16/fp16 delta): in the
-                # update pool, where the copy runs without the GIL, not on the event loop.
-                # Answer in messages as large as the push's (the client's --max-chunk-bytes:
-                # gRPC moves 1-4 MiB messages fastest, and an answer of one 30+ MiB message
-                # is a fresh mmap, page faults included, every time).
-                # (+1 KiB: rows_per_chunk leaves that much for the header fields; a push
-                # from the generated code, of unknown size, gets the server's limit.)
-                limit = self.max_message_bytes if not push_message_bytes else min(
-                    self.max_message_bytes,
-                    max(push_message_bytes + 1024, MIN_ANSWER_MESSAGE_BYTES))
-                push_message_bytes = 0
-                updates = await self.core.offload(encode_answer, answer, limit, delta_dtype)
-                for update in updates:
+                for update in await stream.answer(item):
                     yield update
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            fields: dict[str, Any] = {}
-            if current is not None:
-                fields = {"run": current.run_id, "rank": current.rank, "step": current.step,
-                          "table": current.table}
-            await abort_with(context, "Sync", exc, **fields)
+            await abort_with(context, "Sync", exc, **stream.fields())
         finally:
             stop_wait.cancel()
             reader.cancel()
-            session.close()
-            if stream_of is not None:
-                self._stream_closed(*stream_of)
+            stream.close()
 
-    async def _read(self, request_iterator: AsyncIterator[SyncRequest], session: SyncSession,
+    async def _read(self, request_iterator: AsyncIterator[SyncRequest], stream: SyncStream,
                     inbox: asyncio.Queue[PushChunk | BaseException | None]) -> None:
         """Decode pushes as they arrive, ahead of the one being applied."""
         try:
             async for msg in request_iterator:
                 try:
-                    chunks = push_chunks(msg, self.shm_arenas, self.core.store)
+                    chunks = stream.decode(msg)
                 except (wire.WireError, BadShmReference, StaleShmEpoch) as exc:
-                    head = push_header(msg)
-                    self.core.store.record_refusal(_reason(exc), head.run_id, head.rank,
-                                                   head.table)
                     await inbox.put(exc)
                     return
                 for chunk in chunks:
-                    session.received(chunk)
                     await inbox.put(chunk)
             await inbox.put(None)
         except asyncio.CancelledError:

@@ -4,13 +4,14 @@ Results over the socket equal the gRPC stream's bitwise; a socket cut at a chose
 (before the push is sent, or while its answer is awaited) re-registers, reconnects and
 re-sends with the same result; refusals keep their status code; a wrong token is
 refused; no socket (the server's --shm-socket false, or a path the rank cannot reach)
-means the stream.
+means the stream; a draining server ends an idle socket at once.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import torch
 
 from hybridps.security import ClientSecurity
 from tests.helpers import PsServer, start_ps_server
+from tests.test_lifecycle import final_state
 from tests.test_wire_fast import _client, _reference_deltas, _run, _steps
 from worker.direct import DirectChannel
 from worker.sync import ServerRefused, ShardClient
@@ -175,3 +177,38 @@ def test_server_removes_its_socket_on_stop(tmp_path: Path) -> None:
     assert Path(path).is_socket()
     assert server.terminate() == 0
     assert not Path(path).exists()
+
+
+def test_drain_ends_an_idle_socket_promptly_with_shutting_down(tmp_path: Path) -> None:
+    """SIGTERM while a rank's socket waits for its next push: the server answers what it
+    read, sends UNAVAILABLE "shutting down" (the rank then reconnects to a restarted
+    server) and exits at once, not after the handlers' close timeout."""
+    server = start_ps_server(tmp_path)
+    try:
+        ids, grads = _steps(ROWS, DIM, 3)
+        client = _client(server.address, ROWS, DIM, shm="on")
+        client.start()
+        try:
+            for step, (i, g) in enumerate(zip(ids, grads, strict=True)):
+                client.push(step, {"t": (i, g)})
+            updates, _ = client.take(2)
+            assert [u.step for u in updates] == [0, 1, 2]
+            assert client.stats.transport == "socket"
+            direct = client._direct
+            assert direct is not None
+            start = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                direct.receive(10.0)
+            code = server.proc.wait(10)
+            elapsed = time.monotonic() - start
+        finally:
+            client._direct = None  # the socket is spent; close() must not wait on it
+            client.close()
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in (caught.value.details() or ""), caught.value.details()
+        assert code == 0, server.stderr()
+        assert elapsed < 4.0, f"the server took {elapsed:.1f}s to stop"
+        assert final_state(server.stderr())[(0, "t")] == (2, 3)
+    finally:
+        server.terminate()

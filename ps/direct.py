@@ -92,7 +92,7 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int,
 
 
 class DirectContext:
-    """What ShardServicer.Sync uses of a grpc.aio.ServicerContext: abort."""
+    """What `abort_with` uses of a grpc.aio.ServicerContext: abort (the status kept)."""
 
     def __init__(self) -> None:
         self.code = grpc.StatusCode.OK
@@ -111,7 +111,7 @@ def socket_path(directory: str = layout.SHM_DIR) -> str:
 
 
 class DirectSyncServer:
-    """Serves `servicer.Sync` on a Unix socket; one connection is one Sync stream."""
+    """Serves the Sync stream on a Unix socket: one connection is one `SyncStream`."""
 
     def __init__(self, servicer: ShardServicer, token: str, max_message_bytes: int,
                  path: str = "") -> None:

@@ -198,8 +198,6 @@ class DirectSyncServer:
                             raise
                         task.uncancel()  # the drain's: what was read is answered; stop
                         continue
-                    except ConnectionError:  # the worker is gone: nobody to answer
-                        return
                     finally:
                         self._idle.discard(task)
                     if got is None:  # the worker half-closed: all it sent is answered
@@ -216,7 +214,7 @@ class DirectSyncServer:
                     await writer.drain()
             except grpc.aio.AbortError:
                 raise
-            except ConnectionError:
+            except ConnectionError:  # the worker is gone: nobody to answer
                 return
             except Exception as exc:
                 await abort_with(context, "Sync", exc, **stream.fields())  # type: ignore[arg-type]

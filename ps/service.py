@@ -443,7 +443,7 @@ class SyncStream:
     def close(self) -> None:
         self.session.close()
         if self._stream_of is not None:
-            self._servicer._stream_closed(*self._stream_of)
+            self._servicer.stream_closed(*self._stream_of)
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -484,7 +484,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         reader.cancel()  # read nothing more off the wire; what is queued is answered
         return _STOP if inbox.empty() else inbox.get_nowait()
 
-    def _stream_closed(self, run_id: str, rank: int) -> None:
+    def stream_closed(self, run_id: str, rank: int) -> None:
         self.tracker.stream_closed(run_id, rank)
         status = self.tracker.status(run_id)
         if self.stop_when_run_over and status is not None and not status.over:
@@ -561,17 +561,12 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         """Decode pushes as they arrive, ahead of the one being applied."""
         try:
             async for msg in request_iterator:
-                try:
-                    chunks = stream.decode(msg)
-                except (wire.WireError, BadShmReference, StaleShmEpoch) as exc:
-                    await inbox.put(exc)
-                    return
-                for chunk in chunks:
+                for chunk in stream.decode(msg):
                     await inbox.put(chunk)
             await inbox.put(None)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the stream broke; the handler ends with it
+        except Exception as exc:  # a refused message, or the stream broke: the handler ends
             await inbox.put(exc)
 
     async def SeedRows(self, request: shard_pb2.SeedRowsRequest,

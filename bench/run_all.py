@@ -2,6 +2,7 @@
 
     python bench/run_all.py                      # full runs (~15 min on 2 cores)
     python bench/run_all.py --quick              # --quick passed through to each
+    python bench/run_all.py --train-repeats 1    # bench_train.py --repeats (default 3)
     python bench/run_all.py --out-dir runs/bench --only kernel,train
 
 Each benchmark runs as its own process (`python bench/bench_<name>.py [--quick] --json
@@ -103,9 +104,10 @@ BENCHES: dict[str, tuple[str, Callable[[dict[str, Any]], list[Goal]]]] = {
 }
 
 
-def run_bench(name: str, script: Path, out_dir: Path, quick: bool) -> tuple[int, float]:
+def run_bench(name: str, script: Path, out_dir: Path, quick: bool,
+              extra: list[str]) -> tuple[int, float]:
     """Run one benchmark, echoing and saving its output; (exit code, seconds)."""
-    cmd = [sys.executable, str(script), *(["--quick"] if quick else []),
+    cmd = [sys.executable, str(script), *(["--quick"] if quick else []), *extra,
            "--json", str(out_dir / f"{name}.json")]
     print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
@@ -138,7 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=REPO / "runs" / "bench",
                    help="where every benchmark writes <name>.json and <name>.txt")
     p.add_argument("--only", default="", help=f"comma list of {','.join(BENCHES)}")
+    p.add_argument("--train-repeats", type=int, default=3,
+                   help="bench_train.py --repeats: goal 4's server/local ratio of a single "
+                        "repeat varies by +-20%% on a shared 2-core VM; the median of 3 "
+                        "interleaved repeats is a steadier verdict")
     args = p.parse_args(argv)
+    if args.train_repeats < 1:
+        p.error(f"--train-repeats must be >= 1, got {args.train_repeats}")
+    extra_args = {"train": ["--repeats", str(args.train_repeats)]}
     names = [n for n in args.only.split(",") if n] or list(BENCHES)
     for n in names:
         if n not in BENCHES:
@@ -157,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         result = args.out_dir / f"{name}.json"
         result.unlink(missing_ok=True)  # a JSON from an earlier run is not this run's
-        code, seconds = run_bench(name, script, args.out_dir, args.quick)
+        code, seconds = run_bench(name, script, args.out_dir, args.quick,
+                                  extra_args.get(name, []))
         # a missed goal may exit non-zero (bench_memory) but still writes the JSON
         if not result.exists():
             status[name] = f"FAILED (exit {code}, no JSON; see {name}.txt)"

@@ -248,12 +248,16 @@ HUGEPAGE_MIN_BYTES = 4 << 20
 HUGEPAGE_BYTES = 2 << 20
 # Where each array a row kernel reads at the same row sits past a 2 MiB boundary
 # (alloc_state's `offset`): m, v and the master row of one id fall in different L1 sets.
-STATE_OFFSETS = {"m": 0, "v": 2048, "master": 1024}
+# "rows": a CPU rank's own embedding rows (worker/embedding.py).
+STATE_OFFSETS = {"m": 0, "v": 2048, "master": 1024, "rows": 3072}
 
 
-def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0
-                ) -> torch.Tensor:
+def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0,
+                zero: bool = True) -> torch.Tensor:
     """A zeroed float32 [rows, dim] CPU tensor for optimizer state or embedding rows.
+
+    `zero=False` leaves a large table's memory untouched (uninitialized, like
+    torch.empty) for a caller that writes every element itself.
 
     Tables of HUGEPAGE_MIN_BYTES or more start `offset` bytes (a multiple of 64, below
     4096) past a 2 MiB boundary, and their storage is exactly the table (a save writes
@@ -281,7 +285,7 @@ def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0
     ext, _ = _native_module()
     if hugepages and ext is not None:
         ext.advise_hugepages(t.data_ptr(), nbytes)
-    return t.zero_()
+    return t.zero_() if zero else t
 
 
 # -- dispatch ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import ps.optim as optim
 from ps import native
 from ps.optim import OptimizerSpec
 from ps.partition import TableSpec, TableState
+from worker.embedding import ShardedEmbedding, TableConfig, init_rows
 
 needs_native = pytest.mark.skipif(
     native.ext is None, reason=f"native kernels not built ({native.load_error})"
@@ -451,3 +452,20 @@ def test_server_state_tables_never_share_l1_sets() -> None:
     assert state.m is not None and state.v is not None and state.master is not None
     pages = {t.data_ptr() % 4096 for t in (state.m, state.v, state.master)}
     assert len(pages) == 3
+
+
+def test_cpu_rank_rows_are_allocated_like_server_state() -> None:
+    """A CPU rank's large table sits at its own offset past 2 MiB (huge pages when
+    built), its storage is exactly the table, and its rows are the seeded init rows."""
+    rows, dim = 1 << 17, 16  # 8 MiB: above HUGEPAGE_MIN_BYTES
+    emb = ShardedEmbedding([TableConfig("big", rows, dim), TableConfig("small", 100, dim)],
+                           seed=3, init_std=0.5)
+    big = emb.weights["big"].data
+    assert big.data_ptr() % optim.HUGEPAGE_BYTES == optim.STATE_OFFSETS["rows"]
+    assert big.untyped_storage().nbytes() == rows * dim * 4
+    # the values do not depend on where they are stored: chunk by chunk, seeded per chunk
+    assert torch.equal(big[:5], init_rows(rows, dim, 0, 5, seed=3, table_index=0,
+                                          init_std=0.5))
+    assert torch.isfinite(big).all() and 0.45 < big.std().item() < 0.55
+    assert emb.weights["small"].shape == (100, dim)
+    assert len(set(optim.STATE_OFFSETS.values())) == len(optim.STATE_OFFSETS)

@@ -254,10 +254,9 @@ STATE_OFFSETS = {"m": 0, "v": 2048, "master": 1024, "rows": 3072}
 
 def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0,
                 zero: bool = True) -> torch.Tensor:
-    """A zeroed float32 [rows, dim] CPU tensor for optimizer state or embedding rows.
-
-    `zero=False` leaves a large table's memory untouched (uninitialized, like
-    torch.empty) for a caller that writes every element itself.
+    """A float32 [rows, dim] CPU tensor for optimizer state or embedding rows, zeroed
+    unless `zero=False` (a large table's memory is then left untouched, as torch.empty
+    leaves it, for a caller that writes every element itself).
 
     Tables of HUGEPAGE_MIN_BYTES or more start `offset` bytes (a multiple of 64, below
     4096) past a 2 MiB boundary, and their storage is exactly the table (a save writes

@@ -17,7 +17,11 @@ tables, batch 256 per rank) and a TorchRec-like one (`--task tables --dim 64
       default: server-pipe-on), to show what the pipeline gains.
 Goal 3: samples/s server / plain >= 1.0. Goal 4: step time server / local <= 1.05.
 Goal 6: step time of (b) on `--task tables --dim 16 --batch-size 1024` with a table of 50M
-rows over one of 1M rows < 1.10 (--quick: 10M rows).
+rows over one of 1M rows < 1.10 (--quick: 10M rows). Both draw ids from the same Zipf law
+over 1M popularity ranks, scattered over the whole table (`--zipf-rows`,
+--growth-zipf-rows), so a step touches the same distinct rows at either size and only the
+table grows; the distinct ids a step are printed for both (--growth-zipf-rows 0: the
+Zipf law over each whole table, which touches more distinct rows at 50M).
 Step times are wall time over all steps / steps (setup excluded, the same for every
 variant); the hybridps breakdown (rank 0, ms per step) comes from the worker's results
 JSON: apply (staleness window), data, forward, a2a (embedding all_to_alls on the
@@ -63,6 +67,7 @@ CONFIGS: dict[str, list[str]] = {
     "torchrec": ["--task", "tables", "--dim", "64", "--batch-size", "1024"],
 }
 GROWTH = ["--task", "tables", "--dim", "16", "--batch-size", "1024"]
+DISTINCT_ID_BATCHES = 20
 BREAKDOWN = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push")
 STARTUP_TIMEOUT_S = 60.0
 
@@ -243,6 +248,18 @@ def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
                res["eval"].get("loss"), wall)
 
 
+def distinct_ids_per_step(worker_args: list[str]) -> float:
+    """Mean distinct ids of the task's first global batches (all tables together)."""
+    cfg = worker_config(worker_args)
+    task = build_task(cfg)
+    counts = []
+    for step in range(DISTINCT_ID_BATCHES):
+        batch = task.global_batch(step, WORLD)
+        ids = [*batch.ids.values(), *(ids_N for ids_N, _ in batch.bags.values())]
+        counts.append(sum(int(t.unique().numel()) for t in ids))
+    return sum(counts) / len(counts)
+
+
 def best_of(runs: list[Run]) -> Run:
     """The median-step-time run of the repeats (all step times kept)."""
     ordered = sorted(runs, key=lambda r: r.step_ms)
@@ -279,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows of the big growth table (default 50M, quick 10M; 0 with "
                         "--no-growth skips)")
     p.add_argument("--no-growth", action="store_true", help="skip goal 6")
+    p.add_argument("--growth-zipf-rows", type=int, default=1_000_000,
+                   help="growth runs draw ids over this many popularity ranks at both table "
+                        "sizes (--zipf-rows; 0: over each whole table)")
     p.add_argument("--no-pipeline-ab", action="store_true",
                    help="skip the server run with --pipeline flipped (what the pipeline gains)")
     p.add_argument("--repeats", type=int, default=1,
@@ -306,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     goals: list[dict[str, Any]] = []
     pipeline_gain: dict[str, float] = {}  # server step time --pipeline false / true
+    distinct_ids: dict[int, float] = {}  # growth: table rows -> distinct ids a global batch
     paired: dict[str, list[float]] = {}  # server / local step time of each repeat's pair
     for name in configs:
         wargs = [*CONFIGS[name], *args.worker_args]
@@ -340,12 +361,15 @@ def main(argv: list[str] | None = None) -> int:
                            hyb["server"].step_ms / hyb["local"].step_ms, GOAL_ASYNC, "<="))
     if not args.no_growth:
         sizes: dict[int, list[Run]] = {1_000_000: [], growth_rows: []}
+        growth_args = {rows: [*GROWTH, "--num-rows", str(rows), "--zipf-rows",
+                              str(args.growth_zipf_rows), *args.worker_args] for rows in sizes}
+        for rows, gargs in growth_args.items():
+            distinct_ids[rows] = distinct_ids_per_step(gargs)
         for i in range(args.repeats):  # interleaved, as above
             for rows, tried in sizes.items():
                 log(f"[growth] hybridps server, {rows} rows ({i + 1}/{args.repeats})")
-                gargs = [*GROWTH, "--num-rows", str(rows), *args.worker_args]
-                tried.append(run_hybridps("growth", f"rows-{rows}", gargs, steps["growth"],
-                                          work / f"g{i}"))
+                tried.append(run_hybridps("growth", f"rows-{rows}", growth_args[rows],
+                                          steps["growth"], work / f"g{i}"))
         small_big = [best_of(tried) for tried in sizes.values()]
         runs += small_big
         goals.append(_goal(6, f"growth: step time {growth_rows // 10**6}M / 1M rows",
@@ -357,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
           "hybridps breakdown from rank 0")
     print(table(runs))
     print(_goal_table(goals))
+    if distinct_ids:
+        print("growth: distinct ids a global batch (mean of "
+              f"{DISTINCT_ID_BATCHES} batches, --zipf-rows {args.growth_zipf_rows}): "
+              + ", ".join(f"{rows // 10**6}M rows {n:.1f}" for rows, n in distinct_ids.items()))
     for name, gain in pipeline_gain.items():
         print(f"pipeline: {name}: server step time --pipeline false / true = {gain:.3f}")
     for name, ratios in paired.items():
@@ -370,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "goals": goals,
             "pipeline_gain": pipeline_gain,
+            "growth_distinct_ids": distinct_ids,
+            "growth_zipf_rows": args.growth_zipf_rows,
             "server_over_local_per_repeat": paired,
             "runs": [asdict(r) for r in runs],
             "configs": {**CONFIGS, "growth": GROWTH},

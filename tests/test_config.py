@@ -50,6 +50,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "num_rows": ("1234", 1234),
     "dim": ("8", 8),
     "tables": ("a:100,b:20:3", "a:100,b:20:3"),  # --task tables: tests/test_pipeline.py
+    "zipf_rows": ("1000", 1000),  # --task tables: tests/test_tables_task.py
     "device": ("cpu", "cpu"),
     "log_every": ("5", 5),
     "eval_batches": ("0", 0),
@@ -129,6 +130,7 @@ def test_bool_flag_alone_means_true() -> None:
     (["--local-optimizer", "--max-chunk-bytes", "100"], "max_chunk_bytes=100 must be >= 65536"),
     (["--local-optimizer", "--task", "no such"], "task='no such' is not a task name"),
     (["--local-optimizer", "--staleness", "x"], "--staleness='x': expected int"),
+    (["--local-optimizer", "--zipf-rows", "-1"], "zipf_rows=-1 must be >= 0"),
 ])
 def test_validation_errors_name_the_value(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

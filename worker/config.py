@@ -203,6 +203,10 @@ class TrainConfig:
     tables: str = field(default="", metadata=_h(
         "--task tables: NAME:ROWS[:POOL],... (POOL ids per sample, mean-pooled; default 1); "
         "empty: one table t0 of --num-rows rows", "SPEC"))
+    zipf_rows: int = field(default=0, metadata=_h(
+        "--task tables: draw ids from the Zipf law over the first N popularity ranks only "
+        "(0: over the whole table), still scattered over the whole table; the rows a step "
+        "touches are then the same for any table size (bench_train.py's growth runs)", "N"))
     # --- real workloads: --task kge | dlrm (worker/tasks/kge.py, dlrm.py) --------
     data_dir: str = field(default="", metadata=_h(
         "kge: dataset directory with train.txt (+ valid.txt, test.txt)", "DIR"))
@@ -274,6 +278,7 @@ class TrainConfig:
         self._at_least("seed", self.seed, 0)
         self._at_least("num_rows", self.num_rows, 1)
         self._at_least("dim", self.dim, 1)
+        self._at_least("zipf_rows", self.zipf_rows, 0)
         self._at_least("log_every", self.log_every, 1)
         self._at_least("eval_batches", self.eval_batches, 0)
         self._at_least("checkpoint_every", self.checkpoint_every, 0)

@@ -96,7 +96,9 @@ def in_process_us(tables: int, rows: int, dim: int, per_round: int) -> list[floa
     """µs per batch message of 7 rounds of `per_round` messages, the server's Python path."""
     store = Store()
     store.register("bench", 0, 1, 1, table_specs(tables, dim), SPEC)
-    arena = ClientArena(64 << 20, rank=0)
+    # every batch of a round is placed before any is answered (regions + their alignment)
+    per_push = rows * 8 + 2 * rows * dim * 4 + 3 * 64
+    arena = ClientArena(max(64 << 20, 2 * per_round * tables * per_push), rank=0)
     registry = ArenaRegistry()
     try:
         accepted, reason, epoch = registry.attach("bench", 0, arena.path, arena.size,

@@ -47,7 +47,7 @@ from ps.service import answer_in_shm, decode_push, push_chunks  # noqa: E402
 from ps.shm import ArenaRegistry, ShmPush  # noqa: E402
 from ps.store import Store  # noqa: E402
 from worker.direct import DirectChannel  # noqa: E402
-from worker.shm import ClientArena, ShmSlot, place  # noqa: E402
+from worker.shm import ClientArena, ShmSlot, place, region_bytes  # noqa: E402
 from worker.sync import optimizer_message  # noqa: E402
 
 TABLE_ROWS = 250_000
@@ -96,9 +96,9 @@ def in_process_us(tables: int, rows: int, dim: int, per_round: int) -> list[floa
     """µs per batch message of 7 rounds of `per_round` messages, the server's Python path."""
     store = Store()
     store.register("bench", 0, 1, 1, table_specs(tables, dim), SPEC)
-    # every batch of a round is placed before any is answered (regions + their alignment)
-    per_push = rows * 8 + 2 * rows * dim * 4 + 3 * 64
-    arena = ClientArena(max(64 << 20, 2 * per_round * tables * per_push), rank=0)
+    # every batch of a round is placed before any is answered
+    arena = ClientArena(max(64 << 20, 2 * per_round * tables * region_bytes(rows, dim)),
+                        rank=0)
     registry = ArenaRegistry()
     try:
         accepted, reason, epoch = registry.attach("bench", 0, arena.path, arena.size,

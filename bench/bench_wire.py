@@ -173,11 +173,13 @@ def wire_rates(address: str, rows: int, dim: int, batches: list[int], seconds: f
                ) -> dict[int, tuple[float, float, int]]:
     """{batch: (rows/s, bytes/s out+back, steps)} through one ShardClient stream."""
     from worker.embedding import TableConfig
+    from worker.shm import region_bytes
     from worker.sync import WIRE_DTYPES, ShardClient
 
     kwargs: dict[str, Any] = {"wire_dtype": WIRE_DTYPES[wire_dtype]}
     if shm:  # room for every push in flight (window + the one being made + the taken)
-        per_push = max(batches) * (8 + 2 * dim * WIRE_ITEMSIZE[wire_dtype]) + 256
+        dtype = WIRE_DTYPES[wire_dtype]  # gradients out, deltas back
+        per_push = region_bytes(max(batches), dim, dtype, dtype)
         kwargs.update(shm="on", shm_bytes=max(64 << 20, (window + 4) * per_push))
     client = ShardClient(address, run_id=f"bench-{uuid.uuid4().hex[:8]}", rank=0,
                          world_size=1, tables=[TableConfig("t", rows, dim)],

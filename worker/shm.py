@@ -212,13 +212,25 @@ def _ref(tensor: torch.Tensor, offset: int) -> shard_pb2.ShmTensor:
                                length=tensor.numel() * tensor.element_size())
 
 
+def _spans(rows: int, dim: int, wire_dtype: torch.dtype, answer_dtype: torch.dtype
+           ) -> list[int]:
+    """Bytes of a push's ids, gradients and answer in its region, each aligned."""
+    sizes = [rows * 8, rows * dim * wire_dtype.itemsize, rows * dim * answer_dtype.itemsize]
+    return [layout.align_up(n) for n in sizes]
+
+
+def region_bytes(rows: int, dim: int, wire_dtype: torch.dtype = torch.float32,
+                 answer_dtype: torch.dtype = torch.float32) -> int:
+    """The arena bytes one push of `rows` x `dim` takes (`place`'s region)."""
+    return sum(_spans(rows, dim, wire_dtype, answer_dtype))
+
+
 def place(arena: ClientArena, ids_U: torch.Tensor, grads_UD: torch.Tensor,
           wire_dtype: torch.dtype, answer_dtype: torch.dtype) -> ShmSlot | None:
     """Copy a push into a new region (the gradients converted to `wire_dtype` on the
     way), or None when the arena has no room for it."""
     rows, dim = int(grads_UD.shape[0]), int(grads_UD.shape[1])
-    sizes = [rows * 8, rows * dim * wire_dtype.itemsize, rows * dim * answer_dtype.itemsize]
-    spans = [layout.align_up(n) for n in sizes]
+    spans = _spans(rows, dim, wire_dtype, answer_dtype)
     region = arena.ring.alloc(sum(spans))
     if region is None:
         return None

@@ -61,6 +61,8 @@ class TablesTask(Task):
         super().__init__(cfg)
         self.specs = table_specs(cfg)
         self.scatter = [Scatter(rows, salt) for salt, (_, rows, _) in enumerate(self.specs)]
+        # popularity ranks the ids are drawn from (--zipf-rows), scattered over all rows
+        self.zipf_support = [min(rows, cfg.zipf_rows or rows) for _, rows, _ in self.specs]
         rng = np.random.default_rng([cfg.seed, 7907])
         self.dense_w = (rng.standard_normal(NUM_DENSE) * 0.5).astype(np.float32)
 
@@ -120,9 +122,9 @@ class TablesTask(Task):
         ids: dict[str, torch.Tensor] = {}
         bags: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         logit_B = np.full(size, BIAS, dtype=np.float32)
-        for salt, (name, rows, pool) in enumerate(self.specs):
-            support = min(rows, self.cfg.zipf_rows) if self.cfg.zipf_rows else rows
-            ids_BP = self.scatter[salt](zipf_ranks(rng, support, size * pool)).reshape(size, pool)
+        for salt, (name, _, pool) in enumerate(self.specs):
+            ranks = zipf_ranks(rng, self.zipf_support[salt], size * pool)
+            ids_BP = self.scatter[salt](ranks).reshape(size, pool)
             logit_B += planted_value(ids_BP, salt).mean(axis=1)
             if pool == 1:
                 ids[name] = torch.from_numpy(ids_BP.reshape(size))

@@ -1,8 +1,8 @@
-"""Build hook for the optional native row kernels (ps/native/fused_adam.c).
+"""Build hook for the optional native row kernels (hybridps/native/fused_adam.c).
 
 All project metadata lives in pyproject.toml; this file only declares the C
 extension, which is optional: without a working C compiler `pip install` still
-succeeds and ps.optim uses its torch kernels. Each compiler flag is probed with the
+succeeds and hybridps.optim uses its torch kernels. Each compiler flag is probed with the
 actual compiler and kept only if it works. No OpenMP: the kernels run on their own
 small pthread pool (see the comment at the top of fused_adam.c for why).
 """
@@ -65,9 +65,9 @@ class BuildExt(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "ps.native._fused_adam",
-            sources=["ps/native/fused_adam.c"],
-            optional=True,  # no compiler: install anyway, ps.optim falls back to torch
+            "hybridps.native._fused_adam",
+            sources=["hybridps/native/fused_adam.c"],
+            optional=True,  # no compiler: install anyway, hybridps.optim falls back to torch
         )
     ],
     cmdclass={"build_ext": BuildExt},

@@ -8,17 +8,17 @@ What is measured, for each dim (64, 128), batch of unique rows (4k, 16k, 64k) an
 thread count (1, 2):
   (a) memory bandwidth, STREAM triad a = b + s*c on float32 arrays far larger than
       the last-level cache, best of several passes: torch.add(out=) and the native
-      C triad (ps.native), at the same thread counts, at the start, between dims
+      C triad (hybridps.native), at the same thread counts, at the start, between dims
       and at the end. The ceiling is the best of all of them: a conservative bar
       on a machine whose load varies.
   (b) torch.optim.SparseAdam.step() on an nn.Embedding(sparse=True) of the same size,
       given the same coalesced gradients (building the sparse gradient is not timed),
       on 4 KiB-page tables ("sparse_adam") and on huge-page ones ("sparse_adam_thp");
-  (c) the torch reference kernel, ps.optim.apply_rows_torch_;
-  (d) the native kernel through the public dispatch ps.optim.apply_rows_ with a
+  (c) the torch reference kernel, hybridps.optim.apply_rows_torch_;
+  (d) the native kernel through the public dispatch hybridps.optim.apply_rows_ with a
       reused output buffer (so the Python-side checks are included): "native" on
       state from torch.zeros (4 KiB pages: what a plain torch allocation gives), and
-      "native_thp" on state from ps.optim.alloc_state (transparent huge pages, and
+      "native_thp" on state from hybridps.optim.alloc_state (transparent huge pages, and
       m, v at different offsets past 2 MiB, so m[id] and v[id] never share an L1 set:
       the server's layout).
       Each "x SpAdam" ratio is against SparseAdam on the same kind of pages.
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-import ps.optim as optim
-from ps import native
-from ps.optim import OptimizerSpec
+import hybridps.optim as optim
+from hybridps import native
+from hybridps.optim import OptimizerSpec
 
 BYTES_PER_ELEM = 24  # read m, v, grad; write m, v, delta (float32)
 GOAL_FRACTION = 0.5
@@ -129,7 +129,7 @@ class Buffers:
         self.m = torch.zeros(n)
         self.v = torch.zeros(n)
         self.weight = torch.zeros(n).uniform_(-0.1, 0.1)  # the nn.Embedding table
-        # ... and from ps.optim.alloc_state (transparent huge pages, and each table at
+        # ... and from hybridps.optim.alloc_state (transparent huge pages, and each table at
         # its offset past 2 MiB, as the server allocates them) for "native_thp" and
         # "sparse_adam_thp".
         self.m_thp = self._server_state(n, "m") if thp else None
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--triad-mib", type=int, default=256, help="MiB per triad array")
     p.add_argument("--no-thp", action="store_true",
-                   help="skip the *_thp rows (tables from ps.optim.alloc_state, huge pages)")
+                   help="skip the *_thp rows (tables from hybridps.optim.alloc_state, huge pages)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:

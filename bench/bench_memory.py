@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ps.optim import OptimizerSpec
+from hybridps.optim import OptimizerSpec
 from ps.partition import TableSpec
 from ps.store import Store
 from worker.embedding import ShardedEmbedding, TableConfig

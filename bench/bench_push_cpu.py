@@ -39,9 +39,9 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 from bench_wire import Server  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
+from hybridps.optim import OptimizerSpec  # noqa: E402
 from hybridps.v1 import shard_pb2, shard_pb2_grpc  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
-from ps.optim import OptimizerSpec  # noqa: E402
 from ps.partition import TableSpec  # noqa: E402
 from ps.service import answer_in_shm, decode_push, push_chunks  # noqa: E402
 from ps.shm import ArenaRegistry, ShmPush  # noqa: E402

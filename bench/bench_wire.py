@@ -7,8 +7,8 @@
     python bench/bench_wire.py --quick --transport tcp,shm   # shared memory vs TCP
 
 Side by side in one run, for each dim (64, 128) and batch of unique rows (4k, 16k, 64k):
-  (a) kernel: the sparse-Adam step of ps.optim.apply_rows_ in this process (the native
-      kernel when built, on ps.optim.alloc_state tables, reused output buffer), at the
+  (a) kernel: the sparse-Adam step of hybridps.optim.apply_rows_ in this process (the native
+      kernel when built, on hybridps.optim.alloc_state tables, reused output buffer), at the
       server's kernel thread count, with the same validation the server does per push
       (range, duplicates, finiteness) left out: the kernel alone, the bar to reach;
   (b) wire: push -> update through a real Sync stream against a real `python -m ps`
@@ -58,8 +58,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-import ps.optim as optim  # noqa: E402
-from ps.optim import OptimizerSpec  # noqa: E402
+import hybridps.optim as optim  # noqa: E402
+from hybridps.optim import OptimizerSpec  # noqa: E402
 
 GOAL_ROWS = 0.7
 GOAL_BYTES = 0.7

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ps.client_options import (
+from hybridps.channel_options import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KEEPALIVE_TIMEOUT_MS,
     SERVER_KEEPALIVE_TIME_MS,

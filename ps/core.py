@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ps import optim
-from ps.errors import FlushTimeout, InvalidArgument, ShardError
-from ps.optim import OptimizerSpec
+from hybridps import optim
+from hybridps.errors import FlushTimeout, InvalidArgument, ShardError
+from hybridps.optim import OptimizerSpec
 from ps.partition import Answer, PushChunk, TableSpec
 from ps.store import RankStep, RegisteredTable, ServerStats, Store, SyncSession, kv
 

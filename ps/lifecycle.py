@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ps.errors import Conflict, InvalidArgument, NotRegistered, StaleIncarnation
+from hybridps.errors import Conflict, InvalidArgument, NotRegistered, StaleIncarnation
 
 if TYPE_CHECKING:
     from ps.store import Store

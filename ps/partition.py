@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from ps.errors import (
+from hybridps.errors import (
     AnswerEvicted,
     Conflict,
     InvalidArgument,
@@ -40,7 +40,7 @@ from ps.errors import (
     ResourceExhausted,
     RowOutOfRange,
 )
-from ps.optim import (
+from hybridps.optim import (
     STATE_OFFSETS,
     OptimizerSpec,
     alloc_state,
@@ -240,7 +240,7 @@ class TableState:
             if optimizer.has_moments:
                 # Huge pages where available (the kernel touches random rows of tables far
                 # beyond the TLB's reach), and m[id], v[id] in different L1 sets
-                # (ps.optim.alloc_state; zeroed like torch.zeros).
+                # (hybridps.optim.alloc_state; zeroed like torch.zeros).
                 self.m: torch.Tensor | None = alloc_state(rows, dim,
                                                           offset=STATE_OFFSETS["m"])
                 self.v: torch.Tensor | None = alloc_state(rows, dim,

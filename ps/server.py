@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from hybridps.channel_options import server_options
 from hybridps.logs import set_log_fields
 from hybridps.security import (
     ADMIN_TOKEN_ENV,
@@ -41,7 +42,6 @@ from hybridps.security import (
 )
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
 from ps.auth import AuthInterceptor, AuthPolicy
-from ps.client_options import server_options
 from ps.config import ServerConfig
 from ps.core import ShardCore
 from ps.direct import DirectSyncServer

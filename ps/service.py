@@ -16,9 +16,7 @@ import grpc
 import torch
 
 from hybridps import wire
-from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
-from ps.core import ShardCore
-from ps.errors import (
+from hybridps.errors import (
     AnswerEvicted,
     BadShmReference,
     Conflict,
@@ -32,6 +30,8 @@ from ps.errors import (
     StaleIncarnation,
     StaleShmEpoch,
 )
+from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
+from ps.core import ShardCore
 from ps.lifecycle import RunTracker, check_finish
 from ps.partition import Answer, PushChunk, TableSpec
 from ps.shm import ArenaRegistry, ShmPush, ShmRef, resolve

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridps import shm as layout
+from hybridps.errors import BadShmReference, StaleShmEpoch
 from hybridps.logs import kv
-from ps.errors import BadShmReference, StaleShmEpoch
 
 log = logging.getLogger("ps.shm")
 

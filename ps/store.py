@@ -6,7 +6,7 @@ releases the GIL) while one partition's pushes apply one at a time, in order.
 
 `SyncSession` is one Sync stream's view: it checks each incoming chunk as it
 arrives, buffers the chunks of a push, and applies the whole push atomically
-when its last chunk arrives. Every method raises a ps.errors.ShardError whose
+when its last chunk arrives. Every method raises a hybridps.errors.ShardError whose
 message names the offending value; a refused push leaves the state untouched
 (only the refusal counters move).
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hybridps import logs
-from ps.errors import (
+from hybridps.errors import (
     Conflict,
     InvalidArgument,
     NotFound,
@@ -38,7 +38,7 @@ from ps.errors import (
     ShardError,
     StaleIncarnation,
 )
-from ps.optim import OptimizerSpec
+from hybridps.optim import OptimizerSpec
 from ps.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,

@@ -8,8 +8,8 @@ import grpc
 import torch
 
 from hybridps import wire
+from hybridps.channel_options import channel_options
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
-from ps.client_options import channel_options
 
 ADAM = shard_pb2.OptimizerConfig(kind=shard_pb2.OptimizerConfig.ADAM, lr=0.05, beta1=0.9,
                                  beta2=0.999, eps=1e-8)

@@ -28,18 +28,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from ps.checkpoint import (
+from hybridps.checkpoint import (
     ShardInfo,
     complete_checkpoints,
     load_rows,
     read_shard,
-    save_partition,
     save_shard,
     step_dir,
     write_manifest,
 )
-from ps.errors import Conflict, InvalidArgument
-from ps.optim import OptimizerSpec
+from hybridps.errors import Conflict, InvalidArgument
+from hybridps.optim import OptimizerSpec
+from ps.checkpoint import save_partition
 from ps.partition import PushChunk, TableSpec
 from ps.store import Store
 from tests.helpers import PsServer, start_ps_server
@@ -450,7 +450,7 @@ def test_export_reads_pre_dcp_checkpoints(runs: dict[str, Path], tmp_path: Path)
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ps.checkpoint import read_manifest, save_torch
+    from hybridps.checkpoint import read_manifest, save_torch
     from worker.export import export_state_dict
 
     old = tmp_path / "step-0000000019"

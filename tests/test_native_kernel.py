@@ -1,4 +1,4 @@
-"""The native (C) row kernels against the torch reference path of ps.optim.
+"""The native (C) row kernels against the torch reference path of hybridps.optim.
 
 m and v must be bitwise equal; the delta may differ in the last bits only because
 torch's float32 sqrt (MKL) is not always correctly rounded while the C sqrtf is, so
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ps.optim as optim
-from ps import native
-from ps.optim import OptimizerSpec
+import hybridps.optim as optim
+from hybridps import native
+from hybridps.optim import OptimizerSpec
 from ps.partition import TableSpec, TableState
 from worker.embedding import ShardedEmbedding, TableConfig, init_rows
 
@@ -358,7 +358,7 @@ def _kernel_in_subprocess(env_value: str | None) -> subprocess.CompletedProcess[
     if env_value is not None:
         env[optim.KERNEL_ENV] = env_value
     return subprocess.run(
-        [sys.executable, "-c", "import ps.optim as o; print(o.kernel_name())"],
+        [sys.executable, "-c", "import hybridps.optim as o; print(o.kernel_name())"],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ps import optim
-from ps.errors import InvalidArgument
-from ps.optim import OptimizerSpec, apply_rows_, apply_update_
+from hybridps import optim
+from hybridps.errors import InvalidArgument
+from hybridps.optim import OptimizerSpec, apply_rows_, apply_update_
 
 NUM_ROWS, DIM = 50, 6
 

@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-import ps.optim as optim
-from ps import native
-from ps.core import ShardCore
-from ps.errors import (
+import hybridps.optim as optim
+from hybridps import native
+from hybridps.errors import (
     AnswerEvicted,
     Conflict,
     FlushTimeout,
@@ -26,7 +25,8 @@ from ps.errors import (
     ShardError,
     StaleIncarnation,
 )
-from ps.optim import OptimizerSpec, apply_rows_
+from hybridps.optim import OptimizerSpec, apply_rows_
+from ps.core import ShardCore
 from ps.partition import Answer, PushChunk, TableSpec
 from ps.store import Store
 

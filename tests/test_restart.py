@@ -28,8 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hybridps.checkpoint import complete_checkpoints, read_shard, step_dir
 from ps.admin import get_shard_stats
-from ps.checkpoint import complete_checkpoints, read_shard, step_dir
 from tests.helpers import PsServer
 from tests.test_checkpoint import (
     COMMON,

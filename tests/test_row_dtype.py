@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridps import optim
+from hybridps.checkpoint import read_shard, save_shard, step_dir, write_manifest
+from hybridps.errors import Conflict, InvalidArgument, NotSeeded
+from hybridps.optim import OptimizerSpec
 from hybridps.v1 import shard_pb2
-from ps import optim
 from ps.admin import get_shard_stats
-from ps.checkpoint import read_shard, save_shard, step_dir, write_manifest
-from ps.errors import Conflict, InvalidArgument, NotSeeded
-from ps.optim import OptimizerSpec
 from ps.partition import PushChunk, TableSpec
 from ps.store import Store
 from tests.helpers import PsServer

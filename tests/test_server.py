@@ -22,9 +22,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from hybridps import wire
+from hybridps.errors import FlushTimeout, NotFound, OutOfOrder, RowOutOfRange
+from hybridps.optim import OptimizerSpec
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
-from ps.errors import FlushTimeout, NotFound, OutOfOrder, RowOutOfRange
-from ps.optim import OptimizerSpec
 from ps.partition import PushChunk, TableSpec
 from ps.service import status_for
 from ps.store import Store

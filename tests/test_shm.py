@@ -18,10 +18,10 @@ import torch
 
 from hybridps import shm as layout
 from hybridps.cli import parse_config
+from hybridps.errors import AnswerEvicted, BadShmReference, StaleShmEpoch
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.admin import get_shard_stats
 from ps.config import ServerConfig
-from ps.errors import AnswerEvicted, BadShmReference, StaleShmEpoch
 from ps.shm import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
 from tests.helpers import start_ps_server
 from tests.test_wire_fast import SPEC, _client, _push_all, _reference_deltas, _run, _steps

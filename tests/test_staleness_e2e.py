@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ps.checkpoint import step_dir
+from hybridps.checkpoint import step_dir
 from tests.helpers import PsServer
 from tests.test_checkpoint import assert_states, run
 from tests.test_kge_task import write_graph

@@ -27,9 +27,9 @@ import torch
 
 from hybridps import wire
 from hybridps.cli import parse_config
+from hybridps.optim import OptimizerSpec, apply_rows_torch_
 from hybridps.v1 import shard_pb2
 from ps.config import ServerConfig
-from ps.optim import OptimizerSpec, apply_rows_torch_
 from tests.helpers import start_ps_server
 from worker.config import TrainConfig
 from worker.embedding import TableConfig
@@ -321,10 +321,10 @@ def test_server_flags_from_environment() -> None:
 
 
 def test_kernel_threads_env_zero_means_default() -> None:
-    """HYBRIDPS_KERNEL_THREADS=0 (the server's default) must not break importing ps.optim."""
+    """HYBRIDPS_KERNEL_THREADS=0 (the server's default) must not break importing hybridps.optim."""
     import subprocess
 
-    code = "import ps.optim as o; print(o.kernel_info()['threads'] >= 1)"
+    code = "import hybridps.optim as o; print(o.kernel_info()['threads'] >= 1)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "HYBRIDPS_KERNEL_THREADS": "0"}, check=True,
                          cwd=Path(__file__).resolve().parents[1])

@@ -26,7 +26,7 @@ steps <= s is in the rows:
 
 A directory without a manifest is torn and ignored; `--resume` loads the newest
 directory with one. Resuming: each rank reads the saved row ranges that overlap
-the range it owns now (ps/checkpoint.py load_rows), so the world size may
+the range it owns now (hybridps/checkpoint.py load_rows), so the world size may
 differ; the server loads the optimizer state the same way (Register with
 `restore`), and sets last_step = s so no update is applied twice; the data
 position is the step (tasks make batches from (seed, step)); training
@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ps.checkpoint import (
+from hybridps.checkpoint import (
     MANIFEST,
     STEP_DIR,
     OptimState,

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ps.optim import STATE_OFFSETS, alloc_state
+from hybridps.optim import STATE_OFFSETS, alloc_state
 from worker.comm import all_to_all_rows, exchange
 
 INIT_CHUNK_ROWS = 65536
@@ -173,7 +173,7 @@ def init_rows(num_rows: int, dim: int, start: int, end: int, *, seed: int, table
               init_std: float) -> torch.Tensor:
     """rows [end-start, dim] (float32, CPU) of the global table, world-size independent.
 
-    A large block is allocated like the server's state (ps.optim.alloc_state: huge
+    A large block is allocated like the server's state (hybridps.optim.alloc_state: huge
     pages, 2 MiB-aligned): on a CPU rank these are the rows themselves, gathered and
     updated at random every step, and on 4 KiB pages a 25M x 16 table's gather +
     update of 4k rows took ~300 us instead of ~225 us (one thread, this 2-core VM)."""
@@ -449,7 +449,7 @@ class ShardedEmbedding(nn.Module):
     def apply_update(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor,
                      decay: float) -> None:
         """rows[ids] = rows[ids] * decay + delta, for global ids inside the owned range."""
-        from ps.optim import apply_update_
+        from hybridps.optim import apply_update_
 
         start, end = self.ranges[name]
         if ids_U.numel() == 0:  # decay only ever touches the updated rows

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ps.checkpoint import load_rows, manifest_shards, read_manifest, save_torch
-from ps.errors import ShardError
+from hybridps.checkpoint import load_rows, manifest_shards, read_manifest, save_torch
+from hybridps.errors import ShardError
 
 EMBEDDING_PREFIX = "embedding.tables."
 DENSE_PREFIX = "dense."

@@ -41,11 +41,11 @@ import grpc
 import torch
 
 from hybridps import wire
+from hybridps.channel_options import channel_options
 from hybridps.logs import kv
+from hybridps.optim import OptimizerSpec
 from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
-from ps.client_options import channel_options
-from ps.optim import OptimizerSpec
 from worker.config import SHM_MODES, SHM_SOCKET_MODES
 from worker.direct import DirectChannel
 from worker.embedding import TableConfig

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
-from ps.optim import OptimizerSpec
+from hybridps.optim import OptimizerSpec
 from worker import comm
 from worker.checkpoint import Checkpointer, kill_point
 from worker.config import TrainConfig
@@ -273,7 +273,7 @@ class Trainer:
             return None, ""
         from google.protobuf import json_format
 
-        from ps.admin import format_shard_stats, get_shard_stats
+        from hybridps.admin import format_shard_stats, get_shard_stats
 
         try:
             stats = get_shard_stats(self.cfg.ps_address, timeout=self.cfg.ps_timeout,

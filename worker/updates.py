@@ -3,7 +3,7 @@
 Two sources of row updates share one interface (`UpdateSource`):
 - `worker.sync.ShardClient`: the node's shard server (Register, then the Sync stream or
   the Sync socket);
-- `LocalSparseOptimizer` (--local-optimizer): the same ps.optim kernels run
+- `LocalSparseOptimizer` (--local-optimizer): the same hybridps.optim kernels run
   in-process, m/v on the device, no server.
 Both fill an `UpdateBuffer`; `StalenessWindow` decides, at each step boundary on the
 training thread, which updates are due and applies them to the local rows.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ps.optim import STATE_OFFSETS, OptimizerSpec, alloc_state, apply_rows_, apply_update_
+from hybridps.optim import STATE_OFFSETS, OptimizerSpec, alloc_state, apply_rows_, apply_update_
 from worker.embedding import ShardedEmbedding
 from worker.staleness import RowPredictor
 
@@ -245,7 +245,7 @@ def _moment(weight: torch.Tensor, which: str) -> torch.Tensor:
 
 
 class LocalSparseOptimizer(UpdateSource):
-    """--local-optimizer: the shard server's kernels (ps.optim) run in-process.
+    """--local-optimizer: the shard server's kernels (hybridps.optim) run in-process.
 
     One optimizer step count per table advancing on every push (exactly like
     the server and torch.optim.SparseAdam); m/v live on the rows' device.

@@ -1,5 +1,5 @@
 /*
- * Fused single-pass row kernels for hybridps (CPython extension ps.native._fused_adam).
+ * Fused single-pass row kernels for hybridps (CPython extension hybridps.native._fused_adam).
  *
  * Why a plain CPython module taking raw addresses (tensor.data_ptr()) as ints:
  *  - it is what a setuptools Extension builds with no extra tooling (no torch C++
@@ -8,8 +8,8 @@
  *  - a METH_VARARGS call costs well under a microsecond (ctypes converts every
  *    argument in Python), and the module releases the GIL around every loop so the
  *    server's other threads keep running;
- *  - shape/dtype/device/overlap checks stay in Python (ps/native/__init__.py,
- *    ps/optim.py) where the tensors are; this file only bounds-checks the row ids,
+ *  - shape/dtype/device/overlap checks stay in Python (hybridps/native/__init__.py,
+ *    hybridps/optim.py) where the tensors are; this file only bounds-checks the row ids,
  *    before touching any state, since a bad id would write outside the table.
  *
  * Every kernel is one pass over the given unique rows: adam/adamw read m, v, g and
@@ -35,7 +35,7 @@
  * chunks never share a row. Concurrent callers do not queue: a call that finds the
  * pool busy runs on its own thread.
  *
- * Arithmetic is float32, op for op as the torch reference in ps/optim.py (scalars are
+ * Arithmetic is float32, op for op as the torch reference in hybridps/optim.py (scalars are
  * computed in double in Python and rounded to float here, as torch does for a Python
  * scalar), built with -ffp-contract=off and without -ffast-math. Hence m and v are
  * bitwise those of the torch path (adam: of torch.optim.SparseAdam; adamw: of torch's

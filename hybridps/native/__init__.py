@@ -1,6 +1,6 @@
-"""Optional native (C) row kernels; see fused_adam.c and ps.optim for the dispatch.
+"""Optional native (C) row kernels; see fused_adam.c and hybridps.optim for the dispatch.
 
-`ext` is the compiled module ps.native._fused_adam, or None when it was not built
+`ext` is the compiled module hybridps.native._fused_adam, or None when it was not built
 (no C compiler at install time) or does not load; `load_error` then says why.
 """
 
@@ -12,7 +12,7 @@ from types import ModuleType
 ext: ModuleType | None
 load_error: str | None
 try:
-    ext = importlib.import_module("ps.native._fused_adam")
+    ext = importlib.import_module("hybridps.native._fused_adam")
     load_error = None
 except ImportError as e:  # not built, or built for another interpreter
     ext = None

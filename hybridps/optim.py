@@ -16,7 +16,7 @@ Semantics (see README, "Optimizer semantics"):
 No grpc in this module.
 
 Two implementations of apply_rows_ / apply_update_:
-- "native": the fused single-pass C loops of ps/native/fused_adam.c (one pass over
+- "native": the fused single-pass C loops of hybridps/native/fused_adam.c (one pass over
   the rows, m and v updated in place, delta written into one buffer, optionally
   caller-owned; a pthread pool across rows). m and v are bitwise those of the torch
   path, as are sgd and the row update; the adam/adamw delta can differ in the last
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ps.errors import InvalidArgument
+from hybridps.errors import InvalidArgument
 
 KINDS = ("adam", "adamw", "sgd")
 KERNELS = ("auto", "native", "torch")
@@ -161,7 +161,7 @@ _threads: int | None = None  # None: torch.get_num_threads() of the calling thre
 
 
 def _native_module() -> tuple[ModuleType | None, str | None]:
-    from ps import native
+    from hybridps import native
 
     return native.ext, native.load_error
 

@@ -15,7 +15,6 @@ from ps.partition import DEFAULT_ANSWER_CACHE_STEPS, DEFAULT_RATE_WINDOW_S
 
 MIN_MESSAGE_BYTES = 4096
 MAX_KERNEL_THREADS = 64  # the native pool's limit (MAX_WORKERS + the caller)
-MAX_UDS_PATH = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -32,9 +31,6 @@ class ServerConfig:
         "help": "threads applying optimizer updates (0: min(4, cores))"})
     kernel_threads: int = field(default=0, metadata={
         "help": "threads of the native row kernel within one update (0: min(8, cores))"})
-    uds: str = field(default="", metadata={
-        "help": "also listen on this Unix domain socket path (workers on this node: "
-                "--ps unix:PATH); a stale socket file there is replaced"})
     shm: bool = field(default=True, metadata={
         "help": "accept the shared-memory arenas workers on this node offer at Register "
                 "(pushes and answers by reference into /dev/shm instead of inline; "
@@ -101,9 +97,6 @@ class ServerConfig:
         if not 0 <= self.kernel_threads <= MAX_KERNEL_THREADS:
             raise ValueError(f"--kernel-threads {self.kernel_threads} must be in "
                              f"[0, {MAX_KERNEL_THREADS}] (0: the default)")
-        if self.uds and (self.uds.startswith("unix:") or len(self.uds.encode()) > MAX_UDS_PATH):
-            raise ValueError(f"--uds {self.uds!r} must be a plain file path (no unix: prefix) "
-                             f"of at most {MAX_UDS_PATH} bytes")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r} must be one of {LOG_LEVELS}")
         if self.answer_cache_steps < 1:

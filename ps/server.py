@@ -41,13 +41,13 @@ from hybridps.security import (
     server_credentials,
 )
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
+from ps.arena_server import ArenaRegistry
 from ps.auth import AuthInterceptor, AuthPolicy
 from ps.config import ServerConfig
 from ps.core import ShardCore
-from ps.direct import DirectSyncServer
 from ps.lifecycle import RunTracker
 from ps.service import AdminServicer, ShardServicer, add_shard_service
-from ps.shm import ArenaRegistry
+from ps.socket_server import SyncSocketServer
 from ps.store import Store, kv
 
 log = logging.getLogger("ps.server")
@@ -107,15 +107,15 @@ class RunningServer:
     port: int
     shard: ShardServicer
     stop_request: StopRequest
-    direct: DirectSyncServer | None = None
+    sync_socket: SyncSocketServer | None = None
 
     async def stop(self, grace: float) -> None:
         log.info(kv("shutdown", grace_s=grace, reason=self.stop_request.reason or "-"))
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
         self.shard.begin_drain()  # Sync streams answer what they hold, then end
         await self.server.stop(grace)
-        if self.direct is not None:
-            await self.direct.close()
+        if self.sync_socket is not None:
+            await self.sync_socket.close()
         self.core.shutdown()
         if self.shard.shm_arenas is not None:
             self.shard.shm_arenas.close()
@@ -194,57 +194,28 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
         core.shutdown()
         raise BindError(f"cannot listen on {address}: "
                         f"{_bind_diagnosis(config.host, config.port)}") from None
-    if config.uds:
-        _bind_uds(server, config.uds, credentials, core)
     await server.start()
-    direct = None
+    sync_socket = None
     if config.shm and config.shm_socket:
-        direct = DirectSyncServer(shard, token, config.max_message_bytes)
+        sync_socket = SyncSocketServer(shard, token, config.max_message_bytes)
         try:
-            await direct.start()
-            shard.sync_socket = direct.path
+            await sync_socket.start()
+            shard.sync_socket = sync_socket.path
         except OSError as exc:  # e.g. no /dev/shm: the ranks keep the Sync stream
-            log.warning(kv("sync_socket_unavailable", path=direct.path, error=str(exc)))
-            direct = None
+            log.warning(kv("sync_socket_unavailable", path=sync_socket.path, error=str(exc)))
+            sync_socket = None
     for name in ("", *services):
         await health.set(name, SERVING)
     tls = "off" if credentials is None else ("mutual" if config.tls_client_ca else "on")
     log.info(kv("serving", address=format_address(config.host, port),
-                uds=config.uds or "-", kernel_threads=core.kernel_threads,
+                kernel_threads=core.kernel_threads,
                 server_id=store.server_id, max_message_bytes=config.max_message_bytes,
                 reflection=config.reflection, tls=tls, auth="token" if token else "off",
                 admin_shutdown="token" if admin_token else "off",
                 exit_after_run=config.exit_after_run, shm=config.shm,
-                sync_socket=direct.path if direct is not None else "-"))
+                sync_socket=sync_socket.path if sync_socket is not None else "-"))
     _security_warnings(config, token, credentials is not None)
-    return RunningServer(server, health, core, port, shard, stop_request, direct)
-
-
-def _bind_uds(server: grpc.aio.Server, path: str,
-              credentials: grpc.ServerCredentials | None, core: ShardCore) -> None:
-    """Listen on a Unix domain socket too: same services, no TCP/IP stack for a worker on
-    this node. A leftover socket file (a server killed earlier) is replaced; any other
-    file at the path is not."""
-    target = Path(path)
-    if target.exists() or target.is_symlink():
-        if not target.is_socket():
-            core.shutdown()
-            raise BindError(f"cannot listen on unix:{path}: a file that is not a socket is "
-                            "in the way")
-        target.unlink()
-    address = f"unix:{path}"
-    try:
-        if credentials is None:
-            server.add_insecure_port(address)
-        else:
-            server.add_secure_port(address, credentials)
-    except RuntimeError:
-        core.shutdown()
-        parent = target.parent
-        why = ("directory does not exist" if not parent.is_dir() else
-               "directory not writable" if not os.access(parent, os.W_OK) else
-               "see the grpc log above")
-        raise BindError(f"cannot listen on {address}: {why}") from None
+    return RunningServer(server, health, core, port, shard, stop_request, sync_socket)
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -283,6 +254,4 @@ async def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal: the default (exit now)
         loop.remove_signal_handler(sig)
     await running.stop(config.grace_s if stop.grace_s is None else stop.grace_s)
-    if config.uds and Path(config.uds).is_socket():
-        Path(config.uds).unlink(missing_ok=True)
     return 0

@@ -129,7 +129,7 @@ def test_sigterm_during_pushes_answers_what_it_received_and_loses_nothing(tmp_pa
             register(stub, "term", [table("emb", 1000, 16, 0, 1000)])
             stop_pushing = threading.Event()
 
-            def pushes() -> Iterator[shard_pb2.Push]:
+            def pushes() -> Iterator[shard_pb2.SyncRequest]:
                 for step in range(100_000):
                     if stop_pushing.is_set():
                         return
@@ -139,8 +139,8 @@ def test_sigterm_during_pushes_answers_what_it_received_and_loses_nothing(tmp_pa
 
             def consume() -> None:
                 try:
-                    for update in stub.Sync(pushes(), timeout=60):
-                        answered.append(update.step)
+                    for response in stub.Sync(pushes(), timeout=60):
+                        answered.append(response.update.step)
                 except grpc.RpcError as exc:
                     errors.append(exc)
 
@@ -177,7 +177,7 @@ def test_sigterm_during_pushes_answers_what_it_received_and_loses_nothing(tmp_pa
 def one_push(stub: shard_pb2_grpc.ShardServiceStub, run: str, rank: int, step: int,
              start: int) -> None:
     msgs = push_messages(run, step, "emb", torch.tensor([start]), torch.ones(1, 4), rank=rank)
-    assert [u.step for u in stub.Sync(iter(msgs), timeout=30)] == [step]
+    assert [r.update.step for r in stub.Sync(iter(msgs), timeout=30)] == [step]
 
 
 def test_exit_after_run_stops_once_every_rank_finished(tmp_path: Path) -> None:
@@ -225,13 +225,13 @@ def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
                          rank=rank, world_size=2)
             gate = threading.Event()
 
-            def rank1_pushes() -> Iterator[shard_pb2.Push]:
+            def rank1_pushes() -> Iterator[shard_pb2.SyncRequest]:
                 yield from push_messages("job", 0, "emb", torch.tensor([5]), torch.ones(1, 4),
                                          rank=1)
                 gate.wait(30)
 
             stream = stub.Sync(rank1_pushes(), timeout=30)
-            assert next(stream).step == 0  # rank 1's stream is open
+            assert next(stream).update.step == 0  # rank 1's stream is open
             reply = stub.Finish(shard_pb2.FinishRequest(run_id="job", rank=0, last_step=-1,
                                                         aborted=True, reason="test"),
                                 timeout=10)

@@ -1,4 +1,5 @@
-"""The same-node shared-memory data plane of the Sync stream (worker/shm.py, ps/shm.py).
+"""The same-node shared-memory data plane of the Sync stream (worker/arena_client.py,
+ps/arena_server.py).
 
 Every test that runs the feature checks that it was used (the client's shm counters,
 the server's log), so a silent fallback to inline tensors fails them.
@@ -16,18 +17,18 @@ import grpc
 import pytest
 import torch
 
-from hybridps import shm as layout
+from hybridps import arena_layout as layout
 from hybridps.cli import parse_config
 from hybridps.errors import AnswerEvicted, BadShmReference, StaleShmEpoch
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.admin import get_shard_stats
+from ps.arena_server import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
 from ps.config import ServerConfig
-from ps.shm import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
 from tests.helpers import start_ps_server
 from tests.test_wire_fast import SPEC, _client, _push_all, _reference_deltas, _run, _steps
+from worker.arena_client import ClientArena, RingAllocator, place
 from worker.config import TrainConfig
 from worker.embedding import TableConfig
-from worker.shm import ClientArena, RingAllocator, place
 from worker.sync import ServerRefused, ShardClient, optimizer_message
 
 ROWS, DIM = 2000, 32
@@ -298,8 +299,9 @@ def test_arena_file_is_gone_once_registered(ps_address: str) -> None:
     client = _client(ps_address, ROWS, DIM, shm="on")
     client.start()
     try:
-        assert client._arena is not None
-        assert not os.path.exists(client._arena.path), "left in /dev/shm after Register"
+        arena = client.placement.arena
+        assert arena is not None
+        assert not os.path.exists(arena.path), "left in /dev/shm after Register"
     finally:
         client.close()
     mine = [p for p in os.listdir(layout.SHM_DIR) if p.startswith(f"hybridps-{os.getpid()}-")]
@@ -337,13 +339,17 @@ class RawRank:
         slot = place(self.arena, ids, grads, torch.float32, torch.float32)
         assert slot is not None
         head = shard_pb2.Push(run_id=self.run_id, rank=0, incarnation=1, step=step,
-                              table="t", chunk=0, num_chunks=1, shm_epoch=self.epoch,
-                              shm_ids=slot.refs[0], shm_grads=slot.refs[1],
-                              shm_answer=slot.refs[2])
+                              table="t", shm=shard_pb2.ShmRefs(
+                                  epoch=self.epoch, ids=slot.refs[0], grads=slot.refs[1],
+                                  answer=slot.refs[2]))
         return head, slot.answer
 
-    def sync(self, *pushes: shard_pb2.Push) -> list[shard_pb2.Update]:
-        return list(self.stub.Sync(iter(pushes), timeout=30))
+    def sync(self, *pushes: shard_pb2.Push | shard_pb2.PushBatch
+             ) -> list[shard_pb2.SyncResponse]:
+        """One SyncRequest each (a push, or a batch of them)."""
+        requests = [shard_pb2.SyncRequest(batch=p) if isinstance(p, shard_pb2.PushBatch)
+                    else shard_pb2.SyncRequest(push=p) for p in pushes]
+        return list(self.stub.Sync(iter(requests), timeout=30))
 
     def close(self) -> None:
         self.channel.close()
@@ -362,7 +368,7 @@ def raw_rank(ps_address: str, request: pytest.FixtureRequest) -> Iterator[RawRan
 def _edit(push: shard_pb2.Push, field: str, **changes: object) -> shard_pb2.Push:
     bad = shard_pb2.Push()
     bad.CopyFrom(push)
-    ref = getattr(bad, field)
+    ref = getattr(bad.shm, field)
     for key, value in changes.items():
         if key == "shape":
             ref.shape[:] = value  # type: ignore[index]
@@ -372,14 +378,14 @@ def _edit(push: shard_pb2.Push, field: str, **changes: object) -> shard_pb2.Push
 
 
 @pytest.mark.parametrize(("field", "changes", "message"), [
-    ("shm_grads", {"offset": 1 << 30}, "shm grads (offset 1073741824"),
-    ("shm_grads", {"offset": 4100}, "offset 4100 is not a multiple of 64"),
-    ("shm_grads", {"length": 12}, "length 12 does not match shape [10, 32] of FLOAT32"),
-    ("shm_ids", {"dtype": shard_pb2.INT32, "length": 40}, "must be INT64 [U]"),
-    ("shm_answer", {"dtype": shard_pb2.BFLOAT16, "length": 640},
+    ("grads", {"offset": 1 << 30}, "shm grads (offset 1073741824"),
+    ("grads", {"offset": 4100}, "offset 4100 is not a multiple of 64"),
+    ("grads", {"length": 12}, "length 12 does not match shape [10, 32] of FLOAT32"),
+    ("ids", {"dtype": shard_pb2.INT32, "length": 40}, "must be INT64 [U]"),
+    ("answer", {"dtype": shard_pb2.BFLOAT16, "length": 640},
      "the answer of this push is torch.float32, not BFLOAT16"),
-    ("shm_answer", {"shape": [5, 32], "length": 640}, "must have the shape of the gradients"),
-    ("shm_answer", {"offset": layout.HEADER_BYTES + 128}, "overlaps shm grads"),
+    ("answer", {"shape": [5, 32], "length": 640}, "must have the shape of the gradients"),
+    ("answer", {"offset": layout.HEADER_BYTES + 128}, "overlaps shm grads"),
 ])
 def test_bad_shm_reference_is_refused_and_changes_nothing(
         raw_rank: RawRank, ps_address: str, field: str, changes: dict[str, object],
@@ -394,8 +400,9 @@ def test_bad_shm_reference_is_refused_and_changes_nothing(
     stats = get_shard_stats(ps_address, run_id=raw_rank.run_id).partitions[0]
     assert stats.last_step == -1 and stats.pushes_applied == 0
     assert stats.refusals["bad_shm_reference"] == 1
-    (update,) = raw_rank.sync(good)  # the partition takes the good push as step 0
-    assert update.shm and update.step == 0 and not update.HasField("delta")
+    (response,) = raw_rank.sync(good)  # the partition takes the good push as step 0
+    update = response.update
+    assert update.HasField("shm") and update.step == 0 and not update.HasField("chunk")
     assert float(answer.abs().sum()) > 0
 
 
@@ -427,22 +434,22 @@ def test_duplicate_push_is_answered_in_its_region_and_into_another(
     names; the state does not move."""
     assert raw_rank.register().shm.accepted
     push, answer = raw_rank.push(0)
-    (first,) = raw_rank.sync(push)
+    (first,) = (r.update for r in raw_rank.sync(push))
     saved = answer.clone()
-    (again,) = raw_rank.sync(push)
-    assert not first.duplicate and again.duplicate and again.shm
+    (again,) = (r.update for r in raw_rank.sync(push))
+    assert not first.duplicate and again.duplicate and again.HasField("shm")
     assert torch.equal(answer, saved) and float(saved.abs().sum()) > 0
     elsewhere, region = raw_rank.push(0)  # the same ids and grads, a new answer region
     region.zero_()
-    (third,) = raw_rank.sync(elsewhere)
+    (third,) = (r.update for r in raw_rank.sync(elsewhere))
     assert third.duplicate and torch.equal(region, saved)
     nxt, next_answer = raw_rank.push(1)
-    (fourth,) = raw_rank.sync(nxt)
+    (fourth,) = (r.update for r in raw_rank.sync(nxt))
     assert not fourth.duplicate and fourth.step == 1 and float(next_answer.abs().sum()) > 0
 
 
-def _batch(rank: RawRank, *pushes: shard_pb2.Push) -> shard_pb2.Push:
-    return shard_pb2.Push(run_id=rank.run_id, rank=0, batch=list(pushes))
+def _batch(*pushes: shard_pb2.Push) -> shard_pb2.PushBatch:
+    return shard_pb2.PushBatch(pushes=list(pushes))
 
 
 def test_batch_push_is_answered_in_one_update_like_separate_pushes(
@@ -452,12 +459,13 @@ def test_batch_push_is_answered_in_one_update_like_separate_pushes(
         assert raw_rank.register().shm.accepted and alone.register().shm.accepted
         batched = [raw_rank.push(step) for step in range(3)]
         separate = [alone.push(step) for step in range(3)]
-        (update,) = raw_rank.sync(_batch(raw_rank, *(p for p, _ in batched)))
-        answers = [u for p, _ in separate for u in alone.sync(p)]
+        (response,) = raw_rank.sync(_batch(*(p for p, _ in batched)))
+        answers = [r.update for p, _ in separate for r in alone.sync(p)]
     finally:
         alone.close()
-    assert [u.step for u in update.batch] == [0, 1, 2] and not update.table
-    assert all(u.shm and not u.duplicate for u in update.batch)
+    assert response.HasField("batch")
+    assert [u.step for u in response.batch.updates] == [0, 1, 2]
+    assert all(u.HasField("shm") and not u.duplicate for u in response.batch.updates)
     assert [u.step for u in answers] == [0, 1, 2]
     for (_, got), (_, want) in zip(batched, separate, strict=True):
         assert torch.equal(got, want) and float(got.abs().sum()) > 0
@@ -467,9 +475,8 @@ def test_batch_push_is_answered_in_one_update_like_separate_pushes(
 
 @pytest.mark.parametrize(("case", "message"), [
     ("inline", "entry 1 (step=1 table='t') is not a shared-memory push"),
-    ("nested", "entry 1 (step=0 table='') is itself a batch"),
+    ("empty", "entry 1 (step=1 table='t') is not a shared-memory push"),
     ("rank", "entry 1 (step=1 table='t') is of run="),
-    ("outer", "a batch message carries its pushes in `batch` only"),
 ])
 def test_bad_batch_is_refused_whole(raw_rank: RawRank, ps_address: str, case: str,
                                     message: str) -> None:
@@ -478,14 +485,13 @@ def test_bad_batch_is_refused_whole(raw_rank: RawRank, ps_address: str, case: st
     second, _ = raw_rank.push(1)
     if case == "inline":
         second = shard_pb2.Push(run_id=raw_rank.run_id, rank=0, incarnation=1, step=1,
-                                table="t", chunk=0, num_chunks=1)
-    elif case == "nested":
-        second = _batch(raw_rank, second)
+                                table="t", chunk=shard_pb2.InlineChunk(index=0, count=1))
+    elif case == "empty":  # neither inline nor by reference
+        second = shard_pb2.Push(run_id=raw_rank.run_id, rank=0, incarnation=1, step=1,
+                                table="t")
     elif case == "rank":
         second.run_id = "another-run"
-    batch = _batch(raw_rank, first, second)
-    if case == "outer":
-        batch.shm_ids.CopyFrom(first.shm_ids)
+    batch = _batch(first, second)
     with pytest.raises(grpc.RpcError) as info:
         raw_rank.sync(batch)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

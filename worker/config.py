@@ -19,8 +19,8 @@ from worker.nodes import node_ps_address, rank_layout, split_ps
 OPTIMIZERS = ("adam", "adamw", "sgd")
 ROW_DTYPES = ("fp32", "bf16")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")  # worker/sync.py WIRE_DTYPES maps them to torch
-SHM_MODES = ("auto", "on", "off")  # worker/shm.py (the one list; this module has no torch)
-SHM_SOCKET_MODES = ("auto", "off")  # worker/direct.py
+SHM_MODES = ("auto", "on", "off")  # worker/arena_client.py ShmMode (this module has no torch)
+SHM_SOCKET_MODES = ("auto", "off")  # worker/sync.py SocketMode
 MAX_SHM_MB = 1 << 20
 DEVICES = ("auto", "cpu", "cuda")
 STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py
@@ -45,13 +45,11 @@ def parse_host_port(address: str) -> tuple[str, int]:
 
 
 def check_ps_address(address: str) -> None:
-    """HOST:PORT, [V6]:PORT, or unix:PATH (a server's --uds on this node); ValueError if not."""
+    """HOST:PORT or [V6]:PORT; ValueError if not."""
     if address.startswith("unix:"):
-        path = address[len("unix:"):]
-        if not path.lstrip("/") or (path.startswith("//") and not path.startswith("///")):
-            raise ValueError(f"ps={address!r}: give unix:/absolute/path, unix:///absolute/path "
-                             "or unix:relative/path (the server's --uds path)")
-        return
+        raise ValueError(f"ps={address!r}: the server no longer listens on a Unix socket "
+                         "(--uds is gone); give its HOST:PORT (ranks on its node reach it "
+                         "through shared memory, --shm)")
     parse_host_port(address)
 
 
@@ -85,7 +83,7 @@ class TrainConfig:
 
     # --- parameter server -------------------------------------------------
     ps: str = field(default="", metadata=_h(
-        "shard server of this node, HOST:PORT or unix:PATH (its --uds socket), or one per "
+        "shard server of this node, HOST:PORT, or one per "
         "node A,B,... (rank r uses entry r // LOCAL_WORLD_SIZE); empty only with "
         "--local-optimizer", "HOST:PORT[,..]"))
     local_optimizer: bool = field(default=False, metadata=_h(
@@ -106,7 +104,7 @@ class TrainConfig:
         "(half the bytes; the server's math stays fp32; rounding error <= 2^-8 (bf16) or "
         "2^-11 (fp16) relative per element, fp16 overflows beyond 65504)", "DTYPE"))
     shm: str = field(default="auto", metadata=_h(
-        "same-node shared memory for pushes and answers (worker/shm.py): auto (offer an "
+        "same-node shared memory for pushes and answers (worker/arena_client.py): auto (offer an "
         "arena in /dev/shm at Register, fall back to inline tensors when the server "
         "cannot map it: another host or container, --shm false, an older server) | on "
         "(fail without it) | off (inline tensors over gRPC only)", "MODE"))
@@ -115,7 +113,7 @@ class TrainConfig:
         "(hold ~K+2 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row)", "MB"))
     shm_socket: str = field(default="auto", metadata=_h(
         "with the arena accepted, the step's Push and Update messages over the server's "
-        "Unix socket, sent and read by the training thread (worker/direct.py): auto (when "
+        "Unix socket, sent and read by the training thread (worker/socket_client.py): auto (when "
         "the server offers one and it connects) | off (the gRPC Sync stream)", "MODE"))
     run_id: str = field(default="", metadata=_h(
         "run id on the server (default: TORCHELASTIC_RUN_ID, else a fresh uuid)", "ID"))

@@ -53,7 +53,7 @@ def kernel_goals(res: dict[str, Any]) -> list[Goal]:
 
 
 def wire_goals(res: dict[str, Any]) -> list[Goal]:
-    """Goal 2, per transport (tcp, uds, shm): the worst wire/kernel rows ratio and
+    """Goal 2, per transport (tcp, shm): the worst wire/kernel rows ratio and
     wire/echo bytes ratio over the configurations."""
     goal, out = res["goal"], []
     for transport in sorted({r["transport"] for r in res["results"]}):

@@ -2,7 +2,7 @@
 
     python bench/bench_transport.py                      # 3 interleaved repeats (~5 min)
     python bench/bench_transport.py --repeats 5 --steps 400 --json runs/bench/transport.json
-    python bench/bench_transport.py --root ../other-checkout   # that checkout's code
+    python bench/bench_transport.py --root . --root ../other-checkout   # two checkouts
 
 The "20-ids job" (`--task tables --tables t0:1000000:20 --dim 64 --batch-size 1024
 --staleness 1`: one 1M x 64 table, 20 ids a sample, batch 1024 per rank) on 2 gloo ranks
@@ -15,7 +15,8 @@ variant:
 The variants run interleaved (socket, stream, inline, socket, ...) so that a change in
 the machine's load hits them alike; the table gives each variant's median samples/s
 (the worker's `samples_per_s`: training steps only, set-up excluded), its spread and
-the ratios of the medians, with the load average before and after.
+the ratios of the medians, with the load average before and after. With several
+--root, every checkout runs every variant, interleaved too (a before/after comparison).
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list of {', '.join(VARIANTS)}")
-    p.add_argument("--root", type=Path, default=REPO,
-                   help="the checkout whose worker and server run (default: this one)")
+    p.add_argument("--root", type=Path, action="append",
+                   help="a checkout whose worker and server run (default: this one); "
+                        "repeat to compare checkouts")
     p.add_argument("--json", type=Path, help="write the runs here")
     p.add_argument("worker_args", nargs="*", help="extra worker flags, after --")
     args = p.parse_args(argv)
@@ -131,34 +133,44 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
     if args.repeats < 1 or args.steps < 1:
         p.error("--repeats and --steps must be >= 1")
-    root = args.root.resolve()
+    roots = [r.resolve() for r in (args.root or [REPO])]
+    labels = {root: f"r{i}" if len(roots) > 1 else "" for i, root in enumerate(roots)}
+    cells = [(root, v) for v in variants for root in roots]
+    names = {cell: f"{labels[cell[0]]}:{cell[1]}".lstrip(":") for cell in cells}
     load_before = uptime()
     log(f"before: {load_before}")
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    runs: dict[str, list[dict[str, Any]]] = {names[c]: [] for c in cells}
     with tempfile.TemporaryDirectory(prefix="bench_transport-") as tmp:
         for repeat in range(args.repeats):
-            for v in variants:
-                got = run_once(root, v, args.steps, Path(tmp) / f"{v}-{repeat}",
+            for root, v in cells:
+                name = names[(root, v)]
+                got = run_once(root, v, args.steps,
+                               Path(tmp) / f"{name.replace(':', '-')}-{repeat}",
                                args.worker_args)
-                log(f"repeat {repeat + 1} {v}: {got['samples_per_s']:.0f} samples/s")
-                runs[v].append(got)
+                log(f"repeat {repeat + 1} {name}: {got['samples_per_s']:.0f} samples/s")
+                runs[name].append(got)
     load_after = uptime()
-    medians = {v: statistics.median(r["samples_per_s"] for r in runs[v]) for v in variants}
-    print(f"20-ids job, {args.steps} steps, {args.repeats} interleaved repeats, root {root}")
-    print(f"{'variant':<8} {'median samples/s':>17} {'min':>8} {'max':>8} {'step ms':>8}")
-    for v in variants:
-        rates = [r["samples_per_s"] for r in runs[v]]
-        step_ms = statistics.median(r["step_ms"] for r in runs[v])
-        print(f"{v:<8} {medians[v]:>17.0f} {min(rates):>8.0f} {max(rates):>8.0f} "
+    medians = {n: statistics.median(r["samples_per_s"] for r in runs[n]) for n in runs}
+    print(f"20-ids job, {args.steps} steps, {args.repeats} interleaved repeats")
+    for root in roots:
+        print(f"  {labels[root] or 'root'}: {root}")
+    print(f"{'variant':<10} {'median samples/s':>17} {'min':>8} {'max':>8} {'step ms':>8}")
+    for name, done in runs.items():
+        rates = [r["samples_per_s"] for r in done]
+        step_ms = statistics.median(r["step_ms"] for r in done)
+        print(f"{name:<10} {medians[name]:>17.0f} {min(rates):>8.0f} {max(rates):>8.0f} "
               f"{step_ms:>8.2f}")
-    base = variants[-1]
-    for v in variants[:-1]:
-        print(f"{v} / {base}: {medians[v] / medians[base]:.3f}")
+    for root in roots:
+        base = names[(root, variants[-1])]
+        for v in variants[:-1]:
+            name = names[(root, v)]
+            print(f"{name} / {base}: {medians[name] / medians[base]:.3f}")
     print(f"load before: {load_before}")
     print(f"load after:  {load_after}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"root": str(root), "steps": args.steps,
+        args.json.write_text(json.dumps({"roots": [str(r) for r in roots],
+                                         "steps": args.steps,
                                          "runs": runs, "medians": medians,
                                          "load_before": load_before,
                                          "load_after": load_after}, indent=2) + "\n")

@@ -6,7 +6,7 @@ writes the Sync stream's request messages to the socket and reads the responses 
 itself (worker/socket_client.py), with no event loop on its side. Why: with the arena
 the messages are headers of a few hundred bytes, and for those the cost is the
 transport, not the bytes; a framed Unix socket costs a fraction of a gRPC message on
-both sides (measured: docs/performance-log.md, "The Sync socket").
+both sides (measured: docs/performance-log.md, "Second round: the Sync socket").
 
 Both transports run a stream through the same `SyncStream` (ps/sync_stream.py): decode,
 dedupe, ordering, checks, answers and run tracking are the gRPC stream's. Here each

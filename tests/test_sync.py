@@ -21,7 +21,7 @@ from worker.arena_client import ArenaPlacement
 from worker.embedding import TableConfig
 from worker.sync import ServerRefused, ServerUnavailable, ShardClient
 from worker.sync_ledger import SyncLedger
-from worker.sync_messages import PushEncoder
+from worker.sync_messages import InlinePush, Outgoing, PushEncoder, serialized
 from worker.transport import (
     Response,
     SyncTransport,
@@ -104,8 +104,8 @@ class FakeTransport(SyncTransport):
         self.attempted: list[bytes] = []  # every message handed to send, delivered or not
         self.closed = False
 
-    def send(self, messages: Sequence[bytes]) -> None:
-        for message in messages:
+    def send(self, messages: Sequence[Outgoing]) -> None:
+        for message in serialized(messages):
             self.attempted.append(message)
             error = self.fail("send")
             if error is not None:
@@ -375,6 +375,11 @@ def _ledger() -> tuple[SyncLedger, PushEncoder, SyncStats]:
     return ledger, PushEncoder("r", 0, 1, torch.float32, torch.float32), stats
 
 
+def _inline(encoder: PushEncoder, step: int, table: str, rows: int) -> InlinePush:
+    return InlinePush(lambda: encoder.inline(step, table, torch.arange(rows),
+                                             torch.ones(rows, DIM), 1 << 20))
+
+
 def _answer(step: int, table: str, ids: torch.Tensor, index: int = 0, count: int = 1,
             dim: int = DIM) -> Response:
     update = shard_pb2.Update(step=step, table=table, decay=1.0,
@@ -385,26 +390,24 @@ def _answer(step: int, table: str, ids: torch.Tensor, index: int = 0, count: int
 
 
 def test_ledger_resends_the_unanswered_pushes_as_the_same_bytes_in_order() -> None:
-    ledger, encoder, stats = _ledger()
+    ledger, encoder, _ = _ledger()
     sent = {}
     for step in range(3):
-        pushes = [(t, encoder.inline(step, t, torch.arange(2), torch.ones(2, DIM), 1 << 20))
-                  for t in ("a", "b")]
-        for t, messages in pushes:
-            sent[(step, t)] = messages
-        assert ledger.add_step(step, pushes, epoch=0) == [m for _, ms in pushes for m in ms]
-    assert stats.push_chunks == 6
+        pushes = [(t, _inline(encoder, step, t, 2)) for t in ("a", "b")]
+        for t, push in pushes:
+            sent[(step, t)] = push.messages()
+        assert serialized(ledger.add_step(step, pushes, epoch=0)) == [
+            m for _, push in pushes for m in push.messages()]
     (done,) = ledger.on_response(_answer(0, "a", torch.arange(2)))
     assert done[0].step == 0 and done[1] is None
     assert ledger.oldest_step() == 0 and len(ledger) == 5
-    assert ledger.resend(epoch=0) == [m for key in [(0, "b"), (1, "a"), (1, "b"), (2, "a"),
-                                                    (2, "b")] for m in sent[key]]
+    assert serialized(ledger.resend(epoch=0)) == [
+        m for key in [(0, "b"), (1, "a"), (1, "b"), (2, "a"), (2, "b")] for m in sent[key]]
 
 
 def test_ledger_ignores_a_second_answer_and_refuses_broken_ones() -> None:
     ledger, encoder, _ = _ledger()
-    ledger.add_step(0, [(t, encoder.inline(0, t, torch.arange(4), torch.ones(4, DIM), 1 << 20))
-                        for t in ("a", "b")], epoch=0)
+    ledger.add_step(0, [(t, _inline(encoder, 0, t, 4)) for t in ("a", "b")], epoch=0)
     assert ledger.on_response(_answer(0, "a", torch.arange(2), 0, 2)) == []  # chunk 0 of 2
     with pytest.raises(ServerRefused, match="chunk 0 arrived, expected 1"):
         ledger.on_response(_answer(0, "a", torch.arange(2), 0, 2))
@@ -413,8 +416,7 @@ def test_ledger_ignores_a_second_answer_and_refuses_broken_ones() -> None:
     with pytest.raises(ServerRefused, match="unknown table 'z'"):
         ledger.on_response(_answer(0, "z", torch.arange(2)))
     ledger2, encoder2, stats2 = _ledger()
-    ledger2.add_step(0, [("a", encoder2.inline(0, "a", torch.arange(2), torch.ones(2, DIM),
-                                               1 << 20))], epoch=0)
+    ledger2.add_step(0, [("a", _inline(encoder2, 0, "a", 2))], epoch=0)
     assert len(ledger2.on_response(_answer(0, "a", torch.arange(2)))) == 1
     assert ledger2.on_response(_answer(0, "a", torch.arange(2))) == []  # a re-sent push's
     assert stats2.ignored_updates == 1 and stats2.updates == 1
@@ -423,8 +425,7 @@ def test_ledger_ignores_a_second_answer_and_refuses_broken_ones() -> None:
 def test_ledger_refuses_an_answer_by_the_wrong_route() -> None:
     """A push sent by shared memory answered inline (or the reverse) is a protocol error."""
     ledger, encoder, _ = _ledger()
-    ledger.add_step(0, [("a", encoder.inline(0, "a", torch.arange(2), torch.ones(2, DIM),
-                                             1 << 20))], epoch=0)
+    ledger.add_step(0, [("a", _inline(encoder, 0, "a", 2))], epoch=0)
     shm = shard_pb2.SyncResponse(update=shard_pb2.Update(step=0, table="a",
                                                          shm=shard_pb2.ShmAnswer()))
     with pytest.raises(ServerRefused, match="a push sent inline was answered by shared memory"):
@@ -471,3 +472,27 @@ def test_placement_refused_by_the_server_falls_back_or_fails() -> None:
         strict.close()
     with pytest.raises(ValueError, match="shm='sometimes'"):
         ArenaPlacement("sometimes", 1 << 20, rank=0, address="x")
+
+
+def test_inline_push_is_encoded_once_whoever_asks_first() -> None:
+    """The gRPC stream's loop thread encodes an inline push when it sends it; a re-send
+    (from the training thread) gets the same bytes, and the count runs once."""
+    import threading
+
+    calls: list[int] = []
+    counted: list[int] = []
+    encoder = PushEncoder("r", 0, 1, torch.float32, torch.float32)
+
+    def encode() -> list[bytes]:
+        calls.append(1)
+        return encoder.inline(0, "a", torch.arange(50), torch.ones(50, DIM), 1 << 20)
+
+    push = InlinePush(encode, lambda messages: counted.append(len(messages)))
+    got: list[list[bytes]] = []
+    threads = [threading.Thread(target=lambda: got.append(push.messages())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1] and counted == [1]
+    assert all(m is got[0] for m in got) and push.messages() is got[0]

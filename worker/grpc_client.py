@@ -13,8 +13,9 @@ fork is ever made after the channel exists (batches are generated in-process, no
 DataLoader workers), so the gRPC core is fork-safe here.
 
 `GrpcStreamTransport` is the Sync stream as a SyncTransport: `send` hands the messages
-to the loop (never blocks on the network), the loop thread writes them and decodes
-each response as it arrives (the copy-free codec of hybridps/wire.py), `receive` takes
+to the loop (never blocks on the network), the loop thread serializes inline pushes
+(their gradients copied there, off the training step), writes them and decodes each
+response as it arrives (the copy-free codec of hybridps/wire.py), `receive` takes
 the decoded responses from a condition-guarded queue with a deadline.
 """
 
@@ -36,6 +37,7 @@ from hybridps.channel_options import channel_options
 from hybridps.logs import kv
 from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2_grpc
+from worker.sync_messages import InlinePush, Outgoing
 from worker.transport import (
     Response,
     SyncTransport,
@@ -229,12 +231,14 @@ class GrpcStreamTransport(SyncTransport):
 
         rpc.run(begin, 30.0, "opening the Sync stream")
 
-    def send(self, messages: Sequence[bytes]) -> None:
+    def send(self, messages: Sequence[Outgoing]) -> None:
+        """Queued for the loop thread, which serializes inline pushes (the copy of their
+        gradients) and writes them."""
         if self._error is not None and not self._arrived:
             raise self._error
         if messages:
             try:
-                batch: list[bytes | None] = list(messages)
+                batch: list[Outgoing | None] = list(messages)
                 self._loop.call_soon_threadsafe(self._put, batch)
             except RuntimeError:  # the loop closed
                 raise TransportRetryable("UNAVAILABLE", "the gRPC loop is gone") from None
@@ -259,7 +263,7 @@ class GrpcStreamTransport(SyncTransport):
         if self._ended.is_set():
             return
         with contextlib.suppress(RuntimeError):
-            end: list[bytes | None] = [None]
+            end: list[Outgoing | None] = [None]
             self._loop.call_soon_threadsafe(self._put, end)
         if not self._ended.wait(wait_s):
             with contextlib.suppress(RuntimeError):
@@ -267,10 +271,14 @@ class GrpcStreamTransport(SyncTransport):
             self._ended.wait(1.0)
 
     # -- on the loop thread ---------------------------------------------------------------
-    def _put(self, messages: list[bytes | None]) -> None:
+    def _put(self, messages: list[Outgoing | None]) -> None:
         if self._outq is not None:
             for message in messages:
-                self._outq.put_nowait(message)
+                if isinstance(message, InlinePush):
+                    for data in message.messages():
+                        self._outq.put_nowait(data)
+                else:
+                    self._outq.put_nowait(message)
 
     def _cancel(self) -> None:
         if self._call is not None:

@@ -27,6 +27,7 @@ from hybridps.socket_frames import (
     kind_name,
     status_name,
 )
+from worker.sync_messages import Outgoing, serialized
 from worker.transport import (
     Response,
     SyncTransport,
@@ -72,9 +73,9 @@ class SocketTransport(SyncTransport):
             raise
         self._updates.clear()
 
-    def send(self, messages: Sequence[bytes]) -> None:
+    def send(self, messages: Sequence[Outgoing]) -> None:
         """Blocks only while the socket buffer is full, up to the timeout."""
-        for message in messages:
+        for message in serialized(messages):
             self.send_frame(FRAME.pack(PUSH, len(message)), message)
 
     def send_frame(self, *parts: bytes) -> None:

@@ -13,16 +13,20 @@ read the answers back. The pieces, each in its own module:
 
 One threading model: everything here runs on the thread that calls the client (the
 training thread), and so do the ledger, the placement and the transports' `send` and
-`receive`; only the gRPC machinery runs on ShardRpc's loop thread. The training thread
-hands a step's pushes to the transport (never waiting for the network) and reads the
-answers when the staleness window needs them (`take`), so nothing of ours runs between
-steps.
+`receive`; only the gRPC machinery runs on ShardRpc's loop thread, which also
+serializes the inline pushes it sends (a copy of the gradients, kept off the step).
+The training thread hands a step's pushes to the transport (never waiting for the
+network) and reads the answers when the staleness window needs them (`take`).
 
 Failure handling: every wait has a deadline (`--ps-timeout`): registering, waiting for
 an update, and a broken connection, which is retried with exponential backoff
 (re-Register, then re-send every unanswered push; the server dedupes by (run, rank,
 incarnation, step) and answers duplicates from its cache). If the server stays down
 past the deadline, or refuses a push, the error is raised naming the server and the step.
+
+Shape suffixes in names: `_U` one entry per row a push carries (its unique ids), `_D`
+the table's dim, `_R` the rows this rank owns: `ids_U` [U], `grads_UD` [U, D],
+`block_RD` [R, D].
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from worker.grpc_client import ShardRpc
 from worker.socket_client import SocketTransport
 from worker.sync_ledger import Pending, SyncLedger
 from worker.sync_messages import (
+    InlinePush,
     PushEncoder,
     make_incarnation,
     optimizer_message,
@@ -248,8 +253,15 @@ class ShardClient(UpdateSource):
         return self._inline(step, name, ids_U, grads_UD)
 
     def _inline(self, step: int, name: str, ids_U: torch.Tensor,
-                grads_UD: torch.Tensor) -> list[bytes]:
-        return self.encoder.inline(step, name, ids_U, grads_UD, self.max_chunk_bytes)
+                grads_UD: torch.Tensor) -> InlinePush:
+        """Encoded by the transport (the gRPC stream: on its loop thread), once."""
+        return InlinePush(lambda: self.encoder.inline(step, name, ids_U, grads_UD,
+                                                      self.max_chunk_bytes),
+                          self._count_encoded)
+
+    def _count_encoded(self, messages: list[bytes]) -> None:
+        self.stats.push_chunks += len(messages)
+        self.stats.push_bytes += sum(len(m) for m in messages)
 
     def _pump(self, through_step: int) -> bool:
         """Read answers until every update through `through_step` arrived; True if it had

@@ -22,12 +22,12 @@ import torch
 from hybridps import wire
 from hybridps.v1 import shard_pb2
 from worker.arena_client import PlacedShmPush, ShmSlot
-from worker.sync_messages import placed_message
+from worker.sync_messages import InlinePush, Outgoing, placed_message
 from worker.transport import Response
 from worker.updates import RowUpdate, ServerRefused, SyncStats
 
-# An unanswered push: its encoded inline messages, or its placement in the arena.
-Pending = list[bytes] | PlacedShmPush
+# An unanswered push: its inline messages (encoded once), or its placement in the arena.
+Pending = InlinePush | PlacedShmPush
 Key = tuple[int, int]  # (step, table index)
 
 
@@ -57,40 +57,42 @@ class SyncLedger:
 
     # -- pushes -------------------------------------------------------------------------
     def add_step(self, step: int, pushes: Sequence[tuple[str, Pending]],
-                 epoch: int) -> list[bytes]:
-        """Record the step's pushes as unanswered; the messages that send them (the
-        by-reference ones of several tables in one batch message)."""
+                 epoch: int) -> list[Outgoing]:
+        """Record the step's pushes as unanswered; what sends them (the by-reference ones
+        of several tables in one batch message, counted here; inline ones are counted
+        when encoded)."""
         self.pushed_through = max(self.pushed_through, step)
-        messages: list[bytes] = []
+        messages: list[Outgoing] = []
         placed: list[PlacedShmPush] = []
         for table, pending in pushes:
             self.unanswered[(step, self.table_index[table])] = pending
             if isinstance(pending, PlacedShmPush):
                 placed.append(pending)
             else:
-                messages += pending
+                messages.append(pending)
         if placed:
-            messages.append(placed_message(placed, epoch))
+            message = placed_message(placed, epoch)
+            messages.append(message)
             self.stats.shm_batches += len(placed) > 1
-        self.stats.push_chunks += len(messages)
-        self.stats.push_bytes += sum(len(m) for m in messages)
+            self.stats.push_chunks += 1
+            self.stats.push_bytes += len(message)
         return messages
 
-    def resend(self, epoch: int) -> list[bytes]:
+    def resend(self, epoch: int) -> list[Outgoing]:
         """Every unanswered push's messages, in (step, table) order, for a new connection
         (by reference: stamped with `epoch`, the arena epoch of the latest Register).
         Partial answers are dropped: the server answers each push whole again."""
         self._partial.clear()
-        messages: list[bytes] = []
+        messages: list[Outgoing] = []
         for key in sorted(self.unanswered):
             pending = self.unanswered[key]
             if isinstance(pending, PlacedShmPush):
                 messages.append(placed_message([pending], epoch))
             else:
-                messages += pending
+                messages.append(pending)
         return messages
 
-    def demote(self, encode: Callable[[int, str, torch.Tensor, torch.Tensor], list[bytes]]
+    def demote(self, encode: Callable[[int, str, torch.Tensor, torch.Tensor], InlinePush]
                ) -> None:
         """The server no longer holds the arena: every push by reference goes inline."""
         for (step, index), pending in list(self.unanswered.items()):

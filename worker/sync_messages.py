@@ -9,8 +9,9 @@ several by-reference pushes of one step travel as one PushBatch.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,43 @@ class PushEncoder:
         push.shm.grads.CopyFrom(slot.refs[1])
         push.shm.answer.CopyFrom(slot.refs[2])
         return PlacedShmPush(push, slot)
+
+
+class InlinePush:
+    """An inline push's messages, encoded once, by whichever thread first needs them: the
+    gRPC stream's loop thread when it sends them (the copy of the gradients then runs
+    there, off the training step), and the same bytes on every re-send."""
+
+    def __init__(self, encode: Callable[[], list[bytes]],
+                 on_encoded: Callable[[list[bytes]], None] | None = None) -> None:
+        self._encode: Callable[[], list[bytes]] | None = encode
+        self._on_encoded = on_encoded
+        self._messages: list[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def messages(self) -> list[bytes]:
+        with self._lock:
+            if self._messages is None:
+                assert self._encode is not None
+                self._messages, self._encode = self._encode(), None  # frees the tensors
+                if self._on_encoded is not None:
+                    self._on_encoded(self._messages)
+            return self._messages
+
+
+# What a transport is handed: a serialized SyncRequest, or an inline push to serialize.
+Outgoing = bytes | InlinePush
+
+
+def serialized(items: Sequence[Outgoing]) -> list[bytes]:
+    """The bytes of `items`, in order (inline pushes encoded here if not yet)."""
+    out: list[bytes] = []
+    for item in items:
+        if isinstance(item, InlinePush):
+            out += item.messages()
+        else:
+            out.append(item)
+    return out
 
 
 def placed_message(placed: Sequence[PlacedShmPush], epoch: int) -> bytes:

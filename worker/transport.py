@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from hybridps import wire
 from hybridps.v1 import shard_pb2
+from worker.sync_messages import Outgoing
 
 # Status codes after which a broken connection is worth re-registering and re-sending.
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "UNKNOWN", "INTERNAL", "ABORTED", "CANCELLED",
@@ -67,8 +68,9 @@ class SyncTransport(ABC):
     name: str  # "stream" | "socket", for the stats and the log
 
     @abstractmethod
-    def send(self, messages: Sequence[bytes]) -> None:
-        """Serialized SyncRequests, in order."""
+    def send(self, messages: Sequence[Outgoing]) -> None:
+        """SyncRequests, in order: serialized, or inline pushes the transport serializes
+        (once: worker/sync_messages.py InlinePush)."""
 
     @abstractmethod
     def receive(self, wait_s: float) -> list[Response]:

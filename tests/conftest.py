@@ -12,8 +12,8 @@ from tests.helpers import PsServer, start_ps_server
 
 # Workers' shared-memory arenas in the tests: 8 MiB a rank (their pushes are KBs), so a
 # machine with a small /dev/shm (a container's default is 64 MB) holds every arena the
-# tests have at once; the workers the tests start read it as --shm-mb.
-os.environ.setdefault("HYBRIDPS_SHM_MB", "8")
+# tests have at once; the workers the tests start read it as --same-node-mb.
+os.environ.setdefault("HYBRIDPS_SAME_NODE_MB", "8")
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ from ps.checkpoint import save_partition
 from ps.partition import PushChunk, TableSpec
 from ps.store import Store
 from tests.helpers import PsServer, start_ps_server
-from worker.checkpoint import FAULT_ENV, FAULT_EXIT_CODE, fault_point
+from worker.faults import FAULT_ENV, FAULT_EXIT_CODE, fault_point
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
@@ -361,7 +361,7 @@ def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Pa
     assert proc.returncode == 0, proc.stderr
     assert "exported step 19" in proc.stdout
     exported = torch.load(out)
-    cfg = TrainConfig(local_optimizer=True, num_rows=2000, dim=8, batch_size=48)
+    cfg = TrainConfig.of(local_optimizer=True, num_rows=2000, dim=8, batch_size=48)
     task = build_task(cfg)
     model = HybridModel(LocalEmbedding(task.tables(), seed=1, init_std=1.0),
                         build_dense_seeded(task, 1))
@@ -391,13 +391,14 @@ def test_checkpoint_flags_validate() -> None:
     env = {"HYBRIDPS_LOCAL_OPTIMIZER": "1"}
     cfg = parse_config(TrainConfig, ["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "5",
                                      "--resume", "true"], environ=env)
-    assert (cfg.checkpoint_dir, cfg.checkpoint_every, cfg.resume) == ("/tmp/x", 5, True)
+    ck = cfg.checkpoint
+    assert (ck.checkpoint_dir, ck.checkpoint_every, ck.resume) == ("/tmp/x", 5, True)
     for kwargs, named in [({"checkpoint_every": 5}, "checkpoint_every=5 needs"),
                           ({"resume": True}, "resume=True needs"),
                           ({"checkpoint_every": -1, "checkpoint_dir": "d"},
                            "checkpoint_every=-1")]:
         with pytest.raises(ValueError, match=named):
-            TrainConfig(local_optimizer=True, **kwargs)  # type: ignore[arg-type]
+            TrainConfig.of(local_optimizer=True, **kwargs)
 
 
 @pytest.mark.timeout(600)

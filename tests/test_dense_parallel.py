@@ -49,7 +49,7 @@ CLIP = 0.05  # binding: the synthetic task's dense grad norm is ~0.1-0.3 over th
 def small_config(**overrides: Any) -> TrainConfig:
     base: dict[str, Any] = {"local_optimizer": True, "num_rows": 2000, "batch_size": 32,
                             "steps": STEPS, "dim": 8, "staleness": 0}
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.of(**{**base, **overrides})
 
 
 def run(tmp_path: Path, args: list[str], nproc: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -186,7 +186,7 @@ def test_fp16_scaler_unscales_embedding_grads_and_skips_on_inf(world_of_one: Any
     table = TableConfig("t", 10, 4)
     emb = ShardedEmbedding([table], device="cpu", seed=0, init_std=0.5)
     torch.manual_seed(0)
-    dp = build_dense_parallel(cfg, world_of_one, nn.Linear(4, 1))
+    dp = build_dense_parallel(cfg.dense, world_of_one, nn.Linear(4, 1))
     opt = torch.optim.SGD(dp.module.parameters(), lr=0.1)
     ids = torch.tensor([1, 3, 3, 7])
 
@@ -250,7 +250,7 @@ def test_bf16_computes_in_bf16_with_fp32_output_and_grads(world_of_one: Any) -> 
     linear = nn.Linear(4, 2)
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     linear.register_forward_pre_hook(lambda m, args: seen.append((m.weight.dtype, args[0].dtype)))
-    dp = build_dense_parallel(small_config(precision="bf16"), world_of_one, linear)
+    dp = build_dense_parallel(small_config(precision="bf16").dense, world_of_one, linear)
     x = torch.randn(3, 4)
     out = dp.module(x)
     assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32
@@ -371,7 +371,7 @@ def test_prefetch_starts_the_root_gather_before_forward(world_of_one: Any) -> No
     with --prefetch-dense false it never gathers early."""
     for enabled in (True, False):
         torch.manual_seed(0)
-        dp = build_dense_parallel(small_config(prefetch_dense=enabled), world_of_one,
+        dp = build_dense_parallel(small_config(prefetch_dense=enabled).dense, world_of_one,
                                   nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
         group = dp.module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
         opt = torch.optim.SGD(dp.module.parameters(), lr=0.1)

@@ -141,9 +141,9 @@ def test_shard_parallel_eval_equals_brute_force(two_rank_runs: tuple[Path, Path]
     cfg = scenario_config(data_dir, name)
     task = KGETask(cfg)
     state = torch.load(out / f"{name}.pt")
-    emb = LocalEmbedding(task.tables(), seed=cfg.seed, init_std=cfg.init_std)
+    emb = LocalEmbedding(task.tables(), seed=cfg.run.seed, init_std=cfg.optim.init_std)
     emb.weight("entity").data.copy_(state["tables"]["entity"])
-    dense = build_dense_seeded(task, cfg.seed)
+    dense = build_dense_seeded(task, cfg.run.seed)
     dense.load_state_dict(state["dense"])
     model = HybridModel(emb, dense)
     got = json.loads((out / f"{name}.json").read_text())["metrics"]

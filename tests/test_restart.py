@@ -42,7 +42,7 @@ from tests.test_checkpoint import (
     run,
     worker_cmd,
 )
-from worker.checkpoint import KILL_ENV, kill_point
+from worker.faults import KILL_ENV, kill_point
 from worker.rendezvous import agree_generation
 
 TABLES = ("user", "item", "category", "tag")

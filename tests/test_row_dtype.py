@@ -67,8 +67,8 @@ def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def test_bad_row_dtype_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=r"row_dtype='fp16' is not one of fp32, bf16"):
-        TrainConfig(local_optimizer=True, row_dtype="fp16")
-    assert TrainConfig(local_optimizer=True).row_dtype == "fp32"
+        TrainConfig.of(local_optimizer=True, row_dtype="fp16")
+    assert TrainConfig.of(local_optimizer=True).optim.row_dtype == "fp32"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     proc = subprocess.run([sys.executable, MAIN, "--local-optimizer", "--row-dtype", "fp8"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120,

@@ -536,9 +536,12 @@ def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
 # -- flags ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--shm", "maybe"], "shm='maybe' is not one of auto, on, off"),
-    (["--shm-mb", "0"], "shm_mb=0 must be in [1, 1048576]"),
-    (["--shm", "on", "--local-optimizer"], "shm='on' needs a shard server"),
+    (["--same-node", "maybe"], "same_node='maybe' is not one of auto, off, require, stream"),
+    (["--same-node-mb", "0"], "same_node_mb=0 must be in [1, 1048576]"),
+    (["--same-node", "require", "--local-optimizer"], "same_node='require' needs a shard server"),
+    (["--shm", "on"], "--shm was removed: use --same-node auto|off"),
+    (["--shm-mb=16"], "--shm-mb was removed: use --same-node-mb"),
+    (["--shm-socket", "off"], "--shm-socket was removed: use --same-node stream"),
 ])
 def test_worker_shm_flags_name_bad_values(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -550,9 +553,9 @@ def test_worker_shm_flags_name_bad_values(argv: list[str], message: str,
 
 def test_shm_flags_from_environment() -> None:
     cfg = parse_config(TrainConfig, ["--ps", "127.0.0.1:1"],
-                       environ={"HYBRIDPS_SHM": "off", "HYBRIDPS_SHM_MB": "256"})
-    assert (cfg.shm, cfg.shm_mb) == ("off", 256)
-    assert TrainConfig(ps="127.0.0.1:1").shm == "auto"
+                       environ={"HYBRIDPS_SAME_NODE": "off", "HYBRIDPS_SAME_NODE_MB": "256"})
+    assert (cfg.node.same_node, cfg.node.same_node_mb) == ("off", 256)
+    assert TrainConfig.of(ps="127.0.0.1:1").node.same_node == "auto"
     assert parse_config(ServerConfig, [], environ={"HYBRIDPS_SHM": "false"}).shm is False
     with pytest.raises(ValueError, match="shm='sometimes'"):
         ShardClient("127.0.0.1:1", run_id="r", rank=0, world_size=1,
@@ -573,8 +576,8 @@ def test_worker_run_over_shm_equals_inline_run_bitwise(ps_address: str,
         small_config,
     )
 
-    for mode in ("on", "off"):
-        run_worker(["--ps", ps_address, "--staleness", "0", "--shm", mode, "--run-id",
+    for mode, same_node in (("on", "require"), ("off", "off")):
+        run_worker(["--ps", ps_address, "--staleness", "0", "--same-node", same_node, "--run-id",
                     f"shm-{mode}-{os.urandom(3).hex()}", "--dump-state",
                     str(tmp_path / f"{mode}.pt"), "--results", str(tmp_path / f"{mode}.json"),
                     *SMALL])
@@ -609,8 +612,8 @@ def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
         proxy = FaultProxy((server.host, server.port), after=8_000, mode="drop")
         try:
             # The stream's reconnect (the Sync socket's is tests/test_direct.py).
-            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm", "on",
-                        "--shm-socket", "off", "--run-id", "shm-reconnect",
+            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--same-node",
+                        "stream", "--run-id", "shm-reconnect",
                         "--dump-state", str(tmp_path / "state.pt"),
                         "--results", str(tmp_path / "r.json"), *SMALL])
         finally:
@@ -630,7 +633,7 @@ def test_shm_on_against_a_refusing_server_is_a_clear_error(tmp_path: Path) -> No
     from tests.test_worker_e2e import SMALL, run_worker
 
     with start_ps_server(tmp_path, "--shm", "false") as server:
-        proc = run_worker(["--ps", server.address, "--shm", "on", *SMALL], check=False,
+        proc = run_worker(["--ps", server.address, "--same-node", "require", *SMALL], check=False,
                           timeout=100)
     assert proc.returncode != 0
     assert (f"--shm on, but shard server {server.address} did not accept the shared-memory "

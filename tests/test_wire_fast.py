@@ -129,7 +129,7 @@ def _reference_deltas(grads: list[torch.Tensor], ids: list[torch.Tensor], rows: 
 
 
 def _client(address: str, rows: int, dim: int, **kwargs: object) -> ShardClient:
-    kwargs.setdefault("shm_bytes", 8 << 20)  # see tests/conftest.py HYBRIDPS_SHM_MB
+    kwargs.setdefault("shm_bytes", 8 << 20)  # see tests/conftest.py HYBRIDPS_SAME_NODE_MB
     return ShardClient(address, run_id=f"wire-{os.urandom(4).hex()}", rank=0, world_size=1,
                        tables=[TableConfig("t", rows, dim)], ranges={"t": (0, rows)},
                        optimizer=SPEC, timeout_s=60.0, max_chunk_bytes=64 * 1024,
@@ -227,7 +227,7 @@ def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
     try:
         dump = tmp_path / "state.pt"
         # --shm off: the tensors travel over the socket, not through /dev/shm.
-        run_worker(["--ps", f"unix:{sock}", "--shm", "off", "--staleness", "0",
+        run_worker(["--ps", f"unix:{sock}", "--same-node", "off", "--staleness", "0",
                     "--wire-dtype", wire_dtype,
                     "--run-id", f"uds-{wire_dtype}", "--dump-state", str(dump), *SMALL])
     finally:
@@ -247,8 +247,8 @@ def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
     # category table whose rows step every time.
     for name, rows in state["tables"].items():
         err = (rows - ref.tables[name]).abs()
-        assert float(err.max()) <= 2 * cfg.lr, (name, float(err.max()))
-        assert float(err.mean()) <= 0.25 * cfg.lr, (name, float(err.mean()))
+        assert float(err.max()) <= 2 * cfg.optim.lr, (name, float(err.max()))
+        assert float(err.mean()) <= 0.25 * cfg.optim.lr, (name, float(err.mean()))
     assert any(not torch.equal(rows, ref.tables[name])
                for name, rows in state["tables"].items()), "bf16 was not on the wire"
 
@@ -277,10 +277,10 @@ def test_stale_socket_file_is_replaced_and_other_files_are_not(tmp_path: Path) -
 
 
 def test_worker_accepts_unix_addresses() -> None:
-    cfg = TrainConfig(ps="unix:/tmp/ps.sock")
-    assert cfg.ps_address == "unix:/tmp/ps.sock"
-    TrainConfig(ps="unix:///tmp/ps.sock")
-    TrainConfig(ps="unix:rel.sock,10.0.0.2:50051")
+    cfg = TrainConfig.of(ps="unix:/tmp/ps.sock")
+    assert cfg.sync.ps_address == "unix:/tmp/ps.sock"
+    TrainConfig.of(ps="unix:///tmp/ps.sock")
+    TrainConfig.of(ps="unix:rel.sock,10.0.0.2:50051")
 
 
 # -- flag validation ---------------------------------------------------------------------

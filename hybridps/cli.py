@@ -12,16 +12,19 @@ with `setting(..., group=...)`. Precedence: flag > environment > defaults hook (
 task's own defaults) > dataclass default.
 
 Types: bool (`--x` alone means true; 1/0, true/false, yes/no, on/off), int, float, str,
-`X | None`, and `Literal[...]`: the choices, written once in the type. `check_choices`
-(called by a section's __post_init__) refuses any other value, so a config built in code
-is checked exactly like one from flags. Validation raises ValueError naming the value; the
-parser prints it as one line, last, and exits with code 2.
+`X | None`, and `Literal[...]`: the choices, written once in the type. A lower bound is
+`setting(..., at_least=N)` (a float must also be finite). `check_settings` (called first by
+a section's __post_init__) refuses a value outside its choices or bound, so a config built
+in code is checked exactly like one from flags; other checks follow it in __post_init__.
+Validation raises ValueError naming the value; the parser prints it as one line, last, and
+exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import types
@@ -53,14 +56,17 @@ def flag_name(field_name: str) -> str:
 # -- declaring settings and sections ------------------------------------------------------
 
 def setting(default: Any, help: str, metavar: str | None = None, *, everyday: bool = False,
-            group: str | None = None) -> Any:
+            group: str | None = None, at_least: float | None = None) -> Any:
     """A setting with its help text. `everyday`: listed first in --help; `group`: its
-    heading in a flat config (a nested one uses the section's title)."""
+    heading in a flat config (a nested one uses the section's title); `at_least`: the
+    smallest value allowed (checked by check_settings)."""
     meta: dict[str, Any] = {"help": help, "everyday": everyday}
     if metavar:
         meta["metavar"] = metavar
     if group:
         meta["group"] = group
+    if at_least is not None:
+        meta["at_least"] = at_least
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -89,15 +95,25 @@ def format_choices(values: Sequence[Any]) -> str:
     return ", ".join(repr(v) if v == "" else str(v) for v in values)
 
 
-def check_choices(obj: Any) -> None:
-    """ValueError `name='value' is not one of a, b` for a Literal field holding another value."""
+def check_settings(obj: Any) -> None:
+    """ValueError naming the first setting of `obj` outside its choices (`name='value' is
+    not one of a, b`) or below its `at_least` (`name=value must be >= N`)."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        allowed = choices_of(hints[f.name])
         value = getattr(obj, f.name)
-        if allowed and value not in allowed and not (value is None and _base_type(
-                hints[f.name])[1]):
+        if value is None and _base_type(hints[f.name])[1]:
+            continue
+        allowed = choices_of(hints[f.name])
+        if allowed and value not in allowed:
             raise ValueError(f"{f.name}={value!r} is not one of {format_choices(allowed)}")
+        low = f.metadata.get("at_least")
+        if low is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name}={value!r} must be finite and >= {low:g}")
+        if value < low:
+            finite = "finite and " if isinstance(value, float) else ""
+            raise ValueError(f"{f.name}={value!r} must be {finite}>= {low:g}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +155,11 @@ class Setting:
         return self.field.default
 
     @property
+    def at_least(self) -> float | None:
+        low = self.field.metadata.get("at_least")
+        return None if low is None else float(low)
+
+    @property
     def metavar(self) -> str:
         given = self.field.metadata.get("metavar")
         if given:
@@ -156,7 +177,7 @@ def settings(cls: type) -> list[Setting]:
     """Every setting of a config tree, depth first in field order (TypeError on a name
     used twice: the flag and the variable would be ambiguous)."""
     out: list[Setting] = []
-    _collect(cls, (), cls.__dict__.get("__config_title__", OTHER), out)
+    _collect(cls, (), OTHER, out)
     seen: dict[str, tuple[str, ...]] = {}
     for s in out:
         if s.name in seen:

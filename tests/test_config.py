@@ -167,6 +167,7 @@ def test_direct_construction_validates() -> None:
     assert parse_host_port("ps-0.node:7") == ("ps-0.node", 7)
 
 
+@pytest.mark.e2e
 def test_config_module_does_not_import_torch() -> None:
     code = "import sys, worker.config; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
@@ -191,6 +192,7 @@ WORKER_MAIN = "runpy.run_path('worker/main.py', run_name='__main__')"
 PS_MAIN = "runpy.run_module('ps', run_name='__main__', alter_sys=True)"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("entry", "argv", "message"), [
     (PS_MAIN, ["--port", "abc"], "python -m ps: error: --port='abc': expected int"),
     (PS_MAIN, ["--port", "70000"], "--port 70000 must be in [0, 65535]"),

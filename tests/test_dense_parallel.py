@@ -94,6 +94,7 @@ def assert_clip_norm(res: dict[str, Any], ref: ReferenceResult) -> None:
 
 
 # -- fsdp --------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_fsdp_server_knobs_clipping_match_reference(ps_address: str, tmp_path: Path) -> None:
     """Real server; no reshard after forward, the CPU offload policy, clipping over the
@@ -111,6 +112,7 @@ def test_fsdp_server_knobs_clipping_match_reference(ps_address: str, tmp_path: P
 
 
 # -- hsdp --------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_hsdp_2x2_with_clipping_matches_reference(tmp_path: Path) -> None:
     """4 CPU ranks as 2 nodes x 2: reduce-scatter in a pair, all-reduce across the pairs."""
@@ -124,6 +126,7 @@ def test_hsdp_2x2_with_clipping_matches_reference(tmp_path: Path) -> None:
 
 
 # -- ddp ---------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_ddp_mean_small_buckets_clipping_matches_reference(tmp_path: Path) -> None:
     """1 KB buckets (several all-reduces per step), static graph, plain-tensor clipping."""
@@ -137,6 +140,7 @@ def test_ddp_mean_small_buckets_clipping_matches_reference(tmp_path: Path) -> No
     assert_clip_norm(res, ref)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)  # cold inductor cache: ~70 s on 2 busy cores
 def test_ddp_sum_compiled_matches_the_sum_reference(tmp_path: Path) -> None:
     """sum: gradients of sum_r (rank r's mean loss) = W x the global mean, dense AND
@@ -156,6 +160,7 @@ def test_ddp_sum_compiled_matches_the_sum_reference(tmp_path: Path) -> None:
 
 
 # -- compile -----------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(300)  # cold inductor cache: ~70 s on 2 busy cores
 def test_fsdp_compile_matches_eager_reference(tmp_path: Path) -> None:
     """Inductor (gcc) on the dense forward inside FSDP2's eager hooks; the reference is the
@@ -223,6 +228,7 @@ def test_fp16_scaler_unscales_embedding_grads_and_skips_on_inf(world_of_one: Any
     assert not torch.equal(full(next(iter(dp.module.parameters()))), before[0])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_fp16_run_skips_overflowing_steps_and_learns(ps_address: str, tmp_path: Path) -> None:
     """Loss scale 2^20 overflows fp16 at first: those steps are skipped (every rank alike,
@@ -284,6 +290,7 @@ def test_hsdp_mesh_shape_and_errors() -> None:
         hsdp_mesh_shape(4, 4, 8)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "message"), [
     (["--dense-parallel", "zero3"], "dense_parallel='zero3' is not one of fsdp, hsdp, ddp"),
@@ -312,6 +319,7 @@ def test_bad_combinations_exit_2_naming_the_values(args: list[str], message: str
     assert message in proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_hsdp_world_not_divisible_fails_before_training(tmp_path: Path) -> None:
     proc = run_worker(["--local-optimizer", "--dense-parallel", "hsdp", "--hsdp-shard-size",
@@ -350,6 +358,7 @@ def test_root_keeps_its_gathered_parameters_for_backward(tmp_path: Path,
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_prefetch_dense_is_bitwise_the_unprefetched_run(tmp_path: Path) -> None:
     """--prefetch-dense starts the all-gather at the top of every step after the first; the

@@ -28,6 +28,8 @@ from tests.test_wire_fast import _client, _reference_deltas, _run, _steps
 from worker.direct import DirectChannel
 from worker.sync import ServerRefused, ShardClient
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 pytestmark = pytest.mark.timeout(120)
 
 ROWS, DIM = 2000, 16

@@ -99,6 +99,7 @@ def criteo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tsv, out
 
 
+@pytest.mark.e2e
 def test_criteo_tsv_two_ranks(criteo_run: tuple[Path, Path]) -> None:
     _, out = criteo_run
     res = json.loads((out / "metrics.json").read_text())
@@ -134,6 +135,7 @@ def test_criteo_epochs_and_holdout_split(tmp_path: Path) -> None:
     assert not keys[0] & keys[1]
 
 
+@pytest.mark.e2e
 def test_auc_over_two_ranks_equals_single_process(criteo_run: tuple[Path, Path]) -> None:
     """The 2-rank held-out AUC / log loss (merged summaries) == one process on the same data."""
     tsv, out = criteo_run
@@ -158,6 +160,7 @@ def test_auc_over_two_ranks_equals_single_process(criteo_run: tuple[Path, Path])
     assert got["log_loss"] == pytest.approx(log_loss(s, y), rel=1e-6)
 
 
+@pytest.mark.e2e
 def test_dlrm_synthetic_two_ranks_real_server(tmp_path: Path) -> None:
     results = tmp_path / "dlrm.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}

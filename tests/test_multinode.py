@@ -52,6 +52,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_two_nodes_two_servers_match_the_reference(tmp_path: Path) -> None:
     servers = [start_ps_server(tmp_path / f"node{i}") for i in range(2)]

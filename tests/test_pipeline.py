@@ -24,6 +24,8 @@ from worker.tasks.base import Batch, HybridModel
 from worker.tasks.synthetic import SyntheticTask
 from worker.train import Trainer
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 TABLES_JOB = ["--task", "tables", "--tables", "a:3000,b:500:3", "--num-rows", "3000"]
 
 

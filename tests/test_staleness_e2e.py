@@ -25,6 +25,8 @@ from tests.helpers import PsServer
 from tests.test_checkpoint import assert_states, run
 from tests.test_kge_task import write_graph
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 PREDICT = ["--staleness-compensation", "predict"]
 NONE = ["--staleness-compensation", "none"]
 

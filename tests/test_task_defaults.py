@@ -62,6 +62,7 @@ def test_bad_task_flags_fail_fast(argv: list[str], match: str,
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_parsing_stays_torch_free() -> None:
     """Bad flags fail before torch is imported: the defaults hook must not import it."""
     code = ("import sys; from worker.main import main; from worker.task_defaults import "

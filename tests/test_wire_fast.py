@@ -166,6 +166,7 @@ def _run(client: ShardClient, ids: list[torch.Tensor],
     return [u.delta_UD for u in updates]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_wire_dtype_end_to_end_error_bound(ps_address: str, name: str) -> None:
     """Chunked pushes (64 KiB messages) in bf16/fp16 through a real server."""
@@ -188,6 +189,7 @@ def test_wire_dtype_end_to_end_error_bound(ps_address: str, name: str) -> None:
 
 # -- Unix domain socket ------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_unix_socket_end_to_end(tmp_path: Path) -> None:
     sock = tmp_path / "ps.sock"
     server = start_ps_server(tmp_path, "--uds", str(sock), "--kernel-threads", "2")
@@ -209,6 +211,7 @@ def test_unix_socket_end_to_end(tmp_path: Path) -> None:
         server.terminate()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
 def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
@@ -253,6 +256,7 @@ def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
                for name, rows in state["tables"].items()), "bf16 was not on the wire"
 
 
+@pytest.mark.e2e
 def test_stale_socket_file_is_replaced_and_other_files_are_not(tmp_path: Path) -> None:
     import socket
 
@@ -320,6 +324,7 @@ def test_server_flags_from_environment() -> None:
         _client("127.0.0.1:1", 10, 2, wire_dtype=torch.int8)
 
 
+@pytest.mark.e2e
 def test_kernel_threads_env_zero_means_default() -> None:
     """HYBRIDPS_KERNEL_THREADS=0 (the server's default) must not break importing hybridps.optim."""
     import subprocess

@@ -29,6 +29,8 @@ from tests.helpers import start_ps_server
 from worker.config import TrainConfig
 from worker.reference import train_reference
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

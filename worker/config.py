@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from hybridps.cli import FlagConfig, check_choices, section, setting
+from hybridps.cli import FlagConfig, check_settings, section, setting
 from hybridps.logs import LOG_LEVELS
 from worker.dense_options import DenseConfig
 from worker.nodes import node_ps_address, rank_layout, split_ps
@@ -86,30 +86,19 @@ def check_ps_address(address: str) -> None:
     parse_host_port(address)
 
 
-def _at_least(name: str, value: int, low: int) -> None:
-    if value < low:
-        raise ValueError(f"{name}={value!r} must be >= {low}")
-
-
-def _finite_at_least_0(obj: Any, *names: str, why: str = "") -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}={value!r} must be finite and >= 0{why}")
-
-
 @dataclass(frozen=True)
 class RunConfig:
     """What to train and for how long."""
 
     task: str = setting("synthetic", "task name (synthetic, tables, dlrm, kge) or "
                         "module.path:ClassName", "NAME", everyday=True)
-    steps: int = setting(1000, "training steps", "N", everyday=True)
+    steps: int = setting(1000, "training steps", "N", everyday=True, at_least=1)
     epochs: int = setting(0, "passes over the data for tasks with finite data (0: use --steps)",
-                          "N", everyday=True)
-    batch_size: int = setting(256, "samples per rank per step", "B", everyday=True)
-    seed: int = setting(0, "seed of data, table init and dense init", "S")
-    dim: int = setting(16, "embedding width of every table", "D")
+                          "N", everyday=True, at_least=0)
+    batch_size: int = setting(256, "samples per rank per step", "B", everyday=True,
+                              at_least=1)
+    seed: int = setting(0, "seed of data, table init and dense init", "S", at_least=0)
+    dim: int = setting(16, "embedding width of every table", "D", at_least=1)
     model_config: str = setting(
         "", "JSON file of the task's model options (kge: p, q; dlrm: table_rows, bottom_mlp, "
         "top_mlp)", "PATH")
@@ -120,14 +109,9 @@ class RunConfig:
         "results; measurements: docs/performance-log.md)")
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_settings(self)
         if not self.task or (":" not in self.task and not self.task.isidentifier()):
             raise ValueError(f"task={self.task!r} is not a task name or module.path:ClassName")
-        _at_least("steps", self.steps, 1)
-        _at_least("epochs", self.epochs, 0)
-        _at_least("batch_size", self.batch_size, 1)
-        _at_least("seed", self.seed, 0)
-        _at_least("dim", self.dim, 1)
 
 
 @dataclass(frozen=True)
@@ -136,19 +120,19 @@ class OptimConfig:
 
     optimizer: Optimizer = setting(
         "adam", "adam (SparseAdam rows + Adam dense) | adamw | sgd")
-    lr: float = setting(0.02, "embedding learning rate", "LR", everyday=True)
-    dense_lr: float = setting(3e-3, "dense (FSDP) learning rate", "LR")
+    lr: float = setting(0.02, "embedding learning rate", "LR", everyday=True, at_least=0)
+    dense_lr: float = setting(3e-3, "dense (FSDP) learning rate", "LR", at_least=0)
     weight_decay: float = setting(0.0, "weight decay (adamw/sgd only; SparseAdam has none)",
-                                  "WD")
-    init_std: float = setting(0.05, "embedding rows start as N(0, 1) * init_std", "STD")
+                                  "WD", at_least=0)
+    init_std: float = setting(0.05, "embedding rows start as N(0, 1) * init_std", "STD",
+                              at_least=0)
     row_dtype: RowDtype = setting(
         "fp32", "dtype of the embedding rows on the device (bf16: 2 bytes per element; the "
         "optimizer runs on an fp32 master copy, on the shard server or with "
         "--local-optimizer on the worker, and the rows get it rounded to bf16)")
 
     def __post_init__(self) -> None:
-        check_choices(self)
-        _finite_at_least_0(self, "lr", "dense_lr", "weight_decay", "init_std")
+        check_settings(self)
         if self.optimizer == "adam" and self.weight_decay != 0:
             raise ValueError(
                 f"weight_decay={self.weight_decay!r} with optimizer='adam': SparseAdam has "
@@ -167,7 +151,7 @@ class SyncConfig:
         False, "apply the sparse optimizer in-process (no server)", everyday=True)
     staleness: int = setting(
         1, "K: before step t, every update of steps <= t-1-K is applied (0 = synchronous)",
-        "K", everyday=True)
+        "K", everyday=True, at_least=0)
     staleness_compensation: Compensation = setting(
         "predict", "K >= 1: predict (weight prediction: the forward sees each row plus, once "
         "per step whose update it still misses, the row's effective update in the newest "
@@ -177,7 +161,8 @@ class SyncConfig:
         60.0, "seconds to wait for the server (register, update, reconnect) before failing",
         "SEC")
     max_chunk_bytes: int = setting(
-        4 * 1024 * 1024, "largest push message; bigger pushes are split into chunks", "BYTES")
+        4 * 1024 * 1024, "largest push message; bigger pushes are split into chunks", "BYTES",
+        at_least=MIN_CHUNK_BYTES)
     wire_dtype: WireDtype = setting(
         "fp32", "dtype of gradients sent to and deltas received from the server (half the "
         "bytes; the server's math stays fp32; rounding error <= 2^-8 (bf16) or 2^-11 (fp16) "
@@ -186,7 +171,7 @@ class SyncConfig:
         "", "run id on the server (default: TORCHELASTIC_RUN_ID, else a fresh uuid)", "ID")
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_settings(self)
         if self.local_optimizer and self.ps:
             raise ValueError(f"ps={self.ps!r} given together with --local-optimizer: pick one")
         if not self.local_optimizer:
@@ -195,8 +180,6 @@ class SyncConfig:
                     "ps='' (empty): --ps HOST:PORT is required unless --local-optimizer")
             for address in split_ps(self.ps):
                 check_ps_address(address)
-        _at_least("staleness", self.staleness, 0)
-        _at_least("max_chunk_bytes", self.max_chunk_bytes, MIN_CHUNK_BYTES)
         if not math.isfinite(self.ps_timeout) or self.ps_timeout <= 0:
             raise ValueError(f"ps_timeout={self.ps_timeout!r} must be a finite number > 0")
 
@@ -221,7 +204,7 @@ class SameNodeConfig:
         "(hold ~K+2 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row)", "MB")
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_settings(self)
         if not 1 <= self.same_node_mb <= MAX_SAME_NODE_MB:
             raise ValueError(f"same_node_mb={self.same_node_mb!r} must be in "
                              f"[1, {MAX_SAME_NODE_MB}]")
@@ -266,9 +249,10 @@ class CheckpointConfig:
         "", "write step-consistent checkpoints under DIR/step-<s>/ (shared by the ranks and "
         "the shard servers)", "DIR", everyday=True)
     checkpoint_every: int = setting(0, "checkpoint after every N steps (0: never)", "N",
-                                    everyday=True)
+                                    everyday=True, at_least=0)
     checkpoint_keep: int = setting(
-        0, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N")
+        0, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N",
+        at_least=0)
     resume: bool = setting(
         False, "resume from the newest complete checkpoint under --checkpoint-dir (none: "
         "start at step 0)", everyday=True)
@@ -276,8 +260,7 @@ class CheckpointConfig:
         "", "resume from this checkpoint (a step-<s> directory, or a root: its newest)", "PATH")
 
     def __post_init__(self) -> None:
-        _at_least("checkpoint_every", self.checkpoint_every, 0)
-        _at_least("checkpoint_keep", self.checkpoint_keep, 0)
+        check_settings(self)
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} needs --checkpoint-dir")
         if self.resume and not (self.checkpoint_dir or self.resume_from):
@@ -293,21 +276,20 @@ class OutputConfig:
     log_level: str = setting(
         "INFO", f"{' | '.join(LOG_LEVELS)} (one `rank=R event=...` line per event)", "LEVEL")
     log_every: int = setting(
-        10, "steps between cross-rank loss reductions / progress updates", "N")
+        10, "steps between cross-rank loss reductions / progress updates", "N", at_least=1)
     eval_batches: int = setting(
-        4, "held-out global batches evaluated at the end (0: none)", "N")
+        4, "held-out global batches evaluated at the end (0: none)", "N", at_least=0)
     eval_every: int = setting(
-        0, "steps between evaluations shown in the progress bar (0: only at the end)", "N")
+        0, "steps between evaluations shown in the progress bar (0: only at the end)", "N",
+        at_least=0)
     dump_state: str = setting(
         "", "write final full tables + dense state_dict here (torch.save; for tests)", "PATH")
     progress: bool = setting(True, "tqdm progress bar on rank 0")
 
     def __post_init__(self) -> None:
+        check_settings(self)
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-        _at_least("log_every", self.log_every, 1)
-        _at_least("eval_batches", self.eval_batches, 0)
-        _at_least("eval_every", self.eval_every, 0)
 
 
 @dataclass(frozen=True)
@@ -318,13 +300,13 @@ class SizingConfig:
         False, "print the memory/traffic plan for these flags and exit (1 if it cannot fit)")
     device_memory_gb: float = setting(
         0.0, "memory of one rank's device in GB (0: detect CUDA; checked before allocating)",
-        "GB")
+        "GB", at_least=0)
     host_memory_gb: float = setting(
         0.0, "host memory of one node in GB, for the shard server (0: detect with --plan)",
-        "GB")
+        "GB", at_least=0)
 
     def __post_init__(self) -> None:
-        _finite_at_least_0(self, "device_memory_gb", "host_memory_gb", why=" (0: detect)")
+        check_settings(self)
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,10 @@ worker/parallel.py (`check_dense_parallel`), still before any model is built.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from hybridps.cli import check_choices, setting
+from hybridps.cli import check_settings, setting
 
 DenseParallelKind = Literal["fsdp", "hsdp", "ddp"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -47,11 +46,12 @@ class DenseConfig:
     reduce_dtype: ReduceDtype = setting(
         "", "fsdp/hsdp gradient reduce dtype (empty: fp32)")
     loss_scale_init: float = setting(
-        LOSS_SCALE_INIT_DEFAULT, "--precision fp16: initial loss scale of the GradScaler", "S")
+        LOSS_SCALE_INIT_DEFAULT, "--precision fp16: initial loss scale of the GradScaler", "S",
+        at_least=0)
     hsdp_shard_size: int = setting(
-        0, "hsdp: ranks per shard group (0: LOCAL_WORLD_SIZE, one node)", "N")
+        0, "hsdp: ranks per shard group (0: LOCAL_WORLD_SIZE, one node)", "N", at_least=0)
     ddp_bucket_mb: float = setting(
-        DDP_BUCKET_MB_DEFAULT, "ddp: gradient bucket size (bucket_cap_mb)", "MB")
+        DDP_BUCKET_MB_DEFAULT, "ddp: gradient bucket size (bucket_cap_mb)", "MB", at_least=0)
     ddp_static_graph: bool = setting(False, "ddp: static_graph")
     ddp_find_unused_parameters: bool = setting(False, "ddp: find_unused_parameters")
     ddp_grad_reduce: GradReduce = setting(
@@ -61,17 +61,10 @@ class DenseConfig:
         False, "torch.compile the dense part (the embedding all_to_all stays eager)")
     clip_grad_norm: float = setting(
         0.0, "clip the dense part's total gradient norm (over the full parameters) to X "
-        "(0: off)", "X")
+        "(0: off)", "X", at_least=0)
 
     def __post_init__(self) -> None:
-        check_choices(self)
-        if self.hsdp_shard_size < 0:
-            raise ValueError(f"hsdp_shard_size={self.hsdp_shard_size} must be >= 0 "
-                             "(0: LOCAL_WORLD_SIZE, the ranks of one node)")
-        for name in ("clip_grad_norm", "ddp_bucket_mb", "loss_scale_init"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name}={value!r} must be finite and >= 0")
+        check_settings(self)
         if self.ddp_bucket_mb <= 0:
             raise ValueError(f"ddp_bucket_mb={self.ddp_bucket_mb!r} must be > 0")
         if self.loss_scale_init < 1:

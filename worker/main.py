@@ -43,8 +43,8 @@ log = logging.getLogger("worker")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    epilog = "task defaults (when the flag is not given): " + "; ".join(
-        f"{task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
+    epilog = "task defaults (when the flag is not given):\n" + "\n".join(
+        f"  {task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
         for task, d in TASK_DEFAULTS.items())
     cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
                        defaults=task_defaults, epilog=epilog)

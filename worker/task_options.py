@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from hybridps.cli import check_choices, setting
+from hybridps.cli import check_settings, setting
 
 KgeModel = Literal["distmult", "complex", "keci", "qmult"]
 KgeTraining = Literal["kvsall", "negsample"]
@@ -35,21 +35,16 @@ def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def _at_least(name: str, value: int, low: int) -> None:
-    if value < low:
-        raise ValueError(f"{name}={value!r} must be >= {low}")
-
-
 @dataclass(frozen=True)
 class SyntheticConfig:
     """--task synthetic (the default job; worker/tasks/synthetic.py) and --task tables."""
 
     num_rows: int = setting(
         1_000_000, "rows of the biggest synthetic table (user); the others scale from it; "
-        "--task tables without --tables: the rows of its one table", "R")
+        "--task tables without --tables: the rows of its one table", "R", at_least=1)
 
     def __post_init__(self) -> None:
-        _at_least("num_rows", self.num_rows, 1)
+        check_settings(self)
 
 
 @dataclass(frozen=True)
@@ -62,10 +57,10 @@ class TablesConfig:
     zipf_rows: int = setting(
         0, "draw ids from the Zipf law over the first N popularity ranks only (0: over the "
         "whole table), still scattered over the whole table; the rows a step touches are "
-        "then the same for any table size (bench_train.py's growth runs)", "N")
+        "then the same for any table size (bench_train.py's growth runs)", "N", at_least=0)
 
     def __post_init__(self) -> None:
-        _at_least("zipf_rows", self.zipf_rows, 0)
+        check_settings(self)
         if self.tables:
             parse_table_list(self.tables)
 
@@ -94,8 +89,7 @@ class KgeConfig:
     training: KgeTraining = setting(
         "kvsall", "kvsall (1-vs-all BCE, sharded by entity rows) | negsample")
     neg_ratio: int = setting(
-        8, "--training negsample: corrupted tails per positive triple", "N")
+        8, "--training negsample: corrupted tails per positive triple", "N", at_least=1)
 
     def __post_init__(self) -> None:
-        check_choices(self)
-        _at_least("neg_ratio", self.neg_ratio, 1)
+        check_settings(self)

@@ -195,6 +195,7 @@ def runs(server: PsServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             "ck_a": d / "ck_a", "ck_b": d / "ck_b"}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_resume_is_bitwise_deterministic(runs: dict[str, Path]) -> None:
@@ -241,6 +242,7 @@ def test_local_optimizer_checkpoint_resumes_on_the_server(runs: dict[str, Path],
     assert_states(runs["straight"], tmp_path / "x.pt", exact=False, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_torn_checkpoints_are_never_loaded(tmp_path: Path, server: PsServer,
@@ -329,6 +331,7 @@ def test_server_crash_recovery(tmp_path: Path, runs: dict[str, Path]) -> None:
     assert_states(runs["straight"], tmp_path / "final.pt", exact=True)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_checkpoints_do_not_change_a_stale_run(server: PsServer, tmp_path: Path) -> None:

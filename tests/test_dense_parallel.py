@@ -140,6 +140,7 @@ def test_ddp_mean_small_buckets_clipping_matches_reference(tmp_path: Path) -> No
     assert_clip_norm(res, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(300)  # cold inductor cache: ~70 s on 2 busy cores
 def test_ddp_sum_compiled_matches_the_sum_reference(tmp_path: Path) -> None:

@@ -49,3 +49,18 @@ def test_a_new_kind_of_fault_is_one_parser(monkeypatch: pytest.MonkeyPatch) -> N
     faults.reached("test.point", 3, 4, {"HYBRIDPS_FAULT_TEST": "4"})
     faults.reached("test.point", 3, 5, {"HYBRIDPS_FAULT_TEST": "4"})
     assert slept == [0.0]
+
+
+def test_firing_says_what_where_and_when(monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    """tests/test_restart.py finds "SIGKILL at step N" in the worker's log."""
+    done: list[tuple[str, int]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: done.append(("kill", sig)))
+    monkeypatch.setattr(faults.os, "_exit", lambda code: done.append(("exit", code)))
+    with caplog.at_level("WARNING", logger="worker.faults"):
+        faults.reached("pushed", 1, 13, {KILL_ENV: "1:13"})
+        faults.reached("checkpoint.dense", 0, 9, {FAULT_ENV: "9:dense"})
+    assert "rank 1: HYBRIDPS_FAULT_KILL: SIGKILL at step 13 (pushed)" in caplog.text
+    assert "rank 0: HYBRIDPS_FAULT_CHECKPOINT: exiting at step 9 (checkpoint.dense)" in (
+        caplog.text)
+    assert done[-1] == ("exit", faults.FAULT_EXIT_CODE)

@@ -196,6 +196,7 @@ FP16 = ["--precision", "fp16", "--loss-scale-init", str(2.0**24), "--local-optim
         "--checkpoint-every", "10"]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_fp16_resume_restores_the_loss_scale(tmp_path: Path) -> None:

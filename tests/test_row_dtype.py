@@ -368,6 +368,7 @@ def accuracy_runs(server: PsServer, tmp_path_factory: pytest.TempPathFactory
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_bf16_rows_reach_the_fp32_eval_loss(accuracy_runs: dict[str, dict[str, object]],
@@ -392,6 +393,7 @@ def test_bf16_rows_reach_the_fp32_eval_loss(accuracy_runs: dict[str, dict[str, o
     assert get_shard_stats(server.address, run_id="acc-fp32").master_bytes_total == 0
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_bf16_resume_equals_uninterrupted(server: PsServer, tmp_path: Path) -> None:

@@ -577,6 +577,7 @@ def test_shm_flags_from_environment() -> None:
 
 # -- 2-rank training runs (torchrun) ---------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_worker_run_over_shm_equals_inline_run_bitwise(ps_address: str,

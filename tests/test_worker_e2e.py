@@ -147,6 +147,7 @@ STALE_JOB = ["--num-rows", "20000", "--batch-size", "64", "--steps", "150", "--l
 STALENESS_MARGIN = 0.02  # eval BCE of the K=2 run within this of the synchronous run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_staleness2_loss_close_to_synchronous(ps_address: str, tmp_path: Path) -> None:
     results = {}

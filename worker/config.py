@@ -24,19 +24,12 @@ from hybridps.cli import FlagConfig, check_settings, section, setting
 from hybridps.logs import LOG_LEVELS
 from worker.dense_options import DenseConfig
 from worker.nodes import node_ps_address, rank_layout, split_ps
-from worker.task_options import (
-    DlrmConfig,
-    KgeConfig,
-    SyntheticConfig,
-    TablesConfig,
-    parse_table_list,
-)
+from worker.task_options import DlrmConfig, KgeConfig, SyntheticConfig, TablesConfig
 
 if TYPE_CHECKING:
     from hybridps.security import ClientSecurity
 
-__all__ = ["SHM_MODES", "SHM_SOCKET_MODES", "TrainConfig", "parse_host_port",
-           "parse_table_list"]
+__all__ = ["SHM_MODES", "SHM_SOCKET_MODES", "TrainConfig", "parse_host_port"]
 
 Optimizer = Literal["adam", "adamw", "sgd"]
 RowDtype = Literal["fp32", "bf16"]  # worker/embedding.py ROW_DTYPES maps them to torch

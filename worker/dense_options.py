@@ -8,7 +8,7 @@ worker/parallel.py (`check_dense_parallel`), still before any model is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from hybridps.cli import check_settings, setting
 
@@ -16,8 +16,6 @@ DenseParallelKind = Literal["fsdp", "hsdp", "ddp"]
 Precision = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["", "fp32", "bf16", "fp16"]
 GradReduce = Literal["mean", "sum"]
-DENSE_PARALLEL: tuple[str, ...] = get_args(DenseParallelKind)
-PRECISIONS: tuple[str, ...] = get_args(Precision)
 DDP_BUCKET_MB_DEFAULT = 25.0
 LOSS_SCALE_INIT_DEFAULT = 2.0**16
 DDP_FIRST_BUCKET_MB = 1.0  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20

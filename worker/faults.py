@@ -64,8 +64,8 @@ class Fault:
         if self.action == "sleep":
             time.sleep(self.seconds)
             return
-        log.warning("rank %d: %s: %s at %s of step %d", rank, self.source,
-                    "SIGKILL" if self.action == "kill" else "exiting", self.point, step)
+        log.warning("rank %d: %s: %s at step %d (%s)", rank, self.source,
+                    "SIGKILL" if self.action == "kill" else "exiting", step, self.point)
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(FAULT_EXIT_CODE)

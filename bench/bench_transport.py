@@ -8,10 +8,10 @@ The "20-ids job" (`--task tables --tables t0:1000000:20 --dim 64 --batch-size 10
 --staleness 1`: one 1M x 64 table, 20 ids a sample, batch 1024 per rank) on 2 gloo ranks
 (torchrun, OMP_NUM_THREADS=1 each) against a fresh `python -m ps` per run, once per
 variant:
-  socket: shared memory, the Sync messages over the server's Unix socket (--shm on);
-  stream: shared memory, the Sync messages over the gRPC stream (--shm on
-          --shm-socket off);
-  inline: no shared memory, the tensors inside the gRPC messages (--shm off).
+  socket: shared memory, the Sync messages over the server's Unix socket (--same-node
+          require);
+  stream: shared memory, the Sync messages over the gRPC stream (--same-node stream);
+  inline: no shared memory, the tensors inside the gRPC messages (--same-node off).
 The variants run interleaved (socket, stream, inline, socket, ...) so that a change in
 the machine's load hits them alike; the table gives each variant's median samples/s
 (the worker's `samples_per_s`: training steps only, set-up excluded), its spread and
@@ -37,9 +37,9 @@ JOB = ["--task", "tables", "--tables", "t0:1000000:20", "--dim", "64", "--batch-
        "--staleness", "1"]
 # The worker flags of each variant (the same-node flags of worker/config.py).
 VARIANTS: dict[str, list[str]] = {
-    "socket": ["--shm", "on", "--shm-socket", "auto"],
-    "stream": ["--shm", "on", "--shm-socket", "off"],
-    "inline": ["--shm", "off"],
+    "socket": ["--same-node", "require"],
+    "stream": ["--same-node", "stream"],
+    "inline": ["--same-node", "off"],
 }
 WORLD = 2
 STARTUP_TIMEOUT_S = 60.0

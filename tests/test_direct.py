@@ -28,7 +28,7 @@ from worker.socket_client import SocketTransport
 from worker.sync import ServerRefused, ShardClient
 from worker.transport import TransportError, TransportRefused
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]  # every test starts processes
 
 ROWS, DIM = 2000, 16
 TOKEN = "direct-test-token-0123456789abcdef"

@@ -89,6 +89,7 @@ def _edit(push: shard_pb2.Push, field: str, **changes: object) -> shard_pb2.Push
     return bad
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("field", "changes", "message"), [
     ("grads", {"offset": 1 << 30}, "shm grads (offset 1073741824"),
     ("grads", {"offset": 4100}, "offset 4100 is not a multiple of 64"),
@@ -118,6 +119,7 @@ def test_bad_shm_reference_is_refused_and_changes_nothing(
     assert float(answer.abs().sum()) > 0
 
 
+@pytest.mark.e2e
 def test_shm_push_without_an_accepted_arena_is_refused(raw_rank: RawRank) -> None:
     request = shard_pb2.RegisterRequest(
         run_id=raw_rank.run_id, rank=0, world_size=1, incarnation=1,
@@ -132,6 +134,7 @@ def test_shm_push_without_an_accepted_arena_is_refused(raw_rank: RawRank) -> Non
     assert "has no shared-memory arena accepted on this server" in str(info.value.details())
 
 
+@pytest.mark.e2e
 def test_wrong_nonce_is_not_accepted(raw_rank: RawRank) -> None:
     response = raw_rank.register(nonce=b"\0" * 32)
     assert not response.shm.accepted
@@ -139,6 +142,7 @@ def test_wrong_nonce_is_not_accepted(raw_rank: RawRank) -> None:
     assert [t.name for t in response.tables] == ["t"], "the Register itself succeeded"
 
 
+@pytest.mark.e2e
 def test_duplicate_push_is_answered_in_its_region_and_into_another(
         raw_rank: RawRank) -> None:
     """A re-sent push (its answer was lost, so the rank left the region alone) gets the
@@ -164,6 +168,7 @@ def _batch(*pushes: shard_pb2.Push) -> shard_pb2.PushBatch:
     return shard_pb2.PushBatch(pushes=list(pushes))
 
 
+@pytest.mark.e2e
 def test_batch_push_is_answered_in_one_update_like_separate_pushes(
         raw_rank: RawRank, ps_address: str) -> None:
     alone = RawRank(ps_address, f"{raw_rank.run_id}-alone")
@@ -185,6 +190,7 @@ def test_batch_push_is_answered_in_one_update_like_separate_pushes(
     assert stats.last_step == 2 and stats.pushes_applied == 3
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("case", "message"), [
     ("inline", "entry 1 (step=1 table='t') is not a shared-memory push"),
     ("empty", "entry 1 (step=1 table='t') is not a shared-memory push"),
@@ -213,6 +219,7 @@ def test_bad_batch_is_refused_whole(raw_rank: RawRank, ps_address: str, case: st
     assert float(first_answer.abs().sum()) == 0
 
 
+@pytest.mark.e2e
 def test_push_of_an_old_epoch_is_aborted(raw_rank: RawRank) -> None:
     assert raw_rank.register().shm.accepted
     old = raw_rank.epoch

@@ -140,7 +140,7 @@ def _reference_deltas(grads: list[torch.Tensor], ids: list[torch.Tensor], rows: 
 
 
 def _client(address: str, rows: int, dim: int, **kwargs: object) -> ShardClient:
-    kwargs.setdefault("shm_bytes", 8 << 20)  # see tests/conftest.py HYBRIDPS_SHM_MB
+    kwargs.setdefault("shm_bytes", 8 << 20)  # see tests/conftest.py HYBRIDPS_SAME_NODE_MB
     return ShardClient(address, run_id=f"wire-{os.urandom(4).hex()}", rank=0, world_size=1,
                        tables=[TableConfig("t", rows, dim)], ranges={"t": (0, rows)},
                        optimizer=SPEC, timeout_s=60.0, max_chunk_bytes=64 * 1024,
@@ -177,6 +177,7 @@ def _run(client: ShardClient, ids: list[torch.Tensor],
     return [u.delta_UD for u in updates]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_wire_dtype_end_to_end_error_bound(ps_address: str, name: str) -> None:
     """Chunked pushes (64 KiB messages) in bf16/fp16 through a real server."""
@@ -199,6 +200,7 @@ def test_wire_dtype_end_to_end_error_bound(ps_address: str, name: str) -> None:
 
 # -- --wire-dtype over whole runs ---------------------------------------------------------
 
+@pytest.mark.e2e
 def test_server_logs_its_kernel(tmp_path: Path) -> None:
     server = start_ps_server(tmp_path, "--kernel-threads", "2")
     try:
@@ -217,6 +219,7 @@ def test_server_logs_its_kernel(tmp_path: Path) -> None:
         server.terminate()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
 def test_worker_run_with_wire_dtype(ps_address: str, tmp_path: Path, wire_dtype: str) -> None:
@@ -231,8 +234,8 @@ def test_worker_run_with_wire_dtype(ps_address: str, tmp_path: Path, wire_dtype:
     )
 
     dump = tmp_path / "state.pt"
-    # --shm off: the tensors travel in the messages, not through /dev/shm.
-    run_worker(["--ps", ps_address, "--shm", "off", "--staleness", "0",
+    # --same-node off: the tensors travel in the messages, not through /dev/shm.
+    run_worker(["--ps", ps_address, "--same-node", "off", "--staleness", "0",
                 "--wire-dtype", wire_dtype, "--run-id", f"wire-{wire_dtype}-{os.urandom(3).hex()}",
                 "--dump-state", str(dump), *SMALL])
     cfg = small_config()
@@ -250,8 +253,8 @@ def test_worker_run_with_wire_dtype(ps_address: str, tmp_path: Path, wire_dtype:
     # (measured values: docs/performance-log.md, "--wire-dtype").
     for name, rows in state["tables"].items():
         err = (rows - ref.tables[name]).abs()
-        assert float(err.max()) <= 2 * cfg.lr, (name, float(err.max()))
-        assert float(err.mean()) <= 0.25 * cfg.lr, (name, float(err.mean()))
+        assert float(err.max()) <= 2 * cfg.optim.lr, (name, float(err.max()))
+        assert float(err.mean()) <= 0.25 * cfg.optim.lr, (name, float(err.mean()))
     assert any(not torch.equal(rows, ref.tables[name])
                for name, rows in state["tables"].items()), "bf16 was not on the wire"
 
@@ -260,7 +263,7 @@ def test_worker_refuses_unix_addresses() -> None:
     """The server's --uds listener is gone: a unix: address names the replacement."""
     for address in ("unix:/tmp/ps.sock", "unix:rel.sock,10.0.0.2:50051"):
         with pytest.raises(ValueError, match="--uds is gone"):
-            TrainConfig(ps=address)
+            TrainConfig.of(ps=address)
 
 
 # -- flag validation ---------------------------------------------------------------------
@@ -297,6 +300,7 @@ def test_server_flags_from_environment() -> None:
         _client("127.0.0.1:1", 10, 2, wire_dtype=torch.int8)
 
 
+@pytest.mark.e2e
 def test_kernel_threads_env_zero_means_default() -> None:
     """HYBRIDPS_KERNEL_THREADS=0 (the server's default) must not break importing hybridps.optim."""
     import subprocess

@@ -42,7 +42,6 @@ import secrets
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 
@@ -50,12 +49,11 @@ from hybridps import arena_layout as layout
 from hybridps import wire
 from hybridps.logs import kv
 from hybridps.v1 import shard_pb2
+from worker.config import SHM_MODES
 from worker.updates import ServerRefused
 
 log = logging.getLogger("worker.arena")
 
-# --shm: offer an arena and fall back to inline tensors (auto), insist (on), or never.
-ShmMode = Literal["auto", "on", "off"]
 
 
 
@@ -267,9 +265,11 @@ class ArenaPlacement:
     each push places in it, and the regions of the updates handed out, freed at the
     next take. One owner thread (the training thread)."""
 
-    def __init__(self, mode: ShmMode | str, size_bytes: int, rank: int, address: str) -> None:
-        if mode not in get_args(ShmMode):
-            raise ValueError(f"shm={mode!r} is not one of {', '.join(get_args(ShmMode))}")
+    def __init__(self, mode: str, size_bytes: int, rank: int, address: str) -> None:
+        """`mode`: offer an arena and fall back to inline tensors (auto), insist (on), or
+        never (off): worker/config.py SHM_MODES."""
+        if mode not in SHM_MODES:
+            raise ValueError(f"shm={mode!r} is not one of {', '.join(SHM_MODES)}")
         self.mode, self.size_bytes, self.rank, self.address = mode, size_bytes, rank, address
         self.arena: ClientArena | None = None
         self.epoch = 0  # > 0 while the server accepts the arena

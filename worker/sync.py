@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
@@ -44,6 +44,7 @@ from hybridps.optim import OptimizerSpec
 from hybridps.security import ClientSecurity
 from hybridps.v1 import shard_pb2
 from worker.arena_client import ArenaPlacement
+from worker.config import SHM_SOCKET_MODES
 from worker.embedding import TableConfig
 from worker.grpc_client import ShardRpc
 from worker.socket_client import SocketTransport
@@ -81,8 +82,6 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 2.0
 # --wire-dtype values (worker/config.py validates the flag against these names).
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# --shm-socket: with an accepted arena, use the Sync socket the server offers (auto) or not.
-SocketMode = Literal["auto", "off"]
 
 # table -> the owned rows as initialised, fp32 blocks (global start, rows): seeds a master
 InitialRows = Callable[[str], Iterator[tuple[int, torch.Tensor]]]
@@ -104,9 +103,10 @@ class ShardClient(UpdateSource):
                  shm_socket: str = "auto",
                  rpc: ShardRpc | None = None) -> None:
         super().__init__([t.name for t in tables], timeout_s)
-        if shm_socket not in get_args(SocketMode):
+        # shm_socket: with an accepted arena, the Sync socket the server offers (auto) or not
+        if shm_socket not in SHM_SOCKET_MODES:
             raise ValueError(f"shm_socket={shm_socket!r} is not one of "
-                             f"{', '.join(get_args(SocketMode))}")
+                             f"{', '.join(SHM_SOCKET_MODES)}")
         if wire_dtype not in WIRE_DTYPES.values():
             raise ValueError(f"wire dtype {wire_dtype} is not one of "
                              f"{', '.join(map(str, WIRE_DTYPES.values()))}")

@@ -64,6 +64,26 @@ class AnswerEvicted(ShardError):
     reason = "answer_evicted"
 
 
+class PermissionDenied(ShardError):
+    """A request for something this server never does for anyone: e.g. a checkpoint
+    path that resolves outside its --checkpoint-root."""
+
+    reason = "permission_denied"
+
+
+class WrongSecret(ShardError):
+    """A call for a partition that does not carry the secret its Register handed out."""
+
+    reason = "wrong_secret"
+
+
+class CorruptCheckpoint(ShardError):
+    """A checkpoint file that does not match its manifest (size, crc32), is missing, or
+    cannot be read: nothing of it is applied. The message names the file."""
+
+    reason = "corrupt_checkpoint"
+
+
 class ResourceExhausted(ShardError):
     """The server cannot allocate the state a request asks for."""
 

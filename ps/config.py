@@ -11,6 +11,7 @@ from hybridps.channel_options import (
     SERVER_KEEPALIVE_TIME_MS,
 )
 from ps.core import DEFAULT_FLUSH_TIMEOUT_S
+from ps.lifecycle import DEFAULT_ABORT_GRACE_S
 from ps.partition import DEFAULT_ANSWER_CACHE_STEPS, DEFAULT_RATE_WINDOW_S
 
 MIN_MESSAGE_BYTES = 4096
@@ -43,6 +44,10 @@ class ServerConfig:
         "help": "with --shm: offer the ranks whose arena it accepts a Unix socket next to "
                 "the arenas for their Sync messages, written and read by their training "
                 "thread instead of a gRPC stream (ps/direct.py; false: the Sync stream)"})
+    shm_sweep: bool = field(default=True, metadata={
+        "help": "with --shm: at start and every minute remove leaked arena files in /dev/shm "
+                "(hybridps-<pid>-r<rank>-*.arena of this user, older than a minute, whose "
+                "creator pid is dead; needs the workers in this server's PID namespace)"})
     sched_batch: bool = field(default=True, metadata={
         "help": "run the server's threads under SCHED_BATCH (Linux): woken by a rank's "
                 "push, the server waits for the scheduler's next decision instead of "
@@ -68,8 +73,27 @@ class ServerConfig:
         "help": "stop gracefully (exit 0) once the first run is over: every rank registered "
                 "here sent Finish (or one aborted and no stream of the run is left open)"})
     run_idle_timeout_s: float = field(default=120.0, metadata={
-        "help": "with --exit-after-run: a run whose Sync streams all stayed closed this long "
-                "without every rank finishing counts as over (0: never)"})
+        "help": "a run whose Sync streams all stayed closed this long without every rank "
+                "finishing counts as over (abandoned; 0: never)"})
+    abort_grace_s: float = field(default=DEFAULT_ABORT_GRACE_S, metadata={
+        "help": "a run one of whose ranks sent Finish(aborted) is over only once no rank of "
+                "it has had a Sync stream open nor registered again for this long: longer "
+                "than torchrun's restart time, so `torchrun --max-restarts` can bring the "
+                "ranks back (they register again and the run goes on)"})
+    finished_run_retention_s: float = field(default=600.0, metadata={
+        "help": "free the partitions of a run this long after it is over (finished, "
+                "aborted or abandoned; stats count the runs freed); `python -m ps.admin "
+                "drop-run` frees one at once"})
+    # --- resources ------------------------------------------------------------------
+    max_state_bytes: int = field(default=0, metadata={
+        "help": "host bytes all partitions' optimizer state and master rows may hold; a "
+                "Register beyond it is refused (RESOURCE_EXHAUSTED) with nothing allocated "
+                "(0: 3/4 of the host's memory or cgroup limit)"})
+    checkpoint_root: str = field(default="checkpoints", metadata={
+        "help": "the directory (relative: to the server's working directory) inside which "
+                "the server writes and restores checkpoints; a Checkpoint or restore naming "
+                "a directory that resolves outside it (.., symbolic links) is refused "
+                "(PERMISSION_DENIED). Workers' --checkpoint-dir must be inside it"})
     # --- security (docs/deploy.md) ----------------------------------------------------
     auth_token_file: str = field(default="", metadata={
         "help": "file with the shared token every RPC must carry (else env "
@@ -79,6 +103,13 @@ class ServerConfig:
                 "neither: Shutdown is refused)"})
     stats_without_token: bool = field(default=False, metadata={
         "help": "serve the read-only GetShardStats without a token"})
+    generate_auth_token: bool = field(default=False, metadata={
+        "help": "with --auth-token-file: when that file does not exist, create it (mode 0600) "
+                "holding HYBRIDPS_AUTH_TOKEN if set, else a random token; workers then read "
+                "the same file (docker-compose.yml)"})
+    insecure: bool = field(default=False, metadata={
+        "help": "allow listening on a non-loopback address without a token (anyone who "
+                "reaches the port can then register, push and checkpoint)"})
     tls_cert: str = field(default="", metadata={
         "help": "PEM certificate (chain) of this server: serve TLS (with --tls-key)"})
     tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
@@ -115,8 +146,17 @@ class ServerConfig:
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
         if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
             raise ValueError("--keepalive-time-ms and --keepalive-timeout-ms must be > 0")
-        if not self.run_idle_timeout_s >= 0:
-            raise ValueError(f"--run-idle-timeout-s {self.run_idle_timeout_s} must be >= 0")
+        for name in ("run_idle_timeout_s", "abort_grace_s", "finished_run_retention_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0 and finite")
+        if self.max_state_bytes < 0:
+            raise ValueError(f"--max-state-bytes {self.max_state_bytes} must be >= 0 "
+                             "(0: derived from the host's memory)")
+        if not self.checkpoint_root:
+            raise ValueError("--checkpoint-root must not be empty")
+        if self.generate_auth_token and not self.auth_token_file:
+            raise ValueError("--generate-auth-token needs --auth-token-file (where to write it)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

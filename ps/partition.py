@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +42,7 @@ from hybridps.errors import (
     ResourceExhausted,
     RowOutOfRange,
 )
+from hybridps.names import describe_problem
 from hybridps.optim import (
     STATE_OFFSETS,
     OptimizerSpec,
@@ -53,7 +56,13 @@ from hybridps.optim import (
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
 INT64_MAX = 2**63 - 1
-MAX_TABLE_NAME_LEN = 256  # answers reserve ~1 KiB per message for header fields
+# Shapes no host can hold, refused as invalid before any size arithmetic: 2^48 rows is
+# 10^5 times the largest tables in use, and a row of 2^20 floats is 4 MiB (a push of one
+# row must fit in a gRPC message). Below these, rows x dim x 12 bytes stays far from
+# int64 overflow, and --max-state-bytes decides what fits.
+MAX_TABLE_ROWS = 2**48
+MAX_DIM = 2**20
+SECRET_BYTES = 16  # 128 bits
 # Device row dtypes a rank may register; every one but float32 gets an fp32 master here.
 ROW_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -80,15 +89,14 @@ class TableSpec:
 
     def validate(self) -> None:
         where = f"table {self.name!r}"
-        if not self.name:
-            raise InvalidArgument("table name must not be empty")
-        if len(self.name) > MAX_TABLE_NAME_LEN:
-            raise InvalidArgument(f"table name of {len(self.name)} characters is longer than "
-                                  f"{MAX_TABLE_NAME_LEN}")
-        if self.num_rows <= 0:
-            raise InvalidArgument(f"{where}: num_rows={self.num_rows} must be > 0")
-        if self.dim <= 0:
-            raise InvalidArgument(f"{where}: dim={self.dim} must be > 0")
+        problem = describe_problem("table name", self.name)
+        if problem is not None:
+            raise InvalidArgument(problem)
+        if not 0 < self.num_rows <= MAX_TABLE_ROWS:
+            raise InvalidArgument(f"{where}: num_rows={self.num_rows} must be in "
+                                  f"[1, 2^48 = {MAX_TABLE_ROWS}]")
+        if not 0 < self.dim <= MAX_DIM:
+            raise InvalidArgument(f"{where}: dim={self.dim} must be in [1, 2^20 = {MAX_DIM}]")
         if not 0 <= self.row_start <= self.row_end <= self.num_rows:
             raise InvalidArgument(
                 f"{where}: row range [{self.row_start}, {self.row_end}) must satisfy "
@@ -98,6 +106,13 @@ class TableSpec:
     def describe(self) -> str:
         return (f"{self.name}(num_rows={self.num_rows}, dim={self.dim}, "
                 f"rows=[{self.row_start}, {self.row_end}))")
+
+    def state_bytes(self, has_moments: bool, master: bool) -> int:
+        """Host bytes a partition allocates for these rows (TableState): m and v
+        (float32), the fp32 master rows, one touched flag a row. Python ints: no
+        overflow, whatever the shape."""
+        per_row = 1 + 4 * self.dim * ((2 if has_moments else 0) + (1 if master else 0))
+        return self.rows_held * per_row
 
 
 class AnswerSink(Protocol):
@@ -451,6 +466,10 @@ class Partition:
         self.optimizer = optimizer
         self.row_dtype = row_dtype
         self.lock = threading.Lock()
+        # Handed to the registering process only (Register's answer); every later call for
+        # this partition must carry it (check_secret). A new one at every Register, so a
+        # process of an older incarnation holds a secret that no longer opens anything.
+        self.secret = secrets.token_hex(SECRET_BYTES)
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
             t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,
@@ -464,6 +483,19 @@ class Partition:
 
     def specs(self) -> list[TableSpec]:
         return [t.spec for t in self.tables.values()]
+
+    def new_secret(self) -> str:
+        self.secret = secrets.token_hex(SECRET_BYTES)
+        return self.secret
+
+    def secret_matches(self, given: str) -> bool:
+        """Constant-time comparison with this partition's secret."""
+        return hmac.compare_digest(given.encode(), self.secret.encode())
+
+    @property
+    def state_bytes(self) -> int:
+        """Host bytes of this partition's optimizer state and master rows."""
+        return sum(t.state_bytes + t.master_bytes for t in self.tables.values())
 
     def difference(self, world_size: int, tables: list[TableSpec],
                    optimizer: OptimizerSpec,

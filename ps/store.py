@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +38,11 @@ from hybridps.errors import (
     NotRegistered,
     ShardError,
     StaleIncarnation,
+    WrongSecret,
 )
+from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
+from ps.limits import CheckpointRoot, StateBudget
 from ps.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
@@ -55,7 +59,6 @@ from ps.partition import (
 
 log = logging.getLogger("ps.store")
 
-MAX_RUN_ID_LEN = 256
 TableKey = tuple[str, int, str]  # (run_id, rank, table)
 
 
@@ -112,6 +115,16 @@ class ServerStats:
     pushes_applied_total: int
     rows_updated_total: int
     master_bytes_total: int = 0
+    runs_freed: int = 0
+    partitions_freed: int = 0
+    max_state_bytes: int = 0
+
+
+def check_run_id(run_id: str, what: str) -> None:
+    """InvalidArgument naming the value unless `run_id` is a safe name (hybridps/names.py)."""
+    problem = describe_problem("run_id", run_id)
+    if problem is not None:
+        raise InvalidArgument(f"{what}: {problem}")
 
 
 def default_server_id() -> str:
@@ -124,7 +137,11 @@ class Store:
     def __init__(self, *, server_id: str | None = None,
                  answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 checkpoint_root: str | Path | None = None,
+                 max_state_bytes: int = 0) -> None:
+        """`checkpoint_root`: checkpoints only inside it (None: anywhere; ps/limits.py);
+        `max_state_bytes`: the bytes all partitions may hold (0: no limit)."""
         if answer_cache_steps < 1:
             raise ValueError(f"answer_cache_steps={answer_cache_steps} must be >= 1")
         self.server_id = server_id or default_server_id()
@@ -136,6 +153,10 @@ class Store:
         self._partitions: dict[tuple[str, int], Partition] = {}
         self._refusals: collections.Counter[str] = collections.Counter()
         self._queued: collections.Counter[TableKey] = collections.Counter()
+        self.checkpoint_root = CheckpointRoot(checkpoint_root)
+        self.budget = StateBudget(max_state_bytes)
+        self.runs_freed = 0
+        self.partitions_freed = 0
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -151,6 +172,7 @@ class Store:
         """The partition and table a push names, or the error saying why not."""
         part = self._partitions.get((run_id, rank))
         if part is None:
+            check_run_id(run_id, what)
             raise NotRegistered(
                 f"{what}: run {run_id!r} rank {rank} is not registered on this server "
                 f"(server {self.server_id}); call Register before Sync"
@@ -167,6 +189,9 @@ class Store:
             )
         state = part.tables.get(table)
         if state is None:
+            problem = describe_problem("table name", table)
+            if problem is not None:
+                raise InvalidArgument(f"{what}: {problem}")
             raise NotFound(
                 f"{what}: table {table!r} is not registered for run {run_id!r} rank {rank} "
                 f"(registered: {sorted(part.tables)})"
@@ -202,6 +227,7 @@ class Store:
 
         `row_dtype` other than float32: the partition keeps fp32 master rows (seeded by
         `seed_rows`, or loaded with `restore`) and answers new rows (ps/partition.py).
+        Every Register hands the partition a new secret (`secret`).
         """
         try:
             if restore is not None:
@@ -213,15 +239,12 @@ class Store:
             self.record_refusal(exc.reason)
             raise
 
-    def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
+    def _validate(self, run_id: str, rank: int, world_size: int, incarnation: int,
                   tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
-                  row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+                  row_dtype: torch.dtype) -> tuple[str, OptimizerSpec]:
+        """Check a Register's arguments (nothing is allocated); (what, optimizer spec)."""
+        check_run_id(run_id, "register")
         what = f"register run={run_id!r} rank={rank}"
-        if not run_id:
-            raise InvalidArgument("register: run_id must not be empty")
-        if len(run_id) > MAX_RUN_ID_LEN:
-            raise InvalidArgument(f"register: run_id of {len(run_id)} characters is longer "
-                                  f"than {MAX_RUN_ID_LEN}")
         if world_size < 1:
             raise InvalidArgument(f"{what}: world_size={world_size} must be >= 1")
         if not 0 <= rank < world_size:
@@ -239,14 +262,37 @@ class Store:
             seen.add(spec.name)
         spec_opt = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(
             **dict(optimizer))
+        return what, spec_opt
 
+    def _state_bytes_in_use(self) -> int:
+        return sum(p.state_bytes for p in self.partitions())
+
+    def _new_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                       tables: list[TableSpec], optimizer: OptimizerSpec,
+                       row_dtype: torch.dtype, what: str, freed: int = 0) -> Partition:
+        """Allocate a partition within --max-state-bytes (`freed`: bytes of partitions this
+        request replaces); ResourceExhausted with nothing allocated when it does not fit."""
+        needed = sum(t.state_bytes(optimizer.has_moments, row_dtype != torch.float32)
+                     for t in tables)
+        self.budget.reserve(needed, self._state_bytes_in_use(), what, freed)
+        try:
+            return Partition(run_id, rank, world_size, incarnation, tables, optimizer,
+                             answer_cache_steps=self.answer_cache_steps,
+                             rate_window_s=self.rate_window_s, clock=self._clock,
+                             row_dtype=row_dtype)
+        finally:
+            self.budget.release(needed)  # from here on the partition itself counts
+
+    def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                  tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
+                  row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+        what, spec_opt = self._validate(run_id, rank, world_size, incarnation, tables,
+                                        optimizer, row_dtype)
         existing = self.partition(run_id, rank)
         if existing is None:
             self._check_run_consistency(run_id, rank, world_size, tables, what)
-            fresh = Partition(run_id, rank, world_size, incarnation, tables, spec_opt,
-                              answer_cache_steps=self.answer_cache_steps,
-                              rate_window_s=self.rate_window_s, clock=self._clock,
-                              row_dtype=row_dtype)
+            fresh = self._new_partition(run_id, rank, world_size, incarnation, tables,
+                                        spec_opt, row_dtype, what)
             with self._lock:
                 existing = self._partitions.get((run_id, rank))
                 if existing is None:  # nobody registered it while we allocated
@@ -270,6 +316,7 @@ class Store:
                 )
             previous = existing.incarnation
             existing.incarnation = incarnation
+            existing.new_secret()
             result = [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, False)
                       for t in existing.tables.values()]
         log.info(kv("register", run=run_id, rank=rank, incarnation=incarnation,
@@ -285,43 +332,93 @@ class Store:
 
         It replaces the rank's partition if one is held (the run restarts from the
         checkpoint), and drops partitions of the run registered with another
-        world size (the previous shape of a re-sharded run).
+        world size (the previous shape of a re-sharded run). Every file it will read is
+        checked against the manifest first: a damaged checkpoint (CorruptCheckpoint,
+        naming the file) or any other refusal leaves every partition as it was.
         """
-        from ps.checkpoint import restore_partition
+        from ps.checkpoint import check_restore, restore_partition
 
         directory, step = restore
         started = time.perf_counter()
-        what = f"register run={run_id!r} rank={rank}"
+        what, spec_opt = self._validate(run_id, rank, world_size, incarnation, tables,
+                                        optimizer, row_dtype)
         if not directory or step < 0:
             raise InvalidArgument(f"{what}: restore needs a checkpoint directory and a step "
                                   f">= 0 (got {directory!r}, {step})")
+        path = self.checkpoint_root.resolve(directory, f"{what} restore")
+        held = self.partition(run_id, rank)
+        if held is not None and incarnation < held.incarnation:
+            raise StaleIncarnation(
+                f"{what}: incarnation {incarnation} is older than the registered "
+                f"incarnation {held.incarnation}")
+        check_restore(tables, spec_opt.has_moments, row_dtype != torch.float32, path, step)
+
+        def replaced() -> list[tuple[str, int]]:
+            return [key for key, p in self._partitions.items()
+                    if key[0] == run_id and (key[1] == rank or p.world_size != world_size)]
+
+        with self._lock:
+            freed = sum(self._partitions[key].state_bytes for key in replaced())
+        others = [p for p in self.partitions() if p.run_id == run_id and p.rank != rank
+                  and p.world_size == world_size]
+        self._check_consistency(others, rank, world_size, tables, what)
+        part = self._new_partition(run_id, rank, world_size, incarnation, tables, spec_opt,
+                                   row_dtype, what, freed)
+        with part.lock:
+            restore_partition(part, path, step, checked=True)
         with self._lock:
             held = self._partitions.get((run_id, rank))
             if held is not None and incarnation < held.incarnation:
                 raise StaleIncarnation(
                     f"{what}: incarnation {incarnation} is older than the registered "
-                    f"incarnation {held.incarnation}")
-            stale = [key for key, p in self._partitions.items()
-                     if key[0] == run_id and (key[1] == rank or p.world_size != world_size)]
+                    f"incarnation {held.incarnation} (registered meanwhile)")
+            stale = replaced()
             for key in stale:
                 del self._partitions[key]
-        # Validates like a fresh Register, then loads the state before anyone can push.
-        self._register(run_id, rank, world_size, incarnation, tables, optimizer, row_dtype)
-        part = self.partition(run_id, rank)
-        assert part is not None
-        try:
-            with part.lock:
-                restore_partition(part, directory, step)
-        except BaseException:
-            with self._lock:
-                if self._partitions.get((run_id, rank)) is part:
-                    del self._partitions[(run_id, rank)]
-            raise
+            self._partitions[(run_id, rank)] = part
         log.info(kv("restore", run=run_id, rank=rank, world_size=world_size,
-                    incarnation=incarnation, step=step, directory=directory,
+                    incarnation=incarnation, step=step, directory=path,
                     dropped=len(stale), seconds=f"{time.perf_counter() - started:.3f}"))
         return [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, True)
                 for t in part.tables.values()]
+
+    def drop_run(self, run_id: str, why: str) -> tuple[int, int]:
+        """Forget every partition of `run_id` (its memory goes with the last push in
+        flight): (partitions, state bytes) freed. Counted in stats when any was held."""
+        check_run_id(run_id, "drop run")
+        with self._lock:
+            keys = [key for key in self._partitions if key[0] == run_id]
+            parts = [self._partitions.pop(key) for key in keys]
+            if parts:
+                self.runs_freed += 1
+                self.partitions_freed += len(parts)
+        freed = sum(p.state_bytes for p in parts)
+        if parts:
+            log.info(kv("run_freed", run=run_id, partitions=len(parts), state_bytes=freed,
+                        why=why))
+        return len(parts), freed
+
+    # -- the partition secret (checked by the transport for every later call) ----------
+
+    def secret(self, run_id: str, rank: int) -> str:
+        """The secret of a registered partition, for the answer to its Register only."""
+        part = self._partitions.get((run_id, rank))
+        if part is None:
+            raise NotRegistered(f"run {run_id!r} rank {rank} is not registered on this server")
+        return part.secret
+
+    def check_secret(self, run_id: str, rank: int, given: str, what: str) -> Partition:
+        """The partition, if `given` is its secret (compared in constant time);
+        WrongSecret otherwise. Nothing changes either way."""
+        part = self._partitions.get((run_id, rank))
+        if part is None:
+            check_run_id(run_id, what)
+            raise NotRegistered(f"{what}: run {run_id!r} rank {rank} is not registered on "
+                                f"this server (server {self.server_id})")
+        if not given or not part.secret_matches(given):
+            raise WrongSecret(f"{what}: {'missing' if not given else 'wrong'} partition "
+                              "secret (the one the latest Register of this rank answered)")
+        return part
 
     def seed_rows(self, run_id: str, rank: int, incarnation: int, table: str, row_start: int,
                   rows_ND: torch.Tensor) -> tuple[int, int]:
@@ -346,8 +443,8 @@ class Store:
         from ps.checkpoint import save_partition
 
         try:
-            if not directory:
-                raise InvalidArgument(f"checkpoint run={run_id!r}: directory must not be empty")
+            check_run_id(run_id, "checkpoint")
+            path = self.checkpoint_root.resolve(directory, f"checkpoint run={run_id!r}")
             parts = [p for p in self.partitions()
                      if p.run_id == run_id and (not ranks or p.rank in ranks)]
             missing = set(ranks) - {p.rank for p in parts}
@@ -359,9 +456,9 @@ class Store:
             for part in sorted(parts, key=lambda p: p.rank):
                 with part.lock:
                     out.extend((part.rank, info)
-                               for info in save_partition(part, directory, step))
+                               for info in save_partition(part, path, step))
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
-                        step=step, directory=directory, files=len(out),
+                        step=step, directory=path, files=len(out),
                         seconds=f"{time.perf_counter() - started:.3f}"))
             return out
         except ShardError as exc:
@@ -371,9 +468,13 @@ class Store:
     def _check_run_consistency(self, run_id: str, rank: int, world_size: int,
                                tables: list[TableSpec], what: str) -> None:
         """Other ranks of the run on this server must agree on world_size and table shapes."""
-        for other in self.partitions():
-            if other.run_id != run_id or other.rank == rank:
-                continue
+        others = [p for p in self.partitions() if p.run_id == run_id and p.rank != rank]
+        self._check_consistency(others, rank, world_size, tables, what)
+
+    @staticmethod
+    def _check_consistency(others: list[Partition], rank: int, world_size: int,
+                           tables: list[TableSpec], what: str) -> None:
+        for other in others:
             if other.world_size != world_size:
                 raise Conflict(f"{what}: world_size {world_size} != {other.world_size} "
                                f"registered by rank {other.rank} of the run")
@@ -404,6 +505,7 @@ class Store:
     def flush_status(self, run_id: str, rank: int,
                      step: int) -> tuple[list[RankStep], list[RankStep]]:
         """(every named (rank, table) with its last step, those still before `step`)."""
+        check_run_id(run_id, "flush")
         if rank < -1:
             raise InvalidArgument(f"flush run={run_id!r}: rank={rank} must be >= 0 or -1 (all)")
         parts = [p for p in self.partitions()
@@ -454,6 +556,9 @@ class Store:
             pushes_applied_total=sum(r.pushes_applied for r in rows),
             rows_updated_total=sum(r.rows_updated for r in rows),
             master_bytes_total=sum(r.master_bytes for r in rows),
+            runs_freed=self.runs_freed,
+            partitions_freed=self.partitions_freed,
+            max_state_bytes=self.budget.limit_bytes,
         )
 
 

@@ -214,8 +214,9 @@ def test_exit_after_run_stops_once_every_rank_finished(tmp_path: Path) -> None:
 
 
 def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
-    """An aborted rank ends the run when the other's stream closes; no Finish at all: idle."""
-    aborted = start_ps_server(tmp_path / "a", "--exit-after-run")
+    """An aborted rank ends the run when the other's stream closes (after --abort-grace-s:
+    here 1 s instead of the restart window); no Finish at all: idle."""
+    aborted = start_ps_server(tmp_path / "a", "--exit-after-run", "--abort-grace-s", "1")
     idle = start_ps_server(tmp_path / "b", "--exit-after-run", "--run-idle-timeout-s", "1")
     try:
         with open_channel(aborted.address) as ch:

@@ -51,6 +51,15 @@ def shutdown_server(address: str, security: ClientSecurity, grace_s: float = 0.0
     return str(reply.server_id)
 
 
+def drop_run(address: str, security: ClientSecurity, run_id: str, reason: str = "",
+             timeout: float = DEFAULT_TIMEOUT_S) -> admin_pb2.DropRunResponse:
+    """Free every partition of `run_id` on the server now (admin token)."""
+    with open_channel(address, channel_options(), security) as channel:
+        return admin_pb2_grpc.AdminServiceStub(channel).DropRun(
+            admin_pb2.DropRunRequest(run_id=run_id, reason=reason), timeout=timeout,
+            metadata=security.metadata)
+
+
 def stats_json(stats: admin_pb2.ShardStats) -> str:
     return json_format.MessageToJson(stats, always_print_fields_with_no_presence=True,
                                      preserving_proto_field_name=True, indent=2)
@@ -63,6 +72,12 @@ def _mb(n: int) -> str:
 def _refusals(counts: Mapping[str, int]) -> str:
     items = sorted(counts.items())
     return ",".join(f"{k}={v}" for k, v in items) if items else "-"
+
+
+def _runs(stats: admin_pb2.ShardStats) -> str:
+    return ", ".join(f"{r.run_id}={r.state}" + (f" (freed in {r.freed_in_s:.0f}s)"
+                                                 if r.freed_in_s >= 0 else "")
+                     for r in stats.runs) or "-"
 
 
 COLUMNS = ("run", "rank", "table", "rows", "state_MB", "pushes", "rows_updated", "rows/s",
@@ -78,6 +93,8 @@ def format_shard_stats(stats: admin_pb2.ShardStats) -> str:
         f"{_mb(stats.master_bytes_total)} MB  pushes "
         f"{stats.pushes_applied_total}  rows updated {stats.rows_updated_total}",
         f"refusals: {_refusals(stats.refusals)}",
+        f"runs: {_runs(stats)}  freed {stats.runs_freed} runs "
+        f"({stats.partitions_freed} partitions)",
     ]
     rows = [COLUMNS]
     for p in stats.partitions:

@@ -13,6 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from hybridps.names import describe_problem
 from worker.dense_options import check_dense_options
 from worker.nodes import node_ps_address, rank_layout, split_ps
 
@@ -63,6 +64,9 @@ def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
         if (len(parts) not in (2, 3) or not parts[0].isidentifier()
                 or not all(p.isdigit() for p in parts[1:])):
             raise ValueError(f"tables={spec!r}: entry {entry!r} is not NAME:ROWS[:POOL]")
+        problem = describe_problem("table name", parts[0])
+        if problem is not None:
+            raise ValueError(f"tables={spec!r}: {problem}")
         rows, pool = int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
         if rows < 1 or pool < 1:
             raise ValueError(f"tables={spec!r}: entry {entry!r} needs ROWS >= 1 and POOL >= 1")
@@ -298,6 +302,10 @@ class TrainConfig:
             raise ValueError(f"table_rows={self.table_rows!r} is not an int or a comma list")
         if self.tables:
             parse_table_list(self.tables)
+        if self.run_id:  # the server refuses other names; say so before anything starts
+            problem = describe_problem("run_id", self.run_id)
+            if problem is not None:
+                raise ValueError(problem)
         if self.task == "kge" and not self.data_dir:
             raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt)")
         self._at_least("max_chunk_bytes", self.max_chunk_bytes, MIN_CHUNK_BYTES)

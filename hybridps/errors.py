@@ -17,6 +17,14 @@ class NonFiniteGradient(InvalidArgument):
     reason = "non_finite_gradient"
 
 
+class NonFiniteUpdate(InvalidArgument):
+    """A push of finite gradients whose update would make m, v, the delta or the master
+    rows non-finite (e.g. a gradient of 3e38, whose square overflows v): refused, with
+    the state as it was."""
+
+    reason = "non_finite_update"
+
+
 class RowOutOfRange(InvalidArgument):
     reason = "row_out_of_range"
 

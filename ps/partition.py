@@ -37,6 +37,7 @@ from hybridps.errors import (
     Conflict,
     InvalidArgument,
     NonFiniteGradient,
+    NonFiniteUpdate,
     NotSeeded,
     OutOfOrder,
     ResourceExhausted,
@@ -51,6 +52,7 @@ from hybridps.optim import (
     apply_update_,
     mark_rows_,
     scan_push,
+    undo_rows_,
 )
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
@@ -418,7 +420,21 @@ class TableState:
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
-        delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count, out=out)
+        try:
+            delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count,
+                                       out=out, check_finite=True)
+        except NonFiniteUpdate as exc:
+            raise NonFiniteUpdate(f"push step={step} {self.where}: {exc} (a gradient too "
+                                  "large for float32 state); refused, nothing changed") from None
+        if self.master is not None:
+            # The master rows change too: computed aside, committed only when finite.
+            old_rows = self.master.index_select(0, local)
+            apply_update_(self.master, local, delta, float(decay))
+            if not bool(torch.isfinite(self.master.index_select(0, local)).all()):
+                self.master.index_copy_(0, local, old_rows)
+                undo_rows_()
+                raise NonFiniteUpdate(f"push step={step} {self.where}: the update would make "
+                                      "the master rows non-finite; refused, nothing changed")
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1
@@ -428,9 +444,8 @@ class TableState:
             self.distinct_touched += mark_rows_(self.touched, local)
         self.rate.add(n)
         if self.master is not None:
-            # The optimizer step lands on the fp32 master (exactly what the rank would do to
-            # fp32 rows); the rank gets the new rows rounded once to its row dtype.
-            apply_update_(self.master, local, delta, float(decay))
+            # The optimizer step landed on the fp32 master above (exactly what the rank would
+            # do to fp32 rows); the rank gets the new rows rounded once to its row dtype.
             new_rows = self.master.index_select(0, local).to(self.row_dtype)
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
                             decay=0.0, rows=True)

@@ -8,9 +8,11 @@ import asyncio
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridps.checkpoint import optim_file, step_dir
 from hybridps.errors import (
@@ -347,3 +349,66 @@ def test_sweep_removes_only_old_arenas_of_dead_creators_of_this_user(tmp_path: P
     assert sweep_dead_arenas(str(tmp_path)) == []  # just created: its Register may be on
     assert sweep_dead_arenas(str(tmp_path), uid=os.getuid() + 1, now=old) == []  # not ours
     assert [Path(p).name for p in sweep_dead_arenas(str(tmp_path), now=old)] == [names["dead"]]
+
+
+# -- a finite gradient whose update overflows ---------------------------------------------
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    import hybridps.optim as optim
+    from hybridps import native
+
+    if request.param == "native" and native.ext is None:
+        pytest.skip(f"native kernels not built: {native.load_error}")
+    previous = optim.kernel_name()
+    optim.set_kernel(request.param)
+    yield request.param
+    optim.set_kernel(previous)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("row_dtype", [torch.float32, torch.bfloat16])
+def test_a_push_whose_update_overflows_is_refused_with_nothing_changed(
+        kernel: str, kind: str, row_dtype: torch.dtype) -> None:
+    from hybridps.errors import NonFiniteUpdate
+    from hybridps.optim import OptimizerSpec
+
+    spec = OptimizerSpec(kind, lr=1e30 if kind == "sgd" else 0.1)
+    store = Store()
+    store.register(RUN, 1, 2, 0, [EMB], spec, row_dtype=row_dtype)
+    if row_dtype != torch.float32:
+        store.seed_rows(RUN, 1, 0, "emb", 10, torch.randn(10, DIM))
+    for step in range(2):
+        feed(store, push(step, list(range(10, 20))))
+    before = state(store)
+    part = store.partition(RUN, 1)
+    assert part is not None
+    master = None if part.tables["emb"].master is None else part.tables["emb"].master.clone()
+    grads = torch.randn(3, DIM)
+    grads[1, 2] = 3e38  # finite; its square is not (sgd: lr 1e30 times it is not)
+    with pytest.raises(NonFiniteUpdate, match="refused, nothing changed"):
+        feed(store, push(2, [11, 14, 17], grads=grads))
+    assert_same_state(before, state(store))
+    if master is not None:
+        assert torch.equal(master, part.tables["emb"].master)  # type: ignore[arg-type]
+    assert store.stats().refusals == {"non_finite_update": 1}
+    answer = feed(store, push(2, [11, 14, 17]))  # the same step, sane: applied
+    assert answer is not None and bool(torch.isfinite(answer.delta.float()).all())
+
+
+def test_master_rows_that_would_overflow_are_refused(kernel: str) -> None:
+    """m, v and the delta stay finite; master + delta does not: everything is put back."""
+    from hybridps.errors import NonFiniteUpdate
+    from hybridps.optim import OptimizerSpec
+
+    store = Store()
+    store.register(RUN, 1, 2, 0, [EMB], OptimizerSpec("sgd", lr=1.0), row_dtype=torch.bfloat16)
+    store.seed_rows(RUN, 1, 0, "emb", 10, torch.full((10, DIM), 3e38))
+    before = state(store)
+    part = store.partition(RUN, 1)
+    assert part is not None and part.tables["emb"].master is not None
+    master = part.tables["emb"].master.clone()
+    with pytest.raises(NonFiniteUpdate, match="master rows"):
+        feed(store, push(0, [12], grads=torch.full((1, DIM), -3e38)))
+    assert_same_state(before, state(store))
+    assert torch.equal(master, part.tables["emb"].master)

@@ -192,12 +192,29 @@ static int64_t first_bad_id(const int64_t *ids, int64_t n_ids, int64_t n_rows) {
 
 /* ---------------------------------------------------------------- row loops */
 
+/* Non-finite results: each kernel ORs "exponent all ones" of every new m, v and delta
+ * element into a per-chunk flag (branch-free: the loops still vectorize) and publishes
+ * it in *bad once per chunk. With a snapshot (sm, sv: [n_ids, dim], the old m and v of
+ * each row, stored in the same pass), the caller puts every row back when *bad is set:
+ * a push whose update would be non-finite changes nothing (py_adam / py_adamw). */
+static inline uint32_t nonfinite_f(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x7f800000u) == 0x7f800000u;
+}
+
+static inline void publish_bad(int *bad, uint32_t any) {
+    if (any) __atomic_store_n(bad, 1, __ATOMIC_RELAXED);
+}
+
 typedef struct {
     float *m, *v, *d;
     const float *g;
     const int64_t *ids;
     int64_t dim;
     float a1, a2, eps, nss; /* 1-b1, 1-b2, eps, -step_size */
+    float *sm, *sv;         /* snapshot of the old rows, or NULL */
+    int *bad;
 } adam_job;
 
 MULTIVERSION static void adam_chunk(const void *job, int64_t lo, int64_t hi) {
@@ -207,6 +224,7 @@ MULTIVERSION static void adam_chunk(const void *job, int64_t lo, int64_t hi) {
     const int64_t *RESTRICT ids = k->ids;
     const int64_t dim = k->dim;
     const float a1 = k->a1, a2 = k->a2, eps = k->eps, nss = k->nss;
+    uint32_t any = 0;
     const pf_dist pd = prefetch_dist(dim);
     prefetch_start(m, v, ids, lo, hi, pd, dim);
     for (int64_t i = lo; i < hi; i++) {
@@ -218,15 +236,33 @@ MULTIVERSION static void adam_chunk(const void *job, int64_t lo, int64_t hi) {
         /* torch.optim.SparseAdam, op for op:
          *   m' = (g - m) * (1-b1) + m;  v' = (g*g - v) * (1-b2) + v
          *   delta = (m' / (sqrt(v') + eps)) * -step_size */
-        for (int64_t j = 0; j < dim; j++) {
-            const float gj = gr[j], mj = mr[j], vj = vr[j];
-            const float mn = (gj - mj) * a1 + mj;
-            const float vn = (gj * gj - vj) * a2 + vj;
-            mr[j] = mn;
-            vr[j] = vn;
-            dr[j] = (mn / (sqrtf(vn) + eps)) * nss;
+        if (k->sm != NULL) {
+            float *RESTRICT smr = k->sm + i * dim;
+            float *RESTRICT svr = k->sv + i * dim;
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j], vj = vr[j];
+                const float mn = (gj - mj) * a1 + mj;
+                const float vn = (gj * gj - vj) * a2 + vj;
+                const float dn = (mn / (sqrtf(vn) + eps)) * nss;
+                smr[j] = mj;
+                svr[j] = vj;
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = dn;
+                any |= nonfinite_f(mn) | nonfinite_f(vn) | nonfinite_f(dn);
+            }
+        } else {
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j], vj = vr[j];
+                const float mn = (gj - mj) * a1 + mj;
+                const float vn = (gj * gj - vj) * a2 + vj;
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = (mn / (sqrtf(vn) + eps)) * nss;
+            }
         }
     }
+    publish_bad(k->bad, any);
 }
 
 typedef struct {
@@ -235,6 +271,8 @@ typedef struct {
     const int64_t *ids;
     int64_t dim;
     float w, b2, a2, sbc2, eps, nss; /* 1-b1, b2, 1-b2, sqrt(1-b2^t), eps, -lr/(1-b1^t) */
+    float *sm, *sv;                  /* snapshot of the old rows, or NULL */
+    int *bad;
 } adamw_job;
 
 MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
@@ -246,6 +284,7 @@ MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
     const float w = k->w, wm1 = k->w - 1.0f, b2 = k->b2, a2 = k->a2, sbc2 = k->sbc2;
     const float eps = k->eps, nss = k->nss;
     const int small_w = w < 0.5f; /* torch.lerp's two formulas */
+    uint32_t any = 0;
     const pf_dist pd = prefetch_dist(dim);
     prefetch_start(m, v, ids, lo, hi, pd, dim);
     for (int64_t i = lo; i < hi; i++) {
@@ -259,7 +298,22 @@ MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
          * build contracts addcmul), which leaves m and v bitwise torch's:
          *   m' = m.lerp(g, 1-b1);  v' = v*b2 + (1-b2)*g*g
          *   delta = (m' / (sqrt(v') / sqrt(bc2) + eps)) * (-lr/bc1) */
-        if (small_w) {
+        if (k->sm != NULL) {
+            float *RESTRICT smr = k->sm + i * dim;
+            float *RESTRICT svr = k->sv + i * dim;
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j], vj = vr[j];
+                const float mn = small_w ? fmaf(w, gj - mj, mj) : fmaf(wm1, gj - mj, gj);
+                const float vn = fmaf(a2 * gj, gj, vj * b2);
+                const float dn = (mn / (sqrtf(vn) / sbc2 + eps)) * nss;
+                smr[j] = mj;
+                svr[j] = vj;
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = dn;
+                any |= nonfinite_f(mn) | nonfinite_f(vn) | nonfinite_f(dn);
+            }
+        } else if (small_w) {
             for (int64_t j = 0; j < dim; j++) {
                 const float gj = gr[j], mj = mr[j];
                 const float mn = fmaf(w, gj - mj, mj);
@@ -279,6 +333,7 @@ MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
             }
         }
     }
+    publish_bad(k->bad, any);
 }
 
 typedef struct {
@@ -500,33 +555,50 @@ static PyObject *raise_bad_id(const int64_t *ids, int64_t pos, int64_t n_rows) {
     return NULL;
 }
 
+/* After a kernel with a snapshot flagged a non-finite result: every row back. */
+static void undo_rows(float *m, float *v, const int64_t *ids, int64_t n_ids, int64_t dim,
+                      const float *sm, const float *sv) {
+    for (int64_t i = 0; i < n_ids; i++) {
+        memcpy(m + ids[i] * dim, sm + i * dim, (size_t)dim * sizeof(float));
+        memcpy(v + ids[i] * dim, sv + i * dim, (size_t)dim * sizeof(float));
+    }
+}
+
 PyDoc_STRVAR(adam_doc,
              "adam(m, v, n_rows, dim, ids, n_ids, g, out, one_minus_b1, one_minus_b2, eps,\n"
-             "     neg_step_size, threads)\n--\n\n"
+             "     neg_step_size, threads, sm=0, sv=0)\n--\n\n"
              "torch.optim.SparseAdam step on the unique int64 rows `ids` of m, v (float32\n"
              "[n_rows, dim], updated in place); g and out are float32 [n_ids, dim] and out\n"
-             "receives the delta. Pointers are ints (tensor.data_ptr()).");
+             "receives the delta. Pointers are ints (tensor.data_ptr()). With a snapshot\n"
+             "(sm, sv: float32 [n_ids, dim] scratch) a step any of whose new m, v or delta\n"
+             "elements is not finite is undone (m, v as before) and True is returned;\n"
+             "otherwise False.");
 
 static PyObject *py_adam(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pm, pv, pids, pg, pd;
+    unsigned long long pm, pv, pids, pg, pd, psm = 0, psv = 0;
     long long n_rows, dim, n_ids;
     double a1, a2, eps, nss;
     int threads;
-    if (!PyArg_ParseTuple(args, "KKLLKLKKddddi", &pm, &pv, &n_rows, &dim, &pids, &n_ids, &pg,
-                          &pd, &a1, &a2, &eps, &nss, &threads))
+    if (!PyArg_ParseTuple(args, "KKLLKLKKddddi|KK", &pm, &pv, &n_rows, &dim, &pids, &n_ids,
+                          &pg, &pd, &a1, &a2, &eps, &nss, &threads, &psm, &psv))
         return NULL;
-    if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
+    if (n_ids <= 0 || dim <= 0) Py_RETURN_FALSE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
     if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    int nonfinite = 0;
+    float *sm = (psm && psv) ? PTR(float *, psm) : NULL;
+    float *sv = sm ? PTR(float *, psv) : NULL;
     const adam_job job = {PTR(float *, pm), PTR(float *, pv), PTR(float *, pd),
                           PTR(const float *, pg), ids, dim, (float)a1, (float)a2,
-                          (float)eps, (float)nss};
+                          (float)eps, (float)nss, sm, sv, &nonfinite};
     Py_BEGIN_ALLOW_THREADS
     run_parallel(adam_chunk, &job, n_ids, dim, threads);
+    if (nonfinite && sm) undo_rows(job.m, job.v, ids, n_ids, dim, sm, sv);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    if (nonfinite && sm) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(adamw_doc,
@@ -537,24 +609,29 @@ PyDoc_STRVAR(adamw_doc,
 
 static PyObject *py_adamw(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pm, pv, pids, pg, pd;
+    unsigned long long pm, pv, pids, pg, pd, psm = 0, psv = 0;
     long long n_rows, dim, n_ids;
     double w, b2, a2, sbc2, eps, nss;
     int threads;
-    if (!PyArg_ParseTuple(args, "KKLLKLKKddddddi", &pm, &pv, &n_rows, &dim, &pids, &n_ids, &pg,
-                          &pd, &w, &b2, &a2, &sbc2, &eps, &nss, &threads))
+    if (!PyArg_ParseTuple(args, "KKLLKLKKddddddi|KK", &pm, &pv, &n_rows, &dim, &pids, &n_ids,
+                          &pg, &pd, &w, &b2, &a2, &sbc2, &eps, &nss, &threads, &psm, &psv))
         return NULL;
-    if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
+    if (n_ids <= 0 || dim <= 0) Py_RETURN_FALSE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
     if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    int nonfinite = 0;
+    float *sm = (psm && psv) ? PTR(float *, psm) : NULL;
+    float *sv = sm ? PTR(float *, psv) : NULL;
     const adamw_job job = {PTR(float *, pm), PTR(float *, pv), PTR(float *, pd),
                            PTR(const float *, pg), ids, dim, (float)w, (float)b2, (float)a2,
-                           (float)sbc2, (float)eps, (float)nss};
+                           (float)sbc2, (float)eps, (float)nss, sm, sv, &nonfinite};
     Py_BEGIN_ALLOW_THREADS
     run_parallel(adamw_chunk, &job, n_ids, dim, threads);
+    if (nonfinite && sm) undo_rows(job.m, job.v, ids, n_ids, dim, sm, sv);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    if (nonfinite && sm) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(apply_update_doc,

@@ -529,6 +529,21 @@ def scan_push(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
     return _scan_push_torch(ids_U, grads_UD, lo, hi)
 
 
+def scan_push_max(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
+                  hi: int) -> tuple[int, bool, int, float]:
+    """scan_push, plus the largest |gradient| (0.0 when another check failed first), in
+    the same pass on the native path."""
+    ext = _native
+    if (ext is not None and ids_U.is_cpu and ids_U.is_contiguous()
+            and _is_cpu_f32(grads_UD)):
+        return ext.scan_push(ids_U.data_ptr(), ids_U.shape[0], lo, hi, grads_UD.data_ptr(),
+                             grads_UD.numel(), 1)
+    bad, increasing, nonfinite = _scan_push_torch(ids_U, grads_UD, lo, hi)
+    if bad >= 0 or nonfinite >= 0 or grads_UD.numel() == 0:
+        return bad, increasing, nonfinite, 0.0
+    return bad, increasing, nonfinite, float(grads_UD.abs().amax())
+
+
 def _scan_push_torch(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
                      hi: int) -> tuple[int, bool, int]:
     n = ids_U.shape[0]

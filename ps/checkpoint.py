@@ -73,3 +73,4 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
         t.adam_step = state.adam_step
         t.last_step = step
         t.answers.clear()
+        t.bound.observe(t.m, t.v, t.master)  # what the loaded state holds

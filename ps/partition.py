@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hmac
+import math
 import secrets
 import threading
 import time
@@ -51,7 +52,7 @@ from hybridps.optim import (
     apply_rows_,
     apply_update_,
     mark_rows_,
-    scan_push,
+    scan_push_max,
     undo_rows_,
 )
 
@@ -285,6 +286,7 @@ class TableState:
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
+        self.bound = OverflowBound()
 
     @property
     def where(self) -> str:
@@ -332,13 +334,15 @@ class TableState:
         if not bool(torch.isfinite(rows_ND).all()):
             raise NonFiniteGradient(f"{what}: the master rows hold non-finite values")
         self.master[local:local + n].copy_(rows_ND)
+        self.bound.observe(None, None, rows_ND)
         self.rows_seeded = max(self.rows_seeded, local + n)
         return self.rows_seeded
 
     # -- validation (no state change) ------------------------------------------------
 
-    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> None:
-        """Raise if ids/grads are not a valid (part of a) coalesced push for this table."""
+    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> float:
+        """Raise if ids/grads are not a valid (part of a) coalesced push for this table;
+        returns the largest |gradient| (for `apply`'s overflow bound)."""
         spec = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidArgument(
@@ -359,8 +363,9 @@ class TableState:
                 f"{what}: grads have {grads.shape[0]} rows for {n} ids; they must match"
             )
         if n == 0:
-            return
-        bad, increasing, nonfinite = scan_push(ids, grads, spec.row_start, spec.row_end)
+            return 0.0
+        bad, increasing, nonfinite, grad_max = scan_push_max(ids, grads, spec.row_start,
+                                                             spec.row_end)
         if bad >= 0:
             bad_id = int(ids[bad])
             extra = " (int64 max)" if bad_id == INT64_MAX else ""
@@ -383,6 +388,7 @@ class TableState:
                 f"{what}: gradient of id {int(ids[row])} (row {row}, column {col}) is "
                 f"{float(grads[row, col])}; non-finite gradients are refused"
             )
+        return grad_max
 
     def classify_step(self, step: int, what: str) -> Answer | None:
         """None when `step` is the next one; the saved answer when it was applied before."""
@@ -414,27 +420,34 @@ class TableState:
     # -- the update ------------------------------------------------------------------
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
-              sink: AnswerSink | None = None) -> Answer:
+              sink: AnswerSink | None = None, grad_max: float = math.inf) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
-        written into `sink` too (PushChunk.sink)."""
+        written into `sink` too (PushChunk.sink). `grad_max`: the largest |gradient|
+        (check_rows); a push whose update could overflow float32 is applied checked and
+        refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound)."""
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
+        checked = not self.bound.safe(self.optimizer, count, grad_max)
         try:
             delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count,
-                                       out=out, check_finite=True)
+                                       out=out, check_finite=checked)
         except NonFiniteUpdate as exc:
             raise NonFiniteUpdate(f"push step={step} {self.where}: {exc} (a gradient too "
                                   "large for float32 state); refused, nothing changed") from None
         if self.master is not None:
-            # The master rows change too: computed aside, committed only when finite.
-            old_rows = self.master.index_select(0, local)
+            old_rows = self.master.index_select(0, local) if checked else None
             apply_update_(self.master, local, delta, float(decay))
-            if not bool(torch.isfinite(self.master.index_select(0, local)).all()):
+            if old_rows is not None and not bool(
+                    torch.isfinite(self.master.index_select(0, local)).all()):
                 self.master.index_copy_(0, local, old_rows)
                 undo_rows_()
                 raise NonFiniteUpdate(f"push step={step} {self.where}: the update would make "
                                       "the master rows non-finite; refused, nothing changed")
+        if checked:
+            self.bound.observe(self.m, self.v, self.master, local)
+        else:
+            self.bound.advance(self.optimizer, count, grad_max, float(decay))
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1
@@ -463,6 +476,74 @@ class TableState:
         while len(self.answers) > self.answer_cache_steps:
             self.answers.popitem(last=False)
         return answer
+
+
+class OverflowBound:
+    """Upper bounds on |m|, v and |master| over every row of a table, kept per push in
+    float64 from the push's largest |gradient|, so that almost every push is proven
+    unable to overflow float32 and runs the kernel unchecked (no snapshot, no extra
+    pass). Only a push the bounds cannot clear (a gradient near 1e19 and beyond, absurd
+    lr/eps, state loaded with huge values) runs checked (apply_rows_ check_finite), after
+    which the bounds are re-measured on the rows it touched.
+
+    Why these bounds hold: adam's and adamw's new m and v are convex combinations of the
+    old value and g (resp. g^2), so |m'| <= max(|m|, |g|) and v' <= max(v, g^2), up to a
+    few float32 roundings: ROUNDING per push covers them (it compounds: 2^60 headroom
+    takes ~10^9 pushes to use). |delta| <= |m'| * step_size / eps (the denominator is at
+    least eps), sgd's |delta| = lr |g|; master' = master * decay + delta.
+    """
+
+    LIMIT = 2.0**124  # float32 max is ~2^128: margin for the bounds' own slack
+    ROUNDING = 1.0 + 2.0**-20
+
+    def __init__(self) -> None:
+        self.m = self.v = self.master = 0.0
+
+    def _next(self, spec: OptimizerSpec, step: int, grad_max: float,
+              decay: float | None) -> tuple[float, float, float, float]:
+        r = self.ROUNDING
+        if spec.kind == "sgd":
+            m = v = 0.0
+            delta = grad_max * abs(spec.lr) * r
+            decay = abs(1.0 - spec.lr * spec.weight_decay) if decay is None else abs(decay)
+        else:
+            m = max(self.m, grad_max) * r
+            v = max(self.v, grad_max * grad_max) * r
+            b1, b2 = spec.beta1, spec.beta2
+            if spec.kind == "adam":
+                step_size = spec.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+            else:
+                step_size = spec.lr / (1 - b1**step)
+            delta = m * abs(step_size) / spec.eps * r if spec.eps > 0 else math.inf
+            decay = (abs(1.0 - spec.lr * spec.weight_decay) if decay is None else abs(decay))
+        master = (self.master * max(decay, 1.0) + delta) * r
+        return m, v, delta, master
+
+    def safe(self, spec: OptimizerSpec, step: int, grad_max: float) -> bool:
+        try:
+            return all(x < self.LIMIT for x in self._next(spec, step, grad_max, None))
+        except (OverflowError, ZeroDivisionError):
+            return False
+
+    def advance(self, spec: OptimizerSpec, step: int, grad_max: float, decay: float) -> None:
+        m, v, _, master = self._next(spec, step, grad_max, decay)
+        self.m, self.v = m, v
+        self.master = master
+
+    def observe(self, m: torch.Tensor | None, v: torch.Tensor | None,
+                master: torch.Tensor | None, rows: torch.Tensor | None = None) -> None:
+        """Widen the bounds to cover the values now held in `rows` (all: None)."""
+        def top(t: torch.Tensor | None) -> float:
+            if t is None or t.numel() == 0:
+                return 0.0
+            part = t if rows is None else t.index_select(0, rows)
+            if not part.numel():
+                return 0.0
+            low, high = torch.aminmax(part)  # two scalars: no |t| copy of a whole table
+            return max(-float(low), float(high))
+
+        self.m, self.v = max(self.m, top(m)), max(self.v, top(v))
+        self.master = max(self.master, top(master))
 
 
 class Partition:

@@ -573,6 +573,7 @@ class _Pending:
     what: str
     ids: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
+    grad_max: float = 0.0  # the largest |gradient| of the chunks so far
     tickets: list[TableKey] = field(default_factory=list)  # queue_depth entries it holds
 
     @property
@@ -671,7 +672,8 @@ class SyncSession:
         if chunk.queued:
             chunk.queued = False
             pending.tickets.append(self._key(chunk))
-        pending.table.check_rows(chunk.ids, chunk.grads, what)
+        pending.grad_max = max(pending.grad_max,
+                               pending.table.check_rows(chunk.ids, chunk.grads, what))
         pending.ids.append(chunk.ids)
         pending.grads.append(chunk.grads)
         if pending.next_chunk < n:
@@ -694,7 +696,7 @@ class SyncSession:
             saved = table.classify_step(chunk.step, pending.what)
             sink = chunk.sink if n == 1 else None
             if saved is None:
-                answer = table.apply(chunk.step, ids, grads, sink)
+                answer = table.apply(chunk.step, ids, grads, sink, pending.grad_max)
             elif sink is not None:
                 sink.write(saved.delta)
                 answer = saved

@@ -720,21 +720,48 @@ MULTIVERSION static int64_t first_nonfinite(const float *g, int64_t n) {
     return -1;
 }
 
+/* The same pass, also giving the largest |g| (the bits of a finite float without its sign
+ * grow with its magnitude, so an integer max finds it). */
+MULTIVERSION static int64_t first_nonfinite_max(const float *g, int64_t n, uint32_t *max_bits) {
+    const int64_t block = 4096;
+    uint32_t mx = 0;
+    for (int64_t lo = 0; lo < n; lo += block) {
+        const int64_t hi = lo + block < n ? lo + block : n;
+        uint32_t any = 0;
+        for (int64_t i = lo; i < hi; i++) {
+            uint32_t bits;
+            memcpy(&bits, g + i, sizeof bits);
+            bits &= 0x7fffffffu;
+            any |= (bits & 0x7f800000u) == 0x7f800000u;
+            mx = bits > mx ? bits : mx;
+        }
+        if (any)
+            for (int64_t i = lo; i < hi; i++)
+                if (nonfinite_bit(g, i)) return i;
+    }
+    *max_bits = mx;
+    return -1;
+}
+
 PyDoc_STRVAR(scan_push_doc,
-             "scan_push(ids, n_ids, lo, hi, g, n_elems)\n--\n\n"
+             "scan_push(ids, n_ids, lo, hi, g, n_elems, want_max=0)\n--\n\n"
              "Checks of one push, allocation-free: (first position of an id outside [lo, hi)\n"
              "or -1, whether the ids strictly increase, first non-finite element of the\n"
              "float32 gradients g[:n_elems] or -1). After a bad id the other two are not\n"
-             "computed (False, -1).");
+             "computed (False, -1). want_max: a 4th item, the largest |g| (a float; 0.0\n"
+             "when not computed).");
 
 static PyObject *py_scan_push(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long pids, pg;
     long long n_ids, lo, hi, n_elems;
-    if (!PyArg_ParseTuple(args, "KLLLKL", &pids, &n_ids, &lo, &hi, &pg, &n_elems)) return NULL;
+    int want_max = 0;
+    if (!PyArg_ParseTuple(args, "KLLLKL|i", &pids, &n_ids, &lo, &hi, &pg, &n_elems, &want_max))
+        return NULL;
     const int64_t *ids = PTR(const int64_t *, pids);
     int64_t bad = -1, nonfinite = -1;
     int increasing = 1;
+    uint32_t max_bits = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < n_ids; i++) {
         if (ids[i] < lo || ids[i] >= hi) {
@@ -743,9 +770,17 @@ static PyObject *py_scan_push(PyObject *self, PyObject *args) {
         }
         if (i && ids[i] <= ids[i - 1]) increasing = 0;
     }
-    if (bad < 0 && n_elems > 0) nonfinite = first_nonfinite(PTR(const float *, pg), n_elems);
+    if (bad < 0 && n_elems > 0)
+        nonfinite = want_max ? first_nonfinite_max(PTR(const float *, pg), n_elems, &max_bits)
+                             : first_nonfinite(PTR(const float *, pg), n_elems);
     Py_END_ALLOW_THREADS
     if (bad >= 0) increasing = 0;
+    if (want_max) {
+        float mx;
+        memcpy(&mx, &max_bits, sizeof mx);
+        return Py_BuildValue("(LOLd)", (long long)bad, increasing ? Py_True : Py_False,
+                             (long long)nonfinite, (double)mx);
+    }
     return Py_BuildValue("(LOL)", (long long)bad, increasing ? Py_True : Py_False,
                          (long long)nonfinite);
 }

@@ -132,9 +132,14 @@ def test_an_intact_checkpoint_restores(saved: tuple[Store, Path]) -> None:
     assert {t.name: t.last_step for t in tables} == {"emb": 2, "small": 2}
 
 
-def _flip(path: Path, offset_from_end: int = 200, n: int = 64) -> None:
+def flip_tensor_bytes(path: Path, name: str = "v", n: int = 64) -> None:
+    """Flip n bytes inside tensor `name`'s data of a shard file: same size, the zip
+    still reads (its records are not checksummed on load), only the values change."""
     data = bytearray(path.read_bytes())
-    at = len(data) - offset_from_end
+    tensor = torch.load(path, weights_only=True)["tensors"][name]
+    raw = tensor.contiguous().numpy().tobytes()
+    at = data.find(raw)
+    assert at >= 0 and len(raw) >= n, "tensor bytes not found in the file"
     data[at:at + n] = bytes(b ^ 0x5A for b in data[at:at + n])
     path.write_bytes(bytes(data))
 
@@ -145,7 +150,7 @@ def test_a_damaged_optim_file_is_refused_and_nothing_changes(
     store, directory = saved
     victim = directory / optim_file("small", 1)
     if damage == "flip":  # same size, manifest intact: only the crc32 tells
-        _flip(victim)
+        flip_tensor_bytes(victim)
     elif damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:100])
     elif damage == "missing":
@@ -166,7 +171,7 @@ def test_a_damaged_file_of_another_rank_read_for_a_reshard_is_refused(
     """World 1 re-shards: rank 0 reads both ranks' files; a flip in rank 1's is caught
     before the run's partitions are dropped."""
     store, directory = saved
-    _flip(directory / optim_file("emb", 1))
+    flip_tensor_bytes(directory / optim_file("emb", 1))
     whole = [TableSpec("emb", 20, DIM, 0, 20), TableSpec("small", 5, 2, 0, 5)]
     with pytest.raises(CorruptCheckpoint, match=r"emb\.r00001\.pt"):
         store.register(RUN, 0, 1, 7, whole, ADAM, restore=(str(directory), 2))

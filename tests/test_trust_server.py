@@ -23,6 +23,7 @@ from hybridps.checkpoint import optim_file, step_dir, write_manifest
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
 from tests.grpc_helpers import ADAM, open_channel, push_messages, register, shard_stub, table
 from tests.helpers import REPO, PsServer, start_ps_server
+from tests.test_trust_core import flip_tensor_bytes
 
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
 
@@ -127,9 +128,7 @@ def test_restore_of_a_damaged_checkpoint_is_data_loss_naming_the_file(
             "num_rows": 10, "dim": 4, "shards": [{"rank": 0, "row_start": 0, "row_end": 10,
                                                   "rows": entry, "optim": entry}]}}})
         victim = directory / optim_file("emb", 0)
-        data = bytearray(victim.read_bytes())
-        data[-300:-236] = bytes(b ^ 0xFF for b in data[-300:-236])
-        victim.write_bytes(bytes(data))
+        flip_tensor_bytes(victim, "m")
         request = shard_pb2.RegisterRequest(
             run_id="damaged", rank=0, world_size=1, incarnation=1,
             tables=[table("emb", 10, 4, 0, 10)], optimizer=ADAM,

@@ -139,7 +139,8 @@ def flip_tensor_bytes(path: Path, name: str = "v", n: int = 64) -> None:
     tensor = torch.load(path, weights_only=True)["tensors"][name]
     raw = tensor.contiguous().numpy().tobytes()
     at = data.find(raw)
-    assert at >= 0 and len(raw) >= n, "tensor bytes not found in the file"
+    assert at >= 0, "tensor bytes not found in the file"
+    n = min(n, len(raw))
     data[at:at + n] = bytes(b ^ 0x5A for b in data[at:at + n])
     path.write_bytes(bytes(data))
 

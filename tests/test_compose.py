@@ -124,7 +124,7 @@ class ComposeRun:
         self.ps_svc, self.worker_svc = spec["services"]["ps"], spec["services"]["worker"]
         self.tmp = tmp_path
         self.volume = tmp_path / "volume"
-        self.volume.mkdir()
+        self.volume.mkdir(parents=True)
         self.base = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
         self.base.update(PYTHONUNBUFFERED="1")
         self.ps: subprocess.Popen[bytes] | None = None

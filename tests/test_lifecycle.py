@@ -320,3 +320,25 @@ def test_exit_process_keeps_the_code_and_flushes_what_was_written() -> None:
     assert done.returncode == 3
     assert done.stdout == "buffered, no newline"
     assert "logged before the exit" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_an_aborted_finish_reports_the_step_reached(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed after pushing step 6 of 40 (no restarts): rank 0 fails in its
+    next collective and sends Finish(aborted) with the last step it pushed, not 39."""
+    server: PsServer = start_ps_server(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYBRIDPS_FAULT_KILL="1:6")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", MAIN, "--ps", server.address,
+           "--run-id", "aborted-step", "--num-rows", "2000", "--batch-size", "32", "--dim", "8",
+           "--steps", "40", "--progress", "false"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=240, check=False)
+        assert proc.returncode != 0
+        finishes = re.findall(r"event=finish run=aborted-step rank=0 last_step=(-?\d+) "
+                              r"aborted=True", server.stderr())
+        assert len(finishes) == 1, proc.stderr[-3000:] + server.stderr()[-3000:]
+        assert 6 <= int(finishes[0]) <= 8, finishes  # the step it reached, not 39
+    finally:
+        server.terminate()

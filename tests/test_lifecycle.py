@@ -259,7 +259,9 @@ def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> None:
-    server: PsServer = start_ps_server(tmp_path, "--exit-after-run")
+    # Both ranks abort: the run is over once none registers again within --abort-grace-s
+    # (torchrun might be restarting them); 2 s here instead of the restart window.
+    server: PsServer = start_ps_server(tmp_path, "--exit-after-run", "--abort-grace-s", "2")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", MAIN, "--ps", server.address,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridps.errors import Conflict, InvalidArgument, NotRegistered, StaleIncarnation
+from hybridps.names import describe_problem
 
 if TYPE_CHECKING:
     from ps.store import Store
@@ -215,6 +216,9 @@ def check_finish(store: Store, run_id: str, rank: int, incarnation: int, last_st
     of the partition has applied `last_step`.
     """
     what = f"finish run={run_id!r} rank={rank}"
+    problem = describe_problem("run_id", run_id)
+    if problem is not None:
+        raise InvalidArgument(f"finish: {problem}")
     if last_step < -1:
         raise InvalidArgument(f"{what}: last_step={last_step} must be >= -1")
     part = store.partition(run_id, rank)

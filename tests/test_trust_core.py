@@ -46,9 +46,13 @@ def test_bad_run_ids_and_table_names_are_refused_naming_them(name: str) -> None:
         store.register(RUN, 0, 1, 0, [TableSpec(name, 20, DIM, 0, 20)], ADAM)
     assert repr(name)[:40] in str(info.value)
     assert store.partitions() == []
+    from ps.lifecycle import check_finish
+
     for call in (lambda: feed(store, push(0, [1], run=name)),
                  lambda: store.flush_status(name, 0, 0),
-                 lambda: store.checkpoint(name, [], 0, "ck")):
+                 lambda: store.checkpoint(name, [], 0, "ck"),
+                 lambda: check_finish(store, name, 0, 0, -1, True),
+                 lambda: store.drop_run(name, "test")):
         with pytest.raises(InvalidArgument, match="run_id"):
             call()
 

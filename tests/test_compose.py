@@ -186,6 +186,7 @@ class ComposeRun:
             self.ps.wait()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_compose_services_train_to_the_end_and_both_exit_0(tmp_path: Path) -> None:
     stack = ComposeRun(tmp_path, {"HYBRIDPS_STEPS": "30", "HYBRIDPS_CHECKPOINT_EVERY": "15"})
@@ -216,6 +217,8 @@ def test_compose_services_train_to_the_end_and_both_exit_0(tmp_path: Path) -> No
         stack.close()
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compose_stack_survives_a_rank_crash(tmp_path: Path) -> None:
     """Issue 23 item 4: rank 1 is SIGKILLed after step 12; torchrun restarts the group,
@@ -249,6 +252,7 @@ def test_compose_stack_survives_a_rank_crash(tmp_path: Path) -> None:
             assert torch.equal(a[part][key], b[part][key]), f"{part} {key} differs"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_compose_stop_ends_the_worker_without_a_traceback(tmp_path: Path) -> None:
     """`docker compose stop` = SIGTERM to the worker container's command (worker.launch):
@@ -291,6 +295,7 @@ def _compose_tool() -> list[str] | None:
     return None
 
 
+@pytest.mark.e2e
 def test_docker_compose_config_is_valid(tmp_path: Path) -> None:
     tool = _compose_tool()
     if tool is None:

@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fault_campaign_quick(tmp_path: Path) -> None:

@@ -36,6 +36,8 @@ NAMES = st.one_of(st.sampled_from(["emb", "fuzz", "", "..", "../x", "a/b", "x" *
                   st.text(max_size=40))
 RUNS = NAMES.filter(lambda r: r != HEALTHY)
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:

@@ -31,6 +31,8 @@ from tests.helpers import PsServer
 from tests.test_checkpoint import assert_states, run
 from tests.test_trust_core import flip_tensor_bytes
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def ckpts(server: PsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

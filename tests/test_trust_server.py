@@ -27,6 +27,8 @@ from tests.test_trust_core import flip_tensor_bytes
 
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:

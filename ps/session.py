@@ -7,17 +7,26 @@ import collections
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from hybridps.errors import InvalidArgument, ShardError
 from ps.partition import Answer, Partition, PushChunk, TableState, first_duplicate
 
-if TYPE_CHECKING:
-    from ps.store import Store
-
 TableKey = tuple[str, int, str]  # (run_id, rank, table)
+
+
+class Store(Protocol):
+    """What a session needs of ps.store.Store (a protocol: no import cycle)."""
+
+    def resolve(self, run_id: str, rank: int, incarnation: int, table: str,
+                what: str) -> tuple[Partition, TableState]: ...
+
+    def record_refusal(self, reason: str, run_id: str = "", rank: int | None = None,
+                       table: str = "") -> None: ...
+
+    def _queue_add(self, key: TableKey, n: int) -> None: ...
 
 
 @dataclass

@@ -72,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(cfg, ctx)  # task, sharded tables, FSDP dense, server connection
         if trainer.start_step >= trainer.steps:  # resumed at (or past) the last step
             trainer.train()  # no step: applies the checkpoint's pending updates, Flush
-            if cfg.dump_state:
-                trainer.dump_state(cfg.dump_state)
+            if cfg.output.dump_state:
+                trainer.dump_state(cfg.output.dump_state)
             if rank == 0:
                 print(f"hybridps worker: the checkpoint resumed is of step "
                       f"{trainer.start_step - 1}, the run's last step is {trainer.steps - 1}: "

@@ -209,7 +209,8 @@ class TrainConfig:
         "touches are then the same for any table size (bench_train.py's growth runs)", "N"))
     # --- real workloads: --task kge | dlrm (worker/tasks/kge.py, dlrm.py) --------
     data_dir: str = field(default="", metadata=_h(
-        "kge: dataset directory with train.txt (+ valid.txt, test.txt)", "DIR"))
+        "kge: dataset directory with train.txt (+ valid.txt, test.txt), or the name of a "
+        "set shipped with hybridps: umls | kinship (hybridps/data/README.md)", "DIR|NAME"))
     model: str = field(default="distmult", metadata=_h(
         "kge: scoring model, one of " + " | ".join(KGE_MODELS), "NAME"))
     training: str = field(default="kvsall", metadata=_h(
@@ -299,7 +300,8 @@ class TrainConfig:
         if self.tables:
             parse_table_list(self.tables)
         if self.task == "kge" and not self.data_dir:
-            raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt)")
+            raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt) "
+                             "or a shipped set: --data-dir umls | kinship")
         self._at_least("max_chunk_bytes", self.max_chunk_bytes, MIN_CHUNK_BYTES)
         for name in ("lr", "dense_lr", "weight_decay", "init_std"):
             value = getattr(self, name)

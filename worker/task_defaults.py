@@ -2,7 +2,7 @@
 
 A flag or HYBRIDPS_* variable always wins; then the task's default below; then the
 TrainConfig default. `--task kge` thus trains with the dicee settings of
-/work/shared/data/README.md (Adam lr 0.1 on entities and relations, N(0, 1) init, global
+hybridps/data/README.md (Adam lr 0.1 on entities and relations, N(0, 1) init, global
 batch 1024 on 2 ranks) and `--task dlrm` with settings that reach the planted model's AUC on
 the synthetic generator in a few minutes on 2 CPU ranks.
 """

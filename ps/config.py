@@ -68,8 +68,9 @@ class ServerConfig:
         "help": "stop gracefully (exit 0) once the first run is over: every rank registered "
                 "here sent Finish (or one aborted and no stream of the run is left open)"})
     run_idle_timeout_s: float = field(default=120.0, metadata={
-        "help": "with --exit-after-run: a run whose Sync streams all stayed closed this long "
-                "without every rank finishing counts as over (0: never)"})
+        "help": "a run whose Sync streams all stayed closed this long without every rank "
+                "finishing is abandoned: over with --exit-after-run, state 'abandoned' in "
+                "the stats (0: never)"})
     # --- security (docs/deploy.md) ----------------------------------------------------
     auth_token_file: str = field(default="", metadata={
         "help": "file with the shared token every RPC must carry (else env "

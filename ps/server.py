@@ -171,7 +171,9 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
     server = grpc.aio.server(interceptors=[interceptor], options=server_options(
         config.max_message_bytes, keepalive_time_ms=config.keepalive_time_ms,
         keepalive_timeout_ms=config.keepalive_timeout_ms))
-    shard = ShardServicer(core, config.max_message_bytes, tracker=RunTracker(run_over),
+    tracker = RunTracker(run_over)
+    store.run_state = lambda run_id: tracker.state(run_id, config.run_idle_timeout_s)
+    shard = ShardServicer(core, config.max_message_bytes, tracker=tracker,
                           stop_when_run_over=config.exit_after_run,
                           run_idle_timeout_s=config.run_idle_timeout_s,
                           shm_arenas=ArenaRegistry() if config.shm else None)

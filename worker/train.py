@@ -271,9 +271,7 @@ class Trainer:
         """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
         if self.cfg.local_optimizer:
             return None, ""
-        from google.protobuf import json_format
-
-        from hybridps.admin import format_shard_stats, get_shard_stats
+        from hybridps.admin import format_shard_stats, get_shard_stats, message_dict
 
         try:
             stats = get_shard_stats(self.cfg.ps_address, timeout=self.cfg.ps_timeout,
@@ -282,9 +280,7 @@ class Trainer:
                                               if isinstance(self.source, ShardClient) else None))
         except Exception as exc:  # stats are a report, not a reason to fail the run
             return None, f"(shard stats unavailable: {exc})"
-        as_dict = json_format.MessageToDict(stats, preserving_proto_field_name=True,
-                                            always_print_fields_with_no_presence=True)
-        return as_dict, format_shard_stats(stats)
+        return message_dict(stats), format_shard_stats(stats)
 
     def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
                 wall_s: float) -> dict[str, Any]:

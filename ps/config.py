@@ -63,6 +63,10 @@ class ServerConfig:
         "help": "close a connection whose keepalive ping is unanswered this long"})
     server_id: str = field(default="", metadata={"help": "id reported to clients (default: "
                                                          "host-pid-random)"})
+    metrics_port: int = field(default=-1, metadata={
+        "help": "serve Prometheus metrics at http://HOST:PORT/metrics on the --host address "
+                "(ps/metrics.py; no token, no TLS): -1 off, 0 a free port (printed and "
+                "logged)"})
     # --- lifecycle ------------------------------------------------------------------
     exit_after_run: bool = field(default=False, metadata={
         "help": "stop gracefully (exit 0) once the first run is over: every rank registered "
@@ -91,6 +95,11 @@ class ServerConfig:
             raise ValueError("--host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} must be in [0, 65535]")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} must be in [0, 65535] "
+                             "(-1: off)")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is the gRPC --port")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"--max-message-bytes {self.max_message_bytes} must be >= "
                              f"{MIN_MESSAGE_BYTES}")

@@ -9,6 +9,7 @@ stay torch-free so that bad flags fail fast).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py
 KGE_MODELS = ("distmult", "complex", "keci", "qmult")
 KGE_TRAINING = ("kvsall", "negsample")
 MIN_CHUNK_BYTES = 64 * 1024
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = ("AUTO", "DEBUG", "INFO", "WARNING", "ERROR")  # hybridps/logs.py
 
 _HOST_PORT = re.compile(
     r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d+)$")
@@ -131,8 +132,10 @@ class TrainConfig:
     tls_key: str = field(default="", metadata=_h("PEM private key of --tls-cert", "PATH"))
     tls_server_name: str = field(default="", metadata=_h(
         "name to verify in the server's certificate (default: the --ps host)", "NAME"))
-    log_level: str = field(default="INFO", metadata=_h(
-        "DEBUG | INFO | WARNING | ERROR (one `rank=R event=...` line per event)", "LEVEL"))
+    log_level: str = field(default="auto", metadata=_h(
+        "auto | DEBUG | INFO | WARNING | ERROR (one `rank=R event=...` line per event). auto: "
+        "on a terminal rank 0 logs INFO without the per-connection detail and the other "
+        "ranks WARNING; elsewhere (a file, a pipe) every rank logs INFO", "LEVEL"))
     plan: bool = field(default=False, metadata=_h(
         "print the memory/traffic plan for these flags and exit (1 if it cannot fit)", "BOOL"))
     device_memory_gb: float = field(default=0.0, metadata=_h(
@@ -229,10 +232,16 @@ class TrainConfig:
     log_every: int = field(default=10, metadata=_h(
         "steps between cross-rank loss reductions / progress updates", "N"))
     eval_batches: int = field(default=4, metadata=_h(
-        "held-out global batches evaluated at the end (0: none)", "N"))
-    eval_every: int = field(default=0, metadata=_h(
-        "steps between evaluations shown in the progress bar (0: only at the end)", "N"))
-    results: str = field(default="", metadata=_h("write a JSON summary here (rank 0)", "PATH"))
+        "held-out global batches per evaluation (0: none)", "N"))
+    eval_every: int = field(default=100, metadata=_h(
+        "steps between evaluations (the progress bar, the plot's eval curve, --tensorboard; "
+        "each costs about --eval-batches forward passes); 0: only at the end", "N"))
+    results: str = field(default="", metadata=_h(
+        "write a JSON summary here (rank 0), and the plot next to it (.png)", "PATH"))
+    tensorboard: str = field(default="", metadata=_h(
+        "rank 0 writes TensorBoard scalars (loss, eval metrics, samples/s, staleness, step-time "
+        "breakdown) under DIR/<run id>/ (worker/tensorboard_log.py); needs the tensorboard "
+        "package: pip install 'hybridps[tensorboard]'", "DIR"))
     dump_state: str = field(default="", metadata=_h(
         "write final full tables + dense state_dict here (torch.save; for tests)", "PATH"))
     progress: bool = field(default=True, metadata=_h("tqdm progress bar on rank 0", "BOOL"))
@@ -333,6 +342,9 @@ class TrainConfig:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         if not self.task or (":" not in self.task and not self.task.isidentifier()):
             raise ValueError(f"task={self.task!r} is not a task name or module.path:ClassName")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(f"tensorboard={self.tensorboard!r} needs the tensorboard package, "
+                             "which is not installed: pip install 'hybridps[tensorboard]'")
         check_dense_options(self)
 
     @staticmethod

@@ -29,6 +29,7 @@ from torch import nn
 
 from worker.config import TrainConfig, parse_table_list
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
+from worker.tasks.click_eval import planted_click_metrics
 from worker.tasks.synthetic import Scatter, zipf_ranks
 
 NUM_DENSE = 4
@@ -96,6 +97,11 @@ class TablesTask(Task):
         return {"loss": F.binary_cross_entropy_with_logits(logit_B, label_B),
                 "planted_loss": F.binary_cross_entropy_with_logits(
                     batch.values["planted_logit"], label_B)}
+
+    def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
+                      quick: bool = False) -> dict[str, float]:
+        """Exact AUC and the planted model's loss/AUC over all ranks (click_eval.py)."""
+        return planted_click_metrics(self, model, self.cfg.eval_batches, quick)
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "pool": {n: p for n, _, p in self.specs},

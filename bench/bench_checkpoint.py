@@ -42,7 +42,8 @@ GIB = 2**30
 def _run(args: list[str], results: Path, log_path: Path) -> dict[str, Any]:
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
            "--nproc_per_node", str(WORLD), str(REPO / "worker" / "main.py"), *args,
-           "--progress", "false", "--eval-batches", "1", "--results", str(results)]
+           "--progress", "false", "--eval-batches", "1", "--eval-every", "0",
+           "--results", str(results)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()

@@ -225,8 +225,8 @@ def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
                "--nproc_per_node", str(WORLD), str(REPO / "worker" / "main.py"), *source,
                "--staleness", "1", "--steps", str(steps), "--progress", "false",
-               "--eval-batches", "1", "--log-every", "50", "--results", str(results),
-               *worker_args]
+               "--eval-batches", "1", "--eval-every", "0", "--log-every", "50",
+               "--results", str(results), *worker_args]  # eval only at the end: as the loop
         env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         t0 = time.perf_counter()

@@ -50,8 +50,8 @@ def test_synthetic_figure_has_curves_reference_lines_and_plain_linear_axes() -> 
     assert set(loss["planted model loss 0.4822"].get_ydata()) == {0.4822}  # horizontal
     assert loss_ax.get_ylabel() == "loss"
     metric = lines_by_label(metric_ax)
-    assert set(metric) == {"auc", "planted model AUC 0.8488"}
-    assert list(metric["auc"].get_ydata()) == [0.70, 0.76, 0.79]
+    assert set(metric) == {"held-out AUC", "planted model AUC 0.8488"}
+    assert list(metric["held-out AUC"].get_ydata()) == [0.70, 0.76, 0.79]
     assert metric_ax.get_ylabel() == "AUC" and metric_ax.get_xlabel() == "step"
     assert loss_ax.get_title() == "hybridps synthetic — auc 0.7900"
     assert loss_ax.get_legend() is not None and metric_ax.get_legend() is not None

@@ -123,7 +123,8 @@ def _metric_panel(ax: Axes, results: Mapping[str, Any], keys: Sequence[str]) -> 
     for i, key in enumerate(keys[:len(METRIC_COLORS)]):
         xy = [(s, m[key]) for s, m in points if key in m]
         ax.plot([s for s, _ in xy], [v for _, v in xy], color=METRIC_COLORS[i], marker="o",
-                markersize=3.5, linewidth=1.2, label=key.replace("_", " "))
+                markersize=3.5, linewidth=1.2,
+                label="held-out AUC" if key == "auc" else key.replace("_", " "))
     final = results.get("eval") or {}
     if "planted_auc" in final:
         ax.axhline(final["planted_auc"], color=PLANTED_COLOR, linestyle="--", linewidth=1.2,

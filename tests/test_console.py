@@ -125,7 +125,8 @@ def test_pipes_keep_every_ranks_info_lines(tmp_path: Path, ps_server: str) -> No
 
 
 def test_bar_fields_and_checkpoint_summary_lines() -> None:
-    fields = bar_postfix(0.51234, {"loss": 0.5, "auc": 0.75}, 1234.5, 1, 0.5, 0)
+    fields = bar_postfix(0.51234, {"loss": 0.5, "auc": 0.75, "planted_auc": 0.8}, 1234.5, 1,
+                         0.5, 0)
     assert list(fields) == ["loss", "eval_loss", "auc", "sps", "stale", "lag", "waits"]
     assert fields["loss"] == "0.5123" and fields["eval_loss"] == "0.5000"
     written = [{"step": s, "path": f"ck/step-{s}", "bytes": 3 << 20, "seconds": 0.5}

@@ -32,9 +32,11 @@ def route_logs_around(bar: tqdm) -> contextlib.AbstractContextManager[Any]:
 def bar_postfix(loss: float, evals: Mapping[str, float], samples_per_s: float, stale: int,
                 lag: float, waits: int) -> dict[str, str]:
     """The bar's fields: the train loss first, then the latest eval metrics (`eval_loss` when
-    a metric shares a name with a bar field), speed and staleness."""
+    a metric shares a name with a bar field; the planted model's, a constant, left out),
+    speed and staleness."""
     out = {"loss": f"{loss:.4f}"}
-    out.update({(f"eval_{k}" if k in BAR_KEYS else k): f"{v:.4f}" for k, v in evals.items()})
+    out.update({(f"eval_{k}" if k in BAR_KEYS else k): f"{v:.4f}" for k, v in evals.items()
+                if not k.startswith("planted")})
     out.update(sps=f"{samples_per_s:.0f}", stale=str(stale), lag=f"{lag:.2f}",
                waits=str(waits))
     return out

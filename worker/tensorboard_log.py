@@ -32,7 +32,8 @@ INSTALL_HINT = "pip install 'hybridps[tensorboard]' (or: pip install tensorboard
 class TensorBoardLog:
     """The SummaryWriter of rank 0 and what the training loop hands it."""
 
-    def __init__(self, directory: str, run_id: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, directory: str, run_id: str, config: Mapping[str, Any],
+                 start_step: int = 0) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # checked by TrainConfig already; a clear line anyway
@@ -42,7 +43,7 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=str(self.path))
         self.writer.add_text("config", "```\n" + json.dumps(dict(config), indent=1,
                                                            default=str) + "\n```")
-        self._last_step = 0
+        self._last_step = start_step  # a resumed run's first window starts there
         self._last_times: dict[str, float] = {}
 
     def train(self, step: int, loss: float, samples_per_s: float, staleness: Mapping[str, Any],

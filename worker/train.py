@@ -148,8 +148,8 @@ class Trainer:
         self.loss_curve: list[tuple[int, float]] = []
         self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
         self.console = ExitStack()  # rank 0's log redirect around the progress bar
-        self.tb = (TensorBoardLog(cfg.tensorboard, self.run_id, dataclasses.asdict(cfg))
-                   if cfg.tensorboard and self.is_main else None)
+        self.tb = (TensorBoardLog(cfg.tensorboard, self.run_id, dataclasses.asdict(cfg),
+                                  self.start_step) if cfg.tensorboard and self.is_main else None)
         self.setup_s = time.perf_counter() - t0
         self.train_s = 0.0
         if self.is_main:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.config import TrainConfig, parse_table_list
+from worker.metrics import batch_roc_auc
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
-from worker.tasks.click_eval import planted_click_metrics
 from worker.tasks.synthetic import Scatter, zipf_ranks
 
 NUM_DENSE = 4
@@ -94,14 +94,11 @@ class TablesTask(Task):
 
     def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
         logit_B, label_B = self.forward(model, batch), batch.values["label"]
+        planted_B = batch.values["planted_logit"]
         return {"loss": F.binary_cross_entropy_with_logits(logit_B, label_B),
-                "planted_loss": F.binary_cross_entropy_with_logits(
-                    batch.values["planted_logit"], label_B)}
-
-    def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
-                      quick: bool = False) -> dict[str, float]:
-        """Exact AUC and the planted model's loss/AUC over all ranks (click_eval.py)."""
-        return planted_click_metrics(self, model, self.cfg.eval_batches, quick)
+                "planted_loss": F.binary_cross_entropy_with_logits(planted_B, label_B),
+                "auc": batch_roc_auc(logit_B, label_B),
+                "planted_auc": batch_roc_auc(planted_B, label_B)}
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "pool": {n: p for n, _, p in self.specs},

@@ -27,6 +27,8 @@ from ps.lifecycle import RunTracker
 from tests.grpc_helpers import open_channel, push_messages, register, shard_stub, sync, table
 from tests.helpers import REPO, start_ps_server
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 DIM = 8
 ROWS = 100  # rank 0 owns [0, 50), rank 1 owns [50, 100)
 

@@ -52,8 +52,8 @@ def test_an_existing_directory_wins_over_a_shipped_name(tmp_path: Path,
 
 
 def test_kge_config_accepts_a_shipped_name() -> None:
-    cfg = TrainConfig(local_optimizer=True, task="kge", data_dir="kinship")
-    assert cfg.data_dir == "kinship"
+    cfg = TrainConfig.of(local_optimizer=True, task="kge", data_dir="kinship")
+    assert cfg.kge.data_dir == "kinship"
 
 
 def test_package_data_declares_every_shipped_file() -> None:

@@ -59,5 +59,5 @@ def test_the_flag_says_what_to_install_when_tensorboard_is_missing(
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ValueError, match=r"needs the tensorboard package.*"
                                          r"pip install 'hybridps\[tensorboard\]'"):
-        TrainConfig(local_optimizer=True, tensorboard="runs/tb")
-    assert TrainConfig(local_optimizer=True).tensorboard == ""  # off by default
+        TrainConfig.of(local_optimizer=True, tensorboard="runs/tb")
+    assert TrainConfig.of(local_optimizer=True).output.tensorboard == ""  # off by default

@@ -78,6 +78,7 @@ def screen_lines(output: str) -> list[str]:
     return [segment.split("\r")[-1] for segment in output.split("\n")]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_terminal_shows_phases_bar_and_checkpoints_without_interleaving(
         tmp_path: Path, ps_server: str) -> None:
@@ -112,6 +113,7 @@ def test_a_terminal_shows_phases_bar_and_checkpoints_without_interleaving(
         assert w["bytes"] == sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_pipes_keep_every_ranks_info_lines(tmp_path: Path, ps_server: str) -> None:
     """Off a terminal (a log file, CI, a container) `auto` keeps the complete record."""

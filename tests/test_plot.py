@@ -83,6 +83,7 @@ def test_png_is_written(tmp_path: Path) -> None:
     assert plot_path(tmp_path / "run.json") == str(tmp_path / "run.png")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_a_default_run_writes_an_eval_curve_and_its_plot(tmp_path: Path) -> None:
     """No --eval-every given: evaluations every 100 steps feed the curve and the plot."""

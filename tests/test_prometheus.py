@@ -52,6 +52,7 @@ def part(run: str, rank: int, tab: str, **extra: str) -> tuple[tuple[str, str], 
     return tuple(sorted({"run": run, "rank": str(rank), "table": tab, **extra}.items()))
 
 
+@pytest.mark.e2e
 def test_scrape_of_a_live_server_shows_counters_that_move(tmp_path: Path) -> None:
     with start_ps_server(tmp_path, "--metrics-port", "0") as server:
         url = metrics_url(server.stdout_path)

@@ -18,6 +18,7 @@ from worker.config import TrainConfig
 SMALL = ["--num-rows", "2000", "--batch-size", "32", "--dim", "8", "--progress", "false"]
 
 
+@pytest.mark.e2e
 def test_a_short_run_writes_scalars_tensorboard_reads_back(tmp_path: Path) -> None:
     results = tmp_path / "run.json"
     cmd = [sys.executable, str(REPO / "worker" / "main.py"), "--local-optimizer", *SMALL,

@@ -97,7 +97,8 @@ class ServerConfig:
         "here sent Finish (or one aborted and no stream of the run is left open)", LIFECYCLE)
     run_idle_timeout_s: float = _s(
         120.0, "a run whose Sync streams all stayed closed this long without every rank "
-        "finishing counts as over (abandoned; 0: never)", LIFECYCLE, "SEC")
+        "finishing is abandoned: over with --exit-after-run, state 'abandoned' in the stats "
+        "(0: never)", LIFECYCLE, "SEC")
     abort_grace_s: float = _s(
         DEFAULT_ABORT_GRACE_S, "a run one of whose ranks sent Finish(aborted) is over only "
         "once no rank of it has had a Sync stream open nor registered again for this long: "
@@ -144,12 +145,21 @@ class ServerConfig:
     server_id: str = _s("", "id reported to clients (default: host-pid-random)", LOGS, "ID")
     rate_window_s: float = _s(DEFAULT_RATE_WINDOW_S, "window of the rows/s statistic", LOGS,
                               "SEC")
+    metrics_port: int = _s(
+        -1, "serve Prometheus metrics at http://HOST:PORT/metrics on the --host address "
+        "(ps/metrics.py; no token, no TLS): -1 off, 0 a free port (printed and logged)", LOGS,
+        "PORT")
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("--host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} must be in [0, 65535]")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} must be in [0, 65535] "
+                             "(-1: off)")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is the gRPC --port")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"--max-message-bytes {self.max_message_bytes} must be >= "
                              f"{MIN_MESSAGE_BYTES}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +29,9 @@ class Store(Protocol):
                        table: str = "") -> None: ...
 
     def _queue_add(self, key: TableKey, n: int) -> None: ...
+
+    # (run_id, rank, table, seconds) of every answered push (ps/metrics.py), or None
+    push_observer: Callable[[str, int, str, float], None] | None
 
 
 @dataclass
@@ -63,6 +68,7 @@ class SyncSession:
         # (and may still be running when a cancelled stream closes): guard the counts.
         self._count_lock = threading.Lock()
         self._counted: collections.Counter[TableKey] = collections.Counter()
+        self._arrived: dict[tuple[str, int, int, int, str], float] = {}  # push -> arrival
         self._closed = False
 
     @staticmethod
@@ -77,6 +83,8 @@ class SyncSession:
                     return
                 self._counted[key] += 1
                 self._store._queue_add(key, 1)
+                if self._store.push_observer is not None:
+                    self._arrived[chunk.identity] = time.perf_counter()
             chunk.queued = True
 
     def _finish(self, key: TableKey) -> None:
@@ -93,6 +101,7 @@ class SyncSession:
         try:
             return self._feed(chunk)
         except Exception as exc:
+            self._arrived.pop(chunk.identity, None)
             pending, self._pending = self._pending, None
             if pending is not None:
                 for key in pending.tickets:
@@ -173,6 +182,10 @@ class SyncSession:
         self._pending = None
         for key in pending.tickets:
             self._finish(key)
+        arrived = self._arrived.pop(chunk.identity, None)
+        observer = self._store.push_observer
+        if arrived is not None and observer is not None:
+            observer(chunk.run_id, chunk.rank, chunk.table, time.perf_counter() - arrived)
         return answer
 
     def close(self) -> None:
@@ -183,3 +196,4 @@ class SyncSession:
                 if n > 0:
                     self._store._queue_add(key, -n)
             self._counted.clear()
+            self._arrived.clear()

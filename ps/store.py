@@ -99,6 +99,7 @@ class PartitionStatsRow:
     optimizer: str
     master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
     row_dtype: str = "fp32"
+    run_state: str = ""  # active | finished | aborted | abandoned (Store.run_state); '' unknown
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,12 @@ class Store:
         self.budget = StateBudget(max_state_bytes)
         self.runs_freed = 0
         self.partitions_freed = 0
+        # run_id -> its state for the stats; the server sets it to its RunTracker's view
+        # (ps/lifecycle.py), which follows Sync streams and Finish calls.
+        self.run_state: Callable[[str], str] = lambda run_id: ""
+        # (run_id, rank, table, seconds) of every answered push, from its first chunk's
+        # arrival to its answer (ps/metrics.py's latency histogram); None: not measured.
+        self.push_observer: Callable[[str, int, str, float], None] | None = None
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -527,6 +534,7 @@ class Store:
         for p in parts:
             for t in p.tables.values():
                 newest[p.run_id] = max(newest.get(p.run_id, -1), t.last_step)
+        states = {run: self.run_state(run) for run in newest}
         rows: list[PartitionStatsRow] = []
         for p in parts:
             opt = optimizer_description(p.optimizer)
@@ -542,6 +550,7 @@ class Store:
                     queue_depth=queued.get((p.run_id, p.rank, name), 0),
                     refusals=dict(t.refusals), optimizer=opt,
                     master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
+                    run_state=states[p.run_id],
                 ))
         return ServerStats(
             server_id=self.server_id,

@@ -104,12 +104,6 @@ def _refusals(counts: Mapping[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in items) if items else "-"
 
 
-def _runs(stats: admin_pb2.ShardStats) -> str:
-    return ", ".join(f"{r.run_id}={r.state}" + (f" (freed in {r.freed_in_s:.0f}s)"
-                                                 if r.freed_in_s >= 0 else "")
-                     for r in stats.runs) or "-"
-
-
 
 
 def _duration(seconds: float) -> str:
@@ -215,8 +209,8 @@ def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
         f"{_mb(stats.master_bytes_total)} MB  pushes "
         f"{stats.pushes_applied_total}  rows updated {stats.rows_updated_total}",
         f"refusals: {_refusals(stats.refusals)}",
-        f"runs: {_runs(stats)}  freed {stats.runs_freed} runs "
-        f"({stats.partitions_freed} partitions)",
+        f"runs freed {stats.runs_freed} ({stats.partitions_freed} partitions); each run's "
+        "state and when it is freed: --json (runs)",
     ]
     if not stats.partitions:
         lines.append("(no partitions registered)")

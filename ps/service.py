@@ -16,14 +16,17 @@ from typing import Any
 import grpc
 
 from hybridps import wire
+from hybridps.errors import InvalidArgument, NotFound
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.arena_server import ArenaRegistry
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker, check_finish
+from ps.maintenance import RunReaper
 from ps.partition import PushChunk
 from ps.status import SHUTTING_DOWN, abort_with
-from ps.store import kv
+from ps.store import check_run_id, kv
 from ps.sync_codec import (
+    add_run_stats,
     decode_request,
     encode_response,
     optimizer_args,
@@ -90,7 +93,11 @@ def add_shard_service(servicer: ShardServicer, server: grpc.aio.Server) -> None:
 
 def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float:
     """The request's timeout (0: server default), cut to end shortly before the
-    client's deadline, so the client gets our message rather than DEADLINE_EXCEEDED."""
+    client's deadline, so the client gets our message rather than DEADLINE_EXCEEDED.
+    InvalidArgument unless it is finite and >= 0."""
+    if not 0 <= requested_s < float("inf"):
+        raise InvalidArgument(f"timeout_s={requested_s} must be finite and >= 0 (0: the "
+                              "server's default)")
     remaining = context.time_remaining()
     if remaining is not None and (requested_s == 0 or remaining < requested_s):
         return max(remaining * 0.95, 1e-3)
@@ -237,8 +244,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def Flush(self, request: shard_pb2.FlushRequest,
                     context: grpc.aio.ServicerContext) -> shard_pb2.FlushResponse:
-        timeout = wait_timeout(request.timeout_s, context)
         try:
+            timeout = wait_timeout(request.timeout_s, context)
             applied = await self.core.flush(request.run_id, request.rank, request.step,
                                             timeout)
         except Exception as exc:
@@ -252,8 +259,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def Checkpoint(self, request: shard_pb2.CheckpointRequest,
                          context: grpc.aio.ServicerContext) -> shard_pb2.CheckpointResponse:
-        timeout = wait_timeout(request.timeout_s, context)
         try:
+            timeout = wait_timeout(request.timeout_s, context)
             saved = await self.core.checkpoint(request.run_id, list(request.ranks),
                                                request.step, request.directory, timeout)
         except Exception as exc:
@@ -291,9 +298,28 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(self, core: ShardCore,
-                 request_stop: Callable[[str, float], None] | None = None) -> None:
+                 request_stop: Callable[[str, float], None] | None = None,
+                 reaper: RunReaper | None = None) -> None:
         self.core = core
         self.request_stop = request_stop
+        self.reaper = reaper  # runs' retention and DropRun (ps/maintenance.py)
+
+    async def DropRun(self, request: admin_pb2.DropRunRequest,
+                      context: grpc.aio.ServicerContext) -> admin_pb2.DropRunResponse:
+        """Reached only with the admin token (ps/auth.py)."""
+        try:
+            if self.reaper is None:
+                raise InvalidArgument("this server cannot drop runs")
+            why = f"admin DropRun from {context.peer()}" + (
+                f": {request.reason}" if request.reason else "")
+            partitions, freed = self.reaper.drop(request.run_id, why)
+            if not partitions:
+                raise NotFound(f"drop run: run {request.run_id!r} holds no partition on this "
+                               "server")
+        except Exception as exc:
+            await abort_with(context, "DropRun", exc, run=request.run_id)
+            raise
+        return admin_pb2.DropRunResponse(partitions_freed=partitions, state_bytes_freed=freed)
 
     async def Shutdown(self, request: admin_pb2.ShutdownRequest,
                        context: grpc.aio.ServicerContext) -> admin_pb2.ShutdownResponse:
@@ -313,7 +339,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def GetShardStats(self, request: admin_pb2.ShardStatsRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.ShardStats:
         try:
-            return stats_message(self.core.stats(request.run_id))
+            if request.run_id:
+                check_run_id(request.run_id, "stats")
+            msg = stats_message(self.core.stats(request.run_id))
+            if self.reaper is not None:
+                add_run_stats(msg, self.reaper, request.run_id)
+            return msg
         except Exception as exc:
             await abort_with(context, "GetShardStats", exc, run=request.run_id)
             raise

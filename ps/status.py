@@ -12,15 +12,18 @@ from hybridps import wire
 from hybridps.errors import (
     AnswerEvicted,
     Conflict,
+    CorruptCheckpoint,
     FlushTimeout,
     InvalidArgument,
     NotFound,
     NotRegistered,
     OutOfOrder,
+    PermissionDenied,
     ResourceExhausted,
     ShardError,
     StaleIncarnation,
     StaleShmEpoch,
+    WrongSecret,
 )
 from ps.store import kv
 
@@ -46,6 +49,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.ABORTED
     elif isinstance(exc, ResourceExhausted):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(exc, (PermissionDenied, WrongSecret)):
+        code = grpc.StatusCode.PERMISSION_DENIED
+    elif isinstance(exc, CorruptCheckpoint):
+        code = grpc.StatusCode.DATA_LOSS
     else:
         return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
     return code, str(exc)

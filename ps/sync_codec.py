@@ -21,6 +21,7 @@ from hybridps import wire
 from hybridps.errors import BadShmReference, InvalidArgument
 from hybridps.v1 import admin_pb2, shard_pb2
 from ps.arena_server import ArenaRegistry, ResolvedShmPush, ShmRef, resolve
+from ps.maintenance import RunReaper
 from ps.partition import Answer, PushChunk, TableSpec
 from ps.store import ServerStats, Store
 
@@ -62,6 +63,8 @@ def table_specs(msg: shard_pb2.RegisterRequest) -> list[TableSpec]:
 def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
     msg = admin_pb2.ShardStats(
         server_id=stats.server_id, uptime_s=stats.uptime_s,
+        runs_freed=stats.runs_freed, partitions_freed=stats.partitions_freed,
+        max_state_bytes=stats.max_state_bytes,
         state_bytes_total=stats.state_bytes_total,
         pushes_applied_total=stats.pushes_applied_total,
         rows_updated_total=stats.rows_updated_total,
@@ -73,6 +76,16 @@ def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
         part = msg.partitions.add(**fields)
         part.refusals.update(row.refusals)
     return msg
+
+
+def add_run_stats(msg: admin_pb2.ShardStats, reaper: RunReaper, run_id: str = "") -> None:
+    for rid, run, over_for in reaper.tracker.snapshot(run_id):
+        registered, finished = run.summary()
+        msg.runs.add(run_id=rid, state=run.state, ranks_registered=registered,
+                     ranks_finished=finished, over_for_s=over_for,
+                     freed_in_s=(-1.0 if not run.over
+                                 else max(0.0, reaper.retention_s - over_for)),
+                     why=run.over)
 
 
 # -- the Sync stream: requests ----------------------------------------------------------

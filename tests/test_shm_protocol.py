@@ -4,6 +4,7 @@ server: bad references, duplicates, batches and epochs (tests/test_shm.py has th
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 
 import grpc
@@ -70,7 +71,8 @@ class RawRank:
 
 @pytest.fixture
 def raw_rank(ps_address: str, request: pytest.FixtureRequest) -> Iterator[RawRank]:
-    rank = RawRank(ps_address, f"raw-{request.node.name}-{os.urandom(3).hex()}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]  # a valid run id
+    rank = RawRank(ps_address, f"raw-{safe}-{os.urandom(3).hex()}")
     try:
         yield rank
     finally:

@@ -24,6 +24,7 @@ SHM_SOCKET_MODES = ("auto", "off")  # worker/direct.py
 MAX_SHM_MB = 1 << 20
 DEVICES = ("auto", "cpu", "cuda")
 STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py
+POOL_AT = ("auto", "owner", "requester")  # worker/embedding.py POOL_AT
 KGE_MODELS = ("distmult", "complex", "keci", "qmult")
 KGE_TRAINING = ("kvsall", "negsample")
 MIN_CHUNK_BYTES = 64 * 1024
@@ -235,6 +236,12 @@ class TrainConfig:
     dump_state: str = field(default="", metadata=_h(
         "write final full tables + dense state_dict here (torch.save; for tests)", "PATH"))
     progress: bool = field(default=True, metadata=_h("tqdm progress bar on rank 0", "BOOL"))
+    pool_at: str = field(default="auto", metadata=_h(
+        "where a pooled (bag) lookup is summed: owner (each owner sums its rows' part of "
+        "every bag and the B x D partial sums travel) | requester (the distinct rows travel, "
+        "U x D, and are pooled where they were asked) | auto (per table, whichever moves "
+        "fewer bytes on the first batch, summed over the ranks; worker/embedding.py)",
+        "WHERE"))
     pipeline: bool = field(default=False, metadata=_h(
         "make the next batch and exchange its ids (input dist) on a second thread while this "
         "step computes; the row lookup still waits for the staleness window (same results). "
@@ -269,6 +276,8 @@ class TrainConfig:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be finite and >= 0 (0: detect)")
         self._at_least("staleness", self.staleness, 0)
+        if self.pool_at not in POOL_AT:
+            raise ValueError(f"pool_at={self.pool_at!r} is not one of {', '.join(POOL_AT)}")
         if self.staleness_compensation not in STALENESS_COMPENSATIONS:
             raise ValueError(f"staleness_compensation={self.staleness_compensation!r} is not "
                              f"one of {', '.join(STALENESS_COMPENSATIONS)}")

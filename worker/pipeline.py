@@ -48,8 +48,11 @@ from worker.tasks.base import Batch, Task
 log = logging.getLogger("worker.pipeline")
 
 T = TypeVar("T")
-FieldRef = tuple[str, str]  # ("ids" | "bags" | "values", key) of a Batch
-LookupPlan = list[tuple[tuple[str, ...], tuple[FieldRef, ...]]]
+FieldRef = tuple[str, str]  # ("ids" | "bags" | "offsets" | "values", key) of a Batch
+# per lookup: table names, where its ids are, and per entry None or (where its offsets are,
+# pooling mode)
+LookupPlan = list[tuple[tuple[str, ...], tuple[FieldRef, ...],
+                        tuple[tuple[FieldRef, str] | None, ...]]]
 
 
 @dataclass
@@ -66,9 +69,11 @@ def find_field(batch: Batch, tensor: torch.Tensor) -> FieldRef | None:
     for key, value in batch.ids.items():
         if value is tensor:
             return ("ids", key)
-    for key, (ids_N, _) in batch.bags.items():
+    for key, (ids_N, offsets_B) in batch.bags.items():
         if ids_N is tensor:
             return ("bags", key)
+        if offsets_B is tensor:
+            return ("offsets", key)
     for key, value in batch.values.items():
         if value is tensor:
             return ("values", key)
@@ -79,8 +84,7 @@ def _tensors(batch: Batch, plans: list[InputDist]) -> list[torch.Tensor]:
     out = [*batch.ids.values(), *batch.values.values()]
     out += [t for pair in batch.bags.values() for t in pair]
     for plan in plans:
-        out += [plan.inverse_N, *plan.local_ids]
-        out += [] if plan.restore_M is None else [plan.restore_M]
+        out += plan.tensors()
     return out
 
 
@@ -90,6 +94,8 @@ def get_field(batch: Batch, ref: FieldRef) -> torch.Tensor:
         return batch.ids[key]
     if kind == "bags":
         return batch.bags[key][0]
+    if kind == "offsets":
+        return batch.bags[key][1]
     return batch.values[key]
 
 
@@ -156,15 +162,20 @@ class InputPipeline:
         self.embedding.recording = None
         assert self._current is not None  # set by take() whenever recording started
         self.plan = []
-        for names, ids in recording:
+        for names, ids, bags in recording:
             refs = [find_field(self._current, t) for t in ids]
-            if any(r is None for r in refs):
+            bag_refs = [None if b is None else (find_field(self._current, b[0]), b[1])
+                        for b in bags]
+            if any(r is None for r in refs) or any(b is not None and b[0] is None
+                                                  for b in bag_refs):
                 self.plan = []  # a derived id tensor: make batches ahead, dist in the step
                 log.info(kv("pipeline", rank=self.rank, input_dist="in-step",
-                            reason=f"lookup of {','.join(names)} takes ids that are not "
-                                   "batch fields"))
+                            reason=f"lookup of {','.join(names)} takes ids or bag offsets "
+                                   "that are not batch fields"))
                 break
-            self.plan.append((names, tuple(r for r in refs if r is not None)))
+            self.plan.append((names, tuple(r for r in refs if r is not None),
+                              tuple(None if b is None or b[0] is None else (b[0], b[1])
+                                    for b in bag_refs)))
         self.dist_ahead = bool(self.plan)
         self._current = None
         self._submit(step + 1)
@@ -205,10 +216,12 @@ class InputPipeline:
         plans = []
         if self.dist_ahead and self.plan:
             with torch.no_grad():
-                for names, refs in self.plan:
+                for names, refs, bag_refs in self.plan:
                     ids = [get_field(batch, r) for r in refs]
+                    bags = [None if b is None else (get_field(batch, b[0]), b[1])
+                            for b in bag_refs]
                     plans.append(self.embedding.input_dist(names, ids, group=self.group,
-                                                           timed=False))
+                                                           timed=False, bags=bags))
         return Prepared(step, batch, plans, t1 - t0, time.perf_counter() - t1)
 
 

@@ -101,7 +101,7 @@ class Trainer:
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.seed, init_std=cfg.init_std,
-            row_dtype=ROW_DTYPES[cfg.row_dtype])
+            row_dtype=ROW_DTYPES[cfg.row_dtype], pool_at=cfg.pool_at)
         dense = build_dense_seeded(self.task, cfg.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg, ctx, dense, self.task.fsdp_units(dense))

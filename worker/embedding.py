@@ -50,16 +50,13 @@ on as fp32.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridps.optim import STATE_OFFSETS, alloc_state
 from worker.comm import BlockCap, all_to_all_rows, exchange, exchange_blocks
 from worker.input_dist import (
     ID_BITS,
@@ -71,66 +68,16 @@ from worker.input_dist import (
     owner_work,
     unique_runs,
 )
+from worker.rows import INIT_CHUNK_ROWS, Routing, TableConfig, init_rows, route, row_range
 
 __all__ = ["ID_BITS", "ID_MASK", "INIT_CHUNK_ROWS", "POOLING_MODES", "POOL_AT", "ROW_DTYPES",
            "InputDist", "Routing", "ShardedEmbedding", "TableConfig", "init_rows", "owner_of",
            "route", "row_range"]
 
-INIT_CHUNK_ROWS = 65536
 POOLING_MODES = ("sum", "mean")
 ROW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --row-dtype
 POOL_AT = ("auto", "owner", "requester")  # --pool-at
 Bag = tuple[torch.Tensor, str]  # (offsets_B, mode) of a pooled lookup
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """One embedding table: `num_rows` x `dim`, looked up by global row id."""
-
-    name: str
-    num_rows: int
-    dim: int
-
-    def __post_init__(self) -> None:
-        if not self.name.isidentifier():
-            raise ValueError(f"table name {self.name!r} must be a Python identifier")
-        if self.num_rows < 1:
-            raise ValueError(f"table {self.name!r}: num_rows={self.num_rows} must be >= 1")
-        if self.dim < 1:
-            raise ValueError(f"table {self.name!r}: dim={self.dim} must be >= 1")
-
-
-def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, end) of the rows rank `rank` owns: [r*R//W, (r+1)*R//W)."""
-    return rank * num_rows // world_size, (rank + 1) * num_rows // world_size
-
-
-@dataclass
-class Routing:
-    """Where the ids of one lookup go.
-
-    unique_U: sorted distinct ids; inverse_N: ids_N == unique_U[inverse_N];
-    send_counts: how many of unique_U each rank owns (unique_U is grouped by
-    owner in rank order, so chunk r of unique_U goes to rank r).
-    """
-
-    unique_U: torch.Tensor
-    inverse_N: torch.Tensor
-    send_counts: list[int]
-
-
-def route(ids_N: torch.Tensor, num_rows: int, world_size: int, table: str = "?") -> Routing:
-    """Stage 1: dedupe + bucketize by owner. ids_N: int64 global row ids, any shape."""
-    flat_N = ids_N.reshape(-1).to(torch.int64)
-    unique_U, inverse_N = torch.unique(flat_N, sorted=True, return_inverse=True)
-    if unique_U.numel():
-        lo, hi = int(unique_U[0]), int(unique_U[-1])
-        if lo < 0 or hi >= num_rows:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"table {table!r}: row id {bad} outside [0, {num_rows})")
-    owner_U = owner_of(unique_U, num_rows, world_size)
-    send_counts = torch.bincount(owner_U, minlength=world_size).tolist()
-    return Routing(unique_U, inverse_N, send_counts)
 
 
 class RowOffsets(Protocol):
@@ -149,12 +96,14 @@ def _plan_key(names: Sequence[str], ids: Sequence[torch.Tensor],
 def _coalesce(grad: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows_U sorted distinct, values_UD summed per row) of a sparse row gradient.
 
-    A gradient made coalesced (PoolAtOwner) is taken as it is; otherwise the duplicates
-    are summed in the order they came (index_add_) after `unique_runs`' sort, which on
-    the CPU is several times faster than torch's own coalesce (docs/performance-log.md)."""
-    if grad.is_coalesced():
-        return grad.indices()[0], grad.values()
+    A gradient made coalesced (PoolAtOwner's: its rows already sorted and distinct; the
+    flag itself does not survive autograd's accumulation) is taken as it is, after one
+    comparison; otherwise the duplicates are summed in the order they came (index_add_)
+    after `unique_runs`' sort, which on the CPU is several times faster than torch's own
+    coalesce (docs/performance-log.md)."""
     rows_N, values_ND = grad._indices()[0], grad._values()
+    if grad.is_coalesced() or bool((rows_N[1:] > rows_N[:-1]).all()):
+        return rows_N, values_ND
     uniq_U, inverse_N, _, _ = unique_runs(rows_N, num_rows)
     summed_UD = values_ND.new_zeros((uniq_U.numel(), values_ND.shape[1]))
     return uniq_U, summed_UD.index_add_(0, inverse_N, values_ND)
@@ -166,36 +115,6 @@ def _check_bag(ids_N: torch.Tensor, offsets_B: torch.Tensor, mode: str) -> None:
     if ids_N.dim() != 1 or offsets_B.dim() != 1:
         raise ValueError(f"bags take 1-D ids and offsets, got {tuple(ids_N.shape)} and "
                          f"{tuple(offsets_B.shape)}")
-
-
-def _chunk_seed(seed: int, table_index: int, chunk: int) -> int:
-    state = np.random.SeedSequence([seed, table_index, chunk]).generate_state(2, np.uint32)
-    return (int(state[0]) << 31) ^ int(state[1])
-
-
-def init_rows(num_rows: int, dim: int, start: int, end: int, *, seed: int, table_index: int,
-              init_std: float) -> torch.Tensor:
-    """rows [end-start, dim] (float32, CPU) of the global table, world-size independent.
-
-    A large block is allocated like the server's state (hybridps.optim.alloc_state: huge
-    pages, 2 MiB-aligned): on a CPU rank these are the rows themselves, gathered and
-    updated at random every step, and on 4 KiB pages a 25M x 16 table's gather +
-    update of 4k rows took ~300 us instead of ~225 us (one thread, this 2-core VM)."""
-    out_RD = alloc_state(max(end - start, 0), dim, offset=STATE_OFFSETS["rows"], zero=False)
-    if end <= start:
-        return out_RD
-    for chunk in range(start // INIT_CHUNK_ROWS, (end - 1) // INIT_CHUNK_ROWS + 1):
-        lo = chunk * INIT_CHUNK_ROWS
-        hi = min(lo + INIT_CHUNK_ROWS, num_rows)
-        gen = torch.Generator().manual_seed(_chunk_seed(seed, table_index, chunk))
-        a, b = max(lo, start), min(hi, end)
-        if (a, b) == (lo, hi):  # whole chunk: generate in place (no copy; 50M rows: -30%)
-            torch.randn(hi - lo, dim, generator=gen, out=out_RD[a - start:b - start])
-        else:
-            chunk_CD = torch.randn(hi - lo, dim, generator=gen)
-            out_RD[a - start:b - start] = chunk_CD[a - lo:b - lo]
-        out_RD[a - start:b - start].mul_(init_std)  # while the chunk is in cache
-    return out_RD
 
 
 class ShardedEmbedding(nn.Module):
@@ -569,6 +488,14 @@ class ShardedEmbedding(nn.Module):
                                    f"{weight.dtype}; cannot seed the master copy from them")
             yield lo, rows_RD
             lo = hi
+
+    def describe(self) -> dict[str, object]:
+        """--pool-at and the bags it pooled at their owner (table names), for --results."""
+        owner = sorted({n for (names, _), pooled in self._pool_choice.items()
+                        for n, p in zip(names, pooled, strict=True) if p}
+                       | {n for (_, names, pooled) in self._caps
+                          for n, p in zip(names, pooled, strict=True) if p})
+        return {"pool_at": self.pool_at, "pooled_at_owner": owner}
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes of the rows this rank holds on its device, per table (the tensors' own)."""

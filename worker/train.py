@@ -317,6 +317,7 @@ class Trainer:
             "sync": sync_stats,
             "server_stats": server,
             "dense": self.dense_parallel.describe(),
+            "embedding": self.embedding.describe(),
             "checkpoint": {"save_s": self.checkpointer.save_s,
                            "restore_s": self.checkpointer.restore_s,
                            "resumed_step": self.checkpointer.resumed_step},

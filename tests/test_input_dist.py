@@ -19,12 +19,19 @@ import torch.nn.functional as F
 
 from tests.spawn_helpers import run_ranks
 from worker.comm import BlockCap, exchange_blocks
-from worker.input_dist import OwnerPool, PoolAtOwner, sort_stable, transpose_blocks, unique_runs
+from worker.input_dist import (
+    OwnerPool,
+    PoolAtOwner,
+    sort_stable,
+    transpose_blocks,
+    unique_inverse,
+    unique_runs,
+)
 from worker.parallel import DistContext
 
 
 @pytest.mark.parametrize("bound", [7, 100_000, 1 << 62], ids=["tiny", "ids", "torch-path"])
-@pytest.mark.parametrize("num", [0, 1, 2, 5000])
+@pytest.mark.parametrize("num", [0, 1, 2, 100, 5000])
 def test_unique_runs_is_torch_unique(bound: int, num: int) -> None:
     gen = torch.Generator().manual_seed(num)
     values = torch.randint(0, min(bound, 1 << 40), (num,), generator=gen)
@@ -33,6 +40,8 @@ def test_unique_runs_is_torch_unique(bound: int, num: int) -> None:
                                                    return_counts=True)
     assert torch.equal(uniq, ref_uniq) and torch.equal(inverse, ref_inverse)
     assert torch.equal(runs, ref_runs)
+    assert all(torch.equal(a, b) for a, b in zip(unique_inverse(values, bound),
+                                                 (ref_uniq, ref_inverse), strict=True))
     ref_sorted, ref_order = torch.sort(values, stable=True)
     got_sorted, got_order = sort_stable(values, bound)
     assert torch.equal(got_sorted, ref_sorted) and torch.equal(got_order, ref_order)

@@ -65,20 +65,39 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
+NUMPY_SORT_MIN = 4096  # fewer values: torch's one call costs less than numpy's few
+
+
+def _numpy_sort(values_N: torch.Tensor, bound: int) -> int:
+    """Position bits for sort_stable's packed keys, or 0: take torch's sort."""
+    num = values_N.numel()
+    bits = max(num - 1, 1).bit_length()
+    if (num < NUMPY_SORT_MIN or values_N.device.type != "cpu"
+            or max(bound - 1, 1).bit_length() + bits > 63):
+        return 0
+    return bits
+
+
 def sort_stable(values_N: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_N, order_N): values_N[order_N] == sorted_N, equal values in position order.
 
-    values_N: int64 in [0, bound). On the CPU one numpy sort of the packed keys
-    (value << bits(N)) | position: numpy's int64 sort (vectorized) took 0.15-0.2 ms for
-    20k ids on this project's 2-core test VM where torch.sort took 0.7-4 ms
-    (docs/performance-log.md); elsewhere, or when value and position do not fit 63 bits,
-    torch.sort(stable=True)."""
-    num = values_N.numel()
-    bits = max(num - 1, 1).bit_length()
-    if values_N.device.type != "cpu" or max(bound - 1, 1).bit_length() + bits > 63:
+    values_N: int64 in [0, bound). On the CPU, from NUMPY_SORT_MIN values on, one numpy
+    sort of the packed keys (value << bits(N)) | position: numpy's int64 sort (vectorized)
+    took 0.15-0.2 ms for 20k ids on this project's 2-core test VM where torch.sort took
+    0.7-4 ms (docs/performance-log.md); otherwise torch.sort(stable=True)."""
+    bits = _numpy_sort(values_N, bound)
+    if not bits:
         return torch.sort(values_N, stable=True)
-    keys = np.sort((values_N.numpy() << bits) | np.arange(num, dtype=np.int64))
+    keys = np.sort((values_N.numpy() << bits) | np.arange(values_N.numel(), dtype=np.int64))
     return torch.from_numpy(keys >> bits), torch.from_numpy(keys & ((1 << bits) - 1))
+
+
+def unique_inverse(values_N: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.unique(values_N, sorted=True, return_inverse=True), with sort_stable's sort."""
+    if not _numpy_sort(values_N, bound):
+        return torch.unique(values_N, sorted=True, return_inverse=True)
+    uniq_U, inverse_N, _, _ = unique_runs(values_N, bound)
+    return uniq_U, inverse_N
 
 
 def unique_runs(values_N: torch.Tensor, bound: int
@@ -203,8 +222,8 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
                 torch.arange(num, device=device), torch.tensor([sizes[e] for e in rows_e],
                                                                device=device),
                 output_size=owner_R.numel())
-        unique_U, inverse_R, _, _ = unique_runs((keys_R << shift) | local_R,
-                                                (world * num) << shift)
+        unique_U, inverse_R = unique_inverse((keys_R << shift) | local_R,
+                                             (world * num) << shift)
         counts_WT = torch.bincount(unique_U >> shift, minlength=world * num).view(world, num)
         columns.append(counts_WT)
         inverse = list(inverse_R.split([sizes[e] for e in rows_e]))

@@ -356,3 +356,17 @@ def test_apply_update_checks_owned_range() -> None:
     assert emb.weights["a"].detach()[0].tolist() == [0.5, 0.5]
     with pytest.raises(IndexError, match=r"outside the owned range \[5, 10\) of rank 1"):
         emb.apply_update("a", torch.tensor([4]), torch.ones(1, 2), 1.0)
+
+
+def test_range_check_of_many_tables_names_the_table() -> None:
+    """Past two tables the range check is one fused comparison: it still names the table
+    and the id, whichever table holds it."""
+    tables = [TableConfig(f"t{i}", 10 + i, 2) for i in range(5)]
+    emb = ShardedEmbedding(tables)
+    ids = [torch.tensor([9 + i]) for i in range(5)]
+    assert len(emb.lookup_many([t.name for t in tables], ids)) == 5
+    for bad, value in ((3, 13), (0, -1), (4, 14)):
+        wrong = list(ids)
+        wrong[bad] = torch.tensor([0, value])
+        with pytest.raises(IndexError, match=rf"table 't{bad}': row id {value} outside"):
+            emb.lookup_many([t.name for t in tables], wrong)

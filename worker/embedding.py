@@ -354,21 +354,25 @@ class ShardedEmbedding(nn.Module):
         if work.restore is not None:
             local_MD = local_MD.index_select(0, work.restore)
         answer = all_to_all_rows(local_MD, req.rows_from, work.rows_to, self.group)  # 4
-        if req.unpack is not None:
-            answer = answer.index_select(0, req.unpack)
-        dim = answer.shape[-1]
-        parts = answer.split([req.num_rows_asked]
-                             + [self.world_size * int(plan.offsets[e].numel())  # type: ignore[union-attr]
-                                for e in pool_e])
+        # owner r's answer: the rows asked of it (unique_U's order), then B partial sums
+        # per pooled entry
+        per_owner = answer.split(req.rows_from) if pool_e else [answer]
+        rows_UD = answer
+        if pool_e:
+            rows_UD = torch.cat([a[:n] for a, n in zip(per_owner, req.asked, strict=True)])
         out: list[torch.Tensor] = [answer] * len(plan.names)
         for e, inverse_N in zip(rows_e, req.inverse, strict=True):
-            rows_ND = parts[0].index_select(0, inverse_N)
             offsets_B, mode = plan.offsets[e], plan.modes[e]
-            out[e] = rows_ND if offsets_B is None else F.embedding_bag(
-                torch.arange(rows_ND.shape[0], device=self.device), rows_ND,
-                offsets_B.to(self.device), mode=str(mode))
-        for i, (e, divisor) in enumerate(zip(pool_e, plan.divisors, strict=True)):
-            bags_BD = parts[1 + i].view(self.world_size, -1, dim).sum(0)
+            out[e] = (rows_UD.index_select(0, inverse_N) if offsets_B is None else
+                      F.embedding_bag(inverse_N, rows_UD, offsets_B.to(self.device),
+                                      mode=str(mode)))
+        at = list(req.asked)
+        for e, bags, divisor in zip(pool_e, req.pooled_bags, plan.divisors, strict=True):
+            partial = [a[lo:lo + bags] for a, lo in zip(per_owner, at, strict=True)]
+            at = [lo + bags for lo in at]
+            bags_BD = partial[0]
+            for more_BD in partial[1:]:  # the owners' sums, in rank order
+                bags_BD = bags_BD + more_BD
             out[e] = bags_BD if divisor is None else bags_BD / divisor
         return out
 

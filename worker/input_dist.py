@@ -178,9 +178,8 @@ class Requests:
     header_WH: torch.Tensor     # per owner: count per rows entry, (B, ids) per pooled entry
     blocks: list[torch.Tensor]  # per owner: the block laid out as the module doc says
     inverse: list[torch.Tensor]  # per rows entry: its ids -> index into the distinct rows
-    num_rows_asked: int          # distinct rows asked, all rows entries and owners
     rows_from: list[int]         # rows + partial sums each owner sends back
-    unpack: torch.Tensor | None  # owner-major answer -> [distinct rows | pooled entries]
+    asked: list[int]             # per owner: distinct rows asked of it (rows entries)
     pooled_bags: list[int]       # per pooled entry: its bags (B partial sums per owner)
 
 
@@ -256,12 +255,7 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
             pieces += [lengths_WB[r], split[r]]
         blocks.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
     bags_P = [b for _, _, b in pooled_parts]
-    back = [[n, *bags_P] for n in asked]  # owner-major: [rows asked | one block per pooled]
-    unpack = None
-    if (1 if rows_e else 0) + len(pool_e) > 1:
-        unpack = transpose_blocks(torch.tensor(back, device=device))
-    return Requests(header_WH, blocks, inverse, sum(asked), [sum(b) for b in back], unpack,
-                    bags_P)
+    return Requests(header_WH, blocks, inverse, [n + sum(bags_P) for n in asked], asked, bags_P)
 
 
 @dataclass
@@ -319,7 +313,6 @@ class InputDist:
         out = [*self.flat, *(d for d in self.divisors if d is not None)]
         if self.requests is not None:
             out += [*self.requests.inverse]
-            out += [] if self.requests.unpack is None else [self.requests.unpack]
         if self.work is not None:
             out += [*self.work.local_ids, *(t for p in self.work.pools for t in p.tensors())]
             out += [] if self.work.restore is None else [self.work.restore]

@@ -2,19 +2,21 @@
 
 In the spirit of TorchRec's TrainPipelineSparseDist: while the training thread
 runs step t, one background thread makes batch t+1 (task.batch, host-to-device
-copy) and runs stages 1-2 of its lookups (route, all_to_all of counts and ids:
-`ShardedEmbedding.input_dist`) on a process group of its own, so its
-collectives never interleave with the training thread's. The training thread
-then only does stages 3-4 (local gather, all_to_all of the rows) for it, after
+copy) and runs stages 1-2 of its lookups (route, the one all_to_all of counts
+and ids, the owner's layout of what it serves: `ShardedEmbedding.input_dist`) on
+a process group of its own, so its collectives never interleave with the
+training thread's. The training thread then only does stages 3-4 (local gather
+or pooling, all_to_all of the rows and partial sums) for it, after
 the staleness window applied the due updates: input dist depends on the ids
 alone, so the rows, the losses and the results are exactly those of the
 unpipelined loop (tests/test_pipeline.py compares them at --staleness 0).
 
 Which lookups a batch needs is learned, not declared: the first step runs
 unpipelined with the embedding recording its lookups, and each lookup's id
-tensors are found (by identity) among the batch's fields. If one is not a
-batch field (the task derived it), input dist stays on the training thread and
-only the batch itself is made ahead.
+tensors and bag offsets are found (by identity) among the batch's fields (a bag's
+offsets matter: a bag pooled at its owner sends the bag lengths with the ids). If
+one is not a batch field (the task derived it), input dist stays on the training
+thread and only the batch itself is made ahead.
 
 Off by default: with one CPU core per rank the thread's own work (making the batch,
 routing) competes with the step for that core and the GIL, and only waits are hidden;

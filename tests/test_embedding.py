@@ -370,3 +370,12 @@ def test_range_check_of_many_tables_names_the_table() -> None:
         wrong[bad] = torch.tensor([0, value])
         with pytest.raises(IndexError, match=rf"table 't{bad}': row id {value} outside"):
             emb.lookup_many([t.name for t in tables], wrong)
+
+
+def test_pool_at_rejects_an_unknown_place() -> None:
+    from worker.config import TrainConfig
+
+    with pytest.raises(ValueError, match="pool_at='nowhere' is not one of auto, owner"):
+        TrainConfig(local_optimizer=True, pool_at="nowhere")
+    with pytest.raises(ValueError, match="pool_at='nowhere'"):
+        ShardedEmbedding(TABLES, pool_at="nowhere")

@@ -40,7 +40,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -49,11 +48,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import (  # bench/ is sys.path[0] when run as a script
+    REPO,
+    TORCHRUN,
+    bench_parser,
+    child_env,
+    log,
+    machine,
+    write_json,
+)
+
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
 DLRM_ROWS = [1_000_000, 800_000, 500_000, 300_000, 200_000, 100_000, 60_000, 30_000, 10_000,
              5_000, 3_000, 2_000, 1_000, 1_000, 500, 300, 200, 100, 100, 50, 30, 20, 10, 10,
@@ -74,10 +82,6 @@ VARIANTS = ("torchrec", "hybridps", "hybridps-local")
 WORLD = 2
 INSTALL = "pip install -e '.[bench]' && pip install --no-deps torchrec==1.8.0"
 GOAL_NUMBER = 7  # bench/run_all.py's summary: issue 24's comparison
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def torchrec_available() -> bool:
@@ -122,7 +126,7 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
     task = TablesTask(cfg)
     names = [name for name, _, _ in task.specs]
     ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=name, embedding_dim=cfg.dim, num_embeddings=rows,
+        EmbeddingBagConfig(name=name, embedding_dim=cfg.run.dim, num_embeddings=rows,
                            feature_names=[name], pooling=PoolingType.MEAN)
         for name, rows, _ in task.specs], device=torch.device("meta"))
 
@@ -137,17 +141,18 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
             x_BF = torch.cat([self.ebc(kjt).values(), dense_BF], dim=1)
             return F.binary_cross_entropy_with_logits(self.dense(x_BF).squeeze(-1), label_B)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     model = Model()
     sharder = RowWiseCpuSharder(fused_params={
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": cfg.lr})
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": cfg.optim.lr})
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(
         ebc, {name: row_wise(compute_kernel="fused") for name in names}, sharder=sharder,
         local_size=world, world_size=world, device_type="cpu")})
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=torch.device("cpu"), plan=plan, sharders=[sharder])
     dense_opt = torch.optim.Adam(
-        [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())], lr=cfg.dense_lr)
+        [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())],
+        lr=cfg.optim.dense_lr)
 
     def features(batch: Batch) -> KeyedJaggedTensor:
         values, lengths = [], []
@@ -175,7 +180,7 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
     wall = time.perf_counter() - start
     if rank == 0:
         out.write_text(json.dumps({
-            "samples_per_s": steps * cfg.batch_size * world / wall,
+            "samples_per_s": steps * cfg.run.batch_size * world / wall,
             "step_ms": wall / steps * 1000, "steps": steps, "final_loss": float(loss.detach()),
             "optimizer": "fbgemm EXACT_ROWWISE_ADAGRAD (fused, in backward)",
             "dense": "DDP + torch Adam"}) + "\n")
@@ -186,13 +191,11 @@ def run_torchrec(job: str, steps: int, directory: Path) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / f"{job}-torchrec.json"
     out.unlink(missing_ok=True)
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node",
-           str(WORLD), str(Path(__file__).resolve()), "--torchrec-worker", "--job", job,
-           "--steps", str(steps), "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False,
-                          timeout=1800)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(WORLD),
+           str(Path(__file__).resolve()), "--torchrec-worker", "--job", job, "--steps",
+           str(steps), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          check=False, timeout=1800)
     (directory / f"{job}-torchrec.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{job}/torchrec failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -249,16 +252,14 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, li
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = bench_parser(__doc__, quick="fewer steps per run")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {','.join(JOBS)}")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per variant")
-    p.add_argument("--quick", action="store_true", help="fewer steps per run")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default: per job)")
     p.add_argument("--dense-parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="hybridps' dense parallelism (TorchRec's DMP uses DDP)")
     p.add_argument("--no-local", action="store_true", help="skip hybridps --local-optimizer")
     p.add_argument("--work-dir", type=Path, default=None, help="logs and results of every run")
-    p.add_argument("--json", type=Path, help="write the results here")
     # internal: one rank of the TorchRec run, under torchrun
     p.add_argument("--torchrec-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--job", default="", help=argparse.SUPPRESS)
@@ -301,16 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s; "
           f"logs in {work}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "goals": goals, "runs": runs, "jobs": {j: JOBS[j] for j in jobs},
-            "dense_parallel": args.dense_parallel,
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "torch": torch.__version__, "loadavg_before": load_before,
-                        "loadavg_after": load_after},
-            "elapsed_s": elapsed}, indent=2) + "\n")
-        log(f"wrote {args.json}")
+    write_json(args.json, {
+        "goals": goals, "runs": runs, "jobs": {j: JOBS[j] for j in jobs},
+        "dense_parallel": args.dense_parallel, "machine": machine(load_before),
+        "elapsed_s": elapsed}, args)
     return 0
 
 

@@ -134,39 +134,40 @@ class KGETask(Task):
     def __init__(self, cfg: TrainConfig, dataset: KGDataset | None = None) -> None:
         super().__init__(cfg)
         if dataset is None:
-            if not cfg.data_dir:
+            if not cfg.kge.data_dir:
                 raise ValueError("task kge needs --data-dir")
-            dataset = load_kg_dataset(cfg.data_dir)
+            dataset = load_kg_dataset(cfg.kge.data_dir)
         self.ds = dataset
         self.num_entities = dataset.num_entities
         self.num_relations = dataset.num_relations  # base relations R; the model has 2R
-        self.model_options = load_model_options(cfg.model_config, cfg.model)
-        self.training = cfg.training
+        self.model_options = load_model_options(cfg.run.model_config, cfg.kge.model)
+        self.training = cfg.kge.training
         if self.training == "kvsall":
             self.kvs: TailIndex = dataset.kvsall_index()
             self.examples = self.kvs.pairs()  # [P, 2] (h, r)
         else:
             self.examples = add_reciprocal(dataset.train, self.num_relations)  # [2N, 3]
         if len(self.examples) == 0:
-            raise ValueError(f"{cfg.data_dir}: no training triples")
+            raise ValueError(f"{cfg.kge.data_dir}: no training triples")
         self._filter: TailIndex | None = None
         self._perm: tuple[int, np.ndarray] | None = None
 
     # -- Task interface -------------------------------------------------------------------
     def tables(self) -> list[TableConfig]:
-        return [TableConfig(ENTITY, self.num_entities, self.cfg.dim)]
+        return [TableConfig(ENTITY, self.num_entities, self.cfg.run.dim)]
 
     def build_dense(self) -> nn.Module:
         kw = self.model_options
-        return KGEDense(build_model(self.cfg.model, 2 * self.num_relations, self.cfg.dim, **kw))
+        return KGEDense(build_model(self.cfg.kge.model, 2 * self.num_relations,
+                                    self.cfg.run.dim, **kw))
 
     def steps_per_epoch(self, world_size: int) -> int:
-        return math.ceil(len(self.examples) / (world_size * self.cfg.batch_size))
+        return math.ceil(len(self.examples) / (world_size * self.cfg.run.batch_size))
 
     def global_batch(self, step: int, world_size: int) -> Batch:
         per_epoch = self.steps_per_epoch(world_size)
         epoch, i = divmod(step, per_epoch)
-        g = world_size * self.cfg.batch_size
+        g = world_size * self.cfg.run.batch_size
         idx = self._permutation(epoch)[i * g:(i + 1) * g]
         if self.training == "kvsall":
             h, r = self.examples[idx, 0], self.examples[idx, 1]
@@ -174,9 +175,9 @@ class KGETask(Task):
                                         "head": torch.from_numpy(h),
                                         "rel": torch.from_numpy(r)})
         pos = self.examples[idx]
-        rng = np.random.default_rng([self.cfg.seed, 2, step])
-        neg = sample_negatives(pos, self.num_entities, self.cfg.neg_ratio, rng, mode="tail")
-        tails = neg[:, 2].reshape(len(pos), self.cfg.neg_ratio)
+        rng = np.random.default_rng([self.cfg.run.seed, 2, step])
+        neg = sample_negatives(pos, self.num_entities, self.cfg.kge.neg_ratio, rng, mode="tail")
+        tails = neg[:, 2].reshape(len(pos), self.cfg.kge.neg_ratio)
         return Batch(len(idx), ids={"head": torch.from_numpy(pos[:, 0].copy()),
                                     "rel": torch.from_numpy(pos[:, 1].copy()),
                                     "tail": torch.from_numpy(pos[:, 2].copy()),
@@ -192,9 +193,10 @@ class KGETask(Task):
         return self._negsample_loss(model, batch)
 
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "data_dir": self.cfg.data_dir, "model": self.cfg.model,
+        return {**super().describe(), "data_dir": self.cfg.kge.data_dir,
+                "model": self.cfg.kge.model,
                 "model_options": self.model_options, "training": self.training,
-                "neg_ratio": self.cfg.neg_ratio if self.training == "negsample" else None,
+                "neg_ratio": self.cfg.kge.neg_ratio if self.training == "negsample" else None,
                 "entities": self.num_entities, "relations": self.num_relations,
                 "train_triples": len(self.ds.train), "valid_triples": len(self.ds.valid),
                 "test_triples": len(self.ds.test), "examples": len(self.examples)}
@@ -207,7 +209,8 @@ class KGETask(Task):
     # -- training ---------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.examples))
+            rng = np.random.default_rng([self.cfg.run.seed, epoch])
+            order = rng.permutation(len(self.examples))
             self._perm = (epoch, order.astype(np.int64))
         return self._perm[1]
 

@@ -268,6 +268,7 @@ def test_two_process_lookup_and_grads_match_nn_embedding(tmp_path: Path, fused: 
         assert torch.equal(full[t.name], expect)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pool_at", ["owner", "requester"])
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "lookup_many"])
@@ -320,6 +321,7 @@ def _pooling_choice(rank: int, store: str, out_dir: str) -> None:
     exit_process(0)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_auto_pools_long_bags_at_the_owner_and_short_ones_at_the_requester(
         tmp_path: Path) -> None:

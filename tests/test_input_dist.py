@@ -108,6 +108,7 @@ def _exchange_scenario(ctx: DistContext) -> None:
     assert caps[5] < caps[3], "the cap shrinks once blocks stay small"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_exchange_blocks_on_three_ranks() -> None:
     run_ranks("tests.test_input_dist:_exchange_scenario", 3)

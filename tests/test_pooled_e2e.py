@@ -17,6 +17,8 @@ import torch
 
 from tests.test_worker_e2e import SMALL, assert_matches_reference, run_worker, small_config
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a server and torchrun'd ranks, ~1 min
+
 TABLES_JOB = ["--task", "tables", "--tables", "a:3000,b:500:3", "--num-rows", "3000"]
 JOBS = {"synthetic": ([], {}, ["tag"]),
         "tables": (TABLES_JOB, {"task": "tables", "tables": "a:3000,b:500:3",

@@ -198,7 +198,8 @@ def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
     try:
         source = ["--local-optimizer"] if server is None else ["--ps", server.address]
         res = run_worker([*source, "--staleness", "1", "--steps", str(steps),
-                          "--eval-batches", "1", "--log-every", "50", *worker_args],
+                          "--eval-batches", "1", "--eval-every", "0", "--log-every", "50",
+                          *worker_args],
                          directory / f"{name}-{variant}.json",
                          directory / f"{name}-{variant}.log", world=nproc, timeout=1800)
     finally:

@@ -90,8 +90,9 @@ class ServerConfig:
         False, "stop gracefully (exit 0) once the first run is over: every rank registered "
         "here sent Finish (or one aborted and no stream of the run is left open)", LIFECYCLE)
     run_idle_timeout_s: float = _s(
-        120.0, "with --exit-after-run: a run whose Sync streams all stayed closed this long "
-        "without every rank finishing counts as over (0: never)", LIFECYCLE, "SEC")
+        120.0, "a run whose Sync streams all stayed closed this long without every rank "
+        "finishing is abandoned: over with --exit-after-run, state 'abandoned' in the stats "
+        "(0: never)", LIFECYCLE, "SEC")
     # --- security -----------------------------------------------------------------------
     auth_token_file: str = _s(
         "", "file with the shared token every RPC must carry (else env HYBRIDPS_AUTH_TOKEN; "
@@ -112,12 +113,21 @@ class ServerConfig:
     server_id: str = _s("", "id reported to clients (default: host-pid-random)", LOGS, "ID")
     rate_window_s: float = _s(DEFAULT_RATE_WINDOW_S, "window of the rows/s statistic", LOGS,
                               "SEC")
+    metrics_port: int = _s(
+        -1, "serve Prometheus metrics at http://HOST:PORT/metrics on the --host address "
+        "(ps/metrics.py; no token, no TLS): -1 off, 0 a free port (printed and logged)", LOGS,
+        "PORT")
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("--host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} must be in [0, 65535]")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} must be in [0, 65535] "
+                             "(-1: off)")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is the gRPC --port")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"--max-message-bytes {self.max_message_bytes} must be >= "
                              f"{MIN_MESSAGE_BYTES}")

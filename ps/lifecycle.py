@@ -128,6 +128,27 @@ class RunTracker:
         with self._lock:
             return self._runs.get(run_id)
 
+    def state(self, run_id: str, idle_timeout_s: float = 0.0) -> str:
+        """What the stats call the run: finished | aborted | abandoned | active ('' unknown).
+
+        aborted: a rank finished with aborted=true (the others stop with it); abandoned: no
+        Sync stream open for `idle_timeout_s` (> 0) and not every rank finished, or the
+        --exit-after-run rule already said so."""
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                return ""
+            ranks = list(run.ranks.values())
+            if any(r.aborted for r in ranks):
+                return "aborted"
+            if ranks and all(r.finished for r in ranks):
+                return "finished"
+            if run.over.startswith("abandoned"):
+                return "abandoned"
+            idle = (run.ever_streamed and run.idle_since is not None and idle_timeout_s > 0
+                    and self._clock() - run.idle_since >= idle_timeout_s)
+            return "abandoned" if idle else "active"
+
     def _check(self, run: RunStatus) -> str:
         """Under the lock: mark the run over if it is; returns the reason when it just became so."""
         if run.over or not run.ranks:

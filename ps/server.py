@@ -25,6 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,6 +50,9 @@ from ps.lifecycle import RunTracker
 from ps.service import AdminServicer, ShardServicer, add_shard_service
 from ps.shm import ArenaRegistry
 from ps.store import Store, kv
+
+if TYPE_CHECKING:
+    from ps.metrics import MetricsServer
 
 log = logging.getLogger("ps.server")
 
@@ -108,6 +112,7 @@ class RunningServer:
     shard: ShardServicer
     stop_request: StopRequest
     direct: DirectSyncServer | None = None
+    metrics: MetricsServer | None = None  # --metrics-port (ps/metrics.py)
 
     async def stop(self, grace: float) -> None:
         log.info(kv("shutdown", grace_s=grace, reason=self.stop_request.reason or "-"))
@@ -116,6 +121,8 @@ class RunningServer:
         await self.server.stop(grace)
         if self.direct is not None:
             await self.direct.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.core.shutdown()
         if self.shard.shm_arenas is not None:
             self.shard.shm_arenas.close()
@@ -171,7 +178,9 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
     server = grpc.aio.server(interceptors=[interceptor], options=server_options(
         config.max_message_bytes, keepalive_time_ms=config.keepalive_time_ms,
         keepalive_timeout_ms=config.keepalive_timeout_ms))
-    shard = ShardServicer(core, config.max_message_bytes, tracker=RunTracker(run_over),
+    tracker = RunTracker(run_over)
+    store.run_state = lambda run_id: tracker.state(run_id, config.run_idle_timeout_s)
+    shard = ShardServicer(core, config.max_message_bytes, tracker=tracker,
                           stop_when_run_over=config.exit_after_run,
                           run_idle_timeout_s=config.run_idle_timeout_s,
                           shm_arenas=ArenaRegistry() if config.shm else None)
@@ -196,6 +205,7 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                         f"{_bind_diagnosis(config.host, config.port)}") from None
     if config.uds:
         _bind_uds(server, config.uds, credentials, core)
+    metrics = _start_metrics(config, store, core)
     await server.start()
     direct = None
     if config.shm and config.shm_socket:
@@ -217,7 +227,21 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                 exit_after_run=config.exit_after_run, shm=config.shm,
                 sync_socket=direct.path if direct is not None else "-"))
     _security_warnings(config, token, credentials is not None)
-    return RunningServer(server, health, core, port, shard, stop_request, direct)
+    return RunningServer(server, health, core, port, shard, stop_request, direct, metrics)
+
+
+def _start_metrics(config: ServerConfig, store: Store, core: ShardCore) -> MetricsServer | None:
+    """--metrics-port: the Prometheus endpoint (ps/metrics.py), before the server starts."""
+    if config.metrics_port < 0:
+        return None
+    from ps.metrics import MetricsServer
+
+    try:
+        return MetricsServer(store, config.host, config.metrics_port)
+    except OSError as exc:
+        core.shutdown()
+        where = format_address(config.host, config.metrics_port)
+        raise BindError(f"cannot serve metrics on {where}: {exc.strerror or exc}") from None
 
 
 def _bind_uds(server: grpc.aio.Server, path: str,
@@ -277,6 +301,9 @@ async def serve(config: ServerConfig) -> int:
         print(f"hybridps-ps: error: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"hybridps-ps listening on {format_address(config.host, running.port)}", flush=True)
+    if running.metrics is not None:
+        print("hybridps-ps metrics on "
+              f"http://{format_address(config.host, running.metrics.port)}/metrics", flush=True)
     if config.port_file:
         write_port_file(config.port_file, running.port)
     await stop.event.wait()

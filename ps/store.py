@@ -100,6 +100,7 @@ class PartitionStatsRow:
     optimizer: str
     master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
     row_dtype: str = "fp32"
+    run_state: str = ""  # active | finished | aborted | abandoned (Store.run_state); '' unknown
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,12 @@ class Store:
         self._partitions: dict[tuple[str, int], Partition] = {}
         self._refusals: collections.Counter[str] = collections.Counter()
         self._queued: collections.Counter[TableKey] = collections.Counter()
+        # run_id -> its state for the stats; the server sets it to its RunTracker's view
+        # (ps/lifecycle.py), which follows Sync streams and Finish calls.
+        self.run_state: Callable[[str], str] = lambda run_id: ""
+        # (run_id, rank, table, seconds) of every answered push, from its first chunk's
+        # arrival to its answer (ps/metrics.py's latency histogram); None: not measured.
+        self.push_observer: Callable[[str, int, str, float], None] | None = None
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -429,6 +436,7 @@ class Store:
         for p in parts:
             for t in p.tables.values():
                 newest[p.run_id] = max(newest.get(p.run_id, -1), t.last_step)
+        states = {run: self.run_state(run) for run in newest}
         rows: list[PartitionStatsRow] = []
         for p in parts:
             opt = optimizer_description(p.optimizer)
@@ -444,6 +452,7 @@ class Store:
                     queue_depth=queued.get((p.run_id, p.rank, name), 0),
                     refusals=dict(t.refusals), optimizer=opt,
                     master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
+                    run_state=states[p.run_id],
                 ))
         return ServerStats(
             server_id=self.server_id,
@@ -491,6 +500,7 @@ class SyncSession:
         self._count_lock = threading.Lock()
         self._counted: collections.Counter[TableKey] = collections.Counter()
         self._closed = False
+        self._arrived: dict[tuple[str, int, int, int, str], float] = {}  # push -> arrival
 
     @staticmethod
     def _key(chunk: PushChunk) -> TableKey:
@@ -504,6 +514,8 @@ class SyncSession:
                     return
                 self._counted[key] += 1
                 self._store._queue_add(key, 1)
+                if self._store.push_observer is not None:
+                    self._arrived[chunk.identity] = time.perf_counter()
             chunk.queued = True
 
     def _finish(self, key: TableKey) -> None:
@@ -520,6 +532,7 @@ class SyncSession:
         try:
             return self._feed(chunk)
         except Exception as exc:
+            self._arrived.pop(chunk.identity, None)
             pending, self._pending = self._pending, None
             if pending is not None:
                 for key in pending.tickets:
@@ -599,12 +612,17 @@ class SyncSession:
         self._pending = None
         for key in pending.tickets:
             self._finish(key)
+        arrived = self._arrived.pop(chunk.identity, None)
+        observer = self._store.push_observer
+        if arrived is not None and observer is not None:
+            observer(chunk.run_id, chunk.rank, chunk.table, time.perf_counter() - arrived)
         return answer
 
     def close(self) -> None:
         """End of stream: pushes received but never answered leave queue_depth."""
         with self._count_lock:
             self._closed = True
+            self._arrived.clear()
             for key, n in self._counted.items():
                 if n > 0:
                     self._store._queue_add(key, -n)

@@ -65,6 +65,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "log_every": ("5", 5),
     "eval_batches": ("0", 0),
     "results": ("/tmp/r.json", "/tmp/r.json"),
+    "tensorboard": ("runs/tb", "runs/tb"),  # tests/test_tensorboard.py
     "dump_state": ("/tmp/s.pt", "/tmp/s.pt"),
     "progress": ("0", False),
     "pipeline": ("false", False),  # tests/test_pipeline.py

@@ -82,6 +82,7 @@ from hybridps.checkpoint import (
     step_dir,
     write_manifest,
 )
+from worker.console import checkpoint_entry, human_bytes
 from worker.faults import fault_point
 from worker.sync import ShardClient
 from worker.updates import LocalSparseOptimizer, RowUpdate
@@ -141,6 +142,7 @@ class Checkpointer:
         self.root = Path(self.opts.checkpoint_dir).resolve() if self.opts.checkpoint_dir else None
         self.resumed_step = -1
         self.save_s: list[float] = []
+        self.written: list[dict[str, Any]] = []  # rank 0: step, path, bytes, seconds
         self.restore_s = 0.0
 
     # -- which checkpoint to resume from (called before the source starts) ----------
@@ -233,8 +235,10 @@ class Checkpointer:
         elapsed = time.perf_counter() - t0
         self.save_s.append(elapsed)
         if self.rank == 0:
-            log.info("checkpoint step %d -> %s in %.2fs (drain+rows %.2fs, optimizer state "
-                     "%.2fs)", step, directory, elapsed, t_rows - t0, t_optim - t_rows)
+            self.written.append(checkpoint_entry(step, directory, elapsed))
+            log.info("checkpoint step %d -> %s: %s in %.2fs (drain+rows %.2fs, optimizer "
+                     "state %.2fs)", step, directory, human_bytes(self.written[-1]["bytes"]),
+                     elapsed, t_rows - t0, t_optim - t_rows)
         return directory
 
     @torch.no_grad()

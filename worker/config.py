@@ -14,6 +14,7 @@ so a bad flag fails at once. To add a setting: docs/flags.md ("How to add a flag
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from hybridps.cli import FlagConfig, check_settings, section, setting
-from hybridps.logs import LOG_LEVELS
+from hybridps.logs import AUTO, LOG_LEVELS
 from worker.dense_options import DenseConfig
 from worker.nodes import node_ps_address, rank_layout, split_ps
 from worker.task_options import DlrmConfig, KgeConfig, SyntheticConfig, TablesConfig
@@ -273,22 +274,33 @@ class OutputConfig:
     results: str = setting("", "write a JSON summary here (rank 0), and the loss plot next "
                            "to it", "PATH", everyday=True)
     log_level: str = setting(
-        "INFO", f"{' | '.join(LOG_LEVELS)} (one `rank=R event=...` line per event)", "LEVEL")
+        "auto", f"auto | {' | '.join(LOG_LEVELS)} (one `rank=R event=...` line per event). "
+        "auto: on a terminal rank 0 logs INFO without the per-connection detail and the "
+        "other ranks WARNING; elsewhere (a file, a pipe) every rank logs INFO", "LEVEL")
     log_every: int = setting(
         10, "steps between cross-rank loss reductions / progress updates", "N", at_least=1)
     eval_batches: int = setting(
-        4, "held-out global batches evaluated at the end (0: none)", "N", at_least=0)
+        4, "held-out global batches per evaluation (0: none)", "N", at_least=0)
     eval_every: int = setting(
-        0, "steps between evaluations shown in the progress bar (0: only at the end)", "N",
-        at_least=0)
+        100, "steps between evaluations (the progress bar, the plot's eval curve, "
+        "--tensorboard; each costs about --eval-batches forward passes); 0: only at the end",
+        "N", at_least=0)
+    tensorboard: str = setting(
+        "", "rank 0 writes TensorBoard scalars (loss, eval metrics, samples/s, staleness, "
+        "step-time breakdown) under DIR/<run id>/ (worker/tensorboard_log.py); needs the "
+        "tensorboard package: pip install 'hybridps[tensorboard]'", "DIR")
     dump_state: str = setting(
         "", "write final full tables + dense state_dict here (torch.save; for tests)", "PATH")
     progress: bool = setting(True, "tqdm progress bar on rank 0")
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ValueError(f"log_level={self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.log_level.upper() not in (AUTO, *LOG_LEVELS):
+            raise ValueError(f"log_level={self.log_level!r} is not one of auto, "
+                             f"{', '.join(LOG_LEVELS)}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(f"tensorboard={self.tensorboard!r} needs the tensorboard package, "
+                             "which is not installed: pip install 'hybridps[tensorboard]'")
 
 
 @dataclass(frozen=True)
@@ -334,5 +346,6 @@ class TrainConfig(FlagConfig):
             raise ValueError("same_node='require' needs a shard server; --local-optimizer "
                              "has none")
         if self.run.task == "kge" and not self.kge.data_dir:
-            raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt)")
+            raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt) "
+                             "or a shipped set: --data-dir umls | kinship")
 

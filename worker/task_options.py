@@ -84,7 +84,8 @@ class KgeConfig:
     """--task kge: link prediction on a knowledge graph (worker/tasks/kge.py)."""
 
     data_dir: str = setting(
-        "", "dataset directory with train.txt (+ valid.txt, test.txt)", "DIR")
+        "", "dataset directory with train.txt (+ valid.txt, test.txt), or the name of a set "
+        "shipped with hybridps: umls | kinship (hybridps/data/README.md)", "DIR|NAME")
     model: KgeModel = setting("distmult", "scoring model")
     training: KgeTraining = setting(
         "kvsall", "kvsall (1-vs-all BCE, sharded by entity rows) | negsample")

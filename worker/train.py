@@ -4,19 +4,22 @@
     ->  dense optimizer step  ->  coalesced embedding grads * 1/W  ->  push
 
 The loop is the same for every task, for the server path and for
---local-optimizer. Rank 0 shows a progress bar, prints a summary and the
-server's shard stats, and writes --results.
+--local-optimizer. Rank 0 shows a progress bar (log lines go around it:
+worker/console.py), prints a summary and the server's shard stats, writes
+--results and its plot, and with --tensorboard the scalars (worker/tensorboard_log.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
 import uuid
 from collections.abc import Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +29,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
+from hybridps.logs import kv
 from hybridps.optim import OptimizerSpec
 from worker import comm, faults
 from worker.checkpoint import Checkpointer
 from worker.config import TrainConfig
+from worker.console import bar_postfix, checkpoint_lines, route_logs_around
 from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
@@ -38,7 +43,10 @@ from worker.staleness import RowPredictor
 from worker.sync import WIRE_DTYPES, ShardClient
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, build_dense_seeded
+from worker.tensorboard_log import TensorBoardLog
 from worker.updates import LocalSparseOptimizer, StalenessWindow, UpdateSource
+
+log = logging.getLogger("worker.train")
 
 TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log",
              "eval")
@@ -144,8 +152,16 @@ class Trainer:
         self.times = dict.fromkeys(TIME_KEYS, 0.0)
         self.loss_curve: list[tuple[int, float]] = []
         self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
+        self.console = ExitStack()  # rank 0's log redirect around the progress bar
+        self.tb = (TensorBoardLog(cfg.output.tensorboard, self.run_id, dataclasses.asdict(cfg),
+                                  self.start_step) if cfg.output.tensorboard and self.is_main
+                   else None)
         self.setup_s = time.perf_counter() - t0
         self.train_s = 0.0
+        if self.is_main:
+            log.info(kv("ready", run=self.run_id, task=self.task.name, steps=self.steps,
+                        start_step=self.start_step, world_size=ctx.world_size,
+                        setup_s=f"{self.setup_s:.1f}"))
 
     @property
     def is_main(self) -> bool:
@@ -157,6 +173,7 @@ class Trainer:
         world, rank = ctx.world_size, ctx.rank
         bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=0.5, disable=not (self.is_main and out.progress), file=sys.stderr)
+        self.console.enter_context(route_logs_around(bar))
         window_loss = torch.zeros((), device=ctx.device)
         window_steps = 0
         t = self.times
@@ -197,7 +214,11 @@ class Trainer:
             window_steps += 1
             if out.eval_every and ((step + 1) % out.eval_every == 0 or step + 1 == self.steps):
                 t_eval = time.perf_counter()  # a collective on every rank: same steps
-                self.eval_curve.append((step, self.evaluate(quick=True)))
+                metrics = self.evaluate(quick=True)
+                if metrics:
+                    self.eval_curve.append((step, metrics))
+                    if self.tb is not None:
+                        self.tb.eval(step + 1, metrics)
                 t["eval"] += time.perf_counter() - t_eval
                 t6 += time.perf_counter() - t_eval
             if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
@@ -208,11 +229,14 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 st = self.window.stats
                 last = self.eval_curve[-1][1] if self.eval_curve else {}
-                bar.set_postfix(loss=f"{mean:.4f}", **{k: f"{v:.4f}" for k, v in last.items()},
-                                sps=f"{(step + 1) * self.cfg.run.batch_size * world / elapsed:.0f}",
-                                stale=self.window.last_applied_staleness,
-                                lag=f"{st.lag_sum / max(st.steps, 1):.2f}",
-                                waits=st.waits, refresh=False)
+                sps = (step + 1 - self.start_step) * self.cfg.run.batch_size * world / elapsed
+                lag = st.lag_sum / max(st.steps, 1)
+                bar.set_postfix(bar_postfix(mean, last, sps, self.window.last_applied_staleness,
+                                            lag, st.waits), refresh=False)
+                if self.tb is not None:
+                    self.tb.train(step + 1, mean, sps, {
+                        "applied": self.window.last_applied_staleness, "arrival_lag": lag,
+                        "waits": st.waits}, t)
                 t["log"] += time.perf_counter() - t6
             if self.checkpointer.due(step):
                 self.checkpointer.save(step)
@@ -225,6 +249,7 @@ class Trainer:
         self.source.finish(self.last_step)
         self.train_s = time.perf_counter() - start
         bar.close()
+        self.console.close()
 
     def _global_mean(self, total: torch.Tensor, count: int) -> float:
         pair = torch.stack([total.detach().float(),
@@ -276,9 +301,7 @@ class Trainer:
         """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
         if self.cfg.sync.local_optimizer:
             return None, ""
-        from google.protobuf import json_format
-
-        from hybridps.admin import format_shard_stats, get_shard_stats
+        from hybridps.admin import format_shard_stats, get_shard_stats, message_dict
 
         try:
             stats = get_shard_stats(self.cfg.sync.ps_address, timeout=self.cfg.sync.ps_timeout,
@@ -287,9 +310,7 @@ class Trainer:
                                               if isinstance(self.source, ShardClient) else None))
         except Exception as exc:  # stats are a report, not a reason to fail the run
             return None, f"(shard stats unavailable: {exc})"
-        as_dict = json_format.MessageToDict(stats, preserving_proto_field_name=True,
-                                            always_print_fields_with_no_presence=True)
-        return as_dict, format_shard_stats(stats)
+        return message_dict(stats), format_shard_stats(stats)
 
     def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
                 wall_s: float) -> dict[str, Any]:
@@ -325,7 +346,8 @@ class Trainer:
             "embedding": self.embedding.describe(),
             "checkpoint": {"save_s": self.checkpointer.save_s,
                            "restore_s": self.checkpointer.restore_s,
-                           "resumed_step": self.checkpointer.resumed_step},
+                           "resumed_step": self.checkpointer.resumed_step,
+                           "written": self.checkpointer.written},
             "pipeline": {"enabled": self.cfg.run.pipeline,
                          "input_dist_ahead": self.inputs.dist_ahead,
                          "unused_plans": self.inputs.unused_plans,
@@ -359,12 +381,16 @@ class Trainer:
             parts.append(f"sync: pushes {sync['pushes']} ({sync['push_bytes'] / 2**20:.1f} MiB,"
                          f" {sync['push_chunks']} chunks)  updates {sync['updates']}  "
                          f"reconnects {sync['reconnects']}  duplicates {sync['duplicates']}")
+        parts += checkpoint_lines(res["checkpoint"]["written"])
         return "\n".join(parts)
 
     def report(self) -> dict[str, Any] | None:
         """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
         out, ctx = self.cfg.output, self.ctx
         eval_metrics = self.evaluate()
+        if self.tb is not None:
+            self.tb.eval(self.last_step + 1, eval_metrics)
+            self.tb.close()
         if out.dump_state:
             self.dump_state(out.dump_state)
         if ctx.world_size > 1:
@@ -387,6 +413,9 @@ class Trainer:
         return res
 
     def close(self) -> None:
+        self.console.close()  # no-op unless train() failed with the bar on screen
+        if self.tb is not None:
+            self.tb.close()
         self.inputs.close(wait=False)  # train() already waited, unless it failed
         self.source.close()
 

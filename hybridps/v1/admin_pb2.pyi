@@ -13,7 +13,7 @@ class ShardStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PartitionStats(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype")
+    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype", "run_state")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class PartitionStats(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     MASTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -59,7 +60,8 @@ class PartitionStats(_message.Message):
     optimizer: str
     master_bytes: int
     row_dtype: str
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ...) -> None: ...
+    run_state: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ..., run_state: _Optional[str] = ...) -> None: ...
 
 class ShardStats(_message.Message):
     __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total")

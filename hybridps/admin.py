@@ -55,6 +55,15 @@ def shutdown_server(address: str, security: ClientSecurity, grace_s: float = 0.0
     return str(reply.server_id)
 
 
+def drop_run(address: str, security: ClientSecurity, run_id: str, reason: str = "",
+             timeout: float = DEFAULT_TIMEOUT_S) -> admin_pb2.DropRunResponse:
+    """Free every partition of `run_id` on the server now (admin token)."""
+    with open_channel(address, channel_options(), security) as channel:
+        return admin_pb2_grpc.AdminServiceStub(channel).DropRun(
+            admin_pb2.DropRunRequest(run_id=run_id, reason=reason), timeout=timeout,
+            metadata=security.metadata)
+
+
 def message_dict(msg: Message) -> dict[str, Any]:
     """Every field of `msg` by its proto name, numbers as numbers (protobuf's JSON mapping
     writes 64-bit integers as strings), enums by name, maps as dicts."""
@@ -93,6 +102,8 @@ def _mb(n: int) -> str:
 def _refusals(counts: Mapping[str, int]) -> str:
     items = sorted(counts.items())
     return ",".join(f"{k}={v}" for k, v in items) if items else "-"
+
+
 
 
 def _duration(seconds: float) -> str:
@@ -198,6 +209,8 @@ def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
         f"{_mb(stats.master_bytes_total)} MB  pushes "
         f"{stats.pushes_applied_total}  rows updated {stats.rows_updated_total}",
         f"refusals: {_refusals(stats.refusals)}",
+        f"runs freed {stats.runs_freed} ({stats.partitions_freed} partitions); each run's "
+        "state and when it is freed: --json (runs)",
     ]
     if not stats.partitions:
         lines.append("(no partitions registered)")

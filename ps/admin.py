@@ -6,6 +6,7 @@
     python -m ps.admin stats --json                    # the ShardStats message, numbers as numbers
     python -m ps.admin health --ps HOST:PORT      # exit 0 only when SERVING (healthchecks)
     python -m ps.admin shutdown --ps HOST:PORT    # graceful stop; needs the admin token
+    python -m ps.admin drop-run --ps HOST:PORT --run RUN   # free a run now (admin token)
 
 Every subcommand takes the TLS flags (--tls, --tls-ca, --tls-cert, --tls-key,
 --tls-server-name); stats and shutdown send a token (--auth-token-file or env
@@ -27,6 +28,7 @@ import grpc
 
 from hybridps.admin import (
     DEFAULT_TIMEOUT_S,
+    drop_run,
     format_shard_stats,
     get_shard_stats,
     health_status,
@@ -119,10 +121,24 @@ class ShutdownConfig(ClientConfig):
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
 
 
+@dataclass(frozen=True)
+class DropRunConfig(ClientConfig):
+    run: str = field(default="", metadata={"help": "the run id whose partitions to free"})
+    admin_token_file: str = field(default="", metadata={
+        "help": "file with the admin token (else env HYBRIDPS_ADMIN_TOKEN)"})
+    reason: str = field(default="", metadata={"help": "logged by the server"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.run:
+            raise ValueError("--run RUN is required")
+
+
 COMMANDS: dict[str, tuple[type[ClientConfig], str]] = {
     "stats": (StatsConfig, "print GetShardStats"),
     "health": (HealthConfig, "exit 0 only when the server is SERVING (for healthchecks)"),
     "shutdown": (ShutdownConfig, "graceful stop (needs the admin token)"),
+    "drop-run": (DropRunConfig, "free every partition of a run now (needs the admin token)"),
 }
 
 
@@ -150,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = from_namespace(cls, ns)
         if isinstance(config, StatsConfig):
             security = config.security(config.auth_token_file, AUTH_TOKEN_ENV)
-        elif isinstance(config, ShutdownConfig):
+        elif isinstance(config, (ShutdownConfig, DropRunConfig)):
             security = config.security(config.admin_token_file, ADMIN_TOKEN_ENV)
         else:
             security = config.security()
@@ -168,8 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_id = shutdown_server(config.ps, security, config.grace_s, config.reason,
                                         config.timeout_s)
             print(f"{config.ps}: server {server_id} is stopping")
+        elif isinstance(config, DropRunConfig):
+            reply = drop_run(config.ps, security, config.run, config.reason, config.timeout_s)
+            print(f"{config.ps}: run {config.run!r}: freed {reply.partitions_freed} "
+                  f"partitions ({reply.state_bytes_freed / 2**20:.1f} MB of state)")
     except grpc.RpcError as exc:
-        rpc = {"stats": "GetShardStats", "health": "Health.Check", "shutdown": "Shutdown"}
+        rpc = {"stats": "GetShardStats", "health": "Health.Check", "shutdown": "Shutdown",
+               "drop-run": "DropRun"}
         print(_rpc_failure(rpc[ns.command], config.ps, exc), file=sys.stderr)
         return 1
     return 0

@@ -19,6 +19,7 @@ from hybridps.channel_options import (
 )
 from hybridps.cli import setting
 from hybridps.logs import LOG_LEVELS
+from ps.lifecycle import DEFAULT_ABORT_GRACE_S  # torch-free
 
 MIN_MESSAGE_BYTES = 4096
 MAX_KERNEL_THREADS = 64  # the native pool's limit (MAX_WORKERS + the caller)
@@ -34,6 +35,7 @@ SAME_NODE = "same-node fast path"
 ENGINE = "updates and the sync protocol"
 LIFECYCLE = "lifecycle"
 SECURITY = "security (docs/deploy.md)"
+RESOURCES = "resources and checkpoints"
 LOGS = "logging"
 
 
@@ -66,6 +68,10 @@ class ServerConfig:
         True, "with --shm: offer the ranks whose arena it accepts a Unix socket next to the "
         "arenas for their Sync messages, written and read by their training thread instead "
         "of a gRPC stream (ps/direct.py; false: the Sync stream)", SAME_NODE)
+    shm_sweep: bool = _s(
+        True, "with --shm: at start and every minute remove leaked arena files in /dev/shm "
+        "(hybridps-<pid>-r<rank>-*.arena of this user, older than a minute, whose creator "
+        "pid is dead; needs the workers in this server's PID namespace)", SAME_NODE)
     # --- updates and the sync protocol --------------------------------------------------
     max_message_bytes: int = _s(
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received; larger "
@@ -93,15 +99,41 @@ class ServerConfig:
         120.0, "a run whose Sync streams all stayed closed this long without every rank "
         "finishing is abandoned: over with --exit-after-run, state 'abandoned' in the stats "
         "(0: never)", LIFECYCLE, "SEC")
+    abort_grace_s: float = _s(
+        DEFAULT_ABORT_GRACE_S, "a run one of whose ranks sent Finish(aborted) is over only "
+        "once no rank of it has had a Sync stream open nor registered again for this long: "
+        "longer than torchrun's restart time, so `torchrun --max-restarts` can bring the "
+        "ranks back (they register again and the run goes on)", LIFECYCLE, "SEC")
+    finished_run_retention_s: float = _s(
+        600.0, "free the partitions of a run this long after it is over (finished, aborted "
+        "or abandoned; stats count the runs freed); `python -m ps.admin drop-run` frees one "
+        "at once", LIFECYCLE, "SEC")
+    # --- resources and checkpoints ------------------------------------------------------
+    max_state_bytes: int = _s(
+        0, "host bytes all partitions' optimizer state and master rows may hold; a Register "
+        "beyond it is refused (RESOURCE_EXHAUSTED) with nothing allocated (0: 3/4 of the "
+        "host's memory or cgroup limit)", RESOURCES, "BYTES")
+    checkpoint_root: str = _s(
+        "checkpoints", "the directory (relative: to the server's working directory) inside "
+        "which the server writes and restores checkpoints; a Checkpoint or restore naming a "
+        "directory that resolves outside it (.., symbolic links) is refused "
+        "(PERMISSION_DENIED). Workers' --checkpoint-dir must be inside it", RESOURCES, "DIR")
     # --- security -----------------------------------------------------------------------
     auth_token_file: str = _s(
         "", "file with the shared token every RPC must carry (else env HYBRIDPS_AUTH_TOKEN; "
         "neither: no auth). Health stays open", SECURITY, "PATH")
     admin_token_file: str = _s(
-        "", "file with the admin token for Shutdown (else env HYBRIDPS_ADMIN_TOKEN; neither: "
-        "Shutdown is refused)", SECURITY, "PATH")
+        "", "file with the admin token for Shutdown and DropRun (else env "
+        "HYBRIDPS_ADMIN_TOKEN; neither: both are refused)", SECURITY, "PATH")
     stats_without_token: bool = _s(False, "serve the read-only GetShardStats without a token",
                                    SECURITY)
+    generate_auth_token: bool = _s(
+        False, "with --auth-token-file: when that file does not exist, create it (mode 0600) "
+        "holding HYBRIDPS_AUTH_TOKEN if set, else a random token; workers then read the same "
+        "file (docker-compose.yml)", SECURITY)
+    insecure: bool = _s(
+        False, "allow listening on a non-loopback address without a token (anyone who "
+        "reaches the port can then register, push and checkpoint)", SECURITY)
     tls_cert: str = _s("", "PEM certificate (chain) of this server: serve TLS (with "
                        "--tls-key)", SECURITY, "PATH")
     tls_key: str = _s("", "PEM private key of --tls-cert", SECURITY, "PATH")
@@ -153,8 +185,17 @@ class ServerConfig:
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
         if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
             raise ValueError("--keepalive-time-ms and --keepalive-timeout-ms must be > 0")
-        if not self.run_idle_timeout_s >= 0:
-            raise ValueError(f"--run-idle-timeout-s {self.run_idle_timeout_s} must be >= 0")
+        for name in ("run_idle_timeout_s", "abort_grace_s", "finished_run_retention_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0 and finite")
+        if self.max_state_bytes < 0:
+            raise ValueError(f"--max-state-bytes {self.max_state_bytes} must be >= 0 "
+                             "(0: derived from the host's memory)")
+        if not self.checkpoint_root:
+            raise ValueError("--checkpoint-root must not be empty")
+        if self.generate_auth_token and not self.auth_token_file:
+            raise ValueError("--generate-auth-token needs --auth-token-file (where to write it)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

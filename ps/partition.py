@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
+import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -35,11 +38,13 @@ from hybridps.errors import (
     Conflict,
     InvalidArgument,
     NonFiniteGradient,
+    NonFiniteUpdate,
     NotSeeded,
     OutOfOrder,
     ResourceExhausted,
     RowOutOfRange,
 )
+from hybridps.names import describe_problem
 from hybridps.optim import (
     STATE_OFFSETS,
     OptimizerSpec,
@@ -47,13 +52,21 @@ from hybridps.optim import (
     apply_rows_,
     apply_update_,
     mark_rows_,
-    scan_push,
+    scan_push_max,
+    undo_rows_,
 )
+from ps.overflow import OverflowBound
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
 INT64_MAX = 2**63 - 1
-MAX_TABLE_NAME_LEN = 256  # answers reserve ~1 KiB per message for header fields
+# Shapes no host can hold, refused as invalid before any size arithmetic: 2^48 rows is
+# 10^5 times the largest tables in use, and a row of 2^20 floats is 4 MiB (a push of one
+# row must fit in a gRPC message). Below these, rows x dim x 12 bytes stays far from
+# int64 overflow, and --max-state-bytes decides what fits.
+MAX_TABLE_ROWS = 2**48
+MAX_DIM = 2**20
+SECRET_BYTES = 16  # 128 bits
 # Device row dtypes a rank may register; every one but float32 gets an fp32 master here.
 ROW_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -80,15 +93,14 @@ class TableSpec:
 
     def validate(self) -> None:
         where = f"table {self.name!r}"
-        if not self.name:
-            raise InvalidArgument("table name must not be empty")
-        if len(self.name) > MAX_TABLE_NAME_LEN:
-            raise InvalidArgument(f"table name of {len(self.name)} characters is longer than "
-                                  f"{MAX_TABLE_NAME_LEN}")
-        if self.num_rows <= 0:
-            raise InvalidArgument(f"{where}: num_rows={self.num_rows} must be > 0")
-        if self.dim <= 0:
-            raise InvalidArgument(f"{where}: dim={self.dim} must be > 0")
+        problem = describe_problem("table name", self.name)
+        if problem is not None:
+            raise InvalidArgument(problem)
+        if not 0 < self.num_rows <= MAX_TABLE_ROWS:
+            raise InvalidArgument(f"{where}: num_rows={self.num_rows} must be in "
+                                  f"[1, 2^48 = {MAX_TABLE_ROWS}]")
+        if not 0 < self.dim <= MAX_DIM:
+            raise InvalidArgument(f"{where}: dim={self.dim} must be in [1, 2^20 = {MAX_DIM}]")
         if not 0 <= self.row_start <= self.row_end <= self.num_rows:
             raise InvalidArgument(
                 f"{where}: row range [{self.row_start}, {self.row_end}) must satisfy "
@@ -98,6 +110,13 @@ class TableSpec:
     def describe(self) -> str:
         return (f"{self.name}(num_rows={self.num_rows}, dim={self.dim}, "
                 f"rows=[{self.row_start}, {self.row_end}))")
+
+    def state_bytes(self, has_moments: bool, master: bool) -> int:
+        """Host bytes a partition allocates for these rows (TableState): m and v
+        (float32), the fp32 master rows, one touched flag a row. Python ints: no
+        overflow, whatever the shape."""
+        per_row = 1 + 4 * self.dim * ((2 if has_moments else 0) + (1 if master else 0))
+        return self.rows_held * per_row
 
 
 class AnswerSink(Protocol):
@@ -268,6 +287,7 @@ class TableState:
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
+        self.bound = OverflowBound()
 
     @property
     def where(self) -> str:
@@ -315,13 +335,15 @@ class TableState:
         if not bool(torch.isfinite(rows_ND).all()):
             raise NonFiniteGradient(f"{what}: the master rows hold non-finite values")
         self.master[local:local + n].copy_(rows_ND)
+        self.bound.observe(None, None, rows_ND)
         self.rows_seeded = max(self.rows_seeded, local + n)
         return self.rows_seeded
 
     # -- validation (no state change) ------------------------------------------------
 
-    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> None:
-        """Raise if ids/grads are not a valid (part of a) coalesced push for this table."""
+    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> float:
+        """Raise if ids/grads are not a valid (part of a) coalesced push for this table;
+        returns the largest |gradient| (for `apply`'s overflow bound)."""
         spec = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidArgument(
@@ -342,8 +364,9 @@ class TableState:
                 f"{what}: grads have {grads.shape[0]} rows for {n} ids; they must match"
             )
         if n == 0:
-            return
-        bad, increasing, nonfinite = scan_push(ids, grads, spec.row_start, spec.row_end)
+            return 0.0
+        bad, increasing, nonfinite, grad_max = scan_push_max(ids, grads, spec.row_start,
+                                                             spec.row_end)
         if bad >= 0:
             bad_id = int(ids[bad])
             extra = " (int64 max)" if bad_id == INT64_MAX else ""
@@ -366,6 +389,7 @@ class TableState:
                 f"{what}: gradient of id {int(ids[row])} (row {row}, column {col}) is "
                 f"{float(grads[row, col])}; non-finite gradients are refused"
             )
+        return grad_max
 
     def classify_step(self, step: int, what: str) -> Answer | None:
         """None when `step` is the next one; the saved answer when it was applied before."""
@@ -397,13 +421,34 @@ class TableState:
     # -- the update ------------------------------------------------------------------
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
-              sink: AnswerSink | None = None) -> Answer:
+              sink: AnswerSink | None = None, grad_max: float = math.inf) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
-        written into `sink` too (PushChunk.sink)."""
+        written into `sink` too (PushChunk.sink). `grad_max`: the largest |gradient|
+        (check_rows); a push whose update could overflow float32 is applied checked and
+        refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound)."""
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
-        delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count, out=out)
+        checked = not self.bound.safe(self.optimizer, count, grad_max)
+        try:
+            delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count,
+                                       out=out, check_finite=checked)
+        except NonFiniteUpdate as exc:
+            raise NonFiniteUpdate(f"push step={step} {self.where}: {exc} (a gradient too "
+                                  "large for float32 state); refused, nothing changed") from None
+        if self.master is not None:
+            old_rows = self.master.index_select(0, local) if checked else None
+            apply_update_(self.master, local, delta, float(decay))
+            if old_rows is not None and not bool(
+                    torch.isfinite(self.master.index_select(0, local)).all()):
+                self.master.index_copy_(0, local, old_rows)
+                undo_rows_()
+                raise NonFiniteUpdate(f"push step={step} {self.where}: the update would make "
+                                      "the master rows non-finite; refused, nothing changed")
+        if checked:
+            self.bound.observe(self.m, self.v, self.master, local)
+        else:
+            self.bound.advance(self.optimizer, count, grad_max, float(decay))
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1
@@ -413,9 +458,8 @@ class TableState:
             self.distinct_touched += mark_rows_(self.touched, local)
         self.rate.add(n)
         if self.master is not None:
-            # The optimizer step lands on the fp32 master (exactly what the rank would do to
-            # fp32 rows); the rank gets the new rows rounded once to its row dtype.
-            apply_update_(self.master, local, delta, float(decay))
+            # The optimizer step landed on the fp32 master above (exactly what the rank would
+            # do to fp32 rows); the rank gets the new rows rounded once to its row dtype.
             new_rows = self.master.index_select(0, local).to(self.row_dtype)
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
                             decay=0.0, rows=True)
@@ -451,6 +495,10 @@ class Partition:
         self.optimizer = optimizer
         self.row_dtype = row_dtype
         self.lock = threading.Lock()
+        # Handed to the registering process only (Register's answer); every later call for
+        # this partition must carry it (check_secret). A new one at every Register, so a
+        # process of an older incarnation holds a secret that no longer opens anything.
+        self.secret = secrets.token_hex(SECRET_BYTES)
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
             t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,
@@ -464,6 +512,19 @@ class Partition:
 
     def specs(self) -> list[TableSpec]:
         return [t.spec for t in self.tables.values()]
+
+    def new_secret(self) -> str:
+        self.secret = secrets.token_hex(SECRET_BYTES)
+        return self.secret
+
+    def secret_matches(self, given: str) -> bool:
+        """Constant-time comparison with this partition's secret."""
+        return hmac.compare_digest(given.encode(), self.secret.encode())
+
+    @property
+    def state_bytes(self) -> int:
+        """Host bytes of this partition's optimizer state and master rows."""
+        return sum(t.state_bytes + t.master_bytes for t in self.tables.values())
 
     def difference(self, world_size: int, tables: list[TableSpec],
                    optimizer: OptimizerSpec,

@@ -20,22 +20,26 @@ from hybridps.errors import (
     AnswerEvicted,
     BadShmReference,
     Conflict,
+    CorruptCheckpoint,
     FlushTimeout,
     InvalidArgument,
     NotFound,
     NotRegistered,
     OutOfOrder,
+    PermissionDenied,
     ResourceExhausted,
     ShardError,
     StaleIncarnation,
     StaleShmEpoch,
+    WrongSecret,
 )
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker, check_finish
+from ps.maintenance import RunReaper
 from ps.partition import Answer, PushChunk, TableSpec
 from ps.shm import ArenaRegistry, ShmPush, ShmRef, resolve
-from ps.store import ServerStats, Store, kv
+from ps.store import ServerStats, Store, check_run_id, kv
 
 log = logging.getLogger("ps.service")
 
@@ -71,6 +75,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.ABORTED
     elif isinstance(exc, ResourceExhausted):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(exc, (PermissionDenied, WrongSecret)):
+        code = grpc.StatusCode.PERMISSION_DENIED
+    elif isinstance(exc, CorruptCheckpoint):
+        code = grpc.StatusCode.DATA_LOSS
     else:
         return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
     return code, str(exc)
@@ -340,6 +348,8 @@ def add_shard_service(servicer: ShardServicer, server: grpc.aio.Server) -> None:
 def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
     msg = admin_pb2.ShardStats(
         server_id=stats.server_id, uptime_s=stats.uptime_s,
+        runs_freed=stats.runs_freed, partitions_freed=stats.partitions_freed,
+        max_state_bytes=stats.max_state_bytes,
         state_bytes_total=stats.state_bytes_total,
         pushes_applied_total=stats.pushes_applied_total,
         rows_updated_total=stats.rows_updated_total,
@@ -353,11 +363,25 @@ def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
     return msg
 
 
+def add_run_stats(msg: admin_pb2.ShardStats, reaper: RunReaper, run_id: str = "") -> None:
+    for rid, run, over_for in reaper.tracker.snapshot(run_id):
+        registered, finished = run.summary()
+        msg.runs.add(run_id=rid, state=run.state, ranks_registered=registered,
+                     ranks_finished=finished, over_for_s=over_for,
+                     freed_in_s=(-1.0 if not run.over
+                                 else max(0.0, reaper.retention_s - over_for)),
+                     why=run.over)
+
+
 # -- servicers ----------------------------------------------------------------------
 
 def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float:
     """The request's timeout (0: server default), cut to end shortly before the
-    client's deadline, so the client gets our message rather than DEADLINE_EXCEEDED."""
+    client's deadline, so the client gets our message rather than DEADLINE_EXCEEDED.
+    InvalidArgument unless it is finite and >= 0."""
+    if not 0 <= requested_s < float("inf"):
+        raise InvalidArgument(f"timeout_s={requested_s} must be finite and >= 0 (0: the "
+                              "server's default)")
     remaining = context.time_remaining()
     if remaining is not None and (requested_s == 0 or remaining < requested_s):
         return max(remaining * 0.95, 1e-3)
@@ -586,8 +610,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def Flush(self, request: shard_pb2.FlushRequest,
                     context: grpc.aio.ServicerContext) -> shard_pb2.FlushResponse:
-        timeout = wait_timeout(request.timeout_s, context)
         try:
+            timeout = wait_timeout(request.timeout_s, context)
             applied = await self.core.flush(request.run_id, request.rank, request.step,
                                             timeout)
         except Exception as exc:
@@ -602,8 +626,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def Checkpoint(self, request: shard_pb2.CheckpointRequest,
                          context: grpc.aio.ServicerContext) -> shard_pb2.CheckpointResponse:
-        timeout = wait_timeout(request.timeout_s, context)
         try:
+            timeout = wait_timeout(request.timeout_s, context)
             saved = await self.core.checkpoint(request.run_id, list(request.ranks),
                                                request.step, request.directory, timeout)
         except Exception as exc:
@@ -642,9 +666,28 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(self, core: ShardCore,
-                 request_stop: Callable[[str, float], None] | None = None) -> None:
+                 request_stop: Callable[[str, float], None] | None = None,
+                 reaper: RunReaper | None = None) -> None:
         self.core = core
         self.request_stop = request_stop
+        self.reaper = reaper  # runs' retention and DropRun (ps/maintenance.py)
+
+    async def DropRun(self, request: admin_pb2.DropRunRequest,
+                      context: grpc.aio.ServicerContext) -> admin_pb2.DropRunResponse:
+        """Reached only with the admin token (ps/auth.py)."""
+        try:
+            if self.reaper is None:
+                raise InvalidArgument("this server cannot drop runs")
+            why = f"admin DropRun from {context.peer()}" + (
+                f": {request.reason}" if request.reason else "")
+            partitions, freed = self.reaper.drop(request.run_id, why)
+            if not partitions:
+                raise NotFound(f"drop run: run {request.run_id!r} holds no partition on this "
+                               "server")
+        except Exception as exc:
+            await abort_with(context, "DropRun", exc, run=request.run_id)
+            raise
+        return admin_pb2.DropRunResponse(partitions_freed=partitions, state_bytes_freed=freed)
 
     async def Shutdown(self, request: admin_pb2.ShutdownRequest,
                        context: grpc.aio.ServicerContext) -> admin_pb2.ShutdownResponse:
@@ -664,7 +707,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def GetShardStats(self, request: admin_pb2.ShardStatsRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.ShardStats:
         try:
-            return stats_message(self.core.stats(request.run_id))
+            if request.run_id:
+                check_run_id(request.run_id, "stats")
+            msg = stats_message(self.core.stats(request.run_id))
+            if self.reaper is not None:
+                add_run_stats(msg, self.reaper, request.run_id)
+            return msg
         except Exception as exc:
             await abort_with(context, "GetShardStats", exc, run=request.run_id)
             raise

@@ -8,7 +8,9 @@ RUN_DIR="${HYBRIDPS_RUN_DIR:-$ROOT/runs/default}"
 mkdir -p "$RUN_DIR"
 PORT_FILE="$RUN_DIR/ps.port"
 rm -f "$PORT_FILE"
-python -m ps --host 127.0.0.1 --port 0 --port-file "$PORT_FILE" &
+# Checkpoints (worker --checkpoint-dir) only inside the server's root: the repository.
+python -m ps --host 127.0.0.1 --port 0 --port-file "$PORT_FILE" \
+    --checkpoint-root "${HYBRIDPS_CHECKPOINT_ROOT:-$ROOT}" &
 PS_PID=$!
 trap 'kill -TERM $PS_PID 2>/dev/null || true; wait $PS_PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 100); do [ -s "$PORT_FILE" ] && break; sleep 0.1; done

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -356,7 +357,8 @@ class RawRank:
 
 @pytest.fixture
 def raw_rank(ps_address: str, request: pytest.FixtureRequest) -> Iterator[RawRank]:
-    rank = RawRank(ps_address, f"raw-{request.node.name}-{os.urandom(3).hex()}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]  # a valid run id
+    rank = RawRank(ps_address, f"raw-{safe}-{os.urandom(3).hex()}")
     try:
         yield rank
     finally:

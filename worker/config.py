@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from hybridps.cli import FlagConfig, check_settings, section, setting
 from hybridps.logs import AUTO, LOG_LEVELS
+from hybridps.names import describe_problem
 from worker.dense_options import DenseConfig
 from worker.nodes import node_ps_address, rank_layout, split_ps
 from worker.task_options import DlrmConfig, KgeConfig, SyntheticConfig, TablesConfig
@@ -172,6 +173,10 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.run_id:  # the server refuses other names; say so before anything starts
+            problem = describe_problem("run_id", self.run_id)
+            if problem is not None:
+                raise ValueError(problem)
         if self.local_optimizer and self.ps:
             raise ValueError(f"ps={self.ps!r} given together with --local-optimizer: pick one")
         if not self.local_optimizer:

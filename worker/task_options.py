@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from hybridps.cli import check_settings, setting
+from hybridps.names import describe_problem
 
 KgeModel = Literal["distmult", "complex", "keci", "qmult"]
 KgeTraining = Literal["kvsall", "negsample"]
@@ -26,6 +27,9 @@ def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
         if (len(parts) not in (2, 3) or not parts[0].isidentifier()
                 or not all(p.isdigit() for p in parts[1:])):
             raise ValueError(f"tables={spec!r}: entry {entry!r} is not NAME:ROWS[:POOL]")
+        problem = describe_problem("table name", parts[0])  # what the server accepts
+        if problem is not None:
+            raise ValueError(f"tables={spec!r}: {problem}")
         rows, pool = int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
         if rows < 1 or pool < 1:
             raise ValueError(f"tables={spec!r}: entry {entry!r} needs ROWS >= 1 and POOL >= 1")

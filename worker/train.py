@@ -29,7 +29,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
+from hybridps.cli import ConfigError
 from hybridps.logs import kv
+from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
 from worker import comm, faults
 from worker.checkpoint import Checkpointer
@@ -90,6 +92,9 @@ def resolve_run_id(cfg: TrainConfig, ctx: DistContext) -> str:
     run_id = cfg.sync.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id in ("", "none"):
         run_id = f"run-{uuid.uuid4().hex[:12]}"
+    problem = describe_problem("run id", run_id)
+    if problem is not None:  # --run-id was checked with the flags; this is torchrun's
+        raise ConfigError(f"TORCHELASTIC_RUN_ID: {problem}; pass --run-id")
     box = [run_id]
     if ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0)
@@ -179,7 +184,7 @@ class Trainer:
         t = self.times
         start = time.perf_counter()
         comm.reset_comm_seconds()
-        self.last_step = self.steps - 1  # earlier when stopped by a signal
+        self.last_step = self.start_step - 1  # the last step pushed (a Finish reports it)
         for step in range(self.start_step, self.steps):
             t0 = time.perf_counter()
             self.dense_parallel.prefetch()  # --prefetch-dense: all-gather under what follows
@@ -198,6 +203,7 @@ class Trainer:
             self.inputs.step_done(step)
             t5 = time.perf_counter()
             self.source.push(step, grads)  # handed to the sync thread; never blocks
+            self.last_step = step
             self.window.pushed(step, grads)
             faults.kill_point(rank, step)  # HYBRIDPS_FAULT_KILL: die with the push in flight
             t6 = time.perf_counter()

@@ -69,6 +69,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "dump_state": ("/tmp/s.pt", "/tmp/s.pt"),
     "progress": ("0", False),
     "pipeline": ("false", False),  # tests/test_pipeline.py
+    "pool_at": ("owner", "owner"),  # tests/test_pooled_e2e.py
     "auth_token_file": ("/tmp/token", "/tmp/token"),
     "tls": ("true", True),
     "tls_ca": ("/tmp/ca.pem", "/tmp/ca.pem"),

@@ -38,6 +38,7 @@ RowDtype = Literal["fp32", "bf16"]  # worker/embedding.py ROW_DTYPES maps them t
 WireDtype = Literal["fp32", "bf16", "fp16"]  # worker/sync.py WIRE_DTYPES maps them to torch
 Device = Literal["auto", "cpu", "cuda"]
 Compensation = Literal["none", "predict"]  # worker/staleness.py
+PoolAt = Literal["auto", "owner", "requester"]  # worker/embedding.py POOL_AT
 SameNode = Literal["auto", "off", "require", "stream"]
 # The client's own same-node arguments (ShardClient(shm=..., shm_socket=...)); the worker's
 # flags reach them only through SameNodeConfig.client_args.
@@ -100,6 +101,11 @@ class RunConfig:
         False, "make the next batch and exchange its ids (input dist) on a second thread "
         "while this step computes; the row lookup still waits for the staleness window (same "
         "results; measurements: docs/performance-log.md)")
+    pool_at: PoolAt = setting(
+        "auto", "where a pooled (bag) lookup is summed: owner (each owner sums its rows' part "
+        "of every bag and the B x D partial sums travel) | requester (the distinct rows "
+        "travel, U x D, and are pooled where they were asked) | auto (per table, whichever "
+        "moves fewer bytes on the first batch, summed over the ranks; worker/embedding.py)")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -117,7 +117,7 @@ class Trainer:
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
-            row_dtype=ROW_DTYPES[cfg.optim.row_dtype])
+            row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at)
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
@@ -349,6 +349,7 @@ class Trainer:
             "sync": sync_stats,
             "server_stats": server,
             "dense": self.dense_parallel.describe(),
+            "embedding": self.embedding.describe(),
             "checkpoint": {"save_s": self.checkpointer.save_s,
                            "restore_s": self.checkpointer.restore_s,
                            "resumed_step": self.checkpointer.resumed_step,

@@ -262,9 +262,10 @@ class DenseParallel:
     """
 
     def __init__(self, cfg: DenseConfig, ctx: DistContext, module: nn.Module,
-                 mesh_shape: tuple[int, ...]) -> None:
+                 mesh_shape: tuple[int, ...], wrapped: bool = True) -> None:
         self.cfg, self.ctx, self.module = cfg, ctx, module
         self.kind = cfg.dense_parallel
+        self.wrapped = wrapped  # False: one rank, the plain module (wrapper_needed)
         self.mesh_shape = mesh_shape
         sum_reduce = self.kind == "ddp" and cfg.ddp_grad_reduce == "sum"
         self.embedding_grad_scale = 1.0 if sum_reduce else 1.0 / ctx.world_size
@@ -352,6 +353,7 @@ class DenseParallel:
         cfg = self.cfg
         out: dict[str, Any] = {
             "parallel": self.kind, "mesh": list(self.mesh_shape), "compile": cfg.compile,
+            "wrapped": self.wrapped,
             "precision": cfg.precision, "embedding_grad_scale": self.embedding_grad_scale,
             "clip_grad_norm": cfg.clip_grad_norm,
             "grad_norm_last": (None if self.grad_norm_last is None
@@ -373,12 +375,31 @@ class DenseParallel:
         return out
 
 
+def wrapper_needed(cfg: DenseConfig, world_size: int) -> bool:
+    """Whether the dense wrapper does anything a plain module would not.
+
+    At world size 1 FSDP/HSDP have nothing to shard or gather and DDP nothing to average,
+    yet their hooks, flat buffers and (FSDP2) DTensor bookkeeping cost every step (the
+    plain `nn.EmbeddingBag` + SparseAdam loop pays none of it: issue 24's world-size-1
+    goal). What one rank still needs a wrapper for: mixed precision and a reduce dtype
+    (FSDP2's policy casts), CPU offload and --prefetch-dense (FSDP2 features)."""
+    return (world_size > 1 or cfg.precision != "fp32" or bool(cfg.reduce_dtype)
+            or cfg.dense_cpu_offload or cfg.prefetch_dense)
+
+
 def build_dense_parallel(cfg: DenseConfig, ctx: DistContext, dense: nn.Module,
-                         units: list[nn.Module] | None = None) -> DenseParallel:
-    """Compile (--compile) and wrap `dense` (already on ctx.device) per --dense-parallel."""
+                         units: list[nn.Module] | None = None, *,
+                         plain_at_one_rank: bool = False) -> DenseParallel:
+    """Compile (--compile) and wrap `dense` (already on ctx.device) per --dense-parallel.
+
+    `plain_at_one_rank` (the training loop): at world size 1 leave the module unwrapped
+    when the wrapper would change nothing (`wrapper_needed`); the results are bitwise
+    those of the wrapped module (tests/test_one_rank.py)."""
     check_dense_parallel(cfg, ctx.world_size, ctx.local_world_size, ctx.device)
     if cfg.compile:
         compile_dense(dense, units)
+    if plain_at_one_rank and not wrapper_needed(cfg, ctx.world_size):
+        return DenseParallel(cfg, ctx, dense, (1,), wrapped=False)
     wrapped: nn.Module
     if cfg.dense_parallel == "ddp":
         wrapped = apply_ddp(dense, ctx.device, ctx.mesh.get_group(),

@@ -121,7 +121,8 @@ class Trainer:
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
-                                                   self.task.fsdp_units(dense))
+                                                   self.task.fsdp_units(dense),
+                                                   plain_at_one_rank=True)
         self.model = HybridModel(self.embedding, self.dense_parallel.module)
         self.dense_opt = make_dense_optimizer(cfg, self.dense_parallel.module.parameters())
         spec = self.sparse_spec = sparse_optimizer_spec(cfg)

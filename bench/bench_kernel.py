@@ -18,7 +18,7 @@ thread count (1, 2):
   (d) the native kernel through the public dispatch hybridps.optim.apply_rows_ with a
       reused output buffer (so the Python-side checks are included): "native" on
       state from torch.zeros (4 KiB pages: what a plain torch allocation gives), and
-      "native_thp" on state from hybridps.optim.alloc_state (transparent huge pages, and
+      "native_thp" on state from hybridps.state_alloc.alloc_state (transparent huge pages, and
       m, v at different offsets past 2 MiB, so m[id] and v[id] never share an L1 set:
       the server's layout); "native_thp_checked" is native_thp with check_finite=True,
       what the server runs: the old m, v rows are stored in a per-thread snapshot as the
@@ -51,6 +51,7 @@ import torch
 from harness import bench_parser, log, machine, write_json  # bench/ is sys.path[0]
 
 import hybridps.optim as optim
+import hybridps.state_alloc as state_alloc
 from hybridps import native
 from hybridps.optim import OptimizerSpec
 
@@ -124,7 +125,7 @@ class Buffers:
         self.m = torch.zeros(n)
         self.v = torch.zeros(n)
         self.weight = torch.zeros(n).uniform_(-0.1, 0.1)  # the nn.Embedding table
-        # ... and from hybridps.optim.alloc_state (transparent huge pages, and each table at
+        # ... and from hybridps.state_alloc.alloc_state (transparent huge pages, and each table at
         # its offset past 2 MiB, as the server allocates them) for "native_thp" and
         # "sparse_adam_thp".
         self.m_thp = self._server_state(n, "m") if thp else None
@@ -135,7 +136,7 @@ class Buffers:
 
     @staticmethod
     def _server_state(n: int, which: str) -> torch.Tensor:
-        return optim.alloc_state(n, 1, offset=optim.STATE_OFFSETS[which]).view(-1)
+        return state_alloc.alloc_state(n, 1, offset=state_alloc.STATE_OFFSETS[which]).view(-1)
 
     def tables(self) -> list[torch.Tensor]:
         return [t for t in (self.m, self.v, self.weight, self.m_thp, self.v_thp,
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--triad-mib", type=int, default=256, help="MiB per triad array")
     p.add_argument("--no-thp", action="store_true",
-                   help="skip the *_thp rows (tables from hybridps.optim.alloc_state, huge pages)")
+                   help="skip the *_thp rows (tables from state_alloc.alloc_state, huge pages)")
     args = p.parse_args(argv)
     if args.quick:
         args.dims, args.batches = "64", "4096,65536"

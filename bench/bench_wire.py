@@ -8,7 +8,7 @@
 
 Side by side in one run, for each dim (64, 128) and batch of unique rows (4k, 16k, 64k):
   (a) kernel: the sparse-Adam step of hybridps.optim.apply_rows_ in this process (the native
-      kernel when built, on hybridps.optim.alloc_state tables, reused output buffer), at the
+      kernel when built, on hybridps.state_alloc.alloc_state tables, reused output buffer), at the
       server's kernel thread count, with the same validation the server does per push
       (range, duplicates, finiteness) left out: the kernel alone, the bar to reach;
   (b) wire: push -> update through a real Sync stream against a real `python -m ps`
@@ -59,6 +59,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 import hybridps.optim as optim  # noqa: E402
+import hybridps.state_alloc as state_alloc  # noqa: E402
 from hybridps.optim import OptimizerSpec  # noqa: E402
 
 GOAL_ROWS = 0.7
@@ -106,8 +107,9 @@ class Batches:
 # -- (a) the kernel in this process -----------------------------------------------------
 
 def kernel_rate(rows: int, dim: int, batch: int, seconds: float, threads: int) -> float:
-    m = optim.alloc_state(rows, dim, offset=optim.STATE_OFFSETS["m"])  # as the server does
-    v = optim.alloc_state(rows, dim, offset=optim.STATE_OFFSETS["v"])
+    # m and v as the server allocates them
+    m = state_alloc.alloc_state(rows, dim, offset=state_alloc.STATE_OFFSETS["m"])
+    v = state_alloc.alloc_state(rows, dim, offset=state_alloc.STATE_OFFSETS["v"])
     data = Batches(rows, dim, batch, 8, seed=dim + batch)
     out = torch.empty(batch, dim)
     step = 0

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 
 from hybridps.errors import InvalidArgument, NonFiniteUpdate
@@ -205,6 +204,11 @@ def set_kernel(choice: str = "auto") -> str:
     return kernel_name()
 
 
+def native_in_use() -> ModuleType | None:
+    """The native extension when the native kernels are in use (`set_kernel`), else None."""
+    return _native
+
+
 def kernel_name() -> str:
     """'native' or 'torch': which row kernels apply_rows_ / apply_update_ use."""
     return "native" if _native is not None else "torch"
@@ -262,52 +266,9 @@ def _threads_from_env() -> int | None:
     return n or None
 
 
-HUGEPAGE_MIN_BYTES = 4 << 20
-HUGEPAGE_BYTES = 2 << 20
-# Where each array a row kernel reads at the same row sits past a 2 MiB boundary
-# (alloc_state's `offset`): m, v and the master row of one id fall in different L1 sets.
-# "rows": a CPU rank's own embedding rows (worker/embedding.py).
-STATE_OFFSETS = {"m": 0, "v": 2048, "master": 1024, "rows": 3072}
-
-
-def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0,
-                zero: bool = True) -> torch.Tensor:
-    """A float32 [rows, dim] CPU tensor for optimizer state or embedding rows, zeroed
-    unless `zero=False` (a large table's memory is then left untouched, as torch.empty
-    leaves it, for a caller that writes every element itself).
-
-    Tables of HUGEPAGE_MIN_BYTES or more start `offset` bytes (a multiple of 64, below
-    4096) past a 2 MiB boundary, and their storage is exactly the table (a save writes
-    no slack). Why: the update kernel reads m[id] and v[id] together, and two tables
-    allocated one after the other sit a whole number of pages apart, so m[id] and v[id]
-    share an L1 set; with power-of-two table sizes they also share the way predictor's
-    tag on this machine's AMD cores, and bench/bench_wire.py's 2^19 x 64 tables updated
-    at 6.7 M rows/s instead of 16-18 (STATE_OFFSETS gives each array its own offset).
-
-    With `hugepages` (Linux, extension built) the memory is advised for transparent
-    huge pages before it is first touched. The row kernels touch random rows of
-    tables far beyond the reach of the TLB with 4 KiB pages, and in a VM each TLB
-    miss is a two-level page walk: bench/bench_kernel.py measured the native update
-    1.2-1.7x faster on such tables (more right after allocation).
-    """
-    if offset % 64 or not 0 <= offset < 4096:
-        raise ValueError(f"offset {offset} must be a multiple of 64 in [0, 4096)")
-    nbytes = rows * dim * 4
-    if nbytes < HUGEPAGE_MIN_BYTES:
-        return torch.zeros(rows, dim, dtype=torch.float32)
-    raw = np.empty(nbytes + HUGEPAGE_BYTES + offset, dtype=np.uint8)
-    start = (-raw.ctypes.data) % HUGEPAGE_BYTES + offset
-    # from_numpy of the slice: the tensor's storage is the slice (it keeps `raw` alive)
-    t = torch.from_numpy(raw[start:start + nbytes].view(np.float32).reshape(rows, dim))
-    ext, _ = _native_module()
-    if hugepages and ext is not None:
-        ext.advise_hugepages(t.data_ptr(), nbytes)
-    return t.zero_() if zero else t
-
-
 # -- dispatch ---------------------------------------------------------------------------
 
-def _is_cpu_f32(t: torch.Tensor) -> bool:
+def is_cpu_f32(t: torch.Tensor) -> bool:
     # (.is_cpu, not .device.type: the server asks this several times a push, and
     # building a torch.device to read its type costs 5x more.)
     return t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
@@ -331,7 +292,7 @@ def _delta_buffer(out: torch.Tensor | None, n: int, dim: int,
     """The [n, dim] delta: a view of `out` (reused, no allocation) or a new tensor."""
     if out is None:
         return torch.empty(n, dim, dtype=torch.float32)
-    if not _is_cpu_f32(out) or out.numel() < n * dim:
+    if not is_cpu_f32(out) or out.numel() < n * dim:
         raise ValueError(
             f"out must be a contiguous CPU float32 tensor of at least {n}x{dim} elements, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
@@ -414,7 +375,7 @@ def _apply_rows_native(
     check_finite: bool = False,
 ) -> tuple[torch.Tensor, float] | None:
     """The native step, or None when these tensors are not for the C loops."""
-    if not _is_cpu_f32(grads_UD) or grads_UD.dim() != 2:
+    if not is_cpu_f32(grads_UD) or grads_UD.dim() != 2:
         return None
     n, dim = grads_UD.shape
     threads = num_threads if num_threads is not None else kernel_threads()
@@ -428,7 +389,7 @@ def _apply_rows_native(
     if m_RD is None or v_RD is None:
         return None
     ids = _int64_ids(ids_U)
-    if (ids is None or ids.shape[0] != n or not _is_cpu_f32(m_RD) or not _is_cpu_f32(v_RD)
+    if (ids is None or ids.shape[0] != n or not is_cpu_f32(m_RD) or not is_cpu_f32(v_RD)
             or m_RD.dim() != 2 or m_RD.shape != v_RD.shape or m_RD.shape[1] != dim
             or (m_RD.numel() and _overlaps(m_RD, v_RD))):
         return None
@@ -496,7 +457,7 @@ def apply_update_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Te
                   decay: float, *, num_threads: int | None = None) -> None:
     """rows[ids] = rows[ids] * decay + delta, on the rows' device and dtype (ids unique)."""
     ext = _native
-    if (ext is not None and _is_cpu_f32(rows_RD) and rows_RD.dim() == 2
+    if (ext is not None and is_cpu_f32(rows_RD) and rows_RD.dim() == 2
             and not (rows_RD.requires_grad and torch.is_grad_enabled())):
         delta = delta_UD.to(device=rows_RD.device, dtype=rows_RD.dtype).contiguous()
         ids = _int64_ids(ids_U.to(device=rows_RD.device))
@@ -508,71 +469,6 @@ def apply_update_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Te
                              delta.data_ptr(), float(decay), threads)
             return
     apply_update_torch_(rows_RD, ids_U, delta_UD, decay)
-
-
-# -- push checks and row marks (the server's per-push bookkeeping) ------------------------
-
-def scan_push(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
-              hi: int) -> tuple[int, bool, int]:
-    """(first position of an id outside [lo, hi) or -1, whether the ids strictly
-    increase, first non-finite element of grads (flat, row-major) or -1).
-
-    `ids_U` int64 [U], `grads_UD` float32 [U, D] (the caller checked dtypes and shapes).
-    The native kernels do it in one allocation-free pass over each; the torch path
-    allocates [U] masks. After a bad id the other two are (False, -1).
-    """
-    ext = _native
-    if (ext is not None and ids_U.is_cpu and ids_U.is_contiguous()
-            and _is_cpu_f32(grads_UD)):
-        return ext.scan_push(ids_U.data_ptr(), ids_U.shape[0], lo, hi, grads_UD.data_ptr(),
-                             grads_UD.numel())
-    return _scan_push_torch(ids_U, grads_UD, lo, hi)
-
-
-def scan_push_max(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
-                  hi: int) -> tuple[int, bool, int, float]:
-    """scan_push, plus an upper bound of |gradient| (at most 2^-7 relative above the
-    largest; 0.0 when another check failed first), in the same pass on the native path."""
-    ext = _native
-    if (ext is not None and ids_U.is_cpu and ids_U.is_contiguous()
-            and _is_cpu_f32(grads_UD)):
-        return ext.scan_push(ids_U.data_ptr(), ids_U.shape[0], lo, hi, grads_UD.data_ptr(),
-                             grads_UD.numel(), 1)
-    bad, increasing, nonfinite = _scan_push_torch(ids_U, grads_UD, lo, hi)
-    if bad >= 0 or nonfinite >= 0 or grads_UD.numel() == 0:
-        return bad, increasing, nonfinite, 0.0
-    return bad, increasing, nonfinite, float(grads_UD.abs().amax())
-
-
-def _scan_push_torch(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
-                     hi: int) -> tuple[int, bool, int]:
-    n = ids_U.shape[0]
-    if n == 0:
-        return -1, True, -1
-    low, high = (int(x) for x in torch.aminmax(ids_U))  # two scalars, no [U] temporaries
-    if low < lo or high >= hi:
-        return int(((ids_U < lo) | (ids_U >= hi)).nonzero()[0, 0]), False, -1
-    increasing = n < 2 or bool((ids_U[1:] > ids_U[:-1]).all())
-    # A finite sum implies finite elements (inf and NaN propagate through +), and a sum
-    # allocates nothing, where isfinite() makes a [U, dim] mask; only a non-finite sum
-    # (a bad element, or an overflow of finite ones) takes the exact check.
-    if math.isfinite(float(grads_UD.sum())):
-        return -1, increasing, -1
-    bad = (~torch.isfinite(grads_UD)).reshape(-1).nonzero()
-    return -1, increasing, int(bad[0, 0]) if bad.numel() else -1
-
-
-def mark_rows_(flags_R: torch.Tensor, ids_U: torch.Tensor) -> int:
-    """flags[ids] = True (bool [R], unique local ids); returns how many were False."""
-    ext = _native
-    if (ext is not None and flags_R.is_cpu and flags_R.dtype == torch.bool
-            and flags_R.is_contiguous() and ids_U.is_cpu
-            and ids_U.dtype == torch.int64 and ids_U.is_contiguous()):
-        return int(ext.mark_rows(flags_R.data_ptr(), flags_R.shape[0], ids_U.data_ptr(),
-                                 ids_U.shape[0]))
-    fresh = int((~flags_R.index_select(0, ids_U)).sum()) if ids_U.numel() else 0
-    flags_R.index_fill_(0, ids_U, True)
-    return fresh
 
 
 set_kernel(os.environ.get(KERNEL_ENV, "auto"))

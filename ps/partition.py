@@ -45,16 +45,9 @@ from hybridps.errors import (
     RowOutOfRange,
 )
 from hybridps.names import describe_problem
-from hybridps.optim import (
-    STATE_OFFSETS,
-    OptimizerSpec,
-    alloc_state,
-    apply_rows_,
-    apply_update_,
-    mark_rows_,
-    scan_push_max,
-    undo_rows_,
-)
+from hybridps.optim import OptimizerSpec, apply_rows_, apply_update_, undo_rows_
+from hybridps.push_checks import mark_rows_, scan_push_max
+from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from ps.overflow import OverflowBound
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
@@ -259,7 +252,7 @@ class TableState:
             if optimizer.has_moments:
                 # Huge pages where available (the kernel touches random rows of tables far
                 # beyond the TLB's reach), and m[id], v[id] in different L1 sets
-                # (hybridps.optim.alloc_state; zeroed like torch.zeros).
+                # (hybridps.state_alloc.alloc_state; zeroed like torch.zeros).
                 self.m: torch.Tensor | None = alloc_state(rows, dim,
                                                           offset=STATE_OFFSETS["m"])
                 self.v: torch.Tensor | None = alloc_state(rows, dim,

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 import hybridps.optim as optim
+import hybridps.push_checks as push_checks
+import hybridps.state_alloc as state_alloc
 from hybridps import native
 from hybridps.optim import OptimizerSpec
 from ps.partition import TableSpec, TableState
@@ -274,11 +276,11 @@ def test_scan_push_native_equals_torch() -> None:
     cases = list(_scan_cases())
     assert len(cases) > 80
     for case, ids, grads, lo, hi in cases:
-        ref = optim._scan_push_torch(ids, grads, lo, hi)
+        ref = push_checks._scan_push_torch(ids, grads, lo, hi)
         got = native.ext.scan_push(ids.data_ptr(), ids.shape[0], lo, hi, grads.data_ptr(),
                                    grads.numel())
         assert got == ref, case
-        assert optim.scan_push(ids, grads, lo, hi) == ref, case  # the dispatch
+        assert push_checks.scan_push(ids, grads, lo, hi) == ref, case  # the dispatch
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
@@ -289,12 +291,12 @@ def test_mark_rows_counts_fresh_rows(kernel: str) -> None:
     optim.set_kernel(kernel)
     try:
         flags = torch.zeros(50, dtype=torch.bool)
-        assert optim.mark_rows_(flags, torch.tensor([3, 9, 4], dtype=torch.int64)) == 3
-        assert optim.mark_rows_(flags, torch.tensor([9, 10], dtype=torch.int64)) == 1
-        assert optim.mark_rows_(flags, torch.tensor([], dtype=torch.int64)) == 0
+        assert push_checks.mark_rows_(flags, torch.tensor([3, 9, 4], dtype=torch.int64)) == 3
+        assert push_checks.mark_rows_(flags, torch.tensor([9, 10], dtype=torch.int64)) == 1
+        assert push_checks.mark_rows_(flags, torch.tensor([], dtype=torch.int64)) == 0
         assert flags.nonzero().view(-1).tolist() == [3, 4, 9, 10]
         with pytest.raises(IndexError):
-            optim.mark_rows_(flags, torch.tensor([2, 50], dtype=torch.int64))
+            push_checks.mark_rows_(flags, torch.tensor([2, 50], dtype=torch.int64))
         assert flags.nonzero().view(-1).tolist() == [3, 4, 9, 10]  # nothing marked
     finally:
         optim.set_kernel(before)
@@ -399,8 +401,9 @@ def test_set_kernel_torch_never_calls_the_extension(monkeypatch: pytest.MonkeyPa
             delta, decay = optim.apply_rows_(spec, m, v, torch.tensor([1, 2]),
                                              torch.ones(2, 4), 1)
             optim.apply_update_(m, torch.tensor([1, 2]), delta, decay)
-        assert optim.scan_push(torch.tensor([1, 2]), torch.ones(2, 4), 0, 10) == (-1, True, -1)
-        assert optim.mark_rows_(torch.zeros(10, dtype=torch.bool), torch.tensor([1, 2])) == 2
+        ids = torch.tensor([1, 2])
+        assert push_checks.scan_push(ids, torch.ones(2, 4), 0, 10) == (-1, True, -1)
+        assert push_checks.mark_rows_(torch.zeros(10, dtype=torch.bool), ids) == 2
     finally:
         monkeypatch.undo()
         optim.set_kernel(before)
@@ -421,18 +424,18 @@ def test_native_required_but_missing_is_an_error(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize("hugepages", [True, False])
 def test_alloc_state_is_zeroed_float32(hugepages: bool) -> None:
-    t = optim.alloc_state(3 << 16, 16, hugepages=hugepages)  # 12 MiB: advised when built
+    t = state_alloc.alloc_state(3 << 16, 16, hugepages=hugepages)  # 12 MiB: advised when built
     assert t.shape == (3 << 16, 16) and t.dtype == torch.float32 and t.is_contiguous()
     assert not t.any()
-    assert optim.alloc_state(0, 8).shape == (0, 8)
+    assert state_alloc.alloc_state(0, 8).shape == (0, 8)
 
 
 @pytest.mark.parametrize("offset", [0, 1024, 2048])
 def test_alloc_state_places_the_table_at_its_offset(offset: int, tmp_path: Path) -> None:
     """Past a 2 MiB boundary by `offset`, storage exactly the table (a save adds no slack)."""
     rows, dim = 3 << 16, 16
-    t = optim.alloc_state(rows, dim, offset=offset)
-    assert t.data_ptr() % optim.HUGEPAGE_BYTES == offset
+    t = state_alloc.alloc_state(rows, dim, offset=offset)
+    assert t.data_ptr() % state_alloc.HUGEPAGE_BYTES == offset
     assert t.untyped_storage().nbytes() == rows * dim * 4 and not t.any()
     t[-1] = 7.0  # the last row is writable and the table is its own storage
     torch.save(t, tmp_path / "t.pt")
@@ -443,7 +446,7 @@ def test_alloc_state_places_the_table_at_its_offset(offset: int, tmp_path: Path)
 @pytest.mark.parametrize("offset", [-64, 32, 4096])
 def test_alloc_state_refuses_a_bad_offset(offset: int) -> None:
     with pytest.raises(ValueError, match=f"offset {offset} must be"):
-        optim.alloc_state(8, 8, offset=offset)
+        state_alloc.alloc_state(8, 8, offset=offset)
 
 
 def test_server_state_tables_never_share_l1_sets() -> None:
@@ -463,11 +466,11 @@ def test_cpu_rank_rows_are_allocated_like_server_state() -> None:
     emb = ShardedEmbedding([TableConfig("big", rows, dim), TableConfig("small", 100, dim)],
                            seed=3, init_std=0.5)
     big = emb.weights["big"].data
-    assert big.data_ptr() % optim.HUGEPAGE_BYTES == optim.STATE_OFFSETS["rows"]
+    assert big.data_ptr() % state_alloc.HUGEPAGE_BYTES == state_alloc.STATE_OFFSETS["rows"]
     assert big.untyped_storage().nbytes() == rows * dim * 4
     # the values do not depend on where they are stored: chunk by chunk, seeded per chunk
     assert torch.equal(big[:5], init_rows(rows, dim, 0, 5, seed=3, table_index=0,
                                           init_std=0.5))
     assert torch.isfinite(big).all() and 0.45 < big.std().item() < 0.55
     assert emb.weights["small"].shape == (100, dim)
-    assert len(set(optim.STATE_OFFSETS.values())) == len(optim.STATE_OFFSETS)
+    assert len(set(state_alloc.STATE_OFFSETS.values())) == len(state_alloc.STATE_OFFSETS)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridps.optim import STATE_OFFSETS, alloc_state
+from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.input_dist import owner_of
 
 INIT_CHUNK_ROWS = 65536
@@ -78,7 +78,7 @@ def init_rows(num_rows: int, dim: int, start: int, end: int, *, seed: int, table
               init_std: float) -> torch.Tensor:
     """rows [end-start, dim] (float32, CPU) of the global table, world-size independent.
 
-    A large block is allocated like the server's state (hybridps.optim.alloc_state: huge
+    A large block is allocated like the server's state (hybridps.state_alloc.alloc_state: huge
     pages, 2 MiB-aligned): on a CPU rank these are the rows themselves, gathered and
     updated at random every step, and on 4 KiB pages a 25M x 16 table's gather +
     update of 4k rows took ~300 us instead of ~225 us (one thread, this 2-core VM)."""

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from hybridps.optim import STATE_OFFSETS, OptimizerSpec, alloc_state, apply_rows_, apply_update_
+from hybridps.optim import OptimizerSpec, apply_rows_, apply_update_
+from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.embedding import ShardedEmbedding
 from worker.staleness import RowPredictor
 

@@ -56,22 +56,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from hybridps.checkpoint import (
     MANIFEST,
@@ -79,7 +69,6 @@ from hybridps.checkpoint import (
     OptimState,
     ShardInfo,
     complete_checkpoints,
-    file_crc32,
     load_optim_state,
     load_rows,
     manifest_shards,
@@ -89,11 +78,11 @@ from hybridps.checkpoint import (
     save_shard,
     save_torch,
     step_dir,
-    verify_entry,
     verify_files,
     write_manifest,
 )
 from hybridps.errors import ShardError
+from worker.checkpoint_dense import DENSE_DIR, restore_dense, save_dense
 from worker.console import checkpoint_entry, human_bytes
 from worker.faults import fault_point
 from worker.sync import ShardClient
@@ -109,7 +98,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("worker.checkpoint")
 
-DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
 PENDING_FORMAT = "hybridps-pending-v1"
 
 
@@ -244,7 +232,8 @@ class Checkpointer:
         optim = self._save_optim(step, directory)
         fault_point(self.rank, step, "optim")
         t_optim = time.perf_counter()
-        dense_info = self._save_dense(directory)
+        dense_info = save_dense(self.t.model.dense, self.t.dense_opt,
+                                self.t.dense_parallel.scaler, directory, self.rank)
         fault_point(self.rank, step, "dense")
         mine = {name: {"rank": self.rank, "row_start": rows[name].row_start,
                        "row_end": rows[name].row_end,
@@ -380,53 +369,6 @@ class Checkpointer:
                 optimizer=opt)
         return out
 
-    def _save_dense(self, directory: Path) -> dict[str, Any]:
-        """The dense part + its optimizer as a DCP checkpoint in `dense/` (collective).
-
-        Sharded state dicts: each rank writes only its own FSDP shards (nothing is gathered
-        on rank 0), and DCP's metadata lets a run of any world size read the pieces it
-        needs. Returns the manifest entry (on rank 0; {} elsewhere): every DCP file with
-        its size and crc32 (dcp.save has returned on rank 0 only after every rank's writes
-        finished), and the fp16 GradScaler's state, identical on all ranks.
-        """
-        tr = self.t
-        state = {"model": get_model_state_dict(tr.model.dense),
-                 "optim": get_optimizer_state_dict(tr.model.dense, tr.dense_opt)}
-        dcp.save(state, checkpoint_id=directory / DENSE_DIR)
-        if self.rank != 0:
-            return {}
-        scaler = tr.dense_parallel.scaler
-        files = sorted(p for p in (directory / DENSE_DIR).iterdir() if p.is_file())
-        return {"format": "dcp", "dir": DENSE_DIR,
-                "files": [{"file": f"{DENSE_DIR}/{p.name}", "bytes": p.stat().st_size,
-                           "crc32": file_crc32(p)} for p in files],
-                "grad_scaler": None if scaler is None else scaler.state_dict()}
-
-    def _restore_dense(self, directory: Path, entry: dict[str, Any]) -> None:
-        """Dense weights, dense optimizer and the loss scaler from a manifest entry."""
-        tr = self.t
-        dense, opt = tr.model.dense, tr.dense_opt
-        # (every file was verified by resume_target before anything was loaded)
-        if "file" in entry:  # written before DCP: full state dicts in one torch.save file
-            blob = torch.load(directory / entry["file"], map_location="cpu",
-                              weights_only=False)
-            full = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(dense, blob["model"], options=full)
-            set_optimizer_state_dict(dense, opt, blob["optimizer"], options=full)
-        else:
-            state: dict[str, Any] = {"model": get_model_state_dict(dense),
-                                     "optim": get_optimizer_state_dict(dense, opt)}
-            dcp.load(state, checkpoint_id=directory / entry["dir"])  # reads only our shards
-            set_model_state_dict(dense, state["model"])
-            set_optimizer_state_dict(dense, opt, state["optim"])
-        scaler, saved = tr.dense_parallel.scaler, entry.get("grad_scaler")
-        if scaler is not None and saved:
-            scaler.load_state_dict(saved)  # else a fresh scale would skip steps again
-        elif scaler is not None:
-            log.warning("rank %d: checkpoint %s has no loss scaler state (saved without "
-                        "--precision fp16): the scale starts at --loss-scale-init %g",
-                        self.rank, directory, self.cfg.dense.loss_scale_init)
-
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
@@ -485,7 +427,8 @@ class Checkpointer:
                 if v is not None and state.v is not None:
                     v.copy_(state.v)
                 source.counts[name] = state.adam_step
-        self._restore_dense(directory, manifest["dense"])
+        restore_dense(self.t.model.dense, self.t.dense_opt, self.t.dense_parallel.scaler,
+                      directory, manifest["dense"], self.cfg.dense.loss_scale_init)
         self.resumed_step = step
         self.restore_s = time.perf_counter() - t0
         log.info("rank %d: resumed from %s (step %d, saved by world %d) in %.2fs", self.rank,
@@ -552,23 +495,5 @@ class Checkpointer:
                      directory)
 
 
-def read_dense_full(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    """{"model": plain full state dict, ...} of a manifest's dense entry, in one process
-    with no process group (export): DCP's own converter to a torch.save file."""
-    if "file" in entry:  # written before DCP
-        _verify_entry(directory, entry)
-        return dict(torch.load(directory / entry["file"], map_location="cpu",
-                               weights_only=False))
-    for f in entry["files"]:
-        _verify_entry(directory, f)
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(directory / entry["dir"], Path(tmp) / "dense.pt")
-        return dict(torch.load(Path(tmp) / "dense.pt", map_location="cpu", weights_only=False))
-
-
 def _file_entry(info: ShardInfo) -> dict[str, Any]:
     return {"file": info.file, "bytes": info.bytes, "crc32": info.crc32}
-
-
-def _verify_entry(directory: Path, entry: dict[str, Any]) -> None:
-    verify_entry(directory, entry)  # CorruptCheckpoint naming the file

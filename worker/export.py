@@ -33,7 +33,8 @@ DENSE_PREFIX = "dense."
 
 def export_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], int]:
     """(the plain state_dict, the checkpoint's step) of a checkpoint directory or root."""
-    from worker.checkpoint import find_checkpoint, read_dense_full
+    from worker.checkpoint import find_checkpoint
+    from worker.checkpoint_dense import read_dense_full
 
     directory = find_checkpoint(checkpoint)
     if directory is None:

@@ -66,9 +66,17 @@ from worker.input_dist import (
     make_requests,
     owner_of,
     owner_work,
-    unique_inverse,
 )
-from worker.rows import INIT_CHUNK_ROWS, Routing, TableConfig, init_rows, route, row_range
+from worker.rows import (
+    INIT_CHUNK_ROWS,
+    Routing,
+    TableConfig,
+    coalesce_grads,
+    init_rows,
+    initial_blocks,
+    route,
+    row_range,
+)
 
 __all__ = ["ID_BITS", "ID_MASK", "INIT_CHUNK_ROWS", "POOLING_MODES", "POOL_AT", "ROW_DTYPES",
            "InputDist", "Routing", "ShardedEmbedding", "TableConfig", "init_rows", "owner_of",
@@ -91,43 +99,6 @@ class RowOffsets(Protocol):
 def _plan_key(names: Sequence[str], ids: Sequence[torch.Tensor],
               offsets: Sequence[torch.Tensor | None]) -> tuple[object, ...]:
     return (*names, *(id(i) for i in ids), *(id(o) for o in offsets))
-
-
-def _coalesce(grads: Sequence[tuple[torch.Tensor, torch.Tensor, int]]
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sparse row gradient (rows_N, values_ND, rows of its table) of tables of one
-    width: (rows_U sorted distinct, values_UD summed per row).
-
-    All of them in ONE sort (`unique_inverse`, the tables' rows side by side): on the CPU it
-    is several times faster than torch's own coalesce, and one call for DLRM's 26 tables
-    instead of 26 (docs/performance-log.md). Duplicates are summed in the order they came
-    (index_add_). A lone gradient made coalesced (PoolAtOwner's: rows sorted and distinct;
-    the flag does not survive autograd's accumulation) is taken as it is."""
-    if len(grads) == 1:
-        rows_N, values_ND, num_rows = grads[0]
-        if bool((rows_N[1:] > rows_N[:-1]).all()):
-            return [(rows_N, values_ND)]
-        uniq_U, inverse_N = unique_inverse(rows_N, num_rows)
-        summed_UD = values_ND.new_zeros((uniq_U.numel(), values_ND.shape[1]))
-        return [(uniq_U, summed_UD.index_add_(0, inverse_N, values_ND))]
-    sizes = [rows_N.numel() for rows_N, _, _ in grads]
-    firsts = [0]
-    for _, _, num_rows in grads:
-        firsts.append(firsts[-1] + num_rows)
-    device = grads[0][0].device
-    first_T = torch.tensor(firsts[:-1], dtype=torch.int64, device=device)
-    keys_N = torch.cat([rows_N for rows_N, _, _ in grads]) + torch.repeat_interleave(
-        first_T, torch.tensor(sizes, device=device), output_size=sum(sizes))
-    values_ND = torch.cat([values for _, values, _ in grads])
-    uniq_U, inverse_N = unique_inverse(keys_N, firsts[-1])
-    summed_UD = values_ND.new_zeros((uniq_U.numel(), values_ND.shape[1]))
-    summed_UD.index_add_(0, inverse_N, values_ND)
-    ends = [*torch.bucketize(first_T, uniq_U).tolist()[1:], uniq_U.numel()]  # per table
-    out, lo = [], 0
-    for first, hi in zip(firsts[:-1], ends, strict=True):
-        out.append((uniq_U[lo:hi] - first, summed_UD[lo:hi]))
-        lo = hi
-    return out
 
 
 def _check_bag(ids_N: torch.Tensor, offsets_B: torch.Tensor, mode: str) -> None:
@@ -466,7 +437,7 @@ class ShardedEmbedding(nn.Module):
                 assert grad is not None
                 grads.append((grad._indices()[0], grad._values(),
                               self.weights[name].shape[0]))
-            for name, (local_U, values_UD) in zip(names, _coalesce(grads), strict=True):
+            for name, (local_U, values_UD) in zip(names, coalesce_grads(grads), strict=True):
                 out[name] = (local_U + self.ranges[name][0],
                              values_UD.to(torch.float32) * scale)  # bf16 rows: bf16 grads
         for weight in self.weights.values():
@@ -503,30 +474,12 @@ class ShardedEmbedding(nn.Module):
         weight.index_copy_(0, local_U, rows_UD.to(device=weight.device, dtype=weight.dtype))
 
     def initial_row_blocks(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
-        """(global start, fp32 rows on the CPU): the owned rows as initialised, in order.
-
-        They seed an fp32 master copy of bf16 rows. Regenerated one init chunk at a
-        time (init_rows is deterministic), so no fp32 copy of the table is kept; each
-        block is checked against the device rows, which must be it rounded to the row
-        dtype (else something changed the rows after init and the master would not be
-        the rows' master).
-        """
-        table = self.tables[name]
+        """(global start, fp32 rows on the CPU): the owned rows as initialised, in order,
+        checked against the rows held (worker/rows.py initial_blocks)."""
         start, end = self.ranges[name]
-        weight = self.weights[name].data
-        lo = start
-        while lo < end:
-            hi = min((lo // INIT_CHUNK_ROWS + 1) * INIT_CHUNK_ROWS, end)
-            rows_RD = init_rows(table.num_rows, table.dim, lo, hi,
-                                seed=self._init_seed, table_index=self.table_index[name],
-                                init_std=self._init_std)
-            held_RD = weight[lo - start:hi - start].to("cpu")
-            if not torch.equal(rows_RD.to(weight.dtype), held_RD):
-                raise RuntimeError(f"table {name!r} rank {self.rank}: rows [{lo}, {hi}) on the "
-                                   "device are not the initial rows rounded to "
-                                   f"{weight.dtype}; cannot seed the master copy from them")
-            yield lo, rows_RD
-            lo = hi
+        return initial_blocks(self.tables[name], start, end, self.weights[name].data,
+                              seed=self._init_seed, table_index=self.table_index[name],
+                              init_std=self._init_std, rank=self.rank)
 
     def describe(self) -> dict[str, object]:
         """--pool-at and the bags it pooled at their owner (table names), for --results."""

@@ -8,13 +8,14 @@ the chunks overlapping its range, so every world size sees the same table.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
-from worker.input_dist import owner_of
+from worker.input_dist import owner_of, unique_inverse
 
 INIT_CHUNK_ROWS = 65536
 
@@ -97,3 +98,66 @@ def init_rows(num_rows: int, dim: int, start: int, end: int, *, seed: int, table
             out_RD[a - start:b - start] = chunk_CD[a - lo:b - lo]
         out_RD[a - start:b - start].mul_(init_std)  # while the chunk is in cache
     return out_RD
+
+
+def coalesce_grads(grads: Sequence[tuple[torch.Tensor, torch.Tensor, int]]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sparse row gradient (rows_N, values_ND, rows of its table) of tables of one
+    width: (rows_U sorted distinct, values_UD summed per row).
+
+    All of them in ONE sort (`unique_inverse`, the tables' rows side by side): on the CPU it
+    is several times faster than torch's own coalesce, and one call for DLRM's 26 tables
+    instead of 26 (docs/performance-log.md). Duplicates are summed in the order they came
+    (index_add_). A lone gradient made coalesced (PoolAtOwner's: rows sorted and distinct;
+    the flag does not survive autograd's accumulation) is taken as it is."""
+    if len(grads) == 1:
+        rows_N, values_ND, num_rows = grads[0]
+        if bool((rows_N[1:] > rows_N[:-1]).all()):
+            return [(rows_N, values_ND)]
+        uniq_U, inverse_N = unique_inverse(rows_N, num_rows)
+        summed_UD = values_ND.new_zeros((uniq_U.numel(), values_ND.shape[1]))
+        return [(uniq_U, summed_UD.index_add_(0, inverse_N, values_ND))]
+    sizes = [rows_N.numel() for rows_N, _, _ in grads]
+    firsts = [0]
+    for _, _, num_rows in grads:
+        firsts.append(firsts[-1] + num_rows)
+    device = grads[0][0].device
+    first_T = torch.tensor(firsts[:-1], dtype=torch.int64, device=device)
+    keys_N = torch.cat([rows_N for rows_N, _, _ in grads]) + torch.repeat_interleave(
+        first_T, torch.tensor(sizes, device=device), output_size=sum(sizes))
+    values_ND = torch.cat([values for _, values, _ in grads])
+    uniq_U, inverse_N = unique_inverse(keys_N, firsts[-1])
+    summed_UD = values_ND.new_zeros((uniq_U.numel(), values_ND.shape[1]))
+    summed_UD.index_add_(0, inverse_N, values_ND)
+    ends = [*torch.bucketize(first_T, uniq_U).tolist()[1:], uniq_U.numel()]  # per table
+    out, lo = [], 0
+    for first, hi in zip(firsts[:-1], ends, strict=True):
+        out.append((uniq_U[lo:hi] - first, summed_UD[lo:hi]))
+        lo = hi
+    return out
+
+
+def initial_blocks(table: TableConfig, start: int, end: int, held_RD: torch.Tensor, *,
+                   seed: int, table_index: int, init_std: float, rank: int
+                   ) -> Iterator[tuple[int, torch.Tensor]]:
+    """(global start, fp32 rows on the CPU): rows [start, end) of `table` as initialised,
+    in order, with `held_RD` the rows a rank holds for that range.
+
+    They seed an fp32 master copy of bf16 rows. Regenerated one init chunk at a
+    time (init_rows is deterministic), so no fp32 copy of the table is kept; each
+    block is checked against the held rows, which must be it rounded to their dtype
+    (else something changed the rows after init and the master would not be the
+    rows' master).
+    """
+    lo = start
+    while lo < end:
+        hi = min((lo // INIT_CHUNK_ROWS + 1) * INIT_CHUNK_ROWS, end)
+        rows_RD = init_rows(table.num_rows, table.dim, lo, hi, seed=seed,
+                            table_index=table_index, init_std=init_std)
+        block_RD = held_RD[lo - start:hi - start].to("cpu")
+        if not torch.equal(rows_RD.to(held_RD.dtype), block_RD):
+            raise RuntimeError(f"table {table.name!r} rank {rank}: rows [{lo}, {hi}) on the "
+                               "device are not the initial rows rounded to "
+                               f"{held_RD.dtype}; cannot seed the master copy from them")
+        yield lo, rows_RD
+        lo = hi

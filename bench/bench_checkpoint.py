@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(ck, ignore_errors=True)
     common = ["--task", "tables", "--num-rows", str(rows), "--dim", str(args.dim),
               "--batch-size", "1024", "--checkpoint-dir", str(ck), "--log-every", "1"]
-    server = Server(work)
+    # the server writes checkpoints only under its --checkpoint-root
+    server = Server(work, "--checkpoint-root", str(work))
     try:
         first = _run(["--ps", server.address, "--run-id", "bench-ck", "--steps", "2",
                       "--checkpoint-every", "2", *common], work / "first.json",

@@ -61,6 +61,7 @@ from worker.transport import (
     TransportError,
     TransportRefused,
     TransportRetryable,
+    TransportShutdown,
 )
 from worker.updates import (  # re-exported: the errors and types of every source
     Grads,
@@ -329,10 +330,21 @@ class ShardClient(UpdateSource):
                 exc = again
 
     def _note(self, exc: TransportError) -> None:
-        """Note the error; a refusal (not worth a retry) is raised naming the server."""
+        """Note the error; a refusal (not worth a retry) is raised naming the server, and
+        so is a server that said it is shutting down (no use waiting --ps-timeout)."""
         self.last_error = exc.text
         if isinstance(exc, TransportRefused):
             raise ServerRefused(self._refusal_text(exc)) from None
+        if isinstance(exc, TransportShutdown):
+            first = self.ledger.oldest_step()
+            unanswered = (f"{len(self.ledger)} pushes unanswered"
+                          + (f" from step {first}" if first is not None else ""))
+            raise ServerUnavailable(
+                f"rank {self.rank}: shard server {self.address} is shutting down, and the "
+                f"optimizer state of run {self.run_id!r} goes with it ({unanswered}): "
+                "stopping now instead of waiting --ps-timeout; restart the server and "
+                "resume from the last checkpoint (--resume; torchrun --max-restarts "
+                "does it)") from None
 
     def _broken(self, transport: str) -> float:
         """Count and log a broken connection; returns when it broke: the re-Register

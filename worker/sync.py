@@ -43,6 +43,7 @@ from hybridps.logs import kv
 from hybridps.optim import OptimizerSpec
 from hybridps.security import ClientSecurity
 from hybridps.v1 import shard_pb2
+from worker import faults
 from worker.arena_client import ArenaPlacement
 from worker.config import SHM_SOCKET_MODES
 from worker.embedding import TableConfig
@@ -140,6 +141,7 @@ class ShardClient(UpdateSource):
         self._transport: SyncTransport | None = None
         self._socket_path = ""  # the Sync socket the server offered at the latest Register
         self._broken_since: float | None = None  # broke, with no answer since (_broken)
+        self._forget_cut: Callable[[], None] | None = None
         if restore is not None:
             self.newest_pushed = restore[1]
             self.buffer.start_at(restore[1])
@@ -155,6 +157,13 @@ class ShardClient(UpdateSource):
             self._connect()
         except TransportError as exc:
             self._recover(exc)
+        self._forget_cut = faults.on_cut(self.cut_connection)
+
+    def cut_connection(self) -> None:
+        """Break the Sync connection (HYBRIDPS_FAULT_CUT): the next send or receive finds
+        it broken and recovers (re-Register, reconnect, re-send)."""
+        if self._transport is not None:
+            self._transport.cut()
 
     def push(self, step: int, grads: Grads) -> None:
         if self._transport is None:
@@ -230,6 +239,8 @@ class ShardClient(UpdateSource):
         return True
 
     def close(self) -> None:
+        if self._forget_cut is not None:
+            self._forget_cut()
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()

@@ -90,6 +90,11 @@ class SyncTransport(ABC):
     def close(self) -> None:
         """Half-close, let the server end, release; safe to call twice."""
 
+    def cut(self) -> None:
+        """Break the connection at once, both ways (fault injection: HYBRIDPS_FAULT_CUT);
+        the next send or receive raises a retryable TransportError."""
+        raise NotImplementedError(f"the {self.name} transport cannot be cut")
+
 
 def decode_response(data: bytes) -> Response:
     return wire.decode_framed(shard_pb2.SyncResponse, data,

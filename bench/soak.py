@@ -8,12 +8,13 @@ A 2-rank run (staleness 1, checkpoints every --checkpoint-every steps, --resume)
 `torchrun --max-restarts`, with HYBRIDPS_FAULT_CUT=EVERY (worker/faults.py): every rank
 breaks its Sync connection (the Unix socket, or the gRPC stream with --same-node
 stream/off) right after the push of every EVERY-th step, so the server sees a stream
-end mid-run and the rank re-Register, reconnect and re-send, hundreds of times a minute.
+end mid-run and the ranks re-register, reconnect and re-send, hundreds of times a minute.
 Every --kill-every-s seconds one rank (chosen by --seed) is SIGKILLed: torchrun restarts
 both, they resume from the newest checkpoint (the server replaces the partitions:
 Register.restore) with new shared-memory arenas. The server's RSS (VmRSS, and its
 anonymous and shared-memory parts) is sampled every --sample-s seconds and printed.
 
+The time counts from the run's first step on the server (after torchrun's start-up).
 Growth = the median of the last 5 samples over the median of the first 5 after the
 warm-up (--warmup-fraction of the time, counted from the run's first step on the
 server), minus 1. No rank is killed in the last --warmup-fraction of the time either,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -52,6 +54,7 @@ from campaign_tools import (
 )
 
 RUN_ID = "soak"
+STARTUP_TIMEOUT_S = 300.0
 
 
 def _ranks(agent_pid: int) -> list[int]:
@@ -113,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
                                    stdout=log, stderr=subprocess.STDOUT)
         try:
             start = time.monotonic()
-            next_sample, next_kill = start, start + args.kill_every_s
-            while (now := time.monotonic()) < start + duration:
+            trained: float | None = None  # when the server first held a step of the run
+            next_sample, next_kill = start, math.inf
+            while trained is None or time.monotonic() < trained + duration:
+                now = time.monotonic()
+                if trained is None and now > start + STARTUP_TIMEOUT_S:
+                    failures.append(f"the run did not start training in {STARTUP_TIMEOUT_S:g}s")
+                    break
                 if workers.poll() is not None:
                     failures.append(f"the run ended (exit {workers.returncode}) at "
                                     f"{now - start:.0f}s")
@@ -127,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
                     sample = {"t": round(now - start, 1), "step": _step(server),
                               **{k: round(v / 1024, 1) for k, v in rss.items()}}
                     samples.append(sample)
+                    if trained is None and sample["step"] is not None:
+                        trained = now
+                        next_kill = now + args.kill_every_s
                     print(f"  t={sample['t']:6.1f}s step={sample['step']} RSS "
                           f"{sample['VmRSS']:.1f} MiB (anon {sample['RssAnon']:.1f}, shmem "
                           f"{sample['RssShmem']:.1f})", flush=True)
                     next_sample += args.sample_s
-                if (args.kill_every_s > 0 and now >= next_kill
-                        and now < start + duration - warmup):
+                if (args.kill_every_s > 0 and trained is not None and now >= next_kill
+                        and now < trained + duration - warmup):
                     ranks = _ranks(workers.pid)
                     if ranks:
                         victim = rng.choice(ranks)

@@ -314,7 +314,7 @@ class Generator:
         with self.lock:
             for update in updates:
                 for shape, table, step in sent:
-                    if (table, step) == (update.table, update.step):
+                    if (table, step) == (update.table, update.step) and step < 2**40:
                         shape.next[table] = max(shape.next[table], step + 1)
 
     def learn(self, method: str, request: bytes, reply: bytes) -> None:
@@ -335,7 +335,11 @@ class Generator:
             for t in rep.tables:
                 if t.name in shape.next:
                     shape.next[t.name] = int(t.last_step) + 1
-            if 0 < shape.rows <= 4096 and 0 < shape.dim <= 64 and 0 < shape.world <= 8:
+            # only shapes whose next messages stay in range (a mutated incarnation of
+            # 2**63 - 1 would overflow the next Register's + 1)
+            if (0 < shape.rows <= 4096 and 0 < shape.dim <= 64 and 0 < shape.world <= 8
+                    and 0 <= shape.incarnation < 2**40
+                    and max(shape.next.values()) < 2**40):
                 self.shapes[(req.run_id, req.rank)] = shape
 
 
@@ -367,6 +371,7 @@ class Fuzzer:
         self.by_method: Counter[str] = Counter()
         self.seconds: dict[str, float] = defaultdict(float)  # per method, over calls
         self.bad: list[str] = []
+        self.generator_errors: list[str] = []
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -389,7 +394,12 @@ class Fuzzer:
 
     def _loop(self, gen: Generator) -> None:
         while True:
-            method, requests, sent = gen.item()
+            try:
+                method, requests, sent = gen.item()
+            except Exception as exc:  # the generator's own bug: counted as a failure
+                with self.lock:
+                    self.generator_errors.append(f"{type(exc).__name__}: {exc}")
+                continue
             if not self._take(len(requests)):
                 return
             code, details = "OK", ""
@@ -519,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = sum(fuzzer.codes[c] for c in BAD_CODES)
     if bad:
         failures.append(f"{bad} INTERNAL/UNKNOWN statuses")
+    if fuzzer.generator_errors:
+        failures.append(f"{len(fuzzer.generator_errors)} generator errors, e.g. "
+                        f"{fuzzer.generator_errors[0]}")
     if fuzzer.sent < args.messages:
         failures.append(f"only {fuzzer.sent} of {args.messages} messages were sent")
     elapsed = time.perf_counter() - started

@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+# The details of the UNAVAILABLE status a draining server (SIGTERM, an admin Shutdown)
+# ends every Sync stream and Sync socket connection with. A client that reads them knows
+# the server is going away with the optimizer state it holds: waiting --ps-timeout for it
+# to come back cannot help (a restarted server has lost that state), so it stops at once.
+SHUTTING_DOWN = ("server shutting down: the pushes it received are answered; the optimizer "
+                 "state it holds goes with it (restart it and resume from a checkpoint)")
+SHUTTING_DOWN_PREFIX = "server shutting down:"
+
+
+def is_shutting_down(code: str, details: str) -> bool:
+    """A status (code name, details) that says the server is draining."""
+    return code == "UNAVAILABLE" and details.startswith(SHUTTING_DOWN_PREFIX)
+
 
 class ShardError(Exception):
     """Base class; `reason` is the key under which refusals are counted."""

@@ -7,6 +7,9 @@
   arrives: a process that can create symbolic links inside the root can still redirect
   a later write, so the root must be writable only by the server's user and the
   workers it serves.
+  A directory the file system will not take (a name too long, a path through a file,
+  a full or read-only disk) is a refusal naming it (`write_refusal`), not an internal
+  error.
 - `StateBudget`: the host bytes all partitions may hold (--max-state-bytes). A Register
   reserves its bytes before allocating anything; one that would exceed the budget is
   ResourceExhausted naming the sizes, with nothing allocated.
@@ -14,11 +17,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
 
-from hybridps.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from hybridps.errors import InvalidArgument, PermissionDenied, ResourceExhausted, ShardError
 
 # Default --max-state-bytes: this share of the host's memory (or of the cgroup's limit,
 # when lower). The rest is for the answer caches, messages in flight and, on a CPU
@@ -102,3 +106,16 @@ class CheckpointRoot:
                 f"outside this server's --checkpoint-root {str(self.root)!r}; checkpoints "
                 "are written and read only inside it")
         return resolved
+
+
+def write_refusal(exc: OSError, directory: Path, what: str) -> ShardError:
+    """The refusal of a checkpoint write the file system failed: the request's fault
+    (a name too long, a path through a file: InvalidArgument), no room
+    (ResourceExhausted) or no right (PermissionDenied); the message names the directory."""
+    text = f"{what}: cannot write into checkpoint directory {str(directory)!r}: " + (
+        exc.strerror or str(exc))
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE):
+        return ResourceExhausted(text)
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(text)
+    return InvalidArgument(text)

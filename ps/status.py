@@ -10,6 +10,7 @@ import grpc
 
 from hybridps import wire
 from hybridps.errors import (
+    SHUTTING_DOWN,
     AnswerEvicted,
     Conflict,
     CorruptCheckpoint,
@@ -29,8 +30,7 @@ from ps.store import kv
 
 log = logging.getLogger("ps.service")
 
-SHUTTING_DOWN = ("server shutting down: pushes received so far are answered; reconnect to a "
-                 "restarted server")
+__all__ = ["SHUTTING_DOWN", "Abortable", "abort_with", "refusal_reason", "status_for"]
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

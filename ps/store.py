@@ -41,7 +41,7 @@ from hybridps.errors import (
 )
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
-from ps.limits import CheckpointRoot, StateBudget
+from ps.limits import CheckpointRoot, StateBudget, write_refusal
 from ps.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
@@ -458,8 +458,11 @@ class Store:
             out: list[tuple[int, Any]] = []
             for part in sorted(parts, key=lambda p: p.rank):
                 with part.lock:
-                    out.extend((part.rank, info)
-                               for info in save_partition(part, path, step))
+                    try:
+                        out.extend((part.rank, info)
+                                   for info in save_partition(part, path, step))
+                    except OSError as exc:  # e.g. a name too long: the request's fault
+                        raise write_refusal(exc, path, f"checkpoint run={run_id!r}") from exc
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
                         step=step, directory=path, files=len(out),
                         seconds=f"{time.perf_counter() - started:.3f}"))

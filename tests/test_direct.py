@@ -4,7 +4,9 @@ Results over the socket equal the gRPC stream's bitwise; a socket cut at a chose
 (before the push is sent, or while its answer is awaited) re-registers, reconnects and
 re-sends with the same result; refusals keep their status code; a wrong token is
 refused; no socket (the server's --shm-socket false, or a path the rank cannot reach)
-means the stream; a draining server ends an idle socket at once.
+means the stream; a draining server ends an idle socket at once, and a rank that pushes
+after it learns from the server's last frame that it is shutting down (not a bare
+"Broken pipe" followed by --ps-timeout of re-Registers).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tests.helpers import PsServer, start_ps_server
 from tests.test_lifecycle import final_state
 from tests.test_wire_fast import _client, _reference_deltas, _run, _steps
 from worker.socket_client import SocketTransport
-from worker.sync import ServerRefused, ShardClient
+from worker.sync import ServerRefused, ServerUnavailable, ShardClient
 from worker.transport import TransportError, TransportRefused
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]  # every test starts processes
@@ -181,8 +183,8 @@ def test_server_removes_its_socket_on_stop(tmp_path: Path) -> None:
 
 def test_drain_ends_an_idle_socket_promptly_with_shutting_down(tmp_path: Path) -> None:
     """SIGTERM while a rank's socket waits for its next push: the server answers what it
-    read, sends UNAVAILABLE "shutting down" (the rank then reconnects to a restarted
-    server) and exits at once, not after the handlers' close timeout."""
+    read, sends UNAVAILABLE "shutting down" (the rank then stops: the state is gone with
+    the server) and exits at once, not after the handlers' close timeout."""
     server = start_ps_server(tmp_path)
     try:
         ids, grads = _steps(ROWS, DIM, 3)
@@ -210,5 +212,39 @@ def test_drain_ends_an_idle_socket_promptly_with_shutting_down(tmp_path: Path) -
         assert code == 0, server.stderr()
         assert elapsed < 4.0, f"the server took {elapsed:.1f}s to stop"
         assert final_state(server.stderr())[(0, "t")] == (2, 3)
+    finally:
+        server.terminate()
+
+
+@pytest.mark.parametrize("shm_socket", ["auto", "off"])
+def test_push_after_a_drain_stops_at_once_naming_the_shutdown(tmp_path: Path,
+                                                              shm_socket: str) -> None:
+    """SIGTERM between two steps: the next push (the socket: Broken pipe, with the
+    server's STATUS frame still unread; the stream: its UNAVAILABLE "shutting down") is a
+    ServerUnavailable saying the server is shutting down, at once, not after the 60 s
+    --ps-timeout of a reconnect loop whose re-Registers could only find the state gone."""
+    server = start_ps_server(tmp_path)
+    try:
+        ids, grads = _steps(ROWS, DIM, 4)
+        client = _client(server.address, ROWS, DIM, shm="on", shm_socket=shm_socket)
+        assert client.timeout_s == 60.0
+        client.start()
+        try:
+            for step in range(3):
+                client.push(step, {"t": (ids[step], grads[step])})
+            client.take(2)
+            assert client.stats.transport == ("socket" if shm_socket == "auto" else "stream")
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(10) == 0, server.stderr()
+            start = time.monotonic()
+            with pytest.raises(ServerUnavailable) as caught:
+                client.push(3, {"t": (ids[3], grads[3])})
+                client.take(3)
+            elapsed = time.monotonic() - start
+        finally:
+            client.close()
+        assert elapsed < 5.0, f"learned of the shutdown after {elapsed:.1f}s"
+        assert "is shutting down" in str(caught.value), caught.value
+        assert "Broken pipe" not in str(caught.value)
     finally:
         server.terminate()

@@ -64,3 +64,26 @@ def test_firing_says_what_where_and_when(monkeypatch: pytest.MonkeyPatch,
     assert "rank 0: HYBRIDPS_FAULT_CHECKPOINT: exiting at step 9 (checkpoint.dense)" in (
         caplog.text)
     assert done[-1] == ("exit", faults.FAULT_EXIT_CODE)
+
+
+def test_cut_fires_every_nth_step_on_the_registered_connection() -> None:
+    """HYBRIDPS_FAULT_CUT=EVERY[:RANK]: the update source's cut, every EVERY-th step."""
+    assert faults.faults_from({faults.CUT_ENV: "5"}) == [
+        Fault("pushed", 4, None, "cut", source=faults.CUT_ENV, every=5)]
+    cuts: list[str] = []
+    forget = faults.on_cut(lambda: cuts.append("cut"))
+    try:
+        for step in range(12):
+            faults.reached("pushed", step % 2, step, {faults.CUT_ENV: "5:1"})
+        assert cuts == ["cut"]  # step 9 (rank 1); step 4 was rank 0's
+        for step in range(12):
+            faults.reached("pushed", 0, step, {faults.CUT_ENV: "3",
+                                               "TORCHELASTIC_RESTART_COUNT": "2"})
+        assert len(cuts) == 1 + 4  # steps 2, 5, 8, 11, in any incarnation
+    finally:
+        forget()
+    faults.reached("pushed", 0, 2, {faults.CUT_ENV: "3"})
+    assert len(cuts) == 5  # unregistered: nothing to cut
+    for bad in ("0", "x", "3:y", "-2"):
+        with pytest.raises(ValueError, match="is not EVERY"):
+            faults.check_environment({faults.CUT_ENV: bad})

@@ -3,14 +3,21 @@ healthy run trains alongside. Every answer is OK or a clear status (never INTERN
 UNKNOWN), the server keeps serving, and the healthy run's answers are bitwise those of
 the same pushes on a server of its own (an in-process Store).
 
-The 100,000-message campaign with the new client is round 2; this runs a few hundred
-messages of every unary kind plus raw bytes, in about a minute.
+This runs a few hundred messages of every unary kind plus raw bytes, in about a minute;
+`test_fuzz_campaign_2000_messages` runs bench/fuzz_proto.py with 2,000 messages (field
+mutations of valid messages of every kind, Sync streams included, and raw bytes) beside
+a real 2-rank training run, which must end bitwise equal to the same run alone. The
+100,000-message campaign is `python bench/fuzz_proto.py` (figures: docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -140,3 +147,19 @@ def test_fuzzed_messages_beside_a_healthy_run(channel: grpc.Channel) -> None:
     stats = admin.GetShardStats(admin_pb2.ShardStatsRequest(run_id=HEALTHY), timeout=10)
     assert [p.last_step for p in stats.partitions] == [39]
     assert wire is not None  # the helpers encode with it
+
+
+@pytest.mark.timeout(900)
+def test_fuzz_campaign_2000_messages(tmp_path: Path) -> None:
+    out = tmp_path / "fuzz.json"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "fuzz_proto.py"), "--messages",
+                           "2000", "--dir", str(tmp_path / "work"), "--json", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=850, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert figures["failures"] == [] and figures["messages"] >= 2000, proc.stdout
+    assert not set(figures["codes"]) & {"INTERNAL", "UNKNOWN"}, proc.stdout
+    assert figures["server_alive"] and figures["health"] == "SERVING"
+    assert figures["healthy_runs"] and all(h["bitwise_equal"] for h in figures["healthy_runs"])
+    assert figures["codes"].get("OK", 0) > 0, "nothing the fuzzer sent was accepted"

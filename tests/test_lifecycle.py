@@ -6,7 +6,10 @@
 - --exit-after-run: the server stops once every rank sent Finish, or after an
   aborted rank once no stream of the run is open, or when the run is abandoned;
 - worker SIGTERM (via torchrun): every rank stops after the same step, flushes,
-  sends Finish(aborted), exits 143; the server holds exactly that step.
+  sends Finish(aborted), exits 143; the server holds exactly that step;
+- server SIGTERM under a training run (Sync socket or stream): every rank learns at once
+  that the server is shutting down and exits 1 with one line saying so, instead of
+  re-registering for the whole --ps-timeout.
 """
 
 from __future__ import annotations
@@ -305,6 +308,59 @@ def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> N
         assert re.search(r"INFO ps.service server=\S+ event=finish run=sigterm rank=0",
                          server.stderr())
         assert len(state) == 8 and {v[0] for v in state.values()} == {step}, state
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.terminate()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("same_node", ["auto", "stream"])  # the Sync socket, the gRPC stream
+def test_server_sigterm_stops_the_ranks_at_once_with_a_clear_line(tmp_path: Path,
+                                                                   same_node: str) -> None:
+    """The default --ps-timeout (60 s): the ranks must not spend it re-registering with a
+    server that said it is going away with their optimizer state."""
+    server: PsServer = start_ps_server(tmp_path, "--grace-s", "5")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", MAIN, "--ps", server.address,
+           "--run-id", f"server-term-{same_node}", "--num-rows", "2000", "--batch-size", "32",
+           "--dim", "8", "--steps", "100000", "--log-every", "5", "--progress", "false",
+           "--same-node", same_node, "--log-level", "info"]
+    log_path = tmp_path / "w.log"
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                stats = get_shard_stats(server.address, run_id=f"server-term-{same_node}",
+                                        timeout=5)
+                if stats.partitions and min(p.last_step for p in stats.partitions) >= 20:
+                    break
+            except grpc.RpcError:
+                pass
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            time.sleep(0.2)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        returncode = proc.wait(120)
+        elapsed = time.monotonic() - start
+        text = log_path.read_text()
+        assert server.proc.wait(10) == 0, server.stderr()
+        assert returncode != 0, text[-4000:]
+        # The first rank to fail says why; torchrun then SIGTERMs the other, which may
+        # stop on that signal instead of reaching its own line.
+        lines = [line for line in text.splitlines() if line.startswith("hybridps worker: error")]
+        assert lines, text[-6000:]
+        for line in lines:
+            assert "is shutting down" in line, line
+        assert "unreachable for" not in text, text[-6000:]
+        assert ("event=sync_socket " in text) == (same_node == "auto"), "not that transport"
+        assert elapsed < 30.0, f"the ranks took {elapsed:.0f}s to stop\n{text[-4000:]}"
     finally:
         if proc.poll() is None:
             proc.kill()

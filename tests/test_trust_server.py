@@ -115,6 +115,28 @@ def test_checkpoint_outside_the_root_is_permission_denied(server: PsServer,
         assert (_root(server) / "root-run" / "step-0000000001" / reply.files[0].file).is_file()
 
 
+def test_checkpoint_directory_the_file_system_refuses_is_invalid_argument(
+        server: PsServer) -> None:
+    """Found by bench/fuzz_proto.py: a directory name of 300 characters was INTERNAL
+    (OSError: File name too long); so was a path through a regular file."""
+    with open_channel(server.address) as ch:
+        stub = shard_stub(ch)
+        _trained_run(stub, "fs-run")
+        a_file = _root(server) / "fs-run-file"
+        a_file.write_text("not a directory")
+        for directory in ("x" * 300, "fs-run-file/sub"):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Checkpoint(shard_pb2.CheckpointRequest(run_id="fs-run", step=1,
+                                                            directory=directory), timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert "cannot write into checkpoint directory" in (info.value.details() or "")
+        assert a_file.read_text() == "not a directory"
+        reply = stub.Checkpoint(shard_pb2.CheckpointRequest(
+            run_id="fs-run", step=1, directory="fs-run/step-0000000001"), timeout=30)
+        assert reply.files
+    assert "internal_error" not in server.stderr()
+
+
 def test_restore_of_a_damaged_checkpoint_is_data_loss_naming_the_file(
         server: PsServer) -> None:
     with open_channel(server.address) as ch:

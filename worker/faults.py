@@ -11,11 +11,17 @@ The training loop and the checkpointer announce named points with
         point "checkpoint.PHASE" of the checkpoint of STEP (PHASE one of
         CHECKPOINT_PHASES; RANK omitted: every rank): os._exit(FAULT_EXIT_CODE), or sleep
         SEC seconds.
+    HYBRIDPS_FAULT_CUT=EVERY[:RANK]
+        point "pushed" of every EVERY-th step (step % EVERY == EVERY - 1; RANK omitted:
+        every rank), in every incarnation: break the rank's Sync connection (the socket
+        or the gRPC stream, whichever it uses), so that the client re-registers,
+        reconnects and re-sends what was unanswered (soaks: bench/soak.py).
 
 To add a kind of fault: announce a new point where it belongs (`reached("my.point", rank,
 step)`), and add an entry to PARSERS: the environment variable and a function turning its
 text into Faults (ValueError naming the text when it is not one). `Fault` already knows
-exit, SIGKILL and sleep, per rank or every rank, optionally only in the first
+exit, SIGKILL, sleep and cut (the Sync connection: what `on_cut` registered), per rank
+or every rank, at one step or every EVERY-th, optionally only in the first
 incarnation. The variables are read at every point (a test may change them between
 calls); `check_environment()` parses them once at start, so a typo fails the run early.
 """
@@ -34,16 +40,32 @@ log = logging.getLogger("worker.faults")
 
 KILL_ENV = "HYBRIDPS_FAULT_KILL"
 FAULT_ENV = "HYBRIDPS_FAULT_CHECKPOINT"
+CUT_ENV = "HYBRIDPS_FAULT_CUT"
 FAULT_EXIT_CODE = 43
 CHECKPOINT_PHASES = ("start", "rows", "optim", "dense", "manifest", "after")
 PUSHED = "pushed"
 
-Action = Literal["exit", "kill", "sleep"]
+Action = Literal["exit", "kill", "sleep", "cut"]
+
+# What a "cut" breaks: the update source registers how to break its Sync connection.
+_cutters: list[Callable[[], None]] = []
+
+
+def on_cut(cut: Callable[[], None]) -> Callable[[], None]:
+    """Register `cut` (break this process's Sync connection); returns the unregister."""
+    _cutters.append(cut)
+
+    def unregister() -> None:
+        if cut in _cutters:
+            _cutters.remove(cut)
+
+    return unregister
 
 
 @dataclass(frozen=True)
 class Fault:
-    """Do `action` when rank `rank` (None: any rank) reaches `point` of step `step`."""
+    """Do `action` when rank `rank` (None: any rank) reaches `point` of step `step` (with
+    `every` > 0: of every step s with s % every == step)."""
 
     point: str
     step: int
@@ -52,10 +74,12 @@ class Fault:
     seconds: float = 0.0
     first_incarnation_only: bool = False
     source: str = ""  # the variable it came from, for the log line
+    every: int = 0
 
     def matches(self, point: str, rank: int, step: int,
                 environ: Mapping[str, str]) -> bool:
-        if (point, step) != (self.point, self.step) or self.rank not in (None, rank):
+        at = step % self.every if self.every > 0 else step
+        if (point, at) != (self.point, self.step) or self.rank not in (None, rank):
             return False
         return not (self.first_incarnation_only
                     and environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0")
@@ -63,6 +87,12 @@ class Fault:
     def fire(self, rank: int, step: int) -> None:
         if self.action == "sleep":
             time.sleep(self.seconds)
+            return
+        if self.action == "cut":
+            log.info("rank %d: %s: cutting the Sync connection at step %d", rank,
+                     self.source, step)
+            for cut in list(_cutters):
+                cut()
             return
         log.warning("rank %d: %s: %s at step %d (%s)", rank, self.source,
                     "SIGKILL" if self.action == "kill" else "exiting", step, self.point)
@@ -104,10 +134,21 @@ def parse_checkpoint(spec: str) -> list[Fault]:
                   sleep_s, source=FAULT_ENV)]
 
 
+def parse_cut(spec: str) -> list[Fault]:
+    """HYBRIDPS_FAULT_CUT=EVERY[:RANK]."""
+    every, _, want_rank = spec.partition(":")
+    if not (every.isdigit() and int(every) > 0 and (want_rank == "" or want_rank.isdigit())):
+        raise ValueError(f"{CUT_ENV}={spec!r} is not EVERY[:RANK] (EVERY an integer > 0, "
+                         "RANK an integer)")
+    return [Fault(PUSHED, int(every) - 1, int(want_rank) if want_rank else None, "cut",
+                  source=CUT_ENV, every=int(every))]
+
+
 # environment variable -> its parser: one entry per kind of fault
 PARSERS: dict[str, Callable[[str], list[Fault]]] = {
     KILL_ENV: parse_kill,
     FAULT_ENV: parse_checkpoint,
+    CUT_ENV: parse_cut,
 }
 
 
@@ -138,7 +179,7 @@ def reached(point: str, rank: int, step: int, environ: Mapping[str, str] | None 
 
 
 def kill_point(rank: int, step: int) -> None:
-    """The training loop's point right after pushing `step` (HYBRIDPS_FAULT_KILL)."""
+    """The training loop's point right after pushing `step` (HYBRIDPS_FAULT_KILL, _CUT)."""
     reached(PUSHED, rank, step)
 
 

@@ -270,6 +270,11 @@ class GrpcStreamTransport(SyncTransport):
                 self._loop.call_soon_threadsafe(self._cancel)
             self._ended.wait(1.0)
 
+    def cut(self) -> None:
+        """Cancel the call (fault injection): the reader ends it as CANCELLED."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._cancel)
+
     # -- on the loop thread ---------------------------------------------------------------
     def _put(self, messages: list[Outgoing | None]) -> None:
         if self._outq is not None:

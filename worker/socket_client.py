@@ -40,6 +40,10 @@ from worker.transport import (
 RECV_BYTES = 1 << 20
 
 
+class ConnectionLost(TransportRetryable):
+    """The connection broke without a word from the server (no STATUS frame read)."""
+
+
 class SocketTransport(SyncTransport):
     """Connect, say HELLO (the token), then send requests and read responses."""
 
@@ -94,7 +98,7 @@ class SocketTransport(SyncTransport):
                 select.select([], [self._sock], [], deadline - now)
                 continue
             except OSError as exc:
-                raise self._lost(exc.strerror or str(exc)) from None
+                raise self._last_words(exc.strerror or str(exc)) from None
             while views and sent >= len(views[0]):
                 sent -= len(views[0])
                 views.pop(0)
@@ -161,7 +165,19 @@ class SocketTransport(SyncTransport):
         del buf[:at]
 
     def _lost(self, why: str) -> TransportError:
-        return TransportRetryable("UNAVAILABLE", f"sync socket {self.path}: {why}")
+        return ConnectionLost("UNAVAILABLE", f"sync socket {self.path}: {why}")
+
+    def _last_words(self, why: str) -> TransportError:
+        """A send failed (the server closed: Broken pipe): the STATUS frame it sent before
+        closing, when one is waiting to be read (e.g. "shutting down"), else `why`."""
+        try:
+            while self._read(0.0):
+                pass
+        except ConnectionLost:
+            pass
+        except TransportError as exc:
+            return exc  # the server's own words
+        return self._lost(why)
 
     def close(self) -> None:
         """Half-close first: the server answers what it read, then ends."""

@@ -43,6 +43,7 @@ from hybridps.logs import kv
 from hybridps.optim import OptimizerSpec
 from hybridps.security import ClientSecurity
 from hybridps.v1 import shard_pb2
+from worker import faults
 from worker.arena_client import ArenaPlacement
 from worker.config import SHM_SOCKET_MODES
 from worker.embedding import TableConfig
@@ -61,6 +62,7 @@ from worker.transport import (
     TransportError,
     TransportRefused,
     TransportRetryable,
+    TransportShutdown,
 )
 from worker.updates import (  # re-exported: the errors and types of every source
     Grads,
@@ -139,6 +141,7 @@ class ShardClient(UpdateSource):
         self._transport: SyncTransport | None = None
         self._socket_path = ""  # the Sync socket the server offered at the latest Register
         self._broken_since: float | None = None  # broke, with no answer since (_broken)
+        self._forget_cut: Callable[[], None] | None = None
         if restore is not None:
             self.newest_pushed = restore[1]
             self.buffer.start_at(restore[1])
@@ -154,6 +157,13 @@ class ShardClient(UpdateSource):
             self._connect()
         except TransportError as exc:
             self._recover(exc)
+        self._forget_cut = faults.on_cut(self.cut_connection)
+
+    def cut_connection(self) -> None:
+        """Break the Sync connection (HYBRIDPS_FAULT_CUT): the next send or receive finds
+        it broken and recovers (re-Register, reconnect, re-send)."""
+        if self._transport is not None:
+            self._transport.cut()
 
     def push(self, step: int, grads: Grads) -> None:
         if self._transport is None:
@@ -229,6 +239,8 @@ class ShardClient(UpdateSource):
         return True
 
     def close(self) -> None:
+        if self._forget_cut is not None:
+            self._forget_cut()
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
@@ -329,10 +341,21 @@ class ShardClient(UpdateSource):
                 exc = again
 
     def _note(self, exc: TransportError) -> None:
-        """Note the error; a refusal (not worth a retry) is raised naming the server."""
+        """Note the error; a refusal (not worth a retry) is raised naming the server, and
+        so is a server that said it is shutting down (no use waiting --ps-timeout)."""
         self.last_error = exc.text
         if isinstance(exc, TransportRefused):
             raise ServerRefused(self._refusal_text(exc)) from None
+        if isinstance(exc, TransportShutdown):
+            first = self.ledger.oldest_step()
+            unanswered = (f"{len(self.ledger)} pushes unanswered"
+                          + (f" from step {first}" if first is not None else ""))
+            raise ServerUnavailable(
+                f"rank {self.rank}: shard server {self.address} is shutting down, and the "
+                f"optimizer state of run {self.run_id!r} goes with it ({unanswered}): "
+                "stopping now instead of waiting --ps-timeout; restart the server and "
+                "resume from the last checkpoint (--resume; torchrun --max-restarts "
+                "does it)") from None
 
     def _broken(self, transport: str) -> float:
         """Count and log a broken connection; returns when it broke: the re-Register

@@ -10,7 +10,9 @@ Failures are `TransportError`s named by gRPC status code, whichever transport: t
 socket's server sends the same codes in its last frame. `TransportRetryable`: worth
 re-registering and re-sending (the connection broke, the server restarted or drains);
 `TransportRefused`: the server refused what we sent or who we are, and sending it
-again would be refused again.
+again would be refused again; `TransportShutdown`: the server said it is shutting down
+(hybridps/errors.py SHUTTING_DOWN), taking the optimizer state with it, so neither a
+retry nor waiting for it helps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from hybridps import wire
+from hybridps.errors import is_shutting_down
 from hybridps.v1 import shard_pb2
 from worker.sync_messages import Outgoing
 
@@ -50,8 +53,14 @@ class TransportRefused(TransportError):
     """The server refused: retrying would be refused again."""
 
 
+class TransportShutdown(TransportError):
+    """The server is shutting down (it said so): its state goes with it."""
+
+
 def transport_error(code: str, details: str) -> TransportError:
-    """The retryable or refused error of a status code."""
+    """The retryable, refused or shutting-down error of a status."""
+    if is_shutting_down(code, details):
+        return TransportShutdown(code, details)
     kind = TransportRetryable if code in RETRYABLE_CODES else TransportRefused
     return kind(code, details)
 
@@ -80,6 +89,11 @@ class SyncTransport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Half-close, let the server end, release; safe to call twice."""
+
+    def cut(self) -> None:
+        """Break the connection at once, both ways (fault injection: HYBRIDPS_FAULT_CUT);
+        the next send or receive raises a retryable TransportError."""
+        raise NotImplementedError(f"the {self.name} transport cannot be cut")
 
 
 def decode_response(data: bytes) -> Response:

@@ -45,6 +45,7 @@ from hybridps.security import ClientSecurity
 from hybridps.v1 import shard_pb2
 from worker.arena_client import ArenaPlacement
 from worker.config import SHM_SOCKET_MODES
+from worker.connect import call_until_connected, connect_window_s
 from worker.embedding import TableConfig
 from worker.grpc_client import ShardRpc
 from worker.socket_client import SocketTransport
@@ -145,15 +146,21 @@ class ShardClient(UpdateSource):
 
     # -- UpdateSource -------------------------------------------------------------------
     def start(self) -> None:
+        """Register and connect; a failure closes the client (the arena file, the channel)
+        before it is raised, whatever the caller does next."""
         try:
-            self.rpc.start()
-        except TransportError as exc:
-            raise ServerUnavailable(f"rank {self.rank}: {exc.text}") from None
-        self._register(first=True, timeout_s=self.timeout_s)
-        try:
-            self._connect()
-        except TransportError as exc:
-            self._recover(exc)
+            try:
+                self.rpc.start()
+            except TransportError as exc:
+                raise ServerUnavailable(f"rank {self.rank}: {exc.text}") from None
+            self._register(first=True, timeout_s=self.timeout_s)
+            try:
+                self._connect()
+            except TransportError as exc:
+                self._recover(exc)
+        except BaseException:
+            self.close()
+            raise
 
     def push(self, step: int, grads: Grads) -> None:
         if self._transport is None:
@@ -398,7 +405,13 @@ class ShardClient(UpdateSource):
         if offer is not None:
             request.shm.CopyFrom(offer)
         try:
-            response = self.rpc.call("Register", request, timeout_s, wait_for_ready=first)
+            if first:  # fails fast where nothing answers (worker/connect.py)
+                response = call_until_connected(
+                    lambda left: self.rpc.call("Register", request, left),
+                    address=self.address, rank=self.rank, timeout_s=timeout_s,
+                    window_s=connect_window_s(timeout_s))
+            else:
+                response = self.rpc.call("Register", request, timeout_s)
         except TransportError as exc:
             if not first:
                 raise

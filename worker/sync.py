@@ -302,7 +302,7 @@ class ShardClient(UpdateSource):
         """The Sync socket the server offered, if any and allowed; else the gRPC stream."""
         if self._socket_path and self.placement.epoch:
             try:
-                self._transport = SocketTransport(self._socket_path, self.rpc.token,
+                self._transport = SocketTransport(self._socket_path, self.rpc.socket_hello(),
                                                   self.timeout_s, self.rpc.max_receive_bytes)
             except TransportError as exc:
                 log.info(kv("sync_socket_fallback", server=self.address,
@@ -422,6 +422,7 @@ class ShardClient(UpdateSource):
             raise ServerRefused(self._refusal_text(exc)) from None
         self.stats.registers += 1
         self.server_id = response.server_id
+        self.rpc.bind_partition(self.run_id, self.rank, response.partition_secret)
         if response.max_message_bytes > 0:
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(response.max_message_bytes))
         self.ledger.check_registered(response.tables, first, self.run_id)

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from bench_wire import Server  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 from hybridps.optim import OptimizerSpec  # noqa: E402
+from hybridps.partition_secret import partition_metadata  # noqa: E402
 from hybridps.v1 import shard_pb2, shard_pb2_grpc  # noqa: E402
 from ps.arena_server import ArenaRegistry, ResolvedShmPush  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
@@ -178,8 +179,12 @@ def through_server(address: str, server_pid: int, tables: int, rows: int, dim: i
         if transport == "socket":
             if not response.shm.sync_socket:
                 raise RuntimeError("the server offers no Sync socket (--shm-socket false?)")
-            direct = SocketTransport(response.shm.sync_socket, "", 60.0, 64 << 20)
-        answers = stub.Sync(requests()) if direct is None else None
+            hello = shard_pb2.SyncHello(run_id=run_id, rank=0,
+                                        partition_secret=response.partition_secret)
+            direct = SocketTransport(response.shm.sync_socket, hello.SerializeToString(),
+                                     60.0, 64 << 20)
+        answers = (stub.Sync(requests(), metadata=partition_metadata(
+            run_id, 0, response.partition_secret)) if direct is None else None)
 
         def next_update() -> shard_pb2.SyncResponse:
             if answers is not None:

@@ -93,9 +93,11 @@ class ShardCore:
                        tables: Sequence[TableSpec],
                        optimizer: OptimizerSpec | Mapping[str, Any],
                        restore: tuple[str, int] | None = None,
-                       row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
-        return await self._run(self.store.register, run_id, rank, world_size, incarnation,
-                               tables, optimizer, restore, row_dtype)
+                       row_dtype: torch.dtype = torch.float32,
+                       secret: str = "") -> tuple[list[RegisteredTable], str]:
+        """Store.register_partition: (tables, the partition's secret)."""
+        return await self._run(self.store.register_partition, run_id, rank, world_size,
+                               incarnation, tables, optimizer, restore, row_dtype, secret)
 
     async def seed_rows(self, run_id: str, rank: int, incarnation: int, table: str,
                         row_start: int, rows_ND: torch.Tensor) -> tuple[int, int]:

@@ -489,8 +489,10 @@ class Partition:
         self.row_dtype = row_dtype
         self.lock = threading.Lock()
         # Handed to the registering process only (Register's answer); every later call for
-        # this partition must carry it (check_secret). A new one at every Register, so a
-        # process of an older incarnation holds a secret that no longer opens anything.
+        # this partition must carry it (ps/partition_auth.py). A new one when the partition
+        # is taken over or a newer incarnation registers, so a process of an older
+        # incarnation holds a secret that no longer opens anything; the same one for a
+        # re-Register of the same process (a reconnect), which carries it.
         self.secret = secrets.token_hex(SECRET_BYTES)
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 
 from hybridps import wire
-from hybridps.errors import InvalidArgument, NotFound
+from hybridps.errors import InvalidArgument, NotFound, WrongSecret
+from hybridps.partition_secret import PARTITION_HEADER, given_partition, given_secret
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.arena_server import ArenaRegistry
 from ps.core import ShardCore
@@ -91,6 +92,11 @@ def add_shard_service(servicer: ShardServicer, server: grpc.aio.Server) -> None:
 
 
 
+def call_secret(context: grpc.aio.ServicerContext) -> str:
+    """The partition secret the call carries in its metadata ('' when none)."""
+    return given_secret(context.invocation_metadata())  # type: ignore[arg-type]
+
+
 def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float:
     """The request's timeout (0: server default), cut to end shortly before the
     client's deadline, so the client gets our message rather than DEADLINE_EXCEEDED.
@@ -159,15 +165,17 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             restore = ((request.restore.directory, request.restore.step)
                        if request.HasField("restore") else None)
             row_dtype = row_dtype_arg(request)
-            tables = await self.core.register(
+            tables, secret = await self.core.register(
                 request.run_id, request.rank, request.world_size, request.incarnation,
-                table_specs(request), optimizer_args(request.optimizer), restore, row_dtype)
+                table_specs(request), optimizer_args(request.optimizer), restore, row_dtype,
+                call_secret(context))
         except Exception as exc:
             await abort_with(context, "Register", exc, run=request.run_id, rank=request.rank)
             raise  # unreachable: abort raises
         self.tracker.registered(request.run_id, request.rank)
         response = shard_pb2.RegisterResponse(server_id=self.core.store.server_id,
-                                              max_message_bytes=self.max_message_bytes)
+                                              max_message_bytes=self.max_message_bytes,
+                                              partition_secret=secret)
         response.row_dtype = wire.wire_dtype(row_dtype)  # type: ignore[assignment]
         for t in tables:
             response.tables.add(name=t.name, rows_held=t.rows_held, last_step=t.last_step,
@@ -188,8 +196,21 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
 
     async def Sync(self, request_iterator: SyncFrames,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        """Yields encoded SyncResponse messages (the codec passes bytes on)."""
-        stream = SyncStream(self)
+        """Yields encoded SyncResponse messages (the codec passes bytes on). The stream is
+        bound to the partition its metadata names, whose secret it must carry."""
+        metadata = context.invocation_metadata()
+        try:
+            named = given_partition(metadata)  # type: ignore[arg-type]
+            if named is None:
+                raise WrongSecret(f"sync: the Sync stream names no partition: send metadata "
+                                  f"'{PARTITION_HEADER}: <run_id>/<rank>' and the partition "
+                                  "secret its Register answered")
+            binding = self.core.store.bind(*named, given_secret(metadata),  # type: ignore[arg-type]
+                                           f"sync run={named[0]!r} rank={named[1]}")
+        except Exception as exc:
+            await abort_with(context, "Sync", exc)
+            raise
+        stream = SyncStream(self, binding)
         inbox: asyncio.Queue[PushChunk | BaseException | None] = asyncio.Queue(SYNC_READ_AHEAD)
         reader = asyncio.create_task(self._read(request_iterator, stream, inbox))
         stop_wait = asyncio.ensure_future(self.stopping.wait())
@@ -232,6 +253,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         what = (f"seed run={request.run_id!r} rank={request.rank} table={request.table!r} "
                 f"rows from {request.row_start}")
         try:
+            self.core.store.authorize(request.run_id, [request.rank], call_secret(context),
+                                      what)
             rows_ND = wire.decode(request.rows, f"{what}: rows")
             seeded, held = await self.core.seed_rows(request.run_id, request.rank,
                                                      request.incarnation, request.table,
@@ -245,6 +268,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def Flush(self, request: shard_pb2.FlushRequest,
                     context: grpc.aio.ServicerContext) -> shard_pb2.FlushResponse:
         try:
+            self.core.store.authorize(request.run_id, [request.rank], call_secret(context),
+                                      f"flush run={request.run_id!r} rank={request.rank}")
             timeout = wait_timeout(request.timeout_s, context)
             applied = await self.core.flush(request.run_id, request.rank, request.step,
                                             timeout)
@@ -260,6 +285,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def Checkpoint(self, request: shard_pb2.CheckpointRequest,
                          context: grpc.aio.ServicerContext) -> shard_pb2.CheckpointResponse:
         try:
+            self.core.store.authorize(request.run_id, list(request.ranks), call_secret(context),
+                                      f"checkpoint run={request.run_id!r}")
             timeout = wait_timeout(request.timeout_s, context)
             saved = await self.core.checkpoint(request.run_id, list(request.ranks),
                                                request.step, request.directory, timeout)
@@ -278,6 +305,8 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                      context: grpc.aio.ServicerContext) -> shard_pb2.FinishResponse:
         fields = {"run": request.run_id, "rank": request.rank, "last_step": request.last_step}
         try:
+            self.core.store.authorize(request.run_id, [request.rank], call_secret(context),
+                                      f"finish run={request.run_id!r} rank={request.rank}")
             check_finish(self.core.store, request.run_id, request.rank, request.incarnation,
                          request.last_step, request.aborted)
         except Exception as exc:

@@ -17,8 +17,11 @@ the server closes the connection. A drain (SIGTERM) ends a connection between me
 one waiting for its next frame is woken at once.
 
 Frames (hybridps/socket_frames.py): 1 byte kind, 4 bytes little-endian length, payload.
-- HELLO (worker first, then the server's empty HELLO back): the auth token (may be
-  empty). A wrong token gets STATUS UNAUTHENTICATED.
+- HELLO (worker first, then the server's empty HELLO back): a serialized SyncHello, the
+  auth token (may be empty) and the partition the connection is bound to, with its
+  secret (as the gRPC Sync stream's metadata). A wrong token gets STATUS UNAUTHENTICATED,
+  a wrong secret PERMISSION_DENIED (ps/status.py); every PUSH must then be of that
+  partition.
 - PUSH (worker): a serialized SyncRequest, exactly as on the Sync stream.
 - UPDATE (server): a serialized SyncResponse, exactly as on the Sync stream.
 - STATUS (server, last): 4 bytes status code, then the UTF-8 details. Code 0 (OK):
@@ -55,6 +58,8 @@ from hybridps.socket_frames import (
     frame,
     kind_name,
 )
+from hybridps.v1 import shard_pb2
+from ps.partition_auth import Binding
 from ps.service import ShardServicer
 from ps.status import SHUTTING_DOWN, abort_with
 from ps.sync_codec import decode_request
@@ -149,8 +154,9 @@ class SyncSocketServer:
         if task is not None:
             self._handlers.add(task)
         try:
-            if await self._hello(reader, writer):
-                await self._sync(reader, writer)
+            binding = await self._hello(reader, writer)
+            if binding is not None:
+                await self._sync(reader, writer, binding)
         except (ConnectionError, FrameError) as exc:
             log.info(kv("sync_socket_closed", error=str(exc) or type(exc).__name__))
         finally:
@@ -158,30 +164,48 @@ class SyncSocketServer:
                 self._handlers.discard(task)
             writer.close()
 
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _hello(self, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> Binding | None:
+        """The connection's binding, or None (a STATUS frame said why, or it ended)."""
         try:
             got = await asyncio.wait_for(read_frame(reader, MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
         except TimeoutError:
-            return False
+            return None
         if got is None:
-            return False
+            return None
         kind, payload = got
         if kind != HELLO:
             raise FrameError(f"the first frame is a {kind_name(kind)}, not a HELLO")
-        if self.token and not token_matches(payload.decode("utf-8", "replace"), self.token):
+        try:
+            hello = shard_pb2.SyncHello.FromString(payload)
+        except Exception as exc:  # DecodeError: not a SyncHello
+            raise FrameError(f"the HELLO is not a SyncHello message ({exc})") from None
+        if self.token and not token_matches(hello.auth_token, self.token):
             self.servicer.core.store.record_refusal("unauthenticated")
             writer.write(status_frame(grpc.StatusCode.UNAUTHENTICATED,
                                       "missing or wrong auth token on the Sync socket"))
             await writer.drain()
-            return False
+            return None
+        context = SocketCallContext()
+        try:
+            binding = self.servicer.core.store.bind(
+                hello.run_id, hello.rank, hello.partition_secret,
+                f"sync socket run={hello.run_id!r} rank={hello.rank}")
+        except Exception as exc:
+            with contextlib.suppress(grpc.aio.AbortError):
+                await abort_with(context, "Sync", exc, run=hello.run_id, rank=hello.rank)
+            writer.write(status_frame(context.code, context.details))
+            await writer.drain()
+            return None
         writer.write(frame(HELLO))
         await writer.drain()
-        return True
+        return binding
 
-    async def _sync(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _sync(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    binding: Binding) -> None:
         """One message at a time, answered before the next is read: no read-ahead task or
         queue between the socket and the core (the socket buffer is the read-ahead)."""
-        stream = SyncStream(self.servicer)
+        stream = SyncStream(self.servicer, binding)
         context = SocketCallContext()
         task = asyncio.current_task()
         if task is None:

@@ -37,7 +37,6 @@ from hybridps.errors import (
     NotRegistered,
     ShardError,
     StaleIncarnation,
-    WrongSecret,
 )
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
@@ -52,6 +51,7 @@ from ps.partition import (
     check_row_dtype,
     optimizer_description,
 )
+from ps.partition_auth import PartitionAuth, check_run_id
 from ps.session import SyncSession, TableKey
 
 log = logging.getLogger("ps.store")
@@ -117,18 +117,11 @@ class ServerStats:
     max_state_bytes: int = 0
 
 
-def check_run_id(run_id: str, what: str) -> None:
-    """InvalidArgument naming the value unless `run_id` is a safe name (hybridps/names.py)."""
-    problem = describe_problem("run_id", run_id)
-    if problem is not None:
-        raise InvalidArgument(f"{what}: {problem}")
-
-
 def default_server_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Store:
+class Store(PartitionAuth):
     """All partitions of this server, their registration, and the stats snapshot."""
 
     def __init__(self, *, server_id: str | None = None,
@@ -150,6 +143,8 @@ class Store:
         self._partitions: dict[tuple[str, int], Partition] = {}
         self._refusals: collections.Counter[str] = collections.Counter()
         self._queued: collections.Counter[TableKey] = collections.Counter()
+        # (run_id, rank) -> Sync connections bound to it (a partition in use: see `bind`)
+        self._bound: collections.Counter[tuple[str, int]] = collections.Counter()
         self.checkpoint_root = CheckpointRoot(checkpoint_root)
         self.budget = StateBudget(max_state_bytes)
         self.runs_freed = 0
@@ -225,19 +220,36 @@ class Store:
                  tables: Sequence[TableSpec],
                  optimizer: OptimizerSpec | Mapping[str, Any],
                  restore: tuple[str, int] | None = None,
-                 row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+                 row_dtype: torch.dtype = torch.float32,
+                 secret: str = "") -> list[RegisteredTable]:
+        """`register_partition` without the secret it answers."""
+        return self.register_partition(run_id, rank, world_size, incarnation, tables,
+                                       optimizer, restore, row_dtype, secret)[0]
+
+    def register_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                           tables: Sequence[TableSpec],
+                           optimizer: OptimizerSpec | Mapping[str, Any],
+                           restore: tuple[str, int] | None = None,
+                           row_dtype: torch.dtype = torch.float32,
+                           secret: str = "") -> tuple[list[RegisteredTable], str]:
         """Register a partition; `restore` = (checkpoint directory, step) loads its state.
+        Returns its tables and its secret, which every later call for it must carry.
 
         `row_dtype` other than float32: the partition keeps fp32 master rows (seeded by
         `seed_rows`, or loaded with `restore`) and answers new rows (ps/partition.py).
-        Every Register hands the partition a new secret (`secret`).
+        `secret`: the one the caller holds ('' if none). Who may register a partition this
+        server holds (the takeover rule, `_check_takeover`): a caller with its secret; or,
+        when no Sync connection is bound to it, one that restores a checkpoint or finds it
+        without any push applied (a process restarted before its first step). A partition
+        created or taken over gets a new secret, and so does a newer incarnation.
         """
         try:
             if restore is not None:
                 return self._register_restore(run_id, rank, world_size, incarnation,
-                                              list(tables), optimizer, restore, row_dtype)
+                                              list(tables), optimizer, restore, row_dtype,
+                                              secret)
             return self._register(run_id, rank, world_size, incarnation, list(tables),
-                                  optimizer, row_dtype)
+                                  optimizer, row_dtype, secret)
         except ShardError as exc:
             self.record_refusal(exc.reason)
             raise
@@ -288,7 +300,8 @@ class Store:
 
     def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
                   tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
-                  row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+                  row_dtype: torch.dtype, secret: str
+                  ) -> tuple[list[RegisteredTable], str]:
         what, spec_opt = self._validate(run_id, rank, world_size, incarnation, tables,
                                         optimizer, row_dtype)
         existing = self.partition(run_id, rank)
@@ -306,7 +319,8 @@ class Store:
                             tables=",".join(t.describe() for t in tables),
                             optimizer=optimizer_description(spec_opt),
                             row_dtype=ROW_DTYPES[row_dtype]))
-                return [RegisteredTable(t.name, t.rows_held, -1, True) for t in tables]
+                return ([RegisteredTable(t.name, t.rows_held, -1, True) for t in tables],
+                        fresh.secret)
 
         with existing.lock:
             diff = existing.difference(world_size, tables, spec_opt, row_dtype)
@@ -317,27 +331,32 @@ class Store:
                     f"{what}: incarnation {incarnation} is older than the registered "
                     f"incarnation {existing.incarnation}"
                 )
+            takeover = self._check_takeover(existing, secret, False, what)
             previous = existing.incarnation
             existing.incarnation = incarnation
-            existing.new_secret()
+            if takeover or incarnation > previous:
+                existing.new_secret()
+            handed_out = existing.secret
             result = [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, False)
                       for t in existing.tables.values()]
         log.info(kv("register", run=run_id, rank=rank, incarnation=incarnation,
-                    previous_incarnation=previous, created=False,
+                    previous_incarnation=previous, created=False, takeover=takeover,
                     last_steps=",".join(f"{t.name}:{t.last_step}" for t in result)))
-        return result
+        return result, handed_out
 
     def _register_restore(self, run_id: str, rank: int, world_size: int, incarnation: int,
                           tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
-                          restore: tuple[str, int],
-                          row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+                          restore: tuple[str, int], row_dtype: torch.dtype,
+                          secret: str) -> tuple[list[RegisteredTable], str]:
         """Register from a checkpoint: a fresh partition loaded for this rank's ranges.
 
         It replaces the rank's partition if one is held (the run restarts from the
         checkpoint), and drops partitions of the run registered with another
         world size (the previous shape of a re-sharded run). Every file it will read is
         checked against the manifest first: a damaged checkpoint (CorruptCheckpoint,
-        naming the file) or any other refusal leaves every partition as it was.
+        naming the file) or any other refusal leaves every partition as it was. The
+        rank's own partition is replaced only under the takeover rule; another rank's
+        (of the previous world size) only when no Sync connection uses it.
         """
         from ps.checkpoint import check_restore, restore_partition
 
@@ -354,6 +373,10 @@ class Store:
             raise StaleIncarnation(
                 f"{what}: incarnation {incarnation} is older than the registered "
                 f"incarnation {held.incarnation}")
+        if held is not None:
+            self._check_takeover(held, secret, True, what)
+        self._check_unused(run_id, rank, world_size, what)
+        checked = held  # the partition the takeover rule allowed to replace
         check_restore(tables, spec_opt.has_moments, row_dtype != torch.float32, path, step)
 
         def replaced() -> list[tuple[str, int]]:
@@ -375,6 +398,9 @@ class Store:
                 raise StaleIncarnation(
                     f"{what}: incarnation {incarnation} is older than the registered "
                     f"incarnation {held.incarnation} (registered meanwhile)")
+            if held is not checked:
+                raise Conflict(f"{what}: the partition was registered again meanwhile; "
+                               "retry the Register")
             stale = replaced()
             for key in stale:
                 del self._partitions[key]
@@ -382,8 +408,8 @@ class Store:
         log.info(kv("restore", run=run_id, rank=rank, world_size=world_size,
                     incarnation=incarnation, step=step, directory=path,
                     dropped=len(stale), seconds=f"{time.perf_counter() - started:.3f}"))
-        return [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, True)
-                for t in part.tables.values()]
+        return ([RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, True)
+                 for t in part.tables.values()], part.secret)
 
     def drop_run(self, run_id: str, why: str) -> tuple[int, int]:
         """Forget every partition of `run_id` (its memory goes with the last push in
@@ -400,28 +426,6 @@ class Store:
             log.info(kv("run_freed", run=run_id, partitions=len(parts), state_bytes=freed,
                         why=why))
         return len(parts), freed
-
-    # -- the partition secret (checked by the transport for every later call) ----------
-
-    def secret(self, run_id: str, rank: int) -> str:
-        """The secret of a registered partition, for the answer to its Register only."""
-        part = self._partitions.get((run_id, rank))
-        if part is None:
-            raise NotRegistered(f"run {run_id!r} rank {rank} is not registered on this server")
-        return part.secret
-
-    def check_secret(self, run_id: str, rank: int, given: str, what: str) -> Partition:
-        """The partition, if `given` is its secret (compared in constant time);
-        WrongSecret otherwise. Nothing changes either way."""
-        part = self._partitions.get((run_id, rank))
-        if part is None:
-            check_run_id(run_id, what)
-            raise NotRegistered(f"{what}: run {run_id!r} rank {rank} is not registered on "
-                                f"this server (server {self.server_id})")
-        if not given or not part.secret_matches(given):
-            raise WrongSecret(f"{what}: {'missing' if not given else 'wrong'} partition "
-                              "secret (the one the latest Register of this rank answered)")
-        return part
 
     def seed_rows(self, run_id: str, rank: int, incarnation: int, table: str, row_start: int,
                   rows_ND: torch.Tensor) -> tuple[int, int]:

@@ -10,12 +10,19 @@ from typing import Any, Protocol
 import torch
 
 from hybridps import wire
-from hybridps.errors import BadShmReference, StaleShmEpoch
+from hybridps.errors import (
+    BadShmReference,
+    InvalidArgument,
+    NotRegistered,
+    StaleShmEpoch,
+    WrongSecret,
+)
 from hybridps.v1 import shard_pb2
 from ps.arena_server import ArenaRegistry, ResolvedShmPush
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker
 from ps.partition import PushChunk
+from ps.partition_auth import Binding
 from ps.status import refusal_reason
 from ps.store import kv
 from ps.sync_codec import (
@@ -48,11 +55,17 @@ class SyncStream:
     """`decode` each message as it arrives (a refused one is recorded and raises), then
     `answer` its chunks in order: the encoded SyncResponse messages to send back. `close`
     once, at the end. On an error, `fields()` names the push it happened in, for the log.
+
+    A stream is bound to one partition (`binding`, made by Store.bind when the connection
+    opened with the partition's secret): a message naming another (run, rank), or arriving
+    after the partition was registered anew, is refused (WrongSecret) before anything of
+    it is read.
     """
 
-    def __init__(self, host: StreamHost) -> None:
+    def __init__(self, host: StreamHost, binding: Binding) -> None:
         self._host = host
         self._core = host.core
+        self.binding = binding
         self.session = self._core.open_session()
         self._current: PushChunk | None = None
         self._push_message_bytes = 0  # the largest message of the push being received
@@ -62,13 +75,24 @@ class SyncStream:
     def decode(self, framed: wire.Framed[shard_pb2.SyncRequest]) -> list[WirePushChunk]:
         store = self._core.store
         try:
+            if framed.error is None:
+                self._check_bound(framed)
             chunks = request_chunks(framed, self._host.shm_arenas, store)
-        except (wire.WireError, BadShmReference, StaleShmEpoch) as exc:
+        except (wire.WireError, BadShmReference, StaleShmEpoch, WrongSecret,
+                NotRegistered, InvalidArgument) as exc:
             store.record_refusal(refusal_reason(exc), *request_owner(framed))
             raise
         for chunk in chunks:
             self.session.received(chunk)
         return chunks
+
+    def _check_bound(self, framed: wire.Framed[shard_pb2.SyncRequest]) -> None:
+        """The message's push (a batch's first entry: request_chunks refuses a batch with
+        an entry of another partition) is of the partition this connection is bound to,
+        still registered as it was: WrongSecret otherwise."""
+        if framed.message.WhichOneof("kind") is not None:
+            run_id, rank, _ = request_owner(framed)
+            self._core.store.check_bound(self.binding, run_id, rank, "push")
 
     async def answer(self, chunk: PushChunk) -> list[bytes]:
         self._current = chunk
@@ -118,5 +142,6 @@ class SyncStream:
 
     def close(self) -> None:
         self.session.close()
+        self._core.store.unbind(self.binding)
         if self._stream_of is not None:
             self._host.stream_closed(*self._stream_of)

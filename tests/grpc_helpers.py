@@ -2,25 +2,99 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import grpc
 import torch
 
 from hybridps import wire
 from hybridps.channel_options import channel_options
+from hybridps.partition_secret import SECRET_HEADER, partition_metadata
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 
 ADAM = shard_pb2.OptimizerConfig(kind=shard_pb2.OptimizerConfig.ADAM, lr=0.05, beta1=0.9,
                                  beta2=0.999, eps=1e-8)
 
 
-def open_channel(address: str, max_message_bytes: int | None = None) -> grpc.Channel:
+# (address, run_id, rank) -> the partition secret the latest Register through a channel of
+# `open_channel` answered; the channel attaches it to later calls (as the worker does).
+SECRETS: dict[tuple[str, str, int], str] = {}
+
+
+def open_channel(address: str, max_message_bytes: int | None = None, *,
+                 carry_secrets: bool = True) -> grpc.Channel:
+    """A channel to a test server; with `carry_secrets` its calls carry the partition
+    secret that Register answered (like the worker), unless given metadata already does."""
     options = channel_options() if max_message_bytes is None else channel_options(
         max_message_bytes)
     channel = grpc.insecure_channel(address, options=options)
     grpc.channel_ready_future(channel).result(timeout=30)
-    return channel
+    if not carry_secrets:
+        return channel
+    return grpc.intercept_channel(channel, SecretCarrier(address))
+
+
+def secret_metadata(address: str, run_id: str, rank: int) -> tuple[tuple[str, str], ...]:
+    """The metadata carrying (run_id, rank)'s secret from the latest Register (none: ())."""
+    secret = SECRETS.get((address, run_id, rank), "")
+    return partition_metadata(run_id, rank, secret)
+
+
+class SecretCarrier(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Remembers the secret of every Register answered, and attaches it to the calls that
+    name that partition (a Sync stream: the partition its first message pushes to)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def _owner(self, method: str, request: Any) -> tuple[str, int] | None:
+        if not hasattr(request, "run_id"):  # raw bytes: sent as they are
+            return None
+        name = method.rsplit("/", 1)[-1]
+        if name in ("Register", "SeedRows", "Finish", "Flush"):
+            rank = request.rank
+        elif name == "Checkpoint":
+            rank = request.ranks[0] if request.ranks else -1
+        else:
+            return None
+        if rank < 0:  # any rank of the run: the secret of one of them
+            ranks = sorted(r for (a, run, r) in SECRETS if a == self.address
+                           and run == request.run_id)
+            rank = ranks[0] if ranks else 0
+        return request.run_id, rank
+
+    def _details(self, details: Any, owner: tuple[str, int] | None) -> Any:
+        metadata = list(details.metadata or ())
+        if owner is None or any(k == SECRET_HEADER for k, _ in metadata):
+            return details
+        metadata += secret_metadata(self.address, *owner)
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
+                              request: Any) -> Any:
+        details = self._details(client_call_details,
+                                self._owner(client_call_details.method, request))
+        outcome = continuation(details, request)
+        if isinstance(request, shard_pb2.RegisterRequest) and outcome.exception() is None:
+            SECRETS[(self.address, request.run_id, request.rank)] = \
+                outcome.result().partition_secret
+        return outcome
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
+                                request_iterator: Any) -> Any:
+        if not client_call_details.method.endswith("/Sync"):
+            return continuation(client_call_details, request_iterator)
+        requests = iter(request_iterator)
+        first = next(requests, None)  # the partition the stream pushes to
+        owner = None
+        if first is not None:
+            push = first.batch.pushes[0] if first.HasField("batch") and first.batch.pushes \
+                else first.push
+            owner = (push.run_id, push.rank)
+        chained = itertools.chain([first], requests) if first is not None else iter(())
+        return continuation(self._details(client_call_details, owner), chained)
 
 
 def shard_stub(channel: grpc.Channel) -> shard_pb2_grpc.ShardServiceStub:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from hybridps.security import ClientSecurity
+from hybridps.v1 import shard_pb2
 from tests.helpers import PsServer, start_ps_server
 from tests.test_lifecycle import final_state
 from tests.test_wire_fast import _client, _reference_deltas, _run, _steps
@@ -123,6 +124,44 @@ def test_refusal_over_socket_keeps_its_code_and_names_the_server(ps_address: str
     assert client.stats.transport == "socket"
 
 
+def _hello(token: str, run_id: str = "", rank: int = 0, secret: str = "") -> bytes:
+    return shard_pb2.SyncHello(auth_token=token, run_id=run_id, rank=rank,
+                               partition_secret=secret).SerializeToString()
+
+
+def test_socket_needs_the_partition_secret(ps_address: str) -> None:
+    """The socket's HELLO binds it to a partition whose secret it carries (issue 23): a
+    missing or wrong secret, or another partition's, is PERMISSION_DENIED before any
+    push; the rank's own client (which carries it) works, and nothing else was applied."""
+    ids, grads = _steps(ROWS, DIM, 2)
+    client = _client(ps_address, ROWS, DIM, shm="on")
+    client.start()
+    try:
+        path = client._socket_path
+        assert path and client.stats.transport == "socket"
+        secret = client.rpc.metadata[-1][1]
+        for run_id, rank, given in ((client.run_id, 0, ""), (client.run_id, 0, "0" * 32),
+                                    (client.run_id, 0, secret[:-1] + "x"),
+                                    ("another-run", 0, secret)):
+            with pytest.raises(TransportRefused) as caught:
+                SocketTransport(path, _hello("", run_id, rank, given), 10.0, 1 << 20)
+            assert caught.value.code in (grpc.StatusCode.PERMISSION_DENIED.name,
+                                         grpc.StatusCode.FAILED_PRECONDITION.name)
+            if run_id == client.run_id:
+                assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED.name
+                assert "partition secret" in caught.value.details
+        got = []
+        for step, (i, g) in enumerate(zip(ids, grads, strict=True)):
+            client.push(step, {"t": (i, g)})
+            (update,), _ = client.take(step)
+            got.append(update.delta_UD.clone())
+    finally:
+        client.close()
+    for a, ref in zip(got, _reference_deltas(grads, ids, ROWS, DIM, torch.float32),
+                      strict=True):
+        torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-9)
+
+
 @pytest.fixture(scope="module")
 def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
     server = start_ps_server(tmp_path_factory.mktemp("ps"),
@@ -134,10 +173,10 @@ def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]
 def test_socket_checks_the_token(token_server: PsServer) -> None:
     path = _socket_of(token_server)
     with pytest.raises(TransportRefused) as caught:
-        SocketTransport(path, "not-the-token-at-all-0123456789", 10.0, 1 << 20)
+        SocketTransport(path, _hello("not-the-token-at-all-0123456789"), 10.0, 1 << 20)
     assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED.name
     with pytest.raises(TransportRefused) as caught:
-        SocketTransport(path, "", 10.0, 1 << 20)
+        SocketTransport(path, _hello(""), 10.0, 1 << 20)
     assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED.name
     ids, grads = _steps(ROWS, DIM, 3)
     client = _client(token_server.address, ROWS, DIM, shm="on",

@@ -105,7 +105,9 @@ def test_register_creates_then_adopts_newer_incarnation() -> None:
     assert part is not None and part.tables["emb"].m is not None
     assert part.tables["emb"].m.shape == (10, DIM)
     feed(store, push(0, [11]))
-    again = store.register(RUN, 1, 2, 3, [SMALL, EMB], ADAM)  # order of tables is irrelevant
+    # A newer process of the rank, with the partition's secret (issue 23: nobody else may
+    # take over a partition that has state); the order of tables is irrelevant.
+    again = store.register(RUN, 1, 2, 3, [SMALL, EMB], ADAM, secret=store.secret(RUN, 1))
     assert {(t.name, t.last_step, t.created) for t in again} == {
         ("emb", 0, False), ("small", -1, False)}
     assert part.incarnation == 3
@@ -200,8 +202,9 @@ def test_duplicate_push_returns_the_saved_answer_and_changes_nothing() -> None:
         assert replay is not None and replay.duplicate
         assert_same_answer(replay, original)
     assert_same_state(before, state(store))
-    # A restarted rank (newer incarnation) replaying an applied step gets the saved answer.
-    store.register(RUN, 1, 2, 1, [EMB, SMALL], ADAM)
+    # A newer incarnation of the rank (with the partition's secret: issue 23) replaying an
+    # applied step gets the saved answer.
+    store.register(RUN, 1, 2, 1, [EMB, SMALL], ADAM, secret=store.secret(RUN, 1))
     replay = feed(store, push(1, [11, 12], incarnation=1))
     assert replay is not None and replay.duplicate
     assert_same_answer(replay, second)

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from hybridps.channel_options import channel_options
+from hybridps.partition_secret import partition_metadata
 from hybridps.security import ClientSecurity, SecurityError, client_security, open_channel
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.admin import get_shard_stats, health_status
@@ -137,8 +138,10 @@ def test_every_rpc_needs_the_token_and_a_refusal_changes_nothing(token_server: s
         assert not stats.partitions and stats.pushes_applied_total == 0
         assert stats.refusals["unauthenticated"] >= 21
         # With the token everything works (and the admin token reads stats too).
-        shard.Register(register_request(), timeout=10, metadata=ok.metadata)
-        answers = list(shard.Sync(iter(push), timeout=10, metadata=ok.metadata))
+        secret = shard.Register(register_request(), timeout=10,
+                                metadata=ok.metadata).partition_secret
+        answers = list(shard.Sync(iter(push), timeout=10, metadata=ok.metadata
+                                  + partition_metadata("auth", 0, secret)))
         assert [a.update.step for a in answers] == [0]
         assert get_shard_stats(token_server, security=ClientSecurity(token=ADMIN)
                                ).pushes_applied_total == 1

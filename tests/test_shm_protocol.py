@@ -13,6 +13,7 @@ import torch
 
 from hybridps import arena_layout as layout
 from hybridps.admin import get_shard_stats
+from hybridps.partition_secret import partition_metadata
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from tests.test_wire_fast import SPEC
 from worker.arena_client import ClientArena, place
@@ -32,6 +33,16 @@ class RawRank:
         self.channel = grpc.insecure_channel(address)
         self.stub = shard_pb2_grpc.ShardServiceStub(self.channel)
         self.epoch = 0
+        self.secret = ""  # the partition's, from the latest Register (issue 23)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return partition_metadata(self.run_id, 0, self.secret)
+
+    def register_with(self, request: shard_pb2.RegisterRequest) -> shard_pb2.RegisterResponse:
+        response = self.stub.Register(request, timeout=30, metadata=self.metadata)
+        self.secret = response.partition_secret
+        return response
 
     def register(self, nonce: bytes | None = None) -> shard_pb2.RegisterResponse:
         offer = self.arena.offer()
@@ -42,7 +53,7 @@ class RawRank:
             tables=[shard_pb2.TableSpec(name="t", num_rows=ROWS, dim=DIM, row_start=0,
                                         row_end=ROWS)],
             optimizer=optimizer_message(SPEC), shm=offer)
-        response = self.stub.Register(request, timeout=30)
+        response = self.register_with(request)
         self.epoch = response.shm.epoch
         return response
 
@@ -62,7 +73,7 @@ class RawRank:
         """One SyncRequest each (a push, or a batch of them)."""
         requests = [shard_pb2.SyncRequest(batch=p) if isinstance(p, shard_pb2.PushBatch)
                     else shard_pb2.SyncRequest(push=p) for p in pushes]
-        return list(self.stub.Sync(iter(requests), timeout=30))
+        return list(self.stub.Sync(iter(requests), timeout=30, metadata=self.metadata))
 
     def close(self) -> None:
         self.channel.close()
@@ -128,7 +139,7 @@ def test_shm_push_without_an_accepted_arena_is_refused(raw_rank: RawRank) -> Non
         tables=[shard_pb2.TableSpec(name="t", num_rows=ROWS, dim=DIM, row_start=0,
                                     row_end=ROWS)],
         optimizer=optimizer_message(SPEC))  # no arena offered
-    raw_rank.stub.Register(request, timeout=30)
+    raw_rank.register_with(request)
     push, _ = raw_rank.push(0)
     with pytest.raises(grpc.RpcError) as info:
         raw_rank.sync(push)

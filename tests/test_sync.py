@@ -138,8 +138,14 @@ class FakeRpc:
         self.registers = 0
         self.running = False
         self.metadata: tuple[tuple[str, str], ...] = ()
-        self.token = ""
+        self.partition: tuple[str, int, str] | None = None
         self.max_receive_bytes = 1 << 20
+
+    def bind_partition(self, run_id: str, rank: int, secret: str) -> None:
+        self.partition = (run_id, rank, secret)
+
+    def socket_hello(self) -> bytes:
+        return b""
 
     def start(self) -> None:
         self.running = True

@@ -4,7 +4,9 @@
 thread of its own, for the life of the client. Every call goes through it: the unary
 calls (Register, SeedRows, Flush, Checkpoint, Finish) by `call`, which the calling
 thread waits on with a deadline, and the Sync stream by `open_stream`. `metadata` is
-the one place a call's credentials are attached. Errors are TransportErrors
+the one place a call's credentials are attached: the auth token, and, once a Register
+answered it, the partition's secret (hybridps/partition_secret.py), which the Sync
+socket's HELLO carries too (`socket_hello`). Errors are TransportErrors
 (worker/transport.py), never grpc's.
 
 Why a thread with its own loop: grpc.aio needs a running loop, and the training thread
@@ -35,8 +37,9 @@ import grpc
 
 from hybridps.channel_options import channel_options
 from hybridps.logs import kv
+from hybridps.partition_secret import partition_metadata
 from hybridps.security import ClientSecurity, open_aio_channel, open_channel
-from hybridps.v1 import shard_pb2_grpc
+from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from worker.sync_messages import InlinePush, Outgoing
 from worker.transport import (
     Response,
@@ -82,16 +85,25 @@ class ShardRpc:
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._thread_main, name="hybridps-rpc",
                                         daemon=True)
+        # (run_id, rank, secret) of the partition, from the latest Register's answer
+        self._partition: tuple[str, int, str] | None = None
+
+    def bind_partition(self, run_id: str, rank: int, secret: str) -> None:
+        """Every later call carries this partition's secret (Register answered it)."""
+        self._partition = (run_id, rank, secret)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The credentials every call and stream carries."""
-        return tuple(self.security.metadata)
+        """The credentials every call and stream carries: the auth token, the partition's
+        secret (and the partition it belongs to, which binds a Sync stream)."""
+        own = partition_metadata(*self._partition) if self._partition is not None else ()
+        return tuple(self.security.metadata) + own
 
-    @property
-    def token(self) -> str:
-        """The same credential, for the Sync socket's HELLO."""
-        return self.security.token
+    def socket_hello(self) -> bytes:
+        """The same credentials, as the Sync socket's first frame (a SyncHello)."""
+        run_id, rank, secret = self._partition or ("", 0, "")
+        return shard_pb2.SyncHello(auth_token=self.security.token, run_id=run_id, rank=rank,
+                                   partition_secret=secret).SerializeToString()
 
     @property
     def running(self) -> bool:

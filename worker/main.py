@@ -32,6 +32,7 @@ if not __package__:  # `torchrun worker/main.py` / `python worker/main.py` from 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
 from worker.config import TrainConfig
+from worker.launch import report_error
 from worker.task_defaults import TASK_DEFAULTS, task_defaults
 
 if TYPE_CHECKING:
@@ -95,10 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (SyncError, DenseParallelError) as exc:  # server trouble or a dense setup this
         # world cannot run: one clear line, torchrun stops the other ranks
-        print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
+        report_error(f"hybridps worker: error: {exc}")
         return 1
     except (ResumeError, ConfigError) as exc:  # no checkpoint as asked; a bad run id
-        print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
+        report_error(f"hybridps worker: error: {exc}")
         return 2
     finally:
         if trainer is not None:
@@ -124,12 +125,12 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
                         world_size=os.environ.get("WORLD_SIZE", "1"),
                         local_world_size=os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except (ValueError, SecurityError) as exc:
-        print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
+        report_error(f"hybridps worker: error: {exc}")
         return 2
     try:
         plan: Plan | None = plan_for_config(cfg) if cfg.sizing.plan else _cheap_plan(cfg)
     except PlanError as exc:
-        print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
+        report_error(f"hybridps worker: error: {exc}")
         return 2
     if cfg.sizing.plan and plan is not None:
         if rank == 0:

@@ -45,11 +45,12 @@ class ConnectionLost(TransportRetryable):
 
 
 class SocketTransport(SyncTransport):
-    """Connect, say HELLO (the token), then send requests and read responses."""
+    """Connect, say HELLO (`hello`: a serialized SyncHello, the auth token and the
+    partition's secret), then send requests and read responses."""
 
     name = "socket"
 
-    def __init__(self, path: str, token: str, timeout_s: float, max_message_bytes: int) -> None:
+    def __init__(self, path: str, hello: bytes, timeout_s: float, max_message_bytes: int) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_message_bytes + FRAME_SLACK_BYTES
@@ -60,7 +61,7 @@ class SocketTransport(SyncTransport):
             self._sock.settimeout(min(timeout_s, 10.0))
             self._sock.connect(path)
             self._sock.setblocking(False)
-            self.send_frame(frame(HELLO, token.encode()))
+            self.send_frame(frame(HELLO, hello))
             deadline = time.monotonic() + min(timeout_s, 10.0)
             while not self._updates:
                 left = deadline - time.monotonic()

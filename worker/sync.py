@@ -46,6 +46,7 @@ from hybridps.v1 import shard_pb2
 from worker import faults
 from worker.arena_client import ArenaPlacement
 from worker.config import SHM_SOCKET_MODES
+from worker.connect import call_until_connected, connect_window_s
 from worker.embedding import TableConfig
 from worker.grpc_client import ShardRpc
 from worker.socket_client import SocketTransport
@@ -148,15 +149,21 @@ class ShardClient(UpdateSource):
 
     # -- UpdateSource -------------------------------------------------------------------
     def start(self) -> None:
+        """Register and connect; a failure closes the client (the arena file, the channel)
+        before it is raised, whatever the caller does next."""
         try:
-            self.rpc.start()
-        except TransportError as exc:
-            raise ServerUnavailable(f"rank {self.rank}: {exc.text}") from None
-        self._register(first=True, timeout_s=self.timeout_s)
-        try:
-            self._connect()
-        except TransportError as exc:
-            self._recover(exc)
+            try:
+                self.rpc.start()
+            except TransportError as exc:
+                raise ServerUnavailable(f"rank {self.rank}: {exc.text}") from None
+            self._register(first=True, timeout_s=self.timeout_s)
+            try:
+                self._connect()
+            except TransportError as exc:
+                self._recover(exc)
+        except BaseException:
+            self.close()
+            raise
         self._forget_cut = faults.on_cut(self.cut_connection)
 
     def cut_connection(self) -> None:
@@ -307,7 +314,7 @@ class ShardClient(UpdateSource):
         """The Sync socket the server offered, if any and allowed; else the gRPC stream."""
         if self._socket_path and self.placement.epoch:
             try:
-                self._transport = SocketTransport(self._socket_path, self.rpc.token,
+                self._transport = SocketTransport(self._socket_path, self.rpc.socket_hello(),
                                                   self.timeout_s, self.rpc.max_receive_bytes)
             except TransportError as exc:
                 log.info(kv("sync_socket_fallback", server=self.address,
@@ -421,7 +428,13 @@ class ShardClient(UpdateSource):
         if offer is not None:
             request.shm.CopyFrom(offer)
         try:
-            response = self.rpc.call("Register", request, timeout_s, wait_for_ready=first)
+            if first:  # fails fast where nothing answers (worker/connect.py)
+                response = call_until_connected(
+                    lambda left: self.rpc.call("Register", request, left),
+                    address=self.address, rank=self.rank, timeout_s=timeout_s,
+                    window_s=connect_window_s(timeout_s))
+            else:
+                response = self.rpc.call("Register", request, timeout_s)
         except TransportError as exc:
             if not first:
                 raise
@@ -432,6 +445,7 @@ class ShardClient(UpdateSource):
             raise ServerRefused(self._refusal_text(exc)) from None
         self.stats.registers += 1
         self.server_id = response.server_id
+        self.rpc.bind_partition(self.run_id, self.rank, response.partition_secret)
         if response.max_message_bytes > 0:
             self.max_chunk_bytes = min(self.max_chunk_bytes, int(response.max_message_bytes))
         self.ledger.check_registered(response.tables, first, self.run_id)

@@ -151,18 +151,20 @@ class TableState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows_held: _Optional[int] = ..., last_step: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("server_id", "tables", "max_message_bytes", "row_dtype", "shm")
+    __slots__ = ("server_id", "tables", "max_message_bytes", "partition_secret", "row_dtype", "shm")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_SECRET_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     tables: _containers.RepeatedCompositeFieldContainer[TableState]
     max_message_bytes: int
+    partition_secret: str
     row_dtype: DType
     shm: SharedMemoryStatus
-    def __init__(self, server_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableState, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., row_dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[SharedMemoryStatus, _Mapping]] = ...) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableState, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., partition_secret: _Optional[str] = ..., row_dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[SharedMemoryStatus, _Mapping]] = ...) -> None: ...
 
 class SeedRowsRequest(_message.Message):
     __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "rows")
@@ -187,6 +189,18 @@ class SeedRowsResponse(_message.Message):
     rows_seeded: int
     rows_held: int
     def __init__(self, rows_seeded: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
+
+class SyncHello(_message.Message):
+    __slots__ = ("auth_token", "run_id", "rank", "partition_secret")
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    auth_token: str
+    run_id: str
+    rank: int
+    partition_secret: str
+    def __init__(self, auth_token: _Optional[str] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., partition_secret: _Optional[str] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("push", "batch")

@@ -1,0 +1,49 @@
+"""How a call proves it speaks for a partition: the per-partition secret's metadata.
+
+Register answers a partition's secret (RegisterResponse.partition_secret); every later
+call for that (run, rank) carries it in its metadata, next to the auth token (the worker
+attaches both in one place: worker/grpc_client.py ShardRpc.metadata). The Sync stream
+also names the partition it is bound to (`hybridps-partition: <run_id>/<rank>`): the
+server checks the secret when the stream opens and every push on it against that
+binding. The Sync socket carries the same in its first frame (SyncHello). Run ids are
+letters, digits, `_`, `.` and `-` (hybridps/names.py), so `/` separates unambiguously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SECRET_HEADER = "hybridps-partition-secret"
+PARTITION_HEADER = "hybridps-partition"
+
+
+def partition_metadata(run_id: str, rank: int, secret: str) -> tuple[tuple[str, str], ...]:
+    """The metadata naming a partition and carrying its secret (nothing without one)."""
+    if not secret:
+        return ()
+    return ((PARTITION_HEADER, f"{run_id}/{rank}"), (SECRET_HEADER, secret))
+
+
+def _value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str:
+    for k, v in metadata or ():
+        if k.lower() == key:
+            return v.decode("ascii", "replace") if isinstance(v, bytes) else v
+    return ""
+
+
+def given_secret(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+    """The partition secret a call carries ('' when none)."""
+    return _value(metadata, SECRET_HEADER)
+
+
+def given_partition(metadata: Sequence[tuple[str, str | bytes]] | None
+                    ) -> tuple[str, int] | None:
+    """(run_id, rank) a Sync stream names; None when absent or malformed."""
+    text = _value(metadata, PARTITION_HEADER)
+    run_id, sep, rank = text.rpartition("/")
+    if not sep or not run_id:
+        return None
+    try:
+        return run_id, int(rank)
+    except ValueError:
+        return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -129,6 +130,8 @@ class PushChunk:
     grads: torch.Tensor
     chunk: int = 0
     num_chunks: int = 1  # 0 is read as 1 (an unchunked push that left the field unset)
+    # Push.lr: this push's learning rate (None: the registered optimizer's lr)
+    lr: float | None = None
     # Set by SyncSession.received(): this chunk opened a push counted in queue_depth.
     queued: bool = field(default=False, compare=False)
     # Where the answer of a one-chunk push goes besides the return value (the
@@ -209,6 +212,19 @@ def optimizer_description(spec: OptimizerSpec) -> str:
     if spec.kind == "adamw":
         text += f", weight_decay={spec.weight_decay:g}"
     return text + ")"
+
+
+def check_push_lr(lr: float, what: str) -> None:
+    """A push's own lr (Push.lr) must be a finite number >= 0."""
+    if not math.isfinite(lr) or lr < 0:
+        raise InvalidArgument(f"{what}: lr={lr!r} must be a finite number >= 0")
+
+
+def optimizer_with_lr(spec: OptimizerSpec, lr: float) -> OptimizerSpec:
+    """`spec` at a push's own lr (Push.lr); InvalidArgument names a bad one."""
+    if lr == spec.lr:
+        return spec
+    return dataclasses.replace(spec, lr=lr)  # OptimizerSpec refuses a non-finite / negative lr
 
 
 def first_duplicate(ids_U: torch.Tensor) -> int | None:
@@ -397,13 +413,15 @@ class TableState:
     # -- the update ------------------------------------------------------------------
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
-              sink: AnswerSink | None = None) -> Answer:
+              sink: AnswerSink | None = None, lr: float | None = None) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
-        written into `sink` too (PushChunk.sink)."""
+        written into `sink` too (PushChunk.sink). `lr`: the push's own learning rate
+        (checked by optimizer_with_lr), else the registered one."""
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
-        delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count, out=out)
+        optimizer = self.optimizer if lr is None else optimizer_with_lr(self.optimizer, lr)
+        delta, decay = apply_rows_(optimizer, self.m, self.v, local, grads, count, out=out)
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1

@@ -211,6 +211,7 @@ def push_chunk(msg: SyncRequest, arenas: ArenaRegistry | None = None,
         run_id=head_msg.run_id, rank=head_msg.rank, incarnation=head_msg.incarnation,
         step=head_msg.step, table=head_msg.table, ids=ids, grads=grads, chunk=head_msg.chunk,
         num_chunks=head_msg.num_chunks, update_dtype=update_dtype,
+        lr=head_msg.lr if head_msg.HasField("lr") else None,
         message_bytes=msg.nbytes if isinstance(msg, wire.Framed) else 0,
         sink=shm,  # a shared-memory push: the core writes the answer into the arena
     )

@@ -48,6 +48,7 @@ from ps.partition import (
     PushChunk,
     TableSpec,
     TableState,
+    check_push_lr,
     check_row_dtype,
     first_duplicate,
     optimizer_description,
@@ -567,6 +568,8 @@ class SyncSession:
             chunk.queued = False
             pending.tickets.append(self._key(chunk))
         pending.table.check_rows(chunk.ids, chunk.grads, what)
+        if chunk.lr is not None:
+            check_push_lr(chunk.lr, what)
         pending.ids.append(chunk.ids)
         pending.grads.append(chunk.grads)
         if pending.next_chunk < n:
@@ -589,7 +592,7 @@ class SyncSession:
             saved = table.classify_step(chunk.step, pending.what)
             sink = chunk.sink if n == 1 else None
             if saved is None:
-                answer = table.apply(chunk.step, ids, grads, sink)
+                answer = table.apply(chunk.step, ids, grads, sink, chunk.lr)
             elif sink is not None:
                 sink.write(saved.delta)
                 answer = saved

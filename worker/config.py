@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from worker.dense_options import check_dense_options
+from worker.kge_options import PRESETS, parse_kge_options
 from worker.nodes import node_ps_address, rank_layout, split_ps
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -25,7 +26,7 @@ MAX_SHM_MB = 1 << 20
 DEVICES = ("auto", "cpu", "cuda")
 STALENESS_COMPENSATIONS = ("none", "predict")  # worker/staleness.py
 KGE_MODELS = ("distmult", "complex", "keci", "qmult")
-KGE_TRAINING = ("kvsall", "negsample")
+KGE_TRAINING = ("kvsall", "1vsall", "negsample")
 MIN_CHUNK_BYTES = 64 * 1024
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -213,7 +214,15 @@ class TrainConfig:
     model: str = field(default="distmult", metadata=_h(
         "kge: scoring model, one of " + " | ".join(KGE_MODELS), "NAME"))
     training: str = field(default="kvsall", metadata=_h(
-        "kge: kvsall (1-vs-all BCE, sharded by entity rows) | negsample", "MODE"))
+        "kge: kvsall (each (h, r) vs all entities, multi-hot) | 1vsall (each (h, r, t) vs all "
+        "entities) | negsample; scoring against all entities is sharded by entity rows",
+        "MODE"))
+    kge: str = field(default="", metadata=_h(
+        "kge trainer options key=value,... (loss, reg, dropout, lr schedule, evaluation, "
+        "early stopping: worker/kge_options.py KGEOptions, docs/kge.md)", "OPTS"))
+    preset: str = field(default="", metadata=_h(
+        "a recipe: defaults for the flags not given, e.g. fb15k237-complex (docs/kge.md)",
+        "NAME"))
     neg_ratio: int = field(default=8, metadata=_h(
         "kge --training negsample: corrupted tails per positive triple", "N"))
     data_path: str = field(default="", metadata=_h(
@@ -294,6 +303,9 @@ class TrainConfig:
         if self.training not in KGE_TRAINING:
             raise ValueError(
                 f"training={self.training!r} is not one of {', '.join(KGE_TRAINING)}")
+        parse_kge_options(self.kge)  # ValueError naming the bad key or value
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"preset={self.preset!r} is not one of {', '.join(sorted(PRESETS))}")
         if self.table_rows and not re.fullmatch(r"\d+(,\d+)*", self.table_rows.replace(" ", "")):
             raise ValueError(f"table_rows={self.table_rows!r} is not an int or a comma list")
         if self.tables:

@@ -168,6 +168,7 @@ class ShardClient(UpdateSource):
         # Pushes are kept encoded: a re-sent push is the same bytes, not encoded again
         # (a push by shared memory: its header, stamped with the epoch when sent).
         self._unanswered: dict[tuple[int, int], list[bytes] | ShmPush] = {}
+        self._push_lr: dict[int, float] = {}  # step -> Push.lr, until the step is taken
         self._partial: dict[tuple[int, int], list[wire.Framed[shard_pb2.Update]]] = {}
         self._outq: asyncio.Queue[bytes | None] | None = None
         self._call: Any = None
@@ -191,7 +192,9 @@ class ShardClient(UpdateSource):
         if self.buffer.fatal is not None:
             raise self.buffer.fatal
 
-    def push(self, step: int, grads: Grads) -> None:
+    def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
+        if lr is not None:  # Push.lr of this step's pushes (and of their re-sends)
+            self._push_lr[step] = lr
         if self.buffer.fatal is not None:
             raise self.buffer.fatal
         loop = self._loop
@@ -213,12 +216,16 @@ class ShardClient(UpdateSource):
         arena = self._arena
         if arena is None:
             updates, blocked = super().take(through_step)
+            for step in [s for s in self._push_lr if s <= through_step]:
+                del self._push_lr[step]  # answered: never re-sent
             return updates, blocked or waited
         with self._shm_lock:
             taken, self._shm_taken = self._shm_taken, []
         for region in taken:
             arena.ring.free(region)
         updates, blocked = super().take(through_step)
+        for step in [s for s in self._push_lr if s <= through_step]:
+            del self._push_lr[step]  # answered: never re-sent
         with self._shm_lock:
             for u in updates:
                 if (u.step, u.table) in self._shm_answered:
@@ -568,7 +575,7 @@ class ShardClient(UpdateSource):
                               step=step, table=name, chunk=0, num_chunks=1,
                               update_dtype=self._update_dtype(),  # type: ignore[arg-type]
                               shm_ids=slot.refs[0], shm_grads=slot.refs[1],
-                              shm_answer=slot.refs[2])
+                              shm_answer=slot.refs[2], lr=self._push_lr.get(step))
         self.stats.shm_pushes += 1
         self.stats.shm_bytes += slot.tensor_bytes
         return ShmPush(head, slot)
@@ -833,7 +840,8 @@ class ShardClient(UpdateSource):
             head = shard_pb2.Push(run_id=self.run_id, rank=self.rank,
                                   incarnation=self.incarnation, step=step, table=name,
                                   chunk=chunk, num_chunks=len(bounds),
-                                  update_dtype=update_dtype)  # type: ignore[arg-type]
+                                  update_dtype=update_dtype,  # type: ignore[arg-type]
+                                  lr=self._push_lr.get(step))
             msgs.append(wire.encode_framed(head, [("ids", ids_U[lo:hi]),
                                                   ("grads", grads[lo:hi])]))
         return msgs

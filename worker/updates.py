@@ -20,6 +20,7 @@ and the step, and the transport lives in worker/sync.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -214,8 +215,9 @@ class UpdateSource(ABC):
         """Connect/register; called once before the first push."""
 
     @abstractmethod
-    def push(self, step: int, grads: Grads) -> None:
-        """Hand over the coalesced gradients of every table for `step` (never blocks)."""
+    def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
+        """Hand over the coalesced gradients of every table for `step` (never blocks).
+        `lr`: the rows' learning rate for this step (None: the registered one)."""
 
     def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
         return self.buffer.take(through_step, self.timeout_s, self.describe_wait)
@@ -278,13 +280,14 @@ class LocalSparseOptimizer(UpdateSource):
                                       torch.empty(0, weight.shape[1])).to(weight.device)
 
     @torch.no_grad()
-    def push(self, step: int, grads: Grads) -> None:
+    def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
+        spec = self.spec if lr is None else dataclasses.replace(self.spec, lr=lr)
         for name in self.buffer.tables:
             ids_U, grads_UD = grads[name]
             start = self.embedding.ranges[name][0]
             self.counts[name] += 1
             m_RD, v_RD = self.moments[name]
-            delta_UD, decay = apply_rows_(self.spec, m_RD, v_RD, ids_U - start, grads_UD,
+            delta_UD, decay = apply_rows_(spec, m_RD, v_RD, ids_U - start, grads_UD,
                                           self.counts[name])
             self.stats.pushes += 1
             self.stats.push_rows += int(ids_U.numel())

@@ -189,7 +189,7 @@ class SeedRowsResponse(_message.Message):
     def __init__(self, rows_seeded: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class Push(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype", "shm_ids", "shm_grads", "shm_answer", "shm_epoch", "batch")
+    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype", "shm_ids", "shm_grads", "shm_answer", "shm_epoch", "batch", "lr")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class Push(_message.Message):
     SHM_ANSWER_FIELD_NUMBER: _ClassVar[int]
     SHM_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -220,7 +221,8 @@ class Push(_message.Message):
     shm_answer: ShmTensor
     shm_epoch: int
     batch: _containers.RepeatedCompositeFieldContainer[Push]
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., shm_ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_grads: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_answer: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_epoch: _Optional[int] = ..., batch: _Optional[_Iterable[_Union[Push, _Mapping]]] = ...) -> None: ...
+    lr: float
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., shm_ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_grads: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_answer: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_epoch: _Optional[int] = ..., batch: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class Update(_message.Message):
     __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate", "rows", "shm", "batch")

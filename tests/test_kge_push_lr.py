@@ -133,7 +133,7 @@ def test_local_optimizer_follows_the_push_lr_like_the_server() -> None:
                            device=torch.device("cpu"), seed=0, init_std=1.0)
     spec = OptimizerSpec("adam", lr=1.0)
     local = LocalSparseOptimizer(emb, spec)
-    start, _, ids, grads = _torch_rows(torch.optim.SparseAdam, {"lr": 1.0}, True, False)
+    _, _, ids, grads = _torch_rows(torch.optim.SparseAdam, {"lr": 1.0}, True, False)
     store = Store(server_id="test")
     store.register(RUN, 0, 1, 0, [TableSpec("emb", ROWS, DIM, 0, ROWS)], spec)
     session = store.open_session()

@@ -125,7 +125,7 @@ def brute_force_ranks(model: HybridModel, task: KGETask, triples: np.ndarray) ->
     ranks = []
     with torch.no_grad():
         for h, r, t in queries:
-            q, bias = model.dense(ent[[h]], torch.tensor([r]))
+            q, bias, _ = model.dense(ent[[h]], torch.tensor([r]))
             scores = (ent @ q[0] + bias[0]).numpy()
             others = [e for e in range(len(ent)) if e != t and e not in known[(h, r)]]
             greater = sum(scores[e] > scores[t] for e in others)

@@ -205,17 +205,13 @@ class Trainer:
 
             window_loss += loss.detach()
             window_steps += 1
-            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == self.steps):
+            stop = False
+            if ((cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == self.steps))
+                    or (self.hooks is not None and self.hooks.eval_due(step))):
                 t_eval = time.perf_counter()  # a collective on every rank: same steps
                 self.eval_curve.append((step, self.evaluate(quick=True)))
-                t["eval"] += time.perf_counter() - t_eval
-                t6 += time.perf_counter() - t_eval
-            stop = False
-            if self.hooks is not None and self.hooks.eval_due(step):
-                t_eval = time.perf_counter()
-                metrics = self.evaluate(quick=True)
-                self.eval_curve.append((step, metrics))
-                stop = self.hooks.after_eval(step, metrics)  # the same on every rank
+                if self.hooks is not None:  # the same metrics, so the same answer, everywhere
+                    stop = self.hooks.after_eval(step, self.eval_curve[-1][1])
                 t["eval"] += time.perf_counter() - t_eval
                 t6 += time.perf_counter() - t_eval
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.steps:

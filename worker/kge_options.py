@@ -62,6 +62,8 @@ class KGEOptions:
         "evaluation's estimated cost within eval_budget of training)"))
     eval_budget: float = field(default=0.1, metadata=_h(
         "eval_every_epochs=0: target evaluation cost as a fraction of training"))
+    eval_test: bool = field(default=True, metadata=_h(
+        "evaluate test at the end (false while tuning: only valid is ever computed)"))
     keep_best: bool = field(default=True, metadata=_h(
         "end with the rows and dense weights of the evaluation with the best valid MRR"))
 

@@ -368,7 +368,8 @@ class KGETask(Task):
     def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
                       quick: bool = False) -> dict[str, float]:
         out: dict[str, float] = {}
-        for split in ("valid",) if quick else ("valid", "test"):
+        splits = ("valid",) if quick or not self.options.eval_test else ("valid", "test")
+        for split in splits:
             triples = self.ds.split(split)
             if len(triples) == 0:
                 continue

@@ -1,0 +1,88 @@
+"""Hyper-parameter search for the KGE recipes, on VALID only.
+
+Runs trials one after the other, each a world of one (`python -m worker.main
+--local-optimizer`: the same task, model, loss and schedule code as the 2-rank + server run,
+without the server), with `--kge ...,eval_test=false` so that test is never evaluated. Each
+trial's valid-MRR curve and times are appended to <out>/search.jsonl; the table printed at the
+end has valid figures only.
+
+    python bench/kge_search.py --data-dir DIR/FB15k-237 --out runs/search \\
+        --base "--model complex --training kvsall --dim 256 --epochs 6" \\
+        --trial "lr=0.003 kge=loss=ce,reg=n3,reg_weight=0.01" --trial "lr=0.01 kge=loss=ce"
+
+A trial is space-separated FIELD=VALUE pairs (TrainConfig fields; `kge` is the --kge string,
+to which eval_test=false is appended). --lr sets --dense-lr too unless the trial sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def trial_flags(base: list[str], trial: str) -> list[str]:
+    fields = dict(item.split("=", 1) for item in trial.split())
+    if "lr" in fields and "dense_lr" not in fields:
+        fields["dense_lr"] = fields["lr"]
+    fields["kge"] = ",".join(x for x in (fields.get("kge", ""), "eval_test=false") if x)
+    flags = list(base)
+    for key, value in fields.items():
+        flags += [f"--{key.replace('_', '-')}", value]
+    return flags
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--out", default="runs/kge_search")
+    ap.add_argument("--base", default="", help="flags shared by every trial")
+    ap.add_argument("--trial", action="append", default=[], help="FIELD=VALUE ...")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = ["--task", "kge", "--data-dir", args.data_dir, "--local-optimizer",
+            "--progress", "false", *shlex.split(args.base)]
+    rows = []
+    for i, trial in enumerate(args.trial):
+        name = f"{int(time.time())}-{i}"
+        results = out / f"{name}.json"
+        flags = [*trial_flags(base, trial), "--results", str(results)]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "worker.main", *flags], cwd=REPO,
+                              capture_output=True, text=True, check=False,
+                              env={"OMP_NUM_THREADS": str(args.threads),
+                                   "PATH": "/usr/bin:/bin"})
+        wall = time.perf_counter() - t0
+        record: dict[str, object] = {"trial": trial, "base": args.base, "wall_s": round(wall, 1),
+                                     "returncode": proc.returncode}
+        if proc.returncode == 0:
+            res = json.loads(results.read_text())
+            record.update(
+                valid_curve=[[s, round(m["valid_mrr"], 4)] for s, m in res["eval_curve"]
+                             if "valid_mrr" in m],
+                final_valid_mrr=round(res["eval"]["valid_mrr"], 4),
+                best=res["hooks"], train_s=round(res["train_time_s"], 1),
+                eval_s=round(res["eval_time_s"], 1), final_loss=res["final_loss"])
+            assert not any(k.startswith("test") for k in res["eval"]), "test was evaluated"
+        else:
+            record["error"] = proc.stderr[-2000:]
+        with (out / "search.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        rows.append(record)
+        print(json.dumps(record), flush=True)
+    print("| trial | valid MRR (best) | train s |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['trial']} | {r.get('final_valid_mrr')} | {r.get('train_s')} |")
+
+
+if __name__ == "__main__":
+    main()

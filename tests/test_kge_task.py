@@ -37,6 +37,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # Keci(p=1, q=1) has a per-query bias term and learnable coefficients: every code path.
     "kvsall": {"training": "kvsall", "model": "keci", "dim": 9},
     "negsample": {"training": "negsample", "model": "complex", "dim": 8, "neg_ratio": 3},
+    # 1vsAll cross-entropy, N3, a warm-up and reduce-on-plateau fed by evaluations every
+    # epoch, the best model restored: the reference follows the same hooks
+    "1vsall": {"training": "1vsall", "model": "complex", "dim": 8,
+               "kge": "reg=n3,reg_weight=0.02,warmup_epochs=1.5,plateau_factor=0.5,"
+                      "plateau_patience=0,eval_every_epochs=1"},
+    "kvsall-smooth": {"training": "kvsall", "model": "distmult", "dim": 6,
+                      "kge": "label_smoothing=0.1,reg=l2,reg_weight=0.01,rel_reg_weight=0.003,"
+                             "warmup_epochs=0.5"},
+    "kvsall-ce": {"training": "kvsall", "model": "qmult", "dim": 8, "kge": "loss=ce"},
 }
 
 

@@ -209,6 +209,7 @@ class Trainer:
             if ((cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == self.steps))
                     or (self.hooks is not None and self.hooks.eval_due(step))):
                 t_eval = time.perf_counter()  # a collective on every rank: same steps
+                self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
                 self.eval_curve.append((step, self.evaluate(quick=True)))
                 if self.hooks is not None:  # the same metrics, so the same answer, everywhere
                     stop = self.hooks.after_eval(step, self.eval_curve[-1][1])

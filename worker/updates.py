@@ -378,6 +378,11 @@ class StalenessWindow:
         s.histogram[applied] = s.histogram.get(applied, 0) + 1
         self.last_applied_staleness = applied
 
+    def catch_up(self, step: int) -> None:
+        """After step `step`: apply now what the forward of step+1 will see (updates <=
+        step-K), e.g. so that an evaluation after step t sees the model of step t+1."""
+        self._apply_through(step - self.staleness)
+
     def drain(self, last_step: int) -> None:
         """End of training: apply every remaining update, through `last_step`."""
         self._apply_through(last_step)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from worker.kge_options import KGEOptions
 from worker.tasks.base import TrainHooks
@@ -122,7 +123,14 @@ class KGEHooks(TrainHooks):
 
     # -- the best model ------------------------------------------------------------------
     def _params(self) -> Iterator[torch.Tensor]:
-        """This rank's part of every parameter: owned rows, FSDP-local dense shards."""
+        """This rank's part of every parameter: owned rows, FSDP-local dense shards.
+
+        FSDP2 keeps the root's parameters gathered after a forward without backward (an
+        evaluation): the registered parameters are then temporary full copies, so every
+        FSDP module is resharded first and the sharded storage is what is saved/restored."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         for param in self.model.parameters():
             yield param.data
 

@@ -64,6 +64,12 @@ class KGEOptions:
         "eval_every_epochs=0: target evaluation cost as a fraction of training"))
     eval_test: bool = field(default=True, metadata=_h(
         "evaluate test at the end (false while tuning: only valid is ever computed)"))
+    planted_community: int = field(default=8, metadata=_h(
+        "--task kge_planted: entities per community (the MRR ceiling is H_S / S)"))
+    planted_relations: int = field(default=16, metadata=_h(
+        "--task kge_planted: relations (each maps a community to another)"))
+    planted_test: int = field(default=1000, metadata=_h(
+        "--task kge_planted: test triples (ranked in both directions, unfiltered)"))
     keep_best: bool = field(default=True, metadata=_h(
         "end with the rows and dense weights of the evaluation with the best valid MRR"))
 
@@ -86,6 +92,9 @@ class KGEOptions:
             raise ValueError(f"kge plateau_factor={self.plateau_factor!r} must be in [0, 1)")
         if not (math.isfinite(self.eval_budget) and self.eval_budget > 0.0):
             raise ValueError(f"kge eval_budget={self.eval_budget!r} must be > 0")
+        for name in ("planted_community", "planted_relations", "planted_test"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kge {name}={getattr(self, name)!r} must be >= 1")
         for name in ("plateau_patience", "early_stop_patience", "eval_every_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kge {name}={getattr(self, name)!r} must be >= 0")

@@ -78,7 +78,7 @@ from worker.tasks.kge_schedule import KGEHooks, auto_eval_every
 from worker.tasks.kge_scoring import block_loss
 
 ENTITY = "entity"
-EVAL_CELLS = 1 << 24  # queries x owned entities scored at once in evaluation
+EVAL_CELLS = 1 << 25  # queries x owned entities scored at once in evaluation (128 MiB)
 MODEL_OPTIONS = {"keci": ("p", "q", "coefficients"), "qmult": ("unit_relation",)}
 
 

@@ -155,6 +155,7 @@ class Trainer:
         self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
         self.setup_s = time.perf_counter() - t0
         self.train_s = 0.0
+        self.final_eval_s = 0.0
 
     @property
     def is_main(self) -> bool:
@@ -330,6 +331,7 @@ class Trainer:
             "eval_curve": [[s, m] for s, m in self.eval_curve],
             "last_step": self.last_step,
             "eval_time_s": self.times["eval"],
+            "final_eval_time_s": self.final_eval_s,
             "eval_fraction": self.times["eval"] / self.train_s if self.train_s else 0.0,
             "hooks": self.hooks.describe() if self.hooks is not None else None,
             "eval": eval_metrics,
@@ -390,7 +392,9 @@ class Trainer:
     def report(self) -> dict[str, Any] | None:
         """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
         cfg, ctx = self.cfg, self.ctx
+        t_eval = time.perf_counter()
         eval_metrics = self.evaluate()
+        self.final_eval_s = time.perf_counter() - t_eval
         if cfg.dump_state:
             self.dump_state(cfg.dump_state)
         if ctx.world_size > 1:

@@ -49,17 +49,19 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = ["--task", "kge", "--data-dir", args.data_dir, "--local-optimizer",
-            "--progress", "false", *shlex.split(args.base)]
+            "--progress", "true", *shlex.split(args.base)]
     rows = []
     for i, trial in enumerate(args.trial):
         name = f"{int(time.time())}-{i}"
         results = out / f"{name}.json"
         flags = [*trial_flags(base, trial), "--results", str(results)]
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "worker.main", *flags], cwd=REPO,
-                              capture_output=True, text=True, check=False,
-                              env={"OMP_NUM_THREADS": str(args.threads),
-                                   "PATH": "/usr/bin:/bin"})
+        log = out / f"{name}.log"  # the progress bar (loss, valid MRR): `tail -c 300 LOG`
+        with log.open("w") as stream:
+            proc = subprocess.run([sys.executable, "-m", "worker.main", *flags], cwd=REPO,
+                                  stdout=stream, stderr=subprocess.STDOUT, text=True,
+                                  check=False, env={"OMP_NUM_THREADS": str(args.threads),
+                                                    "PATH": "/usr/bin:/bin"})
         wall = time.perf_counter() - t0
         record: dict[str, object] = {"trial": trial, "base": args.base, "wall_s": round(wall, 1),
                                      "returncode": proc.returncode}
@@ -73,7 +75,7 @@ def main() -> None:
                 eval_s=round(res["eval_time_s"], 1), final_loss=res["final_loss"])
             assert not any(k.startswith("test") for k in res["eval"]), "test was evaluated"
         else:
-            record["error"] = proc.stderr[-2000:]
+            record["error"] = log.read_text()[-2000:]
         with (out / "search.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
         rows.append(record)

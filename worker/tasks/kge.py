@@ -191,7 +191,10 @@ class KGETask(Task):
 
     def build_dense(self) -> nn.Module:
         kw = self.model_options
-        return KGEDense(build_model(self.cfg.model, 2 * self.num_relations, self.cfg.dim, **kw))
+        scorer = build_model(self.cfg.model, 2 * self.num_relations, self.cfg.dim, **kw)
+        with torch.no_grad():  # relations start at N(0, 1) * --init-std, like the entity rows
+            scorer.relation.weight.mul_(self.cfg.init_std)
+        return KGEDense(scorer)
 
     def steps_per_epoch(self, world_size: int) -> int:
         return math.ceil(len(self.examples) / (world_size * self.cfg.batch_size))

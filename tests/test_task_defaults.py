@@ -49,7 +49,7 @@ def test_other_tasks_keep_the_config_defaults() -> None:
 @pytest.mark.parametrize(("argv", "match"), [
     (["--task", "kge"], "needs --data-dir"),
     (["--model", "transe"], "model='transe'"),
-    (["--training", "1vsall"], "training='1vsall'"),
+    (["--training", "allvsall"], "training='allvsall'"),  # 1vsall became a mode
     (["--neg-ratio", "0"], "neg_ratio=0"),
     (["--table-rows", "10,x"], "table_rows='10,x'"),
     (["--eval-every", "-1"], "eval_every=-1"),

@@ -1,6 +1,6 @@
 """Checkpoint and resume time per GiB of state, against a real shard server.
 
-    python bench/bench_checkpoint.py                 # 8M x 32 rows, 2 ranks (~2-3 min)
+    python bench/bench_checkpoint.py                 # 8M x 32 rows, 2 ranks
     python bench/bench_checkpoint.py --quick         # 2M x 32 rows
     python bench/bench_checkpoint.py --rows 16000000 --dim 64 --json runs/bench/ck.json
 
@@ -18,43 +18,21 @@ this machine does, not what a cluster file system does.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
-
-from bench_train import Server  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+from harness import Server, bench_parser, run_worker, write_json  # bench/ is sys.path[0]
 
 WORLD = 2
 GIB = 2**30
 
 
 def _run(args: list[str], results: Path, log_path: Path) -> dict[str, Any]:
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
-           "--nproc_per_node", str(WORLD), str(REPO / "worker" / "main.py"), *args,
-           "--progress", "false", "--eval-batches", "1", "--results", str(results)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          check=False, timeout=3600)
-    log_path.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker run failed ({proc.returncode}), see {log_path}:\n"
-                           f"{proc.stderr[-3000:]}")
-    res: dict[str, Any] = json.loads(results.read_text())
-    res["wall_s"] = time.perf_counter() - t0
-    return res
+    return run_worker([*args, "--eval-batches", "1"], results, log_path, world=WORLD)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -62,13 +40,10 @@ def _dir_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="2M rows")
     parser.add_argument("--rows", type=int, default=8_000_000)
     parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="2M rows")
     parser.add_argument("--dir", default="", help="where to write (default: a temp dir)")
-    parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args(argv)
     rows = 2_000_000 if args.quick else args.rows
     work = Path(args.dir or tempfile.mkdtemp(prefix="hybridps-bench-ck-"))
@@ -112,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
           f"of it rows + dense on rank 0 {restore_s:.2f} s, the rest the server's Register "
           "with restore)")
     print(f"load average {out['load_average'][0]:.2f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -1,6 +1,6 @@
 """Sparse-Adam row-update throughput against the memory-bandwidth ceiling, in one process.
 
-    python bench/bench_kernel.py                 # full run (~1.5 min, ~8 GiB RAM)
+    python bench/bench_kernel.py                 # full run (~8 GiB RAM)
     python bench/bench_kernel.py --quick         # dim 64, 2 batch sizes, smaller table
     python bench/bench_kernel.py --json runs/bench_kernel.json
 
@@ -37,19 +37,16 @@ OPENBLAS_CORETYPE and the like do not matter: no BLAS is involved.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
+from harness import bench_parser, log, machine, write_json  # bench/ is sys.path[0]
 
 import hybridps.optim as optim
 from hybridps import native
@@ -75,10 +72,6 @@ class Result:
     fraction_of_ceiling: float = math.nan
     vs_sparse_adam: float = math.nan
     window_medians_s: list[float] = field(default_factory=list)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- (a) bandwidth --------------------------------------------------------------------------
@@ -183,8 +176,8 @@ def warm_up(bufs: Buffers, max_seconds: float, threads: int) -> dict[str, float]
 
     Per table: 0.25 s windows, stopping once two windows in a row are within 15% of
     the best so far (after at least 1 s), or after `max_seconds`. Returns the
-    seconds spent per table. (In the VM this was written on, tables on fresh huge
-    pages ran ~10x slower than later for their first seconds of random access.)
+    seconds spent per table. Why: tables on fresh huge pages can run far slower for their
+    first seconds of random access than later (docs/performance-log.md).
     """
     work = Workload(bufs, 64, seed=1)
     stream = work.batches(4096)
@@ -369,9 +362,8 @@ def table(results: list[Result], ceiling: dict[int, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true",
-                   help="dim 64, batches 4k and 64k, 512 MiB table, shorter timings")
+    p = bench_parser(__doc__, quick="dim 64, batches 4k and 64k, 512 MiB table, shorter "
+                     "timings")
     p.add_argument("--dims", default="64,128")
     p.add_argument("--batches", default="4096,16384,65536")
     p.add_argument("--threads", default="1,2")
@@ -388,7 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--triad-mib", type=int, default=256, help="MiB per triad array")
     p.add_argument("--no-thp", action="store_true",
                    help="skip the *_thp rows (tables from hybridps.optim.alloc_state, huge pages)")
-    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
         args.dims, args.batches = "64", "4096,65536"
@@ -443,23 +434,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal (>= {GOAL_FRACTION:.0%} of ceiling and >= {GOAL_VS_SPARSE_ADAM:g}x SparseAdam "
           f"in every config): {verdict or 'no native kernel'}; "
           f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "kernel": info,
-            "bandwidth_gbps": {**bandwidth, "ceiling": ceiling},
-            "bytes_per_row": f"{BYTES_PER_ELEM} * dim",
-            "goal": {"fraction_of_ceiling": GOAL_FRACTION,
-                     "vs_sparse_adam": GOAL_VS_SPARSE_ADAM, "met": met},
-            "results": [asdict(r) for r in results],
-            "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                        "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "loadavg_before": load_before, "loadavg_after": load_after,
-                        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")},
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "elapsed_s": elapsed,
-        }, indent=2) + "\n")
-        log(f"wrote {args.json}")
+    write_json(args.json, {
+        "kernel": info,
+        "bandwidth_gbps": {**bandwidth, "ceiling": ceiling},
+        "bytes_per_row": f"{BYTES_PER_ELEM} * dim",
+        "goal": {"fraction_of_ceiling": GOAL_FRACTION,
+                 "vs_sparse_adam": GOAL_VS_SPARSE_ADAM, "met": met},
+        "results": [asdict(r) for r in results],
+        "machine": machine(load_before,
+                           THP_MEM_ALLOC_ENABLE=os.environ.get("THP_MEM_ALLOC_ENABLE")),
+        "elapsed_s": elapsed,
+    }, args)
     return 0
 
 

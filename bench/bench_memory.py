@@ -28,17 +28,14 @@ size; --rows only sets how much is allocated to measure them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+from harness import bench_parser, machine, write_json  # bench/ is sys.path[0]
 
 from hybridps.optim import OptimizerSpec
 from ps.partition import TableSpec
@@ -154,16 +151,15 @@ def table(results: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="dims 16, 64 and 65,536-row tables")
+    p = bench_parser(__doc__, quick="dims 16, 64 and 65,536-row tables")
     p.add_argument("--dims", default="16,64,128")
     p.add_argument("--rows", type=int, default=262144, help="rows of the measured table")
-    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
         args.dims, args.rows = "16,64", 65536
     dims = [int(x) for x in args.dims.split(",")]
     started = time.perf_counter()
+    load_before = os.getloadavg()
     results: list[Row] = []
     server: dict[str, Any] = {}
     for dim in dims:
@@ -187,19 +183,14 @@ def main(argv: list[str] | None = None) -> int:
           + ("met" if met else "NOT met") + "; "
           + "; ".join(f"{name} " + ", ".join(f"dim {d}: {v:g}" for d, v in per_dim.items())
                       for name, per_dim in got.items()))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "goal": {"device_bytes_per_elem": GOAL,
-                     "device_adam_bytes_per_elem": DEVICE_ADAM_BYTES_PER_ELEM, "met": met},
-            "results": [r.as_dict() for r in results],
-            "server_bytes_per_row": server,
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "torch": torch.__version__},
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "elapsed_s": time.perf_counter() - started,
-        }, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, {
+        "goal": {"device_bytes_per_elem": GOAL,
+                 "device_adam_bytes_per_elem": DEVICE_ADAM_BYTES_PER_ELEM, "met": met},
+        "results": [r.as_dict() for r in results],
+        "server_bytes_per_row": server,
+        "machine": machine(load_before),
+        "elapsed_s": time.perf_counter() - started,
+    }, args)
     return 0 if met else 1
 
 

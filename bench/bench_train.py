@@ -1,7 +1,7 @@
 """Training throughput: plain PyTorch vs hybridps, async overhead, cost growth.
 
-    python bench/bench_train.py                  # full run (~2-5 min on 2 cores)
-    python bench/bench_train.py --quick          # fewer steps, growth to 10M rows (~2 min)
+    python bench/bench_train.py                  # full run
+    python bench/bench_train.py --quick          # fewer steps, growth to 10M rows
     python bench/bench_train.py --json runs/bench/bench_train.json
 
 Side by side in one run, for two configurations, the default job (synthetic task, 4
@@ -31,11 +31,7 @@ flags go after `--` (e.g. `-- --dense-parallel ddp`).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,20 +39,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import (  # bench/ is sys.path[0] when run as a script
+    REPO,
+    Server,
+    bench_parser,
+    log,
+    machine,
+    median_of,
+    run_worker,
+    write_json,
+)
+
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-from hybridps.cli import parse_config  # noqa: E402
-from worker.config import TrainConfig  # noqa: E402
-from worker.embedding import TableConfig, init_rows  # noqa: E402
-from worker.task_defaults import task_defaults  # noqa: E402
-from worker.tasks import build_task  # noqa: E402
-from worker.tasks.base import HybridModel, build_dense_seeded  # noqa: E402
+from hybridps.cli import parse_config
+from worker.config import TrainConfig
+from worker.embedding import TableConfig, init_rows
+from worker.task_defaults import task_defaults
+from worker.tasks import build_task
+from worker.tasks.base import HybridModel, build_dense_seeded
 
 GOAL_VS_PLAIN = 1.0
 GOAL_ASYNC = 1.05
@@ -69,11 +75,6 @@ CONFIGS: dict[str, list[str]] = {
 GROWTH = ["--task", "tables", "--dim", "16", "--batch-size", "1024"]
 DISTINCT_ID_BATCHES = 20
 BREAKDOWN = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push")
-STARTUP_TIMEOUT_S = 60.0
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -132,7 +133,8 @@ def run_plain(name: str, worker_args: list[str], steps: int) -> Run:
     """The faster of 1 thread and all threads (tiny ops: extra threads often only cost).
 
     The all-threads run stops after 3x the 1-thread run's time: on a loaded machine OpenMP
-    threads that spin for a core can make it 50x slower, and it is then not the faster."""
+    threads that spin for a core can make it many times slower, and it is then not the
+    faster."""
     runs = [_plain_once(name, worker_args, steps, 1)]
     if (os.cpu_count() or 1) > 1:
         runs.append(_plain_once(name, worker_args, steps, os.cpu_count() or 1,
@@ -147,11 +149,11 @@ def _plain_once(name: str, worker_args: list[str], steps: int, threads: int,
     cfg = worker_config(worker_args)
     torch.set_num_threads(threads)
     task = build_task(cfg)
-    emb = PlainEmbedding(task.tables(), cfg.seed, cfg.init_std)
-    dense = build_dense_seeded(task, cfg.seed)
+    emb = PlainEmbedding(task.tables(), cfg.run.seed, cfg.optim.init_std)
+    dense = build_dense_seeded(task, cfg.run.seed)
     model = HybridModel(emb, dense)
-    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=cfg.lr)
-    dense_opt = torch.optim.Adam(dense.parameters(), lr=cfg.dense_lr)
+    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=cfg.optim.lr)
+    dense_opt = torch.optim.Adam(dense.parameters(), lr=cfg.optim.dense_lr)
     times = dict.fromkeys(("data", "forward", "backward", "optimizer"), 0.0)
     start = time.perf_counter()
     done = 0
@@ -178,74 +180,31 @@ def _plain_once(name: str, worker_args: list[str], steps: int, threads: int,
         parts = [task.eval_batch(0, r, WORLD) for r in range(WORLD)]
         eval_loss = (sum(float(task.loss(model, b)) for b in parts if b is not None) / WORLD
                      if all(b is not None for b in parts) else None)
-    b = WORLD * cfg.batch_size
+    b = WORLD * cfg.run.batch_size
     return Run(name, f"plain {threads}t", done, b, done * b / wall, wall / done * 1000,
                {k: v / done * 1000 for k, v in times.items()}, eval_loss, wall)
 
 
 # -- (b), (c) hybridps on 2 ranks ----------------------------------------------------------
 
-class Server:
-    """`python -m ps` on a free port, for one run (its state is freed with the process)."""
-
-    def __init__(self, directory: Path) -> None:
-        port_file = directory / "ps.port"
-        port_file.unlink(missing_ok=True)  # a file left by an earlier run is not this port
-        self.log = open(directory / "ps.log", "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ps", "--host", "127.0.0.1", "--port", "0",
-             "--port-file", str(port_file)], cwd=REPO, stdout=self.log,
-            stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not port_file.exists() or not port_file.read_text().strip():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"shard server did not start; see {directory / 'ps.log'}")
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{port_file.read_text().strip()}"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
                  directory: Path) -> Run:
     directory.mkdir(parents=True, exist_ok=True)
-    results = directory / f"{name}-{variant}.json"
     server = Server(directory) if not variant.startswith("local") else None
     try:
         source = ["--local-optimizer"] if server is None else ["--ps", server.address]
-        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
-               "--nproc_per_node", str(WORLD), str(REPO / "worker" / "main.py"), *source,
-               "--staleness", "1", "--steps", str(steps), "--progress", "false",
-               "--eval-batches", "1", "--log-every", "50", "--results", str(results),
-               *worker_args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              check=False, timeout=1800)
-        wall = time.perf_counter() - t0
-        (directory / f"{name}-{variant}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name}/{variant} failed ({proc.returncode}):\n"
-                               f"{proc.stderr[-3000:]}")
+        res = run_worker([*source, "--staleness", "1", "--steps", str(steps),
+                          "--eval-batches", "1", "--log-every", "50", *worker_args],
+                         directory / f"{name}-{variant}.json",
+                         directory / f"{name}-{variant}.log", world=WORLD, timeout=1800)
     finally:
         if server is not None:
             server.close()
-    res = json.loads(results.read_text())
     step_s = res["train_time_s"] / res["steps"]
     b = res["world_size"] * res["config"]["batch_size"]
     return Run(name, variant, res["steps"], b, res["samples_per_s"], step_s * 1000,
                {k: res["step_time_s"].get(k, 0.0) * 1000 for k in BREAKDOWN},
-               res["eval"].get("loss"), wall)
+               res["eval"].get("loss"), res["process_wall_s"])
 
 
 def distinct_ids_per_step(worker_args: list[str]) -> float:
@@ -262,8 +221,7 @@ def distinct_ids_per_step(worker_args: list[str]) -> float:
 
 def best_of(runs: list[Run]) -> Run:
     """The median-step-time run of the repeats (all step times kept)."""
-    ordered = sorted(runs, key=lambda r: r.step_ms)
-    pick = ordered[(len(ordered) - 1) // 2]
+    pick = median_of(runs, "step_ms")
     pick.repeats_step_ms = [r.step_ms for r in runs]
     return pick
 
@@ -284,9 +242,7 @@ def table(runs: list[Run]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true",
-                   help="fewer steps and growth to 10M rows instead of 50M")
+    p = bench_parser(__doc__, quick="fewer steps and growth to 10M rows instead of 50M")
     p.add_argument("--steps", type=int, default=0,
                    help="steps per run (default: 400 default job, 200 torchrec, 300 growth; "
                         "quick: 150/80/120)")
@@ -305,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="runs per hybridps variant; the median step time is reported")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="worker results/logs (default: a temporary directory)")
-    p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("worker_args", nargs="*", help="extra worker flags, after --")
     args = p.parse_args(argv)
     steps = {"default": 400, "torchrec": 200, "growth": 300}
@@ -333,14 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"[{name}] plain ({steps.get(name, 200)} steps)")
         plain = run_plain(name, wargs, steps.get(name, 200))
         # the A/B run flips the config's --pipeline default (task defaults included)
-        piped = worker_config(wargs).pipeline
+        piped = worker_config(wargs).run.pipeline
         flipped = f"server-pipe-{'off' if piped else 'on'}"
         variants = {"server": [], "local": [], flipped: ["--pipeline", str(not piped).lower()]}
         if args.no_pipeline_ab:
             del variants[flipped]
-        # Repeats interleave the variants (server, local, ..., server, local, ...): this VM's
-        # speed drifts over minutes, and a block of server runs then a block of local ones
-        # would read that drift as a difference between them.
+        # Repeats interleave the variants (server, local, ..., server, local, ...): a shared
+        # machine's speed drifts over minutes, and a block of server runs then a block of
+        # local ones would read that drift as a difference between them.
         tries: dict[str, list[Run]] = {v: [] for v in variants}
         for i in range(args.repeats):
             for variant, extra in variants.items():
@@ -393,23 +348,17 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{r:.3f}" for r in ratios))
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s; "
           f"worker logs in {work}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "goals": goals,
-            "pipeline_gain": pipeline_gain,
-            "growth_distinct_ids": distinct_ids,
-            "growth_zipf_rows": args.growth_zipf_rows,
-            "server_over_local_per_repeat": paired,
-            "runs": [asdict(r) for r in runs],
-            "configs": {**CONFIGS, "growth": GROWTH},
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "torch": torch.__version__, "loadavg_before": load_before,
-                        "loadavg_after": load_after},
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "elapsed_s": elapsed,
-        }, indent=2) + "\n")
-        log(f"wrote {args.json}")
+    write_json(args.json, {
+        "goals": goals,
+        "pipeline_gain": pipeline_gain,
+        "growth_distinct_ids": distinct_ids,
+        "growth_zipf_rows": args.growth_zipf_rows,
+        "server_over_local_per_repeat": paired,
+        "runs": [asdict(r) for r in runs],
+        "configs": {**CONFIGS, "growth": GROWTH},
+        "machine": machine(load_before),
+        "elapsed_s": elapsed,
+    }, args)
     return 0
 
 

@@ -28,13 +28,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, Server, child_env, run_worker  # bench/ is sys.path[0]
+
+from worker.config import Compensation
+
 DATA = Path("/work/shared/data")
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TOLERANCE = 0.01
-COMPENSATIONS = ("none", "predict")  # --staleness-compensation (worker/config.py)
+COMPENSATIONS: tuple[str, ...] = get_args(Compensation)  # --staleness-compensation
 
 
 @dataclass(frozen=True)
@@ -59,43 +61,6 @@ SETTINGS = [
     Setting("KINSHIP", "DistMult", 32, 100, 0.507),
     Setting("KINSHIP", "Keci", 32, 100, 0.721),
 ]
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
-class Server:
-    """One `python -m ps` for all the runs (each run registers under its own run id)."""
-
-    def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        port_file = directory / "ps.port"
-        port_file.unlink(missing_ok=True)
-        self.log = open(directory / "ps.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ps", "--host", "127.0.0.1", "--port", "0", "--port-file",
-             str(port_file), "--log-level", "WARNING"],
-            cwd=REPO, env=child_env(), stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"shard server did not start; see {directory / 'ps.log'}")
-            time.sleep(0.1)
-        self.address = f"127.0.0.1:{port_file.read_text().strip()}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def run_reference(s: Setting, seed: int, entity_init: str = "torch") -> dict[str, Any]:
@@ -148,22 +113,16 @@ def run_hybridps(s: Setting, seed: int, v: Variant, server: Server, out: Path
     results = out / (f"{s.name}-k{staleness}-lr{row_lr:g}"
                      + ("" if v.compensation == "none" else f"-{v.compensation}")
                      + f"-s{seed}.json")
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(REPO / "worker" / "main.py"),
-           "--ps", server.address, "--task", "kge", "--data-dir", str(DATA / s.data),
-           "--model", s.model.lower(), "--dim", str(s.dim), "--epochs", str(s.epochs),
-           "--training", "kvsall", "--batch-size", "512", "--lr", str(row_lr), "--dense-lr", "0.1",
-           "--init-std", "1", "--staleness", str(staleness), "--seed", str(seed),
-           "--staleness-compensation", v.compensation,
-           "--eval-every", "0", "--progress", "false", "--results", str(results)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          check=False)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"hybridps run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    res = json.loads(results.read_text())
+    res = run_worker(
+        ["--ps", server.address, "--task", "kge", "--data-dir", str(DATA / s.data),
+         "--model", s.model.lower(), "--dim", str(s.dim), "--epochs", str(s.epochs),
+         "--training", "kvsall", "--batch-size", "512", "--lr", str(row_lr), "--dense-lr", "0.1",
+         "--init-std", "1", "--staleness", str(staleness), "--seed", str(seed),
+         "--staleness-compensation", v.compensation, "--eval-every", "0"],
+        results, results.with_suffix(".log"))
     ev = res["eval"]
-    return {"results": str(results), "process_wall_s": wall, "train_time_s": res["train_time_s"],
+    return {"results": str(results), "process_wall_s": res["process_wall_s"],
+            "train_time_s": res["train_time_s"],
             "wall_time_s": res["wall_time_s"], "samples_per_s": res["samples_per_s"],
             "final_loss": res["final_loss"], "steps": res["steps"],
             **{k: ev[k] for k in ev if k.startswith(("valid_", "test_"))}}
@@ -228,7 +187,7 @@ def main() -> int:
             ap.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = Server(out / "ps")
+    server = Server(out / "ps", "--log-level", "WARNING", startup_timeout_s=120)
     report: list[dict[str, Any]] = []
     try:
         for s in settings:
@@ -245,7 +204,7 @@ def main() -> int:
                                 for v in variants), flush=True)
             report.append(item)
     finally:
-        server.stop()
+        server.close()
     text = table(report, variants)
     print(text)
     (out / "kge_quality.json").write_text(json.dumps(

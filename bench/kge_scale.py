@@ -68,7 +68,9 @@ def main() -> None:
     ap.add_argument("--neg-ratio", type=int, default=16)
     ap.add_argument("--model", default="distmult")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--kge", default="planted_community=8,planted_relations=16,planted_test=1000")
+    ap.add_argument("--community", type=int, default=8, help="--planted-community")
+    ap.add_argument("--relations", type=int, default=16, help="--planted-relations")
+    ap.add_argument("--test", type=int, default=1000, help="--planted-test triples")
     ap.add_argument("--out", default="runs/kge_scale")
     args = ap.parse_args()
     out = Path(args.out)
@@ -96,7 +98,9 @@ def main() -> None:
                str(args.batch_size), "--neg-ratio", str(args.neg_ratio), "--model", args.model,
                "--lr", str(args.lr), "--dense-lr", str(args.lr), "--init-std", "0.1",
                "--staleness", "1", "--log-every", "50", "--progress", "false",
-               "--kge", args.kge, "--results", str(results)]
+               "--planted-community", str(args.community), "--planted-relations",
+               str(args.relations), "--planted-test", str(args.test), "--keep-best", "false",
+               "--results", str(results)]
         t0 = time.perf_counter()
         worker = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=(out / "worker.log").open("w"),
                                   stderr=subprocess.STDOUT)

@@ -2,16 +2,16 @@
 
 Runs trials one after the other, each a world of one (`python -m worker.main
 --local-optimizer`: the same task, model, loss and schedule code as the 2-rank + server run,
-without the server), with `--kge ...,eval_test=false` so that test is never evaluated. Each
+without the server), with `--eval-test false` so that test is never evaluated. Each
 trial's valid-MRR curve and times are appended to <out>/search.jsonl; the table printed at the
 end has valid figures only.
 
     python bench/kge_search.py --data-dir DIR/FB15k-237 --out runs/search \\
         --base "--model complex --training kvsall --dim 256 --epochs 6" \\
-        --trial "lr=0.003 kge=loss=ce,reg=n3,reg_weight=0.01" --trial "lr=0.01 kge=loss=ce"
+        --trial "lr=0.003 loss=ce reg=n3 reg_weight=0.01" --trial "lr=0.01 loss=ce"
 
-A trial is space-separated FIELD=VALUE pairs (TrainConfig fields; `kge` is the --kge string,
-to which eval_test=false is appended). --lr sets --dense-lr too unless the trial sets it.
+A trial is space-separated SETTING=VALUE pairs (flag names with underscores); --lr sets
+--dense-lr too unless the trial sets it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def trial_flags(base: list[str], trial: str) -> list[str]:
     fields = dict(item.split("=", 1) for item in trial.split())
     if "lr" in fields and "dense_lr" not in fields:
         fields["dense_lr"] = fields["lr"]
-    fields["kge"] = ",".join(x for x in (fields.get("kge", ""), "eval_test=false") if x)
+    fields["eval_test"] = "false"  # tuning never computes test
     flags = list(base)
     for key, value in fields.items():
         flags += [f"--{key.replace('_', '-')}", value]

@@ -1,6 +1,6 @@
 """Every benchmark of bench/, one after the other, and one table of every goal.
 
-    python bench/run_all.py                      # full runs (~15 min on 2 cores)
+    python bench/run_all.py                      # full runs
     python bench/run_all.py --quick              # --quick passed through to each
     python bench/run_all.py --train-repeats 1    # bench_train.py --repeats (default 3)
     python bench/run_all.py --out-dir runs/bench --only kernel,train
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help=f"comma list of {','.join(BENCHES)}")
     p.add_argument("--train-repeats", type=int, default=3,
                    help="bench_train.py --repeats: goal 4's server/local ratio of a single "
-                        "repeat varies by +-20%% on a shared 2-core VM; the median of 3 "
-                        "interleaved repeats is a steadier verdict")
+                        "repeat varies a lot on a shared machine (docs/performance-log.md); "
+                        "the median of 3 interleaved repeats is a steadier verdict")
     args = p.parse_args(argv)
     if args.train_repeats < 1:
         p.error(f"--train-repeats must be >= 1, got {args.train_repeats}")

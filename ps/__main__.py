@@ -3,9 +3,10 @@
     python -m ps --host 127.0.0.1 --port 0 --port-file /tmp/ps.port
 
 Every flag can also come from the environment as HYBRIDPS_<FLAG> (e.g.
-HYBRIDPS_MAX_MESSAGE_BYTES); see `python -m ps --help`. Once serving, prints
-exactly one line `hybridps-ps listening on HOST:PORT` to stdout. Logs go to
-stderr, one `server=ID event=... key=value` line per event (--log-level).
+HYBRIDPS_MAX_MESSAGE_BYTES); see `python -m ps --help` and docs/flags.md. The flags are
+checked before torch and grpc are imported, so a bad one fails at once (one line, exit 2).
+Once serving, prints exactly one line `hybridps-ps listening on HOST:PORT` to stdout.
+Logs go to stderr, one `server=ID event=... key=value` line per event (--log-level).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
+from ps.config import ServerConfig  # torch-free: the flags are checked before heavy imports
 
 log = logging.getLogger("ps")
 
@@ -46,8 +48,6 @@ def use_batch_scheduling() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ps.config import ServerConfig
-
     config = parse_config(ServerConfig, argv, prog="python -m ps",
                           description="hybridps shard server: sparse optimizer state on CPU")
     setup_logging(config.log_level_number, sys.stderr)

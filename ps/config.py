@@ -1,89 +1,117 @@
-"""Shard server configuration: every field is a `--flag` and a `HYBRIDPS_FLAG` env var."""
+"""ServerConfig: every setting of a shard server (torch-free, so bad flags fail at once).
+
+Setting `foo_bar` is the flag `--foo-bar` and the variable `HYBRIDPS_FOO_BAR`
+(hybridps/cli.py); docs/flags.md lists them, generated from this class. The config is
+flat (ps/server.py reads `config.port`, ...); `group=` gives each setting its heading in
+--help and the docs. Checks live in __post_init__ (ValueError naming the value).
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from hybridps.channel_options import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KEEPALIVE_TIMEOUT_MS,
     SERVER_KEEPALIVE_TIME_MS,
 )
-from ps.core import DEFAULT_FLUSH_TIMEOUT_S
-from ps.partition import DEFAULT_ANSWER_CACHE_STEPS, DEFAULT_RATE_WINDOW_S
+from hybridps.cli import setting
+from hybridps.logs import LOG_LEVELS
 
 MIN_MESSAGE_BYTES = 4096
 MAX_KERNEL_THREADS = 64  # the native pool's limit (MAX_WORKERS + the caller)
 MAX_UDS_PATH = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# The defaults of ps/core.py and ps/partition.py (tests/test_config.py checks they agree):
+# written out here because importing those modules imports torch.
+DEFAULT_FLUSH_TIMEOUT_S = 30.0
+DEFAULT_ANSWER_CACHE_STEPS = 8
+DEFAULT_RATE_WINDOW_S = 10.0
+
+LISTEN = "listening"
+SAME_NODE = "same-node fast path"
+ENGINE = "updates and the sync protocol"
+LIFECYCLE = "lifecycle"
+SECURITY = "security (docs/deploy.md)"
+LOGS = "logging"
+
+
+def _s(default: Any, help: str, group: str, metavar: str | None = None, *,
+       everyday: bool = False) -> Any:
+    return setting(default, help, metavar, group=group, everyday=everyday)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = field(default="127.0.0.1", metadata={
-        "help": "address to listen on (0.0.0.0 or :: for every interface)"})
-    port: int = field(default=50051, metadata={"help": "TCP port; 0 picks a free one"})
-    port_file: str = field(default="", metadata={
-        "help": "write the bound port to this file once serving (atomically)"})
-    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={
-        "help": "largest gRPC message sent or received; larger pushes/answers are chunked"})
-    update_threads: int = field(default=0, metadata={
-        "help": "threads applying optimizer updates (0: min(4, cores))"})
-    kernel_threads: int = field(default=0, metadata={
-        "help": "threads of the native row kernel within one update (0: min(8, cores))"})
-    uds: str = field(default="", metadata={
-        "help": "also listen on this Unix domain socket path (workers on this node: "
-                "--ps unix:PATH); a stale socket file there is replaced"})
-    shm: bool = field(default=True, metadata={
-        "help": "accept the shared-memory arenas workers on this node offer at Register "
-                "(pushes and answers by reference into /dev/shm instead of inline; "
-                "false: every worker sends inline tensors)"})
-    shm_socket: bool = field(default=True, metadata={
-        "help": "with --shm: offer the ranks whose arena it accepts a Unix socket next to "
-                "the arenas for their Sync messages, written and read by their training "
-                "thread instead of a gRPC stream (ps/direct.py; false: the Sync stream)"})
-    sched_batch: bool = field(default=True, metadata={
-        "help": "run the server's threads under SCHED_BATCH (Linux): woken by a rank's "
-                "push, the server waits for the scheduler's next decision instead of "
-                "preempting the rank on its core (false: normal scheduling)"})
-    reflection: bool = field(default=True, metadata={"help": "serve gRPC server reflection"})
-    log_level: str = field(default="INFO", metadata={"help": f"one of {LOG_LEVELS}"})
-    answer_cache_steps: int = field(default=DEFAULT_ANSWER_CACHE_STEPS, metadata={
-        "help": "answers kept per (rank, table) to re-answer duplicate pushes"})
-    flush_timeout_s: float = field(default=DEFAULT_FLUSH_TIMEOUT_S, metadata={
-        "help": "Flush timeout when the request gives none"})
-    grace_s: float = field(default=5.0, metadata={
-        "help": "on SIGTERM/SIGINT, seconds in-flight RPCs get to finish"})
-    rate_window_s: float = field(default=DEFAULT_RATE_WINDOW_S, metadata={
-        "help": "window of the rows/s statistic"})
-    keepalive_time_ms: int = field(default=SERVER_KEEPALIVE_TIME_MS, metadata={
-        "help": "server keepalive ping interval"})
-    keepalive_timeout_ms: int = field(default=KEEPALIVE_TIMEOUT_MS, metadata={
-        "help": "close a connection whose keepalive ping is unanswered this long"})
-    server_id: str = field(default="", metadata={"help": "id reported to clients (default: "
-                                                         "host-pid-random)"})
-    # --- lifecycle ------------------------------------------------------------------
-    exit_after_run: bool = field(default=False, metadata={
-        "help": "stop gracefully (exit 0) once the first run is over: every rank registered "
-                "here sent Finish (or one aborted and no stream of the run is left open)"})
-    run_idle_timeout_s: float = field(default=120.0, metadata={
-        "help": "with --exit-after-run: a run whose Sync streams all stayed closed this long "
-                "without every rank finishing counts as over (0: never)"})
-    # --- security (docs/deploy.md) ----------------------------------------------------
-    auth_token_file: str = field(default="", metadata={
-        "help": "file with the shared token every RPC must carry (else env "
-                "HYBRIDPS_AUTH_TOKEN; neither: no auth). Health stays open"})
-    admin_token_file: str = field(default="", metadata={
-        "help": "file with the admin token for Shutdown (else env HYBRIDPS_ADMIN_TOKEN; "
-                "neither: Shutdown is refused)"})
-    stats_without_token: bool = field(default=False, metadata={
-        "help": "serve the read-only GetShardStats without a token"})
-    tls_cert: str = field(default="", metadata={
-        "help": "PEM certificate (chain) of this server: serve TLS (with --tls-key)"})
-    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
-    tls_client_ca: str = field(default="", metadata={
-        "help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
+    # --- listening ----------------------------------------------------------------------
+    host: str = _s("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)",
+                   LISTEN, "HOST", everyday=True)
+    port: int = _s(50051, "TCP port; 0 picks a free one", LISTEN, "PORT", everyday=True)
+    port_file: str = _s("", "write the bound port to this file once serving (atomically)",
+                        LISTEN, "PATH", everyday=True)
+    uds: str = _s("", "also listen on this Unix domain socket path (workers on this node: "
+                  "--ps unix:PATH); a stale socket file there is replaced", LISTEN, "PATH")
+    reflection: bool = _s(True, "serve gRPC server reflection", LISTEN)
+    keepalive_time_ms: int = _s(SERVER_KEEPALIVE_TIME_MS, "server keepalive ping interval",
+                                LISTEN, "MS")
+    keepalive_timeout_ms: int = _s(
+        KEEPALIVE_TIMEOUT_MS, "close a connection whose keepalive ping is unanswered this long",
+        LISTEN, "MS")
+    # --- same-node fast path ------------------------------------------------------------
+    shm: bool = _s(True, "accept the shared-memory arenas workers on this node offer at "
+                   "Register (pushes and answers by reference into /dev/shm instead of inline; "
+                   "false: every worker sends inline tensors)", SAME_NODE)
+    shm_socket: bool = _s(
+        True, "with --shm: offer the ranks whose arena it accepts a Unix socket next to the "
+        "arenas for their Sync messages, written and read by their training thread instead "
+        "of a gRPC stream (ps/direct.py; false: the Sync stream)", SAME_NODE)
+    # --- updates and the sync protocol --------------------------------------------------
+    max_message_bytes: int = _s(
+        DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received; larger "
+        "pushes/answers are chunked", ENGINE, "BYTES")
+    update_threads: int = _s(0, "threads applying optimizer updates (0: min(4, cores))",
+                             ENGINE, "N")
+    kernel_threads: int = _s(
+        0, "threads of the native row kernel within one update (0: min(8, cores))", ENGINE, "N")
+    sched_batch: bool = _s(
+        True, "run the server's threads under SCHED_BATCH (Linux): woken by a rank's push, "
+        "the server waits for the scheduler's next decision instead of preempting the rank "
+        "on its core (false: normal scheduling)", ENGINE)
+    answer_cache_steps: int = _s(
+        DEFAULT_ANSWER_CACHE_STEPS, "answers kept per (rank, table) to re-answer duplicate "
+        "pushes", ENGINE, "N")
+    flush_timeout_s: float = _s(DEFAULT_FLUSH_TIMEOUT_S,
+                                "Flush timeout when the request gives none", ENGINE, "SEC")
+    # --- lifecycle ----------------------------------------------------------------------
+    grace_s: float = _s(5.0, "on SIGTERM/SIGINT, seconds in-flight RPCs get to finish",
+                        LIFECYCLE, "SEC")
+    exit_after_run: bool = _s(
+        False, "stop gracefully (exit 0) once the first run is over: every rank registered "
+        "here sent Finish (or one aborted and no stream of the run is left open)", LIFECYCLE)
+    run_idle_timeout_s: float = _s(
+        120.0, "with --exit-after-run: a run whose Sync streams all stayed closed this long "
+        "without every rank finishing counts as over (0: never)", LIFECYCLE, "SEC")
+    # --- security -----------------------------------------------------------------------
+    auth_token_file: str = _s(
+        "", "file with the shared token every RPC must carry (else env HYBRIDPS_AUTH_TOKEN; "
+        "neither: no auth). Health stays open", SECURITY, "PATH")
+    admin_token_file: str = _s(
+        "", "file with the admin token for Shutdown (else env HYBRIDPS_ADMIN_TOKEN; neither: "
+        "Shutdown is refused)", SECURITY, "PATH")
+    stats_without_token: bool = _s(False, "serve the read-only GetShardStats without a token",
+                                   SECURITY)
+    tls_cert: str = _s("", "PEM certificate (chain) of this server: serve TLS (with "
+                       "--tls-key)", SECURITY, "PATH")
+    tls_key: str = _s("", "PEM private key of --tls-cert", SECURITY, "PATH")
+    tls_client_ca: str = _s(
+        "", "PEM CA bundle: require client certificates signed by it (mutual TLS)", SECURITY,
+        "PATH")
+    # --- logging ------------------------------------------------------------------------
+    log_level: str = _s("INFO", " | ".join(LOG_LEVELS), LOGS, "LEVEL", everyday=True)
+    server_id: str = _s("", "id reported to clients (default: host-pid-random)", LOGS, "ID")
+    rate_window_s: float = _s(DEFAULT_RATE_WINDOW_S, "window of the rows/s statistic", LOGS,
+                              "SEC")
 
     def __post_init__(self) -> None:
         if not self.host:

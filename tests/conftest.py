@@ -1,10 +1,20 @@
-"""Shared fixtures. Helpers live in tests/helpers.py (importable as tests.helpers)."""
+"""Shared fixtures, and the guard that keeps unit tests free of processes.
+
+Helpers live in tests/helpers.py (importable as tests.helpers). docs/testing.md says how to
+run each kind of test. A test that starts a process (a shard server, torchrun, spawned
+ranks, another Python) is marked `e2e`; while any other test runs, starting one fails it,
+so `pytest -m "not e2e"` stays the fast, process-free unit suite.
+"""
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,8 +22,8 @@ from tests.helpers import PsServer, start_ps_server
 
 # Workers' shared-memory arenas in the tests: 8 MiB a rank (their pushes are KBs), so a
 # machine with a small /dev/shm (a container's default is 64 MB) holds every arena the
-# tests have at once; the workers the tests start read it as --shm-mb.
-os.environ.setdefault("HYBRIDPS_SHM_MB", "8")
+# tests have at once; the workers the tests start read it as --same-node-mb.
+os.environ.setdefault("HYBRIDPS_SAME_NODE_MB", "8")
 
 
 @pytest.fixture
@@ -44,3 +54,55 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
         yield srv
     finally:
         srv.terminate()
+
+
+# -- unit tests start no processes -----------------------------------------------------------
+
+_running_unit_test: list[str] = []  # the node id of the unit test running now, if any
+
+
+def _refuse_in_unit_tests(what: str) -> None:
+    if _running_unit_test:
+        pytest.fail(f"{_running_unit_test[0]} starts a process ({what}) but is not marked "
+                    "e2e: add @pytest.mark.e2e (docs/testing.md)", pytrace=False)
+
+
+def _is_our_program(args: Any) -> bool:
+    argv0 = args[0] if isinstance(args, (list, tuple)) and args else str(args).split(" ")[0]
+    name = Path(str(argv0)).name
+    return str(argv0) == sys.executable or name.startswith("python") or name == "torchrun"
+
+
+def _guarded_popen_init(original: Callable[..., None]) -> Callable[..., None]:
+    def init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        if _is_our_program(args):
+            _refuse_in_unit_tests(" ".join(map(str, args))[:120]
+                                  if isinstance(args, (list, tuple)) else str(args)[:120])
+        original(self, args, *rest, **kwargs)
+    return init
+
+
+def _guarded_start(original: Callable[..., None]) -> Callable[..., None]:
+    def start(self: multiprocessing.process.BaseProcess) -> None:
+        _refuse_in_unit_tests(f"multiprocessing {self.name}")
+        original(self)
+    return start
+
+
+subprocess.Popen.__init__ = _guarded_popen_init(subprocess.Popen.__init__)  # type: ignore[method-assign]
+multiprocessing.process.BaseProcess.start = _guarded_start(  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
+                            ) -> Generator[None, None, None]:
+    """From the test's setup (fixtures included) to its teardown."""
+    unit = item.get_closest_marker("e2e") is None
+    if unit:
+        _running_unit_test.append(item.nodeid)
+    try:
+        yield
+    finally:
+        if unit:
+            _running_unit_test.clear()

@@ -14,6 +14,8 @@ from ps.admin import format_shard_stats, get_shard_stats
 from tests.grpc_helpers import open_channel, push_messages, register, shard_stub, sync, table
 from tests.helpers import REPO
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 DIM = 8
 ROWS = 100  # rank 0 owns [0, 50), rank 1 owns [50, 100)
 

@@ -43,7 +43,7 @@ from ps.checkpoint import save_partition
 from ps.partition import PushChunk, TableSpec
 from ps.store import Store
 from tests.helpers import PsServer, start_ps_server
-from worker.checkpoint import FAULT_ENV, FAULT_EXIT_CODE, fault_point
+from worker.faults import FAULT_ENV, FAULT_EXIT_CODE, fault_point
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
@@ -195,6 +195,8 @@ def runs(server: PsServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             "ck_a": d / "ck_a", "ck_b": d / "ck_b"}
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_resume_is_bitwise_deterministic(runs: dict[str, Path]) -> None:
     assert_states(runs["straight"], runs["resumed"], exact=True)
@@ -214,6 +216,7 @@ def test_resume_is_bitwise_deterministic(runs: dict[str, Path]) -> None:
         (0, 1000), (1000, 2000)]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc", [3, 1])
 def test_resume_at_another_world_size(runs: dict[str, Path], server: PsServer,
@@ -226,6 +229,7 @@ def test_resume_at_another_world_size(runs: dict[str, Path], server: PsServer,
     assert_states(runs["straight"], out, exact=False)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_local_optimizer_checkpoint_resumes_on_the_server(runs: dict[str, Path],
                                                           server: PsServer,
@@ -238,6 +242,8 @@ def test_local_optimizer_checkpoint_resumes_on_the_server(runs: dict[str, Path],
     assert_states(runs["straight"], tmp_path / "x.pt", exact=False, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_torn_checkpoints_are_never_loaded(tmp_path: Path, server: PsServer,
                                            runs: dict[str, Path]) -> None:
@@ -269,6 +275,7 @@ def test_torn_checkpoints_are_never_loaded(tmp_path: Path, server: PsServer,
     assert_states(runs["straight"], ck / "final.pt", exact=True)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_server_crash_recovery(tmp_path: Path, runs: dict[str, Path]) -> None:
     """kill -9 the shard server twice at random moments (a random delay after the step-4
@@ -324,6 +331,8 @@ def test_server_crash_recovery(tmp_path: Path, runs: dict[str, Path]) -> None:
     assert_states(runs["straight"], tmp_path / "final.pt", exact=True)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_checkpoints_do_not_change_a_stale_run(server: PsServer, tmp_path: Path) -> None:
     """--staleness 2: a checkpoint saves the arrived-but-unapplied updates instead of
@@ -347,6 +356,7 @@ def test_checkpoints_do_not_change_a_stale_run(server: PsServer, tmp_path: Path)
         assert_states(tmp_path / "plain.pt", out, exact=nproc == 2)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Path) -> None:
     from worker.config import TrainConfig
@@ -361,7 +371,7 @@ def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Pa
     assert proc.returncode == 0, proc.stderr
     assert "exported step 19" in proc.stdout
     exported = torch.load(out)
-    cfg = TrainConfig(local_optimizer=True, num_rows=2000, dim=8, batch_size=48)
+    cfg = TrainConfig.of(local_optimizer=True, num_rows=2000, dim=8, batch_size=48)
     task = build_task(cfg)
     model = HybridModel(LocalEmbedding(task.tables(), seed=1, init_std=1.0),
                         build_dense_seeded(task, 1))
@@ -391,15 +401,17 @@ def test_checkpoint_flags_validate() -> None:
     env = {"HYBRIDPS_LOCAL_OPTIMIZER": "1"}
     cfg = parse_config(TrainConfig, ["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "5",
                                      "--resume", "true"], environ=env)
-    assert (cfg.checkpoint_dir, cfg.checkpoint_every, cfg.resume) == ("/tmp/x", 5, True)
+    ck = cfg.checkpoint
+    assert (ck.checkpoint_dir, ck.checkpoint_every, ck.resume) == ("/tmp/x", 5, True)
     for kwargs, named in [({"checkpoint_every": 5}, "checkpoint_every=5 needs"),
                           ({"resume": True}, "resume=True needs"),
                           ({"checkpoint_every": -1, "checkpoint_dir": "d"},
                            "checkpoint_every=-1")]:
         with pytest.raises(ValueError, match=named):
-            TrainConfig(local_optimizer=True, **kwargs)  # type: ignore[arg-type]
+            TrainConfig.of(local_optimizer=True, **kwargs)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_resume_on_two_nodes_with_two_servers(runs: dict[str, Path], tmp_path: Path) -> None:
     """The checkpoint written by ONE server resumes on two "nodes" (`--ps A,B`, one rank
@@ -443,6 +455,7 @@ def test_resume_on_two_nodes_with_two_servers(runs: dict[str, Path], tmp_path: P
             server.terminate()
 
 
+@pytest.mark.e2e
 def test_export_reads_pre_dcp_checkpoints(runs: dict[str, Path], tmp_path: Path) -> None:
     """Checkpoints written before the dense part moved to DCP hold one dense.pt of full
     state dicts; export (and resume, the same reader) still take them."""

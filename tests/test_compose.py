@@ -101,6 +101,7 @@ def _rewrite(args: list[str], mapping: dict[str, str]) -> list[str]:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_compose_services_train_to_the_end_and_both_exit_0(tmp_path: Path) -> None:
     overrides = {"HYBRIDPS_STEPS": "30", "HYBRIDPS_CHECKPOINT_EVERY": "15"}
@@ -184,6 +185,7 @@ def _compose_tool() -> list[str] | None:
     return None
 
 
+@pytest.mark.e2e
 def test_docker_compose_config_is_valid(tmp_path: Path) -> None:
     tool = _compose_tool()
     if tool is None:

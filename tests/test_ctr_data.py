@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 
 from worker.metrics import roc_auc
-from worker.tasks import ctr_data
-from worker.tasks.ctr_data import (
-    NUM_DENSE,
-    NUM_SPARSE,
-    CriteoFormatError,
-    SyntheticCTR,
-    criteo_row,
-    iter_criteo_batches,
-)
+from worker.tasks import criteo
+from worker.tasks.criteo import CriteoFormatError, criteo_row, iter_criteo_batches
+from worker.tasks.ctr_batch import NUM_DENSE, NUM_SPARSE, CTRBatch
+from worker.tasks.ctr_synthetic import SyntheticCTR
 
 TABLES = [2, 3, 10, 1000] + [97] * (NUM_SPARSE - 4)
 
@@ -58,7 +53,7 @@ def _expected(lines: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-def _collect(batches: list[ctr_data.CTRBatch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _collect(batches: list[CTRBatch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (
         np.concatenate([b.labels for b in batches]),
         np.concatenate([b.dense for b in batches]),
@@ -98,9 +93,9 @@ def test_fast_and_exact_parsers_agree(tmp_path: Path) -> None:
     lines.append("0\t+5\t-0\t007" + "\t" * 10 + "\tzz-not-hex" + "\t" * 25)
     raw = [(ln + "\n").encode() for ln in lines]
     ts = np.array(TABLES, np.int64)
-    fast = ctr_data._parse_fast(raw, ts)
+    fast = criteo._parse_fast(raw, ts)
     assert fast is not None
-    exact = ctr_data._parse(raw, [ctr_data._Segment(Path("x"), 0, 1, None)], ts)
+    exact = criteo._parse(raw, [criteo._Segment(Path("x"), 0, 1, None)], ts)
     for f in ("labels", "dense", "sparse"):
         np.testing.assert_array_equal(getattr(fast, f), getattr(exact, f))
     assert exact.sparse[-1, 0] == criteo_row(b"zz-not-hex", 0, TABLES[0])

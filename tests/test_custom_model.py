@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "custom_model.md"
 

@@ -49,7 +49,7 @@ CLIP = 0.05  # binding: the synthetic task's dense grad norm is ~0.1-0.3 over th
 def small_config(**overrides: Any) -> TrainConfig:
     base: dict[str, Any] = {"local_optimizer": True, "num_rows": 2000, "batch_size": 32,
                             "steps": STEPS, "dim": 8, "staleness": 0}
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.of(**{**base, **overrides})
 
 
 def run(tmp_path: Path, args: list[str], nproc: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -94,6 +94,7 @@ def assert_clip_norm(res: dict[str, Any], ref: ReferenceResult) -> None:
 
 
 # -- fsdp --------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_fsdp_server_knobs_clipping_match_reference(ps_address: str, tmp_path: Path) -> None:
     """Real server; no reshard after forward, the CPU offload policy, clipping over the
@@ -111,6 +112,7 @@ def test_fsdp_server_knobs_clipping_match_reference(ps_address: str, tmp_path: P
 
 
 # -- hsdp --------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_hsdp_2x2_with_clipping_matches_reference(tmp_path: Path) -> None:
     """4 CPU ranks as 2 nodes x 2: reduce-scatter in a pair, all-reduce across the pairs."""
@@ -124,6 +126,7 @@ def test_hsdp_2x2_with_clipping_matches_reference(tmp_path: Path) -> None:
 
 
 # -- ddp ---------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_ddp_mean_small_buckets_clipping_matches_reference(tmp_path: Path) -> None:
     """1 KB buckets (several all-reduces per step), static graph, plain-tensor clipping."""
@@ -137,6 +140,8 @@ def test_ddp_mean_small_buckets_clipping_matches_reference(tmp_path: Path) -> No
     assert_clip_norm(res, ref)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(300)  # cold inductor cache: ~70 s on 2 busy cores
 def test_ddp_sum_compiled_matches_the_sum_reference(tmp_path: Path) -> None:
     """sum: gradients of sum_r (rank r's mean loss) = W x the global mean, dense AND
@@ -156,6 +161,7 @@ def test_ddp_sum_compiled_matches_the_sum_reference(tmp_path: Path) -> None:
 
 
 # -- compile -----------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(300)  # cold inductor cache: ~70 s on 2 busy cores
 def test_fsdp_compile_matches_eager_reference(tmp_path: Path) -> None:
     """Inductor (gcc) on the dense forward inside FSDP2's eager hooks; the reference is the
@@ -186,7 +192,7 @@ def test_fp16_scaler_unscales_embedding_grads_and_skips_on_inf(world_of_one: Any
     table = TableConfig("t", 10, 4)
     emb = ShardedEmbedding([table], device="cpu", seed=0, init_std=0.5)
     torch.manual_seed(0)
-    dp = build_dense_parallel(cfg, world_of_one, nn.Linear(4, 1))
+    dp = build_dense_parallel(cfg.dense, world_of_one, nn.Linear(4, 1))
     opt = torch.optim.SGD(dp.module.parameters(), lr=0.1)
     ids = torch.tensor([1, 3, 3, 7])
 
@@ -223,6 +229,7 @@ def test_fp16_scaler_unscales_embedding_grads_and_skips_on_inf(world_of_one: Any
     assert not torch.equal(full(next(iter(dp.module.parameters()))), before[0])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_fp16_run_skips_overflowing_steps_and_learns(ps_address: str, tmp_path: Path) -> None:
     """Loss scale 2^20 overflows fp16 at first: those steps are skipped (every rank alike,
@@ -250,7 +257,7 @@ def test_bf16_computes_in_bf16_with_fp32_output_and_grads(world_of_one: Any) -> 
     linear = nn.Linear(4, 2)
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     linear.register_forward_pre_hook(lambda m, args: seen.append((m.weight.dtype, args[0].dtype)))
-    dp = build_dense_parallel(small_config(precision="bf16"), world_of_one, linear)
+    dp = build_dense_parallel(small_config(precision="bf16").dense, world_of_one, linear)
     x = torch.randn(3, 4)
     out = dp.module(x)
     assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32
@@ -284,6 +291,7 @@ def test_hsdp_mesh_shape_and_errors() -> None:
         hsdp_mesh_shape(4, 4, 8)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "message"), [
     (["--dense-parallel", "zero3"], "dense_parallel='zero3' is not one of fsdp, hsdp, ddp"),
@@ -312,6 +320,7 @@ def test_bad_combinations_exit_2_naming_the_values(args: list[str], message: str
     assert message in proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_hsdp_world_not_divisible_fails_before_training(tmp_path: Path) -> None:
     proc = run_worker(["--local-optimizer", "--dense-parallel", "hsdp", "--hsdp-shard-size",
@@ -350,6 +359,7 @@ def test_root_keeps_its_gathered_parameters_for_backward(tmp_path: Path,
         dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_prefetch_dense_is_bitwise_the_unprefetched_run(tmp_path: Path) -> None:
     """--prefetch-dense starts the all-gather at the top of every step after the first; the
@@ -371,7 +381,7 @@ def test_prefetch_starts_the_root_gather_before_forward(world_of_one: Any) -> No
     with --prefetch-dense false it never gathers early."""
     for enabled in (True, False):
         torch.manual_seed(0)
-        dp = build_dense_parallel(small_config(prefetch_dense=enabled), world_of_one,
+        dp = build_dense_parallel(small_config(prefetch_dense=enabled).dense, world_of_one,
                                   nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
         group = dp.module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
         opt = torch.optim.SGD(dp.module.parameters(), lr=0.1)

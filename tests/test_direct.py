@@ -28,7 +28,7 @@ from tests.test_wire_fast import _client, _reference_deltas, _run, _steps
 from worker.direct import DirectChannel
 from worker.sync import ServerRefused, ShardClient
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]  # every test starts processes
 
 ROWS, DIM = 2000, 16
 TOKEN = "direct-test-token-0123456789abcdef"

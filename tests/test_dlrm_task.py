@@ -22,7 +22,8 @@ from worker.metrics import log_loss, roc_auc
 from worker.reference import LocalEmbedding
 from worker.task_defaults import config_with_task_defaults
 from worker.tasks.base import HybridModel, build_dense_seeded
-from worker.tasks.ctr_data import NUM_DENSE, NUM_SPARSE, SyntheticCTR
+from worker.tasks.ctr_batch import NUM_DENSE, NUM_SPARSE
+from worker.tasks.ctr_synthetic import SyntheticCTR
 from worker.tasks.dlrm import HOLDOUT_EVERY, DLRMTask, parse_table_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +99,7 @@ def criteo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tsv, out
 
 
+@pytest.mark.e2e
 def test_criteo_tsv_two_ranks(criteo_run: tuple[Path, Path]) -> None:
     _, out = criteo_run
     res = json.loads((out / "metrics.json").read_text())
@@ -133,16 +135,17 @@ def test_criteo_epochs_and_holdout_split(tmp_path: Path) -> None:
     assert not keys[0] & keys[1]
 
 
+@pytest.mark.e2e
 def test_auc_over_two_ranks_equals_single_process(criteo_run: tuple[Path, Path]) -> None:
     """The 2-rank held-out AUC / log loss (merged summaries) == one process on the same data."""
     tsv, out = criteo_run
     cfg = tsv_config(tsv)
     task = DLRMTask(cfg)
     state = torch.load(out / "state.pt")
-    emb = LocalEmbedding(task.tables(), seed=cfg.seed, init_std=cfg.init_std)
+    emb = LocalEmbedding(task.tables(), seed=cfg.run.seed, init_std=cfg.optim.init_std)
     for name, rows in state["tables"].items():
         emb.weight(name).data.copy_(rows)
-    dense = build_dense_seeded(task, cfg.seed)
+    dense = build_dense_seeded(task, cfg.run.seed)
     dense.load_state_dict(state["dense"])
     model = HybridModel(emb, dense)
     scores, labels = [], []
@@ -157,6 +160,7 @@ def test_auc_over_two_ranks_equals_single_process(criteo_run: tuple[Path, Path])
     assert got["log_loss"] == pytest.approx(log_loss(s, y), rel=1e-6)
 
 
+@pytest.mark.e2e
 def test_dlrm_synthetic_two_ranks_real_server(tmp_path: Path) -> None:
     results = tmp_path / "dlrm.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
@@ -195,7 +199,7 @@ def test_table_rows_and_model_config(tmp_path: Path) -> None:
                                               model_config=str(conf)))
     assert [t.num_rows for t in task.tables()] == [3] * NUM_SPARSE
     dense = task.build_dense()
-    out = dense(torch.zeros(5, NUM_DENSE), torch.zeros(5, NUM_SPARSE, task.cfg.dim))
+    out = dense(torch.zeros(5, NUM_DENSE), torch.zeros(5, NUM_SPARSE, task.cfg.run.dim))
     assert out.shape == (5,)
     # a flag wins over the file
     flagged = DLRMTask(config_with_task_defaults(task="dlrm", local_optimizer=True,

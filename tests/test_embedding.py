@@ -240,6 +240,7 @@ def _check_grads(per_rank: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
         torch.testing.assert_close(got, ref_grads[table.name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "lookup_many"])
 def test_two_process_lookup_and_grads_match_nn_embedding(tmp_path: Path, fused: bool) -> None:

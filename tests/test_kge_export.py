@@ -16,6 +16,8 @@ from tests.test_kge_task import write_graph
 from worker.tasks.kge_export import KGEModel, export_payload, link_prediction_metrics
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["complex", "keci"])
 def test_exported_model_gives_the_runs_metrics(tmp_path: Path, model: str) -> None:
@@ -25,7 +27,7 @@ def test_exported_model_gives_the_runs_metrics(tmp_path: Path, model: str) -> No
     dump, results = tmp_path / "run.pt", tmp_path / "run.json"
     run(["--task", "kge", "--data-dir", str(graph), "--model", model, "--dim", dim,
          "--training", "1vsall", "--epochs", "3", "--lr", "0.05", "--dense-lr", "0.05",
-         "--local-optimizer", "--kge", "eval_every_epochs=1", *extra,
+         "--local-optimizer", "--eval-every-epochs", "1", *extra,
          "--dump-state", str(dump), "--results", str(results)])
     out = tmp_path / "model.pt"
     proc = subprocess.run([sys.executable, "-m", "worker.export", "--state", str(dump),

@@ -12,10 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from hybridps.cli import parse_config
 from tests.helpers import PsServer
 from tests.test_checkpoint import assert_states, run
 from tests.test_kge_task import write_graph
-from worker.kge_options import KGEOptions, parse_kge_options
+from worker.config import TrainConfig
+from worker.kge_options import KGEOptions
+from worker.task_defaults import config_with_task_defaults
 from worker.tasks.kge_schedule import KGEHooks, auto_eval_every
 
 
@@ -99,34 +102,46 @@ def test_auto_eval_interval_keeps_the_estimated_cost_within_budget() -> None:
                            valid_triples=1, examples=1, num_entities=1, neg_ratio=1) == 3
 
 
-@pytest.mark.parametrize(("spec", "named"), [
-    ("loss=mse", "loss='mse'"), ("reg=n4", "reg='n4'"), ("entity_dropout=1.5", "entity_dropout"),
-    ("plateau_factor=2", "plateau_factor"), ("nope=1", "unknown key 'nope'"),
-    ("reg_weight", "not key=value"), ("early_stop_patience=x", "expected int"),
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--loss", "mse"], "loss='mse'"), (["--reg", "n4"], "reg='n4'"),
+    (["--entity-dropout", "1.5"], "entity_dropout=1.5"),
+    (["--plateau-factor", "2"], "plateau_factor=2.0"),
+    (["--early-stop-patience", "x"], "early-stop-patience='x'"),
+    (["--preset", "nope"], "preset='nope'"), (["--eval-budget", "0"], "eval_budget=0.0"),
 ])
-def test_bad_kge_options_name_the_value(spec: str, named: str) -> None:
-    with pytest.raises(ValueError, match=named):
-        parse_kge_options(spec)
+def test_bad_kge_settings_fail_fast_naming_the_value(argv: list[str], named: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_config(TrainConfig, ["--local-optimizer", *argv], environ={})
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
 
 
 def test_preset_fills_defaults_and_flags_win() -> None:
     from worker.task_defaults import task_defaults
 
     d = task_defaults({"preset": "fb15k237-complex"})
-    assert d["task"] == "kge" and d["model"] == "complex" and "kge" not in d
+    assert d["task"] == "kge" and d["model"] == "complex" and d["reg"] == "n3"
     assert task_defaults({"preset": "fb15k237-complex", "task": "kge"})["dim"] == d["dim"]
+    cfg = config_with_task_defaults(preset="fb15k237-complex", data_dir="d", reg_weight=0.5,
+                                    local_optimizer=True)
+    assert cfg.kge_train.reg == "n3" and cfg.kge_train.reg_weight == 0.5
+    assert cfg.run.dim == d["dim"] and cfg.kge.model == "complex"
 
 
-SCHEDULE = ("loss=ce,reg=n3,reg_weight=0.01,warmup_epochs=1.5,plateau_factor=0.5,"
-            "plateau_patience=0,eval_every_epochs=1,early_stop_patience=0")
+FLAT = ["--loss", "ce", "--reg", "n3", "--reg-weight", "0.01", "--eval-every-epochs", "1"]
+SCHEDULE = [*FLAT, "--warmup-epochs", "1.5", "--plateau-factor", "0.5", "--plateau-patience",
+            "0"]
 
 
-def kge_args(graph: Path, kge: str) -> list[str]:
+def kge_args(graph: Path, kge: list[str]) -> list[str]:
     return ["--task", "kge", "--data-dir", str(graph), "--model", "complex", "--dim", "8",
             "--training", "1vsall", "--epochs", "4", "--lr", "0.05", "--dense-lr", "0.05",
-            "--staleness", "1", "--kge", kge]
+            "--staleness", "1", *kge]
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_schedule_server_equals_local_optimizer_bitwise(server: PsServer,
                                                          tmp_path: Path) -> None:
@@ -144,8 +159,7 @@ def test_schedule_server_equals_local_optimizer_bitwise(server: PsServer,
     inline = dump("inline", [*kge_args(graph, SCHEDULE), "--ps", server.address, "--shm", "off",
                              "--run-id", "kge-schedule-inline"])  # Push.lr in gRPC messages
     assert_states(inline, local, exact=True)
-    flat = dump("flat", [*kge_args(graph, "loss=ce,reg=n3,reg_weight=0.01,eval_every_epochs=1"),
-                         "--local-optimizer"])
+    flat = dump("flat", [*kge_args(graph, FLAT), "--local-optimizer"])
     with pytest.raises(AssertionError, match="differs"):  # the schedule changed the run
         assert_states(local, flat, exact=True)
     res = json.loads((tmp_path / "server.json").read_text())

@@ -55,18 +55,18 @@ def test_small_planted_graph_trains_towards_its_ceiling() -> None:
     from worker.reference import train_reference
     from worker.tasks.base import HybridModel
 
-    cfg = config_with_task_defaults(task="kge_planted", num_rows=400, dim=32, steps=300,
-                                    batch_size=256, local_optimizer=True, training="negsample",
+    cfg = config_with_task_defaults(task="kge_planted", num_rows=200, dim=32, steps=100,
+                                    batch_size=128, local_optimizer=True, training="negsample",
                                     neg_ratio=16, lr=0.05, dense_lr=0.05, init_std=0.1,
-                                    model="distmult", kge="planted_relations=4,planted_test=200")
+                                    model="distmult", planted_relations=4, planted_test=200)
     task = PlantedKGETask(cfg)
     result = train_reference(cfg, world_size=1, task=task)
     from worker.reference import LocalEmbedding
     from worker.tasks.base import build_dense_seeded
 
-    emb = LocalEmbedding(task.tables(), seed=cfg.seed, init_std=cfg.init_std)
+    emb = LocalEmbedding(task.tables(), seed=cfg.run.seed, init_std=cfg.optim.init_std)
     emb.weight("entity").data.copy_(result.tables["entity"])
-    dense = build_dense_seeded(task, cfg.seed)
+    dense = build_dense_seeded(task, cfg.run.seed)
     dense.load_state_dict(result.dense)
     metrics = task.evaluate_full(HybridModel(emb, dense), 0, 1)
     ceiling = task.describe()["mrr_ceiling"]

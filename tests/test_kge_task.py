@@ -40,12 +40,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # 1vsAll cross-entropy, N3, a warm-up and reduce-on-plateau fed by evaluations every
     # epoch, the best model restored: the reference follows the same hooks
     "1vsall": {"training": "1vsall", "model": "complex", "dim": 8,
-               "kge": "reg=n3,reg_weight=0.02,warmup_epochs=1.5,plateau_factor=0.5,"
-                      "plateau_patience=0,eval_every_epochs=1"},
+               "reg": "n3", "reg_weight": 0.02, "warmup_epochs": 1.5, "plateau_factor": 0.5,
+               "plateau_patience": 0, "eval_every_epochs": 1},
     "kvsall-smooth": {"training": "kvsall", "model": "distmult", "dim": 6,
-                      "kge": "label_smoothing=0.1,reg=l2,reg_weight=0.01,rel_reg_weight=0.003,"
-                             "warmup_epochs=0.5"},
-    "kvsall-ce": {"training": "kvsall", "model": "qmult", "dim": 8, "kge": "loss=ce"},
+                      "label_smoothing": 0.1, "reg": "l2", "reg_weight": 0.01,
+                      "rel_reg_weight": 0.003, "warmup_epochs": 0.5},
+    "kvsall-ce": {"training": "kvsall", "model": "qmult", "dim": 8, "loss": "ce"},
 }
 
 
@@ -104,6 +104,7 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return data_dir, out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_ranks_equal_single_process(two_rank_runs: tuple[Path, Path], name: str) -> None:
     data_dir, out = two_rank_runs
@@ -143,6 +144,7 @@ def brute_force_ranks(model: HybridModel, task: KGETask, triples: np.ndarray) ->
     return np.array(ranks, dtype=np.float64)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_shard_parallel_eval_equals_brute_force(two_rank_runs: tuple[Path, Path],
                                                 name: str) -> None:
@@ -150,9 +152,9 @@ def test_shard_parallel_eval_equals_brute_force(two_rank_runs: tuple[Path, Path]
     cfg = scenario_config(data_dir, name)
     task = KGETask(cfg)
     state = torch.load(out / f"{name}.pt")
-    emb = LocalEmbedding(task.tables(), seed=cfg.seed, init_std=cfg.init_std)
+    emb = LocalEmbedding(task.tables(), seed=cfg.run.seed, init_std=cfg.optim.init_std)
     emb.weight("entity").data.copy_(state["tables"]["entity"])
-    dense = build_dense_seeded(task, cfg.seed)
+    dense = build_dense_seeded(task, cfg.run.seed)
     dense.load_state_dict(state["dense"])
     model = HybridModel(emb, dense)
     got = json.loads((out / f"{name}.json").read_text())["metrics"]
@@ -190,6 +192,7 @@ def test_lazy_adam_equals_dense_adam_when_every_row_is_touched(eps: float, tol: 
     torch.testing.assert_close(sparse_p.data, dense_p.data, rtol=tol, atol=tol)
 
 
+@pytest.mark.e2e
 def test_umls_two_ranks_real_server(tmp_path: Path) -> None:
     if not (UMLS / "train.txt").is_file():
         pytest.skip(f"{UMLS} not available")

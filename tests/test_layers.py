@@ -45,3 +45,85 @@ def test_the_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from ps.core import ShardCore\n    import worker.train\n")
     assert _imported(source) == [(2, "ps"), (3, "worker")]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (absolute and relative, at any depth of the
+    file: in functions and under TYPE_CHECKING too). `from pkg import name` counts as an
+    import of pkg.name when that is a module, else of pkg."""
+    paths = {_module_name(p): p for package in PACKAGES for p in _modules(package)}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+        edges = set()
+        for target in targets:
+            while target and target not in paths:  # pkg.mod.attr -> pkg.mod
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles (TYPE_CHECKING imports count):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_type_checking_imports() -> None:
+    graph = import_graph()
+    assert "worker.embedding" in graph["worker.checkpoint"]  # a TYPE_CHECKING import
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []

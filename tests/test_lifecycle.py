@@ -47,6 +47,7 @@ def final_state(stderr: str) -> dict[tuple[int, str], tuple[int, int]]:
 
 # -- logs ----------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_log_lines_and_levels(tmp_path: Path) -> None:
     import io
     import logging
@@ -118,6 +119,7 @@ def test_run_tracker_rules() -> None:
 
 # -- server SIGTERM during pushes -----------------------------------------------------------
 
+@pytest.mark.e2e
 def test_sigterm_during_pushes_answers_what_it_received_and_loses_nothing(tmp_path: Path
                                                                           ) -> None:
     server = start_ps_server(tmp_path, "--grace-s", "5")
@@ -180,6 +182,7 @@ def one_push(stub: shard_pb2_grpc.ShardServiceStub, run: str, rank: int, step: i
     assert [u.step for u in stub.Sync(iter(msgs), timeout=30)] == [step]
 
 
+@pytest.mark.e2e
 def test_exit_after_run_stops_once_every_rank_finished(tmp_path: Path) -> None:
     server = start_ps_server(tmp_path, "--exit-after-run")
     try:
@@ -213,6 +216,7 @@ def test_exit_after_run_stops_once_every_rank_finished(tmp_path: Path) -> None:
         server.terminate()
 
 
+@pytest.mark.e2e
 def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
     """An aborted rank ends the run when the other's stream closes; no Finish at all: idle."""
     aborted = start_ps_server(tmp_path / "a", "--exit-after-run")
@@ -256,6 +260,7 @@ def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
 
 # -- worker SIGTERM ------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> None:
     server: PsServer = start_ps_server(tmp_path, "--exit-after-run")
@@ -304,6 +309,7 @@ def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> N
         server.terminate()
 
 
+@pytest.mark.e2e
 def test_exit_process_keeps_the_code_and_flushes_what_was_written() -> None:
     """No interpreter teardown, but the exit code, buffered stdout and the logs survive."""
     script = ("import logging, sys\n"

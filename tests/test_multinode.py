@@ -41,7 +41,7 @@ def test_node_indexing() -> None:
 
 def test_ps_list_in_config_and_env() -> None:
     cfg = parse_config(TrainConfig, [], environ={"HYBRIDPS_PS": "10.0.0.1:1,10.0.0.2:1"})
-    assert cfg.ps == "10.0.0.1:1,10.0.0.2:1"
+    assert cfg.sync.ps == "10.0.0.1:1,10.0.0.2:1"
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, ["--ps", "10.0.0.1:1,nope"], environ={})
 
@@ -52,6 +52,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_two_nodes_two_servers_match_the_reference(tmp_path: Path) -> None:
     servers = [start_ps_server(tmp_path / f"node{i}") for i in range(2)]

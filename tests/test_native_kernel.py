@@ -363,6 +363,7 @@ def _kernel_in_subprocess(env_value: str | None) -> subprocess.CompletedProcess[
     )
 
 
+@pytest.mark.e2e
 def test_env_torch_forces_the_fallback() -> None:
     proc = _kernel_in_subprocess("torch")
     assert proc.returncode == 0, proc.stderr
@@ -377,6 +378,7 @@ def test_auto_picks_native_when_built() -> None:
         optim.set_kernel(before)
 
 
+@pytest.mark.e2e
 def test_env_rejects_unknown_kernel() -> None:
     proc = _kernel_in_subprocess("fastest")
     assert proc.returncode != 0 and "must be one of" in proc.stderr

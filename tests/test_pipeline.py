@@ -9,7 +9,6 @@ lookups fused in one exchange; the tables task a table of another size and pooli
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,8 @@ from worker.parallel import DistContext
 from worker.tasks.base import Batch, HybridModel
 from worker.tasks.synthetic import SyntheticTask
 from worker.train import Trainer
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 TABLES_JOB = ["--task", "tables", "--tables", "a:3000,b:500:3", "--num-rows", "3000"]
 
@@ -79,10 +80,10 @@ def _train_tables(ctx: DistContext, cfg: TrainConfig) -> tuple[dict[str, torch.T
 
 def _derived_ids_scenario(ctx: DistContext) -> None:
     cfg = small_config(steps=6, progress=False, log_every=3)
-    on, trainer = _train_tables(ctx, dataclasses.replace(cfg, pipeline=True))
+    on, trainer = _train_tables(ctx, cfg.replace(pipeline=True))
     assert trainer.inputs.plan == [] and not trainer.inputs.dist_ahead
     assert trainer.inputs.overlapped["data"] > 0, "batches were not made ahead"
-    off, _ = _train_tables(ctx, dataclasses.replace(cfg, pipeline=False))
+    off, _ = _train_tables(ctx, cfg.replace(pipeline=False))
     for name in on:
         assert torch.equal(on[name], off[name]), name
 

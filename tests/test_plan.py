@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers import REPO
 from worker.plan import Plan, TableShape, format_plan
 from worker.plan import main as plan_main
@@ -64,6 +66,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           text=True, timeout=120, env={**base, **(env or {})}, check=False)
 
 
+@pytest.mark.e2e
 def test_main_plan_prints_the_plan_of_the_flags_and_layout() -> None:
     proc = _run("--plan", "--local-optimizer", "--num-rows", "1000000000", "--dim", "128",
                 "--device", "cuda", "--device-memory-gb", "80", "--host-memory-gb", "512",
@@ -75,6 +78,7 @@ def test_main_plan_prints_the_plan_of_the_flags_and_layout() -> None:
     assert "verdict: fits" in proc.stdout and proc.returncode == 0
 
 
+@pytest.mark.e2e
 def test_a_config_that_cannot_fit_is_refused_before_allocating() -> None:
     args = ("--ps", "127.0.0.1:1", "--num-rows", "1000000000", "--dim", "128",
             "--device", "cpu", "--host-memory-gb", "64")

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None, reason="needs the dev extra")
 def test_regeneration_makes_no_diff(tmp_path: Path) -> None:
     subprocess.run(

@@ -42,7 +42,7 @@ from tests.test_checkpoint import (
     run,
     worker_cmd,
 )
-from worker.checkpoint import KILL_ENV, kill_point
+from worker.faults import KILL_ENV, kill_point
 from worker.rendezvous import agree_generation
 
 TABLES = ("user", "item", "category", "tag")
@@ -69,6 +69,7 @@ def _assert_server_state_equal(a: Path, b: Path, step: int) -> None:
                 assert torch.equal(x["tensors"][key], y["tensors"][key]), (name, key)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("rank", "step"), [(1, 13), (0, 7)])
 def test_worker_kill_is_restarted_by_torchrun(server: PsServer, straight: Path,
@@ -96,6 +97,7 @@ def test_worker_kill_is_restarted_by_torchrun(server: PsServer, straight: Path,
     assert {p.rank: p.last_step for p in stats.partitions} == {0: 19, 1: 19}
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_worker_kill_on_one_of_two_nodes(server: PsServer, straight: Path,
                                          tmp_path: Path) -> None:
@@ -194,6 +196,8 @@ FP16 = ["--precision", "fp16", "--loss-scale-init", str(2.0**24), "--local-optim
         "--checkpoint-every", "10"]
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_fp16_resume_restores_the_loss_scale(tmp_path: Path) -> None:
     """The initial scale 2^24 overflows the fp16 gradients: steps 0-5 are skipped and the

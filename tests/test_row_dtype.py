@@ -65,10 +65,11 @@ def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
 
 # -- config --------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_bad_row_dtype_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=r"row_dtype='fp16' is not one of fp32, bf16"):
-        TrainConfig(local_optimizer=True, row_dtype="fp16")
-    assert TrainConfig(local_optimizer=True).row_dtype == "fp32"
+        TrainConfig.of(local_optimizer=True, row_dtype="fp16")
+    assert TrainConfig.of(local_optimizer=True).optim.row_dtype == "fp32"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     proc = subprocess.run([sys.executable, MAIN, "--local-optimizer", "--row-dtype", "fp8"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
@@ -367,6 +368,8 @@ def accuracy_runs(server: PsServer, tmp_path_factory: pytest.TempPathFactory
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_bf16_rows_reach_the_fp32_eval_loss(accuracy_runs: dict[str, dict[str, object]],
                                             server: PsServer) -> None:
@@ -390,6 +393,8 @@ def test_bf16_rows_reach_the_fp32_eval_loss(accuracy_runs: dict[str, dict[str, o
     assert get_shard_stats(server.address, run_id="acc-fp32").master_bytes_total == 0
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_bf16_resume_equals_uninterrupted(server: PsServer, tmp_path: Path) -> None:
     ps = ["--ps", server.address, "--row-dtype", "bf16", "--checkpoint-every", "10"]

@@ -102,6 +102,7 @@ def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.terminate()
 
 
+@pytest.mark.e2e
 def test_every_rpc_needs_the_token_and_a_refusal_changes_nothing(token_server: str) -> None:
     with open_channel(token_server, channel_options()) as ch:
         shard = shard_pb2_grpc.ShardServiceStub(ch)
@@ -143,6 +144,7 @@ def test_every_rpc_needs_the_token_and_a_refusal_changes_nothing(token_server: s
                                ).pushes_applied_total == 1
 
 
+@pytest.mark.e2e
 def test_admin_cli_with_tokens(token_server: str, tmp_path: Path) -> None:
     assert admin_cli("health", "--ps", token_server).returncode == 0
     refused = admin_cli("stats", "--ps", token_server)
@@ -160,6 +162,7 @@ def test_admin_cli_with_tokens(token_server: str, tmp_path: Path) -> None:
     assert health_status(token_server) == "SERVING"
 
 
+@pytest.mark.e2e
 def test_shutdown_with_the_admin_token_stops_the_server(tmp_path: Path) -> None:
     server = start_ps_server(tmp_path, env={"HYBRIDPS_ADMIN_TOKEN": ADMIN})
     try:
@@ -174,6 +177,7 @@ def test_shutdown_with_the_admin_token_stops_the_server(tmp_path: Path) -> None:
         server.terminate()
 
 
+@pytest.mark.e2e
 def test_shutdown_is_refused_without_an_admin_token_and_stats_flag(tmp_path: Path) -> None:
     server = start_ps_server(tmp_path, "--stats-without-token", env={
         "HYBRIDPS_AUTH_TOKEN": TOKEN})
@@ -199,6 +203,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+@pytest.mark.e2e
 def test_tls_end_to_end_and_wrong_ca_fails_the_handshake(pki: Pki, tmp_path: Path) -> None:
     server = start_ps_server(tmp_path, "--tls-cert", str(pki.server_cert), "--tls-key",
                              str(pki.server_key))
@@ -226,6 +231,7 @@ def test_tls_end_to_end_and_wrong_ca_fails_the_handshake(pki: Pki, tmp_path: Pat
         server.terminate()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_mutual_tls_rejects_a_client_without_a_certificate_and_trains_with_one(
         pki: Pki, tmp_path: Path) -> None:

@@ -107,6 +107,7 @@ class Rank:
         assert torch.equal(got[3], delta) and got[4] == decay
 
 
+@pytest.mark.e2e
 def test_register_and_sync_round_trip_with_chunking(channel: grpc.Channel) -> None:
     rank = Rank(channel)
     assert rank.reg.max_message_bytes == MAX_MSG and rank.reg.server_id
@@ -135,6 +136,7 @@ def test_register_and_sync_round_trip_with_chunking(channel: grpc.Channel) -> No
     assert [(t.last_step, t.created) for t in again.tables] == [(3, False)]
 
 
+@pytest.mark.e2e
 def test_empty_push_gets_an_empty_answer(channel: grpc.Channel) -> None:
     rank = Rank(channel)
     (update,) = sync(rank.stub, rank.push(0, []))
@@ -145,6 +147,7 @@ def test_empty_push_gets_an_empty_answer(channel: grpc.Channel) -> None:
     rank.check(1, [3])  # the step count advanced: kernel step 2
 
 
+@pytest.mark.e2e
 def test_duplicates_over_the_wire(channel: grpc.Channel) -> None:
     rank = Rank(channel)
     first = sync(rank.stub, [*rank.push(0, list(range(300))), *rank.push(1, [1, 2])])
@@ -198,6 +201,7 @@ BAD: list[tuple[str, Callable[[shard_pb2.Push], object], grpc.StatusCode, str]] 
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("case", "mutate", "code", "named"), BAD, ids=[b[0] for b in BAD])
 def test_bad_push_aborts_the_stream_and_changes_nothing(
         channel: grpc.Channel, case: str, mutate: Callable[[shard_pb2.Push], object],
@@ -219,6 +223,7 @@ def test_bad_push_aborts_the_stream_and_changes_nothing(
     rank.check(2, [1, 2])  # state as if the bad push had never been sent
 
 
+@pytest.mark.e2e
 def test_stale_incarnation_and_refusals_are_counted(channel: grpc.Channel) -> None:
     rank = Rank(channel)
     rank.check(0, [1])
@@ -234,6 +239,7 @@ def test_stale_incarnation_and_refusals_are_counted(channel: grpc.Channel) -> No
     assert (part.incarnation, part.last_step, part.pushes_applied) == (2, 0, 1)
 
 
+@pytest.mark.e2e
 def test_bad_chunk_drops_the_buffered_chunks(channel: grpc.Channel) -> None:
     rank = Rank(channel)
     ids = list(range(100, 900))
@@ -247,6 +253,7 @@ def test_bad_chunk_drops_the_buffered_chunks(channel: grpc.Channel) -> None:
     rank.check(0, ids)  # the whole push is applied once, when sent intact
 
 
+@pytest.mark.e2e
 def test_message_over_the_server_limit_is_refused(server: PsServer) -> None:
     big = open_channel(server.address, max_message_bytes=8 * MAX_MSG)
     try:
@@ -261,6 +268,7 @@ def test_message_over_the_server_limit_is_refused(server: PsServer) -> None:
         big.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("request_kwargs", "code", "named"), [
     ({"rank": 3, "world_size": 2}, grpc.StatusCode.INVALID_ARGUMENT, "rank=3"),
     ({"tables": [table("emb", 10, 4, 5, 11)]}, grpc.StatusCode.INVALID_ARGUMENT, r"\[5, 11\)"),
@@ -279,6 +287,7 @@ def test_register_errors(channel: grpc.Channel, request_kwargs: dict[str, Any],
     assert re.search(named, details(info)), details(info)
 
 
+@pytest.mark.e2e
 def test_register_conflict(channel: grpc.Channel) -> None:
     rank = Rank(channel)
     with pytest.raises(grpc.RpcError) as info:
@@ -287,6 +296,7 @@ def test_register_conflict(channel: grpc.Channel) -> None:
     assert f"dim={DIM + 1}" in details(info)
 
 
+@pytest.mark.e2e
 def test_flush(channel: grpc.Channel) -> None:
     rank = Rank(channel)
     rank.check(0, [1])
@@ -311,6 +321,7 @@ def test_flush(channel: grpc.Channel) -> None:
     assert [a.last_step for a in result[0].applied] == [1]
 
 
+@pytest.mark.e2e
 def test_ranks_push_concurrently(channel: grpc.Channel) -> None:
     """Four ranks stream at once (updates run in parallel threads); each matches its reference."""
     ranks = [Rank(channel) for _ in range(4)]
@@ -335,6 +346,7 @@ def test_ranks_push_concurrently(channel: grpc.Channel) -> None:
     assert not errors, errors
 
 
+@pytest.mark.e2e
 def test_health_serving_and_reflection(channel: grpc.Channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "hybridps.v1.ShardService", "hybridps.v1.AdminService"):
@@ -357,6 +369,7 @@ def test_status_mapping() -> None:
 
 # -- process behaviour -------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_port_in_use_exits_nonzero_with_a_clear_message(server: PsServer, tmp_path: Path) -> None:
     proc, _ = launch_ps(tmp_path / "second", "--port", str(server.port))
     assert proc.wait(60) != 0
@@ -365,6 +378,7 @@ def test_port_in_use_exits_nonzero_with_a_clear_message(server: PsServer, tmp_pa
     assert (tmp_path / "second" / "stdout.log").read_text() == ""
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_promptly_with_reflection_off_from_env(tmp_path: Path) -> None:
     ps = start_ps_server(tmp_path, "--grace-s", "1", env={"HYBRIDPS_REFLECTION": "false"})
     try:
@@ -403,6 +417,7 @@ def test_sigterm_stops_promptly_with_reflection_off_from_env(tmp_path: Path) -> 
             ps.proc.wait()
 
 
+@pytest.mark.e2e
 def test_bad_flag_exits_with_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*launch_args(), "--max-message-bytes", "10"], capture_output=True, text=True,
@@ -417,6 +432,7 @@ def launch_args() -> list[str]:
     return [sys.executable, "-m", "ps"]
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
 @pytest.mark.parametrize("flag", ["true", "false"])
 def test_sched_batch_covers_every_server_thread(tmp_path: Path, flag: str) -> None:

@@ -225,6 +225,7 @@ def test_answer_cache_borrows_deltas_written_into_the_sink() -> None:
 
 # -- against a real server -----------------------------------------------------------------
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("wire_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_shm_client_equals_inline_client_bitwise(ps_address: str,
                                                  wire_dtype: torch.dtype) -> None:
@@ -243,6 +244,7 @@ def test_shm_client_equals_inline_client_bitwise(ps_address: str,
             torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.e2e
 def test_bf16_rows_over_shm_equal_inline(ps_address: str) -> None:
     """Master-rows partitions answer rows (bf16) into the region."""
     init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)) * 0.05
@@ -267,6 +269,7 @@ def _run_rows(client: ShardClient, ids: list[torch.Tensor],
     return [u.delta_UD.clone() for u in updates]
 
 
+@pytest.mark.e2e
 def test_arena_regions_are_freed_after_the_next_take(ps_address: str) -> None:
     """A small arena: every push still goes by reference because regions come back."""
     client = _client(ps_address, ROWS, DIM, shm="on", shm_bytes=1)  # the minimum, 1 MiB
@@ -294,6 +297,7 @@ def test_arena_regions_are_freed_after_the_next_take(ps_address: str) -> None:
         client.close()
 
 
+@pytest.mark.e2e
 def test_arena_file_is_gone_once_registered(ps_address: str) -> None:
     client = _client(ps_address, ROWS, DIM, shm="on")
     client.start()
@@ -371,6 +375,7 @@ def _edit(push: shard_pb2.Push, field: str, **changes: object) -> shard_pb2.Push
     return bad
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("field", "changes", "message"), [
     ("shm_grads", {"offset": 1 << 30}, "shm grads (offset 1073741824"),
     ("shm_grads", {"offset": 4100}, "offset 4100 is not a multiple of 64"),
@@ -399,6 +404,7 @@ def test_bad_shm_reference_is_refused_and_changes_nothing(
     assert float(answer.abs().sum()) > 0
 
 
+@pytest.mark.e2e
 def test_shm_push_without_an_accepted_arena_is_refused(raw_rank: RawRank) -> None:
     request = shard_pb2.RegisterRequest(
         run_id=raw_rank.run_id, rank=0, world_size=1, incarnation=1,
@@ -413,6 +419,7 @@ def test_shm_push_without_an_accepted_arena_is_refused(raw_rank: RawRank) -> Non
     assert "has no shared-memory arena accepted on this server" in str(info.value.details())
 
 
+@pytest.mark.e2e
 def test_wrong_nonce_is_not_accepted(raw_rank: RawRank) -> None:
     response = raw_rank.register(nonce=b"\0" * 32)
     assert not response.shm.accepted
@@ -420,6 +427,7 @@ def test_wrong_nonce_is_not_accepted(raw_rank: RawRank) -> None:
     assert [t.name for t in response.tables] == ["t"], "the Register itself succeeded"
 
 
+@pytest.mark.e2e
 def test_duplicate_push_is_answered_in_its_region_and_into_another(
         raw_rank: RawRank) -> None:
     """A re-sent push (its answer was lost, so the rank left the region alone) gets the
@@ -445,6 +453,7 @@ def _batch(rank: RawRank, *pushes: shard_pb2.Push) -> shard_pb2.Push:
     return shard_pb2.Push(run_id=rank.run_id, rank=0, batch=list(pushes))
 
 
+@pytest.mark.e2e
 def test_batch_push_is_answered_in_one_update_like_separate_pushes(
         raw_rank: RawRank, ps_address: str) -> None:
     alone = RawRank(ps_address, f"{raw_rank.run_id}-alone")
@@ -465,6 +474,7 @@ def test_batch_push_is_answered_in_one_update_like_separate_pushes(
     assert stats.last_step == 2 and stats.pushes_applied == 3
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("case", "message"), [
     ("inline", "entry 1 (step=1 table='t') is not a shared-memory push"),
     ("nested", "entry 1 (step=0 table='') is itself a batch"),
@@ -495,6 +505,7 @@ def test_bad_batch_is_refused_whole(raw_rank: RawRank, ps_address: str, case: st
     assert float(first_answer.abs().sum()) == 0
 
 
+@pytest.mark.e2e
 def test_push_of_an_old_epoch_is_aborted(raw_rank: RawRank) -> None:
     assert raw_rank.register().shm.accepted
     old = raw_rank.epoch
@@ -510,6 +521,7 @@ def test_push_of_an_old_epoch_is_aborted(raw_rank: RawRank) -> None:
 
 # -- fallback and refusal ----------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
     server = start_ps_server(tmp_path, "--shm", "false")
     try:
@@ -536,9 +548,12 @@ def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
 # -- flags ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--shm", "maybe"], "shm='maybe' is not one of auto, on, off"),
-    (["--shm-mb", "0"], "shm_mb=0 must be in [1, 1048576]"),
-    (["--shm", "on", "--local-optimizer"], "shm='on' needs a shard server"),
+    (["--same-node", "maybe"], "same_node='maybe' is not one of auto, off, require, stream"),
+    (["--same-node-mb", "0"], "same_node_mb=0 must be in [1, 1048576]"),
+    (["--same-node", "require", "--local-optimizer"], "same_node='require' needs a shard server"),
+    (["--shm", "on"], "--shm was removed: use --same-node auto|off"),
+    (["--shm-mb=16"], "--shm-mb was removed: use --same-node-mb"),
+    (["--shm-socket", "off"], "--shm-socket was removed: use --same-node stream"),
 ])
 def test_worker_shm_flags_name_bad_values(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -550,9 +565,9 @@ def test_worker_shm_flags_name_bad_values(argv: list[str], message: str,
 
 def test_shm_flags_from_environment() -> None:
     cfg = parse_config(TrainConfig, ["--ps", "127.0.0.1:1"],
-                       environ={"HYBRIDPS_SHM": "off", "HYBRIDPS_SHM_MB": "256"})
-    assert (cfg.shm, cfg.shm_mb) == ("off", 256)
-    assert TrainConfig(ps="127.0.0.1:1").shm == "auto"
+                       environ={"HYBRIDPS_SAME_NODE": "off", "HYBRIDPS_SAME_NODE_MB": "256"})
+    assert (cfg.node.same_node, cfg.node.same_node_mb) == ("off", 256)
+    assert TrainConfig.of(ps="127.0.0.1:1").node.same_node == "auto"
     assert parse_config(ServerConfig, [], environ={"HYBRIDPS_SHM": "false"}).shm is False
     with pytest.raises(ValueError, match="shm='sometimes'"):
         ShardClient("127.0.0.1:1", run_id="r", rank=0, world_size=1,
@@ -562,6 +577,8 @@ def test_shm_flags_from_environment() -> None:
 
 # -- 2-rank training runs (torchrun) ---------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_worker_run_over_shm_equals_inline_run_bitwise(ps_address: str,
                                                        tmp_path: Path) -> None:
@@ -573,8 +590,8 @@ def test_worker_run_over_shm_equals_inline_run_bitwise(ps_address: str,
         small_config,
     )
 
-    for mode in ("on", "off"):
-        run_worker(["--ps", ps_address, "--staleness", "0", "--shm", mode, "--run-id",
+    for mode, same_node in (("on", "require"), ("off", "off")):
+        run_worker(["--ps", ps_address, "--staleness", "0", "--same-node", same_node, "--run-id",
                     f"shm-{mode}-{os.urandom(3).hex()}", "--dump-state",
                     str(tmp_path / f"{mode}.pt"), "--results", str(tmp_path / f"{mode}.json"),
                     *SMALL])
@@ -591,6 +608,7 @@ def test_worker_run_over_shm_equals_inline_run_bitwise(ps_address: str,
     assert_matches_reference(tmp_path / "on.pt", small_config())
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
     """Cut the connections mid-run: re-Register (same arena, new epoch), re-send the
@@ -609,8 +627,8 @@ def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
         proxy = FaultProxy((server.host, server.port), after=8_000, mode="drop")
         try:
             # The stream's reconnect (the Sync socket's is tests/test_direct.py).
-            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm", "on",
-                        "--shm-socket", "off", "--run-id", "shm-reconnect",
+            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--same-node",
+                        "stream", "--run-id", "shm-reconnect",
                         "--dump-state", str(tmp_path / "state.pt"),
                         "--results", str(tmp_path / "r.json"), *SMALL])
         finally:
@@ -625,12 +643,13 @@ def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
     assert_matches_reference(tmp_path / "state.pt", small_config())
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_shm_on_against_a_refusing_server_is_a_clear_error(tmp_path: Path) -> None:
     from tests.test_worker_e2e import SMALL, run_worker
 
     with start_ps_server(tmp_path, "--shm", "false") as server:
-        proc = run_worker(["--ps", server.address, "--shm", "on", *SMALL], check=False,
+        proc = run_worker(["--ps", server.address, "--same-node", "require", *SMALL], check=False,
                           timeout=100)
     assert proc.returncode != 0
     assert (f"--shm on, but shard server {server.address} did not accept the shared-memory "

@@ -251,8 +251,9 @@ def test_predictor_needs_staleness() -> None:
 
 def test_config_validates_and_maps_the_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="staleness_compensation='guess'"):
-        TrainConfig(local_optimizer=True, staleness_compensation="guess")
+        TrainConfig.of(local_optimizer=True, staleness_compensation="guess")
     monkeypatch.setenv("HYBRIDPS_STALENESS_COMPENSATION", "none")
-    assert parse_config(TrainConfig, ["--local-optimizer"]).staleness_compensation == "none"
+    assert parse_config(TrainConfig,
+                        ["--local-optimizer"]).sync.staleness_compensation == "none"
     cfg = parse_config(TrainConfig, ["--local-optimizer", "--staleness-compensation", "predict"])
-    assert cfg.staleness_compensation == "predict"
+    assert cfg.sync.staleness_compensation == "predict"

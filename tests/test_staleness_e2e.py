@@ -25,6 +25,8 @@ from tests.helpers import PsServer
 from tests.test_checkpoint import assert_states, run
 from tests.test_kge_task import write_graph
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 PREDICT = ["--staleness-compensation", "predict"]
 NONE = ["--staleness-compensation", "none"]
 
@@ -43,6 +45,7 @@ def _dump(tmp_path: Path, tag: str, args: list[str], nproc: int) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_k0_is_unchanged_and_k1_is_changed(tmp_path: Path) -> None:
     base = ["--local-optimizer", "--steps", "12"]
@@ -59,6 +62,7 @@ def test_k0_is_unchanged_and_k1_is_changed(tmp_path: Path) -> None:
         "method": "none"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("job", ["synthetic", "kge"])
 def test_server_equals_local_optimizer_and_pipeline(server: PsServer, tmp_path: Path,
@@ -86,6 +90,7 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, job: str) -> None:
     assert_states(one, two, exact=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_checkpoints_and_resume_keep_the_predictions(server: PsServer, tmp_path: Path) -> None:
     stale = ["--ps", server.address, "--staleness", "2", "--steps", "16", *PREDICT]

@@ -24,25 +24,25 @@ def parse(*argv: str, environ: dict[str, str] | None = None) -> TrainConfig:
 
 def test_kge_defaults_are_the_dicee_settings() -> None:
     cfg = parse("--task", "kge", "--data-dir", "/d")
-    assert (cfg.lr, cfg.dense_lr, cfg.init_std, cfg.batch_size, cfg.epochs, cfg.dim) == (
-        0.1, 0.1, 1.0, 512, 100, 32)
-    assert cfg.model == "distmult" and cfg.training == "kvsall"
+    assert (cfg.optim.lr, cfg.optim.dense_lr, cfg.optim.init_std, cfg.run.batch_size,
+            cfg.run.epochs, cfg.run.dim) == (0.1, 0.1, 1.0, 512, 100, 32)
+    assert cfg.kge.model == "distmult" and cfg.kge.training == "kvsall"
 
 
 def test_flag_and_env_beat_task_defaults() -> None:
     cfg = parse("--task", "kge", "--data-dir", "/d", "--lr", "0.3",
                 environ={"HYBRIDPS_DIM": "64"})
-    assert cfg.lr == 0.3 and cfg.dim == 64 and cfg.dense_lr == 0.1
+    assert cfg.optim.lr == 0.3 and cfg.run.dim == 64 and cfg.optim.dense_lr == 0.1
     # --steps alone means a step-count run: the task's default epochs is not applied
     steps = parse("--task", "kge", "--data-dir", "/d", "--steps", "7")
-    assert steps.epochs == 0 and steps.steps == 7
+    assert steps.run.epochs == 0 and steps.run.steps == 7
 
 
 def test_other_tasks_keep_the_config_defaults() -> None:
-    assert parse() == TrainConfig(local_optimizer=True)
-    assert parse("--task", "x.y:Z").lr == TrainConfig(local_optimizer=True).lr
+    assert parse() == TrainConfig.of(local_optimizer=True)
+    assert parse("--task", "x.y:Z").optim.lr == TrainConfig.of(local_optimizer=True).optim.lr
     dlrm = parse("--task", "dlrm")
-    assert dlrm.steps == TASK_DEFAULTS["dlrm"]["steps"] and dlrm.epochs == 0
+    assert dlrm.run.steps == TASK_DEFAULTS["dlrm"]["steps"] and dlrm.run.epochs == 0
     assert config_with_task_defaults(task="dlrm", local_optimizer=True) == dlrm
 
 
@@ -62,6 +62,7 @@ def test_bad_task_flags_fail_fast(argv: list[str], match: str,
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_parsing_stays_torch_free() -> None:
     """Bad flags fail before torch is imported: the defaults hook must not import it."""
     code = ("import sys; from worker.main import main; from worker.task_defaults import "

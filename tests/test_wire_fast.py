@@ -129,7 +129,7 @@ def _reference_deltas(grads: list[torch.Tensor], ids: list[torch.Tensor], rows: 
 
 
 def _client(address: str, rows: int, dim: int, **kwargs: object) -> ShardClient:
-    kwargs.setdefault("shm_bytes", 8 << 20)  # see tests/conftest.py HYBRIDPS_SHM_MB
+    kwargs.setdefault("shm_bytes", 8 << 20)  # see tests/conftest.py HYBRIDPS_SAME_NODE_MB
     return ShardClient(address, run_id=f"wire-{os.urandom(4).hex()}", rank=0, world_size=1,
                        tables=[TableConfig("t", rows, dim)], ranges={"t": (0, rows)},
                        optimizer=SPEC, timeout_s=60.0, max_chunk_bytes=64 * 1024,
@@ -166,6 +166,7 @@ def _run(client: ShardClient, ids: list[torch.Tensor],
     return [u.delta_UD for u in updates]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_wire_dtype_end_to_end_error_bound(ps_address: str, name: str) -> None:
     """Chunked pushes (64 KiB messages) in bf16/fp16 through a real server."""
@@ -188,6 +189,7 @@ def test_wire_dtype_end_to_end_error_bound(ps_address: str, name: str) -> None:
 
 # -- Unix domain socket ------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_unix_socket_end_to_end(tmp_path: Path) -> None:
     sock = tmp_path / "ps.sock"
     server = start_ps_server(tmp_path, "--uds", str(sock), "--kernel-threads", "2")
@@ -209,6 +211,7 @@ def test_unix_socket_end_to_end(tmp_path: Path) -> None:
         server.terminate()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
 def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
@@ -227,7 +230,7 @@ def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
     try:
         dump = tmp_path / "state.pt"
         # --shm off: the tensors travel over the socket, not through /dev/shm.
-        run_worker(["--ps", f"unix:{sock}", "--shm", "off", "--staleness", "0",
+        run_worker(["--ps", f"unix:{sock}", "--same-node", "off", "--staleness", "0",
                     "--wire-dtype", wire_dtype,
                     "--run-id", f"uds-{wire_dtype}", "--dump-state", str(dump), *SMALL])
     finally:
@@ -247,12 +250,13 @@ def test_worker_run_over_unix_socket(tmp_path: Path, wire_dtype: str) -> None:
     # category table whose rows step every time.
     for name, rows in state["tables"].items():
         err = (rows - ref.tables[name]).abs()
-        assert float(err.max()) <= 2 * cfg.lr, (name, float(err.max()))
-        assert float(err.mean()) <= 0.25 * cfg.lr, (name, float(err.mean()))
+        assert float(err.max()) <= 2 * cfg.optim.lr, (name, float(err.max()))
+        assert float(err.mean()) <= 0.25 * cfg.optim.lr, (name, float(err.mean()))
     assert any(not torch.equal(rows, ref.tables[name])
                for name, rows in state["tables"].items()), "bf16 was not on the wire"
 
 
+@pytest.mark.e2e
 def test_stale_socket_file_is_replaced_and_other_files_are_not(tmp_path: Path) -> None:
     import socket
 
@@ -277,10 +281,10 @@ def test_stale_socket_file_is_replaced_and_other_files_are_not(tmp_path: Path) -
 
 
 def test_worker_accepts_unix_addresses() -> None:
-    cfg = TrainConfig(ps="unix:/tmp/ps.sock")
-    assert cfg.ps_address == "unix:/tmp/ps.sock"
-    TrainConfig(ps="unix:///tmp/ps.sock")
-    TrainConfig(ps="unix:rel.sock,10.0.0.2:50051")
+    cfg = TrainConfig.of(ps="unix:/tmp/ps.sock")
+    assert cfg.sync.ps_address == "unix:/tmp/ps.sock"
+    TrainConfig.of(ps="unix:///tmp/ps.sock")
+    TrainConfig.of(ps="unix:rel.sock,10.0.0.2:50051")
 
 
 # -- flag validation ---------------------------------------------------------------------
@@ -320,6 +324,7 @@ def test_server_flags_from_environment() -> None:
         _client("127.0.0.1:1", 10, 2, wire_dtype=torch.int8)
 
 
+@pytest.mark.e2e
 def test_kernel_threads_env_zero_means_default() -> None:
     """HYBRIDPS_KERNEL_THREADS=0 (the server's default) must not break importing hybridps.optim."""
     import subprocess

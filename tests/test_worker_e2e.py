@@ -29,6 +29,8 @@ from tests.helpers import start_ps_server
 from worker.config import TrainConfig
 from worker.reference import train_reference
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -57,7 +59,7 @@ def run_worker(args: list[str], *, nproc: int = 2, timeout: float = 150.0,
 def small_config(**overrides: Any) -> TrainConfig:
     base: dict[str, Any] = {"local_optimizer": True, "num_rows": 2000, "batch_size": 32,
                             "steps": STEPS, "dim": 8, "staleness": 0}
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.of(**{**base, **overrides})
 
 
 def assert_matches_reference(dump_path: Path, cfg: TrainConfig) -> None:
@@ -145,6 +147,7 @@ STALE_JOB = ["--num-rows", "20000", "--batch-size", "64", "--steps", "150", "--l
 STALENESS_MARGIN = 0.02  # eval BCE of the K=2 run within this of the synchronous run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_staleness2_loss_close_to_synchronous(ps_address: str, tmp_path: Path) -> None:
     results = {}
@@ -233,14 +236,15 @@ def test_broken_stream_is_retried_and_results_unchanged(tmp_path: Path) -> None:
     """Cut the TCP connections mid-run: reconnect, re-Register, re-send, same final state.
 
     The server's 4 KiB message limit (22 rows of dim 32) also splits pushes and updates
-    into chunks (inline tensors: --shm off; over shared memory: tests/test_shm.py).
+    into chunks (inline tensors: --same-node off; over shared memory: tests/test_shm.py).
     """
     with start_ps_server(tmp_path, "--max-message-bytes", "4096") as server:
         proxy = FaultProxy((server.host, server.port), after=30_000, mode="drop")
         try:
-            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm", "off",
-                        "--run-id", "e2e-reconnect", "--dump-state", str(tmp_path / "state.pt"),
-                        "--results", str(tmp_path / "r.json"), *SMALL, "--dim", "32"])
+            run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--same-node",
+                        "off", "--run-id", "e2e-reconnect", "--dump-state",
+                        str(tmp_path / "state.pt"), "--results", str(tmp_path / "r.json"),
+                        *SMALL, "--dim", "32"])
         finally:
             proxy.close()
     assert proxy.tripped, f"proxy never cut the connection ({proxy.forwarded} bytes forwarded)"
@@ -257,8 +261,9 @@ def test_silent_server_times_out_naming_server_and_step(ps_address: str, tmp_pat
     host, port = ps_address.rsplit(":", 1)
     proxy = FaultProxy((host, int(port)), after=30_000, mode="freeze")
     try:
-        # --shm off: the proxy counts bytes, and shared-memory pushes are ~100-byte headers.
-        proc = run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--shm",
+        # --same-node off: the proxy counts bytes, and shared-memory pushes are ~100-byte
+        # headers.
+        proc = run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--same-node",
                            "off", "--ps-timeout", "3", *SMALL], check=False, timeout=100)
     finally:
         proxy.close()

@@ -37,24 +37,20 @@ and a resumed run equals both (bitwise at the same world size). Resuming with an
 --row-dtype takes the canonical rows (or the fp32 masters) and drops the pending
 updates: the resumed run then sees every update <= s before step s+1.
 
-Fault injection for tests: HYBRIDPS_FAULT_CHECKPOINT=[RANK:]STEP:PHASE[:sleep=SEC]
-makes rank RANK (default any) os._exit(FAULT_EXIT_CODE) (or sleep) at PHASE of the
-checkpoint of STEP, PHASE one of FAULT_PHASES. HYBRIDPS_FAULT_KILL=RANK:STEP makes rank
-RANK SIGKILL itself right after pushing STEP, only in the first incarnation
-(TORCHELASTIC_RESTART_COUNT 0 or unset), so `torchrun --max-restarts` can bring it back.
+Each phase of a save is a fault point (worker/faults.py: HYBRIDPS_FAULT_CHECKPOINT).
+The Checkpointer reads the training state through `TrainingState` (the Trainer of
+worker/train.py has it), so this module does not import the training loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
-import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -86,64 +82,26 @@ from hybridps.checkpoint import (
     step_dir,
     write_manifest,
 )
+from worker.faults import fault_point
 from worker.sync import ShardClient
 from worker.updates import LocalSparseOptimizer, RowUpdate
 
 if TYPE_CHECKING:
-    from worker.train import Trainer
+    from hybridps.optim import OptimizerSpec
+    from worker.config import TrainConfig
+    from worker.embedding import ShardedEmbedding
+    from worker.parallel import DenseParallel, DistContext
+    from worker.tasks.base import HybridModel
+    from worker.updates import StalenessWindow, UpdateSource
 
 log = logging.getLogger("worker.checkpoint")
 
-FAULT_ENV = "HYBRIDPS_FAULT_CHECKPOINT"
-FAULT_PHASES = ("start", "rows", "optim", "dense", "manifest", "after")
-FAULT_EXIT_CODE = 43
-KILL_ENV = "HYBRIDPS_FAULT_KILL"
 DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
 PENDING_FORMAT = "hybridps-pending-v1"
 
 
 def pending_file(rank: int) -> str:
     return f"pending/r{rank:05d}.pt"
-
-
-def fault_point(rank: int, step: int, phase: str) -> None:
-    """Test hook: exit (or sleep) here when HYBRIDPS_FAULT_CHECKPOINT names this point."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return
-    parts = spec.split(":")
-    action = ""
-    if parts[-1].startswith("sleep="):
-        action = parts.pop()
-    if len(parts) == 2:
-        parts.insert(0, "")
-    if len(parts) != 3:
-        raise ValueError(f"{FAULT_ENV}={spec!r} is not [RANK:]STEP:PHASE[:sleep=SEC]")
-    want_rank, want_step, want_phase = parts
-    if want_phase not in FAULT_PHASES:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: phase {want_phase!r} not in {FAULT_PHASES}")
-    if (want_rank and int(want_rank) != rank) or int(want_step) != step or want_phase != phase:
-        return
-    if action:
-        time.sleep(float(action.split("=", 1)[1]))
-        return
-    log.warning("rank %d: %s: exiting at checkpoint step %d phase %s", rank, FAULT_ENV, step,
-                phase)
-    os._exit(FAULT_EXIT_CODE)
-
-
-def kill_point(rank: int, step: int) -> None:
-    """Test hook: SIGKILL this process when HYBRIDPS_FAULT_KILL=RANK:STEP names it (first
-    incarnation only: a restarted rank passes the same step again and must live)."""
-    spec = os.environ.get(KILL_ENV, "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    want_rank, _, want_step = spec.partition(":")
-    if not (want_rank.isdigit() and want_step.isdigit()):
-        raise ValueError(f"{KILL_ENV}={spec!r} is not RANK:STEP (two integers)")
-    if (int(want_rank), int(want_step)) == (rank, step):
-        log.warning("rank %d: %s: SIGKILL at step %d", rank, KILL_ENV, step)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def find_checkpoint(root: str | Path) -> Path | None:
@@ -155,22 +113,39 @@ def find_checkpoint(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-class Checkpointer:
-    """Saves (`save`) and restores (`restore`) a Trainer's state; see the module doc."""
+class TrainingState(Protocol):
+    """What a checkpoint saves and restores: the parts of a training run (worker/train.py's
+    Trainer). `source` is read only when saving or restoring, after the run has built it."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.t = trainer
-        self.cfg = trainer.cfg
-        self.rank = trainer.ctx.rank
-        self.world = trainer.ctx.world_size
-        self.root = Path(self.cfg.checkpoint_dir).resolve() if self.cfg.checkpoint_dir else None
+    cfg: TrainConfig
+    ctx: DistContext
+    run_id: str
+    embedding: ShardedEmbedding
+    window: StalenessWindow
+    source: UpdateSource
+    model: HybridModel
+    dense_opt: torch.optim.Optimizer
+    dense_parallel: DenseParallel
+    sparse_spec: OptimizerSpec
+
+
+class Checkpointer:
+    """Saves (`save`) and restores (`restore_local`) a run's state; see the module doc."""
+
+    def __init__(self, state: TrainingState) -> None:
+        self.t = state
+        self.cfg = state.cfg
+        self.opts = state.cfg.checkpoint
+        self.rank = state.ctx.rank
+        self.world = state.ctx.world_size
+        self.root = Path(self.opts.checkpoint_dir).resolve() if self.opts.checkpoint_dir else None
         self.resumed_step = -1
         self.save_s: list[float] = []
         self.restore_s = 0.0
 
     # -- which checkpoint to resume from (called before the source starts) ----------
     def resume_target(self) -> tuple[Path, int] | None:
-        cfg = self.cfg
+        cfg = self.opts
         if not (cfg.resume or cfg.resume_from):
             return None
         where = cfg.resume_from or cfg.checkpoint_dir
@@ -190,7 +165,7 @@ class Checkpointer:
         return found, int(manifest["step"])
 
     def due(self, step: int) -> bool:
-        every = self.cfg.checkpoint_every
+        every = self.opts.checkpoint_every
         return (self.root is not None and every > 0 and (step + 1) % every == 0
                 and step != self.resumed_step)
 
@@ -234,12 +209,12 @@ class Checkpointer:
                 "next_step": step + 1,
                 "world_size": self.world,
                 "run_id": tr.run_id,
-                "mode": "local-optimizer" if self.cfg.local_optimizer else "server",
-                "row_dtype": self.cfg.row_dtype,  # bf16: the optim files hold fp32 masters
+                "mode": "local-optimizer" if self.cfg.sync.local_optimizer else "server",
+                "row_dtype": self.cfg.optim.row_dtype,  # bf16: the optim files: fp32 masters
                 "optimizer": dataclasses.asdict(tr.sparse_spec),
-                "task": self.cfg.task,
-                "seed": self.cfg.seed,
-                "data": {"step": step, "samples_seen": (step + 1) * self.cfg.batch_size
+                "task": self.cfg.run.task,
+                "seed": self.cfg.run.seed,
+                "data": {"step": step, "samples_seen": (step + 1) * self.cfg.run.batch_size
                          * self.world},
                 "created_unix": time.time(),
                 "tables": {name: {"num_rows": t.num_rows, "dim": t.dim,
@@ -315,7 +290,7 @@ class Checkpointer:
     def _prune(self, step: int) -> None:
         """--checkpoint-keep N: delete all but the newest N complete checkpoints, and torn
         directories older than the newest complete one."""
-        keep = self.cfg.checkpoint_keep
+        keep = self.opts.checkpoint_keep
         if keep <= 0 or self.root is None:
             return
         complete = complete_checkpoints(self.root)
@@ -396,7 +371,7 @@ class Checkpointer:
         elif scaler is not None:
             log.warning("rank %d: checkpoint %s has no loss scaler state (saved without "
                         "--precision fp16): the scale starts at --loss-scale-init %g",
-                        self.rank, directory, self.cfg.loss_scale_init)
+                        self.rank, directory, self.cfg.dense.loss_scale_init)
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -471,11 +446,12 @@ class Checkpointer:
         tr = self.t
         emb, window = tr.embedding, tr.window
         entry = manifest.get("pending")
-        if entry is None or manifest.get("row_dtype", "fp32") != self.cfg.row_dtype:
+        row_dtype = self.cfg.optim.row_dtype
+        if entry is None or manifest.get("row_dtype", "fp32") != row_dtype:
             if entry is not None and entry["applied_through"] < step:
                 log.info("rank %d: resuming with --row-dtype %s from %s rows: the pending "
                          "updates are already in the saved rows", self.rank,
-                         self.cfg.row_dtype, manifest.get("row_dtype"))
+                         row_dtype, manifest.get("row_dtype"))
             window.restore_pending(step, [])  # the rows hold every update <= step
             return  # nothing pending: nothing to predict (a predictor starts empty)
         applied = int(entry["applied_through"])

@@ -91,12 +91,11 @@ def exit_process(code: int) -> NoReturn:
     teardown of torch's C++ state.
 
     Why: after a clean finish (process groups destroyed, server told, results written), a
-    rank sometimes died in that teardown with SIGABRT ("terminate called without an active
-    exception"), and torchrun then reports a finished job as failed. Seen a few times in
-    hundreds of 2-rank gloo runs on this CPU box, in the test suite under load. The
-    worker's threads (sync, input pipeline) are closed before this and writes are
-    synchronous; the logs and standard streams are flushed here, so nothing an ordinary
-    exit would have written is lost.
+    rank can die in that teardown with SIGABRT ("terminate called without an active
+    exception"; rare, docs/performance-log.md), and torchrun then reports a finished job
+    as failed. The worker's threads (sync, input pipeline) are closed before this and
+    writes are synchronous; the logs and standard streams are flushed here, so nothing an
+    ordinary exit would have written is lost.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -5,9 +5,9 @@
     python -m worker.main --local-optimizer --steps 50     # a world of one
     python worker/main.py --plan --num-rows 1000000000 --dim 128   # sizing only
 
-Every flag is also the env var HYBRIDPS_<FLAG> (see `--help`). Flags are
+Every flag is also the env var HYBRIDPS_<FLAG> (see `--help`, docs/flags.md). Flags are
 parsed and validated before torch is imported, so a bad flag fails fast with
-a message naming the value (exit code 2). Before any table is allocated the
+one line naming the value (exit code 2). Before any table is allocated the
 memory plan (worker/plan.py) is checked: a config that cannot fit is refused
 with the numbers (exit 1); `--plan` prints the plan and exits.
 
@@ -31,10 +31,10 @@ if not __package__:  # `torchrun worker/main.py` / `python worker/main.py` from 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
 from worker.config import TrainConfig
+from worker.task_defaults import TASK_DEFAULTS, task_defaults
 
 if TYPE_CHECKING:
     from worker.plan import Plan
-from worker.task_defaults import TASK_DEFAULTS, task_defaults
 
 DESCRIPTION = ("hybridps worker: row-wise sharded embeddings (all_to_all), FSDP2 dense part, "
                "sparse optimizer state on the node's shard server")
@@ -43,13 +43,13 @@ log = logging.getLogger("worker")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    epilog = "task defaults (when the flag is not given): " + "; ".join(
-        f"{task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
+    epilog = "task defaults (when the flag is not given):\n" + "\n".join(
+        f"  {task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
         for task, d in TASK_DEFAULTS.items())
     cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
                        defaults=task_defaults, epilog=epilog)
     rank = int(os.environ.get("RANK", "0") or 0)
-    setup_logging(cfg.log_level, sys.stderr, rank=rank)
+    setup_logging(cfg.output.log_level, sys.stderr, rank=rank)
     from worker.lifecycle import STOP, STOPPED_EXIT_CODE, install_signal_handlers
 
     install_signal_handlers()  # SIGTERM/SIGINT: finish the step, flush, exit
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer: Trainer | None = None
     ended = False
     try:
-        ctx = init_distributed(cfg.device, timeout_s=max(600.0, 4 * cfg.ps_timeout))
+        ctx = init_distributed(cfg.run.device, timeout_s=max(600.0, 4 * cfg.sync.ps_timeout))
         trainer = Trainer(cfg, ctx)  # task, sharded tables, FSDP dense, server connection
         trainer.train()              # the loop; ends with every update applied
         if STOP.requested and trainer.last_step < trainer.steps - 1:
@@ -97,13 +97,12 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
 
     Returns the exit code when the worker must stop here (--plan, or a problem)."""
     from hybridps.security import SecurityError
-    from worker.nodes import client_security_for
     from worker.plan import PlanError, format_plan, plan_for_config
 
     try:
-        if not cfg.local_optimizer:
-            address = cfg.ps_address
-            security = client_security_for(cfg)
+        if not cfg.sync.local_optimizer:
+            address = cfg.sync.ps_address
+            security = cfg.security.client_security()
             log.info(kv("start", ps=address, connection=security.describe(),
                         world_size=os.environ.get("WORLD_SIZE", "1"),
                         local_world_size=os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -111,11 +110,11 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
         print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
         return 2
     try:
-        plan: Plan | None = plan_for_config(cfg) if cfg.plan else _cheap_plan(cfg)
+        plan: Plan | None = plan_for_config(cfg) if cfg.sizing.plan else _cheap_plan(cfg)
     except PlanError as exc:
         print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    if cfg.plan and plan is not None:
+    if cfg.sizing.plan and plan is not None:
         if rank == 0:
             print(format_plan(plan), flush=True)
         return 0 if plan.fits else 1
@@ -132,7 +131,7 @@ def _cheap_plan(cfg: TrainConfig) -> Plan | None:
     from worker.plan import plan_for_config
     from worker.tasks import task_class
 
-    if getattr(task_class(cfg.task), "plan_tables", None) is None:
+    if getattr(task_class(cfg.run.task), "plan_tables", None) is None:
         return None
     return plan_for_config(cfg)
 

@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hybridps.security import ClientSecurity
-    from worker.config import TrainConfig
 
 
 def split_ps(ps: str) -> list[str]:
@@ -56,11 +51,3 @@ def node_ps_address(ps: str, rank: int, local_world_size: int) -> str:
             "HOST:PORT per node, or this node's server alone")
     return entries[node]
 
-
-def client_security_for(cfg: TrainConfig) -> ClientSecurity:
-    """Token + TLS material from the worker's flags (SecurityError naming a bad file)."""
-    from hybridps.security import client_security
-
-    return client_security(token_file=cfg.auth_token_file, tls=cfg.tls, ca_file=cfg.tls_ca,
-                           cert_file=cfg.tls_cert, key_file=cfg.tls_key,
-                           server_name=cfg.tls_server_name)

@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from worker.rendezvous import init_process_group as init_incarnation_group
 
 if TYPE_CHECKING:
-    from worker.config import TrainConfig
+    from worker.dense_options import DenseConfig
     from worker.embedding import ShardedEmbedding
 
 Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids_U, grads_UD)
@@ -151,7 +151,7 @@ def hsdp_mesh_shape(world_size: int, local_world_size: int, shard_size: int = 0
     return world_size // shard, shard
 
 
-def check_dense_parallel(cfg: TrainConfig, world_size: int, local_world_size: int,
+def check_dense_parallel(cfg: DenseConfig, world_size: int, local_world_size: int,
                          device: torch.device) -> None:
     """DenseParallelError for a setup this world cannot run (call before building)."""
     if cfg.dense_parallel == "hsdp":
@@ -261,7 +261,7 @@ class DenseParallel:
          server's step sequence stays contiguous, but nothing changes any row).
     """
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, module: nn.Module,
+    def __init__(self, cfg: DenseConfig, ctx: DistContext, module: nn.Module,
                  mesh_shape: tuple[int, ...]) -> None:
         self.cfg, self.ctx, self.module = cfg, ctx, module
         self.kind = cfg.dense_parallel
@@ -373,7 +373,7 @@ class DenseParallel:
         return out
 
 
-def build_dense_parallel(cfg: TrainConfig, ctx: DistContext, dense: nn.Module,
+def build_dense_parallel(cfg: DenseConfig, ctx: DistContext, dense: nn.Module,
                          units: list[nn.Module] | None = None) -> DenseParallel:
     """Compile (--compile) and wrap `dense` (already on ctx.device) per --dense-parallel."""
     check_dense_parallel(cfg, ctx.world_size, ctx.local_world_size, ctx.device)

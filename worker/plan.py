@@ -235,12 +235,12 @@ def table_shapes(cfg: TrainConfig, notes: list[str]) -> list[TableShape]:
     """The task's tables without building it, when it can say them (`plan_tables`)."""
     from worker.tasks import build_task, task_class
 
-    cls = task_class(cfg.task)
+    cls = task_class(cfg.run.task)
     plan_tables = getattr(cls, "plan_tables", None)
     if plan_tables is not None:
         return [TableShape(t.name, t.num_rows, t.dim, float(lookups))
                 for t, lookups in plan_tables(cfg)]
-    notes.append(f"task {cfg.task!r} has no plan_tables(): it was built to read its tables "
+    notes.append(f"task {cfg.run.task!r} has no plan_tables(): it was built to read its tables "
                  "(its data loaded); 1 lookup per sample assumed")
     return [TableShape(t.name, t.num_rows, t.dim) for t in build_task(cfg).tables()]
 
@@ -282,19 +282,20 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
     per_node = ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", "0") or 0) or world
     local = local_rank if local_rank is not None else int(env.get("LOCAL_RANK", "0") or 0)
     notes: list[str] = []
-    plan = Plan(table_shapes(cfg, notes), world, per_node, cfg.batch_size, cfg.optimizer,
-                cfg.staleness, cfg.local_optimizer, notes=notes,
-                row_bytes=2 if cfg.row_dtype == "bf16" else FLOAT_BYTES)
-    kind, detected = detect_device(cfg.device, local) if detect else ("cpu", None)
+    plan = Plan(table_shapes(cfg, notes), world, per_node, cfg.run.batch_size,
+                cfg.optim.optimizer, cfg.sync.staleness, cfg.sync.local_optimizer, notes=notes,
+                row_bytes=2 if cfg.optim.row_dtype == "bf16" else FLOAT_BYTES)
+    kind, detected = detect_device(cfg.run.device, local) if detect else ("cpu", None)
     plan.device_kind = kind
-    if cfg.device_memory_gb > 0:
-        plan.device_capacity = int(cfg.device_memory_gb * GB)
+    sizing = cfg.sizing
+    if sizing.device_memory_gb > 0:
+        plan.device_capacity = int(sizing.device_memory_gb * GB)
         if kind == "cpu":
             notes.append("--device-memory-gb is ignored on device=cpu (the host is the device)")
     else:
         plan.device_capacity = detected
-    if cfg.host_memory_gb > 0:
-        plan.host_capacity = int(cfg.host_memory_gb * GB)
+    if sizing.host_memory_gb > 0:
+        plan.host_capacity = int(sizing.host_memory_gb * GB)
     elif detect:
         plan.host_capacity = detect_host_memory()
     return plan

@@ -79,13 +79,14 @@ class LocalEmbedding(nn.Module):
 
 def make_sparse_optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]
                           ) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adam":
-        return torch.optim.SparseAdam(list(params), lr=cfg.lr)
-    if cfg.optimizer == "sgd" and cfg.weight_decay == 0:
-        return torch.optim.SGD(list(params), lr=cfg.lr)
+    o = cfg.optim
+    if o.optimizer == "adam":
+        return torch.optim.SparseAdam(list(params), lr=o.lr)
+    if o.optimizer == "sgd" and o.weight_decay == 0:
+        return torch.optim.SGD(list(params), lr=o.lr)
     raise NotImplementedError(
-        f"the reference has no torch sparse optimizer for optimizer={cfg.optimizer!r} "
-        f"with weight_decay={cfg.weight_decay}: it supports adam and sgd without decay")
+        f"the reference has no torch sparse optimizer for optimizer={o.optimizer!r} "
+        f"with weight_decay={o.weight_decay}: it supports adam and sgd without decay")
 
 
 @dataclass
@@ -102,24 +103,25 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
     """Train like the worker at --staleness 0 on `world_size` ranks, in one process."""
     task = task or build_task(cfg)
     steps = num_steps(cfg, task, world_size) if steps is None else steps
-    embedding = LocalEmbedding(task.tables(), seed=cfg.seed, init_std=cfg.init_std,
+    embedding = LocalEmbedding(task.tables(), seed=cfg.run.seed, init_std=cfg.optim.init_std,
                                device=device)
-    dense = build_dense_seeded(task, cfg.seed).to(device)
+    dense = build_dense_seeded(task, cfg.run.seed).to(device)
     model = HybridModel(embedding, dense)
     sparse_opt = make_sparse_optimizer(cfg, list(embedding.parameters()))
     dense_opt = make_dense_optimizer(cfg, dense.parameters())
     losses, grad_norms = [], []
     # --dense-parallel ddp --ddp-grad-reduce sum: the objective is the sum over ranks of each
     # rank's mean loss, i.e. world_size x the global mean (for dense and embedding grads).
-    loss_factor = world_size if cfg.dense_parallel == "ddp" and cfg.ddp_grad_reduce == "sum" else 1
+    d = cfg.dense
+    loss_factor = world_size if d.dense_parallel == "ddp" and d.ddp_grad_reduce == "sum" else 1
     hooks = task.hooks(model, world_size)  # the worker's lr schedule, evaluations, best model
     for step in range(steps):
         batch = task.global_batch(step, world_size).to(device)
         loss = task.loss(model, batch)  # mean over the global batch
         (loss * loss_factor if loss_factor != 1 else loss).backward()
-        if cfg.clip_grad_norm > 0:  # the dense part only, like the worker
+        if d.clip_grad_norm > 0:  # the dense part only, like the worker
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
-                list(dense.parameters()), cfg.clip_grad_norm)))
+                list(dense.parameters()), d.clip_grad_norm)))
         lr = scheduled_lr(hooks, step, cfg, dense_opt)
         if lr is not None:
             for group in sparse_opt.param_groups:
@@ -130,7 +132,8 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
         sparse_opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         if hooks is not None and (hooks.eval_due(step) or (
-                cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == steps))):
+                cfg.output.eval_every and ((step + 1) % cfg.output.eval_every == 0
+                                           or step + 1 == steps))):
             with torch.no_grad():
                 metrics = task.evaluate_full(model, 0, 1, quick=True) or {}
             if hooks.after_eval(step, metrics):

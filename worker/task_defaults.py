@@ -1,18 +1,21 @@
-"""Per-task defaults for TrainConfig fields (torch-free: used while parsing flags).
+"""Per-task defaults for TrainConfig settings (torch-free: used while parsing flags).
 
 A flag or HYBRIDPS_* variable always wins; then the task's default below; then the
-TrainConfig default. `--task kge` thus trains with the dicee settings of
-/work/shared/data/README.md (Adam lr 0.1 on entities and relations, N(0, 1) init, global
-batch 1024 on 2 ranks) and `--task dlrm` with settings that reach the planted model's AUC on
-the synthetic generator in a few minutes on 2 CPU ranks.
+TrainConfig default. Keys are setting names (= flag names). `--task kge` thus trains with
+dicee's settings for the small KGE benchmarks (Adam lr 0.1 on entities and relations,
+N(0, 1) init, global batch 1024 on 2 ranks) and `--task dlrm` with settings that reach the
+planted model's AUC on the synthetic generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.kge_options import preset_defaults
+
+if TYPE_CHECKING:
+    from worker.config import TrainConfig
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "kge": {
@@ -30,21 +33,19 @@ def task_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
     """Defaults of the task named in `given` (the fields set by flag or environment).
 
     `--steps` given alone means a step-count run: the task's default `epochs` is then
-    not applied (TrainConfig uses --steps only when epochs is 0). `--preset NAME`
+    not applied (the run uses --steps only when epochs is 0). `--preset NAME`
     (worker/kge_options.py PRESETS) adds its recipe over the task's defaults.
     """
     preset = preset_defaults(str(given["preset"])) if given.get("preset") else {}
     task = str(given.get("task", preset.get("task", "synthetic")))
-    # the preset's --kge options are merged with the flag's by the task (worker/tasks/kge.py)
-    defaults = {**TASK_DEFAULTS.get(task, {}),
-                **{k: v for k, v in preset.items() if k != "kge"}}
+    defaults = {**TASK_DEFAULTS.get(task, {}), **preset}
     if "steps" in given:
         defaults.pop("epochs", None)
     return defaults
 
 
-def config_with_task_defaults(**given: Any) -> Any:
-    """TrainConfig(**given) with the task's defaults filled in (tests, benchmarks)."""
+def config_with_task_defaults(**given: Any) -> TrainConfig:
+    """TrainConfig.of(**given) with the task's defaults filled in (tests, benchmarks)."""
     from worker.config import TrainConfig
 
-    return TrainConfig(**{**task_defaults(given), **given})
+    return TrainConfig.of(**{**task_defaults(given), **given})

@@ -27,12 +27,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 
 from hybridps.optim import OptimizerSpec
-from worker import comm
-from worker.checkpoint import Checkpointer, kill_point
+from worker import comm, faults
+from worker.checkpoint import Checkpointer
 from worker.config import TrainConfig
 from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
-from worker.nodes import client_security_for
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
 from worker.pipeline import InputPipeline
 from worker.staleness import RowPredictor
@@ -47,7 +46,8 @@ TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push",
 
 def sparse_optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
     """The embedding rows' optimizer (SparseAdam's defaults for betas/eps)."""
-    return OptimizerSpec(kind=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    o = cfg.optim
+    return OptimizerSpec(kind=o.optimizer, lr=o.lr, weight_decay=o.weight_decay)
 
 
 def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
@@ -56,14 +56,15 @@ def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
 
     foreach: one dispatch per op for all parameters instead of one per parameter; torch
     picks it by itself only on CUDA, and on the CPU the per-parameter loop over FSDP's
-    DTensors cost ~2 ms a step on the default job's 6-tensor MLP."""
+    DTensors is a visible part of a small model's step (docs/performance-log.md)."""
     params = list(params)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.dense_lr, foreach=True)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay,
+    o = cfg.optim
+    if o.optimizer == "adam":
+        return torch.optim.Adam(params, lr=o.dense_lr, foreach=True)
+    if o.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=o.dense_lr, weight_decay=o.weight_decay,
                                  foreach=True)
-    return torch.optim.SGD(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=o.dense_lr, weight_decay=o.weight_decay)
 
 
 def scheduled_lr(hooks: TrainHooks | None, step: int, cfg: TrainConfig,
@@ -74,23 +75,23 @@ def scheduled_lr(hooks: TrainHooks | None, step: int, cfg: TrainConfig,
         return None
     scale = hooks.lr_scale(step)
     for group in dense_opt.param_groups:
-        group["lr"] = cfg.dense_lr * scale
-    return cfg.lr * scale
+        group["lr"] = cfg.optim.dense_lr * scale
+    return cfg.optim.lr * scale
 
 
 def num_steps(cfg: TrainConfig, task: Task, world_size: int) -> int:
-    if cfg.epochs == 0:
-        return cfg.steps
+    if cfg.run.epochs == 0:
+        return cfg.run.steps
     per_epoch = task.steps_per_epoch(world_size)
     if per_epoch is None:
-        raise ValueError(f"epochs={cfg.epochs}: task {task.name!r} generates its data and has "
-                         "no epochs; use --steps")
-    return cfg.epochs * per_epoch
+        raise ValueError(f"epochs={cfg.run.epochs}: task {task.name!r} generates its data and "
+                         "has no epochs; use --steps")
+    return cfg.run.epochs * per_epoch
 
 
 def resolve_run_id(cfg: TrainConfig, ctx: DistContext) -> str:
     """--run-id, else TORCHELASTIC_RUN_ID, else a fresh id; rank 0's choice wins."""
-    run_id = cfg.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = cfg.sync.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id in ("", "none"):
         run_id = f"run-{uuid.uuid4().hex[:12]}"
     box = [run_id]
@@ -105,18 +106,21 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, task: Task | None = None) -> None:
         t0 = self.created_at = time.perf_counter()
         self.cfg, self.ctx = cfg, ctx
-        check_dense_parallel(cfg, ctx.world_size, ctx.local_world_size, ctx.device)  # fail early
+        check_dense_parallel(cfg.dense, ctx.world_size, ctx.local_world_size,
+                             ctx.device)  # fail early
+        faults.check_environment()  # a malformed HYBRIDPS_FAULT_* fails here, not mid-run
         self.task = task or build_task(cfg)
         self.steps = num_steps(cfg, self.task, ctx.world_size)
         self.run_id = resolve_run_id(cfg, ctx)
         tables = self.task.tables()
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
-            device=ctx.device, seed=cfg.seed, init_std=cfg.init_std,
-            row_dtype=ROW_DTYPES[cfg.row_dtype])
-        dense = build_dense_seeded(self.task, cfg.seed).to(ctx.device)
+            device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
+            row_dtype=ROW_DTYPES[cfg.optim.row_dtype])
+        dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
-        self.dense_parallel = build_dense_parallel(cfg, ctx, dense, self.task.fsdp_units(dense))
+        self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
+                                                   self.task.fsdp_units(dense))
         self.model = HybridModel(self.embedding, self.dense_parallel.module)
         self.dense_opt = make_dense_optimizer(cfg, self.dense_parallel.module.parameters())
         # the task's lr schedule / scheduled evaluation / early stopping (Task.hooks)
@@ -125,27 +129,28 @@ class Trainer:
         self.checkpointer = Checkpointer(self)
         resume = self.checkpointer.resume_target()  # (directory, step) or None
         self.source: UpdateSource
-        if cfg.local_optimizer:
-            self.source = LocalSparseOptimizer(self.embedding, spec, cfg.ps_timeout)
+        sync = cfg.sync
+        if sync.local_optimizer:
+            self.source = LocalSparseOptimizer(self.embedding, spec, sync.ps_timeout)
         else:
             self.source = ShardClient(
-                cfg.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
+                sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 tables=tables, ranges=self.embedding.ranges, optimizer=spec,
-                timeout_s=cfg.ps_timeout, max_chunk_bytes=cfg.max_chunk_bytes,
-                wire_dtype=WIRE_DTYPES[cfg.wire_dtype], shm=cfg.shm, shm_bytes=cfg.shm_mb << 20,
-                shm_socket=cfg.shm_socket,
+                timeout_s=sync.ps_timeout, max_chunk_bytes=sync.max_chunk_bytes,
+                wire_dtype=WIRE_DTYPES[sync.wire_dtype], **cfg.node.client_args(),
                 restore=None if resume is None else (str(resume[0]), resume[1]),
-                security=client_security_for(cfg), row_dtype=self.embedding.row_dtype,
+                security=cfg.security.client_security(), row_dtype=self.embedding.row_dtype,
                 initial_rows=self.embedding.initial_row_blocks)
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
-        predictor = (RowPredictor(self.embedding, cfg.staleness)
-                     if cfg.staleness_compensation == "predict" and cfg.staleness > 0 else None)
-        self.window = StalenessWindow(self.source, self.embedding, cfg.staleness, predictor)
+        predictor = (RowPredictor(self.embedding, sync.staleness)
+                     if sync.staleness_compensation == "predict" and sync.staleness > 0
+                     else None)
+        self.window = StalenessWindow(self.source, self.embedding, sync.staleness, predictor)
         # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
         self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
                                     world_size=ctx.world_size, device=ctx.device,
                                     backend=ctx.backend, end_step=self.steps,
-                                    enabled=cfg.pipeline)
+                                    enabled=cfg.run.pipeline)
         self.start_step = 0
         if resume is not None:
             self.checkpointer.restore_local(*resume)
@@ -163,10 +168,10 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
     def train(self) -> None:
-        cfg, ctx, task, model = self.cfg, self.ctx, self.task, self.model
+        out, ctx, task, model = self.cfg.output, self.ctx, self.task, self.model
         world, rank = ctx.world_size, ctx.rank
         bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=0.5, disable=not (self.is_main and cfg.progress), file=sys.stderr)
+                   mininterval=0.5, disable=not (self.is_main and out.progress), file=sys.stderr)
         window_loss = torch.zeros((), device=ctx.device)
         window_steps = 0
         t = self.times
@@ -187,13 +192,13 @@ class Trainer:
             # Dense step (fp16 unscale + inf check, clipping) and the embedding grads to push.
             # Each rank's loss is its local mean, so its gradient is W times the global-mean
             # loss's gradient share: scaled by 1/W (the dense averaging does the same).
-            lr = scheduled_lr(self.hooks, step, cfg, self.dense_opt)
+            lr = scheduled_lr(self.hooks, step, self.cfg, self.dense_opt)
             grads = self.dense_parallel.step(self.dense_opt, self.embedding)
             self.inputs.step_done(step)
             t5 = time.perf_counter()
             self.source.push(step, grads, lr)  # handed to the sync thread; never blocks
             self.window.pushed(step, grads)
-            kill_point(rank, step)  # HYBRIDPS_FAULT_KILL (tests): die with the push in flight
+            faults.kill_point(rank, step)  # HYBRIDPS_FAULT_KILL: die with the push in flight
             t6 = time.perf_counter()
             a2a = comm.reset_comm_seconds()
             t["apply"] += t1 - t0
@@ -207,7 +212,7 @@ class Trainer:
             window_loss += loss.detach()
             window_steps += 1
             stop = False
-            if ((cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == self.steps))
+            if ((out.eval_every and ((step + 1) % out.eval_every == 0 or step + 1 == self.steps))
                     or (self.hooks is not None and self.hooks.eval_due(step))):
                 t_eval = time.perf_counter()  # a collective on every rank: same steps
                 self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
@@ -216,7 +221,7 @@ class Trainer:
                     stop = self.hooks.after_eval(step, self.eval_curve[-1][1])
                 t["eval"] += time.perf_counter() - t_eval
                 t6 += time.perf_counter() - t_eval
-            if (step + 1) % cfg.log_every == 0 or step + 1 == self.steps:
+            if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
                 mean = self._global_mean(window_loss, window_steps)
                 self.loss_curve.append((step, mean))
                 window_loss.zero_()
@@ -225,7 +230,7 @@ class Trainer:
                 st = self.window.stats
                 last = self.eval_curve[-1][1] if self.eval_curve else {}
                 bar.set_postfix(loss=f"{mean:.4f}", **{k: f"{v:.4f}" for k, v in last.items()},
-                                sps=f"{(step + 1) * cfg.batch_size * world / elapsed:.0f}",
+                                sps=f"{(step + 1) * self.cfg.run.batch_size * world / elapsed:.0f}",
                                 stale=self.window.last_applied_staleness,
                                 lag=f"{st.lag_sum / max(st.steps, 1):.2f}",
                                 waits=st.waits, refresh=False)
@@ -233,7 +238,7 @@ class Trainer:
             if self.checkpointer.due(step):
                 self.checkpointer.save(step)
             bar.update(1)
-            if stop or stop_agreed(step, cfg.log_every, ctx):  # SIGTERM: worker/lifecycle.py
+            if stop or stop_agreed(step, out.log_every, ctx):  # SIGTERM: worker/lifecycle.py
                 self.last_step = step
                 break
         self.inputs.close()  # what is in flight is the same on every rank
@@ -264,7 +269,7 @@ class Trainer:
             return full
         sums: dict[str, torch.Tensor] = {}
         count = 0
-        for index in range(self.cfg.eval_batches):
+        for index in range(self.cfg.output.eval_batches):
             batch = self.task.eval_batch(index, self.ctx.rank, self.ctx.world_size)
             if batch is None:
                 break
@@ -292,14 +297,14 @@ class Trainer:
 
     def server_stats(self) -> tuple[dict[str, Any] | None, str]:
         """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
-        if self.cfg.local_optimizer:
+        if self.cfg.sync.local_optimizer:
             return None, ""
         from google.protobuf import json_format
 
         from hybridps.admin import format_shard_stats, get_shard_stats
 
         try:
-            stats = get_shard_stats(self.cfg.ps_address, timeout=self.cfg.ps_timeout,
+            stats = get_shard_stats(self.cfg.sync.ps_address, timeout=self.cfg.sync.ps_timeout,
                                     run_id=self.run_id,
                                     security=(self.source.security
                                               if isinstance(self.source, ShardClient) else None))
@@ -313,16 +318,16 @@ class Trainer:
                 wall_s: float) -> dict[str, Any]:
         ran = self.last_step + 1 - self.start_step  # fewer than planned after an early stop
         per_step = {k: v / max(ran, 1) for k, v in self.times.items()}
-        samples = ran * self.cfg.batch_size * self.ctx.world_size
+        samples = ran * self.cfg.run.batch_size * self.ctx.world_size
         sync_stats = dataclasses.asdict(self.source.stats)
         return {
-            "config": dataclasses.asdict(self.cfg),
+            "config": self.cfg.flat(),  # by setting (= flag) name
             "task": self.task.describe(),
             "run_id": self.run_id,
             "world_size": self.ctx.world_size,
             "device": str(self.ctx.device),
             "backend": self.ctx.backend,
-            "mode": "local-optimizer" if self.cfg.local_optimizer else "server",
+            "mode": "local-optimizer" if self.cfg.sync.local_optimizer else "server",
             "steps": self.steps,
             "samples": samples,
             "first_loss": self.loss_curve[0][1] if self.loss_curve else None,
@@ -339,7 +344,7 @@ class Trainer:
             "wall_time_s": wall_s,
             "setup_time_s": self.setup_s,
             "train_time_s": self.train_s,
-            "staleness": {"k": self.cfg.staleness, **self.window.stats.as_dict(),
+            "staleness": {"k": self.cfg.sync.staleness, **self.window.stats.as_dict(),
                           "compensation": ({"method": "none"} if self.window.predictor is None
                                            else self.window.predictor.describe())},
             "step_time_s": per_step,
@@ -349,7 +354,8 @@ class Trainer:
             "checkpoint": {"save_s": self.checkpointer.save_s,
                            "restore_s": self.checkpointer.restore_s,
                            "resumed_step": self.checkpointer.resumed_step},
-            "pipeline": {"enabled": self.cfg.pipeline, "input_dist_ahead": self.inputs.dist_ahead,
+            "pipeline": {"enabled": self.cfg.run.pipeline,
+                         "input_dist_ahead": self.inputs.dist_ahead,
                          "unused_plans": self.inputs.unused_plans,
                          "overlapped_s_per_step": {k: v / max(self.steps, 1) for k, v in
                                                    self.inputs.overlapped.items()}},
@@ -391,12 +397,12 @@ class Trainer:
 
     def report(self) -> dict[str, Any] | None:
         """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
-        cfg, ctx = self.cfg, self.ctx
+        out, ctx = self.cfg.output, self.ctx
         t_eval = time.perf_counter()
         eval_metrics = self.evaluate()
         self.final_eval_s = time.perf_counter() - t_eval
-        if cfg.dump_state:
-            self.dump_state(cfg.dump_state)
+        if out.dump_state:
+            self.dump_state(out.dump_state)
         if ctx.world_size > 1:
             dist.barrier()  # every rank's pushes are applied before rank 0 reads the stats
         if not self.is_main:
@@ -406,14 +412,14 @@ class Trainer:
         print(self.summary(res), flush=True)
         if table:
             print("shard server stats (this node):\n" + table, flush=True)
-        if cfg.results:
-            Path(cfg.results).parent.mkdir(parents=True, exist_ok=True)
-            Path(cfg.results).write_text(json.dumps(res, indent=2) + "\n")
+        if out.results:
+            Path(out.results).parent.mkdir(parents=True, exist_ok=True)
+            Path(out.results).write_text(json.dumps(res, indent=2) + "\n")
             from worker.plot import plot_path, save_loss_curve
 
-            files = [save_loss_curve(res, plot_path(cfg.results))]
-            files += self.task.save_artifacts(cfg.results)
-            print("wrote " + "  ".join([cfg.results, *files]), flush=True)
+            files = [save_loss_curve(res, plot_path(out.results))]
+            files += self.task.save_artifacts(out.results)
+            print("wrote " + "  ".join([out.results, *files]), flush=True)
         return res
 
     def close(self) -> None:

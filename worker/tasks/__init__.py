@@ -39,4 +39,4 @@ def task_class(name: str) -> type[Task]:
 
 
 def build_task(cfg: TrainConfig) -> Task:
-    return task_class(cfg.task)(cfg)
+    return task_class(cfg.run.task)(cfg)

@@ -156,7 +156,7 @@ class Task(ABC):
 
     @abstractmethod
     def global_batch(self, step: int, world_size: int) -> Batch:
-        """world_size * cfg.batch_size samples, a pure function of (seed, step)."""
+        """world_size * cfg.run.batch_size samples, a pure function of (seed, step)."""
 
     @abstractmethod
     def loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
@@ -164,7 +164,7 @@ class Task(ABC):
 
     def batch(self, step: int, rank: int, world_size: int) -> Batch:
         """This rank's slice of the global batch of `step`."""
-        b = self.cfg.batch_size
+        b = self.cfg.run.batch_size
         return self.global_batch(step, world_size).slice(rank * b, (rank + 1) * b)
 
     def eval_batch(self, index: int, rank: int, world_size: int) -> Batch | None:

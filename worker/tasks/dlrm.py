@@ -15,15 +15,15 @@ the `--model-config` JSON (which may also give `bottom_mlp` / `top_mlp` hidden w
 DEFAULT_TABLE_ROWS. Row 0 of every table is the "missing" row.
 
 Data
-    --data-path empty: worker/tasks/ctr_data.SyntheticCTR with a planted logistic model;
+    --data-path empty: worker/tasks/ctr_synthetic.SyntheticCTR with a planted logistic model;
         global batch `step` of the "train" split is a pure function of (seed, step) and rank r
         generates only its slice. Held-out data: the "test" split (final metrics) and the
         "valid" split (--eval-every progress); --eval-batches global batches each. The
         planted model's own AUC / log loss on the same held-out samples is reported too
         (`planted_auc`): the ceiling a model can reach.
     --data-path FILE|DIR: Criteo TSV streamed in --batch-size line blocks; block k of the
-        stream goes to rank k % W (ctr_data "interleave" split: every rank parses only its
-        own blocks), and a rank's j-th block is held out when j % HOLDOUT_EVERY ==
+        stream goes to rank k % W (worker/tasks/criteo.py's "interleave" split: every rank
+        parses only its own blocks), and a rank's j-th block is held out when j % HOLDOUT_EVERY ==
         HOLDOUT_EVERY - 1: every 10th round of W blocks, so each rank holds out the same
         share (the held-out lines depend on W and --batch-size). Every step each rank takes
         its next training block; an epoch is the number of full training blocks the poorest
@@ -54,14 +54,9 @@ from worker.config import TrainConfig
 from worker.gather import dist_info
 from worker.metrics import auc_summary, log_loss_sum, merge_auc_summaries, roc_auc_from_summary
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
-from worker.tasks.ctr_data import (
-    NUM_DENSE,
-    NUM_SPARSE,
-    CTRBatch,
-    SyntheticCTR,
-    iter_criteo_batches,
-    list_criteo_files,
-)
+from worker.tasks.criteo import iter_criteo_batches, list_criteo_files
+from worker.tasks.ctr_batch import NUM_DENSE, NUM_SPARSE, CTRBatch
+from worker.tasks.ctr_synthetic import SyntheticCTR
 
 DEFAULT_TABLE_ROWS = 100
 DEFAULT_BOTTOM_MLP = (64,)
@@ -150,38 +145,38 @@ class DLRMTask(Task):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
         options: dict[str, Any] = {}
-        if cfg.model_config:
-            options = json.loads(Path(cfg.model_config).read_text())
+        if cfg.run.model_config:
+            options = json.loads(Path(cfg.run.model_config).read_text())
             if not isinstance(options, dict):
-                raise ValueError(f"{cfg.model_config}: expected a JSON object")
+                raise ValueError(f"{cfg.run.model_config}: expected a JSON object")
             unknown = sorted(set(options) - set(CONFIG_KEYS))
             if unknown:
-                raise ValueError(f"{cfg.model_config}: unknown dlrm options {unknown} "
+                raise ValueError(f"{cfg.run.model_config}: unknown dlrm options {unknown} "
                                  f"(known: {list(CONFIG_KEYS)})")
-        rows = cfg.table_rows or options.get("table_rows", DEFAULT_TABLE_ROWS)
+        rows = cfg.dlrm.table_rows or options.get("table_rows", DEFAULT_TABLE_ROWS)
         self.table_rows = parse_table_rows(rows)
         self.bottom_mlp = [int(v) for v in options.get("bottom_mlp", DEFAULT_BOTTOM_MLP)]
         self.top_mlp = [int(v) for v in options.get("top_mlp", DEFAULT_TOP_MLP)]
         self.synthetic: SyntheticCTR | None = None
         self.files: list[Path] = []
-        if cfg.data_path:
-            self.files = list_criteo_files(cfg.data_path)
+        if cfg.dlrm.data_path:
+            self.files = list_criteo_files(cfg.dlrm.data_path)
         else:
-            self.synthetic = SyntheticCTR(self.table_rows, seed=cfg.seed)
+            self.synthetic = SyntheticCTR(self.table_rows, seed=cfg.run.seed)
         self._streams: dict[tuple[int, int], tuple[int, Iterator[CTRBatch]]] = {}
         self._epoch_steps: dict[int, int] = {}
 
     # -- Task interface -------------------------------------------------------------------
     def tables(self) -> list[TableConfig]:
-        return [TableConfig(f"{TABLE_PREFIX}{j}", n, self.cfg.dim)
+        return [TableConfig(f"{TABLE_PREFIX}{j}", n, self.cfg.run.dim)
                 for j, n in enumerate(self.table_rows)]
 
     def build_dense(self) -> nn.Module:
-        return DLRMDense(NUM_DENSE, NUM_SPARSE, self.cfg.dim, self.bottom_mlp, self.top_mlp)
+        return DLRMDense(NUM_DENSE, NUM_SPARSE, self.cfg.run.dim, self.bottom_mlp, self.top_mlp)
 
     def global_batch(self, step: int, world_size: int) -> Batch:
         if self.synthetic is not None:
-            size = world_size * self.cfg.batch_size
+            size = world_size * self.cfg.run.batch_size
             return to_batch(self.synthetic.batch(step, size, "train"))
         parts = [self._criteo_train(step, r, world_size) for r in range(world_size)]
         return to_batch(CTRBatch(*(np.concatenate([getattr(p, k) for p in parts])
@@ -189,7 +184,7 @@ class DLRMTask(Task):
 
     def batch(self, step: int, rank: int, world_size: int) -> Batch:
         if self.synthetic is not None:
-            size = world_size * self.cfg.batch_size
+            size = world_size * self.cfg.run.batch_size
             return to_batch(self.synthetic.batch(step, size, "train", rank, world_size))
         return to_batch(self._criteo_train(step, rank, world_size))
 
@@ -204,9 +199,9 @@ class DLRMTask(Task):
 
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "task": self.name, "table_rows": self.table_rows, "dim": self.cfg.dim,
+            "task": self.name, "table_rows": self.table_rows, "dim": self.cfg.run.dim,
             "bottom_mlp": self.bottom_mlp, "top_mlp": self.top_mlp,
-            "data": str(self.cfg.data_path) if self.files else "synthetic",
+            "data": str(self.cfg.dlrm.data_path) if self.files else "synthetic",
             "embedding_rows": sum(self.table_rows)}
         if self.files:
             out["holdout"] = (f"a rank's block j is held out when j % {HOLDOUT_EVERY} == "
@@ -226,9 +221,9 @@ class DLRMTask(Task):
     # -- evaluation -------------------------------------------------------------------------
     def heldout_batches(self, split: str, rank: int, world_size: int) -> list[Batch]:
         """This rank's part of the held-out data (--eval-batches global batches)."""
-        n = self.cfg.eval_batches
+        n = self.cfg.output.eval_batches
         if self.synthetic is not None:
-            size = world_size * self.cfg.batch_size
+            size = world_size * self.cfg.run.batch_size
             return [to_batch(self.synthetic.batch(i, size, split, rank, world_size))
                     for i in range(n)]
         out: list[Batch] = []
@@ -299,7 +294,7 @@ class DLRMTask(Task):
     # -- Criteo streaming -------------------------------------------------------------------
     def _criteo_blocks(self, rank: int, world_size: int) -> Iterator[tuple[int, CTRBatch]]:
         """(j, block): this rank's full blocks in stream order (global block j * W + rank)."""
-        stream = iter_criteo_batches(self.files, self.cfg.batch_size, self.table_rows,
+        stream = iter_criteo_batches(self.files, self.cfg.run.batch_size, self.table_rows,
                                      rank=rank, world_size=world_size, drop_last=True)
         yield from enumerate(stream)
 
@@ -310,18 +305,18 @@ class DLRMTask(Task):
 
     def _steps_per_epoch(self, world_size: int) -> int:
         if world_size not in self._epoch_steps:
-            full = count_lines(self.files) // self.cfg.batch_size
+            full = count_lines(self.files) // self.cfg.run.batch_size
             blocks = [len(range(r, full, world_size)) for r in range(world_size)]
             steps = min(n - n // HOLDOUT_EVERY for n in blocks)
             if steps < 1:
-                raise ValueError(f"{self.cfg.data_path}: fewer training lines than "
-                                 f"{world_size} ranks x --batch-size {self.cfg.batch_size}")
+                raise ValueError(f"{self.cfg.dlrm.data_path}: fewer training lines than "
+                                 f"{world_size} ranks x --batch-size {self.cfg.run.batch_size}")
             self._epoch_steps[world_size] = steps
         return self._epoch_steps[world_size]
 
     def _criteo_train(self, step: int, rank: int, world_size: int) -> CTRBatch:
         """This rank's training block of `step` (sequential steps stream; others re-read)."""
-        epoch_steps = self._steps_per_epoch(world_size) if self.cfg.epochs else None
+        epoch_steps = self._steps_per_epoch(world_size) if self.cfg.run.epochs else None
         key = (rank, world_size)
         state = self._streams.get(key)
         if state is None or state[0] != step:
@@ -345,6 +340,6 @@ class DLRMTask(Task):
             blocks = self._train_blocks(rank, world_size)
             block = next(blocks, None)
             if block is None:
-                raise ValueError(f"{self.cfg.data_path}: no full training block of "
-                                 f"--batch-size {self.cfg.batch_size} lines for rank {rank}")
+                raise ValueError(f"{self.cfg.dlrm.data_path}: no full training block of "
+                                 f"--batch-size {self.cfg.run.batch_size} lines for rank {rank}")
         return (step + 1, blocks), block

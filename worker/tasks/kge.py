@@ -1,7 +1,7 @@
 """Knowledge-graph embeddings (`--task kge`): link prediction on triples files.
 
     torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051 \\
-        --task kge --data-dir /work/shared/data/UMLS --model distmult --dim 32 --epochs 100 \\
+        --task kge --data-dir DATA/UMLS --model distmult --dim 32 --epochs 100 \\
         --results runs/umls.json
 
 Tables and parameters
@@ -57,7 +57,6 @@ from torch import nn
 
 from worker.config import TrainConfig
 from worker.gather import all_gather_rows, all_reduce_sum, dist_info, gather_sizes
-from worker.kge_options import KGEOptions, parse_kge_options, preset_defaults
 from worker.metrics import (
     block_rank_counts,
     ranking_metrics_from_sums,
@@ -83,12 +82,6 @@ MODEL_OPTIONS = {"keci": ("p", "q", "coefficients"), "qmult": ("unit_relation",)
 
 
 PENALTY_POWERS = {"none": 0.0, "l2": 2.0, "n3": 3.0}
-
-
-def kge_options(cfg: TrainConfig) -> KGEOptions:
-    """--preset's --kge options, overridden key by key by the --kge flag."""
-    preset = preset_defaults(cfg.preset).get("kge", "") if cfg.preset else ""
-    return parse_kge_options(",".join(x for x in (preset, cfg.kge) if x))
 
 
 def _scorer(model: HybridModel) -> KGEScorer:
@@ -163,15 +156,15 @@ class KGETask(Task):
     def __init__(self, cfg: TrainConfig, dataset: KGDataset | None = None) -> None:
         super().__init__(cfg)
         if dataset is None:
-            if not cfg.data_dir:
+            if not cfg.kge.data_dir:
                 raise ValueError("task kge needs --data-dir")
-            dataset = load_kg_dataset(cfg.data_dir)
+            dataset = load_kg_dataset(cfg.kge.data_dir)
         self.ds = dataset
         self.num_entities = dataset.num_entities
         self.num_relations = dataset.num_relations  # base relations R; the model has 2R
-        self.model_options = load_model_options(cfg.model_config, cfg.model)
-        self.options = kge_options(cfg)
-        self.training = cfg.training
+        self.model_options = load_model_options(cfg.run.model_config, cfg.kge.model)
+        self.options = cfg.kge_train
+        self.training = cfg.kge.training
         self.loss_kind = self.options.loss_for(self.training)
         self.penalty_power = PENALTY_POWERS[self.options.reg]
         if self.training == "kvsall":
@@ -180,41 +173,41 @@ class KGETask(Task):
         else:
             self.examples = add_reciprocal(dataset.train, self.num_relations)  # [2N, 3]
         if len(self.examples) == 0:
-            raise ValueError(f"{cfg.data_dir}: no training triples")
+            raise ValueError(f"{cfg.kge.data_dir}: no training triples")
         self._filter: TailIndex | None = None
         self._perm: tuple[int, np.ndarray] | None = None
         self._dropout_rng: torch.Generator | None = None
 
     # -- Task interface -------------------------------------------------------------------
     def tables(self) -> list[TableConfig]:
-        return [TableConfig(ENTITY, self.num_entities, self.cfg.dim)]
+        return [TableConfig(ENTITY, self.num_entities, self.cfg.run.dim)]
 
     def build_dense(self) -> nn.Module:
         kw = self.model_options
-        scorer = build_model(self.cfg.model, 2 * self.num_relations, self.cfg.dim, **kw)
+        scorer = build_model(self.cfg.kge.model, 2 * self.num_relations, self.cfg.run.dim, **kw)
         with torch.no_grad():  # relations start at N(0, 1) * --init-std, like the entity rows
-            scorer.relation.weight.mul_(self.cfg.init_std)
+            scorer.relation.weight.mul_(self.cfg.optim.init_std)
         return KGEDense(scorer)
 
     def steps_per_epoch(self, world_size: int) -> int:
-        return math.ceil(len(self.examples) / (world_size * self.cfg.batch_size))
+        return math.ceil(len(self.examples) / (world_size * self.cfg.run.batch_size))
 
     def hooks(self, model: HybridModel, world_size: int) -> KGEHooks:
         per_epoch = self.steps_per_epoch(world_size)
         every = auto_eval_every(self.options, training=self.training,
                                 valid_triples=len(self.ds.valid), examples=len(self.examples),
-                                num_entities=self.num_entities, neg_ratio=self.cfg.neg_ratio)
-        total = self.cfg.epochs * per_epoch if self.cfg.epochs else self.cfg.steps
+                                num_entities=self.num_entities, neg_ratio=self.cfg.kge.neg_ratio)
+        total = self.cfg.run.epochs * per_epoch if self.cfg.run.epochs else self.cfg.run.steps
         # --eval-every N (steps) replaces the schedule by epochs; its evaluations still feed
         # the plateau schedule, early stopping and the best model
-        scheduled = len(self.ds.valid) > 0 and not self.cfg.eval_every
+        scheduled = len(self.ds.valid) > 0 and not self.cfg.output.eval_every
         return KGEHooks(self.options, model, steps_per_epoch=per_epoch, total_steps=total,
                         eval_every_epochs=every if scheduled else 0)
 
     def global_batch(self, step: int, world_size: int) -> Batch:
         per_epoch = self.steps_per_epoch(world_size)
         epoch, i = divmod(step, per_epoch)
-        g = world_size * self.cfg.batch_size
+        g = world_size * self.cfg.run.batch_size
         idx = self._permutation(epoch)[i * g:(i + 1) * g]
         if self.training == "kvsall":
             h, r = self.examples[idx, 0], self.examples[idx, 1]
@@ -226,9 +219,10 @@ class KGETask(Task):
                "rel": torch.from_numpy(pos[:, 1].copy()),
                "tail": torch.from_numpy(pos[:, 2].copy())}
         if self.training == "negsample":
-            rng = np.random.default_rng([self.cfg.seed, 2, step])
-            neg = sample_negatives(pos, self.num_entities, self.cfg.neg_ratio, rng, mode="tail")
-            ids["neg"] = torch.from_numpy(neg[:, 2].reshape(len(pos), self.cfg.neg_ratio).copy())
+            rng = np.random.default_rng([self.cfg.run.seed, 2, step])
+            ratio = self.cfg.kge.neg_ratio
+            neg = sample_negatives(pos, self.num_entities, ratio, rng, mode="tail")
+            ids["neg"] = torch.from_numpy(neg[:, 2].reshape(len(pos), ratio).copy())
         return Batch(len(idx), ids=ids)
 
     def batch(self, step: int, rank: int, world_size: int) -> Batch:
@@ -241,10 +235,11 @@ class KGETask(Task):
         return self._all_entities_loss(model, batch)
 
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "data_dir": self.cfg.data_dir, "model": self.cfg.model,
+        return {**super().describe(), "data_dir": self.cfg.kge.data_dir,
+                "model": self.cfg.kge.model,
                 "model_options": self.model_options, "training": self.training,
                 "loss": self.loss_kind, "kge_options": dataclasses.asdict(self.options),
-                "neg_ratio": self.cfg.neg_ratio if self.training == "negsample" else None,
+                "neg_ratio": self.cfg.kge.neg_ratio if self.training == "negsample" else None,
                 "entities": self.num_entities, "relations": self.num_relations,
                 "train_triples": len(self.ds.train), "valid_triples": len(self.ds.valid),
                 "test_triples": len(self.ds.test), "examples": len(self.examples)}
@@ -257,7 +252,8 @@ class KGETask(Task):
     # -- training ---------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.examples))
+            rng = np.random.default_rng([self.cfg.run.seed, epoch])
+            order = rng.permutation(len(self.examples))
             self._perm = (epoch, order.astype(np.int64))
         return self._perm[1]
 
@@ -268,7 +264,7 @@ class KGETask(Task):
             return x
         if self._dropout_rng is None:
             self._dropout_rng = torch.Generator(x.device).manual_seed(
-                self.cfg.seed * 1_000_003 + rank)
+                self.cfg.run.seed * 1_000_003 + rank)
         keep = torch.rand(x.shape, generator=self._dropout_rng, device=x.device) >= p
         return x * keep.to(x.dtype) / (1.0 - p)
 
@@ -276,7 +272,7 @@ class KGETask(Task):
         p = self.options.relation_dropout
         if not p:
             return None
-        return self._dropout(torch.ones(n, self.cfg.dim, device=device), p, rank)
+        return self._dropout(torch.ones(n, self.cfg.run.dim, device=device), p, rank)
 
     def _penalty(self, model: HybridModel, ent_rows: torch.Tensor, rel_penalty: torch.Tensor
                  ) -> torch.Tensor:

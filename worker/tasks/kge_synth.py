@@ -4,7 +4,7 @@ evaluation over all entities, and an MRR whose ceiling is known exactly.
 
     torchrun --nproc_per_node 2 worker/main.py --ps HOST:PORT --task kge_planted \\
         --num-rows 5000000 --dim 64 --steps 2000 --batch-size 4096 \\
-        --kge planted_community=8,planted_relations=16
+        --planted-community 8 --planted-relations 16
 
 The graph. Entity e belongs to community c(e) = e // S (S = planted_community; --num-rows
 is rounded down to a multiple of S). Relation r of R
@@ -75,17 +75,15 @@ class PlantedKGETask(KGETask):
     name = "kge_planted"
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from worker.tasks.kge import kge_options
-
-        options = kge_options(cfg)
+        options = cfg.kge_train
         self.community = options.planted_community
-        n = (cfg.num_rows // self.community) * self.community
+        n = (cfg.synthetic.num_rows // self.community) * self.community
         if n < 2 * self.community:
-            raise ValueError(f"num_rows={cfg.num_rows} gives fewer than 2 communities of "
+            raise ValueError(f"num_rows={cfg.synthetic.num_rows} gives fewer than 2 communities of "
                              f"{self.community}")
-        self.offsets = planted_offsets(options.planted_relations, n // self.community, cfg.seed)
+        self.offsets = planted_offsets(options.planted_relations, n // self.community, cfg.run.seed)
         test = planted_triples(options.planted_test, num_entities=n, community=self.community,
-                               offsets=self.offsets, rng=np.random.default_rng([cfg.seed, 9]))
+                               offsets=self.offsets, rng=np.random.default_rng([cfg.run.seed, 9]))
         empty = np.zeros((0, 3), dtype=np.int64)
         relations = {f"r{i}": i for i in range(options.planted_relations)}
         dataset = KGDataset(train=test[:1], valid=empty, test=test, entity_to_id=_Names(n),
@@ -97,7 +95,7 @@ class PlantedKGETask(KGETask):
     @classmethod
     def plan_tables(cls, cfg: TrainConfig) -> list[tuple[TableConfig, float]]:
         # per sample: head, tail and --neg-ratio negatives are looked up
-        return [(TableConfig(ENTITY, cfg.num_rows, cfg.dim), 2.0 + cfg.neg_ratio)]
+        return [(TableConfig(ENTITY, cfg.synthetic.num_rows, cfg.run.dim), 2.0 + cfg.kge.neg_ratio)]
 
     def steps_per_epoch(self, world_size: int) -> int | None:  # type: ignore[override]
         return None  # generated data: --steps
@@ -113,14 +111,14 @@ class PlantedKGETask(KGETask):
         return self._filter
 
     def global_batch(self, step: int, world_size: int) -> Batch:
-        g = world_size * self.cfg.batch_size
-        rng = np.random.default_rng([self.cfg.seed, 3, step])
+        g = world_size * self.cfg.run.batch_size
+        rng = np.random.default_rng([self.cfg.run.seed, 3, step])
         pos = planted_triples(g, num_entities=self.num_entities, community=self.community,
                               offsets=self.offsets, rng=rng)
         flip = rng.random(g) < 0.5  # the reciprocal (t, r + R, h) half of the time
         pos[flip] = np.stack([pos[flip, 2], pos[flip, 1] + self.num_relations, pos[flip, 0]],
                              axis=1)
-        new = rng.integers(0, self.num_entities - 1, size=(g, self.cfg.neg_ratio),
+        new = rng.integers(0, self.num_entities - 1, size=(g, self.cfg.kge.neg_ratio),
                            dtype=np.int64)
         neg = new + (new >= pos[:, 2:3])  # uniform over the entities other than the tail
         return Batch(g, ids={"head": torch.from_numpy(pos[:, 0].copy()),
@@ -136,7 +134,8 @@ class PlantedKGETask(KGETask):
     def describe(self) -> dict[str, Any]:
         n = self.num_entities
         return {"task": self.name, "tables": [t.__dict__ for t in self.tables()],
-                "model": self.cfg.model, "training": "negsample", "neg_ratio": self.cfg.neg_ratio,
+                "model": self.cfg.kge.model, "training": "negsample",
+                "neg_ratio": self.cfg.kge.neg_ratio,
                 "entities": n, "relations": self.num_relations,
                 "community": self.community, "test_triples": len(self.ds.test),
                 "mrr_ceiling": mrr_ceiling(self.community),

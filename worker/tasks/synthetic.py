@@ -31,10 +31,10 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from worker.config import TrainConfig
-from worker.tasks.base import Batch, HybridModel, TableConfig, Task
+from worker.tasks.base import Batch, HybridModel, TableConfig
+from worker.tasks.click import ClickTask
 
 ZIPF_S = 1.1
 MAX_TAGS = 6
@@ -42,7 +42,6 @@ NUM_DENSE = 4
 INTERACTION_DIM = 4
 BIAS = -0.3
 PLANTED_STD = {"user": 1.0, "item": 0.8, "category": 0.6, "tag": 0.8}
-TRAIN_STREAM, EVAL_STREAM = 0, 1
 
 
 def zipf_ranks(rng: np.random.Generator, n: int, size: int, s: float = ZIPF_S) -> np.ndarray:
@@ -74,15 +73,15 @@ def table_sizes(num_rows: int) -> dict[str, int]:
             "tag": max(r // 100, 8)}
 
 
-class SyntheticTask(Task):
+class SyntheticTask(ClickTask):
     """Recommendation-style click prediction with a planted model (see module doc)."""
 
     name = "synthetic"
 
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
-        self.sizes = table_sizes(cfg.num_rows)
-        rng = np.random.default_rng([cfg.seed, 7919])
+        self.sizes = table_sizes(cfg.synthetic.num_rows)
+        rng = np.random.default_rng([cfg.run.seed, 7919])
         self.planted = {name: (rng.standard_normal(n) * PLANTED_STD[name]).astype(np.float32)
                         for name, n in self.sizes.items()}
         scale = 1.0 / math.sqrt(INTERACTION_DIM)
@@ -99,29 +98,15 @@ class SyntheticTask(Task):
     def plan_tables(cls, cfg: TrainConfig) -> list[tuple[TableConfig, float]]:
         """(table, mean lookups per sample) without building the task (worker/plan.py)."""
         lookups = {"user": 1.0, "item": 1.0, "category": 1.0, "tag": (1 + MAX_TAGS) / 2}
-        return [(TableConfig(name, n, cfg.dim), lookups[name])
-                for name, n in table_sizes(cfg.num_rows).items()]
+        return [(TableConfig(name, n, cfg.run.dim), lookups[name])
+                for name, n in table_sizes(cfg.synthetic.num_rows).items()]
 
     # -- Task interface -------------------------------------------------------------
     def tables(self) -> list[TableConfig]:
-        return [TableConfig(name, n, self.cfg.dim) for name, n in self.sizes.items()]
+        return [TableConfig(name, n, self.cfg.run.dim) for name, n in self.sizes.items()]
 
-    def build_dense(self) -> nn.Module:
-        width = 4 * self.cfg.dim + NUM_DENSE
-        return nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
-                             nn.Linear(32, 1))
-
-    def global_batch(self, step: int, world_size: int) -> Batch:
-        return self._generate(TRAIN_STREAM, step, world_size * self.cfg.batch_size)
-
-    def eval_batch(self, index: int, rank: int, world_size: int) -> Batch | None:
-        b = self.cfg.batch_size
-        full = self._generate(EVAL_STREAM, index, world_size * b)
-        return full.slice(rank * b, (rank + 1) * b)
-
-    def loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
-        logit_B = self.forward(model, batch)
-        return F.binary_cross_entropy_with_logits(logit_B, batch.values["label"])
+    def input_width(self) -> int:
+        return 4 * self.cfg.run.dim + NUM_DENSE
 
     def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
         logit_B = self.forward(model, batch)
@@ -154,8 +139,8 @@ class SyntheticTask(Task):
     def _ids(self, rng: np.random.Generator, table: str, size: int) -> np.ndarray:
         return self.scatter[table](zipf_ranks(rng, self.sizes[table], size))
 
-    def _generate(self, stream: int, index: int, size: int) -> Batch:
-        rng = np.random.default_rng([self.cfg.seed, stream, index])
+    def generate(self, stream: int, index: int, size: int) -> Batch:
+        rng = np.random.default_rng([self.cfg.run.seed, stream, index])
         user_B = self._ids(rng, "user", size)
         item_B = self._ids(rng, "item", size)
         cat_B = self.item_category[item_B]

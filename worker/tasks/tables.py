@@ -25,21 +25,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from worker.config import TrainConfig, parse_table_list
-from worker.tasks.base import Batch, HybridModel, TableConfig, Task
+from worker.config import TrainConfig
+from worker.task_options import parse_table_list
+from worker.tasks.base import Batch, HybridModel, TableConfig
+from worker.tasks.click import ClickTask
 from worker.tasks.synthetic import Scatter, zipf_ranks
 
 NUM_DENSE = 4
 BIAS = -0.2
-TRAIN_STREAM, EVAL_STREAM = 0, 1
 _U64 = np.uint64
 
 
 def table_specs(cfg: TrainConfig) -> list[tuple[str, int, int]]:
     """[(name, rows, pool)] from --tables, or one table t0 of --num-rows rows."""
-    return parse_table_list(cfg.tables) if cfg.tables else [("t0", cfg.num_rows, 1)]
+    spec = cfg.tables.tables
+    return parse_table_list(spec) if spec else [("t0", cfg.synthetic.num_rows, 1)]
 
 
 def planted_value(ids: np.ndarray, salt: int) -> np.ndarray:
@@ -52,7 +53,7 @@ def planted_value(ids: np.ndarray, salt: int) -> np.ndarray:
     return ((u - 0.5) * np.sqrt(12.0)).astype(np.float32)
 
 
-class TablesTask(Task):
+class TablesTask(ClickTask):
     """Click prediction over --tables (see module doc)."""
 
     name = "tables"
@@ -62,34 +63,22 @@ class TablesTask(Task):
         self.specs = table_specs(cfg)
         self.scatter = [Scatter(rows, salt) for salt, (_, rows, _) in enumerate(self.specs)]
         # popularity ranks the ids are drawn from (--zipf-rows), scattered over all rows
-        self.zipf_support = [min(rows, cfg.zipf_rows or rows) for _, rows, _ in self.specs]
-        rng = np.random.default_rng([cfg.seed, 7907])
+        zipf_rows = cfg.tables.zipf_rows
+        self.zipf_support = [min(rows, zipf_rows or rows) for _, rows, _ in self.specs]
+        rng = np.random.default_rng([cfg.run.seed, 7907])
         self.dense_w = (rng.standard_normal(NUM_DENSE) * 0.5).astype(np.float32)
 
     @classmethod
     def plan_tables(cls, cfg: TrainConfig) -> list[tuple[TableConfig, float]]:
         """(table, lookups per sample) without building the task (worker/plan.py)."""
-        return [(TableConfig(name, rows, cfg.dim), float(pool))
+        return [(TableConfig(name, rows, cfg.run.dim), float(pool))
                 for name, rows, pool in table_specs(cfg)]
 
     def tables(self) -> list[TableConfig]:
-        return [TableConfig(name, rows, self.cfg.dim) for name, rows, _ in self.specs]
+        return [TableConfig(name, rows, self.cfg.run.dim) for name, rows, _ in self.specs]
 
-    def build_dense(self) -> nn.Module:
-        width = len(self.specs) * self.cfg.dim + NUM_DENSE
-        return nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
-                             nn.Linear(32, 1))
-
-    def global_batch(self, step: int, world_size: int) -> Batch:
-        return self._generate(TRAIN_STREAM, step, world_size * self.cfg.batch_size)
-
-    def eval_batch(self, index: int, rank: int, world_size: int) -> Batch | None:
-        b = self.cfg.batch_size
-        return self._generate(EVAL_STREAM, index, world_size * b).slice(rank * b, (rank + 1) * b)
-
-    def loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
-        return F.binary_cross_entropy_with_logits(self.forward(model, batch),
-                                                  batch.values["label"])
+    def input_width(self) -> int:
+        return len(self.specs) * self.cfg.run.dim + NUM_DENSE
 
     def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
         logit_B, label_B = self.forward(model, batch), batch.values["label"]
@@ -117,8 +106,8 @@ class TablesTask(Task):
         out: torch.Tensor = model.dense(torch.cat([*rows, batch.values["dense"]], dim=1))
         return out.squeeze(-1)
 
-    def _generate(self, stream: int, index: int, size: int) -> Batch:
-        rng = np.random.default_rng([self.cfg.seed, stream, index])
+    def generate(self, stream: int, index: int, size: int) -> Batch:
+        rng = np.random.default_rng([self.cfg.run.seed, stream, index])
         ids: dict[str, torch.Tensor] = {}
         bags: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         logit_B = np.full(size, BIAS, dtype=np.float32)

@@ -1,7 +1,4 @@
-"""CTR data: a streaming Criteo TSV reader and a synthetic generator with a planted model.
-
-Both produce ``CTRBatch``: ``labels [B] float32`` (0/1), ``dense [B, 13] float32``,
-``sparse [B, 26] int64`` (row ids, one embedding table per categorical column).
+"""A streaming Criteo TSV reader: files -> ``CTRBatch``es (worker/tasks/ctr_batch.py).
 
 Criteo display-advertising TSV
     One sample per line, 40 tab-separated fields: label (0/1), 13 integer features, 26
@@ -34,24 +31,11 @@ Criteo display-advertising TSV
         Ranks get different numbers of samples (and so of batches): the training loop must
         agree on a step count (e.g. all-reduce min) or handle uneven ends. ``.gz`` raises.
     Either way the union over ranks is every line exactly once.
-
-Synthetic generator (``SyntheticCTR``)
-    Same batch shape, generated from a counter-based hash RNG: every value of sample i of global
-    batch ``step`` of split s is a pure function of (seed, s, step, i), so a rank can generate
-    exactly its slice of a global batch (``rank=``/``world_size=``) and slices concatenate to the
-    global batch. Categorical ids are Zipf-like per table (rank k with P ~ k^-a, then an affine
-    bijection spreads the hot ranks over the whole row range so row-wise shards share the hot
-    rows), with a small missing rate mapped to row 0. Labels are Bernoulli(sigmoid(logit)) of a
-    planted model: per-row weights (hash-derived Gaussian, no per-row storage, so tables of any
-    size), a dense linear term and FM-style pairwise interactions between chosen tables.
-    ``planted_logits(batch)`` recomputes that logit from the features, so the planted model's
-    own AUC on held-out data is the achievable ceiling.
 """
 
 from __future__ import annotations
 
 import gzip
-import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,98 +44,41 @@ from pathlib import Path
 from typing import IO, cast
 
 import numpy as np
-import torch
+
+from worker.tasks.ctr_batch import (
+    FNV_OFFSET,
+    FNV_PRIME,
+    GOLDEN,
+    M64,
+    NUM_DENSE,
+    NUM_FIELDS,
+    CTRBatch,
+    TableSizes,
+    check_table_sizes,
+    fnv1a_bytes_matrix,
+    splitmix64,
+)
 
 __all__ = [
-    "NUM_DENSE",
-    "NUM_FIELDS",
-    "NUM_SPARSE",
-    "CTRBatch",
     "CriteoFormatError",
-    "SyntheticCTR",
     "criteo_row",
     "hash_rows",
     "iter_criteo_batches",
     "list_criteo_files",
 ]
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
-NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
-
 StrPath = str | os.PathLike[str]
-
-_M64 = (1 << 64) - 1
-_FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = 0x100000001B3
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-# --------------------------------------------------------------------------- batch
-
-
-@dataclass(frozen=True)
-class CTRBatch:
-    labels: np.ndarray  # [B] float32
-    dense: np.ndarray  # [B, num_dense] float32
-    sparse: np.ndarray  # [B, num_tables] int64
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def to_torch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (
-            torch.from_numpy(self.labels),
-            torch.from_numpy(self.dense),
-            torch.from_numpy(self.sparse),
-        )
 
 
 class CriteoFormatError(ValueError):
     """A malformed line; the message starts with ``<file>:<line>:``."""
 
 
-# --------------------------------------------------------------------------- hashing
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser of (x + golden gamma), elementwise on uint64 (wrapping)."""
-    z = x.astype(np.uint64) + np.uint64(_GOLDEN)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 def _splitmix64_int(x: int) -> int:
-    z = (x + _GOLDEN) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z = (x + GOLDEN) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
     return z ^ (z >> 31)
-
-
-def _fnv1a_bytes_matrix(u8: np.ndarray) -> np.ndarray:
-    """FNV-1a 64 over the last axis of a uint8 array, ignoring zero (padding) bytes."""
-    h = np.full(u8.shape[:-1], _FNV_OFFSET, dtype=np.uint64)
-    prime = np.uint64(_FNV_PRIME)
-    for k in range(u8.shape[-1]):
-        b = u8[..., k].astype(np.uint64)
-        h = np.where(b != 0, (h ^ b) * prime, h)
-    return h
-
-
-TableSizes = Sequence[int] | np.ndarray | int
-
-
-def _table_sizes(table_sizes: TableSizes, n: int = NUM_SPARSE) -> np.ndarray:
-    if np.ndim(table_sizes) == 0:
-        ts = np.full(n, int(table_sizes), dtype=np.int64)  # type: ignore[arg-type]
-    else:
-        ts = np.asarray(table_sizes, dtype=np.int64)
-        if ts.shape != (n,):
-            raise ValueError(f"need {n} table sizes, got shape {ts.shape}")
-    if (ts < 2).any():
-        raise ValueError("every table needs >= 2 rows (row 0 is reserved for missing)")
-    return ts
 
 
 def hash_rows(values: np.ndarray, table_sizes: TableSizes) -> np.ndarray:
@@ -160,11 +87,11 @@ def hash_rows(values: np.ndarray, table_sizes: TableSizes) -> np.ndarray:
     if v.dtype.kind != "S":
         raise TypeError("values must be a numpy bytes array (dtype 'S')")
     b, t = v.shape
-    ts = _table_sizes(table_sizes, t)
+    ts = check_table_sizes(table_sizes, t)
     u8 = v.view(np.uint8).reshape(b, t, v.dtype.itemsize)
-    h = _fnv1a_bytes_matrix(u8)
-    salts = _splitmix64(np.arange(1, t + 1, dtype=np.uint64))
-    mixed = _splitmix64(h ^ salts)
+    h = fnv1a_bytes_matrix(u8)
+    salts = splitmix64(np.arange(1, t + 1, dtype=np.uint64))
+    mixed = splitmix64(h ^ salts)
     rows = (mixed % (ts - 1).astype(np.uint64)).astype(np.int64) + 1
     return np.where(v == b"", 0, rows)
 
@@ -174,9 +101,9 @@ def criteo_row(value: bytes | str, column: int, table_size: int) -> int:
     data = value.encode() if isinstance(value, str) else value
     if not data:
         return 0
-    h = _FNV_OFFSET
+    h = FNV_OFFSET
     for byte in data:
-        h = ((h ^ byte) * _FNV_PRIME) & _M64
+        h = ((h ^ byte) * FNV_PRIME) & M64
     mixed = _splitmix64_int(h ^ _splitmix64_int(column + 1))
     return 1 + mixed % (table_size - 1)
 
@@ -346,14 +273,14 @@ def _parse_fast(lines: list[bytes], table_sizes: np.ndarray) -> CTRBatch | None:
     dense = np.log1p(np.maximum(value, 0).astype(np.float64)).astype(np.float32)
 
     cs, cl = starts[:, 1 + NUM_DENSE :], lens[:, 1 + NUM_DENSE :]
-    h = np.full(cs.shape, _FNV_OFFSET, dtype=np.uint64)
-    prime = np.uint64(_FNV_PRIME)
+    h = np.full(cs.shape, FNV_OFFSET, dtype=np.uint64)
+    prime = np.uint64(FNV_PRIME)
     for k in range(int(cl.max(initial=0))):
         b = u8[np.minimum(cs + k, last)].astype(np.uint64)
         h = np.where((k < cl) & (b != 0), (h ^ b) * prime, h)
     ts = table_sizes
-    salts = _splitmix64(np.arange(1, len(ts) + 1, dtype=np.uint64))
-    rows = (_splitmix64(h ^ salts) % (ts - 1).astype(np.uint64)).astype(np.int64) + 1
+    salts = splitmix64(np.arange(1, len(ts) + 1, dtype=np.uint64))
+    rows = (splitmix64(h ^ salts) % (ts - 1).astype(np.uint64)).astype(np.int64) + 1
     sparse = np.where(cl == 0, 0, rows)
     return CTRBatch(labels, dense, sparse)
 
@@ -459,7 +386,7 @@ def iter_criteo_batches(
     """Stream ``CTRBatch``es of this rank's share of Criteo TSV data (see module docstring)."""
     if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError("need batch_size > 0 and 0 <= rank < world_size")
-    ts = _table_sizes(table_sizes)
+    ts = check_table_sizes(table_sizes)
     files = list_criteo_files(path)
     if split == "interleave":
         for k, (lines, segs) in enumerate(_stream_batches(files, batch_size)):
@@ -479,175 +406,3 @@ def iter_criteo_batches(
     else:
         raise ValueError(f"split must be 'interleave' or 'bytes', got {split!r}")
 
-
-# --------------------------------------------------------------------------- synthetic
-
-_SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}
-
-
-def _uniform(bits: np.ndarray) -> np.ndarray:
-    """uint64 -> float64 uniform in (0, 1)."""
-    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
-
-
-def _gauss(key: np.ndarray) -> np.ndarray:
-    """Standard normal from a uint64 key (Box-Muller on two hashed uniforms)."""
-    u1 = _uniform(_splitmix64(key ^ np.uint64(0x5851F42D4C957F2D)))
-    u2 = _uniform(_splitmix64(key ^ np.uint64(0x14057B7EF767814F)))
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
-
-
-class SyntheticCTR:
-    """Deterministic synthetic CTR data with a planted logistic model (see module docstring).
-
-    table_sizes:        rows per categorical table (row 0 = missing), any size >= 2.
-    zipf_exponent:      P(popularity rank k) ~ k^-a within each table.
-    missing_rate:       probability that a categorical (or dense) value is missing.
-    sparse_scale:       std of the planted per-row weights.
-    dense_scale:        std of the planted dense weights.
-    interactions:       table pairs (a, b) with a planted FM term <v_a[row_a], v_b[row_b]>.
-    interaction_dim, interaction_scale: size and std of the FM factor vectors' dot product.
-    bias:               planted intercept (defaults: 25-30% positives, planted AUC ~0.83).
-    """
-
-    def __init__(
-        self,
-        table_sizes: Sequence[int],
-        *,
-        seed: int = 0,
-        num_dense: int = NUM_DENSE,
-        zipf_exponent: float = 1.1,
-        missing_rate: float = 0.02,
-        sparse_scale: float = 0.25,
-        dense_scale: float = 0.2,
-        interactions: Sequence[tuple[int, int]] = ((0, 1), (2, 3)),
-        interaction_dim: int = 4,
-        interaction_scale: float = 0.5,
-        bias: float = -1.4,
-    ):
-        self.table_sizes = _table_sizes(list(table_sizes), len(table_sizes))
-        self.num_tables = len(self.table_sizes)
-        self.num_dense = num_dense
-        self.seed = int(seed)
-        self.zipf_exponent = float(zipf_exponent)
-        self.missing_rate = float(missing_rate)
-        self.sparse_scale = float(sparse_scale)
-        self.interactions = [(int(a), int(b)) for a, b in interactions]
-        for a, b in self.interactions:
-            if not (0 <= a < self.num_tables and 0 <= b < self.num_tables):
-                raise ValueError(f"interaction tables {(a, b)} out of range")
-        self.interaction_dim = int(interaction_dim)
-        self.interaction_scale = float(interaction_scale)
-        self.bias = float(bias)
-        rng = np.random.default_rng([self.seed, 0xC7])
-        self.dense_weights = rng.normal(0.0, dense_scale, size=num_dense)
-        self.dense_mu = rng.normal(1.5, 0.5, size=num_dense)
-        self.dense_center = np.log1p(np.exp(self.dense_mu))  # rough mean of the feature
-        # affine bijection k -> (mult * k + shift) mod m on the m = n - 1 non-missing rows
-        self._mult = np.empty(self.num_tables, dtype=np.uint64)
-        self._shift = np.empty(self.num_tables, dtype=np.uint64)
-        for j, n in enumerate(self.table_sizes):
-            m = int(n) - 1
-            a = int(rng.integers(1 << 19, 1 << 20)) % m or 1
-            while math.gcd(a, m) != 1:
-                a = a % m + 1
-            self._mult[j] = a
-            self._shift[j] = int(rng.integers(0, m))
-        self._key = _splitmix64(np.array([self.seed], dtype=np.uint64))[0]
-
-    # -- keys
-    def _sample_keys(self, split: str, step: int, gidx: np.ndarray) -> np.ndarray:
-        sid = _SPLIT_IDS.get(split)
-        if sid is None:
-            sid = 3 + int(_fnv1a_bytes_matrix(np.frombuffer(split.encode(), np.uint8)))
-        k = _splitmix64(np.array([self._key ^ np.uint64(sid)], dtype=np.uint64))
-        k = _splitmix64(k ^ np.uint64(step))
-        return _splitmix64(k ^ gidx.astype(np.uint64))
-
-    @staticmethod
-    def _field(keys: np.ndarray, field: int) -> np.ndarray:
-        return _splitmix64(keys ^ np.uint64((field + 1) * 0x2545F4914F6CDD1D % (1 << 64)))
-
-    def _row_key(self, table: int, rows: np.ndarray, salt: int) -> np.ndarray:
-        k = self._key ^ np.uint64((table + 1) * 0x9E3779B1 + salt * 0x85EBCA77)
-        return _splitmix64(_splitmix64(np.array([k], np.uint64)) ^ rows.astype(np.uint64))
-
-    # -- generation
-    def batch(
-        self, step: int, batch_size: int, split: str = "train", rank: int = 0, world_size: int = 1
-    ) -> CTRBatch:
-        """This rank's contiguous slice of global batch ``step`` (``np.array_split`` sizes)."""
-        if not 0 <= rank < world_size:
-            raise ValueError("need 0 <= rank < world_size")
-        q, r = divmod(batch_size, world_size)
-        lo = rank * q + min(rank, r)
-        hi = lo + q + (1 if rank < r else 0)
-        keys = self._sample_keys(split, step, np.arange(lo, hi, dtype=np.uint64))
-        b = hi - lo
-
-        sparse = np.empty((b, self.num_tables), dtype=np.int64)
-        a = self.zipf_exponent
-        for j in range(self.num_tables):
-            m = int(self.table_sizes[j]) - 1
-            u = _uniform(self._field(keys, j))
-            if abs(a - 1.0) < 1e-9:
-                k = np.floor(np.exp(u * math.log(m + 1.0)))
-            else:
-                top = (m + 1.0) ** (1.0 - a)
-                k = np.floor((1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - a)))
-            k0 = np.clip(k, 1, m).astype(np.uint64) - np.uint64(1)
-            rows = (k0 * self._mult[j] + self._shift[j]) % np.uint64(m)
-            miss = _uniform(self._field(keys, 100 + j)) < self.missing_rate
-            sparse[:, j] = np.where(miss, 0, rows.astype(np.int64) + 1)
-
-        dense = np.empty((b, self.num_dense), dtype=np.float32)
-        for i in range(self.num_dense):
-            z = _gauss(self._field(keys, 200 + i))
-            raw = np.floor(np.exp(self.dense_mu[i] + 1.2 * z))
-            miss = _uniform(self._field(keys, 300 + i)) < self.missing_rate
-            dense[:, i] = np.where(miss, 0.0, np.log1p(raw))
-
-        batch = CTRBatch(np.zeros(b, np.float32), dense, sparse)
-        p = 1.0 / (1.0 + np.exp(-self.planted_logits(batch)))
-        labels = (_uniform(self._field(keys, 999)) < p).astype(np.float32)
-        return CTRBatch(labels, dense, sparse)
-
-    def batches(
-        self,
-        num_steps: int,
-        batch_size: int,
-        split: str = "train",
-        rank: int = 0,
-        world_size: int = 1,
-        start_step: int = 0,
-    ) -> Iterator[CTRBatch]:
-        for step in range(start_step, start_step + num_steps):
-            yield self.batch(step, batch_size, split, rank, world_size)
-
-    # -- planted model
-    def row_weights(self, table: int, rows: np.ndarray) -> np.ndarray:
-        """Planted weight of each row of a table (0 for the missing row)."""
-        w = self.sparse_scale * _gauss(self._row_key(table, rows, 1))
-        return np.where(np.asarray(rows) == 0, 0.0, w)
-
-    def row_factors(self, table: int, rows: np.ndarray) -> np.ndarray:
-        """Planted FM factor vectors [len(rows), interaction_dim] (zero for the missing row)."""
-        rows = np.asarray(rows)
-        scale = math.sqrt(self.interaction_scale / math.sqrt(self.interaction_dim))
-        out = np.stack(
-            [_gauss(self._row_key(table, rows, 10 + d)) for d in range(self.interaction_dim)],
-            axis=1,
-        )
-        return np.where((rows == 0)[:, None], 0.0, scale * out)
-
-    def planted_logits(self, batch: CTRBatch) -> np.ndarray:
-        """The planted model's logit for each sample of a batch, float64 [B]."""
-        logit = np.full(len(batch), self.bias)
-        logit += (batch.dense.astype(np.float64) - self.dense_center) @ self.dense_weights
-        for j in range(self.num_tables):
-            logit += self.row_weights(j, batch.sparse[:, j])
-        for a, b in self.interactions:
-            fa = self.row_factors(a, batch.sparse[:, a])
-            fb = self.row_factors(b, batch.sparse[:, b])
-            logit += (fa * fb).sum(axis=1)
-        return logit

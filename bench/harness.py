@@ -1,0 +1,131 @@
+"""What the benchmarks share: the command line, a shard server, a torchrun'd worker, the
+JSON they write, and the median of repeats.
+
+    from harness import Server, bench_parser, run_worker, write_json   # bench/ is sys.path[0]
+
+A benchmark runs as a script (`python bench/bench_x.py`), so this module is imported by
+its plain name. Child processes get the environment without any HYBRIDPS_* variable (a
+benchmark says every flag it means) and one OpenMP thread per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+WORKER = str(REPO / "worker" / "main.py")
+STARTUP_TIMEOUT_S = 60.0
+T = TypeVar("T")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_parser(doc: str | None, *, quick: str = "a shorter run") -> argparse.ArgumentParser:
+    """A parser with the flags every benchmark has: --quick and --json PATH."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--json", type=Path, help="write the results here")
+    return p
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment without HYBRIDPS_* variables, one OpenMP thread, unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+class Server:
+    """`python -m ps` on a free port of 127.0.0.1; its log in DIRECTORY/ps.log."""
+
+    def __init__(self, directory: Path, *args: str,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        port_file = directory / "ps.port"
+        port_file.unlink(missing_ok=True)  # a file left by an earlier run is not this port
+        self.log = open(directory / "ps.log", "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ps", "--host", "127.0.0.1", "--port", "0",
+             "--port-file", str(port_file), *args],
+            cwd=REPO, env=child_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout_s
+        while not port_file.exists() or not port_file.read_text().strip():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"shard server did not start; see {directory / 'ps.log'}")
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{port_file.read_text().strip()}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_worker(args: Sequence[str], results: Path, log_path: Path, *, world: int = 2,
+               timeout: float = 3600.0) -> dict[str, Any]:
+    """torchrun `world` ranks of worker/main.py with `args` and --results; the results
+    JSON plus "process_wall_s" (RuntimeError with the log's tail when it fails)."""
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(world), WORKER, *args,
+           "--progress", "false", "--results", str(results)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          check=False, timeout=timeout)
+    wall = time.perf_counter() - t0
+    log_path.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker run failed ({proc.returncode}), see {log_path}:\n"
+                           f"{proc.stderr[-3000:]}")
+    res: dict[str, Any] = json.loads(results.read_text())
+    res["process_wall_s"] = wall
+    return res
+
+
+def median_of(runs: Sequence[T], key: str) -> T:
+    """The run with the median `key` (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: getattr(r, key))
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def machine(load_before: tuple[float, float, float], **extra: Any) -> dict[str, Any]:
+    """What the JSON says about the machine a benchmark ran on."""
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpus": os.cpu_count(), "torch": torch.__version__,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), **extra}
+
+
+def write_json(path: Path | None, payload: dict[str, Any],
+               args: argparse.Namespace | None = None) -> None:
+    """Write `payload` (+ the command line's arguments) to `path` when one is given."""
+    if path is None:
+        return
+    if args is not None:
+        payload = {**payload, "args": {k: str(v) for k, v in vars(args).items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    log(f"wrote {path}")

@@ -20,7 +20,7 @@ relation names, that worker/tasks/kge_export.py's KGEModel loads and scores with
 
     python -m worker.export --state run.pt --kge-results run.json --out model.pt
 
-`--state` takes the run's --dump-state file (the final model: with --kge keep_best, the best
+`--state` takes the run's --dump-state file (the final model: with --keep-best, the best
 on valid) instead of a checkpoint.
 """
 

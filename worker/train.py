@@ -245,7 +245,7 @@ class Trainer:
         self.window.drain(self.last_step)  # the final rows include every update
         self.source.finish(self.last_step)
         if self.hooks is not None:
-            self.hooks.finish()  # e.g. back to the best evaluated model (--kge keep_best)
+            self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
         self.train_s = time.perf_counter() - start
         bar.close()
 

@@ -2,7 +2,8 @@
 
 Runs trials one after the other, each a world of one (`python -m worker.main
 --local-optimizer`: the same task, model, loss and schedule code as the 2-rank + server run,
-without the server), with `--eval-test false` so that test is never evaluated. Each
+without the server) or `--nproc` ranks with --local-optimizer, with `--eval-test false` so
+that test is never evaluated. Each
 trial's valid-MRR curve and times are appended to <out>/search.jsonl; the table printed at the
 end has valid figures only.
 
@@ -44,7 +45,9 @@ def main() -> None:
     ap.add_argument("--out", default="runs/kge_search")
     ap.add_argument("--base", default="", help="flags shared by every trial")
     ap.add_argument("--trial", action="append", default=[], help="FIELD=VALUE ...")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="ranks (torchrun --local-optimizer when > 1; --batch-size is per rank)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +61,10 @@ def main() -> None:
         t0 = time.perf_counter()
         log = out / f"{name}.log"  # the progress bar (loss, valid MRR): `tail -c 300 LOG`
         with log.open("w") as stream:
-            proc = subprocess.run([sys.executable, "-m", "worker.main", *flags], cwd=REPO,
+            launcher = ([sys.executable, "-m", "worker.main"] if args.nproc == 1 else
+                        [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+                         "--nproc_per_node", str(args.nproc), str(REPO / "worker/main.py")])
+            proc = subprocess.run([*launcher, *flags], cwd=REPO,
                                   stdout=stream, stderr=subprocess.STDOUT, text=True,
                                   check=False, env={"OMP_NUM_THREADS": str(args.threads),
                                                     "PATH": "/usr/bin:/bin"})

@@ -156,8 +156,9 @@ def test_schedule_server_equals_local_optimizer_bitwise(server: PsServer,
                                 "--run-id", "kge-schedule"])
     local = dump("local", [*kge_args(graph, SCHEDULE), "--local-optimizer"])
     assert_states(on_server, local, exact=True)
-    inline = dump("inline", [*kge_args(graph, SCHEDULE), "--ps", server.address, "--shm", "off",
-                             "--run-id", "kge-schedule-inline"])  # Push.lr in gRPC messages
+    inline = dump("inline", [*kge_args(graph, SCHEDULE), "--ps", server.address,
+                             "--same-node", "off", "--run-id", "kge-schedule-inline"])
+    # (--same-node off: Push.lr travels in the gRPC messages, not the shared-memory batch)
     assert_states(inline, local, exact=True)
     flat = dump("flat", [*kge_args(graph, FLAT), "--local-optimizer"])
     with pytest.raises(AssertionError, match="differs"):  # the schedule changed the run

@@ -62,4 +62,7 @@ RUN useradd --create-home --uid 10001 hybridps \
 USER hybridps
 WORKDIR /app
 EXPOSE 50051
-CMD ["python", "-m", "ps", "--host", "0.0.0.0", "--port", "50051"]
+# Listening beyond loopback needs a token: generated into the data volume on first start.
+CMD ["python", "-m", "ps", "--host", "0.0.0.0", "--port", "50051", \
+     "--auth-token-file", "/data/auth-token", "--generate-auth-token", \
+     "--checkpoint-root", "/data/checkpoints"]

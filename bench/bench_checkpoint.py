@@ -32,7 +32,8 @@ GIB = 2**30
 
 
 def _run(args: list[str], results: Path, log_path: Path) -> dict[str, Any]:
-    return run_worker([*args, "--eval-batches", "1"], results, log_path, world=WORLD)
+    return run_worker([*args, "--eval-batches", "1", "--eval-every", "0"], results, log_path,
+                      world=WORLD)
 
 
 def _dir_bytes(path: Path) -> int:

@@ -20,7 +20,9 @@ thread count (1, 2):
       state from torch.zeros (4 KiB pages: what a plain torch allocation gives), and
       "native_thp" on state from hybridps.optim.alloc_state (transparent huge pages, and
       m, v at different offsets past 2 MiB, so m[id] and v[id] never share an L1 set:
-      the server's layout).
+      the server's layout); "native_thp_checked" is native_thp with check_finite=True,
+      what the server runs: the old m, v rows are stored in a per-thread snapshot as the
+      kernel goes, so a non-finite result can be undone (hybridps/optim.py).
       Each "x SpAdam" ratio is against SparseAdam on the same kind of pages.
 The table is a partition of --table-mib MiB per tensor (4M rows at dim 64, 2M at
 dim 128), the same memory for every dim, warmed up once (see Buffers). Every call
@@ -298,6 +300,13 @@ def run_dim(bufs: Buffers, dim: int, batches: list[int], threads: list[int], sec
                     optim.apply_rows_(SPEC, work.m_thp, work.v_thp, ids, grads, step,
                                       out=out, num_threads=nt)
 
+                def run_checked_thp(ids: torch.Tensor, grads: torch.Tensor, nt: int = nt
+                                    ) -> None:
+                    nonlocal step
+                    step += 1
+                    optim.apply_rows_(SPEC, work.m_thp, work.v_thp, ids, grads, step,
+                                      out=out, num_threads=nt, check_finite=True)
+
                 impls: list[tuple[str, Callable[[torch.Tensor, torch.Tensor], None],
                                   Callable[[torch.Tensor, torch.Tensor], Any] | None]] = [
                     ("sparse_adam", run_sparse_adam, sparse_grad),
@@ -309,6 +318,7 @@ def run_dim(bufs: Buffers, dim: int, batches: list[int], threads: list[int], sec
                     impls.append(("sparse_adam_thp", run_sparse_adam_thp, sparse_grad))
                     if optim.kernel_name() == "native":
                         impls.append(("native_thp", run_native_thp, None))
+                        impls.append(("native_thp_checked", run_checked_thp, None))
                 torch.set_num_threads(nt)
                 for name, fn, prepare in impls:
                     windows.setdefault((name, nt), []).append(
@@ -335,11 +345,11 @@ def run_dim(bufs: Buffers, dim: int, batches: list[int], threads: list[int], sec
 
 def finish(results: list[Result], ceiling: dict[int, float]) -> None:
     # Ratios against SparseAdam on the same kind of pages (4 KiB or huge).
-    base = {(r.dim, r.batch, r.threads, r.impl.endswith("_thp")): r.rows_per_s
+    base = {(r.dim, r.batch, r.threads, "_thp" in r.impl): r.rows_per_s
             for r in results if r.impl.startswith("sparse_adam")}
     for r in results:
         r.fraction_of_ceiling = r.gb_per_s / ceiling[r.threads]
-        sa = base.get((r.dim, r.batch, r.threads, r.impl.endswith("_thp")))
+        sa = base.get((r.dim, r.batch, r.threads, "_thp" in r.impl))
         r.vs_sparse_adam = r.rows_per_s / sa if sa else math.nan
 
 

@@ -4,12 +4,12 @@
     python bench/bench_push_cpu.py --quick --json runs/bench/push_cpu.json
 
 What a rank sends each step of the default job (4 tables, ~190 unique rows of dim 16
-each, by reference into its arena, in one `Push.batch` message), measured two ways
+each, by reference into its arena, in one `PushBatch` message), measured two ways
 in one run:
   (a) in process: the server's Python path alone (decode, the Store's checks and
       update, the answer message), no gRPC; min and median of 7 rounds;
   (b) a real `python -m ps` and one rank on a real Sync stream, and on the server's
-      Sync socket (ps/direct.py, the default for a same-node rank), one batch in flight:
+      Sync socket (ps/socket_server.py, the default for a same-node rank), one batch in flight:
       the server's CPU per batch (/proc/<pid>/stat) and the client's, with the next
       batch sent at once (`gap 0`) and after a pause like a training step's (`gap 5`
       ms): a server that sleeps between messages pays more for each (cold caches).
@@ -41,14 +41,14 @@ from bench_wire import Server  # noqa: E402  (bench/ is sys.path[0] when run as 
 
 from hybridps.optim import OptimizerSpec  # noqa: E402
 from hybridps.v1 import shard_pb2, shard_pb2_grpc  # noqa: E402
+from ps.arena_server import ArenaRegistry, ResolvedShmPush  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
 from ps.partition import TableSpec  # noqa: E402
-from ps.service import answer_in_shm, decode_push, push_chunks  # noqa: E402
-from ps.shm import ArenaRegistry, ShmPush  # noqa: E402
 from ps.store import Store  # noqa: E402
-from worker.direct import DirectChannel  # noqa: E402
-from worker.shm import ClientArena, ShmSlot, place, region_bytes  # noqa: E402
-from worker.sync import optimizer_message  # noqa: E402
+from ps.sync_codec import batch_message, decode_request, request_chunks, shm_update  # noqa: E402
+from worker.arena_client import ClientArena, ShmSlot, place, region_bytes  # noqa: E402
+from worker.socket_client import SocketTransport  # noqa: E402
+from worker.sync_messages import optimizer_message  # noqa: E402
 
 TABLE_ROWS = 250_000
 POOL = 32  # distinct (ids, grads) pushes cycled through
@@ -66,7 +66,7 @@ class Pushes:
                       torch.randn(rows, dim, generator=g)) for _ in range(POOL)]
         self.arena, self.run_id, self.epoch, self.tables = arena, run_id, epoch, tables
 
-    def batch(self, step: int) -> tuple[shard_pb2.Push, list[ShmSlot]]:
+    def batch(self, step: int) -> tuple[shard_pb2.SyncRequest, list[ShmSlot]]:
         entries, slots = [], []
         for t in range(self.tables):
             ids_U, grads_UD = self.pool[(step * self.tables + t) % POOL]
@@ -76,9 +76,10 @@ class Pushes:
             slots.append(slot)
             entries.append(shard_pb2.Push(
                 run_id=self.run_id, rank=0, incarnation=1, step=step, table=f"t{t}",
-                chunk=0, num_chunks=1, shm_epoch=self.epoch, shm_ids=slot.refs[0],
-                shm_grads=slot.refs[1], shm_answer=slot.refs[2]))
-        return shard_pb2.Push(run_id=self.run_id, rank=0, batch=entries), slots
+                shm=shard_pb2.ShmRefs(epoch=self.epoch, ids=slot.refs[0],
+                                      grads=slot.refs[1], answer=slot.refs[2])))
+        batch = shard_pb2.PushBatch(pushes=entries)
+        return shard_pb2.SyncRequest(batch=batch), slots
 
     def free(self, slots: list[ShmSlot]) -> None:
         for slot in slots:
@@ -124,15 +125,15 @@ async def _rounds(store: Store, registry: ArenaRegistry, pushes: Pushes,
             data = [msg.SerializeToString() for msg, _ in made]
             start = time.perf_counter()
             for raw in data:  # what ShardServicer._read and Sync do with one message
-                chunks = push_chunks(decode_push(raw), registry, store)
+                chunks = request_chunks(decode_request(raw), registry, store)
                 for chunk in chunks:
                     session.received(chunk)
                 answers = []
                 for chunk in chunks:
                     answer = await core.feed(session, chunk)
-                    assert answer is not None and isinstance(chunk.sink, ShmPush)
-                    answers.append(answer_in_shm(chunk.sink, answer))
-                shard_pb2.Update(batch=answers).SerializeToString()
+                    assert answer is not None and isinstance(chunk.sink, ResolvedShmPush)
+                    answers.append(shm_update(chunk.sink, answer))
+                batch_message(answers)
             times.append((time.perf_counter() - start) / per_round * 1e6)
             for _, slots in made:
                 pushes.free(slots)
@@ -152,12 +153,13 @@ def process_cpu_s(pid: int) -> float:
 def through_server(address: str, server_pid: int, tables: int, rows: int, dim: int,
                 batches: int, gap_s: float, transport: str = "stream") -> dict[str, float]:
     """`transport` "stream": the gRPC Sync stream; "socket": the server's Sync socket
-    (ps/direct.py), written and read on this thread as a rank's training thread does."""
+    (ps/socket_server.py), written and read on this thread as a rank's training thread
+    does."""
     arena = ClientArena(64 << 20, rank=0)
     run_id = f"bench-{os.getpid()}-{int(gap_s * 1e6)}-{transport}"
-    outbox: queue.Queue[shard_pb2.Push | None] = queue.Queue()
+    outbox: queue.Queue[shard_pb2.SyncRequest | None] = queue.Queue()
 
-    def requests() -> Iterator[shard_pb2.Push]:
+    def requests() -> Iterator[shard_pb2.SyncRequest]:
         while (msg := outbox.get()) is not None:
             yield msg
 
@@ -176,27 +178,27 @@ def through_server(address: str, server_pid: int, tables: int, rows: int, dim: i
         if transport == "socket":
             if not response.shm.sync_socket:
                 raise RuntimeError("the server offers no Sync socket (--shm-socket false?)")
-            direct = DirectChannel(response.shm.sync_socket, "", 60.0, 64 << 20)
+            direct = SocketTransport(response.shm.sync_socket, "", 60.0, 64 << 20)
         answers = stub.Sync(requests()) if direct is None else None
 
-        def next_update() -> shard_pb2.Update:
+        def next_update() -> shard_pb2.SyncResponse:
             if answers is not None:
                 return next(answers)
             assert direct is not None
-            got: list[bytes] = []
+            got: list[Any] = []
             while not got:
                 got = direct.receive(60.0)
-            return shard_pb2.Update.FromString(got[0])
+            return got[0].message
 
         def one(step: int) -> None:
             msg, slots = pushes.batch(step)
             if direct is not None:
-                direct.send(msg.SerializeToString())
+                direct.send([msg.SerializeToString()])
             else:
                 outbox.put(msg)
-            update = next_update()
-            if len(update.batch) != tables:
-                raise RuntimeError(f"step {step}: {len(update.batch)} answers, not {tables}")
+            answered = len(next_update().batch.updates)
+            if answered != tables:
+                raise RuntimeError(f"step {step}: {answered} answers, not {tables}")
             pushes.free(slots)
 
         warmup = 50
@@ -245,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{statistics.median(local):.0f} us a batch")
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_push_cpu-") as tmp:
-        server = Server(Path(tmp), [], None)
+        server = Server(Path(tmp), [])
         try:
             for gap in gaps:
                 for transport in ("stream", "socket"):
                     results[f"{transport} {gap:g}"] = through_server(
-                        server.address("tcp"), server.proc.pid, args.tables, args.rows,
+                        server.address(), server.proc.pid, args.tables, args.rows,
                         args.dim, batches, gap / 1000, transport)
         finally:
             server.close()

@@ -14,8 +14,11 @@ tables, batch 256 per rank) and a TorchRec-like one (`--task tables --dim 64
       shard server (`python -m ps --port 0`) at --staleness 1;
   (c) local: hybridps on 2 ranks with --local-optimizer at --staleness 1;
   (d) server-pipe-on|off: (b) with the config's --pipeline default flipped (off by
-      default: server-pipe-on), to show what the pipeline gains.
+      default: server-pipe-on), to show what the pipeline gains;
+  (e) local-one-rank: hybridps on ONE rank (no collectives) with --local-optimizer at
+      --staleness 0 (the plain loop's synchronous math) on the same global batches.
 Goal 3: samples/s server / plain >= 1.0. Goal 4: step time server / local <= 1.05.
+Goal 8 (issue 24): samples/s (e) / plain >= 0.9: world size 1 costs (almost) nothing.
 Goal 6: step time of (b) on `--task tables --dim 16 --batch-size 1024` with a table of 50M
 rows over one of 1M rows < 1.10 (--quick: 10M rows). Both draw ids from the same Zipf law
 over 1M popularity ranks, scattered over the whole table (`--zipf-rows`,
@@ -67,6 +70,7 @@ from worker.tasks.base import HybridModel, build_dense_seeded
 GOAL_VS_PLAIN = 1.0
 GOAL_ASYNC = 1.05
 GOAL_GROWTH = 1.10
+GOAL_ONE_RANK = 0.9
 WORLD = 2
 CONFIGS: dict[str, list[str]] = {
     "default": [],
@@ -188,15 +192,16 @@ def _plain_once(name: str, worker_args: list[str], steps: int, threads: int,
 # -- (b), (c) hybridps on 2 ranks ----------------------------------------------------------
 
 def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
-                 directory: Path) -> Run:
+                 directory: Path, nproc: int = WORLD) -> Run:
     directory.mkdir(parents=True, exist_ok=True)
     server = Server(directory) if not variant.startswith("local") else None
     try:
         source = ["--local-optimizer"] if server is None else ["--ps", server.address]
         res = run_worker([*source, "--staleness", "1", "--steps", str(steps),
-                          "--eval-batches", "1", "--log-every", "50", *worker_args],
+                          "--eval-batches", "1", "--eval-every", "0", "--log-every", "50",
+                          *worker_args],
                          directory / f"{name}-{variant}.json",
-                         directory / f"{name}-{variant}.log", world=WORLD, timeout=1800)
+                         directory / f"{name}-{variant}.log", world=nproc, timeout=1800)
     finally:
         if server is not None:
             server.close()
@@ -293,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = {"server": [], "local": [], flipped: ["--pipeline", str(not piped).lower()]}
         if args.no_pipeline_ab:
             del variants[flipped]
+        # one rank, the whole global batch, synchronous: the plain loop's work exactly
+        one_rank = ["--batch-size", str(WORLD * worker_config(wargs).run.batch_size),
+                    "--staleness", "0"]
+        variants["local-one-rank"] = one_rank
         # Repeats interleave the variants (server, local, ..., server, local, ...): a shared
         # machine's speed drifts over minutes, and a block of server runs then a block of
         # local ones would read that drift as a difference between them.
@@ -300,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for variant, extra in variants.items():
                 log(f"[{name}] hybridps {variant} ({i + 1}/{args.repeats})")
-                tries[variant].append(run_hybridps(name, variant, [*wargs, *extra],
-                                                   steps.get(name, 200), work / f"r{i}"))
+                tries[variant].append(run_hybridps(
+                    name, variant, [*wargs, *extra], steps.get(name, 200), work / f"r{i}",
+                    nproc=1 if variant == "local-one-rank" else WORLD))
         paired[name] = [s.step_ms / lo.step_ms
                         for s, lo in zip(tries["server"], tries["local"], strict=True)]
         hyb = {variant: best_of(r) for variant, r in tries.items()}
@@ -314,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                            GOAL_VS_PLAIN, ">="))
         goals.append(_goal(4, f"{name}: step time server K=1 / local-optimizer",
                            hyb["server"].step_ms / hyb["local"].step_ms, GOAL_ASYNC, "<="))
+        goals.append(_goal(8, f"{name}: samples/s one rank (local, K=0) / plain",
+                           hyb["local-one-rank"].samples_per_s / plain.samples_per_s,
+                           GOAL_ONE_RANK, ">="))
     if not args.no_growth:
         sizes: dict[int, list[Run]] = {1_000_000: [], growth_rows: []}
         growth_args = {rows: [*GROWTH, "--num-rows", str(rows), "--zipf-rows",

@@ -1,9 +1,9 @@
 """The shard server over the wire against the in-process kernel and a raw socket echo.
 
-    python bench/bench_wire.py                   # full run (~2 min): fp32+bf16, TCP+UDS
+    python bench/bench_wire.py                   # full run: fp32+bf16, TCP + shm
     python bench/bench_wire.py --quick           # dim 64, 2 batch sizes, fp32, TCP + shm
     python bench/bench_wire.py --json runs/bench_wire.json
-    python bench/bench_wire.py --wire-dtype bf16 --transport uds --dims 128
+    python bench/bench_wire.py --wire-dtype bf16 --transport tcp --dims 128
     python bench/bench_wire.py --quick --transport tcp,shm   # shared memory vs TCP
 
 Side by side in one run, for each dim (64, 128) and batch of unique rows (4k, 16k, 64k):
@@ -12,9 +12,9 @@ Side by side in one run, for each dim (64, 128) and batch of unique rows (4k, 16
       server's kernel thread count, with the same validation the server does per push
       (range, duplicates, finiteness) left out: the kernel alone, the bar to reach;
   (b) wire: push -> update through a real Sync stream against a real `python -m ps`
-      (started on port 0, or on a Unix socket for --transport uds), with the real client
-      (worker/sync.py ShardClient: background thread, chunking, the wire codec; one
-      torch thread, like a torchrun rank), keeping --window pushes in flight; rows/s =
+      (started on port 0), with the real client (worker/sync.py ShardClient: chunking,
+      the wire codec, the gRPC stream's loop thread; one torch thread, like a torchrun
+      rank), keeping --window pushes in flight; rows/s =
       rows answered / wall time. --transport shm: the same-node shared-memory data
       plane (--shm on: ids and gradients copied into the arena, the answer written
       there by the server, the messages only headers, sent over the server's Sync
@@ -133,14 +133,12 @@ def kernel_rate(rows: int, dim: int, batch: int, seconds: float, threads: int) -
 # -- (b, c) the wire -------------------------------------------------------------------
 
 class Server:
-    """`python -m ps` on port 0 (and a Unix socket), like tests/helpers.start_ps_server."""
+    """`python -m ps` on port 0, like tests/helpers.start_ps_server."""
 
-    def __init__(self, directory: Path, extra: list[str], uds: str | None) -> None:
+    def __init__(self, directory: Path, extra: list[str]) -> None:
         port_file = directory / "ps.port"
         args = [sys.executable, "-m", "ps", "--host", "127.0.0.1", "--port", "0",
                 "--port-file", str(port_file), "--log-level", "WARNING", *extra]
-        if uds:
-            args += ["--uds", uds]
         self.stderr_path = directory / "ps.stderr"
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
@@ -153,10 +151,9 @@ class Server:
                                    + self.stderr_path.read_text(errors="replace"))
             time.sleep(0.05)
         self.port = int(port_file.read_text().strip())
-        self.uds = uds
 
-    def address(self, transport: str) -> str:
-        return f"unix:{self.uds}" if transport == "uds" else f"127.0.0.1:{self.port}"
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -172,8 +169,8 @@ def wire_rates(address: str, rows: int, dim: int, batches: list[int], seconds: f
                window: int, max_chunk_bytes: int, wire_dtype: str, shm: bool = False
                ) -> dict[int, tuple[float, float, int]]:
     """{batch: (rows/s, bytes/s out+back, steps)} through one ShardClient stream."""
+    from worker.arena_client import region_bytes
     from worker.embedding import TableConfig
-    from worker.shm import region_bytes
     from worker.sync import WIRE_DTYPES, ShardClient
 
     kwargs: dict[str, Any] = {"wire_dtype": WIRE_DTYPES[wire_dtype]}
@@ -340,7 +337,7 @@ def table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true",
-                   help="dim 64, batches 4k and 64k, fp32, no uds, shorter windows (~40 s)")
+                   help="dim 64, batches 4k and 64k, fp32, shorter windows")
     p.add_argument("--dims", default="64,128")
     p.add_argument("--batches", default="4096,16384,65536")
     p.add_argument("--table-rows", type=int, default=1 << 19,
@@ -353,9 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the worker's --max-chunk-bytes")
     p.add_argument("--wire-dtype", default="fp32,bf16",
                    help="comma list of the worker's --wire-dtype values: fp32 | bf16 | fp16")
-    p.add_argument("--transport", default="tcp,uds,shm",
-                   help="comma list of tcp | uds (the same server's --uds socket) | shm "
-                        "(TCP with the shared-memory data plane)")
+    p.add_argument("--transport", default="tcp,shm",
+                   help="comma list of tcp | shm (TCP with the shared-memory data plane)")
     p.add_argument("--kernel-threads", type=int, default=0,
                    help="threads of the in-process kernel and the server's --kernel-threads "
                         "(0: the server's default)")
@@ -368,13 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.dims, args.batches, args.seconds = "64", "4096,65536", 1.5
         args.wire_dtype = args.wire_dtype.split(",")[0]
-        args.transport = ",".join(t for t in args.transport.split(",") if t != "uds")
     dims = [int(x) for x in args.dims.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     transports = [t.strip() for t in args.transport.split(",")]
     for t in transports:
-        if t not in ("tcp", "uds", "shm"):
-            raise SystemExit(f"--transport {t!r}: must be tcp, uds or shm")
+        if t not in ("tcp", "shm"):
+            raise SystemExit(f"--transport {t!r}: must be tcp or shm")
     dtypes = [d.strip() for d in args.wire_dtype.split(",")]
     for d in dtypes:
         if d not in WIRE_ITEMSIZE:
@@ -388,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-wire-") as tmp:
         directory = Path(tmp)
-        uds = str(directory / "ps.sock") if "uds" in transports else None
-        server = Server(directory, server_extra, uds)
+        server = Server(directory, server_extra)
         echo = EchoServer(directory)
         try:
             echo_cache: dict[int, float] = {}  # message bytes -> echo bytes/s
@@ -398,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                           for b in batches}
                 log(f"dim {dim} kernel rows/s: {kernel}")
                 for dtype, transport in itertools.product(dtypes, transports):
-                    wire = wire_rates(server.address(transport), args.table_rows, dim, batches,
+                    wire = wire_rates(server.address(), args.table_rows, dim, batches,
                                       args.seconds, args.window, args.max_chunk_bytes, dtype,
                                       shm=transport == "shm")
                     log(f"dim {dim} {transport} {dtype} wire: {wire}")

@@ -5,7 +5,8 @@ single-process reference (bench/kge_reference.py) vs dicee's figures.
     python bench/kge_quality.py --only UMLS-DistMult-32 --seeds 0,1,2 --out runs/kge
 
 For each setting (data set, model, dim, epochs; KvsAll, reciprocal triples, Adam lr 0.1,
-global batch 1024, as /work/shared/data/README.md) it runs bench/kge_reference.py and
+global batch 1024, as hybridps/data/README.md, on the copies shipped there) it runs
+bench/kge_reference.py and
 `torchrun --nproc_per_node 2 worker/main.py --task kge` for each variant against one
 `python -m ps` server, then prints a markdown table (filtered test MRR and wall times) and
 writes everything to <out>/kge_quality.json. A variant is STALENESS:ROW_LR[:COMPENSATION]
@@ -32,9 +33,9 @@ from typing import Any, get_args
 
 from harness import REPO, Server, child_env, run_worker  # bench/ is sys.path[0]
 
+from hybridps.datasets import shipped_dataset
 from worker.config import Compensation
 
-DATA = Path("/work/shared/data")
 TOLERANCE = 0.01
 COMPENSATIONS: tuple[str, ...] = get_args(Compensation)  # --staleness-compensation
 
@@ -65,8 +66,8 @@ SETTINGS = [
 
 def run_reference(s: Setting, seed: int, entity_init: str = "torch") -> dict[str, Any]:
     cmd = [sys.executable, str(REPO / "bench" / "kge_reference.py"), "--data",
-           str(DATA / s.data), "--model", s.model.lower(), "--dim", str(s.dim), "--epochs",
-           str(s.epochs), "--seed", str(seed), "--entity-init", entity_init]
+           str(shipped_dataset(s.data)), "--model", s.model.lower(), "--dim", str(s.dim),
+           "--epochs", str(s.epochs), "--seed", str(seed), "--entity-init", entity_init]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
                           check=False)
@@ -114,7 +115,7 @@ def run_hybridps(s: Setting, seed: int, v: Variant, server: Server, out: Path
                      + ("" if v.compensation == "none" else f"-{v.compensation}")
                      + f"-s{seed}.json")
     res = run_worker(
-        ["--ps", server.address, "--task", "kge", "--data-dir", str(DATA / s.data),
+        ["--ps", server.address, "--task", "kge", "--data-dir", str(shipped_dataset(s.data)),
          "--model", s.model.lower(), "--dim", str(s.dim), "--epochs", str(s.epochs),
          "--training", "kvsall", "--batch-size", "512", "--lr", str(row_lr), "--dense-lr", "0.1",
          "--init-std", "1", "--staleness", str(staleness), "--seed", str(seed),

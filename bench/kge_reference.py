@@ -1,13 +1,13 @@
 """Single-process KvsAll reference trainer (full nn.Embedding entity table, no parameter server).
 
-Same setting as dicee's defaults used for the figures in /work/shared/data/README.md: KvsAll over
+Same setting as dicee's defaults used for the figures in hybridps/data/README.md: KvsAll over
 the distinct (h, r) pairs of train + reciprocal triples, BCE-with-logits against multi-hot tails,
 Adam (lr 0.1) over all parameters, N(0, 1) init, no dropout/normalisation. Evaluation is
 filtered (train + valid + test), both directions via reciprocal relations, computed block-wise
 with worker.metrics exactly like the sharded trainer will (``--eval-blocks`` entity blocks).
 
-    python bench/kge_reference.py --data /work/shared/data/UMLS --model distmult --dim 32
-    python bench/kge_reference.py --data /work/shared/data/UMLS --model keci --dim 32 --p 0 --q 1
+    python bench/kge_reference.py --data umls --model distmult --dim 32
+    python bench/kge_reference.py --data umls --model keci --dim 32 --p 0 --q 1
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def evaluate(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default="/work/shared/data/UMLS")
+    ap.add_argument("--data", default="umls",
+                    help="dataset directory, or a set shipped in hybridps/data (umls, kinship)")
     ap.add_argument("--model", default="distmult")
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--epochs", type=int, default=100)

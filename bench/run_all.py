@@ -7,7 +7,9 @@
 
 Each benchmark runs as its own process (`python bench/bench_<name>.py [--quick] --json
 OUT/<name>.json`), one at a time so they do not share the machine; its output is shown
-and kept in OUT/<name>.txt. A benchmark whose file does not exist is listed as skipped.
+and kept in OUT/<name>.txt. A benchmark whose file does not exist is listed as skipped,
+and so is the TorchRec comparison (bench_vs_torchrec.py) when TorchRec is not
+importable (an optional extra: docs/performance.md says how to install it).
 Then the summary: per goal of issue 6, the ratio each benchmark measured, its target
 and met / NOT met (the worst case where a benchmark measures several configurations),
 written to OUT/summary.json too. Exit code 1 if a benchmark failed to run (a missed goal
@@ -17,6 +19,7 @@ is a result, not a failure).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -53,7 +56,7 @@ def kernel_goals(res: dict[str, Any]) -> list[Goal]:
 
 
 def wire_goals(res: dict[str, Any]) -> list[Goal]:
-    """Goal 2, per transport (tcp, uds, shm): the worst wire/kernel rows ratio and
+    """Goal 2, per transport (tcp, shm): the worst wire/kernel rows ratio and
     wire/echo bytes ratio over the configurations."""
     goal, out = res["goal"], []
     for transport in sorted({r["transport"] for r in res["results"]}):
@@ -101,7 +104,11 @@ BENCHES: dict[str, tuple[str, Callable[[dict[str, Any]], list[Goal]]]] = {
     "train": ("bench/bench_train.py", listed_goals),
     "checkpoint": ("bench/bench_checkpoint.py", no_goals),
     "push_cpu": ("bench/bench_push_cpu.py", no_goals),
+    "vs_torchrec": ("bench/bench_vs_torchrec.py", listed_goals),
 }
+# benchmark -> (module it needs, how to get it): skipped with that line when not importable
+OPTIONAL = {"vs_torchrec": ("torchrec", "pip install -e '.[bench]' && "
+                                       "pip install --no-deps torchrec==1.8.0")}
 
 
 def run_bench(name: str, script: Path, out_dir: Path, quick: bool,
@@ -123,13 +130,13 @@ def run_bench(name: str, script: Path, out_dir: Path, quick: bool,
 
 
 def summary_table(rows: list[tuple[str, Goal]]) -> str:
-    head = f"{'goal':>4}  {'bench':<7} {'what':<58} {'ratio':>8}  {'target':<8} result"
+    head = f"{'goal':>4}  {'bench':<11} {'what':<58} {'ratio':>8}  {'target':<8} result"
     lines = [head, "-" * len(head)]
     for bench, g in sorted(rows, key=lambda r: r[1]["goal"]):
         ratio = g["ratio"]
         cell = f"{ratio:>8.3f}" if isinstance(ratio, float) and math.isfinite(ratio) else \
             f"{ratio!s:>8}"
-        lines.append(f"{g['goal']:>4}  {bench:<7} {g['what']:<58} {cell}  {g['target']:<8} "
+        lines.append(f"{g['goal']:>4}  {bench:<11} {g['what']:<58} {cell}  {g['target']:<8} "
                      f"{'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
 
@@ -147,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.train_repeats < 1:
         p.error(f"--train-repeats must be >= 1, got {args.train_repeats}")
-    extra_args = {"train": ["--repeats", str(args.train_repeats)]}
+    extra_args = {"train": ["--repeats", str(args.train_repeats)],
+                  "vs_torchrec": ["--repeats", str(max(args.train_repeats, 3))]}
     names = [n for n in args.only.split(",") if n] or list(BENCHES)
     for n in names:
         if n not in BENCHES:
@@ -163,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         script = REPO / rel
         if not script.exists():
             status[name] = f"skipped ({rel} does not exist)"
+            continue
+        if name in OPTIONAL and importlib.util.find_spec(OPTIONAL[name][0]) is None:
+            status[name] = f"skipped ({OPTIONAL[name][0]} is not installed: {OPTIONAL[name][1]})"
+            print(f"\n=== {name}: {status[name]}", flush=True)
             continue
         result = args.out_dir / f"{name}.json"
         result.unlink(missing_ok=True)  # a JSON from an earlier run is not this run's
@@ -184,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print("\n=== summary (" + ("quick" if args.quick else "full") + f" runs, {args.out_dir})")
     for name in names:
-        print(f"  {name:<7} {status[name]}")
+        print(f"  {name:<11} {status[name]}")
     print(summary_table(goals))
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; "
           f"{time.perf_counter() - started:.0f}s")

@@ -4,14 +4,18 @@ Shared by `python -m ps.admin` and the worker (which prints the stats at the end
 run): no torch import.
 
     stats = get_shard_stats("127.0.0.1:50051")   # admin_pb2.ShardStats
-    print(format_shard_stats(stats))
+    print(format_shard_stats(stats))              # one line per run; wide=True: per table
+    print(stats_json(stats))                      # numbers as JSON numbers
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from google.protobuf import json_format
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridps.channel_options import channel_options
@@ -51,9 +55,44 @@ def shutdown_server(address: str, security: ClientSecurity, grace_s: float = 0.0
     return str(reply.server_id)
 
 
-def stats_json(stats: admin_pb2.ShardStats) -> str:
-    return json_format.MessageToJson(stats, always_print_fields_with_no_presence=True,
-                                     preserving_proto_field_name=True, indent=2)
+def drop_run(address: str, security: ClientSecurity, run_id: str, reason: str = "",
+             timeout: float = DEFAULT_TIMEOUT_S) -> admin_pb2.DropRunResponse:
+    """Free every partition of `run_id` on the server now (admin token)."""
+    with open_channel(address, channel_options(), security) as channel:
+        return admin_pb2_grpc.AdminServiceStub(channel).DropRun(
+            admin_pb2.DropRunRequest(run_id=run_id, reason=reason), timeout=timeout,
+            metadata=security.metadata)
+
+
+def message_dict(msg: Message) -> dict[str, Any]:
+    """Every field of `msg` by its proto name, numbers as numbers (protobuf's JSON mapping
+    writes 64-bit integers as strings), enums by name, maps as dicts."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            out[field.name] = {k: _plain(v, entry.fields_by_name["value"])
+                               for k, v in sorted(value.items())}
+        elif field.is_repeated:
+            out[field.name] = [_plain(v, field) for v in value]
+        else:
+            out[field.name] = _plain(value, field)
+    return out
+
+
+def _plain(value: Any, field: Any) -> Any:
+    if field.message_type is not None:
+        return message_dict(value)
+    if field.enum_type is not None:
+        return field.enum_type.values_by_number[value].name
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def stats_json(stats: admin_pb2.ShardStats, indent: int | None = 2) -> str:
+    return json.dumps(message_dict(stats), indent=indent)
 
 
 def _mb(n: int) -> str:
@@ -65,33 +104,134 @@ def _refusals(counts: Mapping[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in items) if items else "-"
 
 
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def short_run_ids(run_ids: Iterable[str], min_len: int = 8, keep_len: int = 16
+                  ) -> dict[str, str]:
+    """run id -> its shortest prefix of at least `min_len` characters that no other id shares;
+    ids of at most `keep_len` characters (the worker's own `run-<12 hex>`) stay whole. What
+    the compact view prints, and what `--run PREFIX` takes back."""
+    ids = sorted(set(run_ids))
+    out: dict[str, str] = {}
+    for run in ids:
+        if len(run) <= keep_len:
+            out[run] = run
+            continue
+        n = min_len
+        while n < len(run) and any(o != run and o.startswith(run[:n]) for o in ids):
+            n += 1
+        out[run] = run[:n]
+    return out
+
+
+def select_runs(stats: admin_pb2.ShardStats, prefix: str) -> admin_pb2.ShardStats:
+    """A copy of `stats` with only the partitions of runs whose id starts with `prefix`."""
+    out = admin_pb2.ShardStats()
+    out.CopyFrom(stats)
+    if prefix:
+        del out.partitions[:]
+        out.partitions.extend(p for p in stats.partitions if p.run_id.startswith(prefix))
+    return out
+
+
+@dataclass
+class RunSummary:
+    """One run's partitions on this server, added up (the compact view's row)."""
+
+    run_id: str
+    state: str
+    ranks: set[int]
+    tables: set[str]
+    last_step: int
+    lag: int
+    pushes: int
+    rows_per_second: float
+    state_bytes: int
+    queue: int
+    refusals: dict[str, int]
+
+
+def run_summaries(stats: admin_pb2.ShardStats) -> list[RunSummary]:
+    runs: dict[str, RunSummary] = {}
+    for p in stats.partitions:
+        r = runs.setdefault(p.run_id, RunSummary(p.run_id, p.run_state, set(), set(), -1, 0,
+                                                 0, 0.0, 0, 0, {}))
+        r.ranks.add(p.rank)
+        r.tables.add(p.table)
+        r.last_step = max(r.last_step, p.last_step)
+        r.lag = max(r.lag, p.lag_steps)
+        r.pushes += p.pushes_applied
+        r.rows_per_second += p.rows_per_second
+        r.state_bytes += p.state_bytes + p.master_bytes
+        r.queue += p.queue_depth
+        for reason, n in p.refusals.items():
+            r.refusals[reason] = r.refusals.get(reason, 0) + n
+    return [runs[k] for k in sorted(runs)]
+
+
+RUN_COLUMNS = ("run", "state", "ranks", "tables", "step", "lag", "pushes", "rows/s",
+               "host_MB", "queue", "refusals")  # host_MB: optimizer state + master rows
 COLUMNS = ("run", "rank", "table", "rows", "state_MB", "pushes", "rows_updated", "rows/s",
-           "touched", "last_step", "lag", "queue", "refusals")
+           "touched", "last_step", "lag", "queue", "refusals", "state", "inc", "rows_range",
+           "dtype", "master_MB", "optimizer")
+_TEXT_COLUMNS = {"run", "table", "refusals", "state", "rows_range", "dtype", "optimizer"}
 
 
-def format_shard_stats(stats: admin_pb2.ShardStats) -> str:
-    """A readable report: header lines, then one row per (run, rank, table)."""
+def _table(columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    lines = []
+    for r in [columns, *rows]:
+        cells = [c.ljust(w) if name in _TEXT_COLUMNS else c.rjust(w)
+                 for name, c, w in zip(columns, r, widths, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
+                       all_run_ids: Iterable[str] = ()) -> str:
+    """A readable report: header lines, then one row per run (state, ranks, newest step,
+    pushes...), or with `wide` one row per (run, rank, table) with every counter.
+
+    Run ids are shortened to prefixes unique among the shown runs and `all_run_ids` (the
+    server's runs when `stats` is a selection, so a short id does not change with it)."""
     lines = [
-        f"server {stats.server_id}  uptime {stats.uptime_s:.1f}s  "
+        f"server {stats.server_id}  uptime {_duration(stats.uptime_s)}  "
         f"partitions {len(stats.partitions)}",
         f"totals: state {_mb(stats.state_bytes_total)} MB  master rows "
         f"{_mb(stats.master_bytes_total)} MB  pushes "
         f"{stats.pushes_applied_total}  rows updated {stats.rows_updated_total}",
         f"refusals: {_refusals(stats.refusals)}",
+        f"runs freed {stats.runs_freed} ({stats.partitions_freed} partitions); each run's "
+        "state and when it is freed: --json (runs)",
     ]
-    rows = [COLUMNS]
-    for p in stats.partitions:
-        rows.append((p.run_id, str(p.rank), p.table, str(p.rows_held), _mb(p.state_bytes),
-                     str(p.pushes_applied), str(p.rows_updated), f"{p.rows_per_second:.0f}",
-                     str(p.distinct_rows_touched), str(p.last_step), str(p.lag_steps),
-                     str(p.queue_depth), _refusals(p.refusals)))
-    if len(rows) == 1:
+    if not stats.partitions:
         lines.append("(no partitions registered)")
         return "\n".join(lines)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    text_cols = {0, 2, 12}
-    for r in rows:
-        cells = [c.ljust(w) if i in text_cols else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
+    if wide:
+        rows: list[tuple[str, ...]] = [
+                (p.run_id, str(p.rank), p.table, str(p.rows_held), _mb(p.state_bytes),
+                 str(p.pushes_applied), str(p.rows_updated), f"{p.rows_per_second:.0f}",
+                 str(p.distinct_rows_touched), str(p.last_step), str(p.lag_steps),
+                 str(p.queue_depth), _refusals(p.refusals), p.run_state or "-",
+                 str(p.incarnation), f"[{p.row_start},{p.row_end})", p.row_dtype or "-",
+                 _mb(p.master_bytes), p.optimizer)
+                for p in stats.partitions]
+        return "\n".join(lines + _table(COLUMNS, rows))
+    summaries = run_summaries(stats)
+    short = short_run_ids([*(r.run_id for r in summaries), *all_run_ids])
+    rows = [(short[r.run_id], r.state or "-", str(len(r.ranks)), str(len(r.tables)),
+             str(r.last_step), str(r.lag), str(r.pushes), f"{r.rows_per_second:.0f}",
+             _mb(r.state_bytes), str(r.queue), _refusals(r.refusals)) for r in summaries]
+    lines += _table(RUN_COLUMNS, rows)
+    if any(short[r.run_id] != r.run_id for r in summaries):
+        lines.append("(run ids shortened: --run PREFIX selects, --wide shows whole ids by "
+                     "rank and table)")
     return "\n".join(lines)

@@ -21,6 +21,14 @@ Every shard file is a `torch.save` dict: {"format", "kind", "table", "num_rows",
 lists every file with its size and crc32 and the row range it holds, so a
 reader at ANY world size gathers the saved ranges overlapping the range it
 owns now (`load_rows`): that is all re-sharding is.
+
+Nothing damaged is ever applied. The manifest carries a crc32 of its own content
+(`checksum`; manifests written before it have none and are read as they are), and
+every file is checked against the manifest's size and crc32 before a byte of it is
+used (`verify_entry`; `load_rows` does it for each file it reads). A file that is
+missing, of another size or crc32, truncated or unreadable raises CorruptCheckpoint
+naming it (the server answers DATA_LOSS; a resuming worker falls back to the previous
+checkpoint, worker/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any
 
 import torch
 
-from hybridps.errors import Conflict, InvalidArgument, NotFound
+from hybridps.errors import Conflict, CorruptCheckpoint, InvalidArgument, NotFound
 
 SHARD_FORMAT = "hybridps-shard-v1"
 MANIFEST_FORMAT = "hybridps-checkpoint-v1"
@@ -140,18 +148,62 @@ def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, ra
     return ShardInfo(table, rank, row_start, row_end, relpath, info["bytes"], info["crc32"])
 
 
+SHARD_KEYS = {"table": str, "num_rows": int, "dim": int, "row_start": int, "row_end": int,
+              "tensors": dict, "meta": dict}
+
+
 def read_shard(path: str | Path) -> dict[str, Any]:
-    """A shard file, tensors memory-mapped (only the rows read are paged in)."""
+    """A shard file, tensors memory-mapped (only the rows read are paged in).
+
+    CorruptCheckpoint when it is missing, unreadable (truncated, garbled) or not a
+    well-formed shard; the caller checks it against the manifest first (verify_entry)."""
     try:
         data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except FileNotFoundError:
-        raise NotFound(f"checkpoint file {path} does not exist") from None
+        raise CorruptCheckpoint(f"checkpoint file {path} is missing") from None
     except Exception as exc:
-        raise InvalidArgument(f"checkpoint file {path} is unreadable: "
-                              f"{type(exc).__name__}: {exc}") from None
+        raise CorruptCheckpoint(f"checkpoint file {path} is unreadable: "
+                                f"{type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != SHARD_FORMAT:
-        raise InvalidArgument(f"checkpoint file {path} is not a {SHARD_FORMAT} file")
+        raise CorruptCheckpoint(f"checkpoint file {path} is not a {SHARD_FORMAT} file")
+    bad = sorted(k for k, kind in SHARD_KEYS.items() if not isinstance(data.get(k), kind))
+    if bad:
+        raise CorruptCheckpoint(f"checkpoint file {path} lacks well-formed {', '.join(bad)}")
     return data
+
+
+def verify_entry(directory: str | Path, entry: Mapping[str, Any]) -> None:
+    """The file a manifest entry ({file, bytes, crc32}) names exists with that size and
+    crc32; CorruptCheckpoint naming it and what differs otherwise."""
+    try:
+        rel, size, crc = str(entry["file"]), int(entry["bytes"]), str(entry["crc32"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCheckpoint(f"checkpoint {directory}: manifest entry {entry!r} has no "
+                                "file, bytes and crc32") from None
+    path = Path(directory) / rel
+    if Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise CorruptCheckpoint(f"checkpoint {directory}: manifest names file {rel!r} "
+                                "outside its directory")
+    try:
+        got_size = path.stat().st_size
+        if got_size != size:
+            raise CorruptCheckpoint(f"checkpoint file {path} has {got_size} bytes; the "
+                                    f"manifest says {size} (truncated or replaced)")
+        got_crc = file_crc32(path)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"checkpoint file {path} listed in the manifest is "
+                                "missing") from None
+    except OSError as exc:
+        raise CorruptCheckpoint(f"checkpoint file {path} is unreadable: "
+                                f"{exc.strerror or exc}") from None
+    if got_crc != crc:
+        raise CorruptCheckpoint(f"checkpoint file {path} has crc32 {got_crc}; the manifest "
+                                f"says {crc} (corrupt)")
+
+
+def verify_shards(directory: str | Path, shards: Sequence[ShardInfo]) -> None:
+    for s in shards:
+        verify_entry(directory, {"file": s.file, "bytes": s.bytes, "crc32": s.crc32})
 
 
 def check_tiling(table: str, num_rows: int, shards: Sequence[ShardInfo]) -> list[ShardInfo]:
@@ -170,21 +222,35 @@ def check_tiling(table: str, num_rows: int, shards: Sequence[ShardInfo]) -> list
     return ordered
 
 
+def overlapping(shards: Sequence[ShardInfo], start: int, end: int) -> list[ShardInfo]:
+    """The shards `load_rows` reads for rows [start, end) (an empty range: the first)."""
+    ordered = sorted(shards, key=lambda s: s.row_start)
+    if start == end:
+        return ordered[:1]
+    return [s for s in ordered if max(start, s.row_start) < min(end, s.row_end)]
+
+
 def load_rows(directory: str | Path, table: str, num_rows: int, dim: int,
               shards: Sequence[ShardInfo], start: int, end: int,
-              names: Sequence[str]) -> tuple[dict[str, torch.Tensor | None], list[dict[str, Any]]]:
+              names: Sequence[str], *, verify: bool = True, dry_run: bool = False
+              ) -> tuple[dict[str, torch.Tensor | None], list[dict[str, Any]]]:
     """Re-shard: rows [start, end) of tensors `names`, gathered from the overlapping shards.
 
     Returns ({name: [end-start, dim] float32, or None when the saved state has no
-    such tensor}, [meta of every shard read]).
+    such tensor}, [meta of every shard read]). Each file read is first checked
+    against its manifest entry (`verify`; False: the caller verified them). `dry_run`:
+    every check, no tensor allocated or copied (the returned tensors are empty).
     """
     ordered = check_tiling(table, num_rows, shards)
-    out: dict[str, torch.Tensor | None] = {n: torch.empty(end - start, dim) for n in names}
+    out: dict[str, torch.Tensor | None] = {
+        n: torch.empty(0 if dry_run else end - start, dim) for n in names}
     metas: list[dict[str, Any]] = []
     for s in ordered:
         a, b = max(start, s.row_start), min(end, s.row_end)
         if a >= b and not (start == end and not metas):
             continue
+        if verify:
+            verify_shards(directory, [s])
         data = read_shard(Path(directory) / s.file)
         if (data["table"], data["num_rows"], data["dim"], data["row_start"],
                 data["row_end"]) != (table, num_rows, dim, s.row_start, s.row_end):
@@ -194,34 +260,61 @@ def load_rows(directory: str | Path, table: str, num_rows: int, dim: int,
                 f"{data['row_end']}); the manifest says {table!r} {num_rows}x{dim} rows "
                 f"[{s.row_start}, {s.row_end})")
         metas.append(dict(data["meta"]))
+        held = s.row_end - s.row_start
         for n in names:
             saved = data["tensors"].get(n)
             if saved is None:
                 out[n] = None
                 continue
+            if (not isinstance(saved, torch.Tensor) or saved.dtype != torch.float32
+                    or tuple(saved.shape) != (held, dim)):
+                got = (f"{saved.dtype} {list(saved.shape)}" if isinstance(saved, torch.Tensor)
+                       else type(saved).__name__)
+                raise CorruptCheckpoint(f"checkpoint file {Path(directory) / s.file}: tensor "
+                                        f"{n!r} is {got}, not float32 [{held}, {dim}]")
             dst = out[n]
-            if dst is not None and a < b:
+            if dst is not None and a < b and not dry_run:
                 dst[a - start:b - start].copy_(saved[a - s.row_start:b - s.row_start])
     return out, metas
 
 
 # -- the manifest -----------------------------------------------------------------------
 
+MANIFEST_CHECKSUM = "checksum"
+
+
+def _manifest_crc(body: Mapping[str, Any]) -> str:
+    canonical = json.dumps({k: v for k, v in body.items() if k != MANIFEST_CHECKSUM},
+                           sort_keys=True, separators=(",", ":"))
+    return f"crc32:{zlib.crc32(canonical.encode()):08x}"
+
+
 def write_manifest(directory: str | Path, manifest: Mapping[str, Any]) -> None:
-    body = json.dumps({"format": MANIFEST_FORMAT, **manifest}, indent=1, sort_keys=True)
+    data = {"format": MANIFEST_FORMAT, **manifest}
+    data[MANIFEST_CHECKSUM] = _manifest_crc(data)
+    body = json.dumps(data, indent=1, sort_keys=True)
     atomic_write(Path(directory) / MANIFEST, lambda f: f.write(body.encode() + b"\n"))
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint: NotFound when there is none (a torn
+    directory), CorruptCheckpoint when it is unreadable or fails its own checksum."""
     path = Path(directory) / MANIFEST
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode())
     except FileNotFoundError:
         raise NotFound(f"{directory} is not a complete checkpoint (no {MANIFEST})") from None
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"{path} is unreadable: {exc}") from None
+    except OSError as exc:
+        raise CorruptCheckpoint(f"{path} is unreadable: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSON or UTF-8
+        raise CorruptCheckpoint(f"{path} is unreadable: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-        raise InvalidArgument(f"{path} is not a {MANIFEST_FORMAT} manifest")
+        raise CorruptCheckpoint(f"{path} is not a {MANIFEST_FORMAT} manifest")
+    saved = data.get(MANIFEST_CHECKSUM)
+    if saved is not None and saved != _manifest_crc(data):
+        raise CorruptCheckpoint(f"{path} does not match its own checksum (corrupt)")
+    if not isinstance(data.get("tables"), dict) or not isinstance(data.get("step"), int):
+        raise CorruptCheckpoint(f"{path} lacks well-formed step and tables")
     return data
 
 
@@ -232,31 +325,45 @@ def manifest_shards(manifest: Mapping[str, Any], table: str, key: str) -> list[S
         raise NotFound(f"checkpoint of step {manifest.get('step')} has no table {table!r} "
                        f"(tables: {sorted(manifest['tables'])})")
     out = []
-    for s in entry["shards"]:
-        f = s[key]
-        out.append(ShardInfo(table, int(s["rank"]), int(s["row_start"]), int(s["row_end"]),
-                             f["file"], int(f.get("bytes", 0)), str(f.get("crc32", ""))))
+    try:
+        for s in entry["shards"]:
+            f = s[key]
+            out.append(ShardInfo(table, int(s["rank"]), int(s["row_start"]),
+                                 int(s["row_end"]), str(f["file"]), int(f.get("bytes", 0)),
+                                 str(f.get("crc32", ""))))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptCheckpoint(f"checkpoint of step {manifest.get('step')}: the manifest's "
+                                f"{key} entries of table {table!r} are malformed "
+                                f"({type(exc).__name__}: {exc})") from None
     return out
 
 
-def verify_files(directory: str | Path, manifest: Mapping[str, Any]) -> None:
-    """Every file the manifest lists exists with its size and crc32 (InvalidArgument if not)."""
+def manifest_entries(manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Every file entry ({file, bytes, crc32}) a manifest lists, in a fixed order."""
     entries: list[Mapping[str, Any]] = []
-    for t in manifest["tables"].values():
-        for s in t["shards"]:
-            entries.extend(s[k] for k in ("rows", "optim") if k in s)
-    if "dense" in manifest:  # DCP files, or one dense.pt in older checkpoints
-        dense = manifest["dense"]
-        entries.extend(dense.get("files", [dense]))
-    if "pending" in manifest:  # the workers' pending updates (worker/checkpoint.py)
-        entries.extend(manifest["pending"]["files"])
-    for e in entries:
-        path = Path(directory) / e["file"]
-        if not path.exists():
-            raise NotFound(f"checkpoint file {path} listed in the manifest is missing")
-        if path.stat().st_size != e["bytes"] or file_crc32(path) != e["crc32"]:
-            raise InvalidArgument(f"checkpoint file {path} does not match the manifest's "
-                                  "size/crc32 (corrupt)")
+    try:
+        for _, t in sorted(manifest["tables"].items()):
+            for s in t["shards"]:
+                entries.extend(s[k] for k in ("rows", "optim") if k in s)
+        if "dense" in manifest:  # DCP files, or one dense.pt in older checkpoints
+            dense = manifest["dense"]
+            entries.extend(dense.get("files", [dense]))
+        if "pending" in manifest:  # the workers' pending updates (worker/checkpoint.py)
+            entries.extend(manifest["pending"]["files"])
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpoint(f"checkpoint of step {manifest.get('step')}: malformed "
+                                f"manifest ({type(exc).__name__}: {exc})") from None
+    return entries
+
+
+def verify_files(directory: str | Path, manifest: Mapping[str, Any],
+                 share: tuple[int, int] = (0, 1)) -> None:
+    """Every file the manifest lists exists with its size and crc32 (CorruptCheckpoint
+    naming the first that does not). `share` = (i, n): only entries i, i+n, i+2n, ...
+    (n ranks verify one checkpoint together)."""
+    index, count = share
+    for e in manifest_entries(manifest)[index::count]:
+        verify_entry(directory, e)
 
 
 def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -303,11 +410,15 @@ def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: 
 
 def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: int,
                      row_start: int, row_end: int, step: int,
-                     has_moments: bool, master: bool = False) -> OptimState:
+                     has_moments: bool, master: bool = False, verify: bool = True,
+                     dry_run: bool = False) -> OptimState:
     """The optimizer state of rows [row_start, row_end) at checkpoint step `step`.
 
     `master`: also the fp32 master rows. A checkpoint saved without them (fp32 device
     rows) has its exact rows in the rows files, so they seed the master instead.
+    Every file read is checked against the manifest first (`verify`). `dry_run`: every
+    check (manifest, files, headers, metadata), no tensor copied: a restore calls it for
+    all of a partition's tables before it changes anything.
     """
     manifest = read_manifest(directory)
     if int(manifest["step"]) != step:
@@ -315,14 +426,18 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
     shards = manifest_shards(manifest, table, "optim")
     names = (("m", "v") if has_moments else ()) + (("master",) if master else ())
     tensors, metas = load_rows(directory, table, num_rows, dim, shards, row_start, row_end,
-                               names)
+                               names, verify=verify, dry_run=dry_run)
     if master and tensors["master"] is None:
         rows, _ = load_rows(directory, table, num_rows, dim,
                             manifest_shards(manifest, table, "rows"), row_start, row_end,
-                            ["weight"])
+                            ["weight"], verify=verify, dry_run=dry_run)
         tensors["master"] = rows["weight"]
-    counts = {int(m["adam_step"]) for m in metas}
-    lasts = {int(m["last_step"]) for m in metas}
+    try:
+        counts = {int(m["adam_step"]) for m in metas}
+        lasts = {int(m["last_step"]) for m in metas}
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCheckpoint(f"checkpoint {directory} table {table!r}: an optim file's "
+                                "metadata lacks adam_step/last_step") from None
     if len(counts) > 1 or lasts - {step}:
         raise Conflict(f"checkpoint {directory} table {table!r}: saved partitions disagree "
                        f"(step counts {sorted(counts)}, last steps {sorted(lasts)}; "

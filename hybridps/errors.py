@@ -17,6 +17,14 @@ class NonFiniteGradient(InvalidArgument):
     reason = "non_finite_gradient"
 
 
+class NonFiniteUpdate(InvalidArgument):
+    """A push of finite gradients whose update would make m, v, the delta or the master
+    rows non-finite (e.g. a gradient of 3e38, whose square overflows v): refused, with
+    the state as it was."""
+
+    reason = "non_finite_update"
+
+
 class RowOutOfRange(InvalidArgument):
     reason = "row_out_of_range"
 
@@ -62,6 +70,26 @@ class AnswerEvicted(ShardError):
     """A replayed push whose step was applied, but whose saved answer is no longer held."""
 
     reason = "answer_evicted"
+
+
+class PermissionDenied(ShardError):
+    """A request for something this server never does for anyone: e.g. a checkpoint
+    path that resolves outside its --checkpoint-root."""
+
+    reason = "permission_denied"
+
+
+class WrongSecret(ShardError):
+    """A call for a partition that does not carry the secret its Register handed out."""
+
+    reason = "wrong_secret"
+
+
+class CorruptCheckpoint(ShardError):
+    """A checkpoint file that does not match its manifest (size, crc32), is missing, or
+    cannot be read: nothing of it is applied. The message names the file."""
+
+    reason = "corrupt_checkpoint"
 
 
 class ResourceExhausted(ShardError):

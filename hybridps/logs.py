@@ -7,6 +7,13 @@
 static fields (`rank=` on a worker, `server=` on a shard server, settable later
 with `set_log_fields`) come first on every line, then the message, which code
 builds with `kv(event, **fields)`. No torch, no grpc import.
+
+Level `auto` (the worker's default): on a terminal, rank 0 logs INFO except the
+per-connection detail of AUTO_QUIET_LOGGERS (which every rank repeats at each start)
+and the other ranks log WARNING: one line per phase, warnings, rank 0's progress bar
+and summary. Anywhere else (a file, a pipe, a container's log) every rank logs INFO,
+the complete record. The formatter fills in the static fields itself, so a handler
+that copies it (tqdm's logging_redirect_tqdm, around the progress bar) keeps them.
 """
 
 from __future__ import annotations
@@ -16,7 +23,11 @@ import sys
 from typing import Any, TextIO
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+AUTO = "AUTO"
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(hybridps_fields)s%(message)s"
+# Quieted on rank 0 by `auto` on a terminal: the shard client's shm arena / sync socket /
+# Finish lines and the process-group generation line (their warnings still show).
+AUTO_QUIET_LOGGERS = ("worker.sync", "worker.rendezvous")
 
 
 def kv(event: str, **fields: Any) -> str:
@@ -53,6 +64,15 @@ class _Fields(logging.Filter):
 _FIELDS = _Fields()
 
 
+class _Formatter(logging.Formatter):
+    """FORMAT, with the static fields taken from _FIELDS when no filter set them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not hasattr(record, "hybridps_fields"):
+            record.hybridps_fields = _FIELDS.prefix
+        return super().format(record)
+
+
 def level_number(name: str) -> int:
     """'info' -> logging.INFO; ValueError naming the value otherwise."""
     if name.upper() not in LOG_LEVELS:
@@ -60,18 +80,39 @@ def level_number(name: str) -> int:
     return int(getattr(logging, name.upper()))
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
 def setup_logging(level: str | int = "INFO", stream: TextIO | None = None,
                   **fields: Any) -> None:
-    """Root logger -> `stream` (stderr) in the one-line format, with static `fields`."""
-    number = level if isinstance(level, int) else level_number(level)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    """Root logger -> `stream` (stderr) in the one-line format, with static `fields`.
+
+    `level` "auto": see the module doc (the `rank` field says which rank this is)."""
+    stream = stream or sys.stderr
+    quiet: tuple[str, ...] = ()
+    if isinstance(level, str) and level.upper() == AUTO:
+        number = logging.INFO
+        if _is_terminal(stream):
+            if int(fields.get("rank", 0) or 0) == 0:
+                quiet = AUTO_QUIET_LOGGERS
+            else:
+                number = logging.WARNING
+    else:
+        number = level if isinstance(level, int) else level_number(level)
+    handler = logging.StreamHandler(stream)
     handler.addFilter(_FIELDS)
-    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.setFormatter(_Formatter(FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(number)
+    for name in AUTO_QUIET_LOGGERS:  # NOTSET: follow the root again, unless quieted
+        logging.getLogger(name).setLevel(logging.WARNING if name in quiet else logging.NOTSET)
     _FIELDS.set(**fields)
 
 

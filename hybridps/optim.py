@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridps.errors import InvalidArgument
+from hybridps.errors import InvalidArgument, NonFiniteUpdate
 
 KINDS = ("adam", "adamw", "sgd")
 KERNELS = ("auto", "native", "torch")
@@ -79,6 +80,10 @@ class OptimizerSpec:
         return self.kind in ("adam", "adamw")
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def sparse_adam_rows_(
     spec: OptimizerSpec,
     m_RD: torch.Tensor,
@@ -86,8 +91,10 @@ def sparse_adam_rows_(
     ids_U: torch.Tensor,
     grads_UD: torch.Tensor,
     step: int,
+    check_finite: bool = False,
 ) -> tuple[torch.Tensor, float]:
-    """torch.optim.SparseAdam's math, op for op, on unique local row ids."""
+    """torch.optim.SparseAdam's math, op for op, on unique local row ids. `check_finite`:
+    NonFiniteUpdate, with m and v untouched, when a new m, v or delta is not finite."""
     b1, b2 = spec.beta1, spec.beta2
     old_m = m_RD.index_select(0, ids_U)
     m_upd = grads_UD.sub(old_m).mul_(1 - b1)
@@ -95,11 +102,14 @@ def sparse_adam_rows_(
     v_upd = grads_UD.pow(2).sub_(old_v).mul_(1 - b2)
     numer = m_upd.add_(old_m)  # the new m
     v_new = v_upd.add_(old_v)
-    m_RD.index_copy_(0, ids_U, numer)
-    v_RD.index_copy_(0, ids_U, v_new)
     denom = v_new.sqrt().add_(spec.eps)
     step_size = spec.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-    return -step_size * numer.div_(denom), 1.0
+    delta = -step_size * numer.div(denom)
+    if check_finite and not _all_finite(numer, v_new, delta):
+        raise NonFiniteUpdate("the update would make m, v or the delta non-finite")
+    m_RD.index_copy_(0, ids_U, numer)
+    v_RD.index_copy_(0, ids_U, v_new)
+    return delta, 1.0
 
 
 def adamw_rows_(
@@ -109,16 +119,20 @@ def adamw_rows_(
     ids_U: torch.Tensor,
     grads_UD: torch.Tensor,
     step: int,
+    check_finite: bool = False,
 ) -> tuple[torch.Tensor, float]:
     """torch.optim.AdamW's (single-tensor) math restricted to the given rows."""
     b1, b2 = spec.beta1, spec.beta2
     m = m_RD.index_select(0, ids_U).lerp_(grads_UD, 1 - b1)
     v = v_RD.index_select(0, ids_U).mul_(b2).addcmul_(grads_UD, grads_UD, value=1 - b2)
-    m_RD.index_copy_(0, ids_U, m)
-    v_RD.index_copy_(0, ids_U, v)
     step_size = spec.lr / (1 - b1**step)
     denom = (v.sqrt() / math.sqrt(1 - b2**step)).add_(spec.eps)
-    return m.div_(denom).mul_(-step_size), 1.0 - spec.lr * spec.weight_decay
+    delta = m.div(denom).mul_(-step_size)
+    if check_finite and not _all_finite(m, v, delta):
+        raise NonFiniteUpdate("the update would make m, v or the delta non-finite")
+    m_RD.index_copy_(0, ids_U, m)
+    v_RD.index_copy_(0, ids_U, v)
+    return delta, 1.0 - spec.lr * spec.weight_decay
 
 
 def sgd_rows_(spec: OptimizerSpec, grads_UD: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -132,14 +146,18 @@ def apply_rows_torch_(
     ids_U: torch.Tensor,
     grads_UD: torch.Tensor,
     step: int,
+    check_finite: bool = False,
 ) -> tuple[torch.Tensor, float]:
     """The torch reference of apply_rows_ (any device and dtype)."""
     if spec.kind == "sgd":
-        return sgd_rows_(spec, grads_UD)
+        delta, decay = sgd_rows_(spec, grads_UD)
+        if check_finite and not _all_finite(delta):
+            raise NonFiniteUpdate("the update would make the delta non-finite")
+        return delta, decay
     assert m_RD is not None and v_RD is not None  # internal invariant, not user input
     if spec.kind == "adam":
-        return sparse_adam_rows_(spec, m_RD, v_RD, ids_U, grads_UD, step)
-    return adamw_rows_(spec, m_RD, v_RD, ids_U, grads_UD, step)
+        return sparse_adam_rows_(spec, m_RD, v_RD, ids_U, grads_UD, step, check_finite)
+    return adamw_rows_(spec, m_RD, v_RD, ids_U, grads_UD, step, check_finite)
 
 
 def apply_update_torch_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Tensor,
@@ -348,21 +366,33 @@ def apply_rows_(
     *,
     out: torch.Tensor | None = None,
     num_threads: int | None = None,
+    check_finite: bool = False,
 ) -> tuple[torch.Tensor, float]:
     """One optimizer step (1-based `step`) on unique local rows `ids_U`.
 
     `out`: an optional reusable CPU float32 buffer (contiguous, at least U*D elements)
     that receives the delta; the returned delta is then a view of it, valid until the
     buffer is reused, and the native path allocates nothing. `num_threads`: threads
-    of the native kernels for this call (default kernel_threads()).
+    of the native kernels for this call (default kernel_threads()). `check_finite`:
+    raise NonFiniteUpdate, with m and v as they were, when any new m, v or delta
+    element is not finite (finite gradients can overflow: 3e38 squared); the native
+    kernel then stores the old rows in a per-thread scratch as it goes and puts them
+    back (`undo_rows_` puts back those of the last step on demand).
     """
     ext = _native
     if ext is not None:
         done = _apply_rows_native(ext, spec, m_RD, v_RD, ids_U, grads_UD, step, out,
-                                  num_threads)
+                                  num_threads, check_finite)
         if done is not None:
             return done
-    delta, decay = apply_rows_torch_(spec, m_RD, v_RD, ids_U, grads_UD, step)
+    _scratch.undo = None
+    old = None
+    if check_finite and m_RD is not None and v_RD is not None:  # for undo_rows_
+        old = (m_RD.index_select(0, ids_U), v_RD.index_select(0, ids_U))
+    delta, decay = apply_rows_torch_(spec, m_RD, v_RD, ids_U, grads_UD, step, check_finite)
+    if old is not None:
+        assert m_RD is not None and v_RD is not None
+        _scratch.undo = (m_RD, v_RD, ids_U, old)
     if out is not None:
         inputs = (grads_UD,) if m_RD is None or v_RD is None else (m_RD, v_RD, grads_UD)
         view = _delta_buffer(out, delta.shape[0], delta.shape[1], inputs)
@@ -381,6 +411,7 @@ def _apply_rows_native(
     step: int,
     out: torch.Tensor | None,
     num_threads: int | None,
+    check_finite: bool = False,
 ) -> tuple[torch.Tensor, float] | None:
     """The native step, or None when these tensors are not for the C loops."""
     if not _is_cpu_f32(grads_UD) or grads_UD.dim() != 2:
@@ -390,6 +421,9 @@ def _apply_rows_native(
     if spec.kind == "sgd":
         delta = _delta_buffer(out, n, dim, (grads_UD,))
         ext.scale(grads_UD.data_ptr(), delta.data_ptr(), n * dim, -spec.lr, threads)
+        if check_finite and not _all_finite(delta):
+            raise NonFiniteUpdate("the update would make the delta non-finite")
+        _scratch.undo = None
         return delta, 1.0 - spec.lr * spec.weight_decay
     if m_RD is None or v_RD is None:
         return None
@@ -401,17 +435,61 @@ def _apply_rows_native(
     delta = _delta_buffer(out, n, dim, (m_RD, v_RD, grads_UD))
     b1, b2 = spec.beta1, spec.beta2
     rows = m_RD.shape[0]
+    snap: tuple[int, int] = (0, 0)
+    _scratch.undo = None
+    if check_finite:
+        sm, sv = _snapshot_buffers(n * dim)
+        snap = (sm.data_ptr(), sv.data_ptr())
     if spec.kind == "adam":
         step_size = spec.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-        ext.adam(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
-                 grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, 1 - b2, spec.eps,
-                 -step_size, threads)
-        return delta, 1.0
-    step_size = spec.lr / (1 - b1**step)
-    ext.adamw(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
-              grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, b2, 1 - b2,
-              math.sqrt(1 - b2**step), spec.eps, -step_size, threads)
-    return delta, 1.0 - spec.lr * spec.weight_decay
+        undone = ext.adam(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
+                          grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, 1 - b2, spec.eps,
+                          -step_size, threads, *snap)
+        decay = 1.0
+    else:
+        step_size = spec.lr / (1 - b1**step)
+        undone = ext.adamw(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
+                           grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, b2, 1 - b2,
+                           math.sqrt(1 - b2**step), spec.eps, -step_size, threads, *snap)
+        decay = 1.0 - spec.lr * spec.weight_decay
+    if undone:
+        raise NonFiniteUpdate("the update would make m, v or the delta non-finite")
+    if check_finite:
+        sm, sv = _snapshot_buffers(n * dim)
+        _scratch.undo = (m_RD, v_RD, ids, (sm.view(n, dim), sv.view(n, dim)))
+    return delta, decay
+
+
+class _Scratch(threading.local):
+    """Per-thread: the snapshot buffers of check_finite steps, and what undo_rows_ needs."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0)
+        # (m, v, ids, (old m rows, old v rows)) of the last check_finite step
+        self.undo: tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                         tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+_scratch = _Scratch()
+
+
+def _snapshot_buffers(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float32 [elems] views of a per-thread buffer that grows, never shrinks."""
+    if _scratch.buffer.numel() < 2 * elems:
+        _scratch.buffer = torch.empty(max(2 * elems, 1 << 16), dtype=torch.float32)
+    return _scratch.buffer[:elems], _scratch.buffer[elems:2 * elems]
+
+
+def undo_rows_() -> bool:
+    """Put back the m, v rows of this thread's last check_finite step (e.g. when what
+    follows it, the master rows, turns out non-finite); False when there is none."""
+    undo, _scratch.undo = _scratch.undo, None
+    if undo is None:
+        return False
+    m_RD, v_RD, ids, (old_m, old_v) = undo
+    m_RD.index_copy_(0, ids, old_m)
+    v_RD.index_copy_(0, ids, old_v)
+    return True
 
 
 def apply_update_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Tensor,
@@ -449,6 +527,21 @@ def scan_push(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
         return ext.scan_push(ids_U.data_ptr(), ids_U.shape[0], lo, hi, grads_UD.data_ptr(),
                              grads_UD.numel())
     return _scan_push_torch(ids_U, grads_UD, lo, hi)
+
+
+def scan_push_max(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,
+                  hi: int) -> tuple[int, bool, int, float]:
+    """scan_push, plus an upper bound of |gradient| (at most 2^-7 relative above the
+    largest; 0.0 when another check failed first), in the same pass on the native path."""
+    ext = _native
+    if (ext is not None and ids_U.is_cpu and ids_U.is_contiguous()
+            and _is_cpu_f32(grads_UD)):
+        return ext.scan_push(ids_U.data_ptr(), ids_U.shape[0], lo, hi, grads_UD.data_ptr(),
+                             grads_UD.numel(), 1)
+    bad, increasing, nonfinite = _scan_push_torch(ids_U, grads_UD, lo, hi)
+    if bad >= 0 or nonfinite >= 0 or grads_UD.numel() == 0:
+        return bad, increasing, nonfinite, 0.0
+    return bad, increasing, nonfinite, float(grads_UD.abs().amax())
 
 
 def _scan_push_torch(ids_U: torch.Tensor, grads_UD: torch.Tensor, lo: int,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import secrets
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,31 @@ def read_token(path: str = "", env_var: str = AUTH_TOKEN_ENV,
         raise SecurityError(f"{what} must be printable without spaces (it travels as gRPC "
                             "metadata)")
     return token
+
+
+def ensure_token_file(path: str, env_var: str = AUTH_TOKEN_ENV,
+                      environ: Mapping[str, str] | None = None) -> bool:
+    """Create the token file `path` (mode 0600, never replacing one) holding `env_var`'s
+    token when set, else a random one (secrets.token_urlsafe(32): 256 bits). Returns True
+    when it created the file. Lets a deployment (docker-compose.yml) have a token that
+    nobody had to invent: the server creates it in a volume the workers also mount."""
+    environ = os.environ if environ is None else environ
+    token = environ.get(env_var, "").strip() or secrets.token_urlsafe(32)
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise SecurityError(f"auth token file {path!r}: cannot create it: "
+                            f"{exc.strerror or exc}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    log.info("event=token_generated path=%s mode=600", path)
+    return True
 
 
 def _warn_if_readable_by_others(path: str, what: str) -> None:

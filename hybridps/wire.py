@@ -125,8 +125,9 @@ def chunk_bounds(num_rows: int, rows_in_chunk: int) -> Iterator[tuple[int, int]]
 # any order) with one copy to build the outgoing bytes and none to read the incoming
 # ones: decoded tensors view the received buffer (read-only: callers that keep a
 # tensor beyond the message or write to it must clone). The Sync stream uses them on
-# both sides (ps/service.py, worker/sync.py); every other RPC and every other client
-# keeps the generated code, which reads these messages like any other.
+# both sides (ps/sync_codec.py; worker/sync_messages.py, worker/transport.py); every
+# other RPC and every other client keeps the generated code, which reads these
+# messages like any other.
 
 ALIGN = 8  # tensor data starts at a multiple of this within the encoded message
 _LEN, _VARINT, _I64, _I32 = 2, 0, 1, 5
@@ -158,19 +159,42 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return host.numpy().data.cast("B")
 
 
-def encode_framed(head: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+# A tensor field of a framed message: its name, or the names from the outer message down
+# to it (("push", "chunk", "ids"): SyncRequest.push.chunk.ids).
+TensorPath = str | tuple[str, ...]
+
+
+def _path(field_path: TensorPath) -> tuple[str, ...]:
+    return (field_path,) if isinstance(field_path, str) else tuple(field_path)
+
+
+def _field_numbers(descriptor: Any, path: tuple[str, ...]) -> list[int]:
+    """The field number of each name of `path`, from `descriptor` down."""
+    numbers = []
+    for name in path:
+        found = descriptor.fields_by_name[name]
+        numbers.append(found.number)
+        descriptor = found.message_type
+    return numbers
+
+
+def encode_framed(head: Any, tensors: Sequence[tuple[TensorPath, torch.Tensor]]) -> bytes:
     """`head` (a message whose tensor fields are unset) plus the named Tensor fields,
     serialized: what the generated code would give, with the tensor data 8-byte aligned
     (Tensor.pad) and copied once. The tensors come first, so their padding does not
-    depend on the other fields (a duplicate answer pads like the original)."""
+    depend on the other fields (a duplicate answer pads like the original). A tensor
+    inside a sub-message travels as that sub-message holding only the tensor: parsers
+    merge repeated occurrences of a message field, so the reader sees one sub-message."""
     parts: list[bytes | memoryview] = []
     offset = 0
-    fields = head.DESCRIPTOR.fields_by_name
-    for name, tensor in tensors:
+    for field_path, tensor in tensors:
+        path = _path(field_path)
+        name = ".".join(path)
         if tensor.dtype not in _WIRE_BY_TORCH:
             raise WireError(f"{name}: dtype {tensor.dtype} cannot travel on the wire")
         if any(int(s) < 0 for s in tensor.shape):
             raise WireError(f"{name}: negative dimension in shape {list(tensor.shape)}")
+        numbers = _field_numbers(head.DESCRIPTOR, path)
         data = _raw_bytes(tensor)
         nbytes = data.nbytes
         inner = _key(1, _VARINT) + _varint(_WIRE_BY_TORCH[tensor.dtype])
@@ -178,11 +202,14 @@ def encode_framed(head: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> byt
             packed = b"".join(_varint(int(s)) for s in tensor.shape)
             inner += _key(2, _LEN) + _varint(len(packed)) + packed
         data_key = _key(3, _LEN) + _varint(nbytes)
-        outer_key = _key(fields[name].number, _LEN)
-        for pad in range(ALIGN):
+        for pad in range(2 * ALIGN):  # a length crossing a varint boundary skips a residue
             pad_field = _key(_PAD_FIELD, _LEN) + _varint(pad) + bytes(pad)
-            length = len(inner) + len(pad_field) + len(data_key) + nbytes
-            prefix = outer_key + _varint(length) + inner + pad_field + data_key
+            prefix = inner + pad_field + data_key
+            length = len(prefix) + nbytes
+            for number in reversed(numbers):  # wrap: the Tensor, then each sub-message
+                wrapper = _key(number, _LEN) + _varint(length)
+                prefix = wrapper + prefix
+                length += len(wrapper)
             if (offset + len(prefix)) % ALIGN == 0:
                 break
         parts += [prefix, data]
@@ -197,9 +224,9 @@ M = TypeVar("M")
 @dataclass
 class Framed(Generic[M]):
     """A received message: its non-tensor fields in `message` (the tensor fields left
-    empty), its tensors in `tensors` by field name, views of the received bytes.
-    `error` is set instead when the bytes are not a valid message (a gRPC
-    deserializer must not raise; the handler raises it)."""
+    empty), its tensors in `tensors` by field name (the last name of the field's path),
+    views of the received bytes. `error` is set instead when the bytes are not a valid
+    message (a gRPC deserializer must not raise; the handler raises it)."""
 
     message: M
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -207,12 +234,14 @@ class Framed(Generic[M]):
     nbytes: int = 0
 
     def tensor(self, name: str, what: str) -> torch.Tensor:
-        """The named tensor; a missing field is an empty tensor, like protobuf's default."""
+        """The named tensor (WireError when the message has none: a Tensor field left
+        unset has no dtype)."""
         if self.error is not None:
             raise self.error
         found = self.tensors.get(name)
         if found is None:
-            return decode(getattr(self.message, name), f"{what}: {name}")
+            raise WireError(f"{what}: {name}: unsupported dtype "
+                            f"{dtype_name(shard_pb2.DTYPE_UNSPECIFIED)}")
         return found
 
 
@@ -308,41 +337,79 @@ def _view_tensor(data: bytes, buf: memoryview, start: int, end: int, what: str) 
     return tensor.reshape(shape)
 
 
-def decode_framed(cls: type[M], data: bytes, tensor_fields: Sequence[str],
+# field number -> the tensor's name (a Tensor field), or the fields below it (a message)
+_Tree = dict[int, "str | _Tree"]
+
+
+def _tree(descriptor: Any, paths: Sequence[TensorPath]) -> _Tree:
+    tree: _Tree = {}
+    for field_path in paths:
+        path = _path(field_path)
+        numbers = _field_numbers(descriptor, path)
+        level = tree
+        for number in numbers[:-1]:
+            below = level.setdefault(number, {})
+            assert isinstance(below, dict)
+            level = below
+        level[numbers[-1]] = path[-1]
+    return tree
+
+
+def _split(data: bytes, buf: memoryview, start: int, end: int, tree: _Tree,
+           spans: dict[str, tuple[int, int]], what: str) -> bytes | None:
+    """The bytes of data[start:end] without the tensor fields of `tree`, whose spans go
+    to `spans`; None when it holds none of them (the caller keeps the bytes as they are)."""
+    rest: list[bytes] = []
+    found = False
+    pos = start
+    while pos < end:
+        field_at = pos
+        key, pos = _read_varint(buf, pos, end)
+        number, wire_type = key >> 3, key & 7
+        below = tree.get(number)
+        if below is None or wire_type != _LEN:
+            pos = _skip(buf, pos, end, wire_type)
+            rest.append(data[field_at:pos])
+            continue
+        length, pos = _read_varint(buf, pos, end)
+        stop = pos + length
+        if stop > end:
+            name = below if isinstance(below, str) else f"#{number}"
+            raise WireError(f"{what}: truncated field {name}")
+        if isinstance(below, str):
+            if below in spans:
+                raise WireError(f"{what}: field {below} appears twice")
+            spans[below] = (pos, stop)
+            found = True
+        else:
+            inner = _split(data, buf, pos, stop, below, spans, what)
+            if inner is None:
+                rest.append(data[field_at:stop])
+            else:
+                found = True
+                rest.append(_key(number, _LEN) + _varint(len(inner)) + inner)
+        pos = stop
+    return b"".join(rest) if found else None
+
+
+def decode_framed(cls: type[M], data: bytes, tensor_fields: Sequence[TensorPath],
                   what: str = "message") -> Framed[M]:
     """The bytes of a `cls` message, its `tensor_fields` as views of `data`.
 
     Never raises: a malformed message gives Framed(cls(), error=WireError(...)).
     """
     try:
-        numbers = {cls.DESCRIPTOR.fields_by_name[name].number: name  # type: ignore[attr-defined]
-                   for name in tensor_fields}
+        tree = _tree(cls.DESCRIPTOR, tensor_fields)  # type: ignore[attr-defined]
         buf = memoryview(data)
         end = len(buf)
-        rest: list[bytes] = []
-        tensors: dict[str, torch.Tensor] = {}
         spans: dict[str, tuple[int, int]] = {}
-        pos = 0
-        while pos < end:
-            field_at = pos
-            key, pos = _read_varint(buf, pos, end)
-            number, wire_type = key >> 3, key & 7
-            name = numbers.get(number)
-            if name is not None and wire_type == _LEN:
-                length, pos = _read_varint(buf, pos, end)
-                if pos + length > end:
-                    raise WireError(f"{what}: truncated field {name}")
-                if name in spans:
-                    raise WireError(f"{what}: field {name} appears twice")
-                spans[name] = (pos, pos + length)
-                pos += length
-            else:
-                pos = _skip(buf, pos, end, wire_type)
-                rest.append(data[field_at:pos])
-        message = cls.FromString(b"".join(rest))  # type: ignore[attr-defined]
-        head = describe_head(message) if spans else ""  # for error texts; none: no tensors
-        for name, (start, stop) in spans.items():
-            tensors[name] = _view_tensor(data, buf, start, stop, f"{what} {head}: {name}")
+        rest = _split(data, buf, 0, end, tree, spans, what)
+        message = cls.FromString(data if rest is None else rest)  # type: ignore[attr-defined]
+        tensors: dict[str, torch.Tensor] = {}
+        if spans:
+            head = describe_head(message)  # for error texts
+            for name, (start, stop) in spans.items():
+                tensors[name] = _view_tensor(data, buf, start, stop, f"{what} {head}: {name}")
         return Framed(message, tensors, nbytes=end)
     except WireError as exc:
         if not str(exc).startswith(what):
@@ -354,8 +421,21 @@ def decode_framed(cls: type[M], data: bytes, tensor_fields: Sequence[str],
 
 
 def describe_head(message: Any) -> str:
+    """run, rank, step, table (and chunk) of a Sync message, for error texts."""
+    for name in ("push", "update"):  # a SyncRequest / SyncResponse: its one push or update
+        if _has(message, name):
+            message = getattr(message, name)
     parts = []
-    for name in ("run_id", "rank", "step", "table", "chunk"):
+    for name in ("run_id", "rank", "step", "table"):
         if hasattr(message, name):
             parts.append(f"{name}={getattr(message, name)!r}")
+    if _has(message, "chunk"):
+        parts.append(f"chunk={message.chunk.index!r}")
     return " ".join(parts)
+
+
+def _has(message: Any, name: str) -> bool:
+    try:
+        return bool(message.HasField(name))
+    except (ValueError, AttributeError):
+        return False

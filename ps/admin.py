@@ -1,8 +1,12 @@
 """`python -m ps.admin`: talk to a shard server (no torch import).
 
-    python -m ps.admin stats --ps HOST:PORT [--json] [--run-id R]   # read-only stats
+    python -m ps.admin stats --ps HOST:PORT            # one line per run: state, step, pushes
+    python -m ps.admin stats --ps HOST:PORT --wide     # one line per (run, rank, table)
+    python -m ps.admin stats --run run-1a2b --watch 2  # one run, refreshed every 2 s
+    python -m ps.admin stats --json                    # the ShardStats message, numbers as numbers
     python -m ps.admin health --ps HOST:PORT      # exit 0 only when SERVING (healthchecks)
     python -m ps.admin shutdown --ps HOST:PORT    # graceful stop; needs the admin token
+    python -m ps.admin drop-run --ps HOST:PORT --run RUN   # free a run now (admin token)
 
 Every subcommand takes the TLS flags (--tls, --tls-ca, --tls-cert, --tls-key,
 --tls-server-name); stats and shutdown send a token (--auth-token-file or env
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,9 +28,11 @@ import grpc
 
 from hybridps.admin import (
     DEFAULT_TIMEOUT_S,
+    drop_run,
     format_shard_stats,
     get_shard_stats,
     health_status,
+    select_runs,
     shutdown_server,
     stats_json,
 )
@@ -65,13 +72,33 @@ class ClientConfig:
                                key_file=self.tls_key, server_name=self.tls_server_name)
 
 
+DEFAULT_WATCH_S = 2.0
+
+
 @dataclass(frozen=True)
 class StatsConfig(ClientConfig):
-    json: bool = field(default=False, metadata={"help": "print the ShardStats message as JSON"})
-    run_id: str = field(default="", metadata={"help": "only this run (default: every run)"})
+    json: bool = field(default=False, metadata={
+        "help": "print the ShardStats message as JSON (counters as numbers; one line per "
+                "refresh with --watch)"})
+    wide: bool = field(default=False, metadata={
+        "help": "one row per (run, rank, table) with every counter and the whole run id "
+                "(default: one row per run)"})
+    run: str = field(default="", metadata={
+        "help": "only runs whose id starts with this (the short ids of the default view "
+                "work)"})
+    run_id: str = field(default="", metadata={
+        "help": "only this exact run id, filtered by the server (default: every run)"})
+    watch: float = field(default=0.0, metadata={
+        "help": f"refresh every SEC seconds until Ctrl-C (--watch alone: {DEFAULT_WATCH_S:g}; "
+                "0: print once)", "metavar": "SEC"})
     auth_token_file: str = field(default="", metadata={
         "help": "file with the token (else env HYBRIDPS_AUTH_TOKEN; the admin token works "
                 "too)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.watch >= 0 and self.watch != float("inf")):
+            raise ValueError(f"--watch {self.watch} must be a number of seconds >= 0")
 
 
 @dataclass(frozen=True)
@@ -94,10 +121,24 @@ class ShutdownConfig(ClientConfig):
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
 
 
+@dataclass(frozen=True)
+class DropRunConfig(ClientConfig):
+    run: str = field(default="", metadata={"help": "the run id whose partitions to free"})
+    admin_token_file: str = field(default="", metadata={
+        "help": "file with the admin token (else env HYBRIDPS_ADMIN_TOKEN)"})
+    reason: str = field(default="", metadata={"help": "logged by the server"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.run:
+            raise ValueError("--run RUN is required")
+
+
 COMMANDS: dict[str, tuple[type[ClientConfig], str]] = {
     "stats": (StatsConfig, "print GetShardStats"),
     "health": (HealthConfig, "exit 0 only when the server is SERVING (for healthchecks)"),
     "shutdown": (ShutdownConfig, "graceful stop (needs the admin token)"),
+    "drop-run": (DropRunConfig, "free every partition of a run now (needs the admin token)"),
 }
 
 
@@ -116,13 +157,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (cls, help_text) in COMMANDS.items():
         parsers[name] = commands.add_parser(name, help=help_text)
         add_dataclass_flags(parsers[name], cls)
+    for action in parsers["stats"]._actions:  # `--watch` alone: the default period
+        if action.dest == "watch":
+            action.nargs, action.const = "?", str(DEFAULT_WATCH_S)
     ns = parser.parse_args(argv)
     cls = COMMANDS[ns.command][0]
     try:
         config = from_namespace(cls, ns)
         if isinstance(config, StatsConfig):
             security = config.security(config.auth_token_file, AUTH_TOKEN_ENV)
-        elif isinstance(config, ShutdownConfig):
+        elif isinstance(config, (ShutdownConfig, DropRunConfig)):
             security = config.security(config.admin_token_file, ADMIN_TOKEN_ENV)
         else:
             security = config.security()
@@ -130,8 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parsers[ns.command].error(str(exc))
     try:
         if isinstance(config, StatsConfig):
-            stats = get_shard_stats(config.ps, config.timeout_s, config.run_id, security)
-            print(stats_json(stats) if config.json else format_shard_stats(stats))
+            return watch_stats(config, security) if config.watch else print_stats(
+                config, security)
         elif isinstance(config, HealthConfig):
             status = health_status(config.ps, config.timeout_s, config.service, security)
             print(f"{config.ps} {config.service or '(server)'}: {status}")
@@ -140,11 +184,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_id = shutdown_server(config.ps, security, config.grace_s, config.reason,
                                         config.timeout_s)
             print(f"{config.ps}: server {server_id} is stopping")
+        elif isinstance(config, DropRunConfig):
+            reply = drop_run(config.ps, security, config.run, config.reason, config.timeout_s)
+            print(f"{config.ps}: run {config.run!r}: freed {reply.partitions_freed} "
+                  f"partitions ({reply.state_bytes_freed / 2**20:.1f} MB of state)")
     except grpc.RpcError as exc:
-        rpc = {"stats": "GetShardStats", "health": "Health.Check", "shutdown": "Shutdown"}
+        rpc = {"stats": "GetShardStats", "health": "Health.Check", "shutdown": "Shutdown",
+               "drop-run": "DropRun"}
         print(_rpc_failure(rpc[ns.command], config.ps, exc), file=sys.stderr)
         return 1
     return 0
+
+
+def print_stats(config: StatsConfig, security: ClientSecurity, indent: int | None = 2) -> int:
+    every = get_shard_stats(config.ps, config.timeout_s, config.run_id, security)
+    stats = select_runs(every, config.run)
+    text = (stats_json(stats, indent) if config.json else
+            format_shard_stats(stats, config.wide, [p.run_id for p in every.partitions]))
+    print(text, flush=True)
+    return 0
+
+
+def watch_stats(config: StatsConfig, security: ClientSecurity) -> int:
+    """Print the stats every --watch seconds until Ctrl-C (exit 0); a failed call prints
+    its line and the watch goes on (the server may be restarting)."""
+    clear = "\033[H\033[2J" if sys.stdout.isatty() and not config.json else ""
+    try:
+        while True:
+            started = time.monotonic()
+            if not config.json:
+                print(f"{clear}every {config.watch:g}s  {time.strftime('%H:%M:%S')}  "
+                      f"{config.ps}  (Ctrl-C stops)", flush=True)
+            try:
+                print_stats(config, security, indent=None)
+            except grpc.RpcError as exc:
+                print(_rpc_failure("GetShardStats", config.ps, exc), file=sys.stderr,
+                      flush=True)
+            time.sleep(max(0.0, config.watch - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        return 0
 
 
 if __name__ == "__main__":

@@ -8,11 +8,15 @@ Policy (checked before any servicer code runs, so a refused call changes nothing
   server has one (--auth-token-file / HYBRIDPS_AUTH_TOKEN).
 - hybridps.v1.AdminService/GetShardStats (read-only): the worker token or the
   admin token; open only when the operator passes --stats-without-token.
-- hybridps.v1.AdminService/Shutdown (changes state): the admin token only
-  (--admin-token-file / HYBRIDPS_ADMIN_TOKEN); PERMISSION_DENIED when the
-  server has no admin token at all, so it cannot be stopped remotely by default.
+- hybridps.v1.AdminService/Shutdown and DropRun (change state): the admin token
+  only (--admin-token-file / HYBRIDPS_ADMIN_TOKEN); PERMISSION_DENIED when the
+  server has no admin token at all, so they cannot be called remotely by default.
 A missing or wrong token is UNAUTHENTICATED. Tokens are compared with
 hmac.compare_digest.
+
+The interceptor also guards the decoding of every unary request: bytes that are not
+the method's message are INVALID_ARGUMENT naming the method (gRPC itself would answer
+UNKNOWN "Unexpected DecodeError"), and the servicer never sees them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ log = logging.getLogger("ps.auth")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 STATS_METHOD = "/hybridps.v1.AdminService/GetShardStats"
 SHUTDOWN_METHOD = "/hybridps.v1.AdminService/Shutdown"
+DROP_RUN_METHOD = "/hybridps.v1.AdminService/DropRun"
+ADMIN_ONLY_METHODS = (SHUTDOWN_METHOD, DROP_RUN_METHOD)
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
@@ -46,10 +52,11 @@ class AuthPolicy:
         """None when `given` may call `method`, else the (code, message) to refuse with."""
         if method.startswith(HEALTH_PREFIX):
             return None
-        if method == SHUTDOWN_METHOD:
+        if method in ADMIN_ONLY_METHODS:
             if not self.admin_token:
+                name = method.rsplit("/", 1)[-1]
                 return (grpc.StatusCode.PERMISSION_DENIED,
-                        "Shutdown is disabled: the server was started without an admin token "
+                        f"{name} is disabled: the server was started without an admin token "
                         "(--admin-token-file or HYBRIDPS_ADMIN_TOKEN)")
             if given and token_matches(given, self.admin_token):
                 return None
@@ -91,8 +98,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         given = bearer_token(handler_call_details.invocation_metadata)  # type: ignore[arg-type]
         refusal = self.policy.check(method, given)
         handler = await continuation(handler_call_details)
-        if refusal is None or handler is None:
+        if handler is None:
             return handler
+        if refusal is None:
+            return _decoding_guarded(handler, method)
         code, message = refusal
         reason = "unauthenticated" if code == grpc.StatusCode.UNAUTHENTICATED else "denied"
         if self.on_refused is not None:
@@ -118,3 +127,39 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, method: str, code: grpc.St
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
     return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+class _Undecodable:
+    """What a guarded deserializer gives for bytes that are not the method's message."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _decoding_guarded(handler: grpc.RpcMethodHandler,
+                      method: str) -> grpc.RpcMethodHandler:
+    """`handler` with its request decoding guarded (unary-unary methods; module doc)."""
+    if (handler.request_streaming or handler.response_streaming
+            or handler.request_deserializer is None or handler.unary_unary is None):
+        return handler
+    decode = handler.request_deserializer
+    inner: Any = handler.unary_unary
+    name = method.rsplit("/", 1)[-1]
+
+    def safe_decode(data: bytes) -> Any:
+        try:
+            return decode(data)
+        except Exception as exc:  # DecodeError, and whatever a custom codec raises
+            return _Undecodable(f"{type(exc).__name__}: {exc}")
+
+    async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            message = f"{name}: the request is not a valid {name} message ({request.error})"
+            log.warning(kv("refused", rpc=name, code="INVALID_ARGUMENT", reason="undecodable",
+                           peer=context.peer(), error=message))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        return await inner(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        behavior, request_deserializer=safe_decode,
+        response_serializer=handler.response_serializer)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from hybridps.checkpoint import OptimState, ShardInfo, load_optim_state, save_optim_state
 from hybridps.errors import Conflict
-from ps.partition import Partition
+from ps.partition import Partition, TableSpec
 
 
 def save_partition(part: Partition, directory: str | Path, step: int) -> list[ShardInfo]:
@@ -31,14 +34,33 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
     return out
 
 
-def restore_partition(part: Partition, directory: str | Path, step: int) -> None:
-    """Load a fresh partition's state for its row ranges from checkpoint `directory`."""
+def check_restore(specs: Sequence[TableSpec], has_moments: bool, master: bool,
+                  directory: str | Path, step: int) -> None:
+    """Everything `restore_partition` will read for tables `specs`, checked without
+    copying a tensor: the manifest, every file against its size and crc32, the files'
+    headers and metadata. Raises (CorruptCheckpoint naming the file, Conflict, NotFound)
+    before any state changes."""
+    for s in specs:
+        load_optim_state(directory, table=s.name, num_rows=s.num_rows, dim=s.dim,
+                         row_start=s.row_start, row_end=s.row_end, step=step,
+                         has_moments=has_moments, master=master, dry_run=True)
+
+
+def restore_partition(part: Partition, directory: str | Path, step: int,
+                      checked: bool = False) -> None:
+    """Load a fresh partition's state for its row ranges from checkpoint `directory`.
+
+    Every table's files are checked first (check_restore; `checked`: the caller did),
+    so a damaged checkpoint changes nothing."""
+    if not checked:
+        check_restore(part.specs(), part.optimizer.has_moments,
+                      part.row_dtype != torch.float32, directory, step)
     for name, t in part.tables.items():
         s = t.spec
         state = load_optim_state(directory, table=name, num_rows=s.num_rows, dim=s.dim,
                                  row_start=s.row_start, row_end=s.row_end, step=step,
                                  has_moments=part.optimizer.has_moments,
-                                 master=t.master is not None)
+                                 master=t.master is not None, verify=False)
         if t.master is not None and state.master is not None:
             t.master.copy_(state.master)
             t.rows_seeded = s.rows_held
@@ -51,3 +73,4 @@ def restore_partition(part: Partition, directory: str | Path, step: int) -> None
         t.adam_step = state.adam_step
         t.last_step = step
         t.answers.clear()
+        t.bound.observe(t.m, t.v, t.master)  # what the loaded state holds

@@ -9,8 +9,9 @@ flat (ps/server.py reads `config.port`, ...); `group=` gives each setting its he
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from hybridps.channel_options import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -19,10 +20,10 @@ from hybridps.channel_options import (
 )
 from hybridps.cli import setting
 from hybridps.logs import LOG_LEVELS
+from ps.lifecycle import DEFAULT_ABORT_GRACE_S  # torch-free
 
 MIN_MESSAGE_BYTES = 4096
 MAX_KERNEL_THREADS = 64  # the native pool's limit (MAX_WORKERS + the caller)
-MAX_UDS_PATH = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
 # The defaults of ps/core.py and ps/partition.py (tests/test_config.py checks they agree):
 # written out here because importing those modules imports torch.
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
@@ -34,6 +35,7 @@ SAME_NODE = "same-node fast path"
 ENGINE = "updates and the sync protocol"
 LIFECYCLE = "lifecycle"
 SECURITY = "security (docs/deploy.md)"
+RESOURCES = "resources and checkpoints"
 LOGS = "logging"
 
 
@@ -44,14 +46,18 @@ def _s(default: Any, help: str, group: str, metavar: str | None = None, *,
 
 @dataclass(frozen=True)
 class ServerConfig:
+    # Flags and variables that no longer exist -> what to use instead (refused, exit 2).
+    REMOVED: ClassVar[Mapping[str, str]] = {
+        "--uds": "workers on this node reach the server over TCP and shared memory "
+                 "(--shm); there is no Unix-socket listener any more",
+        "HYBRIDPS_UDS": "unset it: there is no Unix-socket listener any more (--uds is gone)",
+    }
     # --- listening ----------------------------------------------------------------------
     host: str = _s("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)",
                    LISTEN, "HOST", everyday=True)
     port: int = _s(50051, "TCP port; 0 picks a free one", LISTEN, "PORT", everyday=True)
     port_file: str = _s("", "write the bound port to this file once serving (atomically)",
                         LISTEN, "PATH", everyday=True)
-    uds: str = _s("", "also listen on this Unix domain socket path (workers on this node: "
-                  "--ps unix:PATH); a stale socket file there is replaced", LISTEN, "PATH")
     reflection: bool = _s(True, "serve gRPC server reflection", LISTEN)
     keepalive_time_ms: int = _s(SERVER_KEEPALIVE_TIME_MS, "server keepalive ping interval",
                                 LISTEN, "MS")
@@ -65,7 +71,11 @@ class ServerConfig:
     shm_socket: bool = _s(
         True, "with --shm: offer the ranks whose arena it accepts a Unix socket next to the "
         "arenas for their Sync messages, written and read by their training thread instead "
-        "of a gRPC stream (ps/direct.py; false: the Sync stream)", SAME_NODE)
+        "of a gRPC stream (ps/socket_server.py; false: the Sync stream)", SAME_NODE)
+    shm_sweep: bool = _s(
+        True, "with --shm: at start and every minute remove leaked arena files in /dev/shm "
+        "(hybridps-<pid>-r<rank>-*.arena of this user, older than a minute, whose creator "
+        "pid is dead; needs the workers in this server's PID namespace)", SAME_NODE)
     # --- updates and the sync protocol --------------------------------------------------
     max_message_bytes: int = _s(
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received; larger "
@@ -90,17 +100,44 @@ class ServerConfig:
         False, "stop gracefully (exit 0) once the first run is over: every rank registered "
         "here sent Finish (or one aborted and no stream of the run is left open)", LIFECYCLE)
     run_idle_timeout_s: float = _s(
-        120.0, "with --exit-after-run: a run whose Sync streams all stayed closed this long "
-        "without every rank finishing counts as over (0: never)", LIFECYCLE, "SEC")
+        120.0, "a run whose Sync streams all stayed closed this long without every rank "
+        "finishing is abandoned: over with --exit-after-run, state 'abandoned' in the stats "
+        "(0: never)", LIFECYCLE, "SEC")
+    abort_grace_s: float = _s(
+        DEFAULT_ABORT_GRACE_S, "a run one of whose ranks sent Finish(aborted) is over only "
+        "once no rank of it has had a Sync stream open nor registered again for this long: "
+        "longer than torchrun's restart time, so `torchrun --max-restarts` can bring the "
+        "ranks back (they register again and the run goes on)", LIFECYCLE, "SEC")
+    finished_run_retention_s: float = _s(
+        600.0, "free the partitions of a run this long after it is over (finished, aborted "
+        "or abandoned; stats count the runs freed); `python -m ps.admin drop-run` frees one "
+        "at once", LIFECYCLE, "SEC")
+    # --- resources and checkpoints ------------------------------------------------------
+    max_state_bytes: int = _s(
+        0, "host bytes all partitions' optimizer state and master rows may hold; a Register "
+        "beyond it is refused (RESOURCE_EXHAUSTED) with nothing allocated (0: 3/4 of the "
+        "host's memory or cgroup limit)", RESOURCES, "BYTES")
+    checkpoint_root: str = _s(
+        "checkpoints", "the directory (relative: to the server's working directory) inside "
+        "which the server writes and restores checkpoints; a Checkpoint or restore naming a "
+        "directory that resolves outside it (.., symbolic links) is refused "
+        "(PERMISSION_DENIED). Workers' --checkpoint-dir must be inside it", RESOURCES, "DIR")
     # --- security -----------------------------------------------------------------------
     auth_token_file: str = _s(
         "", "file with the shared token every RPC must carry (else env HYBRIDPS_AUTH_TOKEN; "
         "neither: no auth). Health stays open", SECURITY, "PATH")
     admin_token_file: str = _s(
-        "", "file with the admin token for Shutdown (else env HYBRIDPS_ADMIN_TOKEN; neither: "
-        "Shutdown is refused)", SECURITY, "PATH")
+        "", "file with the admin token for Shutdown and DropRun (else env "
+        "HYBRIDPS_ADMIN_TOKEN; neither: both are refused)", SECURITY, "PATH")
     stats_without_token: bool = _s(False, "serve the read-only GetShardStats without a token",
                                    SECURITY)
+    generate_auth_token: bool = _s(
+        False, "with --auth-token-file: when that file does not exist, create it (mode 0600) "
+        "holding HYBRIDPS_AUTH_TOKEN if set, else a random token; workers then read the same "
+        "file (docker-compose.yml)", SECURITY)
+    insecure: bool = _s(
+        False, "allow listening on a non-loopback address without a token (anyone who "
+        "reaches the port can then register, push and checkpoint)", SECURITY)
     tls_cert: str = _s("", "PEM certificate (chain) of this server: serve TLS (with "
                        "--tls-key)", SECURITY, "PATH")
     tls_key: str = _s("", "PEM private key of --tls-cert", SECURITY, "PATH")
@@ -112,12 +149,21 @@ class ServerConfig:
     server_id: str = _s("", "id reported to clients (default: host-pid-random)", LOGS, "ID")
     rate_window_s: float = _s(DEFAULT_RATE_WINDOW_S, "window of the rows/s statistic", LOGS,
                               "SEC")
+    metrics_port: int = _s(
+        -1, "serve Prometheus metrics at http://HOST:PORT/metrics on the --host address "
+        "(ps/metrics.py; no token, no TLS): -1 off, 0 a free port (printed and logged)", LOGS,
+        "PORT")
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("--host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} must be in [0, 65535]")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} must be in [0, 65535] "
+                             "(-1: off)")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is the gRPC --port")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"--max-message-bytes {self.max_message_bytes} must be >= "
                              f"{MIN_MESSAGE_BYTES}")
@@ -129,9 +175,6 @@ class ServerConfig:
         if not 0 <= self.kernel_threads <= MAX_KERNEL_THREADS:
             raise ValueError(f"--kernel-threads {self.kernel_threads} must be in "
                              f"[0, {MAX_KERNEL_THREADS}] (0: the default)")
-        if self.uds and (self.uds.startswith("unix:") or len(self.uds.encode()) > MAX_UDS_PATH):
-            raise ValueError(f"--uds {self.uds!r} must be a plain file path (no unix: prefix) "
-                             f"of at most {MAX_UDS_PATH} bytes")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r} must be one of {LOG_LEVELS}")
         if self.answer_cache_steps < 1:
@@ -143,8 +186,17 @@ class ServerConfig:
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
         if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
             raise ValueError("--keepalive-time-ms and --keepalive-timeout-ms must be > 0")
-        if not self.run_idle_timeout_s >= 0:
-            raise ValueError(f"--run-idle-timeout-s {self.run_idle_timeout_s} must be >= 0")
+        for name in ("run_idle_timeout_s", "abort_grace_s", "finished_run_retention_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0 and finite")
+        if self.max_state_bytes < 0:
+            raise ValueError(f"--max-state-bytes {self.max_state_bytes} must be >= 0 "
+                             "(0: derived from the host's memory)")
+        if not self.checkpoint_root:
+            raise ValueError("--checkpoint-root must not be empty")
+        if self.generate_auth_token and not self.auth_token_file:
+            raise ValueError("--generate-auth-token needs --auth-token-file (where to write it)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

@@ -20,7 +20,8 @@ import torch
 from hybridps import optim
 from hybridps.errors import FlushTimeout, InvalidArgument, ShardError
 from hybridps.optim import OptimizerSpec
-from ps.partition import Answer, PushChunk, TableSpec
+from ps.partition import TableSpec
+from ps.push import Answer, PushChunk
 from ps.store import RankStep, RegisteredTable, ServerStats, Store, SyncSession, kv
 
 log = logging.getLogger("ps.core")
@@ -122,8 +123,9 @@ class ShardCore:
         """Wait until every named (rank, table) applied `step`; FlushTimeout otherwise."""
         self._flush_waiters += 1
         try:
-            if timeout_s < 0:
-                raise InvalidArgument(f"flush run={run_id!r}: timeout_s={timeout_s} must be >= 0")
+            if not 0 <= timeout_s < float("inf"):
+                raise InvalidArgument(f"flush run={run_id!r}: timeout_s={timeout_s} must be "
+                                      "finite and >= 0 (0: the server's default)")
             timeout = timeout_s or self.flush_timeout_s
             applied, behind = self.store.flush_status(run_id, rank, step)
             if not behind:

@@ -21,13 +21,13 @@ Store (ps/store.py) serialises access to one partition with `Partition.lock`.
 from __future__ import annotations
 
 import collections
-import dataclasses
+import hmac
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
@@ -36,11 +36,13 @@ from hybridps.errors import (
     Conflict,
     InvalidArgument,
     NonFiniteGradient,
+    NonFiniteUpdate,
     NotSeeded,
     OutOfOrder,
     ResourceExhausted,
     RowOutOfRange,
 )
+from hybridps.names import describe_problem
 from hybridps.optim import (
     STATE_OFFSETS,
     OptimizerSpec,
@@ -48,13 +50,23 @@ from hybridps.optim import (
     apply_rows_,
     apply_update_,
     mark_rows_,
-    scan_push,
+    scan_push_max,
+    undo_rows_,
 )
+from ps.overflow import OverflowBound
+from ps.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
+from ps.push import PushChunk as PushChunk  # re-exported: the core's input, next to TableSpec
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
 INT64_MAX = 2**63 - 1
-MAX_TABLE_NAME_LEN = 256  # answers reserve ~1 KiB per message for header fields
+# Shapes no host can hold, refused as invalid before any size arithmetic: 2^48 rows is
+# 10^5 times the largest tables in use, and a row of 2^20 floats is 4 MiB (a push of one
+# row must fit in a gRPC message). Below these, rows x dim x 12 bytes stays far from
+# int64 overflow, and --max-state-bytes decides what fits.
+MAX_TABLE_ROWS = 2**48
+MAX_DIM = 2**20
+SECRET_BYTES = 16  # 128 bits
 # Device row dtypes a rank may register; every one but float32 gets an fp32 master here.
 ROW_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -81,15 +93,14 @@ class TableSpec:
 
     def validate(self) -> None:
         where = f"table {self.name!r}"
-        if not self.name:
-            raise InvalidArgument("table name must not be empty")
-        if len(self.name) > MAX_TABLE_NAME_LEN:
-            raise InvalidArgument(f"table name of {len(self.name)} characters is longer than "
-                                  f"{MAX_TABLE_NAME_LEN}")
-        if self.num_rows <= 0:
-            raise InvalidArgument(f"{where}: num_rows={self.num_rows} must be > 0")
-        if self.dim <= 0:
-            raise InvalidArgument(f"{where}: dim={self.dim} must be > 0")
+        problem = describe_problem("table name", self.name)
+        if problem is not None:
+            raise InvalidArgument(problem)
+        if not 0 < self.num_rows <= MAX_TABLE_ROWS:
+            raise InvalidArgument(f"{where}: num_rows={self.num_rows} must be in "
+                                  f"[1, 2^48 = {MAX_TABLE_ROWS}]")
+        if not 0 < self.dim <= MAX_DIM:
+            raise InvalidArgument(f"{where}: dim={self.dim} must be in [1, 2^20 = {MAX_DIM}]")
         if not 0 <= self.row_start <= self.row_end <= self.num_rows:
             raise InvalidArgument(
                 f"{where}: row range [{self.row_start}, {self.row_end}) must satisfy "
@@ -100,79 +111,12 @@ class TableSpec:
         return (f"{self.name}(num_rows={self.num_rows}, dim={self.dim}, "
                 f"rows=[{self.row_start}, {self.row_end}))")
 
-
-class AnswerSink(Protocol):
-    """A transport's buffer for one push's answer (e.g. the rank's shared memory).
-
-    The partition writes every answer to the push into it under its lock: the kernel
-    writes the delta into `out` when the push is applied (float32 [U, dim], not
-    overlapping the gradients; None: not possible, e.g. another dtype), `write` copies
-    (and converts) anything else in - a duplicate's saved answer, master rows, a delta
-    that could not go to `out`. `write` raises a ShardError when the answer does not fit.
-    """
-
-    @property
-    def out(self) -> torch.Tensor | None: ...
-
-    def write(self, answer_UD: torch.Tensor) -> None: ...
-
-
-@dataclass
-class PushChunk:
-    """One Push message with its tensors decoded (ids int64 [U], grads float32 [U, dim])."""
-
-    run_id: str
-    rank: int
-    incarnation: int
-    step: int
-    table: str
-    ids: torch.Tensor
-    grads: torch.Tensor
-    chunk: int = 0
-    num_chunks: int = 1  # 0 is read as 1 (an unchunked push that left the field unset)
-    # Push.lr: this push's learning rate (None: the registered optimizer's lr)
-    lr: float | None = None
-    # Set by SyncSession.received(): this chunk opened a push counted in queue_depth.
-    queued: bool = field(default=False, compare=False)
-    # Where the answer of a one-chunk push goes besides the return value (the
-    # transport's shared memory); None: the answer is only returned.
-    sink: AnswerSink | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def total_chunks(self) -> int:
-        return self.num_chunks if self.num_chunks != 0 else 1
-
-    @property
-    def identity(self) -> tuple[str, int, int, int, str]:
-        return (self.run_id, self.rank, self.incarnation, self.step, self.table)
-
-    def describe(self) -> str:
-        return (f"push run={self.run_id!r} rank={self.rank} incarnation={self.incarnation} "
-                f"step={self.step} table={self.table!r}")
-
-
-@dataclass(frozen=True)
-class Answer:
-    """The server's answer to one push: rows[ids] = rows[ids] * decay + delta.
-
-    With `rows` (master-rows partitions) `delta` holds the new rows themselves, in
-    the registered row dtype, and decay is 0: rows[ids] = delta.
-    """
-
-    step: int
-    table: str
-    ids: torch.Tensor    # int64 [U], global ids, in the push's order
-    delta: torch.Tensor  # float32 [U, dim] (rows: [U, dim] in the row dtype)
-    decay: float
-    duplicate: bool = False
-    rows: bool = False
-    # The delta is a view of the transport's memory (the rank's shared-memory answer
-    # region), which the rank reuses once it has this answer: valid for a re-sent push
-    # (the rank did not get the answer, so it has not reused the region), not after.
-    borrowed: bool = field(default=False, compare=False)
-
-    def as_duplicate(self) -> Answer:
-        return dataclasses.replace(self, duplicate=True)
+    def state_bytes(self, has_moments: bool, master: bool) -> int:
+        """Host bytes a partition allocates for these rows (TableState): m and v
+        (float32), the fp32 master rows, one touched flag a row. Python ints: no
+        overflow, whatever the shape."""
+        per_row = 1 + 4 * self.dim * ((2 if has_moments else 0) + (1 if master else 0))
+        return self.rows_held * per_row
 
 
 class RateWindow:
@@ -212,33 +156,6 @@ def optimizer_description(spec: OptimizerSpec) -> str:
     if spec.kind == "adamw":
         text += f", weight_decay={spec.weight_decay:g}"
     return text + ")"
-
-
-def check_push_lr(lr: float, what: str) -> None:
-    """A push's own lr (Push.lr) must be a finite number >= 0."""
-    if not math.isfinite(lr) or lr < 0:
-        raise InvalidArgument(f"{what}: lr={lr!r} must be a finite number >= 0")
-
-
-def optimizer_with_lr(spec: OptimizerSpec, lr: float) -> OptimizerSpec:
-    """`spec` at a push's own lr (Push.lr); InvalidArgument names a bad one."""
-    if lr == spec.lr:
-        return spec
-    return dataclasses.replace(spec, lr=lr)  # OptimizerSpec refuses a non-finite / negative lr
-
-
-def first_duplicate(ids_U: torch.Tensor) -> int | None:
-    if ids_U.numel() < 2:
-        return None
-    # Coalesced gradients come sorted: strictly increasing ids are unique, an O(U) check
-    # instead of an O(U log U) sort (which then only runs for unsorted pushes).
-    if bool((ids_U[1:] > ids_U[:-1]).all()):
-        return None
-    sorted_ids = ids_U.sort().values
-    same = sorted_ids[1:] == sorted_ids[:-1]
-    if not bool(same.any()):
-        return None
-    return int(sorted_ids[1:][same][0])
 
 
 class TableState:
@@ -284,6 +201,7 @@ class TableState:
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
+        self.bound = OverflowBound()
 
     @property
     def where(self) -> str:
@@ -331,13 +249,15 @@ class TableState:
         if not bool(torch.isfinite(rows_ND).all()):
             raise NonFiniteGradient(f"{what}: the master rows hold non-finite values")
         self.master[local:local + n].copy_(rows_ND)
+        self.bound.observe(None, None, rows_ND)
         self.rows_seeded = max(self.rows_seeded, local + n)
         return self.rows_seeded
 
     # -- validation (no state change) ------------------------------------------------
 
-    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> None:
-        """Raise if ids/grads are not a valid (part of a) coalesced push for this table."""
+    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> float:
+        """Raise if ids/grads are not a valid (part of a) coalesced push for this table;
+        returns the largest |gradient| (for `apply`'s overflow bound)."""
         spec = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidArgument(
@@ -358,8 +278,9 @@ class TableState:
                 f"{what}: grads have {grads.shape[0]} rows for {n} ids; they must match"
             )
         if n == 0:
-            return
-        bad, increasing, nonfinite = scan_push(ids, grads, spec.row_start, spec.row_end)
+            return 0.0
+        bad, increasing, nonfinite, grad_max = scan_push_max(ids, grads, spec.row_start,
+                                                             spec.row_end)
         if bad >= 0:
             bad_id = int(ids[bad])
             extra = " (int64 max)" if bad_id == INT64_MAX else ""
@@ -382,6 +303,7 @@ class TableState:
                 f"{what}: gradient of id {int(ids[row])} (row {row}, column {col}) is "
                 f"{float(grads[row, col])}; non-finite gradients are refused"
             )
+        return grad_max
 
     def classify_step(self, step: int, what: str) -> Answer | None:
         """None when `step` is the next one; the saved answer when it was applied before."""
@@ -413,15 +335,38 @@ class TableState:
     # -- the update ------------------------------------------------------------------
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
-              sink: AnswerSink | None = None, lr: float | None = None) -> Answer:
+              sink: AnswerSink | None = None, grad_max: float = math.inf,
+              lr: float | None = None) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
-        written into `sink` too (PushChunk.sink). `lr`: the push's own learning rate
-        (checked by optimizer_with_lr), else the registered one."""
+        written into `sink` too (PushChunk.sink). `grad_max`: the largest |gradient|
+        (check_rows); a push whose update could overflow float32 is applied checked and
+        refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound).
+        `lr`: the push's own learning rate (Push.lr, checked by optimizer_with_lr), else
+        the registered one."""
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
         optimizer = self.optimizer if lr is None else optimizer_with_lr(self.optimizer, lr)
-        delta, decay = apply_rows_(optimizer, self.m, self.v, local, grads, count, out=out)
+        checked = not self.bound.safe(optimizer, count, grad_max)
+        try:
+            delta, decay = apply_rows_(optimizer, self.m, self.v, local, grads, count,
+                                       out=out, check_finite=checked)
+        except NonFiniteUpdate as exc:
+            raise NonFiniteUpdate(f"push step={step} {self.where}: {exc} (a gradient too "
+                                  "large for float32 state); refused, nothing changed") from None
+        if self.master is not None:
+            old_rows = self.master.index_select(0, local) if checked else None
+            apply_update_(self.master, local, delta, float(decay))
+            if old_rows is not None and not bool(
+                    torch.isfinite(self.master.index_select(0, local)).all()):
+                self.master.index_copy_(0, local, old_rows)
+                undo_rows_()
+                raise NonFiniteUpdate(f"push step={step} {self.where}: the update would make "
+                                      "the master rows non-finite; refused, nothing changed")
+        if checked:
+            self.bound.observe(self.m, self.v, self.master, local)
+        else:
+            self.bound.advance(optimizer, count, grad_max, float(decay))
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1
@@ -431,9 +376,8 @@ class TableState:
             self.distinct_touched += mark_rows_(self.touched, local)
         self.rate.add(n)
         if self.master is not None:
-            # The optimizer step lands on the fp32 master (exactly what the rank would do to
-            # fp32 rows); the rank gets the new rows rounded once to its row dtype.
-            apply_update_(self.master, local, delta, float(decay))
+            # The optimizer step landed on the fp32 master above (exactly what the rank would
+            # do to fp32 rows); the rank gets the new rows rounded once to its row dtype.
             new_rows = self.master.index_select(0, local).to(self.row_dtype)
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
                             decay=0.0, rows=True)
@@ -469,6 +413,10 @@ class Partition:
         self.optimizer = optimizer
         self.row_dtype = row_dtype
         self.lock = threading.Lock()
+        # Handed to the registering process only (Register's answer); every later call for
+        # this partition must carry it (check_secret). A new one at every Register, so a
+        # process of an older incarnation holds a secret that no longer opens anything.
+        self.secret = secrets.token_hex(SECRET_BYTES)
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
             t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,
@@ -482,6 +430,19 @@ class Partition:
 
     def specs(self) -> list[TableSpec]:
         return [t.spec for t in self.tables.values()]
+
+    def new_secret(self) -> str:
+        self.secret = secrets.token_hex(SECRET_BYTES)
+        return self.secret
+
+    def secret_matches(self, given: str) -> bool:
+        """Constant-time comparison with this partition's secret."""
+        return hmac.compare_digest(given.encode(), self.secret.encode())
+
+    @property
+    def state_bytes(self) -> int:
+        """Host bytes of this partition's optimizer state and master rows."""
+        return sum(t.state_bytes + t.master_bytes for t in self.tables.values())
 
     def difference(self, world_size: int, tables: list[TableSpec],
                    optimizer: OptimizerSpec,

@@ -25,30 +25,38 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from hybridps.arena_layout import SHM_DIR
 from hybridps.channel_options import server_options
 from hybridps.logs import set_log_fields
 from hybridps.security import (
     ADMIN_TOKEN_ENV,
     AUTH_TOKEN_ENV,
     SecurityError,
+    ensure_token_file,
     read_token,
     server_credentials,
 )
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
+from ps.arena_server import ArenaRegistry
 from ps.auth import AuthInterceptor, AuthPolicy
 from ps.config import ServerConfig
 from ps.core import ShardCore
-from ps.direct import DirectSyncServer
 from ps.lifecycle import RunTracker
+from ps.limits import default_max_state_bytes
+from ps.maintenance import RunReaper, maintain
 from ps.service import AdminServicer, ShardServicer, add_shard_service
-from ps.shm import ArenaRegistry
+from ps.socket_server import SyncSocketServer
 from ps.store import Store, kv
+
+if TYPE_CHECKING:
+    from ps.metrics import MetricsServer
 
 log = logging.getLogger("ps.server")
 
@@ -107,15 +115,21 @@ class RunningServer:
     port: int
     shard: ShardServicer
     stop_request: StopRequest
-    direct: DirectSyncServer | None = None
+    sync_socket: SyncSocketServer | None = None
+    metrics: MetricsServer | None = None  # --metrics-port (ps/metrics.py)
+    maintenance: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float) -> None:
         log.info(kv("shutdown", grace_s=grace, reason=self.stop_request.reason or "-"))
+        if self.maintenance is not None:
+            self.maintenance.cancel()
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
         self.shard.begin_drain()  # Sync streams answer what they hold, then end
         await self.server.stop(grace)
-        if self.direct is not None:
-            await self.direct.close()
+        if self.sync_socket is not None:
+            await self.sync_socket.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.core.shutdown()
         if self.shard.shm_arenas is not None:
             self.shard.shm_arenas.close()
@@ -139,8 +153,15 @@ def _security_warnings(config: ServerConfig, token: str, tls: bool) -> None:
     if _is_loopback(config.host):
         return
     if not token:
-        log.warning(kv("no_auth", host=config.host, hint="anyone who reaches this port can "
-                       "register and push; set --auth-token-file or HYBRIDPS_AUTH_TOKEN"))
+        if not config.insecure:
+            raise SecurityError(
+                f"refusing to listen on {config.host} without a token: anyone who reaches "
+                "the port could register, push and checkpoint. Set --auth-token-file FILE "
+                "(with --generate-auth-token to create it) or HYBRIDPS_AUTH_TOKEN, listen on "
+                "127.0.0.1, or pass --insecure")
+        log.warning(kv("no_auth", host=config.host, hint="--insecure: anyone who reaches this "
+                       "port can register and push; set --auth-token-file or "
+                       "HYBRIDPS_AUTH_TOKEN"))
     elif not tls:
         log.warning(kv("token_in_clear", host=config.host, hint="the token travels "
                        "unencrypted; add --tls-cert/--tls-key (docs/deploy.md)"))
@@ -150,12 +171,17 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                        ) -> RunningServer:
     """Build, bind and start the server (BindError when the port is taken)."""
     stop_request = stop_request or StopRequest()
+    if config.generate_auth_token:
+        ensure_token_file(config.auth_token_file, AUTH_TOKEN_ENV)
     token = read_token(config.auth_token_file, AUTH_TOKEN_ENV, what="auth token")
     admin_token = read_token(config.admin_token_file, ADMIN_TOKEN_ENV, what="admin token")
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    _security_warnings(config, token, credentials is not None)  # refuses before binding
     store = Store(server_id=config.server_id or None,
                   answer_cache_steps=config.answer_cache_steps,
-                  rate_window_s=config.rate_window_s)
+                  rate_window_s=config.rate_window_s,
+                  checkpoint_root=config.checkpoint_root,
+                  max_state_bytes=config.max_state_bytes or default_max_state_bytes())
     set_log_fields(server=store.server_id)
     core = ShardCore(store, update_threads=config.update_threads,
                      kernel_threads=config.kernel_threads,
@@ -171,13 +197,18 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
     server = grpc.aio.server(interceptors=[interceptor], options=server_options(
         config.max_message_bytes, keepalive_time_ms=config.keepalive_time_ms,
         keepalive_timeout_ms=config.keepalive_timeout_ms))
-    shard = ShardServicer(core, config.max_message_bytes, tracker=RunTracker(run_over),
+    tracker = RunTracker(run_over, abort_grace_s=config.abort_grace_s)
+    store.run_state = lambda run_id: tracker.state(run_id, config.run_idle_timeout_s)
+    shard = ShardServicer(core, config.max_message_bytes, tracker=tracker,
                           stop_when_run_over=config.exit_after_run,
                           run_idle_timeout_s=config.run_idle_timeout_s,
                           shm_arenas=ArenaRegistry() if config.shm else None)
+    reaper = RunReaper(store, tracker, config.finished_run_retention_s,
+                       shard.shm_arenas.release if shard.shm_arenas is not None else None,
+                       config.run_idle_timeout_s)
     add_shard_service(shard, server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(core, stop_request.set),
-                                                      server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(
+        AdminServicer(core, stop_request.set, reaper), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     services = [SHARD_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE]
@@ -194,57 +225,47 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
         core.shutdown()
         raise BindError(f"cannot listen on {address}: "
                         f"{_bind_diagnosis(config.host, config.port)}") from None
-    if config.uds:
-        _bind_uds(server, config.uds, credentials, core)
+    metrics = _start_metrics(config, store, core)
     await server.start()
-    direct = None
+    sync_socket = None
     if config.shm and config.shm_socket:
-        direct = DirectSyncServer(shard, token, config.max_message_bytes)
+        sync_socket = SyncSocketServer(shard, token, config.max_message_bytes)
         try:
-            await direct.start()
-            shard.sync_socket = direct.path
+            await sync_socket.start()
+            shard.sync_socket = sync_socket.path
         except OSError as exc:  # e.g. no /dev/shm: the ranks keep the Sync stream
-            log.warning(kv("sync_socket_unavailable", path=direct.path, error=str(exc)))
-            direct = None
+            log.warning(kv("sync_socket_unavailable", path=sync_socket.path, error=str(exc)))
+            sync_socket = None
     for name in ("", *services):
         await health.set(name, SERVING)
     tls = "off" if credentials is None else ("mutual" if config.tls_client_ca else "on")
+    maintenance = asyncio.get_running_loop().create_task(
+        maintain(reaper, SHM_DIR if config.shm and config.shm_sweep else None))
     log.info(kv("serving", address=format_address(config.host, port),
-                uds=config.uds or "-", kernel_threads=core.kernel_threads,
+                kernel_threads=core.kernel_threads,
                 server_id=store.server_id, max_message_bytes=config.max_message_bytes,
                 reflection=config.reflection, tls=tls, auth="token" if token else "off",
                 admin_shutdown="token" if admin_token else "off",
                 exit_after_run=config.exit_after_run, shm=config.shm,
-                sync_socket=direct.path if direct is not None else "-"))
-    _security_warnings(config, token, credentials is not None)
-    return RunningServer(server, health, core, port, shard, stop_request, direct)
+                sync_socket=sync_socket.path if sync_socket is not None else "-",
+                checkpoint_root=store.checkpoint_root.root,
+                max_state_bytes=store.budget.limit_bytes))
+    return RunningServer(server, health, core, port, shard, stop_request, sync_socket,
+                         metrics=metrics, maintenance=maintenance)
 
 
-def _bind_uds(server: grpc.aio.Server, path: str,
-              credentials: grpc.ServerCredentials | None, core: ShardCore) -> None:
-    """Listen on a Unix domain socket too: same services, no TCP/IP stack for a worker on
-    this node. A leftover socket file (a server killed earlier) is replaced; any other
-    file at the path is not."""
-    target = Path(path)
-    if target.exists() or target.is_symlink():
-        if not target.is_socket():
-            core.shutdown()
-            raise BindError(f"cannot listen on unix:{path}: a file that is not a socket is "
-                            "in the way")
-        target.unlink()
-    address = f"unix:{path}"
+def _start_metrics(config: ServerConfig, store: Store, core: ShardCore) -> MetricsServer | None:
+    """--metrics-port: the Prometheus endpoint (ps/metrics.py), before the server starts."""
+    if config.metrics_port < 0:
+        return None
+    from ps.metrics import MetricsServer
+
     try:
-        if credentials is None:
-            server.add_insecure_port(address)
-        else:
-            server.add_secure_port(address, credentials)
-    except RuntimeError:
+        return MetricsServer(store, config.host, config.metrics_port)
+    except OSError as exc:
         core.shutdown()
-        parent = target.parent
-        why = ("directory does not exist" if not parent.is_dir() else
-               "directory not writable" if not os.access(parent, os.W_OK) else
-               "see the grpc log above")
-        raise BindError(f"cannot listen on {address}: {why}") from None
+        where = format_address(config.host, config.metrics_port)
+        raise BindError(f"cannot serve metrics on {where}: {exc.strerror or exc}") from None
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -277,12 +298,13 @@ async def serve(config: ServerConfig) -> int:
         print(f"hybridps-ps: error: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"hybridps-ps listening on {format_address(config.host, running.port)}", flush=True)
+    if running.metrics is not None:
+        print("hybridps-ps metrics on "
+              f"http://{format_address(config.host, running.metrics.port)}/metrics", flush=True)
     if config.port_file:
         write_port_file(config.port_file, running.port)
     await stop.event.wait()
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal: the default (exit now)
         loop.remove_signal_handler(sig)
     await running.stop(config.grace_s if stop.grace_s is None else stop.grace_s)
-    if config.uds and Path(config.uds).is_socket():
-        Path(config.uds).unlink(missing_ok=True)
     return 0

@@ -4,9 +4,9 @@
 `Partition.lock`, so different partitions update in parallel threads (torch
 releases the GIL) while one partition's pushes apply one at a time, in order.
 
-`SyncSession` is one Sync stream's view: it checks each incoming chunk as it
-arrives, buffers the chunks of a push, and applies the whole push atomically
-when its last chunk arrives. Every method raises a hybridps.errors.ShardError whose
+`SyncSession` (ps/session.py) is one Sync stream's view: it checks each incoming
+chunk as it arrives, buffers the chunks of a push, and applies the whole push
+atomically when its last chunk arrives. Every method raises a hybridps.errors.ShardError whose
 message names the offending value; a refused push leaves the state untouched
 (only the refusal counters move).
 
@@ -16,7 +16,6 @@ message names the offending value; a refused push leaves the state untouched
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import socket
@@ -24,7 +23,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,27 +37,25 @@ from hybridps.errors import (
     NotRegistered,
     ShardError,
     StaleIncarnation,
+    WrongSecret,
 )
+from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
+from ps.limits import CheckpointRoot, StateBudget
 from ps.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
     ROW_DTYPES,
-    Answer,
     Partition,
-    PushChunk,
     TableSpec,
     TableState,
-    check_push_lr,
     check_row_dtype,
-    first_duplicate,
     optimizer_description,
 )
+from ps.session import SyncSession, TableKey
 
 log = logging.getLogger("ps.store")
 
-MAX_RUN_ID_LEN = 256
-TableKey = tuple[str, int, str]  # (run_id, rank, table)
 
 
 kv = logs.kv  # one structured log line: `event=NAME key=value ...` (hybridps/logs.py)
@@ -101,6 +99,7 @@ class PartitionStatsRow:
     optimizer: str
     master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
     row_dtype: str = "fp32"
+    run_state: str = ""  # active | finished | aborted | abandoned (Store.run_state); '' unknown
 
 
 @dataclass(frozen=True)
@@ -113,6 +112,16 @@ class ServerStats:
     pushes_applied_total: int
     rows_updated_total: int
     master_bytes_total: int = 0
+    runs_freed: int = 0
+    partitions_freed: int = 0
+    max_state_bytes: int = 0
+
+
+def check_run_id(run_id: str, what: str) -> None:
+    """InvalidArgument naming the value unless `run_id` is a safe name (hybridps/names.py)."""
+    problem = describe_problem("run_id", run_id)
+    if problem is not None:
+        raise InvalidArgument(f"{what}: {problem}")
 
 
 def default_server_id() -> str:
@@ -125,7 +134,11 @@ class Store:
     def __init__(self, *, server_id: str | None = None,
                  answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 checkpoint_root: str | Path | None = None,
+                 max_state_bytes: int = 0) -> None:
+        """`checkpoint_root`: checkpoints only inside it (None: anywhere; ps/limits.py);
+        `max_state_bytes`: the bytes all partitions may hold (0: no limit)."""
         if answer_cache_steps < 1:
             raise ValueError(f"answer_cache_steps={answer_cache_steps} must be >= 1")
         self.server_id = server_id or default_server_id()
@@ -137,6 +150,16 @@ class Store:
         self._partitions: dict[tuple[str, int], Partition] = {}
         self._refusals: collections.Counter[str] = collections.Counter()
         self._queued: collections.Counter[TableKey] = collections.Counter()
+        self.checkpoint_root = CheckpointRoot(checkpoint_root)
+        self.budget = StateBudget(max_state_bytes)
+        self.runs_freed = 0
+        self.partitions_freed = 0
+        # run_id -> its state for the stats; the server sets it to its RunTracker's view
+        # (ps/lifecycle.py), which follows Sync streams and Finish calls.
+        self.run_state: Callable[[str], str] = lambda run_id: ""
+        # (run_id, rank, table, seconds) of every answered push, from its first chunk's
+        # arrival to its answer (ps/metrics.py's latency histogram); None: not measured.
+        self.push_observer: Callable[[str, int, str, float], None] | None = None
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -152,6 +175,7 @@ class Store:
         """The partition and table a push names, or the error saying why not."""
         part = self._partitions.get((run_id, rank))
         if part is None:
+            check_run_id(run_id, what)
             raise NotRegistered(
                 f"{what}: run {run_id!r} rank {rank} is not registered on this server "
                 f"(server {self.server_id}); call Register before Sync"
@@ -168,6 +192,9 @@ class Store:
             )
         state = part.tables.get(table)
         if state is None:
+            problem = describe_problem("table name", table)
+            if problem is not None:
+                raise InvalidArgument(f"{what}: {problem}")
             raise NotFound(
                 f"{what}: table {table!r} is not registered for run {run_id!r} rank {rank} "
                 f"(registered: {sorted(part.tables)})"
@@ -203,6 +230,7 @@ class Store:
 
         `row_dtype` other than float32: the partition keeps fp32 master rows (seeded by
         `seed_rows`, or loaded with `restore`) and answers new rows (ps/partition.py).
+        Every Register hands the partition a new secret (`secret`).
         """
         try:
             if restore is not None:
@@ -214,15 +242,12 @@ class Store:
             self.record_refusal(exc.reason)
             raise
 
-    def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
+    def _validate(self, run_id: str, rank: int, world_size: int, incarnation: int,
                   tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
-                  row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+                  row_dtype: torch.dtype) -> tuple[str, OptimizerSpec]:
+        """Check a Register's arguments (nothing is allocated); (what, optimizer spec)."""
+        check_run_id(run_id, "register")
         what = f"register run={run_id!r} rank={rank}"
-        if not run_id:
-            raise InvalidArgument("register: run_id must not be empty")
-        if len(run_id) > MAX_RUN_ID_LEN:
-            raise InvalidArgument(f"register: run_id of {len(run_id)} characters is longer "
-                                  f"than {MAX_RUN_ID_LEN}")
         if world_size < 1:
             raise InvalidArgument(f"{what}: world_size={world_size} must be >= 1")
         if not 0 <= rank < world_size:
@@ -240,14 +265,37 @@ class Store:
             seen.add(spec.name)
         spec_opt = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(
             **dict(optimizer))
+        return what, spec_opt
 
+    def _state_bytes_in_use(self) -> int:
+        return sum(p.state_bytes for p in self.partitions())
+
+    def _new_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                       tables: list[TableSpec], optimizer: OptimizerSpec,
+                       row_dtype: torch.dtype, what: str, freed: int = 0) -> Partition:
+        """Allocate a partition within --max-state-bytes (`freed`: bytes of partitions this
+        request replaces); ResourceExhausted with nothing allocated when it does not fit."""
+        needed = sum(t.state_bytes(optimizer.has_moments, row_dtype != torch.float32)
+                     for t in tables)
+        self.budget.reserve(needed, self._state_bytes_in_use(), what, freed)
+        try:
+            return Partition(run_id, rank, world_size, incarnation, tables, optimizer,
+                             answer_cache_steps=self.answer_cache_steps,
+                             rate_window_s=self.rate_window_s, clock=self._clock,
+                             row_dtype=row_dtype)
+        finally:
+            self.budget.release(needed)  # from here on the partition itself counts
+
+    def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
+                  tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
+                  row_dtype: torch.dtype = torch.float32) -> list[RegisteredTable]:
+        what, spec_opt = self._validate(run_id, rank, world_size, incarnation, tables,
+                                        optimizer, row_dtype)
         existing = self.partition(run_id, rank)
         if existing is None:
             self._check_run_consistency(run_id, rank, world_size, tables, what)
-            fresh = Partition(run_id, rank, world_size, incarnation, tables, spec_opt,
-                              answer_cache_steps=self.answer_cache_steps,
-                              rate_window_s=self.rate_window_s, clock=self._clock,
-                              row_dtype=row_dtype)
+            fresh = self._new_partition(run_id, rank, world_size, incarnation, tables,
+                                        spec_opt, row_dtype, what)
             with self._lock:
                 existing = self._partitions.get((run_id, rank))
                 if existing is None:  # nobody registered it while we allocated
@@ -271,6 +319,7 @@ class Store:
                 )
             previous = existing.incarnation
             existing.incarnation = incarnation
+            existing.new_secret()
             result = [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, False)
                       for t in existing.tables.values()]
         log.info(kv("register", run=run_id, rank=rank, incarnation=incarnation,
@@ -286,43 +335,93 @@ class Store:
 
         It replaces the rank's partition if one is held (the run restarts from the
         checkpoint), and drops partitions of the run registered with another
-        world size (the previous shape of a re-sharded run).
+        world size (the previous shape of a re-sharded run). Every file it will read is
+        checked against the manifest first: a damaged checkpoint (CorruptCheckpoint,
+        naming the file) or any other refusal leaves every partition as it was.
         """
-        from ps.checkpoint import restore_partition
+        from ps.checkpoint import check_restore, restore_partition
 
         directory, step = restore
         started = time.perf_counter()
-        what = f"register run={run_id!r} rank={rank}"
+        what, spec_opt = self._validate(run_id, rank, world_size, incarnation, tables,
+                                        optimizer, row_dtype)
         if not directory or step < 0:
             raise InvalidArgument(f"{what}: restore needs a checkpoint directory and a step "
                                   f">= 0 (got {directory!r}, {step})")
+        path = self.checkpoint_root.resolve(directory, f"{what} restore")
+        held = self.partition(run_id, rank)
+        if held is not None and incarnation < held.incarnation:
+            raise StaleIncarnation(
+                f"{what}: incarnation {incarnation} is older than the registered "
+                f"incarnation {held.incarnation}")
+        check_restore(tables, spec_opt.has_moments, row_dtype != torch.float32, path, step)
+
+        def replaced() -> list[tuple[str, int]]:
+            return [key for key, p in self._partitions.items()
+                    if key[0] == run_id and (key[1] == rank or p.world_size != world_size)]
+
+        with self._lock:
+            freed = sum(self._partitions[key].state_bytes for key in replaced())
+        others = [p for p in self.partitions() if p.run_id == run_id and p.rank != rank
+                  and p.world_size == world_size]
+        self._check_consistency(others, rank, world_size, tables, what)
+        part = self._new_partition(run_id, rank, world_size, incarnation, tables, spec_opt,
+                                   row_dtype, what, freed)
+        with part.lock:
+            restore_partition(part, path, step, checked=True)
         with self._lock:
             held = self._partitions.get((run_id, rank))
             if held is not None and incarnation < held.incarnation:
                 raise StaleIncarnation(
                     f"{what}: incarnation {incarnation} is older than the registered "
-                    f"incarnation {held.incarnation}")
-            stale = [key for key, p in self._partitions.items()
-                     if key[0] == run_id and (key[1] == rank or p.world_size != world_size)]
+                    f"incarnation {held.incarnation} (registered meanwhile)")
+            stale = replaced()
             for key in stale:
                 del self._partitions[key]
-        # Validates like a fresh Register, then loads the state before anyone can push.
-        self._register(run_id, rank, world_size, incarnation, tables, optimizer, row_dtype)
-        part = self.partition(run_id, rank)
-        assert part is not None
-        try:
-            with part.lock:
-                restore_partition(part, directory, step)
-        except BaseException:
-            with self._lock:
-                if self._partitions.get((run_id, rank)) is part:
-                    del self._partitions[(run_id, rank)]
-            raise
+            self._partitions[(run_id, rank)] = part
         log.info(kv("restore", run=run_id, rank=rank, world_size=world_size,
-                    incarnation=incarnation, step=step, directory=directory,
+                    incarnation=incarnation, step=step, directory=path,
                     dropped=len(stale), seconds=f"{time.perf_counter() - started:.3f}"))
         return [RegisteredTable(t.spec.name, t.spec.rows_held, t.last_step, True)
                 for t in part.tables.values()]
+
+    def drop_run(self, run_id: str, why: str) -> tuple[int, int]:
+        """Forget every partition of `run_id` (its memory goes with the last push in
+        flight): (partitions, state bytes) freed. Counted in stats when any was held."""
+        check_run_id(run_id, "drop run")
+        with self._lock:
+            keys = [key for key in self._partitions if key[0] == run_id]
+            parts = [self._partitions.pop(key) for key in keys]
+            if parts:
+                self.runs_freed += 1
+                self.partitions_freed += len(parts)
+        freed = sum(p.state_bytes for p in parts)
+        if parts:
+            log.info(kv("run_freed", run=run_id, partitions=len(parts), state_bytes=freed,
+                        why=why))
+        return len(parts), freed
+
+    # -- the partition secret (checked by the transport for every later call) ----------
+
+    def secret(self, run_id: str, rank: int) -> str:
+        """The secret of a registered partition, for the answer to its Register only."""
+        part = self._partitions.get((run_id, rank))
+        if part is None:
+            raise NotRegistered(f"run {run_id!r} rank {rank} is not registered on this server")
+        return part.secret
+
+    def check_secret(self, run_id: str, rank: int, given: str, what: str) -> Partition:
+        """The partition, if `given` is its secret (compared in constant time);
+        WrongSecret otherwise. Nothing changes either way."""
+        part = self._partitions.get((run_id, rank))
+        if part is None:
+            check_run_id(run_id, what)
+            raise NotRegistered(f"{what}: run {run_id!r} rank {rank} is not registered on "
+                                f"this server (server {self.server_id})")
+        if not given or not part.secret_matches(given):
+            raise WrongSecret(f"{what}: {'missing' if not given else 'wrong'} partition "
+                              "secret (the one the latest Register of this rank answered)")
+        return part
 
     def seed_rows(self, run_id: str, rank: int, incarnation: int, table: str, row_start: int,
                   rows_ND: torch.Tensor) -> tuple[int, int]:
@@ -347,8 +446,8 @@ class Store:
         from ps.checkpoint import save_partition
 
         try:
-            if not directory:
-                raise InvalidArgument(f"checkpoint run={run_id!r}: directory must not be empty")
+            check_run_id(run_id, "checkpoint")
+            path = self.checkpoint_root.resolve(directory, f"checkpoint run={run_id!r}")
             parts = [p for p in self.partitions()
                      if p.run_id == run_id and (not ranks or p.rank in ranks)]
             missing = set(ranks) - {p.rank for p in parts}
@@ -360,9 +459,9 @@ class Store:
             for part in sorted(parts, key=lambda p: p.rank):
                 with part.lock:
                     out.extend((part.rank, info)
-                               for info in save_partition(part, directory, step))
+                               for info in save_partition(part, path, step))
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
-                        step=step, directory=directory, files=len(out),
+                        step=step, directory=path, files=len(out),
                         seconds=f"{time.perf_counter() - started:.3f}"))
             return out
         except ShardError as exc:
@@ -372,9 +471,13 @@ class Store:
     def _check_run_consistency(self, run_id: str, rank: int, world_size: int,
                                tables: list[TableSpec], what: str) -> None:
         """Other ranks of the run on this server must agree on world_size and table shapes."""
-        for other in self.partitions():
-            if other.run_id != run_id or other.rank == rank:
-                continue
+        others = [p for p in self.partitions() if p.run_id == run_id and p.rank != rank]
+        self._check_consistency(others, rank, world_size, tables, what)
+
+    @staticmethod
+    def _check_consistency(others: list[Partition], rank: int, world_size: int,
+                           tables: list[TableSpec], what: str) -> None:
+        for other in others:
             if other.world_size != world_size:
                 raise Conflict(f"{what}: world_size {world_size} != {other.world_size} "
                                f"registered by rank {other.rank} of the run")
@@ -405,6 +508,7 @@ class Store:
     def flush_status(self, run_id: str, rank: int,
                      step: int) -> tuple[list[RankStep], list[RankStep]]:
         """(every named (rank, table) with its last step, those still before `step`)."""
+        check_run_id(run_id, "flush")
         if rank < -1:
             raise InvalidArgument(f"flush run={run_id!r}: rank={rank} must be >= 0 or -1 (all)")
         parts = [p for p in self.partitions()
@@ -430,6 +534,7 @@ class Store:
         for p in parts:
             for t in p.tables.values():
                 newest[p.run_id] = max(newest.get(p.run_id, -1), t.last_step)
+        states = {run: self.run_state(run) for run in newest}
         rows: list[PartitionStatsRow] = []
         for p in parts:
             opt = optimizer_description(p.optimizer)
@@ -445,6 +550,7 @@ class Store:
                     queue_depth=queued.get((p.run_id, p.rank, name), 0),
                     refusals=dict(t.refusals), optimizer=opt,
                     master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
+                    run_state=states[p.run_id],
                 ))
         return ServerStats(
             server_id=self.server_id,
@@ -455,160 +561,7 @@ class Store:
             pushes_applied_total=sum(r.pushes_applied for r in rows),
             rows_updated_total=sum(r.rows_updated for r in rows),
             master_bytes_total=sum(r.master_bytes for r in rows),
+            runs_freed=self.runs_freed,
+            partitions_freed=self.partitions_freed,
+            max_state_bytes=self.budget.limit_bytes,
         )
-
-
-@dataclass
-class _Pending:
-    """The buffered chunks of the push in progress on one session."""
-
-    identity: tuple[str, int, int, int, str]
-    num_chunks: int
-    part: Partition
-    table: TableState
-    what: str
-    ids: list[torch.Tensor] = field(default_factory=list)
-    grads: list[torch.Tensor] = field(default_factory=list)
-    tickets: list[TableKey] = field(default_factory=list)  # queue_depth entries it holds
-
-    @property
-    def next_chunk(self) -> int:
-        return len(self.ids)
-
-
-class SyncSession:
-    """One Sync stream: chunk assembly, exactly-once application, queue-depth accounting.
-
-    Call `received(chunk)` when a chunk arrives (it then counts in queue_depth until
-    its push is answered or refused), `feed(chunk)` in arrival order (returns the
-    Answer when the chunk completes a push, else None), and `close()` at the end.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._pending: _Pending | None = None
-        # received() and close() run on the event loop while feed() runs in a pool thread
-        # (and may still be running when a cancelled stream closes): guard the counts.
-        self._count_lock = threading.Lock()
-        self._counted: collections.Counter[TableKey] = collections.Counter()
-        self._closed = False
-
-    @staticmethod
-    def _key(chunk: PushChunk) -> TableKey:
-        return (chunk.run_id, chunk.rank, chunk.table)
-
-    def received(self, chunk: PushChunk) -> None:
-        if chunk.chunk == 0:
-            key = self._key(chunk)
-            with self._count_lock:
-                if self._closed:
-                    return
-                self._counted[key] += 1
-                self._store._queue_add(key, 1)
-            chunk.queued = True
-
-    def _finish(self, key: TableKey) -> None:
-        with self._count_lock:
-            if self._counted[key] > 0:
-                self._counted[key] -= 1
-                self._store._queue_add(key, -1)
-
-    @property
-    def buffered_chunks(self) -> int:
-        return 0 if self._pending is None else self._pending.next_chunk
-
-    def feed(self, chunk: PushChunk) -> Answer | None:
-        try:
-            return self._feed(chunk)
-        except Exception as exc:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                for key in pending.tickets:
-                    self._finish(key)
-            if chunk.queued:
-                chunk.queued = False
-                self._finish(self._key(chunk))
-            reason = exc.reason if isinstance(exc, ShardError) else "internal"
-            self._store.record_refusal(reason, chunk.run_id, chunk.rank, chunk.table)
-            raise
-
-    def _feed(self, chunk: PushChunk) -> Answer | None:
-        n = chunk.total_chunks
-        what = chunk.describe()
-        if n != 1 or chunk.chunk != 0:
-            what += f" chunk {chunk.chunk} of {n}"
-        if n < 1 or not 0 <= chunk.chunk < n:
-            raise InvalidArgument(
-                f"{what}: chunk={chunk.chunk} num_chunks={chunk.num_chunks} is invalid "
-                "(need 0 <= chunk < num_chunks)"
-            )
-        pending = self._pending
-        if pending is None:
-            if chunk.chunk != 0:
-                raise InvalidArgument(
-                    f"{what}: no push is in progress on this stream; the chunks of a push "
-                    "must arrive in order starting with chunk 0"
-                )
-            part, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
-                                              chunk.table, what)
-            table.classify_step(chunk.step, what)  # fail fast on out-of-order / evicted
-            pending = _Pending(chunk.identity, n, part, table,
-                               what if n == 1 else chunk.describe())
-            self._pending = pending
-        elif chunk.identity != pending.identity or n != pending.num_chunks:
-            raise InvalidArgument(
-                f"{what}: arrived while {pending.what} waits for chunk {pending.next_chunk} "
-                f"of {pending.num_chunks}; the chunks of a push must arrive in order, unmixed"
-            )
-        elif chunk.chunk != pending.next_chunk:
-            raise InvalidArgument(
-                f"{what}: expected chunk {pending.next_chunk} of {pending.num_chunks} next"
-            )
-        if chunk.queued:
-            chunk.queued = False
-            pending.tickets.append(self._key(chunk))
-        pending.table.check_rows(chunk.ids, chunk.grads, what)
-        if chunk.lr is not None:
-            check_push_lr(chunk.lr, what)
-        pending.ids.append(chunk.ids)
-        pending.grads.append(chunk.grads)
-        if pending.next_chunk < n:
-            return None
-
-        # The last chunk: apply the whole push under the partition lock.
-        if n == 1:
-            ids, grads = pending.ids[0], pending.grads[0]
-        else:
-            ids, grads = torch.cat(pending.ids), torch.cat(pending.grads)
-            dup = first_duplicate(ids)
-            if dup is not None:
-                raise InvalidArgument(
-                    f"{pending.what}: id {dup} appears in more than one chunk; pushes must "
-                    "be coalesced (each id once)"
-                )
-        with pending.part.lock:
-            _, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
-                                           chunk.table, pending.what)
-            saved = table.classify_step(chunk.step, pending.what)
-            sink = chunk.sink if n == 1 else None
-            if saved is None:
-                answer = table.apply(chunk.step, ids, grads, sink, chunk.lr)
-            elif sink is not None:
-                sink.write(saved.delta)
-                answer = saved
-            else:  # re-sent inline: the caller gets its own copy of a borrowed delta
-                answer = (dataclasses.replace(saved, delta=saved.delta.clone(), borrowed=False)
-                          if saved.borrowed else saved)
-        self._pending = None
-        for key in pending.tickets:
-            self._finish(key)
-        return answer
-
-    def close(self) -> None:
-        """End of stream: pushes received but never answered leave queue_depth."""
-        with self._count_lock:
-            self._closed = True
-            for key, n in self._counted.items():
-                if n > 0:
-                    self._store._queue_add(key, -n)
-            self._counted.clear()

@@ -26,6 +26,20 @@ from tests.helpers import PsServer, start_ps_server
 os.environ.setdefault("HYBRIDPS_SAME_NODE_MB", "8")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Shard servers the tests start (they inherit the environment) checkpoint anywhere
+    under this session's temp directory, where every test's tmp_path lives
+    (--checkpoint-root; the default, ./checkpoints, would refuse them)."""
+    previous = os.environ.get("HYBRIDPS_CHECKPOINT_ROOT")
+    os.environ["HYBRIDPS_CHECKPOINT_ROOT"] = str(tmp_path_factory.getbasetemp())
+    yield
+    if previous is None:
+        os.environ.pop("HYBRIDPS_CHECKPOINT_ROOT", None)
+    else:
+        os.environ["HYBRIDPS_CHECKPOINT_ROOT"] = previous
+
+
 @pytest.fixture
 def ps_server(tmp_path: Path) -> Iterator[str]:
     """A fresh shard server subprocess on a free port; yields "127.0.0.1:PORT"."""

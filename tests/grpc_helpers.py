@@ -44,7 +44,7 @@ def register(stub: shard_pb2_grpc.ShardServiceStub, run_id: str,
 
 def push_messages(run_id: str, step: int, table_name: str, ids: torch.Tensor,
                   grads: torch.Tensor, *, rank: int = 0, incarnation: int = 0,
-                  max_message_bytes: int | None = None) -> list[shard_pb2.Push]:
+                  max_message_bytes: int | None = None) -> list[shard_pb2.SyncRequest]:
     """One push, split into chunks by rows when max_message_bytes is given."""
     n = int(ids.shape[0])
     per = n or 1
@@ -54,29 +54,31 @@ def push_messages(run_id: str, step: int, table_name: str, ids: torch.Tensor,
     out = []
     for i, (s, e) in enumerate(bounds):
         msg = shard_pb2.Push(run_id=run_id, rank=rank, incarnation=incarnation, step=step,
-                             table=table_name, chunk=i, num_chunks=len(bounds))
-        wire.encode(ids[s:e], msg.ids)
-        wire.encode(grads[s:e], msg.grads)
-        out.append(msg)
+                             table=table_name,
+                             chunk=shard_pb2.InlineChunk(index=i, count=len(bounds)))
+        wire.encode(ids[s:e], msg.chunk.ids)
+        wire.encode(grads[s:e], msg.chunk.grads)
+        out.append(shard_pb2.SyncRequest(push=msg))
     return out
 
 
-def sync(stub: shard_pb2_grpc.ShardServiceStub, pushes: Iterable[shard_pb2.Push],
-         timeout: float = 60) -> list[shard_pb2.Update]:
-    return list(stub.Sync(iter(list(pushes)), timeout=timeout))
+def sync(stub: shard_pb2_grpc.ShardServiceStub, requests: Iterable[shard_pb2.SyncRequest],
+         timeout: float = 60) -> list[shard_pb2.SyncResponse]:
+    return list(stub.Sync(iter(list(requests)), timeout=timeout))
 
 
-def assemble(updates: Sequence[shard_pb2.Update]) -> list[tuple[int, str, torch.Tensor,
-                                                                 torch.Tensor, float, bool]]:
-    """Updates -> one (step, table, ids, delta, decay, duplicate) per answered push."""
+def assemble(responses: Sequence[shard_pb2.SyncResponse]
+             ) -> list[tuple[int, str, torch.Tensor, torch.Tensor, float, bool]]:
+    """Inline answers -> one (step, table, ids, delta, decay, duplicate) per answered push."""
     answers = []
     parts: list[shard_pb2.Update] = []
-    for u in updates:
+    for response in responses:
+        u = response.update
         parts.append(u)
-        assert u.chunk == len(parts) - 1, "answer chunks out of order"
-        if u.chunk == u.num_chunks - 1:
-            ids = torch.cat([wire.decode(p.ids) for p in parts])
-            delta = torch.cat([wire.decode(p.delta) for p in parts])
+        assert u.chunk.index == len(parts) - 1, "answer chunks out of order"
+        if u.chunk.index == u.chunk.count - 1:
+            ids = torch.cat([wire.decode(p.chunk.ids) for p in parts])
+            delta = torch.cat([wire.decode(p.chunk.delta) for p in parts])
             answers.append((u.step, u.table, ids, delta, u.decay, u.duplicate))
             parts = []
     assert not parts, "incomplete chunked answer"

@@ -65,9 +65,11 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "log_every": ("5", 5),
     "eval_batches": ("0", 0),
     "results": ("/tmp/r.json", "/tmp/r.json"),
+    "tensorboard": ("runs/tb", "runs/tb"),  # tests/test_tensorboard.py
     "dump_state": ("/tmp/s.pt", "/tmp/s.pt"),
     "progress": ("0", False),
     "pipeline": ("false", False),  # tests/test_pipeline.py
+    "pool_at": ("owner", "owner"),  # tests/test_pooled_e2e.py
     "auth_token_file": ("/tmp/token", "/tmp/token"),
     "tls": ("true", True),
     "tls_ca": ("/tmp/ca.pem", "/tmp/ca.pem"),

@@ -1,4 +1,4 @@
-"""The Sync socket (ps/direct.py, worker/direct.py) against a real shard server.
+"""The Sync socket (ps/socket_server.py, worker/socket_client.py) against a real shard server.
 
 Results over the socket equal the gRPC stream's bitwise; a socket cut at a chosen step
 (before the push is sent, or while its answer is awaited) re-registers, reconnects and
@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,9 @@ from hybridps.security import ClientSecurity
 from tests.helpers import PsServer, start_ps_server
 from tests.test_lifecycle import final_state
 from tests.test_wire_fast import _client, _reference_deltas, _run, _steps
-from worker.direct import DirectChannel
+from worker.socket_client import SocketTransport
 from worker.sync import ServerRefused, ShardClient
+from worker.transport import TransportError, TransportRefused
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]  # every test starts processes
 
@@ -55,9 +55,9 @@ def test_socket_equals_stream_bitwise_and_the_reference(ps_address: str) -> None
 
 
 def _cut(client: ShardClient) -> None:
-    direct = client._direct
-    assert direct is not None, "the client is not on the socket"
-    direct._sock.shutdown(socket.SHUT_RDWR)
+    transport = client._transport
+    assert isinstance(transport, SocketTransport), "the client is not on the socket"
+    transport.cut()
 
 
 @pytest.mark.parametrize("cut_before", ["push", "take"])
@@ -131,12 +131,12 @@ def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]
 
 def test_socket_checks_the_token(token_server: PsServer) -> None:
     path = _socket_of(token_server)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        DirectChannel(path, "not-the-token-at-all-0123456789", 10.0, 1 << 20)
-    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        DirectChannel(path, "", 10.0, 1 << 20)
-    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(TransportRefused) as caught:
+        SocketTransport(path, "not-the-token-at-all-0123456789", 10.0, 1 << 20)
+    assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED.name
+    with pytest.raises(TransportRefused) as caught:
+        SocketTransport(path, "", 10.0, 1 << 20)
+    assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED.name
     ids, grads = _steps(ROWS, DIM, 3)
     client = _client(token_server.address, ROWS, DIM, shm="on",
                      security=ClientSecurity(token=TOKEN))
@@ -194,19 +194,19 @@ def test_drain_ends_an_idle_socket_promptly_with_shutting_down(tmp_path: Path) -
             updates, _ = client.take(2)
             assert [u.step for u in updates] == [0, 1, 2]
             assert client.stats.transport == "socket"
-            direct = client._direct
-            assert direct is not None
+            transport = client._transport
+            assert isinstance(transport, SocketTransport)
             start = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                direct.receive(10.0)
+            with pytest.raises(TransportError) as caught:
+                transport.receive(10.0)
             code = server.proc.wait(10)
             elapsed = time.monotonic() - start
         finally:
-            client._direct = None  # the socket is spent; close() must not wait on it
+            client._transport = None  # the socket is spent; close() must not wait on it
             client.close()
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "shutting down" in (caught.value.details() or ""), caught.value.details()
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE.name
+        assert "shutting down" in caught.value.details, caught.value.details
         assert code == 0, server.stderr()
         assert elapsed < 4.0, f"the server took {elapsed:.1f}s to stop"
         assert final_state(server.stderr())[(0, "t")] == (2, 3)

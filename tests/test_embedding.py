@@ -205,19 +205,21 @@ def reference(case: dict[str, torch.Tensor]
     return {k: v.detach() for k, v in outs.items()}, grads
 
 
-def _spawned(rank: int, store: str, out_dir: str, fused: bool) -> None:
+def _spawned(rank: int, store: str, out_dir: str, fused: bool, pool_at: str = "auto") -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=WORLD)
     try:
         group = dist.new_group()
         emb = ShardedEmbedding(TABLES, rank=rank, world_size=WORLD, group=group, seed=SEED,
-                               init_std=STD)
+                               init_std=STD, pool_at=pool_at)
         loss, outs = sharded_forward(emb, local_slice(global_case(), rank), fused)
         loss.backward()
         grads = emb.pop_grads(scale=1.0 / WORLD)
         weights = {k: w.detach().clone() for k, w in emb.weights.items()}
         torch.save({"outs": outs, "grads": grads, "ranges": emb.ranges, "weights": weights,
-                    "full": emb.gather_full(dst=0)}, Path(out_dir) / f"rank{rank}.pt")
+                    "full": emb.gather_full(dst=0), "pooled": emb._pool_choice,
+                    "caps": {k[1:]: c.elements for k, c in emb._caps.items()}},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
     from worker.lifecycle import exit_process
@@ -266,6 +268,69 @@ def test_two_process_lookup_and_grads_match_nn_embedding(tmp_path: Path, fused: 
         assert torch.equal(full[t.name], expect)
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pool_at", ["owner", "requester"])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "lookup_many"])
+def test_two_process_bags_either_way_match_nn_embedding_bag(tmp_path: Path, fused: bool,
+                                                            pool_at: str) -> None:
+    """The bags pooled at their owner (partial sums travel, the requester adds them and
+    divides by the bag length) and pooled at the requester (rows travel) give the outputs
+    and the owned-row gradients of nn.EmbeddingBag over the global batch; plain lookups in
+    the same exchange are unchanged."""
+    mp.spawn(_spawned, args=(str(tmp_path / "store"), str(tmp_path), fused, pool_at),
+             nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ref_outs, ref_grads = reference(global_case())
+    for key, ref in ref_outs.items():
+        got = torch.cat([res["outs"][key] for res in results])
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    _check_grads([res["grads"] for res in results], [res["ranges"] for res in results],
+                 ref_grads)
+    assert all(res["caps"] for res in results), "no exchange_blocks ran"
+    assert results[0]["caps"] == results[1]["caps"], "the ranks disagree on the block size"
+    pooled_at_owner = [any(pooled) for _, pooled in results[0]["caps"]]
+    assert any(pooled_at_owner) == (pool_at == "owner"), results[0]["caps"]
+
+
+def _pooling_choice(rank: int, store: str, out_dir: str) -> None:
+    """auto: a bag of 40 ids over 5,000 rows is pooled at the owner, a bag of 2 ids stays
+    rows; every rank decides the same from the summed sizes."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    try:
+        tables = [TableConfig("long", 5000, 8), TableConfig("short", 5000, 8)]
+        emb = ShardedEmbedding(tables, rank=rank, world_size=WORLD, group=dist.new_group())
+        gen = torch.Generator().manual_seed(rank)
+        long_ids = torch.randint(0, 5000, (64 * 40,), generator=gen)
+        short_ids = torch.randint(0, 5000, (64 * 2,), generator=gen)
+        offsets = [torch.arange(0, 64 * pool, pool) for pool in (40, 2)]
+        outs = emb.lookup_many(["long", "short"], [long_ids, short_ids],
+                               [(offsets[0], "mean"), (offsets[1], "sum")])
+        full = {t.name: init_rows(t.num_rows, t.dim, 0, t.num_rows, seed=0, table_index=i,
+                                  init_std=1.0) for i, t in enumerate(tables)}
+        torch.testing.assert_close(outs[0], nn.functional.embedding_bag(
+            long_ids, full["long"], offsets[0], mode="mean"), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(outs[1], nn.functional.embedding_bag(
+            short_ids, full["short"], offsets[1], mode="sum"), rtol=1e-6, atol=1e-6)
+        torch.save(dict(emb._pool_choice), Path(out_dir) / f"choice{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    from worker.lifecycle import exit_process
+
+    exit_process(0)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_auto_pools_long_bags_at_the_owner_and_short_ones_at_the_requester(
+        tmp_path: Path) -> None:
+    mp.spawn(_pooling_choice, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
+             join=True)
+    choices = [torch.load(tmp_path / f"choice{r}.pt") for r in range(WORLD)]
+    assert choices[0] == choices[1] == {(("long", "short"), (True, True)): (True, False)}
+
+
 def test_world_size_one_uses_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("world size 1 must not communicate")
@@ -294,3 +359,26 @@ def test_apply_update_checks_owned_range() -> None:
     assert emb.weights["a"].detach()[0].tolist() == [0.5, 0.5]
     with pytest.raises(IndexError, match=r"outside the owned range \[5, 10\) of rank 1"):
         emb.apply_update("a", torch.tensor([4]), torch.ones(1, 2), 1.0)
+
+
+def test_range_check_of_many_tables_names_the_table() -> None:
+    """Past two tables the range check is one fused comparison: it still names the table
+    and the id, whichever table holds it."""
+    tables = [TableConfig(f"t{i}", 10 + i, 2) for i in range(5)]
+    emb = ShardedEmbedding(tables)
+    ids = [torch.tensor([9 + i]) for i in range(5)]
+    assert len(emb.lookup_many([t.name for t in tables], ids)) == 5
+    for bad, value in ((3, 13), (0, -1), (4, 14)):
+        wrong = list(ids)
+        wrong[bad] = torch.tensor([0, value])
+        with pytest.raises(IndexError, match=rf"table 't{bad}': row id {value} outside"):
+            emb.lookup_many([t.name for t in tables], wrong)
+
+
+def test_pool_at_rejects_an_unknown_place() -> None:
+    from worker.config import TrainConfig
+
+    with pytest.raises(ValueError, match="pool_at='nowhere' is not one of auto, owner"):
+        TrainConfig.of(local_optimizer=True, pool_at="nowhere")
+    with pytest.raises(ValueError, match="pool_at='nowhere'"):
+        ShardedEmbedding(TABLES, pool_at="nowhere")

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hybridps.datasets import shipped_dataset
 from worker.tasks.kge_data import (
     TailIndex,
     add_reciprocal,
@@ -15,7 +16,7 @@ from worker.tasks.kge_data import (
     sample_negatives,
 )
 
-UMLS = Path("/work/shared/data/UMLS")
+UMLS = shipped_dataset("umls")  # hybridps/data/umls: in the repository and the package
 
 
 def _write(d: Path, **splits: list[str]) -> Path:
@@ -25,7 +26,6 @@ def _write(d: Path, **splits: list[str]) -> Path:
     return d
 
 
-@pytest.mark.skipif(not UMLS.is_dir(), reason="UMLS data not present")
 def test_load_umls_counts_and_sorted_ids() -> None:
     ds = load_kg_dataset(UMLS)
     assert (ds.num_entities, ds.num_relations) == (135, 46)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridps.datasets import shipped_dataset
 from tests.helpers import start_ps_server
 from tests.spawn_helpers import run_ranks
 from worker.reference import LocalEmbedding, train_reference
@@ -30,7 +31,7 @@ from worker.tasks.kge import KGETask, id_maps_dir
 from worker.tasks.kge_data import load_kg_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-UMLS = Path("/work/shared/data/UMLS")
+UMLS = shipped_dataset("umls")  # hybridps/data/umls
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 NUM_ENTITIES, NUM_RELATIONS = 23, 4
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -194,14 +195,12 @@ def test_lazy_adam_equals_dense_adam_when_every_row_is_touched(eps: float, tol: 
 
 @pytest.mark.e2e
 def test_umls_two_ranks_real_server(tmp_path: Path) -> None:
-    if not (UMLS / "train.txt").is_file():
-        pytest.skip(f"{UMLS} not available")
     results = tmp_path / "umls.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with start_ps_server(tmp_path) as ps:
         cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(REPO / "worker/main.py"),
-               "--ps", ps.address, "--task", "kge", "--data-dir", str(UMLS), "--model",
+               "--ps", ps.address, "--task", "kge", "--data-dir", "umls", "--model",
                "distmult", "--epochs", "30", "--staleness", "1", "--eval-every", "30",
                "--results", str(results), "--progress", "false"]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,

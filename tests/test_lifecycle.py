@@ -131,7 +131,7 @@ def test_sigterm_during_pushes_answers_what_it_received_and_loses_nothing(tmp_pa
             register(stub, "term", [table("emb", 1000, 16, 0, 1000)])
             stop_pushing = threading.Event()
 
-            def pushes() -> Iterator[shard_pb2.Push]:
+            def pushes() -> Iterator[shard_pb2.SyncRequest]:
                 for step in range(100_000):
                     if stop_pushing.is_set():
                         return
@@ -141,8 +141,8 @@ def test_sigterm_during_pushes_answers_what_it_received_and_loses_nothing(tmp_pa
 
             def consume() -> None:
                 try:
-                    for update in stub.Sync(pushes(), timeout=60):
-                        answered.append(update.step)
+                    for response in stub.Sync(pushes(), timeout=60):
+                        answered.append(response.update.step)
                 except grpc.RpcError as exc:
                     errors.append(exc)
 
@@ -179,7 +179,7 @@ def test_sigterm_during_pushes_answers_what_it_received_and_loses_nothing(tmp_pa
 def one_push(stub: shard_pb2_grpc.ShardServiceStub, run: str, rank: int, step: int,
              start: int) -> None:
     msgs = push_messages(run, step, "emb", torch.tensor([start]), torch.ones(1, 4), rank=rank)
-    assert [u.step for u in stub.Sync(iter(msgs), timeout=30)] == [step]
+    assert [r.update.step for r in stub.Sync(iter(msgs), timeout=30)] == [step]
 
 
 @pytest.mark.e2e
@@ -218,8 +218,9 @@ def test_exit_after_run_stops_once_every_rank_finished(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
-    """An aborted rank ends the run when the other's stream closes; no Finish at all: idle."""
-    aborted = start_ps_server(tmp_path / "a", "--exit-after-run")
+    """An aborted rank ends the run when the other's stream closes (after --abort-grace-s:
+    here 1 s instead of the restart window); no Finish at all: idle."""
+    aborted = start_ps_server(tmp_path / "a", "--exit-after-run", "--abort-grace-s", "1")
     idle = start_ps_server(tmp_path / "b", "--exit-after-run", "--run-idle-timeout-s", "1")
     try:
         with open_channel(aborted.address) as ch:
@@ -229,13 +230,13 @@ def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
                          rank=rank, world_size=2)
             gate = threading.Event()
 
-            def rank1_pushes() -> Iterator[shard_pb2.Push]:
+            def rank1_pushes() -> Iterator[shard_pb2.SyncRequest]:
                 yield from push_messages("job", 0, "emb", torch.tensor([5]), torch.ones(1, 4),
                                          rank=1)
                 gate.wait(30)
 
             stream = stub.Sync(rank1_pushes(), timeout=30)
-            assert next(stream).step == 0  # rank 1's stream is open
+            assert next(stream).update.step == 0  # rank 1's stream is open
             reply = stub.Finish(shard_pb2.FinishRequest(run_id="job", rank=0, last_step=-1,
                                                         aborted=True, reason="test"),
                                 timeout=10)
@@ -263,7 +264,9 @@ def test_exit_after_run_when_aborted_or_abandoned(tmp_path: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> None:
-    server: PsServer = start_ps_server(tmp_path, "--exit-after-run")
+    # Both ranks abort: the run is over once none registers again within --abort-grace-s
+    # (torchrun might be restarting them); 2 s here instead of the restart window.
+    server: PsServer = start_ps_server(tmp_path, "--exit-after-run", "--abort-grace-s", "2")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", MAIN, "--ps", server.address,
@@ -325,3 +328,26 @@ def test_exit_process_keeps_the_code_and_flushes_what_was_written() -> None:
     assert done.returncode == 3
     assert done.stdout == "buffered, no newline"
     assert "logged before the exit" in done.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_an_aborted_finish_reports_the_step_reached(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed after pushing step 6 of 40 (no restarts): rank 0 fails in its
+    next collective and sends Finish(aborted) with the last step it pushed, not 39."""
+    server: PsServer = start_ps_server(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYBRIDPS_FAULT_KILL="1:6")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", MAIN, "--ps", server.address,
+           "--run-id", "aborted-step", "--num-rows", "2000", "--batch-size", "32", "--dim", "8",
+           "--steps", "40", "--progress", "false"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=240, check=False)
+        assert proc.returncode != 0
+        finishes = re.findall(r"event=finish run=aborted-step rank=0 last_step=(-?\d+) "
+                              r"aborted=True", server.stderr())
+        assert len(finishes) == 1, proc.stderr[-3000:] + server.stderr()[-3000:]
+        assert 6 <= int(finishes[0]) <= 8, finishes  # the step it reached, not 39
+    finally:
+        server.terminate()

@@ -9,6 +9,7 @@ import torch
 
 from worker.metrics import (
     auc_summary,
+    batch_roc_auc,
     block_rank_counts,
     log_loss,
     log_loss_sum,
@@ -153,3 +154,13 @@ def test_log_loss_matches_torch_bce() -> None:
     assert n == 1000 and total / n == pytest.approx(want, rel=1e-12)
     # extreme logits stay finite
     assert math.isfinite(log_loss(np.array([1000.0, -1000.0]), np.array([0.0, 1.0])))
+
+
+def test_batch_roc_auc_is_a_scalar_tensor_and_nan_without_both_classes() -> None:
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8])
+    labels = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    value = batch_roc_auc(scores, labels)
+    assert value.shape == () and value.dtype == torch.float32
+    assert float(value) == pytest.approx(roc_auc(scores.numpy(), labels.numpy()))
+    assert float(value) == pytest.approx(0.75)
+    assert math.isnan(float(batch_roc_auc(scores, torch.ones(4))))

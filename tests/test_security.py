@@ -139,7 +139,7 @@ def test_every_rpc_needs_the_token_and_a_refusal_changes_nothing(token_server: s
         # With the token everything works (and the admin token reads stats too).
         shard.Register(register_request(), timeout=10, metadata=ok.metadata)
         answers = list(shard.Sync(iter(push), timeout=10, metadata=ok.metadata))
-        assert [a.step for a in answers] == [0]
+        assert [a.update.step for a in answers] == [0]
         assert get_shard_stats(token_server, security=ClientSecurity(token=ADMIN)
                                ).pushes_applied_total == 1
 

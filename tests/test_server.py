@@ -26,7 +26,7 @@ from hybridps.errors import FlushTimeout, NotFound, OutOfOrder, RowOutOfRange
 from hybridps.optim import OptimizerSpec
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
 from ps.partition import PushChunk, TableSpec
-from ps.service import status_for
+from ps.status import status_for
 from ps.store import Store
 from tests.grpc_helpers import (
     assemble,
@@ -87,7 +87,8 @@ class Rank:
         gen = torch.Generator().manual_seed(1000 + step)
         return ids_t, torch.randn(int(ids_t.shape[0]), DIM, generator=gen)
 
-    def push(self, step: int, ids: list[int] | torch.Tensor, **kwargs: Any) -> list[shard_pb2.Push]:
+    def push(self, step: int, ids: list[int] | torch.Tensor,
+             **kwargs: Any) -> list[shard_pb2.SyncRequest]:
         ids_t, grads = self.grads(step, ids)
         kwargs.setdefault("max_message_bytes", MAX_MSG)
         return push_messages(self.run, step, "emb", ids_t, grads, **kwargs)
@@ -119,7 +120,7 @@ def test_register_and_sync_round_trip_with_chunking(channel: grpc.Channel) -> No
     updates = sync(rank.stub, pushes)
     assert len(updates) >= 3  # ... and so is the answer
     assert all(u.ByteSize() <= MAX_MSG for u in updates)
-    assert [u.chunk for u in updates] == list(range(len(updates)))
+    assert [u.update.chunk.index for u in updates] == list(range(len(updates)))
     ((step, name, got_ids, delta, decay, dup),) = assemble(updates)
     ref_delta, ref_decay = rank.expect(0, ids)
     assert (step, name, dup, decay) == (0, "emb", False, ref_decay)
@@ -139,9 +140,10 @@ def test_register_and_sync_round_trip_with_chunking(channel: grpc.Channel) -> No
 @pytest.mark.e2e
 def test_empty_push_gets_an_empty_answer(channel: grpc.Channel) -> None:
     rank = Rank(channel)
-    (update,) = sync(rank.stub, rank.push(0, []))
-    assert (update.step, update.table, update.chunk, update.num_chunks) == (0, "emb", 0, 1)
-    assert list(update.ids.shape) == [0] and list(update.delta.shape) == [0, DIM]
+    (response,) = sync(rank.stub, rank.push(0, []))
+    update = response.update
+    assert (update.step, update.table, update.chunk.index, update.chunk.count) == (0, "emb", 0, 1)
+    assert list(update.chunk.ids.shape) == [0] and list(update.chunk.delta.shape) == [0, DIM]
     assert not update.duplicate
     rank.expect(0, [])
     rank.check(1, [3])  # the step count advanced: kernel step 2
@@ -154,8 +156,8 @@ def test_duplicates_over_the_wire(channel: grpc.Channel) -> None:
     replay = sync(rank.stub, [*rank.push(0, list(range(300))), *rank.push(1, [1, 2])])
     assert len(first) == len(replay) > 2
     for a, b in zip(first, replay, strict=True):
-        assert not a.duplicate and b.duplicate
-        b.duplicate = False
+        assert not a.update.duplicate and b.update.duplicate
+        b.update.duplicate = False
         assert a == b  # the same bytes
     rank.expect(0, list(range(300)))
     rank.expect(1, [1, 2])
@@ -163,13 +165,13 @@ def test_duplicates_over_the_wire(channel: grpc.Channel) -> None:
 
 
 def _mutate_ids(msg: shard_pb2.Push, ids: list[int]) -> None:
-    wire.encode(torch.tensor(ids, dtype=torch.int64), msg.ids)
+    wire.encode(torch.tensor(ids, dtype=torch.int64), msg.chunk.ids)
 
 
 def _nan(msg: shard_pb2.Push) -> None:
-    g = wire.decode(msg.grads).clone()
+    g = wire.decode(msg.chunk.grads).clone()
     g[1, 3] = float("nan")
-    wire.encode(g, msg.grads)
+    wire.encode(g, msg.chunk.grads)
 
 
 BAD: list[tuple[str, Callable[[shard_pb2.Push], object], grpc.StatusCode, str]] = [
@@ -183,14 +185,16 @@ BAD: list[tuple[str, Callable[[shard_pb2.Push], object], grpc.StatusCode, str]] 
      "id 9 appears more than once"),
     ("nan", _nan, grpc.StatusCode.INVALID_ARGUMENT, "is nan"),
     # float16/bfloat16 grads are valid (--wire-dtype); integers are not.
-    ("grads dtype", lambda m: wire.encode(torch.zeros(2, DIM, dtype=torch.int32), m.grads),
+    ("grads dtype", lambda m: wire.encode(torch.zeros(2, DIM, dtype=torch.int32),
+                                          m.chunk.grads),
      grpc.StatusCode.INVALID_ARGUMENT, "grads must be float32 (or bfloat16/float16 on the "
      "wire), got torch.int32"),
-    ("grads dim", lambda m: wire.encode(torch.zeros(2, DIM + 1), m.grads),
+    ("grads dim", lambda m: wire.encode(torch.zeros(2, DIM + 1), m.chunk.grads),
      grpc.StatusCode.INVALID_ARGUMENT, f"must be [U, dim] = [2, {DIM}]"),
-    ("truncated bytes", lambda m: setattr(m.grads, "data", m.grads.data[:-4]),
+    ("truncated bytes", lambda m: setattr(m.chunk.grads, "data", m.chunk.grads.data[:-4]),
      grpc.StatusCode.INVALID_ARGUMENT, f"grads: {2 * DIM * 4 - 4} bytes do not match shape"),
-    ("unspecified dtype", lambda m: m.ids.ClearField("dtype"), grpc.StatusCode.INVALID_ARGUMENT,
+    ("unspecified dtype", lambda m: m.chunk.ids.ClearField("dtype"),
+     grpc.StatusCode.INVALID_ARGUMENT,
      "ids: unsupported dtype DTYPE_UNSPECIFIED"),
     ("out of order", lambda m: setattr(m, "step", 5), grpc.StatusCode.FAILED_PRECONDITION,
      "step 5 skips ahead"),
@@ -209,13 +213,13 @@ def test_bad_push_aborts_the_stream_and_changes_nothing(
     rank = Rank(channel)
     rank.check(0, [1, 2])
     (bad,) = rank.push(1, [1, 2])
-    mutate(bad)
+    mutate(bad.push)
     # The good push before the bad one on the same stream is answered, then the stream ends.
     good_first = rank.push(1, [3])
     received: list[shard_pb2.Update] = []
     with pytest.raises(grpc.RpcError) as info:
-        for update in rank.stub.Sync(iter([*good_first, bad]), timeout=30):
-            received.append(update)
+        for response in rank.stub.Sync(iter([*good_first, bad]), timeout=30):
+            received.append(response.update)
     assert info.value.code() == code, details(info)
     assert named in details(info)
     assert [u.step for u in received] == [1]
@@ -245,7 +249,7 @@ def test_bad_chunk_drops_the_buffered_chunks(channel: grpc.Channel) -> None:
     ids = list(range(100, 900))
     pushes = rank.push(0, ids)
     assert len(pushes) >= 3
-    _nan(pushes[-1])
+    _nan(pushes[-1].push)
     with pytest.raises(grpc.RpcError) as info:
         sync(rank.stub, pushes)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -392,12 +396,12 @@ def test_sigterm_stops_promptly_with_reflection_off_from_env(tmp_path: Path) -> 
             register(stub, "r", [table("emb", 10, 4, 0, 10)])
             gate = threading.Event()
 
-            def pushes() -> Iterator[shard_pb2.Push]:
+            def pushes() -> Iterator[shard_pb2.SyncRequest]:
                 yield from push_messages("r", 0, "emb", torch.tensor([1]), torch.ones(1, 4))
                 gate.wait(30)
 
             stream = stub.Sync(pushes(), timeout=30)
-            assert next(stream).step == 0
+            assert next(stream).update.step == 0
             watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(),
                                                           timeout=30)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING

@@ -24,8 +24,17 @@ steps <= s is in the rows:
 5. barrier; rank 0 renames `manifest.json` into place LAST (step, world size,
    tables, row ranges, files with sizes + crc32, data position); barrier.
 
-A directory without a manifest is torn and ignored; `--resume` loads the newest
-directory with one. Resuming: each rank reads the saved row ranges that overlap
+A directory without a manifest is torn and ignored. Before anything is loaded the
+checkpoint is verified whole: the manifest against its own checksum and every file it
+lists (rows, optim, pending, dense) against its size and crc32, the files split among
+the ranks, which then agree on the verdict (`resume_target`), so every rank resumes
+from the same checkpoint. `--resume` takes the newest intact one: a damaged newer one
+is skipped with a warning naming the bad file. `--resume-from` a step directory takes
+exactly that one: damaged or missing, the worker exits 2 with one line saying why
+(ResumeError; a root directory behaves like --resume). A resume whose checkpoint is the
+run's last step (or beyond) trains nothing: it says so and exits 0.
+
+Resuming: each rank reads the saved row ranges that overlap
 the range it owns now (hybridps/checkpoint.py load_rows), so the world size may
 differ; the server loads the optimizer state the same way (Register with
 `restore`), and sets last_step = s so no update is applied twice; the data
@@ -80,8 +89,12 @@ from hybridps.checkpoint import (
     save_shard,
     save_torch,
     step_dir,
+    verify_entry,
+    verify_files,
     write_manifest,
 )
+from hybridps.errors import ShardError
+from worker.console import checkpoint_entry, human_bytes
 from worker.faults import fault_point
 from worker.sync import ShardClient
 from worker.updates import LocalSparseOptimizer, RowUpdate
@@ -98,6 +111,10 @@ log = logging.getLogger("worker.checkpoint")
 
 DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
 PENDING_FORMAT = "hybridps-pending-v1"
+
+
+class ResumeError(ValueError):
+    """No checkpoint to resume as asked (damaged, missing): the worker exits 2."""
 
 
 def pending_file(rank: int) -> str:
@@ -141,28 +158,65 @@ class Checkpointer:
         self.root = Path(self.opts.checkpoint_dir).resolve() if self.opts.checkpoint_dir else None
         self.resumed_step = -1
         self.save_s: list[float] = []
+        self.written: list[dict[str, Any]] = []  # rank 0: step, path, bytes, seconds
         self.restore_s = 0.0
 
     # -- which checkpoint to resume from (called before the source starts) ----------
     def resume_target(self) -> tuple[Path, int] | None:
+        """The (directory, step) every rank resumes from (module doc), or None."""
         cfg = self.opts
         if not (cfg.resume or cfg.resume_from):
             return None
-        where = cfg.resume_from or cfg.checkpoint_dir
-        found = find_checkpoint(where)
-        box: list[Any] = [None if found is None else str(found.resolve())]
-        if self.world > 1:  # rank 0's choice wins (a checkpoint may complete meanwhile)
+        where = Path(cfg.resume_from or cfg.checkpoint_dir)
+        exact = bool(cfg.resume_from) and (where / MANIFEST).is_file()
+        if exact:
+            candidates = [str(where.resolve())]
+        else:
+            candidates = [str(d.resolve()) for _, d in reversed(complete_checkpoints(where))]
+        box: list[Any] = [candidates]
+        if self.world > 1:  # rank 0's list wins (a checkpoint may complete meanwhile)
             dist.broadcast_object_list(box, src=0)
-        found = None if box[0] is None else Path(box[0])
-        if found is None:
-            if cfg.resume_from:
-                raise FileNotFoundError(f"resume_from={cfg.resume_from!r}: no complete "
-                                        "checkpoint (manifest.json) there")
-            log.info("rank %d: --resume: no complete checkpoint under %s; starting at step 0",
-                     self.rank, where)
-            return None
-        manifest = read_manifest(found)
-        return found, int(manifest["step"])
+        candidates = list(box[0])
+        skipped: list[str] = []
+        for candidate in candidates:
+            problem = self._verify_together(Path(candidate))
+            if problem is None:
+                step = int(read_manifest(candidate)["step"])
+                if self.rank == 0:
+                    log.info("rank 0: resuming from %s (step %d)%s", candidate, step,
+                             f"; skipped {len(skipped)} damaged newer checkpoint(s)"
+                             if skipped else "")
+                return Path(candidate), step
+            if exact:
+                raise ResumeError(f"resume_from={cfg.resume_from!r}: checkpoint is damaged: "
+                                  f"{problem}")
+            skipped.append(candidate)
+            if self.rank == 0:
+                log.warning("rank 0: checkpoint %s is damaged, skipped: %s", candidate, problem)
+        if skipped:
+            raise ResumeError(f"no intact checkpoint under {str(where)!r}: all {len(skipped)} "
+                              "are damaged (see the warnings above); move them away to start "
+                              "at step 0")
+        if cfg.resume_from:
+            raise ResumeError(f"resume_from={cfg.resume_from!r}: no complete checkpoint "
+                              f"({MANIFEST}) there")
+        log.info("rank %d: --resume: no complete checkpoint under %s; starting at step 0",
+                 self.rank, where)
+        return None
+
+    def _verify_together(self, directory: Path) -> str | None:
+        """Collective: every rank checks its share of the checkpoint's files; None when all
+        are intact, else the first problem found (the same answer on every rank)."""
+        problem: str | None = None
+        try:
+            verify_files(directory, read_manifest(directory), share=(self.rank, self.world))
+        except (ShardError, OSError, ValueError, KeyError, TypeError) as exc:
+            problem = str(exc) or type(exc).__name__
+        gathered: list[Any] = [problem]
+        if self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, problem)
+        return next((p for p in gathered if p is not None), None)
 
     def due(self, step: int) -> bool:
         every = self.opts.checkpoint_every
@@ -233,8 +287,10 @@ class Checkpointer:
         elapsed = time.perf_counter() - t0
         self.save_s.append(elapsed)
         if self.rank == 0:
-            log.info("checkpoint step %d -> %s in %.2fs (drain+rows %.2fs, optimizer state "
-                     "%.2fs)", step, directory, elapsed, t_rows - t0, t_optim - t_rows)
+            self.written.append(checkpoint_entry(step, directory, elapsed))
+            log.info("checkpoint step %d -> %s: %s in %.2fs (drain+rows %.2fs, optimizer "
+                     "state %.2fs)", step, directory, human_bytes(self.written[-1]["bytes"]),
+                     elapsed, t_rows - t0, t_optim - t_rows)
         return directory
 
     @torch.no_grad()
@@ -350,16 +406,14 @@ class Checkpointer:
         """Dense weights, dense optimizer and the loss scaler from a manifest entry."""
         tr = self.t
         dense, opt = tr.model.dense, tr.dense_opt
+        # (every file was verified by resume_target before anything was loaded)
         if "file" in entry:  # written before DCP: full state dicts in one torch.save file
-            _verify_entry(directory, entry)
             blob = torch.load(directory / entry["file"], map_location="cpu",
                               weights_only=False)
             full = StateDictOptions(full_state_dict=True)
             set_model_state_dict(dense, blob["model"], options=full)
             set_optimizer_state_dict(dense, opt, blob["optimizer"], options=full)
         else:
-            for f in entry["files"]:
-                _verify_entry(directory, f)
             state: dict[str, Any] = {"model": get_model_state_dict(dense),
                                      "optim": get_optimizer_state_dict(dense, opt)}
             dcp.load(state, checkpoint_id=directory / entry["dir"])  # reads only our shards
@@ -401,17 +455,16 @@ class Checkpointer:
                              f"from this run's {dataclasses.asdict(tr.sparse_spec)}")
         for name, table in tr.embedding.tables.items():
             start, end = tr.embedding.ranges[name]
-            shards = manifest_shards(manifest, name, "rows")
-            _verify(directory, [s for s in shards if s.row_start < end and start < s.row_end])
+            shards = manifest_shards(manifest, name, "rows")  # verified by resume_target
             got, _ = load_rows(directory, name, table.num_rows, table.dim, shards, start, end,
-                               ["weight"])
+                               ["weight"], verify=False)
             weight = got["weight"]
             if manifest.get("row_dtype") == "bf16" and tr.embedding.row_dtype == torch.float32:
                 # Saved bf16 rows are their fp32 master rounded; fp32 rows resume from the
                 # master itself (in the optim files, next to m and v).
                 masters, _ = load_rows(directory, name, table.num_rows, table.dim,
                                        manifest_shards(manifest, name, "optim"), start, end,
-                                       ["master"])
+                                       ["master"], verify=False)
                 weight = masters["master"] if masters["master"] is not None else weight
             assert weight is not None
             tr.embedding.weights[name].data.copy_(weight)
@@ -423,7 +476,7 @@ class Checkpointer:
                 state = load_optim_state(directory, table=name, num_rows=table.num_rows,
                                          dim=table.dim, row_start=start, row_end=end,
                                          step=step, has_moments=tr.sparse_spec.has_moments,
-                                         master=name in source.masters)
+                                         master=name in source.masters, verify=False)
                 m, v = source.moments[name]
                 if name in source.masters and state.master is not None:  # bf16 rows
                     source.masters[name].copy_(state.master)
@@ -456,8 +509,7 @@ class Checkpointer:
             return  # nothing pending: nothing to predict (a predictor starts empty)
         applied = int(entry["applied_through"])
         payloads = []
-        for f in entry["files"]:
-            _verify_entry(directory, f)
+        for f in entry["files"]:  # verified by resume_target
             payload = torch.load(directory / f["file"], map_location="cpu", weights_only=True)
             if payload.get("format") != PENDING_FORMAT or payload.get("step") != step:
                 raise ValueError(f"checkpoint file {directory / f['file']} is not the pending "
@@ -519,11 +571,4 @@ def _file_entry(info: ShardInfo) -> dict[str, Any]:
 
 
 def _verify_entry(directory: Path, entry: dict[str, Any]) -> None:
-    path = directory / entry["file"]
-    if path.stat().st_size != entry["bytes"] or file_crc32(path) != entry["crc32"]:
-        raise ValueError(f"checkpoint file {path} does not match its manifest entry (corrupt)")
-
-
-def _verify(directory: Path, shards: list[ShardInfo]) -> None:
-    for s in shards:
-        _verify_entry(directory, {"file": s.file, "bytes": s.bytes, "crc32": s.crc32})
+    verify_entry(directory, entry)  # CorruptCheckpoint naming the file

@@ -14,6 +14,7 @@ so a bad flag fails at once. To add a setting: docs/flags.md ("How to add a flag
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Mapping
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from hybridps.cli import FlagConfig, check_settings, section, setting
-from hybridps.logs import LOG_LEVELS
+from hybridps.logs import AUTO, LOG_LEVELS
+from hybridps.names import describe_problem
 from worker.dense_options import DenseConfig
 from worker.kge_options import KGEOptions
 from worker.nodes import node_ps_address, rank_layout, split_ps
@@ -37,6 +39,7 @@ RowDtype = Literal["fp32", "bf16"]  # worker/embedding.py ROW_DTYPES maps them t
 WireDtype = Literal["fp32", "bf16", "fp16"]  # worker/sync.py WIRE_DTYPES maps them to torch
 Device = Literal["auto", "cpu", "cuda"]
 Compensation = Literal["none", "predict"]  # worker/staleness.py
+PoolAt = Literal["auto", "owner", "requester"]  # worker/embedding.py POOL_AT
 SameNode = Literal["auto", "off", "require", "stream"]
 # The client's own same-node arguments (ShardClient(shm=..., shm_socket=...)); the worker's
 # flags reach them only through SameNodeConfig.client_args.
@@ -70,13 +73,11 @@ def parse_host_port(address: str) -> tuple[str, int]:
 
 
 def check_ps_address(address: str) -> None:
-    """HOST:PORT, [V6]:PORT, or unix:PATH (a server's --uds on this node); ValueError if not."""
+    """HOST:PORT or [V6]:PORT; ValueError if not."""
     if address.startswith("unix:"):
-        path = address[len("unix:"):]
-        if not path.lstrip("/") or (path.startswith("//") and not path.startswith("///")):
-            raise ValueError(f"ps={address!r}: give unix:/absolute/path, unix:///absolute/path "
-                             "or unix:relative/path (the server's --uds path)")
-        return
+        raise ValueError(f"ps={address!r}: the server no longer listens on a Unix socket "
+                         "(--uds is gone); give its HOST:PORT (ranks on its node reach it "
+                         "through shared memory, --same-node)")
     parse_host_port(address)
 
 
@@ -101,6 +102,11 @@ class RunConfig:
         False, "make the next batch and exchange its ids (input dist) on a second thread "
         "while this step computes; the row lookup still waits for the staleness window (same "
         "results; measurements: docs/performance-log.md)")
+    pool_at: PoolAt = setting(
+        "auto", "where a pooled (bag) lookup is summed: owner (each owner sums its rows' part "
+        "of every bag and the B x D partial sums travel) | requester (the distinct rows "
+        "travel, U x D, and are pooled where they were asked) | auto (per table, whichever "
+        "moves fewer bytes on the first batch, summed over the ranks; worker/embedding.py)")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -138,7 +144,7 @@ class SyncConfig:
     """The shard server and the staleness window (worker/sync.py, worker/updates.py)."""
 
     ps: str = setting(
-        "", "shard server of this node, HOST:PORT or unix:PATH (its --uds socket), or one per "
+        "", "shard server of this node, HOST:PORT, or one per "
         "node A,B,... (rank r uses entry r // LOCAL_WORLD_SIZE); empty only with "
         "--local-optimizer", "HOST:PORT[,..]", everyday=True)
     local_optimizer: bool = setting(
@@ -166,6 +172,10 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.run_id:  # the server refuses other names; say so before anything starts
+            problem = describe_problem("run_id", self.run_id)
+            if problem is not None:
+                raise ValueError(problem)
         if self.local_optimizer and self.ps:
             raise ValueError(f"ps={self.ps!r} given together with --local-optimizer: pick one")
         if not self.local_optimizer:
@@ -268,22 +278,33 @@ class OutputConfig:
     results: str = setting("", "write a JSON summary here (rank 0), and the loss plot next "
                            "to it", "PATH", everyday=True)
     log_level: str = setting(
-        "INFO", f"{' | '.join(LOG_LEVELS)} (one `rank=R event=...` line per event)", "LEVEL")
+        "auto", f"auto | {' | '.join(LOG_LEVELS)} (one `rank=R event=...` line per event). "
+        "auto: on a terminal rank 0 logs INFO without the per-connection detail and the "
+        "other ranks WARNING; elsewhere (a file, a pipe) every rank logs INFO", "LEVEL")
     log_every: int = setting(
         10, "steps between cross-rank loss reductions / progress updates", "N", at_least=1)
     eval_batches: int = setting(
-        4, "held-out global batches evaluated at the end (0: none)", "N", at_least=0)
+        4, "held-out global batches per evaluation (0: none)", "N", at_least=0)
     eval_every: int = setting(
-        0, "steps between evaluations shown in the progress bar (0: only at the end)", "N",
-        at_least=0)
+        100, "steps between evaluations (the progress bar, the plot's eval curve, "
+        "--tensorboard; each costs about --eval-batches forward passes); 0: only at the end",
+        "N", at_least=0)
+    tensorboard: str = setting(
+        "", "rank 0 writes TensorBoard scalars (loss, eval metrics, samples/s, staleness, "
+        "step-time breakdown) under DIR/<run id>/ (worker/tensorboard_log.py); needs the "
+        "tensorboard package: pip install 'hybridps[tensorboard]'", "DIR")
     dump_state: str = setting(
         "", "write final full tables + dense state_dict here (torch.save; for tests)", "PATH")
     progress: bool = setting(True, "tqdm progress bar on rank 0")
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ValueError(f"log_level={self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.log_level.upper() not in (AUTO, *LOG_LEVELS):
+            raise ValueError(f"log_level={self.log_level!r} is not one of auto, "
+                             f"{', '.join(LOG_LEVELS)}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(f"tensorboard={self.tensorboard!r} needs the tensorboard package, "
+                             "which is not installed: pip install 'hybridps[tensorboard]'")
 
 
 @dataclass(frozen=True)
@@ -330,5 +351,6 @@ class TrainConfig(FlagConfig):
             raise ValueError("same_node='require' needs a shard server; --local-optimizer "
                              "has none")
         if self.run.task == "kge" and not self.kge.data_dir:
-            raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt)")
+            raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt) "
+                             "or a shipped set: --data-dir umls | kinship")
 

@@ -8,20 +8,28 @@ dense optimizer: their gradients are popped after backward (`pop_grads`) and
 handed to the sparse optimizer (shard server or --local-optimizer), whose
 updates come back through `apply_update`.
 
-A lookup of ids_N on one rank goes through visible stages:
-  1. route: dedupe (unique_U + inverse_N) and bucketize unique ids by owner
-     (an integer division, `owner_of`); unique ids are sorted, so they are
-     already grouped by owner in rank order;
-  2. all_to_all the per-owner counts, then the ids themselves;
-  3. the owner gathers the requested rows from its shard with
-     F.embedding(local_ids_M, weight, sparse=True);
-  4. all_to_all the rows back (AllToAllRows), then expand with the inverse
-     (plain lookup) or pool with it (embedding_bag, sum/mean).
-Backward runs the same path in reverse: AllToAllRows.backward sends row
-gradients to the owners, and autograd gives each owner a sparse gradient on
-its shard; `pop_grads` coalesces it (unique ids + summed rows).
+A lookup of one or more tables (`lookup_many`; `lookup` and `lookup_bag` are
+its one-table cases) goes through visible stages:
+  1-2. input dist (`input_dist`, worker/input_dist.py): route every id to its
+     owner (an integer division, `owner_of`) and exchange what each owner must
+     serve, all tables in ONE all_to_all (`exchange_blocks`). A plain lookup is
+     served as rows (the requester dedupes its ids); a bag (pooled lookup) is
+     served either as rows or pooled at the owner, per table, whichever moves
+     fewer bytes (`--pool-at`, `_pooled_entries`);
+  3. lookup (`fetch`): the owner gathers the requested rows from its shard
+     (F.embedding, sparse gradient) or sums its part of each bag
+     (`PoolAtOwner`);
+  4. output dist (`fetch`): ONE all_to_all (AllToAllRows) sends the rows and the
+     partial sums back; the requester expands the rows with its inverse (plain
+     lookup) or pools them (embedding_bag), and adds the owners' partial sums
+     (and divides by the bag length for mean).
+Backward runs the same path in reverse: AllToAllRows.backward sends row and
+partial-sum gradients to the owners, and autograd gives each owner a sparse
+gradient on its shard; `pop_grads` coalesces it (unique ids + summed rows).
 
-World size 1: no collective at all (and no process group is needed).
+World size 1: no collective at all (and no process group is needed): the
+lookups read the rows in place, F.embedding / F.embedding_bag on the shard,
+like a plain single-process model.
 
 Row init is deterministic and world-size independent: the global table is
 generated in fixed chunks of INIT_CHUNK_ROWS rows, chunk c of table t seeded
@@ -42,106 +50,34 @@ on as fp32.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridps.optim import STATE_OFFSETS, alloc_state
-from worker.comm import all_to_all_rows, exchange
+from worker.comm import BlockCap, all_to_all_rows, exchange, exchange_blocks
+from worker.input_dist import (
+    ID_BITS,
+    ID_MASK,
+    InputDist,
+    PoolAtOwner,
+    make_requests,
+    owner_of,
+    owner_work,
+    unique_inverse,
+)
+from worker.rows import INIT_CHUNK_ROWS, Routing, TableConfig, init_rows, route, row_range
 
-INIT_CHUNK_ROWS = 65536
+__all__ = ["ID_BITS", "ID_MASK", "INIT_CHUNK_ROWS", "POOLING_MODES", "POOL_AT", "ROW_DTYPES",
+           "InputDist", "Routing", "ShardedEmbedding", "TableConfig", "init_rows", "owner_of",
+           "route", "row_range"]
+
 POOLING_MODES = ("sum", "mean")
 ROW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --row-dtype
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """One embedding table: `num_rows` x `dim`, looked up by global row id."""
-
-    name: str
-    num_rows: int
-    dim: int
-
-    def __post_init__(self) -> None:
-        if not self.name.isidentifier():
-            raise ValueError(f"table name {self.name!r} must be a Python identifier")
-        if self.num_rows < 1:
-            raise ValueError(f"table {self.name!r}: num_rows={self.num_rows} must be >= 1")
-        if self.dim < 1:
-            raise ValueError(f"table {self.name!r}: dim={self.dim} must be >= 1")
-
-
-def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, end) of the rows rank `rank` owns: [r*R//W, (r+1)*R//W)."""
-    return rank * num_rows // world_size, (rank + 1) * num_rows // world_size
-
-
-def owner_of(ids_N: torch.Tensor, num_rows: int | torch.Tensor, world_size: int
-             ) -> torch.Tensor:
-    """owner_N: the rank owning each id of a table of `num_rows` rows (an int, or one per id).
-
-    ((id + 1) * W - 1) // R is the largest r with r * R // W <= id, i.e. row_range's
-    owner, with no search: r * R // W <= id  <=>  r * R < (id + 1) * W."""
-    return ((ids_N + 1) * world_size - 1) // num_rows
-
-
-@dataclass
-class Routing:
-    """Where the ids of one lookup go.
-
-    unique_U: sorted distinct ids; inverse_N: ids_N == unique_U[inverse_N];
-    send_counts: how many of unique_U each rank owns (unique_U is grouped by
-    owner in rank order, so chunk r of unique_U goes to rank r).
-    """
-
-    unique_U: torch.Tensor
-    inverse_N: torch.Tensor
-    send_counts: list[int]
-
-
-def route(ids_N: torch.Tensor, num_rows: int, world_size: int, table: str = "?") -> Routing:
-    """Stage 1: dedupe + bucketize by owner. ids_N: int64 global row ids, any shape."""
-    flat_N = ids_N.reshape(-1).to(torch.int64)
-    unique_U, inverse_N = torch.unique(flat_N, sorted=True, return_inverse=True)
-    if unique_U.numel():
-        lo, hi = int(unique_U[0]), int(unique_U[-1])
-        if lo < 0 or hi >= num_rows:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"table {table!r}: row id {bad} outside [0, {num_rows})")
-    owner_U = owner_of(unique_U, num_rows, world_size)
-    send_counts = torch.bincount(owner_U, minlength=world_size).tolist()
-    return Routing(unique_U, inverse_N, send_counts)
-
-
-ID_BITS = 40  # routing key ((owner * T + table) << ID_BITS) | id: ids below 2**40
-ID_MASK = (1 << ID_BITS) - 1
-
-
-@dataclass
-class InputDist:
-    """Stages 1-2 of one lookup of T tables (T = 1 for lookup/lookup_bag).
-
-    It depends on the ids only, never on the rows, so it may be computed ahead of the
-    step (worker/pipeline.py). inverse_N: the concatenated ids of the T tables (sizes:
-    how many per table) -> index into rows_UD; send_counts: distinct ids asked of each
-    rank, in rank order (rows_UD comes back so); recv_counts: ids each rank asked of this
-    one; local_ids: per table, the owned rows (global - start) this rank serves, grouped
-    by table; restore_M: their concatenation -> the received order (None when T = 1).
-    """
-
-    names: tuple[str, ...]
-    ids: tuple[torch.Tensor, ...]  # the lookup's own id tensors: identity is the staging key
-    inverse_N: torch.Tensor
-    sizes: list[int]
-    send_counts: list[int]
-    recv_counts: list[int]
-    local_ids: list[torch.Tensor]
-    restore_M: torch.Tensor | None
+POOL_AT = ("auto", "owner", "requester")  # --pool-at
+Bag = tuple[torch.Tensor, str]  # (offsets_B, mode) of a pooled lookup
 
 
 class RowOffsets(Protocol):
@@ -152,8 +88,46 @@ class RowOffsets(Protocol):
                ) -> torch.Tensor: ...
 
 
-def _plan_key(names: Sequence[str], ids: Sequence[torch.Tensor]) -> tuple[object, ...]:
-    return (*names, *(id(i) for i in ids))
+def _plan_key(names: Sequence[str], ids: Sequence[torch.Tensor],
+              offsets: Sequence[torch.Tensor | None]) -> tuple[object, ...]:
+    return (*names, *(id(i) for i in ids), *(id(o) for o in offsets))
+
+
+def _coalesce(grads: Sequence[tuple[torch.Tensor, torch.Tensor, int]]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sparse row gradient (rows_N, values_ND, rows of its table) of tables of one
+    width: (rows_U sorted distinct, values_UD summed per row).
+
+    All of them in ONE sort (`unique_inverse`, the tables' rows side by side): on the CPU it
+    is several times faster than torch's own coalesce, and one call for DLRM's 26 tables
+    instead of 26 (docs/performance-log.md). Duplicates are summed in the order they came
+    (index_add_). A lone gradient made coalesced (PoolAtOwner's: rows sorted and distinct;
+    the flag does not survive autograd's accumulation) is taken as it is."""
+    if len(grads) == 1:
+        rows_N, values_ND, num_rows = grads[0]
+        if bool((rows_N[1:] > rows_N[:-1]).all()):
+            return [(rows_N, values_ND)]
+        uniq_U, inverse_N = unique_inverse(rows_N, num_rows)
+        summed_UD = values_ND.new_zeros((uniq_U.numel(), values_ND.shape[1]))
+        return [(uniq_U, summed_UD.index_add_(0, inverse_N, values_ND))]
+    sizes = [rows_N.numel() for rows_N, _, _ in grads]
+    firsts = [0]
+    for _, _, num_rows in grads:
+        firsts.append(firsts[-1] + num_rows)
+    device = grads[0][0].device
+    first_T = torch.tensor(firsts[:-1], dtype=torch.int64, device=device)
+    keys_N = torch.cat([rows_N for rows_N, _, _ in grads]) + torch.repeat_interleave(
+        first_T, torch.tensor(sizes, device=device), output_size=sum(sizes))
+    values_ND = torch.cat([values for _, values, _ in grads])
+    uniq_U, inverse_N = unique_inverse(keys_N, firsts[-1])
+    summed_UD = values_ND.new_zeros((uniq_U.numel(), values_ND.shape[1]))
+    summed_UD.index_add_(0, inverse_N, values_ND)
+    ends = [*torch.bucketize(first_T, uniq_U).tolist()[1:], uniq_U.numel()]  # per table
+    out, lo = [], 0
+    for first, hi in zip(firsts[:-1], ends, strict=True):
+        out.append((uniq_U[lo:hi] - first, summed_UD[lo:hi]))
+        lo = hi
+    return out
 
 
 def _check_bag(ids_N: torch.Tensor, offsets_B: torch.Tensor, mode: str) -> None:
@@ -162,36 +136,6 @@ def _check_bag(ids_N: torch.Tensor, offsets_B: torch.Tensor, mode: str) -> None:
     if ids_N.dim() != 1 or offsets_B.dim() != 1:
         raise ValueError(f"bags take 1-D ids and offsets, got {tuple(ids_N.shape)} and "
                          f"{tuple(offsets_B.shape)}")
-
-
-def _chunk_seed(seed: int, table_index: int, chunk: int) -> int:
-    state = np.random.SeedSequence([seed, table_index, chunk]).generate_state(2, np.uint32)
-    return (int(state[0]) << 31) ^ int(state[1])
-
-
-def init_rows(num_rows: int, dim: int, start: int, end: int, *, seed: int, table_index: int,
-              init_std: float) -> torch.Tensor:
-    """rows [end-start, dim] (float32, CPU) of the global table, world-size independent.
-
-    A large block is allocated like the server's state (hybridps.optim.alloc_state: huge
-    pages, 2 MiB-aligned): on a CPU rank these are the rows themselves, gathered and
-    updated at random every step, and on 4 KiB pages a 25M x 16 table's gather +
-    update of 4k rows took ~300 us instead of ~225 us (one thread, this 2-core VM)."""
-    out_RD = alloc_state(max(end - start, 0), dim, offset=STATE_OFFSETS["rows"], zero=False)
-    if end <= start:
-        return out_RD
-    for chunk in range(start // INIT_CHUNK_ROWS, (end - 1) // INIT_CHUNK_ROWS + 1):
-        lo = chunk * INIT_CHUNK_ROWS
-        hi = min(lo + INIT_CHUNK_ROWS, num_rows)
-        gen = torch.Generator().manual_seed(_chunk_seed(seed, table_index, chunk))
-        a, b = max(lo, start), min(hi, end)
-        if (a, b) == (lo, hi):  # whole chunk: generate in place (no copy; 50M rows: -30%)
-            torch.randn(hi - lo, dim, generator=gen, out=out_RD[a - start:b - start])
-        else:
-            chunk_CD = torch.randn(hi - lo, dim, generator=gen)
-            out_RD[a - start:b - start] = chunk_CD[a - lo:b - lo]
-        out_RD[a - start:b - start].mul_(init_std)  # while the chunk is in cache
-    return out_RD
 
 
 class ShardedEmbedding(nn.Module):
@@ -204,7 +148,7 @@ class ShardedEmbedding(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], *, rank: int = 0, world_size: int = 1,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
                  seed: int = 0, init_std: float = 1.0,
-                 row_dtype: torch.dtype = torch.float32) -> None:
+                 row_dtype: torch.dtype = torch.float32, pool_at: str = "auto") -> None:
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} outside world_size={world_size}")
@@ -218,16 +162,23 @@ class ShardedEmbedding(nn.Module):
         if row_dtype not in ROW_DTYPES.values():
             raise ValueError(f"row dtype {row_dtype} is not one of {sorted(ROW_DTYPES)}")
         self.row_dtype = row_dtype
+        if pool_at not in POOL_AT:
+            raise ValueError(f"pool_at={pool_at!r} is not one of {', '.join(POOL_AT)}")
+        self.pool_at = pool_at
+        # (names, which entries are bags) -> which bags are pooled at the owner (auto)
+        self._pool_choice: dict[tuple[tuple[str, ...], tuple[bool, ...]], tuple[bool, ...]] = {}
+        # (process group, names, pooled entries) -> exchange_blocks' agreed block size
+        self._caps: dict[tuple[int, tuple[str, ...], tuple[bool, ...]], BlockCap] = {}
         # What the dense model gets from lookups (bf16 rows are cast on the owner).
         self.output_dtype = torch.float32
         # Kept to regenerate the fp32 init rows that seed a master copy (initial_row_blocks).
         self._init_seed, self._init_std = seed, init_std
         self.table_index = {t.name: i for i, t in enumerate(tables)}
         self._staged: dict[tuple[object, ...], InputDist] = {}  # stage(): computed ahead
-        self._route_consts: dict[tuple[str, ...], tuple[list[int], torch.Tensor,
-                                                        torch.Tensor]] = {}
-        # worker/pipeline.py: (names, id tensors) of every lookup while not None
-        self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...]]] | None = None
+        self._route_consts: dict[tuple[str, ...], tuple[list[int], torch.Tensor]] = {}
+        # worker/pipeline.py: (names, id tensors, bags) of every lookup while not None
+        self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...],
+                                   tuple[Bag | None, ...]]] | None = None
         self.row_offsets: RowOffsets | None = None  # --staleness-compensation predict
         self.weights = nn.ParameterDict()
         for index, table in enumerate(tables):
@@ -242,172 +193,242 @@ class ShardedEmbedding(nn.Module):
         """Stage 3: the owner's gather (sparse gradient), in the dense model's dtype.
         `whole`: local_ids_M is every owned row in order (local_block)."""
         rows_MD = F.embedding(local_ids_M, self.weights[name], sparse=True)
+        return self._as_seen(name, None if whole else local_ids_M, rows_MD)
+
+    def _as_seen(self, name: str, local_ids_M: torch.Tensor | None, rows_MD: torch.Tensor
+                 ) -> torch.Tensor:
+        """Rows as the dense model sees them: its dtype, plus any staleness prediction."""
         if rows_MD.dtype != self.output_dtype:
             rows_MD = rows_MD.to(self.output_dtype)
         if self.row_offsets is not None:
-            rows_MD = self.row_offsets.add_to(name, None if whole else local_ids_M, rows_MD)
+            rows_MD = self.row_offsets.add_to(name, local_ids_M, rows_MD)
         return rows_MD
 
-    def input_dist(self, names: Sequence[str], ids: Sequence[torch.Tensor],
-                   group: dist.ProcessGroup | None = None, timed: bool = True) -> InputDist:
-        """Stages 1-2 of a lookup of one or more tables; depends on the ids only.
+    def _local_bags(self, name: str, ids_M: torch.Tensor, offsets_B: torch.Tensor, mode: str
+                    ) -> torch.Tensor:
+        """World size 1: pool the rows in place, as nn.EmbeddingBag(sparse=True) does."""
+        weight = self.weights[name]
+        if weight.dtype == self.output_dtype and self.row_offsets is None:
+            return F.embedding_bag(ids_M, weight, offsets_B, mode=mode, sparse=True)
+        rows_MD = self._local_rows(name, ids_M)
+        local_M = torch.arange(ids_M.numel(), device=self.device)
+        return F.embedding_bag(local_M, rows_MD, offsets_B, mode=mode)
 
-        1. route: every id gets the key ((owner * T + table) << ID_BITS) | id, and ONE
-           torch.unique over the keys of all T tables dedupes and sorts them owner-major,
-           then by table, then by id: chunk r of unique_U is what rank r owns;
-        2. all_to_all the per-owner counts, then the keys.
-        The owner regroups what it received by table for its gathers (stage 3, `fetch`).
+    def input_dist(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                   group: dist.ProcessGroup | None = None, timed: bool = True,
+                   bags: Sequence[Bag | None] | None = None) -> InputDist:
+        """Stages 1-2 of a lookup of one or more tables; depends on the ids (and the bags'
+        offsets) only, never on the rows (worker/input_dist.py).
+
         `group`/`timed`: worker/pipeline.py runs this for the next batch on its own process
         group from its own thread, untimed (the training thread's a2a seconds stay its own).
         """
-        if len(names) != len(ids):
-            raise ValueError(f"{len(names)} table names but {len(ids)} id tensors")
-        world, num = self.world_size, len(names)
+        if len(names) != len(ids) or (bags is not None and len(bags) != len(names)):
+            raise ValueError(f"{len(names)} table names but {len(ids)} id tensors"
+                             + ("" if bags is None else f" and {len(bags)} bag entries"))
+        entries = list(bags) if bags is not None else [None] * len(names)
         flat = [i.reshape(-1).to(device=self.device, dtype=torch.int64) for i in ids]
-        keys_N = self._route_keys(names, flat)
-        unique_U, inverse_N = torch.unique(keys_N, sorted=True, return_inverse=True)  # 1
-        if world == 1:
-            send_counts = recv_counts = [int(unique_U.numel())]
-            recv_keys_M = unique_U
-        else:
-            owner_U = (unique_U >> ID_BITS) // num
-            send_counts = torch.bincount(owner_U, minlength=world).tolist()
-            counts_W = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
-            ones = [1] * world
-            pg = group or self.group
-            direction = "forward" if timed else None
-            recv_counts = exchange(counts_W, ones, ones, pg, direction).tolist()  # 2: counts
-            recv_keys_M = exchange(unique_U, recv_counts, send_counts, pg, direction)  # keys
-        table_M = (recv_keys_M >> ID_BITS) - self.rank * num
-        ids_M = recv_keys_M & ID_MASK
-        if num == 1:
-            local_ids, restore_M = [ids_M - self.ranges[names[0]][0]], None
-        else:  # received blocks are sorted by table within each source: regroup stably
-            order_M = torch.argsort(table_M, stable=True)
-            per_table = torch.bincount(table_M, minlength=num).tolist()
-            grouped = ids_M.index_select(0, order_M).split(per_table)
-            local_ids = [g - self.ranges[n][0] for n, g in zip(names, grouped, strict=True)]
-            restore_M = torch.argsort(order_M)
-        return InputDist(tuple(names), tuple(ids), inverse_N, [f.numel() for f in flat],
-                         send_counts, recv_counts, local_ids, restore_M)
+        rows_E, rows_tensor_E = self._route_constants(tuple(names))
+        self._check_ids(names, flat, rows_E, rows_tensor_E)
+        offsets = tuple(None if b is None else b[0] for b in entries)
+        modes = tuple(None if b is None else b[1] for b in entries)
+        plan = InputDist(tuple(names), tuple(ids), offsets, modes, (False,) * len(names), flat)
+        if self.world_size == 1:
+            return plan
+        pg = group or self.group
+        direction = "forward" if timed else None
+        on_device = [None if o is None else o.to(self.device) for o in offsets]
+        plan.pooled = self._pooled_entries(plan, on_device, pg, direction)
+        requests = make_requests(flat, rows_E, rows_tensor_E, plan.pooled, on_device,
+                                 self.world_size)
+        cap = self._caps.setdefault((id(pg), plan.names, plan.pooled), BlockCap())
+        header, data, _ = exchange_blocks(requests.header_WH, requests.blocks, cap, pg,
+                                          direction)
+        plan.requests = requests
+        owned = [self.ranges[n][1] - self.ranges[n][0]
+                 for n, pooled in zip(plan.names, plan.pooled, strict=True) if pooled]
+        plan.work = owner_work(header, data, plan.pooled.count(False), owned)
+        for e, pooled in enumerate(plan.pooled):
+            offsets_B = on_device[e]
+            if pooled and modes[e] == "mean" and offsets_B is not None:
+                lengths_B = torch.diff(offsets_B, append=offsets_B.new_tensor([flat[e].numel()]))
+                plan.divisors.append(lengths_B.clamp(min=1).to(self.output_dtype).unsqueeze(1))
+            elif pooled:
+                plan.divisors.append(None)
+        return plan
 
-    def _route_keys(self, names: Sequence[str], flat: Sequence[torch.Tensor]) -> torch.Tensor:
-        """keys_N: ((owner * T + table) << ID_BITS) | id for the ids of T tables at once.
+    def _check_ids(self, names: Sequence[str], flat: Sequence[torch.Tensor],
+                   rows_E: Sequence[int], rows_tensor_E: torch.Tensor) -> None:
+        """Every id inside its table, with one host sync and a fixed handful of ops for all
+        tables (DLRM: 26); the error names the table and the id."""
+        if len(flat) > 2:
+            ids_N = torch.cat(list(flat))
+            rows_N = torch.repeat_interleave(
+                rows_tensor_E, torch.tensor([f.numel() for f in flat], device=self.device),
+                output_size=ids_N.numel())
+            if not bool(((ids_N < 0) | (ids_N >= rows_N)).any()):
+                return
+        present = [(n, r, f) for n, r, f in zip(names, rows_E, flat, strict=True) if f.numel()]
+        if not present:
+            return
+        bounds = torch.stack([torch.stack(torch.aminmax(f)) for _, _, f in present]).tolist()
+        for (name, num_rows, _), (lo, hi) in zip(present, bounds, strict=True):
+            if lo < 0 or hi >= num_rows:
+                raise IndexError(f"table {name!r}: row id {lo if lo < 0 else hi} outside "
+                                 f"[0, {num_rows})")
 
-        A fixed handful of ops and one host sync (the range check) whatever T is: the
-        owner of id in a table of R rows is ((id + 1) * W - 1) // R, the largest r with
-        r * R // W <= id (`owner_of`), so no per-table searchsorted is needed."""
-        world, num = self.world_size, len(names)
-        num_rows_T, rows_T, tables_T = self._route_constants(tuple(names))
-        ids_N = torch.cat(list(flat)) if num > 1 else flat[0]
-        if num == 1:
-            rows_N: torch.Tensor | int = num_rows_T[0]
-            table_N: torch.Tensor | int = 0
-        else:
-            sizes_T = torch.tensor([f.numel() for f in flat], device=self.device)
-            rows_N = torch.repeat_interleave(rows_T, sizes_T, output_size=ids_N.numel())
-            table_N = torch.repeat_interleave(tables_T, sizes_T, output_size=ids_N.numel())
-        if ids_N.numel() and bool(((ids_N < 0) | (ids_N >= rows_N)).any()):
-            for name, num_rows, flat_N in zip(names, num_rows_T, flat, strict=True):
-                lo, hi = (int(x) for x in torch.aminmax(flat_N)) if flat_N.numel() else (0, 0)
-                if lo < 0 or hi >= num_rows:
-                    raise IndexError(f"table {name!r}: row id {lo if lo < 0 else hi} outside "
-                                     f"[0, {num_rows})")
-        if world == 1:
-            return ids_N | (table_N << ID_BITS) if num > 1 else ids_N
-        owner_N = owner_of(ids_N, rows_N, world)
-        return ((owner_N * num + table_N) << ID_BITS) | ids_N
-
-    def _route_constants(self, names: tuple[str, ...]
-                         ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """(rows per table, the same as a tensor, 0..T-1) of a lookup's tables, made (and
-        checked against the key's ID_BITS) once per table list."""
+    def _route_constants(self, names: tuple[str, ...]) -> tuple[list[int], torch.Tensor]:
+        """(rows per table, the same as a tensor) of a lookup's tables, made (and checked
+        against the routing key's ID_BITS) once per table list."""
         consts = self._route_consts.get(names)
         if consts is None:
-            num_rows_T = [self.tables[n].num_rows for n in names]
-            for name, num_rows in zip(names, num_rows_T, strict=True):
+            num_rows_E = [self.tables[n].num_rows for n in names]
+            for name, num_rows in zip(names, num_rows_E, strict=True):
                 if num_rows > ID_MASK + 1:
                     raise ValueError(f"table {name!r}: {num_rows} rows do not fit the "
                                      f"{ID_BITS}-bit row ids of the routing key")
             consts = self._route_consts[names] = (
-                num_rows_T, torch.tensor(num_rows_T, dtype=torch.int64, device=self.device),
-                torch.arange(len(names), dtype=torch.int64, device=self.device))
+                num_rows_E, torch.tensor(num_rows_E, dtype=torch.int64, device=self.device))
         return consts
 
-    def fetch(self, plan: InputDist) -> torch.Tensor:
-        """Stages 3-4: the owner gathers its rows (after the staleness window applied the due
-        updates), all_to_all sends them back: rows_UD in the order of the asker's unique ids."""
-        rows = [self._local_rows(n, local_M)  # 3
-                for n, local_M in zip(plan.names, plan.local_ids, strict=True)]
-        local_rows_MD = rows[0]
-        if plan.restore_M is not None:
-            local_rows_MD = torch.cat(rows).index_select(0, plan.restore_M)
-        if self.world_size == 1:
-            return local_rows_MD
-        return all_to_all_rows(local_rows_MD, plan.send_counts, plan.recv_counts, self.group)
+    def _pooled_entries(self, plan: InputDist, offsets: Sequence[torch.Tensor | None],
+                        group: dist.ProcessGroup | None, direction: str | None
+                        ) -> tuple[bool, ...]:
+        """Which bags are pooled at their owner (--pool-at; auto: per entry, the way that
+        moves fewer bytes, measured on the first batch of this lookup and summed over the
+        ranks, so every rank decides the same; kept for the run).
+
+        Bytes a step, both directions (ids + lengths out, rows or partial sums back, their
+        gradients out again): rows, U x (8 + 8 D) for U distinct ids; pooled at the owner,
+        8 (N + W B) + 8 W B D for N ids in B bags (every owner sends a partial sum per
+        bag). So bags of a few ids, or of the same few hot ids, stay rows; long bags over
+        many rows are pooled at the owner."""
+        bag_e = [e for e, o in enumerate(offsets) if o is not None]
+        if not bag_e or self.pool_at == "requester":
+            return (False,) * len(offsets)
+        if self.pool_at == "owner":
+            return tuple(o is not None for o in offsets)
+        key = (plan.names, tuple(o is not None for o in offsets))
+        decided = self._pool_choice.get(key)
+        if decided is None:
+            world = self.world_size
+            cost = []
+            for e in bag_e:
+                offsets_B = offsets[e]
+                assert offsets_B is not None
+                dim, ids_N = self.tables[plan.names[e]].dim, plan.flat[e]
+                distinct = torch.unique(ids_N).numel()
+                bags = offsets_B.numel()
+                cost += [distinct * (8 + 8 * dim),
+                         8 * (ids_N.numel() + world * bags) + 8 * world * bags * dim]
+            mine = torch.tensor(cost, dtype=torch.float64, device=self.device)
+            every = exchange(mine.repeat(world), [len(cost)] * world, [len(cost)] * world,
+                             group, direction).view(world, len(bag_e), 2).sum(0).tolist()
+            pooled = dict(zip(bag_e, (p < r for r, p in every), strict=True))
+            decided = self._pool_choice[key] = tuple(pooled.get(e, False)
+                                                     for e in range(len(offsets)))
+        return decided
+
+    def fetch(self, plan: InputDist) -> list[torch.Tensor]:
+        """Stages 3-4 (after the staleness window applied the due updates): each entry's
+        result, flat: rows_ND for a plain lookup, bags_BD for a bag."""
+        if plan.requests is None or plan.work is None:  # world size 1: in place
+            return [self._local_rows(n, f) if o is None else
+                    self._local_bags(n, f, o.to(self.device), str(m))
+                    for n, f, o, m in zip(plan.names, plan.flat, plan.offsets, plan.modes,
+                                          strict=True)]
+        req, work = plan.requests, plan.work
+        rows_e = [e for e, p in enumerate(plan.pooled) if not p]
+        pool_e = [e for e, p in enumerate(plan.pooled) if p]
+        served = [self._local_rows(plan.names[e], local_M)  # 3: rows asked of this rank
+                  for e, local_M in zip(rows_e, work.local_ids, strict=True)]
+        for e, pool in zip(pool_e, work.pools, strict=True):  # 3: its part of every bag
+            name = plan.names[e]
+            with torch.no_grad():
+                rows_UD = self._as_seen(name, pool.uniq_U,
+                                        self.weights[name].index_select(0, pool.uniq_U))
+            partial = PoolAtOwner.apply(self.weights[name], rows_UD, pool)
+            assert isinstance(partial, torch.Tensor)
+            served.append(partial)
+        local_MD = torch.cat(served) if len(served) > 1 else served[0]
+        if work.restore is not None:
+            local_MD = local_MD.index_select(0, work.restore)
+        answer = all_to_all_rows(local_MD, req.rows_from, work.rows_to, self.group)  # 4
+        # owner r's answer: the rows asked of it (unique_U's order), then B partial sums
+        # per pooled entry
+        per_owner = answer.split(req.rows_from) if pool_e else [answer]
+        rows_UD = answer
+        if pool_e:
+            rows_UD = torch.cat([a[:n] for a, n in zip(per_owner, req.asked, strict=True)])
+        out: list[torch.Tensor] = [answer] * len(plan.names)
+        for e, inverse_N in zip(rows_e, req.inverse, strict=True):
+            offsets_B, mode = plan.offsets[e], plan.modes[e]
+            out[e] = (rows_UD.index_select(0, inverse_N) if offsets_B is None else
+                      F.embedding_bag(inverse_N, rows_UD, offsets_B.to(self.device),
+                                      mode=str(mode)))
+        at = list(req.asked)
+        for e, bags, divisor in zip(pool_e, req.pooled_bags, plan.divisors, strict=True):
+            partial = [a[lo:lo + bags] for a, lo in zip(per_owner, at, strict=True)]
+            at = [lo + bags for lo in at]
+            bags_BD = partial[0]
+            for more_BD in partial[1:]:  # the owners' sums, in rank order
+                bags_BD = bags_BD + more_BD
+            out[e] = bags_BD if divisor is None else bags_BD / divisor
+        return out
 
     def stage(self, plans: Sequence[InputDist]) -> None:
-        """Hand over input dists computed ahead (worker/pipeline.py): a lookup whose names and
-        id tensors (by identity) match one uses it instead of running stages 1-2 itself."""
-        self._staged = {_plan_key(p.names, p.ids): p for p in plans}
+        """Hand over input dists computed ahead (worker/pipeline.py): a lookup whose names, id
+        tensors and bag offsets (by identity) match one uses it instead of running stages
+        1-2 itself."""
+        self._staged = {_plan_key(p.names, p.ids, p.offsets): p for p in plans}
 
     def unstage(self) -> int:
         """Drop what the step did not use; returns how many (0 when the plan matched)."""
         left, self._staged = len(self._staged), {}
         return left
 
-    def _plan_for(self, names: Sequence[str], ids: Sequence[torch.Tensor]) -> InputDist:
+    def _plan_for(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                  bags: Sequence[Bag | None]) -> InputDist:
+        offsets = tuple(None if b is None else b[0] for b in bags)
         if self.recording is not None:
-            self.recording.append((tuple(names), tuple(ids)))
-        plan = self._staged.pop(_plan_key(names, ids), None) if self._staged else None
-        if plan is not None and all(a is b for a, b in zip(plan.ids, ids, strict=True)):
+            self.recording.append((tuple(names), tuple(ids), tuple(bags)))
+        plan = (self._staged.pop(_plan_key(names, ids, offsets), None) if self._staged
+                else None)
+        if (plan is not None and all(a is b for a, b in zip(plan.ids, ids, strict=True))
+                and all(a is b for a, b in zip(plan.offsets, offsets, strict=True))
+                and plan.modes == tuple(None if b is None else b[1] for b in bags)):
             return plan
-        return self.input_dist(names, ids)
+        return self.input_dist(names, ids, bags=bags)
 
     def lookup(self, name: str, ids_N: torch.Tensor) -> torch.Tensor:
         """Plain lookup: ids of any shape S -> rows of shape S + (dim,)."""
-        plan = self._plan_for((name,), (ids_N,))
-        rows_UD = self.fetch(plan)
-        rows_ND = rows_UD.index_select(0, plan.inverse_N)
-        return rows_ND.reshape(*ids_N.shape, rows_UD.shape[-1])
+        return self.lookup_many([name], [ids_N])[0]
 
     def lookup_bag(self, name: str, ids_N: torch.Tensor, offsets_B: torch.Tensor,
                    mode: str = "sum") -> torch.Tensor:
         """Pooled bags like nn.EmbeddingBag: flat ids_N, bag b = ids[offsets[b]:offsets[b+1]]."""
-        _check_bag(ids_N, offsets_B, mode)
-        plan = self._plan_for((name,), (ids_N,))
-        rows_UD = self.fetch(plan)
-        return F.embedding_bag(plan.inverse_N, rows_UD, offsets_B.to(self.device), mode=mode)
+        return self.lookup_many([name], [ids_N], [(offsets_B, mode)])[0]
 
     def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor],
-                    bags: Sequence[tuple[torch.Tensor, str] | None] | None = None
-                    ) -> list[torch.Tensor]:
-        """Lookups of several tables of one width in ONE exchange (4 all_to_alls, not 4 per
-        table); entry t of `bags`, when given and not None, is (offsets_B, mode): table t is
-        pooled like lookup_bag. Same rows and gradients as the separate lookups. For models
-        with several tables (DLRM: 26 a step; the default job: 4)."""
+                    bags: Sequence[Bag | None] | None = None) -> list[torch.Tensor]:
+        """Lookups of several tables of one width in ONE exchange per stage (like a KJT
+        carries many features); entry t of `bags`, when given and not None, is (offsets_B,
+        mode): table t is pooled like lookup_bag. Same rows and gradients as the separate
+        lookups. For models with several tables (DLRM: 26 a step; the default job: 4)."""
         if len(names) != len(ids) or (bags is not None and len(bags) != len(names)):
             raise ValueError(f"{len(names)} table names but {len(ids)} id tensors"
                              + ("" if bags is None else f" and {len(bags)} bag entries"))
         dims = {self.tables[n].dim for n in names}
         if len(dims) > 1:
             raise ValueError(f"lookup_many needs tables of one width, got dims {sorted(dims)}")
-        for t, bag in enumerate(bags or ()):
+        entries = list(bags) if bags is not None else [None] * len(names)
+        for t, bag in enumerate(entries):
             if bag is not None:
                 _check_bag(ids[t], bag[0], bag[1])
-        plan = self._plan_for(names, ids)
-        rows_UD = self.fetch(plan)
-        out = []
-        for t, (inverse_N, ids_N) in enumerate(zip(plan.inverse_N.split(plan.sizes), ids,
-                                                   strict=True)):
-            bag = None if bags is None else bags[t]
-            if bag is None:
-                rows_ND = rows_UD.index_select(0, inverse_N)
-                out.append(rows_ND.reshape(*ids_N.shape, rows_UD.shape[-1]))
-            else:
-                out.append(F.embedding_bag(inverse_N, rows_UD, bag[0].to(self.device),
-                                           mode=bag[1]))
-        return out
+        plan = self._plan_for(names, ids, entries)
+        out = self.fetch(plan)
+        return [rows if bag is not None else rows.reshape(*ids_N.shape, rows.shape[-1])
+                for rows, ids_N, bag in zip(out, ids, entries, strict=True)]
 
     def local_block(self, name: str) -> tuple[int, torch.Tensor]:
         """(start, rows_RD): the rows this rank owns, [start, start + R), differentiable.
@@ -429,21 +450,28 @@ class ShardedEmbedding(nn.Module):
         a table whose rows got no gradient this step yields empty tensors.
         """
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        groups: dict[tuple[int, torch.dtype], list[str]] = {}  # coalesced together
         for name, weight in self.weights.items():
-            start = self.ranges[name][0]
-            grad = weight.grad
-            weight.grad = None
-            if grad is None:
-                ids_U = torch.empty(0, dtype=torch.int64, device=self.device)
-                grads_UD = weight.new_empty((0, weight.shape[1]), dtype=torch.float32)
-            elif not grad.is_sparse:
+            if weight.grad is None:
+                out[name] = (torch.empty(0, dtype=torch.int64, device=self.device),
+                             weight.new_empty((0, weight.shape[1]), dtype=torch.float32))
+            elif not weight.grad.is_sparse:
                 raise TypeError(f"table {name!r}: expected a sparse gradient, got a dense one")
             else:
-                grad = grad.coalesce()
-                ids_U = grad.indices()[0] + start
-                grads_UD = grad.values().to(torch.float32) * scale  # bf16 rows: bf16 grads
-            out[name] = (ids_U, grads_UD)
-        return out
+                groups.setdefault((weight.shape[1], weight.grad.dtype), []).append(name)
+        for names in groups.values():
+            grads = []
+            for name in names:
+                grad = self.weights[name].grad
+                assert grad is not None
+                grads.append((grad._indices()[0], grad._values(),
+                              self.weights[name].shape[0]))
+            for name, (local_U, values_UD) in zip(names, _coalesce(grads), strict=True):
+                out[name] = (local_U + self.ranges[name][0],
+                             values_UD.to(torch.float32) * scale)  # bf16 rows: bf16 grads
+        for weight in self.weights.values():
+            weight.grad = None
+        return {name: out[name] for name in self.weights}
 
     @torch.no_grad()
     def apply_update(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor,
@@ -499,6 +527,14 @@ class ShardedEmbedding(nn.Module):
                                    f"{weight.dtype}; cannot seed the master copy from them")
             yield lo, rows_RD
             lo = hi
+
+    def describe(self) -> dict[str, object]:
+        """--pool-at and the bags it pooled at their owner (table names), for --results."""
+        owner = sorted({n for (names, _), pooled in self._pool_choice.items()
+                        for n, p in zip(names, pooled, strict=True) if p}
+                       | {n for (_, names, pooled) in self._caps
+                          for n, p in zip(names, pooled, strict=True) if p})
+        return {"pool_at": self.pool_at, "pooled_at_owner": owner}
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes of the rows this rank holds on its device, per table (the tensors' own)."""

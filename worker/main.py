@@ -11,8 +11,9 @@ one line naming the value (exit code 2). Before any table is allocated the
 memory plan (worker/plan.py) is checked: a config that cannot fit is refused
 with the numbers (exit 1); `--plan` prints the plan and exits.
 
-Exit codes: 0 trained to the end; 1 error; 2 bad flags; 143 stopped by
-SIGTERM/SIGINT after finishing the step, flushing and telling the server
+Exit codes: 0 trained to the end (or resumed at the run's last step: nothing to
+do); 1 error; 2 bad flags, or no intact checkpoint to resume as asked; 143 stopped
+by SIGTERM/SIGINT after finishing the step, flushing and telling the server
 (worker/lifecycle.py).
 """
 
@@ -58,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return early
 
     # Heavy imports (torch, grpc) only once the flags are known to be good.
+    from hybridps.cli import ConfigError
+    from worker.checkpoint import ResumeError
     from worker.parallel import DenseParallelError, destroy_distributed, init_distributed
     from worker.sync import SyncError
     from worker.train import Trainer
@@ -67,6 +70,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ctx = init_distributed(cfg.run.device, timeout_s=max(600.0, 4 * cfg.sync.ps_timeout))
         trainer = Trainer(cfg, ctx)  # task, sharded tables, FSDP dense, server connection
+        if trainer.start_step >= trainer.steps:  # resumed at (or past) the last step
+            trainer.train()  # no step: applies the checkpoint's pending updates, Flush
+            if cfg.output.dump_state:
+                trainer.dump_state(cfg.output.dump_state)
+            if rank == 0:
+                print(f"hybridps worker: the checkpoint resumed is of step "
+                      f"{trainer.start_step - 1}, the run's last step is {trainer.steps - 1}: "
+                      "nothing to do", flush=True)
+            ended = True
+            trainer.source.end_run(trainer.steps - 1)  # Finish: the server may stop
+            return 0
         trainer.train()              # the loop; ends with every update applied
         if STOP.requested and trainer.last_step < trainer.steps - 1:
             ended = True  # told the server (or tried: end_run logs a failure; no second try)
@@ -83,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # world cannot run: one clear line, torchrun stops the other ranks
         print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except (ResumeError, ConfigError) as exc:  # no checkpoint as asked; a bad run id
+        print(f"hybridps worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         if trainer is not None:
             if not ended:  # failing: tell the server, so --exit-after-run can end

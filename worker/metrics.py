@@ -47,6 +47,7 @@ from torch import Tensor
 __all__ = [
     "AucSummary",
     "auc_summary",
+    "batch_roc_auc",
     "block_rank_counts",
     "log_loss",
     "log_loss_sum",
@@ -207,6 +208,16 @@ def roc_auc_from_summary(summary: AucSummary) -> float:
 def roc_auc(scores: ArrayLike, labels: ArrayLike) -> float:
     """Exact ROC AUC (Mann-Whitney U / (n_pos n_neg), ties count 1/2). Labels: 1 = positive."""
     return roc_auc_from_summary(auc_summary(scores, labels))
+
+
+def batch_roc_auc(scores_B: Tensor, labels_B: Tensor) -> Tensor:
+    """roc_auc of one batch as a float32 scalar on the scores' device (a task's per-batch
+    `evaluate` metric, averaged over batches by the trainer); nan without both classes."""
+    try:
+        value = roc_auc(scores_B.detach().float().cpu(), labels_B.detach().cpu())
+    except ValueError:
+        value = float("nan")
+    return torch.tensor(value, dtype=torch.float32, device=scores_B.device)
 
 
 def roc_auc_from_parts(

@@ -2,19 +2,21 @@
 
 In the spirit of TorchRec's TrainPipelineSparseDist: while the training thread
 runs step t, one background thread makes batch t+1 (task.batch, host-to-device
-copy) and runs stages 1-2 of its lookups (route, all_to_all of counts and ids:
-`ShardedEmbedding.input_dist`) on a process group of its own, so its
-collectives never interleave with the training thread's. The training thread
-then only does stages 3-4 (local gather, all_to_all of the rows) for it, after
+copy) and runs stages 1-2 of its lookups (route, the one all_to_all of counts
+and ids, the owner's layout of what it serves: `ShardedEmbedding.input_dist`) on
+a process group of its own, so its collectives never interleave with the
+training thread's. The training thread then only does stages 3-4 (local gather
+or pooling, all_to_all of the rows and partial sums) for it, after
 the staleness window applied the due updates: input dist depends on the ids
 alone, so the rows, the losses and the results are exactly those of the
 unpipelined loop (tests/test_pipeline.py compares them at --staleness 0).
 
 Which lookups a batch needs is learned, not declared: the first step runs
 unpipelined with the embedding recording its lookups, and each lookup's id
-tensors are found (by identity) among the batch's fields. If one is not a
-batch field (the task derived it), input dist stays on the training thread and
-only the batch itself is made ahead.
+tensors and bag offsets are found (by identity) among the batch's fields (a bag's
+offsets matter: a bag pooled at its owner sends the bag lengths with the ids). If
+one is not a batch field (the task derived it), input dist stays on the training
+thread and only the batch itself is made ahead.
 
 Off by default: with one CPU core per rank the thread's own work (making the batch,
 routing) competes with the step for that core and the GIL, and only waits are hidden;
@@ -48,8 +50,11 @@ from worker.tasks.base import Batch, Task
 log = logging.getLogger("worker.pipeline")
 
 T = TypeVar("T")
-FieldRef = tuple[str, str]  # ("ids" | "bags" | "values", key) of a Batch
-LookupPlan = list[tuple[tuple[str, ...], tuple[FieldRef, ...]]]
+FieldRef = tuple[str, str]  # ("ids" | "bags" | "offsets" | "values", key) of a Batch
+# per lookup: table names, where its ids are, and per entry None or (where its offsets are,
+# pooling mode)
+LookupPlan = list[tuple[tuple[str, ...], tuple[FieldRef, ...],
+                        tuple[tuple[FieldRef, str] | None, ...]]]
 
 
 @dataclass
@@ -66,9 +71,11 @@ def find_field(batch: Batch, tensor: torch.Tensor) -> FieldRef | None:
     for key, value in batch.ids.items():
         if value is tensor:
             return ("ids", key)
-    for key, (ids_N, _) in batch.bags.items():
+    for key, (ids_N, offsets_B) in batch.bags.items():
         if ids_N is tensor:
             return ("bags", key)
+        if offsets_B is tensor:
+            return ("offsets", key)
     for key, value in batch.values.items():
         if value is tensor:
             return ("values", key)
@@ -79,8 +86,7 @@ def _tensors(batch: Batch, plans: list[InputDist]) -> list[torch.Tensor]:
     out = [*batch.ids.values(), *batch.values.values()]
     out += [t for pair in batch.bags.values() for t in pair]
     for plan in plans:
-        out += [plan.inverse_N, *plan.local_ids]
-        out += [] if plan.restore_M is None else [plan.restore_M]
+        out += plan.tensors()
     return out
 
 
@@ -90,6 +96,8 @@ def get_field(batch: Batch, ref: FieldRef) -> torch.Tensor:
         return batch.ids[key]
     if kind == "bags":
         return batch.bags[key][0]
+    if kind == "offsets":
+        return batch.bags[key][1]
     return batch.values[key]
 
 
@@ -156,15 +164,20 @@ class InputPipeline:
         self.embedding.recording = None
         assert self._current is not None  # set by take() whenever recording started
         self.plan = []
-        for names, ids in recording:
+        for names, ids, bags in recording:
             refs = [find_field(self._current, t) for t in ids]
-            if any(r is None for r in refs):
+            bag_refs = [None if b is None else (find_field(self._current, b[0]), b[1])
+                        for b in bags]
+            if any(r is None for r in refs) or any(b is not None and b[0] is None
+                                                  for b in bag_refs):
                 self.plan = []  # a derived id tensor: make batches ahead, dist in the step
                 log.info(kv("pipeline", rank=self.rank, input_dist="in-step",
-                            reason=f"lookup of {','.join(names)} takes ids that are not "
-                                   "batch fields"))
+                            reason=f"lookup of {','.join(names)} takes ids or bag offsets "
+                                   "that are not batch fields"))
                 break
-            self.plan.append((names, tuple(r for r in refs if r is not None)))
+            self.plan.append((names, tuple(r for r in refs if r is not None),
+                              tuple(None if b is None or b[0] is None else (b[0], b[1])
+                                    for b in bag_refs)))
         self.dist_ahead = bool(self.plan)
         self._current = None
         self._submit(step + 1)
@@ -205,10 +218,12 @@ class InputPipeline:
         plans = []
         if self.dist_ahead and self.plan:
             with torch.no_grad():
-                for names, refs in self.plan:
+                for names, refs, bag_refs in self.plan:
                     ids = [get_field(batch, r) for r in refs]
+                    bags = [None if b is None else (get_field(batch, b[0]), b[1])
+                            for b in bag_refs]
                     plans.append(self.embedding.input_dist(names, ids, group=self.group,
-                                                           timed=False))
+                                                           timed=False, bags=bags))
         return Prepared(step, batch, plans, t1 - t0, time.perf_counter() - t1)
 
 

@@ -1,10 +1,16 @@
-"""Loss curve (and the --eval-every metrics) of a run as a PNG next to its --results JSON.
+"""The picture of a run, a PNG next to its --results JSON (run.json -> run.png).
 
     python -m worker.plot results.json            # writes results.png
     from worker.plot import save_loss_curve; save_loss_curve(results_dict, "run.png")
 
-matplotlib with the Agg backend (no display needed); imported lazily so the worker only
-pays for it when --results is given.
+Top panel, a linear loss axis: the training loss (mean over the ranks of each --log-every
+window), the held-out loss at every --eval-every evaluation and at the end, and where the
+task has one, the planted model's loss as a horizontal line (synthetic and tables: labels
+drawn from a planted logit, so its loss is the best any model can do on those samples;
+dlrm's synthetic generator: its planted log loss). Bottom panel, when the task has one:
+its metric over the evaluations (AUC for synthetic, tables and dlrm, MRR for kge), with
+the planted model's AUC as a line. matplotlib with the Agg backend (no display),
+imported only when a plot is made.
 """
 
 from __future__ import annotations
@@ -13,7 +19,16 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+LOSS_KEYS = ("loss", "log_loss")  # the held-out loss, by task
+PLANTED_LOSS_KEYS = ("planted_loss", "planted_log_loss")
+TRAIN_COLOR, EVAL_COLOR, PLANTED_COLOR = "tab:blue", "tab:orange", "tab:gray"
+METRIC_COLORS = ("tab:green", "tab:red", "tab:purple", "tab:brown")
 
 
 def plot_path(results_path: str | Path) -> str:
@@ -21,47 +36,110 @@ def plot_path(results_path: str | Path) -> str:
     return str(Path(results_path).with_suffix(".png"))
 
 
-def save_loss_curve(results: Mapping[str, Any], path: str | Path) -> str:
-    """Training loss vs step (left axis) and the eval metrics vs step (right axis)."""
+def metric_keys(results: Mapping[str, Any]) -> list[str]:
+    """The task's quality metrics present in the run: AUC / MRR keys, planted ones aside."""
+    names: list[str] = []
+    for _, metrics in _eval_points(results):
+        names += [k for k in metrics if k not in names]
+    names += [k for k in (results.get("eval") or {}) if k not in names]
+    return [k for k in names if ("auc" in k or k.endswith("mrr")) and not k.startswith("planted")]
+
+
+def _eval_points(results: Mapping[str, Any]) -> list[tuple[int, Mapping[str, float]]]:
+    """(1-based step, metrics) of every evaluation: the --eval-every points, then the final
+    one (merged into the last point when that is the final step: the same model)."""
+    points = [(int(s) + 1, m) for s, m in results.get("eval_curve") or []]
+    final = results.get("eval") or {}
+    steps = int(results.get("steps") or 0)
+    if final and steps:
+        if points and points[-1][0] == steps:
+            points[-1] = (steps, {**points[-1][1], **final})
+        elif not points or points[-1][0] < steps:
+            points.append((steps, final))
+    return points
+
+
+def build_figure(results: Mapping[str, Any]) -> Figure:
+    """The figure (one or two panels, shared step axis), for saving or inspecting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loss = results.get("loss_curve") or []
-    evals: Sequence[tuple[int, Mapping[str, float]]] = results.get("eval_curve") or []
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if loss:
-        steps, values = zip(*loss, strict=True)
-        ax.plot([s + 1 for s in steps], values, color="tab:blue", label="train loss")
-    if loss and min(v for _, v in loss) > 0:
-        ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (mean over ranks)")
-    ax.grid(alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    if evals:
-        ax2 = ax.twinx()
-        colors = ["tab:orange", "tab:green", "tab:red", "tab:purple"]
-        for i, key in enumerate(evals[0][1]):
-            xs = [s + 1 for s, m in evals if key in m]
-            ys = [m[key] for s, m in evals if key in m]
-            ax2.plot(xs, ys, marker="o", linestyle="--", label=key,
-                     color=colors[i % len(colors)])
-        ax2.set_ylabel("held-out metric")
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
+    metrics = metric_keys(results)
+    rows = 2 if metrics else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(7.5, 3.2 * rows + 0.6), dpi=110, sharex=True,
+                             squeeze=False)
+    loss_ax = axes[0][0]
+    _loss_panel(loss_ax, results)
+    if metrics:
+        _metric_panel(axes[1][0], results, metrics)
+    axes[-1][0].set_xlabel("step")
     cfg = results.get("config") or {}
     title = f"hybridps {cfg.get('task', '')}".strip()
-    ev = results.get("eval") or {}
-    shown = [f"{k} {v:.4f}" for k, v in ev.items()
-             if isinstance(v, float) and any(m in k for m in ("mrr", "auc"))][:3]
+    final = results.get("eval") or {}
+    shown = [f"{k} {final[k]:.4f}" for k in metrics if isinstance(final.get(k), float)][:3]
     if shown:
         title += " — " + ", ".join(shown)
-    ax.set_title(title, fontsize=10)
-    if handles:
-        ax.legend(handles, labels, loc="center right", fontsize=8, framealpha=0.8)
+    loss_ax.set_title(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def _plain_axis(ax: Axes) -> None:
+    """Linear y axis with plain tick labels: no offset or x10^n notation."""
+    from matplotlib.ticker import ScalarFormatter
+
+    formatter = ScalarFormatter(useOffset=False)
+    formatter.set_scientific(False)
+    ax.yaxis.set_major_formatter(formatter)
+    ax.set_yscale("linear")
+    ax.grid(alpha=0.3)
+
+
+def _loss_panel(ax: Axes, results: Mapping[str, Any]) -> None:
+    loss = results.get("loss_curve") or []
+    if loss:
+        ax.plot([int(s) + 1 for s, _ in loss], [v for _, v in loss], color=TRAIN_COLOR,
+                linewidth=1.2, label="train loss")
+    key = next((k for k in LOSS_KEYS if any(k in m for _, m in _eval_points(results))), None)
+    if key is not None:
+        points = [(s, m[key]) for s, m in _eval_points(results) if key in m]
+        ax.plot([s for s, _ in points], [v for _, v in points], color=EVAL_COLOR, marker="o",
+                markersize=3.5, linewidth=1.2, label=f"held-out {key.replace('_', ' ')}")
+    final = results.get("eval") or {}
+    planted = next((final[k] for k in PLANTED_LOSS_KEYS if k in final), None)
+    if planted is not None:
+        ax.axhline(planted, color=PLANTED_COLOR, linestyle="--", linewidth=1.2,
+                   label=f"planted model loss {planted:.4f}")
+    ax.set_ylabel("loss")
+    _plain_axis(ax)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.85)
+
+
+def _metric_panel(ax: Axes, results: Mapping[str, Any], keys: Sequence[str]) -> None:
+    points = _eval_points(results)
+    for i, key in enumerate(keys[:len(METRIC_COLORS)]):
+        xy = [(s, m[key]) for s, m in points if key in m]
+        ax.plot([s for s, _ in xy], [v for _, v in xy], color=METRIC_COLORS[i], marker="o",
+                markersize=3.5, linewidth=1.2,
+                label="held-out AUC" if key == "auc" else key.replace("_", " "))
+    final = results.get("eval") or {}
+    if "planted_auc" in final:
+        ax.axhline(final["planted_auc"], color=PLANTED_COLOR, linestyle="--", linewidth=1.2,
+                   label=f"planted model AUC {final['planted_auc']:.4f}")
+    ax.set_ylabel("AUC" if all("auc" in k for k in keys) else
+                  "MRR" if all("mrr" in k for k in keys) else "held-out metric")
+    _plain_axis(ax)
+    ax.legend(loc="lower right", fontsize=8, framealpha=0.85)
+
+
+def save_loss_curve(results: Mapping[str, Any], path: str | Path) -> str:
+    """Write the run's figure (build_figure) as a PNG; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(results)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

@@ -1,62 +1,66 @@
 """The shard server as an update source (`ShardClient`, worker/updates.py's interface).
 
-Register once, then one bidirectional Sync stream (with --row-dtype bf16, SeedRows in
-between to upload the fp32 initial rows into the server's master copy); a rank whose
-arena the server accepted sends the Sync messages over the server's Sync socket
-instead (worker/direct.py), on the training thread.
+Register once (with --row-dtype bf16, SeedRows after it to upload the fp32 initial rows
+into the server's master copy), then send each step's pushes over a Sync transport and
+read the answers back. The pieces, each in its own module:
+- worker/grpc_client.py `ShardRpc`: the channel and every call (its event loop runs in
+  a thread of its own), with the call's credentials attached in one place;
+- worker/transport.py `SyncTransport`: the gRPC Sync stream (grpc_client.py), or the
+  server's Sync socket for a rank on its node (socket_client.py);
+- worker/arena_client.py `ArenaPlacement`: what goes by reference into shared memory;
+- worker/sync_ledger.py `SyncLedger`: the exactly-once bookkeeping, no I/O;
+- worker/sync_messages.py: the messages.
 
-Why a dedicated thread with its own asyncio event loop (uvloop when
-available) and a grpc.aio channel, rather than the sync grpc API with a
-request-iterator thread: one thread owns every piece of connection state
-(the stream, unanswered pushes, partial chunked updates, reconnect/backoff),
-so reconnecting and re-sending is a plain sequential coroutine without locks
-around the stream; the training thread only hands over pushes with
-`loop.call_soon_threadsafe` (never blocks on the network) and takes
-complete updates from a condition-guarded buffer with a deadline. Encoding
-the protobuf messages also happens on that thread, off the training loop.
-No fork is ever made after the channel exists (batches are generated
-in-process, no DataLoader workers), so the gRPC core is fork-safe here.
+One threading model: everything here runs on the thread that calls the client (the
+training thread), and so do the ledger, the placement and the transports' `send` and
+`receive`; only the gRPC machinery runs on ShardRpc's loop thread, which also
+serializes the inline pushes it sends (a copy of the gradients, kept off the step).
+The training thread hands a step's pushes to the transport (never waiting for the
+network) and reads the answers when the staleness window needs them (`take`).
 
-Failure handling: every wait has a deadline (`--ps-timeout`): registering,
-waiting for an update, and a broken stream, which is retried with
-exponential backoff (re-Register, then re-send every unanswered push; the
-server dedupes by (run, rank, incarnation, step) and answers duplicates from
-its cache). If the server stays down past the deadline, or refuses a push,
-the error is raised on the training thread naming the server and the step.
+Failure handling: every wait has a deadline (`--ps-timeout`): registering, waiting for
+an update, and a broken connection, which is retried with exponential backoff
+(re-Register, then re-send every unanswered push; the server dedupes by (run, rank,
+incarnation, step) and answers duplicates from its cache). If the server stays down
+past the deadline, or refuses a push, the error is raised naming the server and the step.
+
+Shape suffixes in names: `_U` one entry per row a push carries (its unique ids), `_D`
+the table's dim, `_R` the rows this rank owns: `ids_U` [U], `grads_UD` [U, D],
+`block_RD` [R, D].
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import logging
-import os
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import grpc
 import torch
 
 from hybridps import wire
-from hybridps.channel_options import channel_options
 from hybridps.logs import kv
 from hybridps.optim import OptimizerSpec
-from hybridps.security import ClientSecurity, open_aio_channel, open_channel
-from hybridps.v1 import shard_pb2, shard_pb2_grpc
-from worker.config import SHM_MODES, SHM_SOCKET_MODES
-from worker.direct import DirectChannel
+from hybridps.security import ClientSecurity
+from hybridps.v1 import shard_pb2
+from worker.arena_client import ArenaPlacement
+from worker.config import SHM_SOCKET_MODES
 from worker.embedding import TableConfig
-from worker.shm import (
-    ClientArena,
-    Region,
-    ShmPush,
-    batch_message,
-    create_arena,
-    log_fallback,
-    place,
+from worker.grpc_client import ShardRpc
+from worker.socket_client import SocketTransport
+from worker.sync_ledger import Pending, SyncLedger
+from worker.sync_messages import (
+    InlinePush,
+    PushEncoder,
+    make_incarnation,
+    optimizer_message,
+    table_specs,
+)
+from worker.transport import (
+    SyncTransport,
+    TransportError,
+    TransportRefused,
+    TransportRetryable,
 )
 from worker.updates import (  # re-exported: the errors and types of every source
     Grads,
@@ -68,38 +72,23 @@ from worker.updates import (  # re-exported: the errors and types of every sourc
     UpdateSource,
 )
 
+__all__ = ["WIRE_DTYPES", "Grads", "RowUpdate", "ServerRefused", "ServerTimeout",
+           "ServerUnavailable", "ShardClient", "SyncError", "make_incarnation",
+           "optimizer_message"]
+
 log = logging.getLogger("worker.sync")
 
-# gRPC codes after which a broken stream is worth re-registering and re-sending.
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-})
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 2.0
-OPTIMIZER_KIND = {"adam": shard_pb2.OptimizerConfig.ADAM,
-                  "adamw": shard_pb2.OptimizerConfig.ADAMW,
-                  "sgd": shard_pb2.OptimizerConfig.SGD}
+# --wire-dtype values (worker/config.py validates the flag against these names).
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # table -> the owned rows as initialised, fp32 blocks (global start, rows): seeds a master
 InitialRows = Callable[[str], Iterator[tuple[int, torch.Tensor]]]
 
 
-def make_incarnation() -> int:
-    """Grows across restarts: wall-clock milliseconds, then torchelastic's restart count."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    return int(time.time() * 1000) * 1000 + min(restarts, 999)
-
-
-def optimizer_message(spec: OptimizerSpec) -> shard_pb2.OptimizerConfig:
-    return shard_pb2.OptimizerConfig(kind=OPTIMIZER_KIND[spec.kind], lr=spec.lr,
-                                     beta1=spec.beta1, beta2=spec.beta2, eps=spec.eps,
-                                     weight_decay=spec.weight_decay)
-
-
-
 class ShardClient(UpdateSource):
-    """Register + one Sync stream to the node's shard server, from a background thread."""
+    """Register + one Sync transport to the node's shard server."""
 
     def __init__(self, address: str, *, run_id: str, rank: int, world_size: int,
                  tables: Sequence[TableConfig], ranges: dict[str, tuple[int, int]],
@@ -111,129 +100,88 @@ class ShardClient(UpdateSource):
                  initial_rows: InitialRows | None = None,
                  wire_dtype: torch.dtype = torch.float32,
                  shm: str = "off", shm_bytes: int = 64 << 20,
-                 shm_socket: str = "auto") -> None:
+                 shm_socket: str = "auto",
+                 rpc: ShardRpc | None = None) -> None:
         super().__init__([t.name for t in tables], timeout_s)
-        # --shm auto|on|off, --shm-mb: the same-node data plane (worker/shm.py).
-        if shm not in SHM_MODES:
-            raise ValueError(f"shm={shm!r} is not one of {', '.join(SHM_MODES)}")
-        self.shm_mode, self.shm_bytes = shm, shm_bytes
-        # --shm-socket auto|off: with an accepted arena, the Sync messages go over the
-        # server's Unix socket, sent and read on the training thread (worker/direct.py).
+        # shm_socket: with an accepted arena, the Sync socket the server offers (auto) or not
         if shm_socket not in SHM_SOCKET_MODES:
             raise ValueError(f"shm_socket={shm_socket!r} is not one of "
                              f"{', '.join(SHM_SOCKET_MODES)}")
-        self.shm_socket_mode = shm_socket
-        self._direct_path = ""  # the socket the server offered at the latest Register
-        # While set, the training thread owns the data plane: _unanswered, _partial, the
-        # arena's ring and the buffer's filling; the loop thread only runs control calls.
-        self._direct: DirectChannel | None = None
-        self._leave_direct: asyncio.Event | None = None  # set: stream over gRPC, or closing
-        self._broken_since: float | None = None  # broke, with no answer since (_broken)
-        self._arena: ClientArena | None = None
-        self._shm_epoch = 0  # > 0 while the server accepts the arena
-        self._shm_lock = threading.Lock()
-        self._shm_answered: dict[tuple[int, str], Region] = {}  # regions of arrived updates
-        self._shm_taken: list[Region] = []  # freed at the next take()
         if wire_dtype not in WIRE_DTYPES.values():
             raise ValueError(f"wire dtype {wire_dtype} is not one of "
                              f"{', '.join(map(str, WIRE_DTYPES.values()))}")
-        # --wire-dtype: gradients go, and deltas come back, in this dtype (math is fp32).
-        self.wire_dtype = wire_dtype
         # bf16 rows: the server keeps an fp32 master, seeded from `initial_rows` right
         # after the Register that creates the partition (a restore loads it instead).
         if row_dtype != torch.float32 and initial_rows is None:
             raise ValueError(f"row dtype {row_dtype} needs initial_rows to seed the master")
-        self.row_dtype = row_dtype
-        self.initial_rows = initial_rows
+        self.address, self.run_id, self.rank, self.world_size = address, run_id, rank, world_size
+        self.incarnation = make_incarnation() if incarnation is None else incarnation
+        self.optimizer, self.max_chunk_bytes = optimizer, max_chunk_bytes
+        self.row_dtype, self.wire_dtype, self.initial_rows = row_dtype, wire_dtype, initial_rows
         self.security = security or ClientSecurity()
         # (checkpoint directory, step): the first Register loads the server state from it.
         self.restore = restore
-        self.address, self.run_id, self.rank, self.world_size = address, run_id, rank, world_size
-        self.incarnation = make_incarnation() if incarnation is None else incarnation
-        self.table_specs = [shard_pb2.TableSpec(name=t.name, num_rows=t.num_rows, dim=t.dim,
-                                                row_start=ranges[t.name][0],
-                                                row_end=ranges[t.name][1]) for t in tables]
+        self.shm_socket_mode = shm_socket
+        self.table_specs = table_specs(tables, ranges)
         self.dims = {t.name: t.dim for t in tables}
-        self.table_index = {t.name: i for i, t in enumerate(tables)}
-        self.optimizer = optimizer
-        self.max_chunk_bytes = max_chunk_bytes
+        who = f"rank {rank}: shard server {address}"
+        self.ledger = SyncLedger(self.buffer.tables, self.dims, row_dtype, self.stats, who,
+                                 -1 if restore is None else restore[1])
+        self.placement = ArenaPlacement(shm, shm_bytes, rank, address)
+        self.encoder = PushEncoder(run_id, rank, self.incarnation, wire_dtype,
+                                   row_dtype if row_dtype != torch.float32 else wire_dtype)
+        self.rpc = rpc or ShardRpc(address, self.security,
+                                   max(max_chunk_bytes * 2, 64 * 1024 * 1024))
         self.server_id = ""
         self.state = "starting"
         self.last_error = ""
         self.newest_pushed = -1
-        # Owned by the event-loop thread:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stub: shard_pb2_grpc.ShardServiceStub | None = None
-        self._sync: Any = None  # the Sync method with the copy-free codec (hybridps/wire.py)
-        # Pushes are kept encoded: a re-sent push is the same bytes, not encoded again
-        # (a push by shared memory: its header, stamped with the epoch when sent).
-        self._unanswered: dict[tuple[int, int], list[bytes] | ShmPush] = {}
-        self._push_lr: dict[int, float] = {}  # step -> Push.lr, until the step is taken
-        self._partial: dict[tuple[int, int], list[wire.Framed[shard_pb2.Update]]] = {}
-        self._outq: asyncio.Queue[bytes | None] | None = None
-        self._call: Any = None
-        self._closing = False
-        self._finishing: asyncio.Task[Any] | None = None  # end_run's Finish call, in flight
-        self._progress = False
-        self._enqueued_through = -1  # newest step whose pushes the loop thread holds
+        self._transport: SyncTransport | None = None
+        self._socket_path = ""  # the Sync socket the server offered at the latest Register
+        self._broken_since: float | None = None  # broke, with no answer since (_broken)
         if restore is not None:
-            self._enqueued_through = self.newest_pushed = restore[1]
+            self.newest_pushed = restore[1]
             self.buffer.start_at(restore[1])
-        self._registered = threading.Event()
-        self._thread = threading.Thread(target=self._thread_main, name="hybridps-sync",
-                                        daemon=True)
 
-    # -- training-thread API ------------------------------------------------------------
+    # -- UpdateSource -------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
-        if not self._registered.wait(self.timeout_s + 5.0):
-            raise ServerTimeout(f"rank {self.rank}: could not register with shard server "
-                                f"{self.address} within {self.timeout_s:g}s")
-        if self.buffer.fatal is not None:
-            raise self.buffer.fatal
+        try:
+            self.rpc.start()
+        except TransportError as exc:
+            raise ServerUnavailable(f"rank {self.rank}: {exc.text}") from None
+        self._register(first=True, timeout_s=self.timeout_s)
+        try:
+            self._connect()
+        except TransportError as exc:
+            self._recover(exc)
 
     def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
-        if lr is not None:  # Push.lr of this step's pushes (and of their re-sends)
-            self._push_lr[step] = lr
-        if self.buffer.fatal is not None:
-            raise self.buffer.fatal
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            raise SyncError(f"rank {self.rank}: sync thread for shard server {self.address} "
-                            "is not running")
-        payload = [(name, grads[name][0].detach().cpu(), grads[name][1].detach().cpu())
-                   for name in self.buffer.tables]
+        """UpdateSource.push; `lr` (Push.lr) travels in every message of the step's pushes,
+        re-sends included, so the server applies them with it."""
+        if self._transport is None:
+            raise SyncError(f"rank {self.rank}: the client of shard server {self.address} "
+                            f"is {self.state}")
         self.newest_pushed = step
-        if self._direct is not None:
-            self._send_direct(self._enqueue(step, payload))
-            return
-        loop.call_soon_threadsafe(self._enqueue, step, payload)
+        pushes = [(name, self._pending(step, name, grads[name][0].detach().cpu(),
+                                       grads[name][1].detach().cpu(), lr))
+                  for name in self.buffer.tables]
+        messages = self.ledger.add_step(step, pushes, self.placement.epoch)
+        try:
+            self._transport.send(messages)
+        except TransportError as exc:
+            self._recover(exc)  # re-sends every unanswered push, these included
 
     def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
         """UpdateSource.take. Updates answered by shared memory view their regions of the
         arena (ids and delta, no copy): valid until the next take, which frees them."""
-        waited = self._pump_direct(through_step)
-        arena = self._arena
-        if arena is None:
-            updates, blocked = super().take(through_step)
-            for step in [s for s in self._push_lr if s <= through_step]:
-                del self._push_lr[step]  # answered: never re-sent
-            return updates, blocked or waited
-        with self._shm_lock:
-            taken, self._shm_taken = self._shm_taken, []
-        for region in taken:
-            arena.ring.free(region)
+        waited = self._pump(through_step)
+        self.placement.before_take()
         updates, blocked = super().take(through_step)
-        for step in [s for s in self._push_lr if s <= through_step]:
-            del self._push_lr[step]  # answered: never re-sent
-        with self._shm_lock:
-            for u in updates:
-                if (u.step, u.table) in self._shm_answered:
-                    self._shm_taken.append(self._shm_answered.pop((u.step, u.table)))
+        self.placement.after_take([(u.step, u.table) for u in updates])
         return updates, blocked or waited
 
     def peek(self, through_step: int) -> list[RowUpdate]:
-        self._pump_direct(through_step)
+        self._pump(through_step)
         return super().peek(through_step)
 
     def describe_wait(self, step: int, timeout_s: float) -> str:
@@ -248,95 +196,33 @@ class ShardClient(UpdateSource):
 
     def finish(self, last_step: int) -> None:
         """Flush: the server confirms it applied every push through `last_step`."""
-        loop = self._loop
-        if last_step < 0 or loop is None or loop.is_closed() or self._stub is None:
+        if last_step < 0 or not self.rpc.running:
             return
         request = shard_pb2.FlushRequest(run_id=self.run_id, rank=self.rank, step=last_step,
                                          timeout_s=self.timeout_s)
-        stub = self._stub
-
-        async def flush() -> Any:
-            return await stub.Flush(request, timeout=self.timeout_s + 5.0,
-                                    metadata=self.security.metadata)
-
-        future = asyncio.run_coroutine_threadsafe(flush(), loop)
-        try:
-            future.result(self.timeout_s + 10.0)
-        except grpc.RpcError as exc:
-            raise SyncError(f"rank {self.rank}: Flush through step {last_step} on shard server "
-                            f"{self.address} failed: {_rpc_text(exc)}") from None
-        except TimeoutError:
-            future.cancel()
-            raise ServerTimeout(f"rank {self.rank}: Flush through step {last_step} on shard "
-                                f"server {self.address} timed out") from None
+        self._control("Flush", request, self.timeout_s + 5.0,
+                      f"Flush through step {last_step}")
 
     def checkpoint(self, step: int, directory: str) -> list[Any]:
         """The server saves this rank's optimizer state once it applied every push <= step."""
-        loop, stub = self._loop, self._stub
-        if loop is None or loop.is_closed() or stub is None:
-            raise SyncError(f"rank {self.rank}: sync thread for shard server {self.address} "
-                            "is not running")
         request = shard_pb2.CheckpointRequest(run_id=self.run_id, step=step,
                                               directory=directory, ranks=[self.rank],
                                               timeout_s=self.timeout_s)
-
-        async def call() -> Any:
-            return await stub.Checkpoint(request, timeout=self.timeout_s + 60.0,
-                                         metadata=self.security.metadata)
-
-        future = asyncio.run_coroutine_threadsafe(call(), loop)
-        try:
-            response = future.result(self.timeout_s + 70.0)
-        except grpc.RpcError as exc:
-            raise SyncError(f"rank {self.rank}: Checkpoint of step {step} on shard server "
-                            f"{self.address} failed: {_rpc_text(exc)}") from None
-        except TimeoutError:
-            future.cancel()
-            raise ServerTimeout(f"rank {self.rank}: Checkpoint of step {step} on shard server "
-                                f"{self.address} timed out") from None
+        response = self._control("Checkpoint", request, self.timeout_s + 60.0,
+                                 f"Checkpoint of step {step}")
         return list(response.files)
 
     def end_run(self, last_step: int, aborted: bool = False, reason: str = "") -> bool:
-        """Finish: this rank is done (after its last Flush, or stopping early).
-
-        A server with --exit-after-run stops once every rank of the run finished. The
-        Sync stream is then ended by the server, so the sync thread stops instead of
-        reconnecting. Never raises: returns False (and logs) when the server was not told.
-        """
+        """Finish: this rank is done (after its last Flush, or stopping early). Never
+        raises: returns False (and logs) when the server was not told."""
         request = shard_pb2.FinishRequest(run_id=self.run_id, rank=self.rank,
                                           incarnation=self.incarnation, last_step=last_step,
                                           aborted=aborted, reason=reason)
-        timeout = min(self.timeout_s, 10.0)
-        loop, stub = self._loop, self._stub
-
-        def direct() -> Any:
-            # The sync thread is gone or its loop ended under the call: a short call of our own.
-            log.info(kv("finish_direct", server=self.address, last_error=self.last_error or "-"))
-            with open_channel(self.address, channel_options(), self.security) as channel:
-                return shard_pb2_grpc.ShardServiceStub(channel).Finish(
-                    request, timeout=timeout, metadata=self.security.metadata)
-
         try:
-            if loop is None or loop.is_closed() or stub is None or not self._thread.is_alive():
-                response = direct()
-            else:
-                async def call() -> Any:
-                    self._closing = True  # the stream ending from here on is expected
-                    self._finishing = asyncio.current_task()  # _main waits for it
-                    return await stub.Finish(request, timeout=timeout,
-                                             metadata=self.security.metadata)
-
-                future = asyncio.run_coroutine_threadsafe(call(), loop)
-                try:
-                    response = future.result(timeout + 5.0)
-                except (asyncio.CancelledError, concurrent.futures.CancelledError, RuntimeError):
-                    # The stream ended meanwhile and the sync loop shut down with our call
-                    # still pending: the Finish was never sent to completion, send it again.
-                    response = direct()
-        except Exception as exc:  # best effort: the run's outcome does not depend on it
-            text = _rpc_text(exc) if isinstance(exc, grpc.RpcError) else repr(exc)
+            response = self.rpc.call_any("Finish", request, min(self.timeout_s, 10.0))
+        except TransportError as exc:  # best effort: the run's outcome does not depend on it
             log.warning(kv("finish_failed", server=self.address, last_step=last_step,
-                           aborted=aborted, error=text))
+                           aborted=aborted, error=exc.text))
             return False
         log.info(kv("finished", server=self.address, last_step=last_step, aborted=aborted,
                     reason=reason or "-",
@@ -345,311 +231,50 @@ class ShardClient(UpdateSource):
         return True
 
     def close(self) -> None:
-        direct, self._direct = self._direct, None
-        if direct is not None:
-            direct.close()
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and self._thread.is_alive():
-            with contextlib.suppress(RuntimeError):  # the loop may close meanwhile
-                loop.call_soon_threadsafe(self._begin_close)
-            self._thread.join(min(self.timeout_s, 10.0))
-            if self._thread.is_alive() and not loop.is_closed():
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._cancel_call)
-                self._thread.join(5.0)
-        if self._arena is not None and not self._thread.is_alive():
-            self._arena.close()  # unmapped once the last RowUpdate viewing it is gone
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
+        self.state = "closed"
+        self.rpc.close(min(self.timeout_s, 10.0))
+        self.placement.close()
 
-    # -- event-loop thread --------------------------------------------------------------
-    def _thread_main(self) -> None:
-        try:
-            import uvloop
-
-            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-            loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._main())
-        except SyncError as exc:
-            self.buffer.fail(exc)
-        except BaseException as exc:  # surfaced on the training thread, never swallowed
-            self.buffer.fail(SyncError(f"rank {self.rank}: sync thread for shard server "
-                                       f"{self.address} died: {type(exc).__name__}: {exc}"))
-        finally:
-            self.state = "closed"
-            self._registered.set()
-            try:
-                # Like asyncio.run: end what is left (e.g. the request pump of a stream the
-                # server ended while we were closing), then the async generators.
-                pending = asyncio.all_tasks(loop)
-                for task in pending:
-                    task.cancel()
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-            finally:
-                loop.close()
-
-    async def _main(self) -> None:
-        options = channel_options(self._max_receive_bytes)
-        async with open_aio_channel(self.address, options, self.security) as channel:
-            try:
-                await self._run(channel)
-            finally:
-                await self._settle_finish()
-
-    async def _settle_finish(self) -> None:
-        """Before the channel closes: let a Finish in flight get its answer.
-
-        The server that stops once every rank finished ends this stream while answering
-        the last Finish; ending the loop then would cancel that call on the channel.
-        """
-        task = self._finishing
-        if task is not None and not task.done():
-            await asyncio.wait({task}, timeout=min(self.timeout_s, 10.0) + 1.0)
-
-    async def _run(self, channel: grpc.aio.Channel) -> None:
-        """Register, then stream until done, reconnecting on retryable errors."""
-        self._stub = shard_pb2_grpc.ShardServiceStub(channel)
-        self._sync = channel.stream_stream(SYNC_METHOD, request_serializer=_as_bytes,
-                                           response_deserializer=_decode_update)
-        await self._register(first=True)
-        self._leave_direct = asyncio.Event()
-        self._open_direct()
-        self._registered.set()
-        if self._direct is not None:
-            await self._leave_direct.wait()
-            if self._direct is not None or self._closing:
-                return  # closing while the socket carried the data plane
-        while True:
-            try:
-                self.state = "streaming"
-                if await self._stream():
-                    return
-                self.last_error = "server ended the Sync stream"
-            except grpc.aio.AioRpcError as exc:
-                self._check_retryable(exc)
-            if self._closing:
-                return
-            await self._reconnect(self._broken("stream"))
-            if self._closing:
-                return
-
-    async def _reconnect(self, broken_since: float) -> None:
-        """Backoff + re-Register until it works, or ServerUnavailable past the deadline."""
-        self.state = "reconnecting"
-        delay = BACKOFF_START_S
-        while not self._closing:
-            left = broken_since + self.timeout_s - time.monotonic()
-            if left <= 0:
-                first = min(self._unanswered)[0] if self._unanswered else None
-                raise ServerUnavailable(
-                    f"rank {self.rank}: shard server {self.address} unreachable for "
-                    f"{self.timeout_s:g}s (last error: {self.last_error}); "
-                    f"{len(self._unanswered)} pushes unanswered"
-                    + (f" from step {first}" if first is not None else ""))
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, BACKOFF_MAX_S)
-            try:
-                await self._register(first=False, timeout=max(min(left, 10.0), 0.1))
-                return
-            except grpc.aio.AioRpcError as exc:
-                self._check_retryable(exc)
-
-    def _check_retryable(self, exc: grpc.aio.AioRpcError) -> None:
-        """Note the error; a refusal (not worth a retry) is raised naming the server."""
-        self.last_error = _rpc_text(exc)
-        if exc.code() not in RETRYABLE:
-            raise ServerRefused(self._refusal_text(exc)) from None
-
-    def _broken(self, transport: str) -> float:
-        """Count and log a broken connection; returns when it broke: the re-Register
-        deadline runs from the last answer, not from each of several breaks in a row."""
-        if self._progress or self._broken_since is None:
-            self._broken_since = time.monotonic()
-        self._progress = False
-        self.stats.reconnects += 1
-        log.warning(kv("reconnect", server=self.address, error=self.last_error,
-                       unanswered=len(self._unanswered), transport=transport))
-        return self._broken_since
-
-    async def _register(self, *, first: bool, timeout: float | None = None) -> None:
-        assert self._stub is not None
-        request = shard_pb2.RegisterRequest(
-            run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-            incarnation=self.incarnation, tables=self.table_specs,
-            optimizer=optimizer_message(self.optimizer))
-        if self.row_dtype != torch.float32:  # unset for fp32: what older servers expect
-            request.row_dtype = wire.wire_dtype(self.row_dtype)  # type: ignore[assignment]
-        if first and self.restore is not None:
-            request.restore.directory, request.restore.step = self.restore
-        if first and self.shm_mode != "off" and self._arena is None:
-            self._create_arena()
-        # The arena is offered first, then on every re-Register while the server uses it.
-        offer = self._arena is not None and (first or self._shm_epoch > 0)
-        if offer and self._arena is not None:
-            request.shm.CopyFrom(self._arena.offer())
-        try:
-            response = await self._stub.Register(
-                request, timeout=timeout or self.timeout_s, wait_for_ready=first,
-                metadata=self.security.metadata)
-        except grpc.aio.AioRpcError as exc:
-            if not first:
-                raise
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise ServerTimeout(f"rank {self.rank}: could not register with shard server "
-                                    f"{self.address} within {self.timeout_s:g}s "
-                                    f"({_rpc_text(exc)})") from None
-            raise ServerRefused(self._refusal_text(exc)) from None
-        self.stats.registers += 1
-        self.server_id = response.server_id
-        if response.max_message_bytes > 0:
-            self.max_chunk_bytes = min(self.max_chunk_bytes, int(response.max_message_bytes))
-        self._check_registered_state(response, first)
-        if offer:
-            self._on_shm_status(response.shm, first)
-        if self.row_dtype != torch.float32:
-            await self._seed_master(response, first)
-
-    # -- shared memory (worker/shm.py) ------------------------------------------------
-    def _create_arena(self) -> None:
-        try:
-            self._arena, why = create_arena(self.shm_mode, self.shm_bytes, self.rank)
-        except OSError as exc:  # ShmUnavailable, with --shm on
-            raise ServerRefused(f"rank {self.rank}: --shm on: {exc}") from None
-        if self._arena is None:
-            self.stats.shm = f"inline: {why}"
-            log_fallback(self.address, why)
-
-    def _on_shm_status(self, status: shard_pb2.SharedMemoryStatus, first: bool) -> None:
-        """The server's answer to the arena offered at Register."""
-        arena = self._arena
-        assert arena is not None
-        if first:
-            arena.unlink()  # the server mapped it by now, or never will: no file left behind
-        self._direct_path = status.sync_socket if self.shm_socket_mode != "off" else ""
-        if status.accepted:
-            if first:
-                log.info(kv("shm", server=self.address, path=arena.path, bytes=arena.size,
-                            epoch=status.epoch))
-            self._shm_epoch = int(status.epoch)
-            self.stats.shm = "on"
-            return
-        reason = status.reason or "the server does not offer shared memory (an older server)"
-        if self.shm_mode == "on":
-            raise ServerRefused(
-                f"rank {self.rank}: --shm on, but shard server {self.address} did not accept "
-                f"the shared-memory arena {arena.path}: {reason} (--shm auto falls back to "
-                "inline tensors)")
-        self._shm_epoch = 0
-        self.stats.shm = f"inline: {reason}"
-        log_fallback(self.address, reason)
-        if first:
-            arena.close()
-            self._arena = None
-            return
-        # The server no longer holds the arena (it was restarted?): re-send inline.
-        for key, pending in self._unanswered.items():
-            if isinstance(pending, ShmPush):
-                self._unanswered[key] = self._encode(key[0], self.buffer.tables[key[1]],
-                                                     pending.slot.ids, pending.slot.grads)
-
-    def _place(self, step: int, name: str, ids_U: torch.Tensor,
-               grads_UD: torch.Tensor) -> ShmPush | None:
-        """The push by reference into the arena; None: inline (no arena, or no room)."""
-        arena = self._arena
-        if arena is None or not self._shm_epoch:
-            return None
-        answer_dtype = self.row_dtype if self.row_dtype != torch.float32 else self.wire_dtype
-        slot = place(arena, ids_U, grads_UD, self.wire_dtype, answer_dtype)
-        if slot is None:
+    # -- sending and receiving ----------------------------------------------------------
+    def _pending(self, step: int, name: str, ids_U: torch.Tensor,
+                 grads_UD: torch.Tensor, lr: float | None) -> Pending:
+        """The push by reference into the arena, else its inline messages."""
+        self.stats.pushes += 1
+        self.stats.push_rows += int(ids_U.numel())
+        slot = self.placement.place(ids_U, grads_UD, self.wire_dtype, self.encoder.answer_dtype,
+                                    f"step {step} table {name!r}")
+        if slot is not None:
+            self.stats.shm_pushes += 1
+            self.stats.shm_bytes += slot.tensor_bytes
+            return self.encoder.by_reference(step, name, slot, lr)
+        if self.placement.epoch:
             self.stats.shm_inline_pushes += 1
-            if self.stats.shm_inline_pushes == 1:
-                log.warning(kv("shm_full", step=step, table=name, rows=int(ids_U.shape[0]),
-                               arena_bytes=arena.size, used=arena.ring.used,
-                               hint="this push (and others that do not fit) goes inline; "
-                                    "raise --shm-mb"))
-            return None
-        head = shard_pb2.Push(run_id=self.run_id, rank=self.rank, incarnation=self.incarnation,
-                              step=step, table=name, chunk=0, num_chunks=1,
-                              update_dtype=self._update_dtype(),  # type: ignore[arg-type]
-                              shm_ids=slot.refs[0], shm_grads=slot.refs[1],
-                              shm_answer=slot.refs[2], lr=self._push_lr.get(step))
-        self.stats.shm_pushes += 1
-        self.stats.shm_bytes += slot.tensor_bytes
-        return ShmPush(head, slot)
+        return self._inline(step, name, ids_U, grads_UD, lr)
 
-    def _update_dtype(self) -> int:
-        return (shard_pb2.DTYPE_UNSPECIFIED if self.wire_dtype == torch.float32
-                else wire.wire_dtype(self.wire_dtype))
+    def _inline(self, step: int, name: str, ids_U: torch.Tensor,
+                grads_UD: torch.Tensor, lr: float | None) -> InlinePush:
+        """Encoded by the transport (the gRPC stream: on its loop thread), once."""
+        return InlinePush(lambda: self.encoder.inline(step, name, ids_U, grads_UD,
+                                                      self.max_chunk_bytes, lr),
+                          self._count_encoded)
 
-    def _on_shm_update(self, key: tuple[int, int], pending: list[bytes] | ShmPush,
-                       update: shard_pb2.Update) -> None:
-        what = f"update step {update.step} table {update.table!r}"
-        if not (isinstance(pending, ShmPush) and update.shm and update.chunk == 0
-                and update.num_chunks in (0, 1)):
-            sent = "by shared memory" if isinstance(pending, ShmPush) else "inline"
-            got = "by shared memory" if update.shm else "inline"
-            raise ServerRefused(f"rank {self.rank}: {what}: a push sent {sent} was answered "
-                                f"{got} (chunk {update.chunk} of {update.num_chunks})")
-        if update.rows != (self.row_dtype != torch.float32):
-            raise ServerRefused(f"rank {self.rank}: {what}: the server answered "
-                                f"{'rows' if update.rows else 'a delta'} but this rank keeps "
-                                f"{self.row_dtype} rows")
-        slot = pending.slot
-        delta_UD = slot.answer
-        if not update.rows and delta_UD.dtype in (torch.bfloat16, torch.float16):
-            delta_UD = delta_UD.float()  # --wire-dtype: here, not on the training thread
-        del self._unanswered[key]
-        self._progress = True
-        self.stats.updates += 1
-        self.stats.update_chunks += 1
-        self.stats.duplicates += int(update.duplicate)
-        with self._shm_lock:
-            self._shm_answered[(update.step, update.table)] = slot.region
-        self.buffer.put(RowUpdate(update.step, update.table, slot.ids, delta_UD,
-                                  float(update.decay), update.duplicate, update.rows))
+    def _count_encoded(self, messages: list[bytes]) -> None:
+        self.stats.push_chunks += len(messages)
+        self.stats.push_bytes += sum(len(m) for m in messages)
 
-    @property
-    def _max_receive_bytes(self) -> int:
-        """The largest answer message taken (the channel's and the socket's limit)."""
-        return max(self.max_chunk_bytes * 2, 64 * 1024 * 1024)
-
-    # -- the Sync socket (worker/direct.py), on the training thread ---------------------
-    def _open_direct(self) -> None:
-        """Connect to the Sync socket the server offered, if any; else keep the stream."""
-        if not self._direct_path or not self._shm_epoch:
-            return
-        try:
-            self._direct = DirectChannel(self._direct_path, self.security.token,
-                                         self.timeout_s, self._max_receive_bytes)
-        except grpc.aio.AioRpcError as exc:
-            log.info(kv("sync_socket_fallback", server=self.address, path=self._direct_path,
-                        error=_rpc_text(exc), hint="Sync messages travel over gRPC"))
-            self.stats.transport = "stream"
-            return
-        if self.stats.transport != "socket":
-            log.info(kv("sync_socket", server=self.address, path=self._direct_path))
-        self.stats.transport = "socket"
-        self.state = "socket"
-
-    def _send_direct(self, msgs: list[bytes]) -> None:
-        direct = self._direct
-        assert direct is not None
-        try:
-            for msg in msgs:
-                direct.send(msg)
-        except grpc.aio.AioRpcError as exc:
-            self._recover_direct(exc)  # re-sends every unanswered push, these included
-
-    def _pump_direct(self, through_step: int) -> bool:
-        """Read the socket until every update through `through_step` arrived; True if it
-        had to wait for one (what already arrived is read without waiting first, so the
+    def _pump(self, through_step: int) -> bool:
+        """Read answers until every update through `through_step` arrived; True if it had
+        to wait for one (what already arrived is read without waiting first, so the
         staleness stats count real waits, not reads)."""
         deadline: float | None = None
         waited = False
-        while self._direct is not None and self.buffer.arrived_through < through_step:
+        while self.buffer.arrived_through < through_step:
+            if self._transport is None:
+                raise SyncError(f"rank {self.rank}: the client of shard server "
+                                f"{self.address} is {self.state}")
             now = time.monotonic()
             if deadline is None:
                 deadline, wait_s = now + self.timeout_s, 0.0
@@ -659,303 +284,187 @@ class ShardClient(UpdateSource):
             else:
                 waited, wait_s = True, deadline - now
             try:
-                for data in self._direct.receive(wait_s):
-                    self._on_update(_decode_update(data))
-            except grpc.aio.AioRpcError as exc:
-                self._recover_direct(exc)
+                for response in self._transport.receive(wait_s):
+                    for update, slot in self.ledger.on_response(response):
+                        if slot is not None:
+                            self.placement.answered(update.step, update.table, slot)
+                        self.buffer.put(update)
+            except TransportError as exc:
+                self._recover(exc)
         return waited
 
-    def _recover_direct(self, exc: grpc.aio.AioRpcError) -> None:
-        """The socket broke or the server ended it: re-Register (backoff, up to
-        --ps-timeout), reconnect, re-send every unanswered push; the stream when the
-        server no longer offers the socket. Refusals are raised naming the server."""
-        loop = self._loop
+    def _connect(self) -> None:
+        """The Sync socket the server offered, if any and allowed; else the gRPC stream."""
+        if self._socket_path and self.placement.epoch:
+            try:
+                self._transport = SocketTransport(self._socket_path, self.rpc.token,
+                                                  self.timeout_s, self.rpc.max_receive_bytes)
+            except TransportError as exc:
+                log.info(kv("sync_socket_fallback", server=self.address,
+                            path=self._socket_path, error=exc.text,
+                            hint="Sync messages travel over gRPC"))
+            else:
+                if self.stats.transport != "socket":
+                    log.info(kv("sync_socket", server=self.address, path=self._socket_path))
+                self.stats.transport = self.state = "socket"
+                return
+        self._transport = self.rpc.open_stream()
+        self.stats.transport, self.state = "stream", "streaming"
+
+    def _recover(self, exc: TransportError) -> None:
+        """The connection broke: re-Register (backoff, up to --ps-timeout from the last
+        answer), reconnect, re-send every unanswered push. A refusal is raised naming the
+        server."""
         while True:
-            self._check_retryable(exc)
-            broken, self._direct = self._direct, None
+            self._note(exc)
+            broken, self._transport = self._transport, None
             if broken is not None:
                 broken.close()
-            since = self._broken("socket")
-            if loop is None or loop.is_closed():
-                raise SyncError(f"rank {self.rank}: sync thread for shard server "
-                                f"{self.address} is not running")
-            future = asyncio.run_coroutine_threadsafe(self._reconnect(since), loop)
+            since = self._broken(broken.name if broken is not None else "none")
+            self._reregister(since)
             try:
-                future.result(self.timeout_s + 15.0)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                raise ServerUnavailable(f"rank {self.rank}: shard server {self.address}: "
-                                        "re-registering did not finish") from None
-            self._open_direct()
-            if self._direct is None:  # no socket now: hand the data plane to the stream
-                self.state = "streaming"
-                loop.call_soon_threadsafe(self._leave_direct_now)
+                self._connect()
+                assert self._transport is not None
+                self._transport.send(self.ledger.resend(self.placement.epoch))
                 return
-            self._partial.clear()
-            try:
-                for msg in self._unanswered_messages():
-                    self._direct.send(msg)
-                return
-            except grpc.aio.AioRpcError as again:
+            except TransportError as again:
                 exc = again
 
-    def _unanswered_messages(self) -> Iterator[bytes]:
-        """Every unanswered push's messages, in (step, table) order, to re-send after a
-        reconnect (by reference: stamped with the epoch of the latest Register)."""
-        for key in sorted(self._unanswered):
-            pending = self._unanswered[key]
-            if isinstance(pending, ShmPush):
-                yield pending.message(self._shm_epoch)
-            else:
-                yield from pending
+    def _note(self, exc: TransportError) -> None:
+        """Note the error; a refusal (not worth a retry) is raised naming the server."""
+        self.last_error = exc.text
+        if isinstance(exc, TransportRefused):
+            raise ServerRefused(self._refusal_text(exc)) from None
 
-    def _leave_direct_now(self) -> None:
-        if self._leave_direct is not None:
-            self._leave_direct.set()
+    def _broken(self, transport: str) -> float:
+        """Count and log a broken connection; returns when it broke: the re-Register
+        deadline runs from the last answer, not from each of several breaks in a row."""
+        if self.ledger.progress or self._broken_since is None:
+            self._broken_since = time.monotonic()
+        self.ledger.progress = False
+        self.stats.reconnects += 1
+        log.warning(kv("reconnect", server=self.address, error=self.last_error,
+                       unanswered=len(self.ledger), transport=transport))
+        return self._broken_since
 
-    async def _seed_master(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
-        """Upload the fp32 initial rows into the server's master copy of a new partition.
+    def _reregister(self, broken_since: float) -> None:
+        """Backoff + re-Register until it works, or ServerUnavailable past the deadline."""
+        self.state = "reconnecting"
+        delay = BACKOFF_START_S
+        while True:
+            left = broken_since + self.timeout_s - time.monotonic()
+            if left <= 0:
+                first = self.ledger.oldest_step()
+                raise ServerUnavailable(
+                    f"rank {self.rank}: shard server {self.address} unreachable for "
+                    f"{self.timeout_s:g}s (last error: {self.last_error}); "
+                    f"{len(self.ledger)} pushes unanswered"
+                    + (f" from step {first}" if first is not None else ""))
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+            try:
+                self._register(first=False, timeout_s=max(min(left, 10.0), 0.1))
+                return
+            except TransportError as exc:
+                self._note(exc)
 
-        Only a partition this Register created needs it, and not one restored from a
-        checkpoint (the server loaded its master). _check_registered_state already refused
-        a re-Register that found the state lost after pushes, so a created partition here
-        has seen no push and the initial rows are still the rows' master.
-        """
-        assert self._stub is not None and self.initial_rows is not None
-        if wire.torch_dtype(response.row_dtype) != self.row_dtype:
-            raise ServerRefused(
-                f"rank {self.rank}: shard server {self.address} registered row dtype "
-                f"{wire.dtype_name(response.row_dtype)}, not {self.row_dtype}: it keeps no fp32 "
-                "master rows (upgrade the server or use --row-dtype fp32)")
-        if first and self.restore is not None:
-            return
-        for table in response.tables:
-            if not table.created:
-                continue
-            per_chunk = wire.rows_per_chunk(self.dims[table.name], self.max_chunk_bytes)
-            seeded = 0
-            for start, block_RD in self.initial_rows(table.name):
-                for lo, hi in wire.chunk_bounds(int(block_RD.shape[0]), per_chunk):
-                    request = shard_pb2.SeedRowsRequest(
-                        run_id=self.run_id, rank=self.rank, incarnation=self.incarnation,
-                        table=table.name, row_start=start + lo)
-                    wire.encode(block_RD[lo:hi], request.rows)
-                    try:
-                        reply = await self._stub.SeedRows(request, timeout=self.timeout_s,
-                                                          metadata=self.security.metadata)
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() in RETRYABLE and not first:
-                            raise  # the reconnect loop registers (and seeds) again
-                        raise ServerRefused(f"rank {self.rank}: seeding the master rows of "
-                                            f"table {table.name!r} on shard server "
-                                            f"{self.address} failed: {_rpc_text(exc)}") from None
-                    seeded = int(reply.rows_seeded)
-            if seeded != table.rows_held:
-                raise ServerRefused(f"rank {self.rank}: shard server {self.address} seeded "
-                                    f"{seeded} of the {table.rows_held} master rows of table "
-                                    f"{table.name!r}")
-        log.info(kv("master_seeded", server=self.address,
-                    tables=",".join(t.name for t in response.tables if t.created)))
-
-    def _check_registered_state(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
-        """The server's optimizer state must be where this process left it."""
-        for table in response.tables:
-            resumed = -1 if self.restore is None else self.restore[1]
-            if first and table.last_step != resumed:
-                raise ServerRefused(
-                    f"rank {self.rank}: shard server {self.address} already holds optimizer "
-                    f"state of run {self.run_id!r} (table {table.name!r} applied through step "
-                    f"{table.last_step}); this worker starts at step 0 and cannot resume: use a "
-                    "fresh --run-id")
-            if not first:
-                pending = [s for (s, i) in self._unanswered
-                           if self.buffer.tables[i] == table.name]
-                oldest = min(pending) if pending else self._enqueued_through + 1
-                if ((table.created and self._enqueued_through >= 0)
-                        or table.last_step < oldest - 1):
-                    raise ServerRefused(
-                        f"rank {self.rank}: shard server {self.address} lost the optimizer "
-                        f"state of run {self.run_id!r} table {table.name!r} (server says last "
-                        f"step {table.last_step}, created={table.created}; this worker has "
-                        f"answers through step {oldest - 1}): was it restarted?")
-
-    async def _stream(self) -> bool:
-        """One Sync stream; True when it ended because we closed it with nothing pending."""
-        assert self._sync is not None
-        outq: asyncio.Queue[bytes | None] = asyncio.Queue()
-        for msg in self._unanswered_messages():
-            outq.put_nowait(msg)
-        if self._closing:
-            outq.put_nowait(None)
-        self._partial.clear()
-        self._outq = outq
-        self._call = self._sync(_drain(outq), metadata=self.security.metadata)
-        try:
-            async for update in self._call:
-                self._on_update(update)
-        finally:
-            self._outq = None
-            self._call = None
-        return self._closing and not self._unanswered
-
-    def _enqueue(self, step: int, payload: list[tuple[str, torch.Tensor, torch.Tensor]]
-                 ) -> list[bytes]:
-        """Record the step's pushes as unanswered and encode them; queued for the stream
-        when one runs (the caller sends them over the Sync socket otherwise)."""
-        self._enqueued_through = max(self._enqueued_through, step)
-        msgs: list[bytes] = []
-        by_reference: list[ShmPush] = []
-        for name, ids_U, grads_UD in payload:
-            placed = self._place(step, name, ids_U, grads_UD)
-            if placed is not None:
-                by_reference.append(placed)
-                self._unanswered[(step, self.table_index[name])] = placed
-            else:
-                inline = self._encode(step, name, ids_U, grads_UD)
-                self._unanswered[(step, self.table_index[name])] = inline
-                msgs += inline
-            self.stats.pushes += 1
-            self.stats.push_rows += int(ids_U.numel())
-        if len(by_reference) > 1:  # one message for the step's tables, not one per table
-            msgs.append(batch_message(by_reference, self._shm_epoch, self.run_id, self.rank))
-            self.stats.shm_batches += 1
-        elif by_reference:
-            msgs.append(by_reference[0].message(self._shm_epoch))
-        self.stats.push_chunks += len(msgs)
-        self.stats.push_bytes += sum(len(m) for m in msgs)
-        if self._outq is not None:
-            for msg in msgs:
-                self._outq.put_nowait(msg)
-        return msgs
-
-    def _encode(self, step: int, name: str, ids_U: torch.Tensor,
-                grads_UD: torch.Tensor) -> list[bytes]:
-        grads = grads_UD.to(self.wire_dtype)
-        per_chunk = wire.rows_per_chunk(self.dims[name], self.max_chunk_bytes,
-                                        grads.element_size())
-        bounds = list(wire.chunk_bounds(int(ids_U.shape[0]), per_chunk))
-        update_dtype = self._update_dtype()
-        msgs = []
-        for chunk, (lo, hi) in enumerate(bounds):
-            head = shard_pb2.Push(run_id=self.run_id, rank=self.rank,
-                                  incarnation=self.incarnation, step=step, table=name,
-                                  chunk=chunk, num_chunks=len(bounds),
-                                  update_dtype=update_dtype,  # type: ignore[arg-type]
-                                  lr=self._push_lr.get(step))
-            msgs.append(wire.encode_framed(head, [("ids", ids_U[lo:hi]),
-                                                  ("grads", grads[lo:hi])]))
-        return msgs
-
-    def _on_update(self, framed: wire.Framed[shard_pb2.Update]) -> None:
-        if framed.error is not None:
-            raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an "
-                                f"update that does not decode: {framed.error}")
-        update = framed.message
-        if update.batch:  # the answers to a batch push: shared-memory answers, in order
-            for entry in update.batch:
-                key = self._answered_key(entry)
-                if key is not None:
-                    self._on_shm_update(key, self._unanswered[key], entry)
-            return
-        key = self._answered_key(update)
-        if key is None:
-            return
-        pending = self._unanswered[key]
-        if update.shm or isinstance(pending, ShmPush):
-            self._on_shm_update(key, pending, update)
-            return
-        parts = self._partial.setdefault(key, [])
-        if update.chunk != len(parts):
-            raise ServerRefused(f"rank {self.rank}: update step {update.step} table "
-                                f"{update.table!r}: chunk {update.chunk} arrived, expected "
-                                f"{len(parts)}")
-        parts.append(framed)
-        self.stats.update_chunks += 1
-        if len(parts) < max(update.num_chunks, 1):
-            return
-        del self._partial[key]
-        what = f"update step {update.step} table {update.table!r}"
-        ids = [p.tensor("ids", what) for p in parts]
-        deltas = [p.tensor("delta", what) for p in parts]
-        # One chunk: the tensors view the received bytes (read-only, kept alive by the
-        # views); every consumer of a RowUpdate only reads them, so no copy is made.
-        ids_U = torch.cat(ids) if len(ids) > 1 else ids[0]
-        delta_UD = torch.cat(deltas) if len(deltas) > 1 else deltas[0]
-        if not update.rows and delta_UD.dtype in (torch.bfloat16, torch.float16):
-            delta_UD = delta_UD.float()  # --wire-dtype: here, not on the training thread
-        dim = self.dims[update.table]
-        if ids_U.dim() != 1 or delta_UD.shape != (ids_U.shape[0], dim):
-            raise ServerRefused(f"rank {self.rank}: {what}: ids {list(ids_U.shape)} and delta "
-                                f"{list(delta_UD.shape)} do not fit a table of dim {dim}")
-        del self._unanswered[key]
-        self._progress = True
-        self.stats.updates += 1
-        self.stats.duplicates += int(update.duplicate)
-        if update.rows != (self.row_dtype != torch.float32):
-            raise ServerRefused(f"rank {self.rank}: {what}: the server answered "
-                                f"{'rows' if update.rows else 'a delta'} but this rank keeps "
-                                f"{self.row_dtype} rows")
-        self.buffer.put(RowUpdate(update.step, update.table, ids_U, delta_UD,
-                                  float(update.decay), update.duplicate, update.rows))
-
-    def _answered_key(self, update: shard_pb2.Update) -> tuple[int, int] | None:
-        """(step, table index) of the unanswered push `update` answers; None: one we
-        already have the answer of (a re-sent push)."""
-        index = self.table_index.get(update.table)
-        if index is None:
-            raise ServerRefused(f"rank {self.rank}: shard server {self.address} sent an update "
-                                f"for unknown table {update.table!r} (step {update.step})")
-        key = (update.step, index)
-        if key not in self._unanswered:
-            self.stats.ignored_updates += 1
-            return None
-        return key
-
-    def _begin_close(self) -> None:
-        self._closing = True
-        if self._leave_direct is not None:
-            self._leave_direct.set()
-        if self._outq is not None:
-            self._outq.put_nowait(None)
-
-    def _cancel_call(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-
-    def _refusal_text(self, exc: grpc.aio.AioRpcError) -> str:
-        step = min(self._unanswered)[0] if self._unanswered else self.newest_pushed
+    def _refusal_text(self, exc: TransportError) -> str:
+        step = self.ledger.oldest_step()
         text = (f"rank {self.rank}: shard server {self.address} refused run {self.run_id!r} "
-                f"(around step {step}): {_rpc_text(exc)}")
+                f"(around step {self.newest_pushed if step is None else step}): {exc.text}")
         if self.wire_dtype == torch.float16 and "non-finite" in text:
             text += (" (--wire-dtype fp16: gradients beyond +-65504 become inf on the wire; "
                      "use bf16 or fp32)")
         return text
 
+    # -- control calls --------------------------------------------------------------------
+    def _control(self, method: str, request: Any, timeout_s: float, what: str) -> Any:
+        try:
+            return self.rpc.call(method, request, timeout_s)
+        except TransportError as exc:
+            kind = ServerTimeout if exc.code == "DEADLINE_EXCEEDED" else SyncError
+            raise kind(f"rank {self.rank}: {what} on shard server {self.address} failed: "
+                       f"{exc.text}") from None
 
-SYNC_METHOD = "/hybridps.v1.ShardService/Sync"
-# --wire-dtype values (worker/config.py validates the flag against these names).
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    def _register(self, *, first: bool, timeout_s: float) -> None:
+        """Register (then seed the master rows of a created bf16 partition). On the first
+        one every failure is a SyncError; later ones raise TransportErrors to retry."""
+        request = shard_pb2.RegisterRequest(
+            run_id=self.run_id, rank=self.rank, world_size=self.world_size,
+            incarnation=self.incarnation, tables=self.table_specs,
+            optimizer=optimizer_message(self.optimizer),
+            row_dtype=wire.wire_dtype(self.row_dtype))  # type: ignore[arg-type]
+        if first and self.restore is not None:
+            request.restore.directory, request.restore.step = self.restore
+        offer = self.placement.offer(first)
+        if offer is not None:
+            request.shm.CopyFrom(offer)
+        try:
+            response = self.rpc.call("Register", request, timeout_s, wait_for_ready=first)
+        except TransportError as exc:
+            if not first:
+                raise
+            if exc.code == "DEADLINE_EXCEEDED":
+                raise ServerTimeout(f"rank {self.rank}: could not register with shard server "
+                                    f"{self.address} within {self.timeout_s:g}s "
+                                    f"({exc.text})") from None
+            raise ServerRefused(self._refusal_text(exc)) from None
+        self.stats.registers += 1
+        self.server_id = response.server_id
+        if response.max_message_bytes > 0:
+            self.max_chunk_bytes = min(self.max_chunk_bytes, int(response.max_message_bytes))
+        self.ledger.check_registered(response.tables, first, self.run_id)
+        accepted = offer is not None and self.placement.accept(response.shm, first)
+        if offer is not None and not accepted and not first:
+            self.ledger.demote(self._inline)  # the server lost the arena: re-send inline
+        self.stats.shm = self.placement.status
+        self._socket_path = (response.shm.sync_socket
+                             if accepted and self.shm_socket_mode != "off" else "")
+        if self.row_dtype != torch.float32:
+            self._seed_master(response, first)
 
+    def _seed_master(self, response: shard_pb2.RegisterResponse, first: bool) -> None:
+        """Upload the fp32 initial rows into the server's master copy of a new partition.
 
-def _as_bytes(msg: bytes) -> bytes:
-    return msg  # pushes are encoded by ShardClient._encode (wire.encode_framed)
-
-
-def _decode_update(data: bytes) -> wire.Framed[shard_pb2.Update]:
-    return wire.decode_framed(shard_pb2.Update, data, ("ids", "delta"), "update")
-
-
-async def _drain(outq: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
-    """The request stream: messages from the queue until the None sentinel (half-close)."""
-    while True:
-        msg = await outq.get()
-        if msg is None:
+        Only a partition this Register created needs it, and not one restored from a
+        checkpoint (the server loaded its master). check_registered already refused a
+        re-Register that found the state lost after pushes, so a created partition here
+        has seen no push and the initial rows are still the rows' master.
+        """
+        assert self.initial_rows is not None
+        if wire.torch_dtype(response.row_dtype) != self.row_dtype:
+            raise ServerRefused(
+                f"rank {self.rank}: shard server {self.address} registered row dtype "
+                f"{wire.dtype_name(response.row_dtype)}, not {self.row_dtype}: it keeps no fp32 "
+                "master rows (use --row-dtype fp32)")
+        if first and self.restore is not None:
             return
-        yield msg
+        for table in response.tables:
+            if table.created:
+                self._seed_table(table, first)
+        log.info(kv("master_seeded", server=self.address,
+                    tables=",".join(t.name for t in response.tables if t.created)))
 
-
-def _rpc_text(exc: grpc.RpcError) -> str:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    name = code.name if code is not None else "ERROR"
-    return f"{name}: {details}"
+    def _seed_table(self, table: shard_pb2.TableState, first: bool) -> None:
+        assert self.initial_rows is not None
+        per_chunk = wire.rows_per_chunk(self.dims[table.name], self.max_chunk_bytes)
+        seeded = 0
+        for start, block_RD in self.initial_rows(table.name):
+            for lo, hi in wire.chunk_bounds(int(block_RD.shape[0]), per_chunk):
+                request = shard_pb2.SeedRowsRequest(
+                    run_id=self.run_id, rank=self.rank, incarnation=self.incarnation,
+                    table=table.name, row_start=start + lo)
+                wire.encode(block_RD[lo:hi], request.rows)
+                try:
+                    reply = self.rpc.call("SeedRows", request, self.timeout_s)
+                except TransportError as exc:
+                    if isinstance(exc, TransportRetryable) and not first:
+                        raise  # the reconnect loop registers (and seeds) again
+                    raise ServerRefused(f"rank {self.rank}: seeding the master rows of "
+                                        f"table {table.name!r} on shard server "
+                                        f"{self.address} failed: {exc.text}") from None
+                seeded = int(reply.rows_seeded)
+        if seeded != table.rows_held:
+            raise ServerRefused(f"rank {self.rank}: shard server {self.address} seeded "
+                                f"{seeded} of the {table.rows_held} master rows of table "
+                                f"{table.name!r}")

@@ -21,6 +21,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "kge": {
         "dim": 32, "epochs": 100, "batch_size": 512, "lr": 0.1, "dense_lr": 0.1,
         "init_std": 1.0, "log_every": 5,
+        # evaluations by epochs within --eval-budget (KGEHooks); --eval-every N replaces them
+        "eval_every": 0,
     },
     "dlrm": {
         "dim": 16, "steps": 1500, "batch_size": 1024, "lr": 0.02, "dense_lr": 3e-3,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from hybridps.cli import check_settings, setting
+from hybridps.names import describe_problem
 
 KgeModel = Literal["distmult", "complex", "keci", "qmult"]
 KgeTraining = Literal["kvsall", "1vsall", "negsample"]
@@ -26,6 +27,9 @@ def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
         if (len(parts) not in (2, 3) or not parts[0].isidentifier()
                 or not all(p.isdigit() for p in parts[1:])):
             raise ValueError(f"tables={spec!r}: entry {entry!r} is not NAME:ROWS[:POOL]")
+        problem = describe_problem("table name", parts[0])  # what the server accepts
+        if problem is not None:
+            raise ValueError(f"tables={spec!r}: {problem}")
         rows, pool = int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
         if rows < 1 or pool < 1:
             raise ValueError(f"tables={spec!r}: entry {entry!r} needs ROWS >= 1 and POOL >= 1")
@@ -84,7 +88,8 @@ class KgeConfig:
     """--task kge: link prediction on a knowledge graph (worker/tasks/kge.py)."""
 
     data_dir: str = setting(
-        "", "dataset directory with train.txt (+ valid.txt, test.txt)", "DIR")
+        "", "dataset directory with train.txt (+ valid.txt, test.txt), or the name of a set "
+        "shipped with hybridps: umls | kinship (hybridps/data/README.md)", "DIR|NAME")
     model: KgeModel = setting("distmult", "scoring model")
     training: KgeTraining = setting(
         "kvsall", "kvsall (each (h, r) against all entities, multi-hot targets) | 1vsall "

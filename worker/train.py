@@ -4,19 +4,22 @@
     ->  dense optimizer step  ->  coalesced embedding grads * 1/W  ->  push
 
 The loop is the same for every task, for the server path and for
---local-optimizer. Rank 0 shows a progress bar, prints a summary and the
-server's shard stats, and writes --results.
+--local-optimizer. Rank 0 shows a progress bar (log lines go around it:
+worker/console.py), prints a summary and the server's shard stats, writes
+--results and its plot, and with --tensorboard the scalars (worker/tensorboard_log.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
 import uuid
 from collections.abc import Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +29,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
+from hybridps.cli import ConfigError
+from hybridps.logs import kv
+from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
 from worker import comm, faults
 from worker.checkpoint import Checkpointer
 from worker.config import TrainConfig
+from worker.console import bar_postfix, checkpoint_lines, route_logs_around
 from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
@@ -38,7 +45,10 @@ from worker.staleness import RowPredictor
 from worker.sync import WIRE_DTYPES, ShardClient
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, TrainHooks, build_dense_seeded
+from worker.tensorboard_log import TensorBoardLog
 from worker.updates import LocalSparseOptimizer, StalenessWindow, UpdateSource
+
+log = logging.getLogger("worker.train")
 
 TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log",
              "eval")
@@ -94,6 +104,9 @@ def resolve_run_id(cfg: TrainConfig, ctx: DistContext) -> str:
     run_id = cfg.sync.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id in ("", "none"):
         run_id = f"run-{uuid.uuid4().hex[:12]}"
+    problem = describe_problem("run id", run_id)
+    if problem is not None:  # --run-id was checked with the flags; this is torchrun's
+        raise ConfigError(f"TORCHELASTIC_RUN_ID: {problem}; pass --run-id")
     box = [run_id]
     if ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0)
@@ -116,7 +129,7 @@ class Trainer:
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
-            row_dtype=ROW_DTYPES[cfg.optim.row_dtype])
+            row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at)
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
@@ -158,9 +171,17 @@ class Trainer:
         self.times = dict.fromkeys(TIME_KEYS, 0.0)
         self.loss_curve: list[tuple[int, float]] = []
         self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
+        self.console = ExitStack()  # rank 0's log redirect around the progress bar
+        self.tb = (TensorBoardLog(cfg.output.tensorboard, self.run_id, dataclasses.asdict(cfg),
+                                  self.start_step) if cfg.output.tensorboard and self.is_main
+                   else None)
         self.setup_s = time.perf_counter() - t0
         self.train_s = 0.0
         self.final_eval_s = 0.0
+        if self.is_main:
+            log.info(kv("ready", run=self.run_id, task=self.task.name, steps=self.steps,
+                        start_step=self.start_step, world_size=ctx.world_size,
+                        setup_s=f"{self.setup_s:.1f}"))
 
     @property
     def is_main(self) -> bool:
@@ -172,12 +193,13 @@ class Trainer:
         world, rank = ctx.world_size, ctx.rank
         bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True,
                    mininterval=0.5, disable=not (self.is_main and out.progress), file=sys.stderr)
+        self.console.enter_context(route_logs_around(bar))
         window_loss = torch.zeros((), device=ctx.device)
         window_steps = 0
         t = self.times
         start = time.perf_counter()
         comm.reset_comm_seconds()
-        self.last_step = self.steps - 1  # earlier when stopped by a signal
+        self.last_step = self.start_step - 1  # the last step pushed (a Finish reports it)
         for step in range(self.start_step, self.steps):
             t0 = time.perf_counter()
             self.dense_parallel.prefetch()  # --prefetch-dense: all-gather under what follows
@@ -197,6 +219,7 @@ class Trainer:
             self.inputs.step_done(step)
             t5 = time.perf_counter()
             self.source.push(step, grads, lr)  # handed to the sync thread; never blocks
+            self.last_step = step
             self.window.pushed(step, grads)
             faults.kill_point(rank, step)  # HYBRIDPS_FAULT_KILL: die with the push in flight
             t6 = time.perf_counter()
@@ -216,9 +239,13 @@ class Trainer:
                     or (self.hooks is not None and self.hooks.eval_due(step))):
                 t_eval = time.perf_counter()  # a collective on every rank: same steps
                 self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
-                self.eval_curve.append((step, self.evaluate(quick=True)))
+                metrics = self.evaluate(quick=True)
+                if metrics:
+                    self.eval_curve.append((step, metrics))
+                    if self.tb is not None:
+                        self.tb.eval(step + 1, metrics)
                 if self.hooks is not None:  # the same metrics, so the same answer, everywhere
-                    stop = self.hooks.after_eval(step, self.eval_curve[-1][1])
+                    stop = self.hooks.after_eval(step, metrics)
                 t["eval"] += time.perf_counter() - t_eval
                 t6 += time.perf_counter() - t_eval
             if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
@@ -229,11 +256,14 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 st = self.window.stats
                 last = self.eval_curve[-1][1] if self.eval_curve else {}
-                bar.set_postfix(loss=f"{mean:.4f}", **{k: f"{v:.4f}" for k, v in last.items()},
-                                sps=f"{(step + 1) * self.cfg.run.batch_size * world / elapsed:.0f}",
-                                stale=self.window.last_applied_staleness,
-                                lag=f"{st.lag_sum / max(st.steps, 1):.2f}",
-                                waits=st.waits, refresh=False)
+                sps = (step + 1 - self.start_step) * self.cfg.run.batch_size * world / elapsed
+                lag = st.lag_sum / max(st.steps, 1)
+                bar.set_postfix(bar_postfix(mean, last, sps, self.window.last_applied_staleness,
+                                            lag, st.waits), refresh=False)
+                if self.tb is not None:
+                    self.tb.train(step + 1, mean, sps, {
+                        "applied": self.window.last_applied_staleness, "arrival_lag": lag,
+                        "waits": st.waits}, t)
                 t["log"] += time.perf_counter() - t6
             if self.checkpointer.due(step):
                 self.checkpointer.save(step)
@@ -248,6 +278,7 @@ class Trainer:
             self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
         self.train_s = time.perf_counter() - start
         bar.close()
+        self.console.close()
 
     def _global_mean(self, total: torch.Tensor, count: int) -> float:
         pair = torch.stack([total.detach().float(),
@@ -299,9 +330,7 @@ class Trainer:
         """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
         if self.cfg.sync.local_optimizer:
             return None, ""
-        from google.protobuf import json_format
-
-        from hybridps.admin import format_shard_stats, get_shard_stats
+        from hybridps.admin import format_shard_stats, get_shard_stats, message_dict
 
         try:
             stats = get_shard_stats(self.cfg.sync.ps_address, timeout=self.cfg.sync.ps_timeout,
@@ -310,9 +339,7 @@ class Trainer:
                                               if isinstance(self.source, ShardClient) else None))
         except Exception as exc:  # stats are a report, not a reason to fail the run
             return None, f"(shard stats unavailable: {exc})"
-        as_dict = json_format.MessageToDict(stats, preserving_proto_field_name=True,
-                                            always_print_fields_with_no_presence=True)
-        return as_dict, format_shard_stats(stats)
+        return message_dict(stats), format_shard_stats(stats)
 
     def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
                 wall_s: float) -> dict[str, Any]:
@@ -351,9 +378,11 @@ class Trainer:
             "sync": sync_stats,
             "server_stats": server,
             "dense": self.dense_parallel.describe(),
+            "embedding": self.embedding.describe(),
             "checkpoint": {"save_s": self.checkpointer.save_s,
                            "restore_s": self.checkpointer.restore_s,
-                           "resumed_step": self.checkpointer.resumed_step},
+                           "resumed_step": self.checkpointer.resumed_step,
+                           "written": self.checkpointer.written},
             "pipeline": {"enabled": self.cfg.run.pipeline,
                          "input_dist_ahead": self.inputs.dist_ahead,
                          "unused_plans": self.inputs.unused_plans,
@@ -393,6 +422,7 @@ class Trainer:
             parts.append(f"sync: pushes {sync['pushes']} ({sync['push_bytes'] / 2**20:.1f} MiB,"
                          f" {sync['push_chunks']} chunks)  updates {sync['updates']}  "
                          f"reconnects {sync['reconnects']}  duplicates {sync['duplicates']}")
+        parts += checkpoint_lines(res["checkpoint"]["written"])
         return "\n".join(parts)
 
     def report(self) -> dict[str, Any] | None:
@@ -401,6 +431,9 @@ class Trainer:
         t_eval = time.perf_counter()
         eval_metrics = self.evaluate()
         self.final_eval_s = time.perf_counter() - t_eval
+        if self.tb is not None:
+            self.tb.eval(self.last_step + 1, eval_metrics)
+            self.tb.close()
         if out.dump_state:
             self.dump_state(out.dump_state)
         if ctx.world_size > 1:
@@ -423,6 +456,9 @@ class Trainer:
         return res
 
     def close(self) -> None:
+        self.console.close()  # no-op unless train() failed with the bar on screen
+        if self.tb is not None:
+            self.tb.close()
         self.inputs.close(wait=False)  # train() already waited, unless it failed
         self.source.close()
 

@@ -2,7 +2,7 @@
 
 Two sources of row updates share one interface (`UpdateSource`):
 - `worker.sync.ShardClient`: the node's shard server (Register, then the Sync stream or
-  the Sync socket);
+  the Sync socket), read on the training thread;
 - `LocalSparseOptimizer` (--local-optimizer): the same hybridps.optim kernels run
   in-process, m/v on the device, no server.
 Both fill an `UpdateBuffer`; `StalenessWindow` decides, at each step boundary on the
@@ -82,21 +82,21 @@ class SyncStats:
     registers: int = 0
     reconnects: int = 0
     errors: list[str] = field(default_factory=list)
-    # Same-node shared memory (worker/shm.py): "off", "on", or "inline: <why not>".
+    # Same-node shared memory (worker/arena_client.py): "off", "on", or "inline: <why not>".
     shm: str = "off"
     shm_pushes: int = 0        # pushes sent by reference into the arena
     shm_bytes: int = 0         # their tensor bytes (ids, gradients, answers) in the arena
     shm_inline_pushes: int = 0  # pushes sent inline while shm was on (the arena was full)
     shm_batches: int = 0       # messages carrying a step's shm pushes of several tables
-    # "stream" (gRPC Sync) or "socket" (the server's Sync socket, worker/direct.py)
+    # "stream" (gRPC Sync) or "socket" (the server's Sync socket, worker/socket_client.py)
     transport: str = "stream"
 
 
 class UpdateBuffer:
     """Complete updates by step, handed to the training thread in step order.
 
-    Filled by the producer (the sync thread or the local optimizer), drained
-    by `take` on the training thread; `fail` wakes a waiting `take` with the
+    Filled by the producer (the shard client's answers or the local optimizer),
+    drained by `take` on the training thread; `fail` wakes a waiting `take` with the
     producer's error.
     """
 

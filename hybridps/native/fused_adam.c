@@ -192,12 +192,29 @@ static int64_t first_bad_id(const int64_t *ids, int64_t n_ids, int64_t n_rows) {
 
 /* ---------------------------------------------------------------- row loops */
 
+/* Non-finite results: each kernel ORs "exponent all ones" of every new m, v and delta
+ * element into a per-chunk flag (branch-free: the loops still vectorize) and publishes
+ * it in *bad once per chunk. With a snapshot (sm, sv: [n_ids, dim], the old m and v of
+ * each row, stored in the same pass), the caller puts every row back when *bad is set:
+ * a push whose update would be non-finite changes nothing (py_adam / py_adamw). */
+static inline uint32_t nonfinite_f(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x7f800000u) == 0x7f800000u;
+}
+
+static inline void publish_bad(int *bad, uint32_t any) {
+    if (any) __atomic_store_n(bad, 1, __ATOMIC_RELAXED);
+}
+
 typedef struct {
     float *m, *v, *d;
     const float *g;
     const int64_t *ids;
     int64_t dim;
     float a1, a2, eps, nss; /* 1-b1, 1-b2, eps, -step_size */
+    float *sm, *sv;         /* snapshot of the old rows, or NULL */
+    int *bad;
 } adam_job;
 
 MULTIVERSION static void adam_chunk(const void *job, int64_t lo, int64_t hi) {
@@ -207,6 +224,7 @@ MULTIVERSION static void adam_chunk(const void *job, int64_t lo, int64_t hi) {
     const int64_t *RESTRICT ids = k->ids;
     const int64_t dim = k->dim;
     const float a1 = k->a1, a2 = k->a2, eps = k->eps, nss = k->nss;
+    uint32_t any = 0;
     const pf_dist pd = prefetch_dist(dim);
     prefetch_start(m, v, ids, lo, hi, pd, dim);
     for (int64_t i = lo; i < hi; i++) {
@@ -218,15 +236,33 @@ MULTIVERSION static void adam_chunk(const void *job, int64_t lo, int64_t hi) {
         /* torch.optim.SparseAdam, op for op:
          *   m' = (g - m) * (1-b1) + m;  v' = (g*g - v) * (1-b2) + v
          *   delta = (m' / (sqrt(v') + eps)) * -step_size */
-        for (int64_t j = 0; j < dim; j++) {
-            const float gj = gr[j], mj = mr[j], vj = vr[j];
-            const float mn = (gj - mj) * a1 + mj;
-            const float vn = (gj * gj - vj) * a2 + vj;
-            mr[j] = mn;
-            vr[j] = vn;
-            dr[j] = (mn / (sqrtf(vn) + eps)) * nss;
+        if (k->sm != NULL) {
+            float *RESTRICT smr = k->sm + i * dim;
+            float *RESTRICT svr = k->sv + i * dim;
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j], vj = vr[j];
+                const float mn = (gj - mj) * a1 + mj;
+                const float vn = (gj * gj - vj) * a2 + vj;
+                const float dn = (mn / (sqrtf(vn) + eps)) * nss;
+                smr[j] = mj;
+                svr[j] = vj;
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = dn;
+                any |= nonfinite_f(mn) | nonfinite_f(vn) | nonfinite_f(dn);
+            }
+        } else {
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j], vj = vr[j];
+                const float mn = (gj - mj) * a1 + mj;
+                const float vn = (gj * gj - vj) * a2 + vj;
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = (mn / (sqrtf(vn) + eps)) * nss;
+            }
         }
     }
+    publish_bad(k->bad, any);
 }
 
 typedef struct {
@@ -235,6 +271,8 @@ typedef struct {
     const int64_t *ids;
     int64_t dim;
     float w, b2, a2, sbc2, eps, nss; /* 1-b1, b2, 1-b2, sqrt(1-b2^t), eps, -lr/(1-b1^t) */
+    float *sm, *sv;                  /* snapshot of the old rows, or NULL */
+    int *bad;
 } adamw_job;
 
 MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
@@ -246,6 +284,7 @@ MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
     const float w = k->w, wm1 = k->w - 1.0f, b2 = k->b2, a2 = k->a2, sbc2 = k->sbc2;
     const float eps = k->eps, nss = k->nss;
     const int small_w = w < 0.5f; /* torch.lerp's two formulas */
+    uint32_t any = 0;
     const pf_dist pd = prefetch_dist(dim);
     prefetch_start(m, v, ids, lo, hi, pd, dim);
     for (int64_t i = lo; i < hi; i++) {
@@ -259,7 +298,22 @@ MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
          * build contracts addcmul), which leaves m and v bitwise torch's:
          *   m' = m.lerp(g, 1-b1);  v' = v*b2 + (1-b2)*g*g
          *   delta = (m' / (sqrt(v') / sqrt(bc2) + eps)) * (-lr/bc1) */
-        if (small_w) {
+        if (k->sm != NULL) {
+            float *RESTRICT smr = k->sm + i * dim;
+            float *RESTRICT svr = k->sv + i * dim;
+            for (int64_t j = 0; j < dim; j++) {
+                const float gj = gr[j], mj = mr[j], vj = vr[j];
+                const float mn = small_w ? fmaf(w, gj - mj, mj) : fmaf(wm1, gj - mj, gj);
+                const float vn = fmaf(a2 * gj, gj, vj * b2);
+                const float dn = (mn / (sqrtf(vn) / sbc2 + eps)) * nss;
+                smr[j] = mj;
+                svr[j] = vj;
+                mr[j] = mn;
+                vr[j] = vn;
+                dr[j] = dn;
+                any |= nonfinite_f(mn) | nonfinite_f(vn) | nonfinite_f(dn);
+            }
+        } else if (small_w) {
             for (int64_t j = 0; j < dim; j++) {
                 const float gj = gr[j], mj = mr[j];
                 const float mn = fmaf(w, gj - mj, mj);
@@ -279,6 +333,7 @@ MULTIVERSION static void adamw_chunk(const void *job, int64_t lo, int64_t hi) {
             }
         }
     }
+    publish_bad(k->bad, any);
 }
 
 typedef struct {
@@ -500,33 +555,50 @@ static PyObject *raise_bad_id(const int64_t *ids, int64_t pos, int64_t n_rows) {
     return NULL;
 }
 
+/* After a kernel with a snapshot flagged a non-finite result: every row back. */
+static void undo_rows(float *m, float *v, const int64_t *ids, int64_t n_ids, int64_t dim,
+                      const float *sm, const float *sv) {
+    for (int64_t i = 0; i < n_ids; i++) {
+        memcpy(m + ids[i] * dim, sm + i * dim, (size_t)dim * sizeof(float));
+        memcpy(v + ids[i] * dim, sv + i * dim, (size_t)dim * sizeof(float));
+    }
+}
+
 PyDoc_STRVAR(adam_doc,
              "adam(m, v, n_rows, dim, ids, n_ids, g, out, one_minus_b1, one_minus_b2, eps,\n"
-             "     neg_step_size, threads)\n--\n\n"
+             "     neg_step_size, threads, sm=0, sv=0)\n--\n\n"
              "torch.optim.SparseAdam step on the unique int64 rows `ids` of m, v (float32\n"
              "[n_rows, dim], updated in place); g and out are float32 [n_ids, dim] and out\n"
-             "receives the delta. Pointers are ints (tensor.data_ptr()).");
+             "receives the delta. Pointers are ints (tensor.data_ptr()). With a snapshot\n"
+             "(sm, sv: float32 [n_ids, dim] scratch) a step any of whose new m, v or delta\n"
+             "elements is not finite is undone (m, v as before) and True is returned;\n"
+             "otherwise False.");
 
 static PyObject *py_adam(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pm, pv, pids, pg, pd;
+    unsigned long long pm, pv, pids, pg, pd, psm = 0, psv = 0;
     long long n_rows, dim, n_ids;
     double a1, a2, eps, nss;
     int threads;
-    if (!PyArg_ParseTuple(args, "KKLLKLKKddddi", &pm, &pv, &n_rows, &dim, &pids, &n_ids, &pg,
-                          &pd, &a1, &a2, &eps, &nss, &threads))
+    if (!PyArg_ParseTuple(args, "KKLLKLKKddddi|KK", &pm, &pv, &n_rows, &dim, &pids, &n_ids,
+                          &pg, &pd, &a1, &a2, &eps, &nss, &threads, &psm, &psv))
         return NULL;
-    if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
+    if (n_ids <= 0 || dim <= 0) Py_RETURN_FALSE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
     if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    int nonfinite = 0;
+    float *sm = (psm && psv) ? PTR(float *, psm) : NULL;
+    float *sv = sm ? PTR(float *, psv) : NULL;
     const adam_job job = {PTR(float *, pm), PTR(float *, pv), PTR(float *, pd),
                           PTR(const float *, pg), ids, dim, (float)a1, (float)a2,
-                          (float)eps, (float)nss};
+                          (float)eps, (float)nss, sm, sv, &nonfinite};
     Py_BEGIN_ALLOW_THREADS
     run_parallel(adam_chunk, &job, n_ids, dim, threads);
+    if (nonfinite && sm) undo_rows(job.m, job.v, ids, n_ids, dim, sm, sv);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    if (nonfinite && sm) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(adamw_doc,
@@ -537,24 +609,29 @@ PyDoc_STRVAR(adamw_doc,
 
 static PyObject *py_adamw(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pm, pv, pids, pg, pd;
+    unsigned long long pm, pv, pids, pg, pd, psm = 0, psv = 0;
     long long n_rows, dim, n_ids;
     double w, b2, a2, sbc2, eps, nss;
     int threads;
-    if (!PyArg_ParseTuple(args, "KKLLKLKKddddddi", &pm, &pv, &n_rows, &dim, &pids, &n_ids, &pg,
-                          &pd, &w, &b2, &a2, &sbc2, &eps, &nss, &threads))
+    if (!PyArg_ParseTuple(args, "KKLLKLKKddddddi|KK", &pm, &pv, &n_rows, &dim, &pids, &n_ids,
+                          &pg, &pd, &w, &b2, &a2, &sbc2, &eps, &nss, &threads, &psm, &psv))
         return NULL;
-    if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
+    if (n_ids <= 0 || dim <= 0) Py_RETURN_FALSE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
     if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    int nonfinite = 0;
+    float *sm = (psm && psv) ? PTR(float *, psm) : NULL;
+    float *sv = sm ? PTR(float *, psv) : NULL;
     const adamw_job job = {PTR(float *, pm), PTR(float *, pv), PTR(float *, pd),
                            PTR(const float *, pg), ids, dim, (float)w, (float)b2, (float)a2,
-                           (float)sbc2, (float)eps, (float)nss};
+                           (float)sbc2, (float)eps, (float)nss, sm, sv, &nonfinite};
     Py_BEGIN_ALLOW_THREADS
     run_parallel(adamw_chunk, &job, n_ids, dim, threads);
+    if (nonfinite && sm) undo_rows(job.m, job.v, ids, n_ids, dim, sm, sv);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    if (nonfinite && sm) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(apply_update_doc,
@@ -643,21 +720,53 @@ MULTIVERSION static int64_t first_nonfinite(const float *g, int64_t n) {
     return -1;
 }
 
+/* The same pass, also giving an upper bound of |g| (for the server's overflow bounds):
+ * the top 16 bits of a float without its sign grow with its magnitude, and SSE2 has a
+ * 16-bit max, so one max per block vectorizes on every x86-64 (a 32-bit unsigned max
+ * needs SSE4.1 and ran 5x slower than this in the baseline clone). Those bits are >=
+ * 0x7f80 exactly when the exponent is all ones (inf, NaN); the bound is the float whose
+ * top bits are the max + 1 (at most 2^-7 above the true max). */
+MULTIVERSION static int64_t first_nonfinite_max(const float *g, int64_t n, float *bound) {
+    const int64_t block = 4096;
+    uint32_t mx = 0;
+    for (int64_t lo = 0; lo < n; lo += block) {
+        const int64_t hi = lo + block < n ? lo + block : n;
+        int16_t bm = 0;
+        for (int64_t i = lo; i < hi; i++) {
+            uint32_t bits;
+            memcpy(&bits, g + i, sizeof bits);
+            const int16_t top = (int16_t)((bits >> 16) & 0x7fffu);
+            bm = top > bm ? top : bm;
+        }
+        if (bm >= (int16_t)0x7f80)
+            for (int64_t i = lo; i < hi; i++)
+                if (nonfinite_bit(g, i)) return i;
+        mx = (uint32_t)bm > mx ? (uint32_t)bm : mx;
+    }
+    const uint32_t up = (mx + 1u) << 16;
+    memcpy(bound, &up, sizeof *bound);
+    return -1;
+}
+
 PyDoc_STRVAR(scan_push_doc,
-             "scan_push(ids, n_ids, lo, hi, g, n_elems)\n--\n\n"
+             "scan_push(ids, n_ids, lo, hi, g, n_elems, want_max=0)\n--\n\n"
              "Checks of one push, allocation-free: (first position of an id outside [lo, hi)\n"
              "or -1, whether the ids strictly increase, first non-finite element of the\n"
              "float32 gradients g[:n_elems] or -1). After a bad id the other two are not\n"
-             "computed (False, -1).");
+             "computed (False, -1). want_max: a 4th item, an upper bound of |g| at most\n"
+             "2^-7 above the largest (a float; 0.0 when not computed).");
 
 static PyObject *py_scan_push(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long pids, pg;
     long long n_ids, lo, hi, n_elems;
-    if (!PyArg_ParseTuple(args, "KLLLKL", &pids, &n_ids, &lo, &hi, &pg, &n_elems)) return NULL;
+    int want_max = 0;
+    if (!PyArg_ParseTuple(args, "KLLLKL|i", &pids, &n_ids, &lo, &hi, &pg, &n_elems, &want_max))
+        return NULL;
     const int64_t *ids = PTR(const int64_t *, pids);
     int64_t bad = -1, nonfinite = -1;
     int increasing = 1;
+    float bound = 0.0f;
     Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < n_ids; i++) {
         if (ids[i] < lo || ids[i] >= hi) {
@@ -666,9 +775,14 @@ static PyObject *py_scan_push(PyObject *self, PyObject *args) {
         }
         if (i && ids[i] <= ids[i - 1]) increasing = 0;
     }
-    if (bad < 0 && n_elems > 0) nonfinite = first_nonfinite(PTR(const float *, pg), n_elems);
+    if (bad < 0 && n_elems > 0)
+        nonfinite = want_max ? first_nonfinite_max(PTR(const float *, pg), n_elems, &bound)
+                             : first_nonfinite(PTR(const float *, pg), n_elems);
     Py_END_ALLOW_THREADS
     if (bad >= 0) increasing = 0;
+    if (want_max)
+        return Py_BuildValue("(LOLd)", (long long)bad, increasing ? Py_True : Py_False,
+                             (long long)nonfinite, (double)bound);
     return Py_BuildValue("(LOL)", (long long)bad, increasing ? Py_True : Py_False,
                          (long long)nonfinite);
 }

@@ -13,7 +13,7 @@ class ShardStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PartitionStats(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype")
+    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype", "run_state")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class PartitionStats(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     MASTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -59,10 +60,29 @@ class PartitionStats(_message.Message):
     optimizer: str
     master_bytes: int
     row_dtype: str
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ...) -> None: ...
+    run_state: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ..., run_state: _Optional[str] = ...) -> None: ...
+
+class RunStats(_message.Message):
+    __slots__ = ("run_id", "state", "ranks_registered", "ranks_finished", "over_for_s", "freed_in_s", "why")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    OVER_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    FREED_IN_S_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: str
+    ranks_registered: int
+    ranks_finished: int
+    over_for_s: float
+    freed_in_s: float
+    why: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., ranks_registered: _Optional[int] = ..., ranks_finished: _Optional[int] = ..., over_for_s: _Optional[float] = ..., freed_in_s: _Optional[float] = ..., why: _Optional[str] = ...) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total")
+    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total", "runs", "runs_freed", "partitions_freed", "max_state_bytes")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +98,10 @@ class ShardStats(_message.Message):
     PUSHES_APPLIED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROWS_UPDATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MASTER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FREED_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FREED_FIELD_NUMBER: _ClassVar[int]
+    MAX_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     uptime_s: float
     partitions: _containers.RepeatedCompositeFieldContainer[PartitionStats]
@@ -86,7 +110,11 @@ class ShardStats(_message.Message):
     pushes_applied_total: int
     rows_updated_total: int
     master_bytes_total: int
-    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ..., master_bytes_total: _Optional[int] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[RunStats]
+    runs_freed: int
+    partitions_freed: int
+    max_state_bytes: int
+    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ..., master_bytes_total: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunStats, _Mapping]]] = ..., runs_freed: _Optional[int] = ..., partitions_freed: _Optional[int] = ..., max_state_bytes: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s", "reason")
@@ -101,3 +129,19 @@ class ShutdownResponse(_message.Message):
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     def __init__(self, server_id: _Optional[str] = ...) -> None: ...
+
+class DropRunRequest(_message.Message):
+    __slots__ = ("run_id", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DropRunResponse(_message.Message):
+    __slots__ = ("partitions_freed", "state_bytes_freed")
+    PARTITIONS_FREED_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    partitions_freed: int
+    state_bytes_freed: int
+    def __init__(self, partitions_freed: _Optional[int] = ..., state_bytes_freed: _Optional[int] = ...) -> None: ...

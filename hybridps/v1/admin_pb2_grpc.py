@@ -44,6 +44,11 @@ class AdminServiceStub:
                 request_serializer=hybridps_dot_v1_dot_admin__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=hybridps_dot_v1_dot_admin__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.DropRun = channel.unary_unary(
+                '/hybridps.v1.AdminService/DropRun',
+                request_serializer=hybridps_dot_v1_dot_admin__pb2.DropRunRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_admin__pb2.DropRunResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -64,6 +69,14 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropRun(self, request, context):
+        """Free every partition (and shared-memory arena) of a run now, whatever its state.
+        Needs the admin token, like Shutdown. NOT_FOUND when the server holds none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=hybridps_dot_v1_dot_admin__pb2.ShutdownRequest.FromString,
                     response_serializer=hybridps_dot_v1_dot_admin__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'DropRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropRun,
+                    request_deserializer=hybridps_dot_v1_dot_admin__pb2.DropRunRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_admin__pb2.DropRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class AdminService:
             '/hybridps.v1.AdminService/Shutdown',
             hybridps_dot_v1_dot_admin__pb2.ShutdownRequest.SerializeToString,
             hybridps_dot_v1_dot_admin__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridps.v1.AdminService/DropRun',
+            hybridps_dot_v1_dot_admin__pb2.DropRunRequest.SerializeToString,
+            hybridps_dot_v1_dot_admin__pb2.DropRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

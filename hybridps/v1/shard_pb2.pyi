@@ -188,67 +188,113 @@ class SeedRowsResponse(_message.Message):
     rows_held: int
     def __init__(self, rows_seeded: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
+class SyncRequest(_message.Message):
+    __slots__ = ("push", "batch")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    push: Push
+    batch: PushBatch
+    def __init__(self, push: _Optional[_Union[Push, _Mapping]] = ..., batch: _Optional[_Union[PushBatch, _Mapping]] = ...) -> None: ...
+
 class Push(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "ids", "grads", "chunk", "num_chunks", "update_dtype", "shm_ids", "shm_grads", "shm_answer", "shm_epoch", "batch", "lr")
+    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "update_dtype", "chunk", "shm", "lr")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    GRADS_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHM_IDS_FIELD_NUMBER: _ClassVar[int]
-    SHM_GRADS_FIELD_NUMBER: _ClassVar[int]
-    SHM_ANSWER_FIELD_NUMBER: _ClassVar[int]
-    SHM_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
     step: int
     table: str
+    update_dtype: DType
+    chunk: InlineChunk
+    shm: ShmRefs
+    lr: float
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., chunk: _Optional[_Union[InlineChunk, _Mapping]] = ..., shm: _Optional[_Union[ShmRefs, _Mapping]] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class InlineChunk(_message.Message):
+    __slots__ = ("index", "count", "ids", "grads")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
     ids: Tensor
     grads: Tensor
-    chunk: int
-    num_chunks: int
-    update_dtype: DType
-    shm_ids: ShmTensor
-    shm_grads: ShmTensor
-    shm_answer: ShmTensor
-    shm_epoch: int
-    batch: _containers.RepeatedCompositeFieldContainer[Push]
-    lr: float
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., shm_ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_grads: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_answer: _Optional[_Union[ShmTensor, _Mapping]] = ..., shm_epoch: _Optional[int] = ..., batch: _Optional[_Iterable[_Union[Push, _Mapping]]] = ..., lr: _Optional[float] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ShmRefs(_message.Message):
+    __slots__ = ("epoch", "ids", "grads", "answer")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    ids: ShmTensor
+    grads: ShmTensor
+    answer: ShmTensor
+    def __init__(self, epoch: _Optional[int] = ..., ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., grads: _Optional[_Union[ShmTensor, _Mapping]] = ..., answer: _Optional[_Union[ShmTensor, _Mapping]] = ...) -> None: ...
+
+class PushBatch(_message.Message):
+    __slots__ = ("pushes",)
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[Push]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[Push, _Mapping]]] = ...) -> None: ...
+
+class SyncResponse(_message.Message):
+    __slots__ = ("update", "batch")
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    update: Update
+    batch: UpdateBatch
+    def __init__(self, update: _Optional[_Union[Update, _Mapping]] = ..., batch: _Optional[_Union[UpdateBatch, _Mapping]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("step", "table", "ids", "delta", "decay", "chunk", "num_chunks", "duplicate", "rows", "shm", "batch")
+    __slots__ = ("step", "table", "decay", "duplicate", "rows", "chunk", "shm")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
-    IDS_FIELD_NUMBER: _ClassVar[int]
-    DELTA_FIELD_NUMBER: _ClassVar[int]
     DECAY_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     table: str
-    ids: Tensor
-    delta: Tensor
     decay: float
-    chunk: int
-    num_chunks: int
     duplicate: bool
     rows: bool
-    shm: bool
-    batch: _containers.RepeatedCompositeFieldContainer[Update]
-    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ..., decay: _Optional[float] = ..., chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., duplicate: _Optional[bool] = ..., rows: _Optional[bool] = ..., shm: _Optional[bool] = ..., batch: _Optional[_Iterable[_Union[Update, _Mapping]]] = ...) -> None: ...
+    chunk: InlineAnswer
+    shm: ShmAnswer
+    def __init__(self, step: _Optional[int] = ..., table: _Optional[str] = ..., decay: _Optional[float] = ..., duplicate: _Optional[bool] = ..., rows: _Optional[bool] = ..., chunk: _Optional[_Union[InlineAnswer, _Mapping]] = ..., shm: _Optional[_Union[ShmAnswer, _Mapping]] = ...) -> None: ...
+
+class InlineAnswer(_message.Message):
+    __slots__ = ("index", "count", "ids", "delta")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    ids: Tensor
+    delta: Tensor
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., delta: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ShmAnswer(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateBatch(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[Update]
+    def __init__(self, updates: _Optional[_Iterable[_Union[Update, _Mapping]]] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("run_id", "rank", "step", "timeout_s")

@@ -46,8 +46,8 @@ class ShardServiceStub:
                 _registered_method=True)
         self.Sync = channel.stream_stream(
                 '/hybridps.v1.ShardService/Sync',
-                request_serializer=hybridps_dot_v1_dot_shard__pb2.Push.SerializeToString,
-                response_deserializer=hybridps_dot_v1_dot_shard__pb2.Update.FromString,
+                request_serializer=hybridps_dot_v1_dot_shard__pb2.SyncRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_shard__pb2.SyncResponse.FromString,
                 _registered_method=True)
         self.Flush = channel.unary_unary(
                 '/hybridps.v1.ShardService/Flush',
@@ -123,8 +123,8 @@ def add_ShardServiceServicer_to_server(servicer, server):
             ),
             'Sync': grpc.stream_stream_rpc_method_handler(
                     servicer.Sync,
-                    request_deserializer=hybridps_dot_v1_dot_shard__pb2.Push.FromString,
-                    response_serializer=hybridps_dot_v1_dot_shard__pb2.Update.SerializeToString,
+                    request_deserializer=hybridps_dot_v1_dot_shard__pb2.SyncRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_shard__pb2.SyncResponse.SerializeToString,
             ),
             'Flush': grpc.unary_unary_rpc_method_handler(
                     servicer.Flush,
@@ -221,8 +221,8 @@ class ShardService:
             request_iterator,
             target,
             '/hybridps.v1.ShardService/Sync',
-            hybridps_dot_v1_dot_shard__pb2.Push.SerializeToString,
-            hybridps_dot_v1_dot_shard__pb2.Update.FromString,
+            hybridps_dot_v1_dot_shard__pb2.SyncRequest.SerializeToString,
+            hybridps_dot_v1_dot_shard__pb2.SyncResponse.FromString,
             options,
             channel_credentials,
             insecure,

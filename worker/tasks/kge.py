@@ -1,7 +1,7 @@
 """Knowledge-graph embeddings (`--task kge`): link prediction on triples files.
 
     torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051 \\
-        --task kge --data-dir DATA/UMLS --model distmult --dim 32 --epochs 100 \\
+        --task kge --data-dir umls --model distmult --dim 32 --epochs 100 \\
         --results runs/umls.json
 
 Tables and parameters

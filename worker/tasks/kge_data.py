@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridps.datasets import resolve_data_dir
+
 SPLITS = ("train", "valid", "test")
 ENTITY_MAP_FILE = "entity_to_id.json"
 RELATION_MAP_FILE = "relation_to_id.json"
@@ -164,12 +166,13 @@ def load_id_maps(directory: StrPath) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def load_kg_dataset(data_dir: StrPath, id_maps_dir: StrPath | None = None) -> KGDataset:
-    """Load ``train/valid/test.txt`` from ``data_dir`` into int64 triples.
+    """Load ``train/valid/test.txt`` from ``data_dir`` (a directory, or the name of a set
+    shipped in hybridps/data: ``umls``, ``kinship``) into int64 triples.
 
     Ids are assigned in sorted name order over all splits, unless ``id_maps_dir`` names a
     directory written by ``save_id_maps``, whose maps are then used as they are.
     """
-    d = Path(data_dir)
+    d = resolve_data_dir(data_dir)
     if not (d / "train.txt").is_file():
         raise FileNotFoundError(f"{d / 'train.txt'} not found")
     names: dict[str, np.ndarray] = {}

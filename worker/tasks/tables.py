@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.config import TrainConfig
+from worker.metrics import batch_roc_auc
 from worker.task_options import parse_table_list
 from worker.tasks.base import Batch, HybridModel, TableConfig
 from worker.tasks.click import ClickTask
@@ -82,9 +83,11 @@ class TablesTask(ClickTask):
 
     def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
         logit_B, label_B = self.forward(model, batch), batch.values["label"]
+        planted_B = batch.values["planted_logit"]
         return {"loss": F.binary_cross_entropy_with_logits(logit_B, label_B),
-                "planted_loss": F.binary_cross_entropy_with_logits(
-                    batch.values["planted_logit"], label_B)}
+                "planted_loss": F.binary_cross_entropy_with_logits(planted_B, label_B),
+                "auc": batch_roc_auc(logit_B, label_B),
+                "planted_auc": batch_roc_auc(planted_B, label_B)}
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "pool": {n: p for n, _, p in self.specs},

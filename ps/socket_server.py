@@ -1,28 +1,26 @@
 """The Sync stream over a Unix socket, for ranks on this node (no gRPC per step).
 
-A rank whose shared-memory arena the server accepted (ps/shm.py) is told, in the
-Register answer, the path of this socket (`SharedMemoryStatus.sync_socket`). Its
-training thread then writes the Sync stream's Push messages to the socket and reads
-the Update messages back itself (worker/direct.py), instead of handing them to a
-sync thread and grpc.aio. Why: with the arena the messages are ~200-byte headers, and
-for those the cost is the transport, not the bytes. grpc.aio took ~0.7 ms of the
-rank's CPU per step on its sync thread, under the GIL the training thread needs, and
-~0.5 ms of the server's; a framed Unix socket costs tens of microseconds each side.
+A rank whose shared-memory arena the server accepted (ps/arena_server.py) is told, in
+the Register answer, the path of this socket (`SharedMemoryStatus.sync_socket`). It then
+writes the Sync stream's request messages to the socket and reads the responses back
+itself (worker/socket_client.py), with no event loop on its side. Why: with the arena
+the messages are headers of a few hundred bytes, and for those the cost is the
+transport, not the bytes; a framed Unix socket costs a fraction of a gRPC message on
+both sides (measured: docs/performance-log.md, "Second round: the Sync socket").
 
-Both transports run a stream through the same `SyncStream` (ps/service.py): decode,
+Both transports run a stream through the same `SyncStream` (ps/sync_stream.py): decode,
 dedupe, ordering, checks, answers and run tracking are the gRPC stream's. Here each
 message is answered before the next is read, with no read-ahead task or queue between
-the socket and the core (the socket buffer reads ahead): a default-job step's batch
-push then costs the server ~10% less CPU than through `ShardServicer.Sync`'s loop.
-Errors keep their gRPC status code (`status_for`, via `abort_with`), sent in a last
-STATUS frame before the server closes the connection. A drain (SIGTERM) ends a
-connection between messages: one waiting for its next frame is woken at once.
+the socket and the core (the socket buffer reads ahead). Errors keep their gRPC status
+code (ps/status.py `status_for`, via `abort_with`), sent in a last STATUS frame before
+the server closes the connection. A drain (SIGTERM) ends a connection between messages:
+one waiting for its next frame is woken at once.
 
-Frames (hybridps/direct.py): 1 byte kind, 4 bytes little-endian length, payload.
+Frames (hybridps/socket_frames.py): 1 byte kind, 4 bytes little-endian length, payload.
 - HELLO (worker first, then the server's empty HELLO back): the auth token (may be
   empty). A wrong token gets STATUS UNAUTHENTICATED.
-- PUSH (worker): a serialized Push, exactly as on the Sync stream.
-- UPDATE (server): a serialized Update, exactly as on the Sync stream.
+- PUSH (worker): a serialized SyncRequest, exactly as on the Sync stream.
+- UPDATE (server): a serialized SyncResponse, exactly as on the Sync stream.
 - STATUS (server, last): 4 bytes status code, then the UTF-8 details. Code 0 (OK):
   the worker half-closed and everything it sent was answered.
 - The worker half-closes (shutdown SHUT_WR) when done; the server answers what it
@@ -41,9 +39,11 @@ from typing import Any
 
 import grpc
 
-from hybridps import shm as layout
+from hybridps import arena_layout as layout
 from hybridps import wire
-from hybridps.direct import (
+from hybridps.logs import kv
+from hybridps.security import token_matches
+from hybridps.socket_frames import (
     CODE,
     FRAME,
     FRAME_SLACK_BYTES,
@@ -55,11 +55,12 @@ from hybridps.direct import (
     frame,
     kind_name,
 )
-from hybridps.logs import kv
-from hybridps.security import token_matches
-from ps.service import SHUTTING_DOWN, ShardServicer, SyncStream, abort_with, decode_push
+from ps.service import ShardServicer
+from ps.status import SHUTTING_DOWN, abort_with
+from ps.sync_codec import decode_request
+from ps.sync_stream import SyncStream
 
-log = logging.getLogger("ps.direct")
+log = logging.getLogger("ps.socket_server")
 
 HELLO_TIMEOUT_S = 10.0
 
@@ -91,7 +92,7 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int,
                          "bytes)") from None
 
 
-class DirectContext:
+class SocketCallContext:
     """What `abort_with` uses of a grpc.aio.ServicerContext: abort (the status kept)."""
 
     def __init__(self) -> None:
@@ -110,7 +111,7 @@ def socket_path(directory: str = layout.SHM_DIR) -> str:
     return str(Path(directory) / name)
 
 
-class DirectSyncServer:
+class SyncSocketServer:
     """Serves the Sync stream on a Unix socket: one connection is one `SyncStream`."""
 
     def __init__(self, servicer: ShardServicer, token: str, max_message_bytes: int,
@@ -181,7 +182,7 @@ class DirectSyncServer:
         """One message at a time, answered before the next is read: no read-ahead task or
         queue between the socket and the core (the socket buffer is the read-ahead)."""
         stream = SyncStream(self.servicer)
-        context = DirectContext()
+        context = SocketCallContext()
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("the Sync socket's handler runs outside a task")
@@ -205,7 +206,7 @@ class DirectSyncServer:
                     kind, payload = got
                     if kind != PUSH:
                         raise FrameError(f"a {kind_name(kind)} frame where a PUSH was expected")
-                    for chunk in stream.decode(decode_push(payload)):
+                    for chunk in stream.decode(decode_request(payload)):
                         # (header and message as they are: an inline answer may be MiBs)
                         for update in await stream.answer(chunk):
                             writer.writelines((FRAME.pack(UPDATE, len(update)), update))
@@ -217,7 +218,7 @@ class DirectSyncServer:
             except ConnectionError:  # the worker is gone: nobody to answer
                 return
             except Exception as exc:
-                await abort_with(context, "Sync", exc, **stream.fields())  # type: ignore[arg-type]
+                await abort_with(context, "Sync", exc, **stream.fields())
         except grpc.aio.AbortError:
             if not writer.is_closing():
                 writer.write(status_frame(context.code, context.details))

@@ -18,10 +18,10 @@ The arena is untrusted input, written by another process at any time:
   gradients are read in place (a rank racing its own gradients only harms its own
   partition, and every element read is inside the mapping).
 
-Region lifetime (the rule both sides keep; the worker side is worker/shm.py): the
+Region lifetime (the rule both sides keep; the worker side is worker/arena_client.py): the
 worker reuses a region only after the Update of its push arrived and was taken, and
 never re-sends a push after its Update arrived. The server writes into a region
-all under the partition lock (the push's ShmPush is the core's AnswerSink):
+all under the partition lock (the push's ResolvedShmPush is the core's AnswerSink):
 - (a) in the kernel, applying the push for the first time (AnswerSink.out, fp32
   deltas): no Update of that push exists yet, so the region is still the push's
   whichever stream applies it (a push is applied once);
@@ -50,11 +50,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridps import shm as layout
+from hybridps import arena_layout as layout
 from hybridps.errors import BadShmReference, StaleShmEpoch
 from hybridps.logs import kv
 
-log = logging.getLogger("ps.shm")
+log = logging.getLogger("ps.arena_server")
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ class ArenaRegistry:
 
 
 @dataclass
-class ShmPush:
+class ResolvedShmPush:
     """A shared-memory push resolved: the tensors the core reads, and the answer region
     as the core's AnswerSink (ps/partition.py)."""
 
@@ -280,7 +280,7 @@ class ShmPush:
 
 
 def resolve(arena: ServerArena | None, epoch: int, refs: tuple[ShmRef, ShmRef, ShmRef],
-            answer_dtype: torch.dtype | None, what: str, no_arena: str) -> ShmPush:
+            answer_dtype: torch.dtype | None, what: str, no_arena: str) -> ResolvedShmPush:
     """Check a push's (ids, grads, answer) references against the rank's arena.
 
     `answer_dtype`: what the answer will hold (None: unknown here, e.g. the rank is not
@@ -308,6 +308,6 @@ def resolve(arena: ServerArena | None, epoch: int, refs: tuple[ShmRef, ShmRef, S
         if _overlap(answer_ref, other):
             raise BadShmReference(f"{what}: {answer_ref.describe()} overlaps "
                                   f"{other.describe()}")
-    return ShmPush(arena, epoch, arena.view(ids_ref).clone(), arena.view(grads_ref),
+    return ResolvedShmPush(arena, epoch, arena.view(ids_ref).clone(), arena.view(grads_ref),
                    arena.view(answer_ref),
                    ids_ref.length + grads_ref.length + answer_ref.length, what)

@@ -1,11 +1,10 @@
-"""The training thread's end of the shard server's Sync socket (ps/direct.py).
+"""The Sync socket transport: a rank's end of the server's Unix socket (ps/socket_server.py).
 
-Owned by one thread (ShardClient's training thread while the socket is in use): a
-non-blocking Unix socket, written with the Push messages of each step and read for
-Update messages only when the StalenessWindow needs them. Nothing runs between steps,
-so no other Python thread takes the GIL from the training loop. Every failure is a
-`grpc.aio.AioRpcError` with the status it maps to (the server's STATUS frame, or
-UNAVAILABLE for a lost connection), so ShardClient handles both transports alike.
+A non-blocking Unix socket, written with the requests of each step and read for
+responses only when the rank needs them: nothing runs between steps, so no other
+Python thread takes the GIL from the training loop. Failures are TransportErrors with
+the status code the server sent in its STATUS frame, or UNAVAILABLE for a lost
+connection.
 """
 
 from __future__ import annotations
@@ -14,10 +13,9 @@ import contextlib
 import select
 import socket
 import time
+from collections.abc import Sequence
 
-import grpc
-
-from hybridps.direct import (
+from hybridps.socket_frames import (
     CODE,
     FRAME,
     FRAME_SLACK_BYTES,
@@ -27,24 +25,25 @@ from hybridps.direct import (
     UPDATE,
     frame,
     kind_name,
+    status_name,
+)
+from worker.sync_messages import Outgoing, serialized
+from worker.transport import (
+    Response,
+    SyncTransport,
+    TransportError,
+    TransportRetryable,
+    decode_response,
+    transport_error,
 )
 
 RECV_BYTES = 1 << 20
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+class SocketTransport(SyncTransport):
+    """Connect, say HELLO (the token), then send requests and read responses."""
 
-
-def _code_of(number: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == number:
-            return code
-    return grpc.StatusCode.UNKNOWN
-
-
-class DirectChannel:
-    """Connect, say HELLO (the token), then send pushes and read updates."""
+    name = "socket"
 
     def __init__(self, path: str, token: str, timeout_s: float, max_message_bytes: int) -> None:
         self.path = path
@@ -62,21 +61,22 @@ class DirectChannel:
             while not self._updates:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"sync socket {path}: no HELLO from the server")
+                    raise TransportRetryable("DEADLINE_EXCEEDED",
+                                             f"sync socket {path}: no HELLO from the server")
                 self._read(left, hello=True)
         except OSError as exc:
             self._sock.close()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
-                            f"sync socket {path}: {exc.strerror or exc}") from None
-        except grpc.aio.AioRpcError:
+            raise TransportRetryable("UNAVAILABLE",
+                                     f"sync socket {path}: {exc.strerror or exc}") from None
+        except TransportError:
             self._sock.close()
             raise
         self._updates.clear()
 
-    def send(self, message: bytes) -> None:
-        """One Push (blocks only while the socket buffer is full, up to the timeout)."""
-        self.send_frame(FRAME.pack(PUSH, len(message)), message)
+    def send(self, messages: Sequence[Outgoing]) -> None:
+        """Blocks only while the socket buffer is full, up to the timeout."""
+        for message in serialized(messages):
+            self.send_frame(FRAME.pack(PUSH, len(message)), message)
 
     def send_frame(self, *parts: bytes) -> None:
         views = [memoryview(p) for p in parts if p]
@@ -88,29 +88,28 @@ class DirectChannel:
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
                 if now >= deadline:
-                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"sync socket {self.path}: the server reads nothing for "
-                                    f"{self.timeout_s:g}s") from None
+                    raise TransportRetryable(
+                        "DEADLINE_EXCEEDED", f"sync socket {self.path}: the server reads "
+                        f"nothing for {self.timeout_s:g}s") from None
                 select.select([], [self._sock], [], deadline - now)
                 continue
             except OSError as exc:
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                f"sync socket {self.path}: {exc.strerror or exc}") from None
+                raise self._lost(exc.strerror or str(exc)) from None
             while views and sent >= len(views[0]):
                 sent -= len(views[0])
                 views.pop(0)
             if views and sent:
                 views[0] = views[0][sent:]
 
-    def receive(self, wait_s: float) -> list[bytes]:
-        """The Update messages that arrived, waiting up to `wait_s` for the first one."""
+    def receive(self, wait_s: float) -> list[Response]:
+        """The responses that arrived, waiting up to `wait_s` for the first one."""
         deadline = time.monotonic() + wait_s
         while not self._updates:
             left = deadline - time.monotonic()
             if not self._read(max(left, 0.0)) and left <= 0:
                 break
         out, self._updates = self._updates, []
-        return out
+        return [decode_response(data) for data in out]
 
     def _read(self, wait_s: float, hello: bool = False) -> bool:
         """Read what is there (waiting up to `wait_s` for something); True if bytes came."""
@@ -140,9 +139,9 @@ class DirectChannel:
         while len(buf) - at >= FRAME.size:
             kind, length = FRAME.unpack_from(buf, at)
             if length > self.max_frame_bytes:
-                raise rpc_error(grpc.StatusCode.INTERNAL,
-                                f"sync socket {self.path}: a frame of {length} bytes is over "
-                                f"the limit of {self.max_frame_bytes}")
+                raise TransportRetryable(
+                    "INTERNAL", f"sync socket {self.path}: a frame of {length} bytes is "
+                    f"over the limit of {self.max_frame_bytes}")
             end = at + FRAME.size + length
             if len(buf) < end:
                 break
@@ -151,21 +150,25 @@ class DirectChannel:
             if kind == STATUS:
                 number = CODE.unpack_from(payload)[0] if len(payload) >= CODE.size else 2
                 details = payload[CODE.size:].decode("utf-8", "replace")
-                code = _code_of(number)
-                if code == grpc.StatusCode.OK:
-                    code, details = grpc.StatusCode.UNAVAILABLE, "server ended the Sync socket"
-                raise rpc_error(code, details)
+                code = status_name(number)
+                if code == "OK":
+                    code, details = "UNAVAILABLE", "server ended the Sync socket"
+                raise transport_error(code, details)
             if kind != (HELLO if hello else UPDATE):
-                raise rpc_error(grpc.StatusCode.INTERNAL,
-                                f"sync socket {self.path}: unexpected {kind_name(kind)} frame")
+                raise TransportRetryable(
+                    "INTERNAL", f"sync socket {self.path}: unexpected {kind_name(kind)} frame")
             self._updates.append(payload)
         del buf[:at]
 
-    def _lost(self, why: str) -> grpc.aio.AioRpcError:
-        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"sync socket {self.path}: {why}")
+    def _lost(self, why: str) -> TransportError:
+        return TransportRetryable("UNAVAILABLE", f"sync socket {self.path}: {why}")
 
     def close(self) -> None:
         """Half-close first: the server answers what it read, then ends."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
         self._sock.close()
+
+    def cut(self) -> None:
+        """Break the connection both ways (fault injection in tests)."""
+        self._sock.shutdown(socket.SHUT_RDWR)

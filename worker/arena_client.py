@@ -1,11 +1,12 @@
-"""Same-node shared memory for the Sync stream, worker side: the arena and its regions.
+"""Shared-memory placement, worker side: the rank's arena, its regions, what goes by
+reference, and when a region comes back.
 
 With `--shm auto|on` a rank creates an arena (a file under /dev/shm, mode 0600,
 space reserved up front) and offers it at Register; the node's shard server maps it
-(ps/shm.py). While it is accepted, each push copies its ids and gradients once into a
-region of the arena, the Push message carries only references, and the server writes
-the answer's delta (or rows) into the same region; the Update is a header. Layout
-constants: hybridps/shm.py.
+(ps/arena_server.py). While it is accepted, each push copies its ids and gradients once
+into a region of the arena, the Push message carries only references (ShmRefs), and
+the server writes the answer's delta (or rows) into the same region; the Update is a
+header. Layout constants: hybridps/arena_layout.py.
 
 Lifetimes:
 - the file: unlinked right after the first Register answered (the server has mapped
@@ -18,13 +19,16 @@ Lifetimes:
   RowUpdate's ids and delta view the region until then (no copy), which is all any
   consumer needs (the staleness window applies them at once; a checkpoint saves the
   pending ones synchronously). The server writes into a region only before the push
-  is answered, or fenced by the arena epoch (ps/shm.py), so a region freed here is
-  never written again by a handler of an older stream.
-- a full arena: the push goes inline (ordinary gRPC tensors) instead of waiting:
-  regions are only freed by the training thread's next `take`, and that may itself be
-  waiting for this very push. `SyncStats.shm_inline_pushes` counts these, a warning
-  says so once; size the arena to hold about K+2 steps of pushes (ids 8 bytes, then
-  gradients and answer dim x 4 bytes a row each) with --shm-mb.
+  is answered, or fenced by the arena epoch (ps/arena_server.py), so a region freed
+  here is never written again by a handler of an older stream.
+- a full arena: the push goes inline instead of waiting: regions are only freed by
+  the training thread's next `take`, and that may itself be waiting for this very
+  push. `SyncStats.shm_inline_pushes` counts these, a warning says so once; size the
+  arena to hold about K+2 steps of pushes (ids 8 bytes, then gradients and answer
+  dim x 4 bytes a row each) with --shm-mb.
+
+Shape suffixes in names: `_U` one entry per row a push carries (its unique ids), `_D`
+the table's dim: `ids_U` int64 [U], `grads_UD` [U, dim].
 """
 
 from __future__ import annotations
@@ -35,19 +39,21 @@ import logging
 import mmap
 import os
 import secrets
-import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hybridps import shm as layout
+from hybridps import arena_layout as layout
 from hybridps import wire
 from hybridps.logs import kv
 from hybridps.v1 import shard_pb2
+from worker.config import SHM_MODES
+from worker.updates import ServerRefused
 
-log = logging.getLogger("worker.shm")
+log = logging.getLogger("worker.arena")
+
 
 
 
@@ -68,14 +74,12 @@ class RingAllocator:
     Allocation is at the head; a region may be freed in any order, and space comes back
     from the tail as the oldest regions are freed (pushes are answered and taken in
     step order, so that is almost always at once). O(1) per call, no per-row work.
-    Thread-safe: the sync thread allocates, the training thread frees.
     """
 
     def __init__(self, start: int, end: int) -> None:
         if not 0 <= start < end:
             raise ValueError(f"ring [{start}, {end}) is empty")
         self.start, self.end = start, end
-        self._lock = threading.Lock()
         self._live: collections.deque[Region] = collections.deque()
         self._head = self._tail = start
 
@@ -85,48 +89,45 @@ class RingAllocator:
 
     @property
     def used(self) -> int:
-        with self._lock:
-            if not self._live:
-                return 0
-            if self._head > self._tail:
-                return self._head - self._tail
-            return self.capacity - (self._tail - self._head)
+        if not self._live:
+            return 0
+        if self._head > self._tail:
+            return self._head - self._tail
+        return self.capacity - (self._tail - self._head)
 
     def alloc(self, nbytes: int) -> Region | None:
         """A region of `nbytes` (rounded up to layout.ALIGN), or None when it does not fit."""
         size = layout.align_up(nbytes)
         if size == 0:
             return Region(self.start, 0, freed=True)  # nothing to hold
-        with self._lock:
-            if not self._live:
-                self._head = self._tail = self.start
-            if not self._live or self._head > self._tail:  # live bytes are [tail, head)
-                if self._head + size <= self.end:
-                    at = self._head
-                elif self.start + size <= self._tail:
-                    at = self.start  # wrap: [head, end) stays unused until the tail passes
-                else:
-                    return None
-            elif self._head + size <= self._tail:  # wrapped: free bytes are [head, tail)
+        if not self._live:
+            self._head = self._tail = self.start
+        if not self._live or self._head > self._tail:  # live bytes are [tail, head)
+            if self._head + size <= self.end:
                 at = self._head
+            elif self.start + size <= self._tail:
+                at = self.start  # wrap: [head, end) stays unused until the tail passes
             else:
                 return None
-            region = Region(at, size)
-            self._live.append(region)
-            self._head = at + size
-            return region
+        elif self._head + size <= self._tail:  # wrapped: free bytes are [head, tail)
+            at = self._head
+        else:
+            return None
+        region = Region(at, size)
+        self._live.append(region)
+        self._head = at + size
+        return region
 
     def free(self, region: Region) -> None:
         if region.nbytes == 0:
             return
-        with self._lock:
-            region.freed = True
-            while self._live and self._live[0].freed:
-                self._live.popleft()
-            if self._live:
-                self._tail = self._live[0].offset
-            else:
-                self._head = self._tail = self.start
+        region.freed = True
+        while self._live and self._live[0].freed:
+            self._live.popleft()
+        if self._live:
+            self._tail = self._live[0].offset
+        else:
+            self._head = self._tail = self.start
 
 
 def _unlink_quietly(path: str) -> None:
@@ -246,41 +247,121 @@ def place(arena: ClientArena, ids_U: torch.Tensor, grads_UD: torch.Tensor,
     return ShmSlot(region, ids, grads, answer, refs)
 
 
-def create_arena(mode: str, size_bytes: int, rank: int) -> tuple[ClientArena | None, str]:
-    """The arena for `--shm mode` (None and why not, for auto/off)."""
-    if mode == "off":
-        return None, "--shm off"
-    try:
-        return ClientArena(size_bytes, rank), ""
-    except ShmUnavailable as exc:
-        if mode == "on":
-            raise
-        return None, str(exc)
-
-
-def log_fallback(address: str, reason: str) -> None:
-    log.info(kv("shm_fallback", server=address, reason=reason,
-                hint="pushes travel inline over gRPC"))
-
-
 @dataclass
-class ShmPush:
-    """An unanswered push sent by reference: its header (re-stamped with the current
-    epoch whenever it is (re)sent) and its region."""
+class PlacedShmPush:
+    """An unanswered push sent by reference: its message without the epoch (stamped
+    whenever it is (re)sent) and its region."""
 
     head: shard_pb2.Push
     slot: ShmSlot
 
     def stamped(self, epoch: int) -> shard_pb2.Push:
-        self.head.shm_epoch = epoch
+        self.head.shm.epoch = epoch
         return self.head
 
-    def message(self, epoch: int) -> bytes:
-        return self.stamped(epoch).SerializeToString()
 
+class ArenaPlacement:
+    """The rank's arena across Registers: offered, accepted (`epoch` > 0) or not, what
+    each push places in it, and the regions of the updates handed out, freed at the
+    next take. One owner thread (the training thread)."""
 
-def batch_message(pushes: Sequence[ShmPush], epoch: int, run_id: str, rank: int) -> bytes:
-    """One Push message carrying several pushes by reference (Push.batch), each stamped
-    with `epoch`: the server answers them in one Update."""
-    return shard_pb2.Push(run_id=run_id, rank=rank,
-                          batch=[p.stamped(epoch) for p in pushes]).SerializeToString()
+    def __init__(self, mode: str, size_bytes: int, rank: int, address: str) -> None:
+        """`mode`: offer an arena and fall back to inline tensors (auto), insist (on), or
+        never (off): worker/config.py SHM_MODES."""
+        if mode not in SHM_MODES:
+            raise ValueError(f"shm={mode!r} is not one of {', '.join(SHM_MODES)}")
+        self.mode, self.size_bytes, self.rank, self.address = mode, size_bytes, rank, address
+        self.arena: ClientArena | None = None
+        self.epoch = 0  # > 0 while the server accepts the arena
+        self.status = "off"  # SyncStats.shm: "off", "on", or "inline: <why not>"
+        self.inline_pushes = 0  # pushes that went inline while the arena was accepted
+        self._answered: dict[tuple[int, str], Region] = {}  # regions of arrived updates
+        self._taken: list[Region] = []  # freed at the next take
+
+    def offer(self, first: bool) -> shard_pb2.SharedMemoryArena | None:
+        """What to offer at this Register: the arena first, then on every re-Register
+        while the server uses it. Creates it on the first Register (ServerRefused with
+        --shm on when it cannot)."""
+        if first and self.mode != "off" and self.arena is None:
+            try:
+                self.arena = ClientArena(self.size_bytes, self.rank)
+            except ShmUnavailable as exc:
+                if self.mode == "on":
+                    raise ServerRefused(f"rank {self.rank}: --shm on: {exc}") from None
+                self._fall_back(str(exc))
+        elif first and self.mode == "off":
+            self.status = "off"
+        if self.arena is None or not (first or self.epoch > 0):
+            return None
+        return self.arena.offer()
+
+    def accept(self, status: shard_pb2.SharedMemoryStatus, first: bool) -> bool:
+        """The server's answer to the arena offered at Register: True if accepted. False
+        after a re-Register: the pushes placed so far must go again inline."""
+        arena = self.arena
+        assert arena is not None
+        if first:
+            arena.unlink()  # the server mapped it by now, or never will: no file left behind
+        if status.accepted:
+            if first:
+                log.info(kv("shm", server=self.address, path=arena.path, bytes=arena.size,
+                            epoch=status.epoch))
+            self.epoch = int(status.epoch)
+            self.status = "on"
+            return True
+        reason = status.reason or "the server gave no reason"
+        if self.mode == "on":
+            raise ServerRefused(
+                f"rank {self.rank}: --shm on, but shard server {self.address} did not accept "
+                f"the shared-memory arena {arena.path}: {reason} (--shm auto falls back to "
+                "inline tensors)")
+        self.epoch = 0
+        self._fall_back(reason)
+        if first:
+            arena.close()
+            self.arena = None
+        return False
+
+    def place(self, ids_U: torch.Tensor, grads_UD: torch.Tensor, wire_dtype: torch.dtype,
+              answer_dtype: torch.dtype, what: str) -> ShmSlot | None:
+        """The push copied into a new region; None: inline (no arena, or no room)."""
+        arena = self.arena
+        if arena is None or not self.epoch:
+            return None
+        slot = place(arena, ids_U, grads_UD, wire_dtype, answer_dtype)
+        if slot is None:
+            self.inline_pushes += 1
+            if self.inline_pushes == 1:
+                log.warning(kv("shm_full", push=what, rows=int(ids_U.shape[0]),
+                               arena_bytes=arena.size, used=arena.ring.used,
+                               hint="this push (and others that do not fit) goes inline; "
+                                    "raise --shm-mb"))
+        return slot
+
+    def answered(self, step: int, table: str, slot: ShmSlot) -> None:
+        """The update of (step, table) views `slot` until it was taken and the next take."""
+        self._answered[(step, table)] = slot.region
+
+    def before_take(self) -> None:
+        """Free the regions of the updates the previous take handed out."""
+        if self.arena is None:
+            return
+        taken, self._taken = self._taken, []
+        for region in taken:
+            self.arena.ring.free(region)
+
+    def after_take(self, steps_tables: Sequence[tuple[int, str]]) -> None:
+        """These updates were handed out: their regions are freed at the next take."""
+        for key in steps_tables:
+            region = self._answered.pop(key, None)
+            if region is not None:
+                self._taken.append(region)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()  # unmapped once the last RowUpdate viewing it is gone
+
+    def _fall_back(self, reason: str) -> None:
+        self.status = f"inline: {reason}"
+        log.info(kv("shm_fallback", server=self.address, reason=reason,
+                    hint="pushes travel inline over gRPC"))

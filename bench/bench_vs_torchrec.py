@@ -1,0 +1,313 @@
+"""hybridps against TorchRec on the same work, side by side in one run.
+
+    python bench/bench_vs_torchrec.py                     # 3 jobs x 3 interleaved repeats
+    python bench/bench_vs_torchrec.py --quick --json runs/bench/vs_torchrec.json
+    python bench/bench_vs_torchrec.py --jobs ids20 --repeats 5
+
+TorchRec is an optional benchmark extra, never a dependency of hybridps. What installs
+next to torch 2.13 (fbgemm 1.9 does not load with it; check `pip show torch` after):
+
+    pip install -e '.[bench]' && pip install --no-deps torchrec==1.8.0
+
+Every job is `--task tables` (worker/tasks/tables.py), so both sides train on IDENTICAL
+batches: the task's generator makes each rank's slice of the global batch of each step
+(bounded Zipf 1.1 over popularity ranks, scattered over the table) inside the timed loop,
+for TorchRec as for hybridps. 2 gloo ranks (torchrun, OMP_NUM_THREADS=1 each), batch 1024
+per rank, the task's MLP on the concatenated (pooled) rows and 4 dense features, BCE:
+  ids20  one 1,000,000 x 64 table, 20 ids a sample, mean-pooled
+  ids1   the same table, 1 id a sample
+  dlrm   26 tables of mixed sizes (3 to 1,000,000 rows) x 16, three of them multi-hot
+         (3, 4 and 8 ids a sample, mean-pooled)
+Variants, interleaved within each job (torchrec, hybridps, hybridps-local, torchrec, ...)
+so this machine's drift over minutes falls on all alike:
+  torchrec        DistributedModelParallel, row-wise sharding of every table (on CPU the
+                  stock sharder offers row-wise only on CUDA: `RowWiseCpuSharder` adds
+                  it), fbgemm's fused EXACT_ROWWISE_ADAGRAD (TorchRec's CPU kernels have no
+                  Adam: SGD and the Adagrad family only), the MLP under DDP + torch Adam;
+  hybridps        a shard server (`python -m ps`) at --staleness 1: sparse Adam on the
+                  server (m and v per element: more optimizer work than TorchRec's
+                  rowwise Adagrad, one value per row), the MLP under --dense-parallel ddp
+                  (like TorchRec's; `--dense-parallel fsdp` to compare hybridps' default);
+  hybridps-local  the same with --local-optimizer (Adam in-process, no server).
+samples/s = steps x global batch / the training loop's wall time (set-up excluded on
+both sides). Goal (issue 24): hybridps (server, K=1) >= 1.2x TorchRec on ids20 and >=
+1.0x on ids1 and dlrm, the median of the per-repeat ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import (  # bench/ is sys.path[0] when run as a script
+    REPO,
+    TORCHRUN,
+    bench_parser,
+    child_env,
+    log,
+    machine,
+    write_json,
+)
+
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+import torch
+
+DLRM_ROWS = [1_000_000, 800_000, 500_000, 300_000, 200_000, 100_000, 60_000, 30_000, 10_000,
+             5_000, 3_000, 2_000, 1_000, 1_000, 500, 300, 200, 100, 100, 50, 30, 20, 10, 10,
+             4, 3]
+DLRM_POOL = {3: 8, 7: 4, 11: 3}  # table index -> ids a sample (mean-pooled)
+DLRM_TABLES = ",".join(f"c{i}:{rows}" + (f":{DLRM_POOL[i]}" if i in DLRM_POOL else "")
+                       for i, rows in enumerate(DLRM_ROWS))
+JOBS: dict[str, list[str]] = {
+    "ids20": ["--task", "tables", "--tables", "t0:1000000:20", "--dim", "64",
+              "--batch-size", "1024"],
+    "ids1": ["--task", "tables", "--tables", "t0:1000000", "--dim", "64", "--batch-size", "1024"],
+    "dlrm": ["--task", "tables", "--tables", DLRM_TABLES, "--dim", "16", "--batch-size", "1024"],
+}
+GOALS = {"ids20": 1.2, "ids1": 1.0, "dlrm": 1.0}
+STEPS = {"ids20": 200, "ids1": 300, "dlrm": 150}
+QUICK_STEPS = {"ids20": 80, "ids1": 120, "dlrm": 60}
+VARIANTS = ("torchrec", "hybridps", "hybridps-local")
+WORLD = 2
+INSTALL = "pip install -e '.[bench]' && pip install --no-deps torchrec==1.8.0"
+GOAL_NUMBER = 7  # bench/run_all.py's summary: issue 24's comparison
+
+
+def torchrec_available() -> bool:
+    return importlib.util.find_spec("torchrec") is not None
+
+
+# -- the TorchRec side (runs inside torchrun: `--torchrec-worker`) ----------------------------
+
+def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
+    """One rank of the TorchRec run; rank 0 writes {samples_per_s, step_ms, ...} to `out`."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
+    from torchrec.modules.embedding_configs import PoolingType
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from hybridps.cli import parse_config
+    from worker.config import TrainConfig
+    from worker.task_defaults import task_defaults
+    from worker.tasks.base import Batch
+    from worker.tasks.tables import TablesTask
+
+    class RowWiseCpuSharder(EmbeddingBagCollectionSharder):
+        """The stock sharder, offering row-wise sharding on the CPU too."""
+
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            types = list(super().sharding_types(compute_device_type))
+            if ShardingType.ROW_WISE.value not in types:
+                types.append(ShardingType.ROW_WISE.value)
+            return types
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    cfg = parse_config(TrainConfig, [*job_args, "--local-optimizer"], defaults=task_defaults)
+    task = TablesTask(cfg)
+    names = [name for name, _, _ in task.specs]
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=name, embedding_dim=cfg.run.dim, num_embeddings=rows,
+                           feature_names=[name], pooling=PoolingType.MEAN)
+        for name, rows, _ in task.specs], device=torch.device("meta"))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = ebc
+            self.dense = task.build_dense()
+
+        def forward(self, kjt: KeyedJaggedTensor, dense_BF: torch.Tensor,
+                    label_B: torch.Tensor) -> torch.Tensor:
+            x_BF = torch.cat([self.ebc(kjt).values(), dense_BF], dim=1)
+            return F.binary_cross_entropy_with_logits(self.dense(x_BF).squeeze(-1), label_B)
+
+    torch.manual_seed(cfg.run.seed)
+    model = Model()
+    sharder = RowWiseCpuSharder(fused_params={
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": cfg.optim.lr})
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        ebc, {name: row_wise(compute_kernel="fused") for name in names}, sharder=sharder,
+        local_size=world, world_size=world, device_type="cpu")})
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense_opt = torch.optim.Adam(
+        [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())],
+        lr=cfg.optim.dense_lr)
+
+    def features(batch: Batch) -> KeyedJaggedTensor:
+        values, lengths = [], []
+        for name, _, pool in task.specs:
+            if pool == 1:
+                ids_B = batch.ids[name]
+                values.append(ids_B)
+                lengths.append(torch.ones_like(ids_B))
+            else:
+                ids_N, offsets_B = batch.bags[name]
+                values.append(ids_N)
+                lengths.append(torch.diff(offsets_B, append=offsets_B.new_tensor([ids_N.numel()])))
+        return KeyedJaggedTensor(keys=names, values=torch.cat(values), lengths=torch.cat(lengths))
+
+    dist.barrier()
+    start = time.perf_counter()
+    loss = torch.zeros(())
+    for step in range(steps):  # the data, as hybridps' loop makes it: inside the step
+        batch = task.batch(step, rank, world)
+        loss = dmp(features(batch), batch.values["dense"], batch.values["label"])
+        loss.backward()  # the fused embedding optimizer steps inside backward
+        dense_opt.step()
+        dense_opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    wall = time.perf_counter() - start
+    if rank == 0:
+        out.write_text(json.dumps({
+            "samples_per_s": steps * cfg.run.batch_size * world / wall,
+            "step_ms": wall / steps * 1000, "steps": steps, "final_loss": float(loss.detach()),
+            "optimizer": "fbgemm EXACT_ROWWISE_ADAGRAD (fused, in backward)",
+            "dense": "DDP + torch Adam"}) + "\n")
+    dist.destroy_process_group()
+
+
+def run_torchrec(job: str, steps: int, directory: Path) -> dict[str, Any]:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{job}-torchrec.json"
+    out.unlink(missing_ok=True)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(WORLD),
+           str(Path(__file__).resolve()), "--torchrec-worker", "--job", job, "--steps",
+           str(steps), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          check=False, timeout=1800)
+    (directory / f"{job}-torchrec.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"{job}/torchrec failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def run_hybridps_variant(job: str, variant: str, steps: int, directory: Path,
+                         dense_parallel: str) -> dict[str, Any]:
+    from bench_train import run_hybridps  # the training benchmark's runner (bench/ is on path)
+
+    mode = "local" if variant.endswith("local") else "server"
+    run = run_hybridps(job, mode, [*JOBS[job], "--dense-parallel", dense_parallel], steps,
+                       directory)
+    return {"samples_per_s": run.samples_per_s, "step_ms": run.step_ms,
+            "breakdown_ms": run.breakdown_ms}
+
+
+# -- report -------------------------------------------------------------------------------------
+
+def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, list[dict[str, Any]]]:
+    lines = [f"{'job':<6} {'variant':<15} {'samples/s per repeat':<30} {'median':>8} "
+             f"{'spread':>7}  step ms (median)"]
+    goals = []
+    for job, variants in runs.items():
+        for variant, tries in variants.items():
+            sps = [t["samples_per_s"] for t in tries]
+            med = statistics.median(sps)
+            spread = (max(sps) - min(sps)) / med if med else 0.0
+            lines.append(f"{job:<6} {variant:<15} {' '.join(f'{s:>8.0f}' for s in sps):<30} "
+                         f"{med:>8.0f} {spread:>6.0%}  "
+                         f"{statistics.median(t['step_ms'] for t in tries):.2f}")
+        base = [t["samples_per_s"] for t in variants["torchrec"]]
+        for variant in ("hybridps", "hybridps-local"):
+            ratios = [h["samples_per_s"] / t for h, t in zip(
+                [x for x in variants[variant]], base, strict=True)] if variant in variants else []
+            if not ratios:
+                continue
+            ratio = statistics.median(ratios)
+            target = GOALS[job] if variant == "hybridps" else None
+            verdict = ""
+            if target is not None:
+                verdict = ("met" if ratio >= target else
+                           f"NOT met: {target / ratio:.2f}x short of {target:g}x")
+            lines.append(f"{job:<6} {variant} / torchrec: median {ratio:.3f} (repeats "
+                         + ", ".join(f"{r:.3f}" for r in ratios) + ")"
+                         + (f"  goal >= {target:g}: {verdict}" if target else ""))
+            if target is not None:
+                goals.append({"goal": GOAL_NUMBER,
+                              "what": f"{job}: samples/s hybridps K=1 / TorchRec (median)",
+                              "ratio": ratio, "target": f">= {target:g}",
+                              "met": ratio >= target, "per_repeat": ratios})
+    return "\n".join(lines), goals
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser(__doc__, quick="fewer steps per run")
+    p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {','.join(JOBS)}")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per variant")
+    p.add_argument("--steps", type=int, default=0, help="steps per run (default: per job)")
+    p.add_argument("--dense-parallel", default="ddp", choices=("ddp", "fsdp"),
+                   help="hybridps' dense parallelism (TorchRec's DMP uses DDP)")
+    p.add_argument("--no-local", action="store_true", help="skip hybridps --local-optimizer")
+    p.add_argument("--work-dir", type=Path, default=None, help="logs and results of every run")
+    # internal: one rank of the TorchRec run, under torchrun
+    p.add_argument("--torchrec-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--job", default="", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.torchrec_worker:
+        torchrec_worker(JOBS[args.job], args.steps, args.out)
+        return 0
+    if not torchrec_available():
+        print(f"TorchRec is not installed: nothing to compare ({INSTALL})")
+        return 0
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    jobs = [j for j in args.jobs.split(",") if j]
+    for job in jobs:
+        if job not in JOBS:
+            p.error(f"--jobs: {job!r} is not one of {', '.join(JOBS)}")
+    variants = [v for v in VARIANTS if not (args.no_local and v == "hybridps-local")]
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_vs_torchrec-"))
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for job in jobs:
+        steps = args.steps or (QUICK_STEPS if args.quick else STEPS)[job]
+        runs[job] = {v: [] for v in variants}
+        for i in range(args.repeats):  # interleaved: torchrec, hybridps, local, torchrec, ...
+            for variant in variants:
+                log(f"[{job}] {variant} ({i + 1}/{args.repeats}, {steps} steps)")
+                directory = work / f"r{i}"
+                res = (run_torchrec(job, steps, directory) if variant == "torchrec" else
+                       run_hybridps_variant(job, variant, steps, directory, args.dense_parallel))
+                runs[job][variant].append(res)
+    load_after = os.getloadavg()
+    elapsed = time.perf_counter() - started
+    text, goals = summarize(runs)
+    print(f"hybridps vs TorchRec, {WORLD} gloo ranks x 1 thread, identical batches "
+          f"(--task tables); TorchRec: row-wise, fused rowwise Adagrad (no Adam on its CPU "
+          f"path), DDP; hybridps: sparse Adam (server K=1 / local), --dense-parallel "
+          f"{args.dense_parallel}")
+    print(text)
+    print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s; "
+          f"logs in {work}")
+    write_json(args.json, {
+        "goals": goals, "runs": runs, "jobs": {j: JOBS[j] for j in jobs},
+        "dense_parallel": args.dense_parallel, "machine": machine(load_before),
+        "elapsed_s": elapsed}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The one mapping from the core's exceptions to gRPC status codes, for every servicer
+and the Sync socket (which sends the same codes in its STATUS frame)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import grpc
+
+from hybridps import wire
+from hybridps.errors import (
+    AnswerEvicted,
+    Conflict,
+    CorruptCheckpoint,
+    FlushTimeout,
+    InvalidArgument,
+    NotFound,
+    NotRegistered,
+    OutOfOrder,
+    PermissionDenied,
+    ResourceExhausted,
+    ShardError,
+    StaleIncarnation,
+    StaleShmEpoch,
+    WrongSecret,
+)
+from ps.store import kv
+
+log = logging.getLogger("ps.service")
+
+SHUTTING_DOWN = ("server shutting down: pushes received so far are answered; reconnect to a "
+                 "restarted server")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details an exception ends a call with."""
+    code: grpc.StatusCode
+    if isinstance(exc, (InvalidArgument, wire.WireError)):  # incl. NonFinite, RowOutOfRange
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, NotFound):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, (NotRegistered, StaleIncarnation, Conflict, OutOfOrder,
+                          AnswerEvicted)):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, FlushTimeout):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+    elif isinstance(exc, StaleShmEpoch):
+        code = grpc.StatusCode.ABORTED
+    elif isinstance(exc, ResourceExhausted):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(exc, (PermissionDenied, WrongSecret)):
+        code = grpc.StatusCode.PERMISSION_DENIED
+    elif isinstance(exc, CorruptCheckpoint):
+        code = grpc.StatusCode.DATA_LOSS
+    else:
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The name a refusal is counted under (ServerStats.refusals)."""
+    if isinstance(exc, ShardError):
+        return exc.reason
+    if isinstance(exc, wire.WireError):
+        return "wire_error"
+    return "internal"
+
+
+class Abortable(Protocol):
+    """What abort_with needs of a call: grpc.aio.ServicerContext, or the Sync socket's."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Any = ()) -> Any: ...
+
+
+async def abort_with(context: Abortable, rpc: str, exc: BaseException,
+                     **fields: Any) -> None:
+    """Log the failure and end the call with the mapped status (raises AbortError)."""
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error(kv("internal_error", rpc=rpc, error=message, **fields), exc_info=exc)
+    else:
+        log.warning(kv("refused", rpc=rpc, code=code.name, reason=refusal_reason(exc),
+                       error=message, **fields))
+    await context.abort(code, message)

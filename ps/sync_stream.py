@@ -1,0 +1,122 @@
+"""One Sync stream, whatever carries it: the gRPC stream (ps/service.py) or the Sync
+socket (ps/socket_server.py). Decode each message, feed its chunks to the core in order,
+and encode the answers; no transport here."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from hybridps import wire
+from hybridps.errors import BadShmReference, StaleShmEpoch
+from hybridps.v1 import shard_pb2
+from ps.arena_server import ArenaRegistry, ResolvedShmPush
+from ps.core import ShardCore
+from ps.lifecycle import RunTracker
+from ps.push import PushChunk
+from ps.status import refusal_reason
+from ps.store import kv
+from ps.sync_codec import (
+    WirePushChunk,
+    batch_message,
+    encode_answer,
+    request_chunks,
+    request_owner,
+    shm_update,
+    update_message,
+)
+
+log = logging.getLogger("ps.service")
+
+MIN_ANSWER_MESSAGE_BYTES = 1 << 20
+
+
+class StreamHost(Protocol):
+    """What a stream needs of the servicer that runs it (ps/service.py ShardServicer)."""
+
+    core: ShardCore
+    shm_arenas: ArenaRegistry | None
+    max_message_bytes: int
+    tracker: RunTracker
+
+    def stream_closed(self, run_id: str, rank: int) -> None: ...
+
+
+class SyncStream:
+    """`decode` each message as it arrives (a refused one is recorded and raises), then
+    `answer` its chunks in order: the encoded SyncResponse messages to send back. `close`
+    once, at the end. On an error, `fields()` names the push it happened in, for the log.
+    """
+
+    def __init__(self, host: StreamHost) -> None:
+        self._host = host
+        self._core = host.core
+        self.session = self._core.open_session()
+        self._current: PushChunk | None = None
+        self._push_message_bytes = 0  # the largest message of the push being received
+        self._batch_answers: list[shard_pb2.Update] = []  # of the batch push being taken
+        self._stream_of: tuple[str, int] | None = None  # (run, rank), once a push was accepted
+
+    def decode(self, framed: wire.Framed[shard_pb2.SyncRequest]) -> list[WirePushChunk]:
+        store = self._core.store
+        try:
+            chunks = request_chunks(framed, self._host.shm_arenas, store)
+        except (wire.WireError, BadShmReference, StaleShmEpoch) as exc:
+            store.record_refusal(refusal_reason(exc), *request_owner(framed))
+            raise
+        for chunk in chunks:
+            self.session.received(chunk)
+        return chunks
+
+    async def answer(self, chunk: PushChunk) -> list[bytes]:
+        self._current = chunk
+        if isinstance(chunk, WirePushChunk):
+            self._push_message_bytes = max(self._push_message_bytes, chunk.message_bytes)
+        answer = await self._core.feed(self.session, chunk)
+        if self._stream_of is None:
+            self._stream_of = (chunk.run_id, chunk.rank)
+            self._host.tracker.stream_opened(*self._stream_of)
+        if answer is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug(kv("answered", run=chunk.run_id, rank=chunk.rank, step=answer.step,
+                         table=answer.table, rows=int(answer.ids.shape[0]),
+                         duplicate=answer.duplicate))
+        in_shm = (shm_update(chunk.sink, answer)
+                  if answer is not None and isinstance(chunk.sink, ResolvedShmPush) else None)
+        if isinstance(chunk, WirePushChunk) and chunk.batch_size:
+            if in_shm is not None:
+                self._batch_answers.append(in_shm)
+            if chunk.batch_index == chunk.batch_size - 1 and self._batch_answers:
+                batch, self._batch_answers = self._batch_answers, []
+                return [batch_message(batch)]
+            return []
+        if answer is None:
+            return []
+        if in_shm is not None:
+            return [update_message(in_shm)]
+        delta_dtype = chunk.update_dtype if isinstance(chunk, WirePushChunk) else torch.float32
+        # Encoding copies the answer (and converts a bf16/fp16 delta): in the update pool,
+        # where the copy runs without the GIL, not on the event loop. Answer in messages
+        # as large as the push's (the client's --max-chunk-bytes): gRPC moves messages of
+        # a few MiB fastest, and an answer of one message of tens of MiB is a fresh mmap,
+        # page faults included, every time. (+1 KiB: rows_per_chunk leaves that much for
+        # the header fields; a push of unknown size gets the server's limit.)
+        limit_bytes = self._host.max_message_bytes
+        if self._push_message_bytes:
+            limit_bytes = min(limit_bytes, max(self._push_message_bytes + 1024,
+                                               MIN_ANSWER_MESSAGE_BYTES))
+        self._push_message_bytes = 0
+        return await self._core.offload(encode_answer, answer, limit_bytes, delta_dtype)
+
+    def fields(self) -> dict[str, Any]:
+        chunk = self._current
+        if chunk is None:
+            return {}
+        return {"run": chunk.run_id, "rank": chunk.rank, "step": chunk.step,
+                "table": chunk.table}
+
+    def close(self) -> None:
+        self.session.close()
+        if self._stream_of is not None:
+            self._host.stream_closed(*self._stream_of)

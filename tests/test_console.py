@@ -1,0 +1,141 @@
+"""What a user sees: a 2-rank run on a pseudo-terminal (like a shell) and on pipes (like a log
+file or CI). Log lines go around rank 0's progress bar, the default `--log-level auto` keeps a
+terminal to one line per phase, and every checkpoint written gets a log line and a summary
+entry (where, how big, how long) also in the results JSON."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+from worker.console import bar_postfix, checkpoint_lines, human_bytes
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) (?P<logger>\S+) "
+                  r"rank=(?P<rank>\d+) (?P<message>.*)$")
+
+
+def _command(tmp_path: Path, ps: str, *extra: str) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(REPO / "worker" / "main.py"),
+            "--ps", ps, "--num-rows", "4000", "--batch-size", "32", "--dim", "8",
+            "--steps", "60", "--log-every", "5", "--eval-every", "20",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "20",
+            "--results", str(tmp_path / "run.json"), *extra]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="150")
+    return env
+
+
+def run_on_terminal(cmd: list[str], timeout: float = 200) -> tuple[int, str]:
+    """Run with stdout and stderr on a 150x40 pseudo-terminal; returns (exit code, output)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave, close_fds=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every writer closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return code, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+def screen_lines(output: str) -> list[str]:
+    """Each line as a terminal leaves it: a carriage return starts the line over."""
+    return [segment.split("\r")[-1] for segment in output.split("\n")]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_terminal_shows_phases_bar_and_checkpoints_without_interleaving(
+        tmp_path: Path, ps_server: str) -> None:
+    code, output = run_on_terminal(_command(tmp_path, ps_server))
+    assert code == 0, output[-4000:]
+    lines = screen_lines(output)
+    # No log line inside the progress bar: a row shows either the bar or a log line.
+    mixed = [line for line in lines if "%|" in line and (
+        " INFO " in line or " WARNING " in line or LINE.search(line.split("|")[-1]))]
+    assert not mixed, mixed
+    logs = [m for m in (LINE.match(line) for line in lines) if m]
+    # --log-level auto on a terminal: rank 0 INFO without the per-connection detail (shm
+    # arena, sync socket, process group, Finish), rank 1 only warnings (none here): start,
+    # ready, one line per checkpoint.
+    assert {m["rank"] for m in logs} == {"0"}, [m.group(0) for m in logs]
+    events = [re.match(r"(event=\S+|checkpoint step \d+)", m["message"]) for m in logs]
+    assert [e.group(1) if e else m["message"] for e, m in zip(events, logs, strict=True)] == [
+        "event=start", "event=ready", "checkpoint step 19", "checkpoint step 39",
+        "checkpoint step 59"]
+    for m in logs[2:]:
+        assert re.search(r"-> \S+step-00000000\d9: [\d.]+ (KiB|MiB) in [\d.]+s", m["message"])
+    assert any("%|" in line and "loss=" in line for line in lines)  # the bar was there
+    # the summary lists every checkpoint: where, how big, how long
+    summary = [line for line in lines if line.startswith("  step ")]
+    assert len(summary) == 3 and all(str(tmp_path / "ck") in line for line in summary)
+    assert re.search(r"checkpoints: 3 written \([\d.]+ MiB, [\d.]+s\)", output)
+    written = json.loads((tmp_path / "run.json").read_text())["checkpoint"]["written"]
+    assert [w["step"] for w in written] == [19, 39, 59]
+    for w in written:
+        path = Path(w["path"])
+        assert path.is_dir() and w["seconds"] > 0
+        assert w["bytes"] == sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_pipes_keep_every_ranks_info_lines(tmp_path: Path, ps_server: str) -> None:
+    """Off a terminal (a log file, CI, a container) `auto` keeps the complete record."""
+    proc = subprocess.run(_command(tmp_path, ps_server, "--progress", "false"), cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert re.search(r"INFO worker rank=1 event=start ", proc.stderr)
+    assert re.search(r"INFO worker\.rendezvous rank=1 ", proc.stderr)
+    assert re.search(r"INFO worker\.sync rank=0 event=finished ", proc.stderr)
+    assert proc.stderr.count("INFO worker.checkpoint rank=0 checkpoint step") == 3
+
+
+def test_bar_fields_and_checkpoint_summary_lines() -> None:
+    fields = bar_postfix(0.51234, {"loss": 0.5, "auc": 0.75, "planted_auc": 0.8}, 1234.5, 1,
+                         0.5, 0)
+    assert list(fields) == ["loss", "eval_loss", "auc", "sps", "stale", "lag", "waits"]
+    assert fields["loss"] == "0.5123" and fields["eval_loss"] == "0.5000"
+    written = [{"step": s, "path": f"ck/step-{s}", "bytes": 3 << 20, "seconds": 0.5}
+               for s in range(12)]
+    lines = checkpoint_lines(written)
+    assert lines[0] == "checkpoints: 12 written (36.0 MiB, 6.00s)"
+    assert lines[1] == "  step 0: ck/step-0  3.0 MiB  0.50s" and len(lines) == 12
+    assert lines[-1].startswith("  ... 2 more")
+    assert checkpoint_lines([]) == []
+    assert [human_bytes(n) for n in (5, 2048, 5 << 30)] == ["5 B", "2.0 KiB", "5.0 GiB"]

@@ -1,0 +1,142 @@
+"""Issue 23 item 6 (a start): hypothesis-generated messages against a live server while a
+healthy run trains alongside. Every answer is OK or a clear status (never INTERNAL or
+UNKNOWN), the server keeps serving, and the healthy run's answers are bitwise those of
+the same pushes on a server of its own (an in-process Store).
+
+The 100,000-message campaign with the new client is round 2; this runs a few hundred
+messages of every unary kind plus raw bytes, in about a minute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridps import wire
+from hybridps.optim import OptimizerSpec
+from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
+from ps.partition import PushChunk, TableSpec
+from ps.store import Store
+from tests.grpc_helpers import ADAM, assemble, open_channel, push_messages, register, table
+from tests.helpers import PsServer, start_ps_server
+
+HEALTHY = "healthy-run"
+BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+INT32 = st.integers(-(2**31), 2**31 - 1)
+INT64 = st.one_of(st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1))
+FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                   st.sampled_from([0.0, -0.0, 1e-300, 1e300, math.nan, math.inf, -1.0]))
+NAMES = st.one_of(st.sampled_from(["emb", "fuzz", "", "..", "../x", "a/b", "x" * 300]),
+                  st.text(max_size=40))
+RUNS = NAMES.filter(lambda r: r != HEALTHY)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PsServer]:
+    srv = start_ps_server(tmp_path_factory.mktemp("fuzz"), "--max-state-bytes",
+                          str(64 << 20), "--stats-without-token")
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def channel(server: PsServer) -> Iterator[grpc.Channel]:
+    with open_channel(server.address) as ch:
+        yield ch
+
+
+def _call(fn: object, request: object) -> None:
+    try:
+        fn(request, timeout=20)  # type: ignore[operator]
+    except grpc.RpcError as exc:
+        assert exc.code() not in BAD_CODES, (exc.code(), exc.details(), request)
+
+
+tensors = st.builds(
+    lambda dtype, shape, n: shard_pb2.Tensor(dtype=dtype, shape=shape, data=bytes(n)),
+    st.integers(0, 12), st.lists(st.integers(-2, 2**40), max_size=3), st.integers(0, 256))
+specs = st.builds(shard_pb2.TableSpec, name=NAMES, num_rows=INT64, dim=INT64,
+                  row_start=INT64, row_end=INT64)
+optimizers = st.builds(shard_pb2.OptimizerConfig, kind=st.integers(0, 5), lr=FLOATS,
+                       beta1=FLOATS, beta2=FLOATS, eps=FLOATS, weight_decay=FLOATS)
+requests = st.one_of(
+    st.tuples(st.just("Register"), st.builds(
+        shard_pb2.RegisterRequest, run_id=RUNS, rank=INT32, world_size=INT32,
+        incarnation=INT64, tables=st.lists(specs, max_size=3), optimizer=optimizers,
+        row_dtype=st.integers(0, 12))),
+    st.tuples(st.just("Flush"), st.builds(shard_pb2.FlushRequest, run_id=RUNS, rank=INT32,
+                                          step=INT64, timeout_s=st.sampled_from(
+                                              [0.0, 0.01, -1.0, math.nan, math.inf, 1e300]))),
+    st.tuples(st.just("Checkpoint"), st.builds(
+        shard_pb2.CheckpointRequest, run_id=RUNS, step=INT64, directory=NAMES,
+        ranks=st.lists(INT32, max_size=3),
+        timeout_s=st.sampled_from([0.0, 0.01, -1.0, math.nan, math.inf]))),
+    st.tuples(st.just("Finish"), st.builds(shard_pb2.FinishRequest, run_id=RUNS, rank=INT32,
+                                           incarnation=INT64, last_step=INT64,
+                                           aborted=st.booleans(), reason=st.text(max_size=20))),
+    st.tuples(st.just("SeedRows"), st.builds(shard_pb2.SeedRowsRequest, run_id=RUNS,
+                                             rank=INT32, incarnation=INT64, table=NAMES,
+                                             row_start=INT64, rows=tensors)),
+    st.tuples(st.just("GetShardStats"), st.builds(admin_pb2.ShardStatsRequest, run_id=NAMES)),
+    st.tuples(st.just("raw"), st.binary(max_size=200)),
+)
+
+
+def _healthy_push(stub: shard_pb2_grpc.ShardServiceStub, step: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randperm(50, generator=gen)[:8].sort().values
+    grads = torch.randn(8, 4, generator=gen)
+    (answer,) = assemble(list(stub.Sync(iter(push_messages(HEALTHY, step, "emb", ids, grads)),
+                                        timeout=30)))
+    return ids, grads, answer[3]
+
+
+def test_fuzzed_messages_beside_a_healthy_run(channel: grpc.Channel) -> None:
+    shard = shard_pb2_grpc.ShardServiceStub(channel)
+    admin = admin_pb2_grpc.AdminServiceStub(channel)
+    register(shard, HEALTHY, [table("emb", 50, 4, 0, 50)])
+    solo = Store()
+    solo.register(HEALTHY, 0, 1, 0, [TableSpec("emb", 50, 4, 0, 50)],
+                  OptimizerSpec("adam", lr=ADAM.lr, beta1=ADAM.beta1, beta2=ADAM.beta2,
+                                eps=ADAM.eps))
+    step = [0]
+    raw = {name: channel.unary_unary(f"/hybridps.v1.{svc}/{name}",
+                                     request_serializer=lambda b: b,
+                                     response_deserializer=lambda b: b)
+           for svc, name in (("ShardService", "Register"), ("ShardService", "Flush"),
+                             ("AdminService", "GetShardStats"))}
+
+    @settings(max_examples=400, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(requests)
+    def fuzz(item: tuple[str, object]) -> None:
+        kind, request = item
+        if kind == "raw":
+            for call in raw.values():
+                _call(call, request)
+        elif kind == "GetShardStats":
+            _call(admin.GetShardStats, request)
+        else:
+            _call(getattr(shard, kind), request)
+        # the healthy run pushes a step now and then, interleaved with the fuzz
+        if step[0] < 40:
+            ids, grads, delta = _healthy_push(shard, step[0])
+            mine = solo.open_session().feed(PushChunk(HEALTHY, 0, 0, step[0], "emb", ids,
+                                                      grads))
+            assert mine is not None and torch.equal(mine.delta, delta), step[0]
+            step[0] += 1
+
+    fuzz()
+    assert step[0] == 40
+    stats = admin.GetShardStats(admin_pb2.ShardStatsRequest(run_id=HEALTHY), timeout=10)
+    assert [p.last_step for p in stats.partitions] == [39]
+    assert wire is not None  # the helpers encode with it

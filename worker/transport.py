@@ -1,0 +1,88 @@
+"""What carries a rank's Sync messages: the `SyncTransport` interface and its errors.
+
+Two implementations: the gRPC Sync stream (worker/grpc_client.py, the default path,
+also across nodes) and the server's Sync socket for a rank on the server's node
+(worker/socket_client.py). ShardClient (worker/sync.py) calls a transport from the
+training thread only; what a transport does inside (the gRPC stream's event loop) is
+its own business.
+
+Failures are `TransportError`s named by gRPC status code, whichever transport: the
+socket's server sends the same codes in its last frame. `TransportRetryable`: worth
+re-registering and re-sending (the connection broke, the server restarted or drains);
+`TransportRefused`: the server refused what we sent or who we are, and sending it
+again would be refused again.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from hybridps import wire
+from hybridps.v1 import shard_pb2
+from worker.sync_messages import Outgoing
+
+# Status codes after which a broken connection is worth re-registering and re-sending.
+RETRYABLE_CODES = frozenset({"UNAVAILABLE", "UNKNOWN", "INTERNAL", "ABORTED", "CANCELLED",
+                             "DEADLINE_EXCEEDED"})
+
+Response = wire.Framed[shard_pb2.SyncResponse]
+
+
+class TransportError(Exception):
+    """A call or a Sync transport failed: `code` is the gRPC status code's name,
+    `details` the server's (or the transport's) words."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code, self.details = code, details
+
+    @property
+    def text(self) -> str:
+        return f"{self.code}: {self.details}"
+
+
+class TransportRetryable(TransportError):
+    """Re-register, reconnect and re-send: nothing that was sent is lost."""
+
+
+class TransportRefused(TransportError):
+    """The server refused: retrying would be refused again."""
+
+
+def transport_error(code: str, details: str) -> TransportError:
+    """The retryable or refused error of a status code."""
+    kind = TransportRetryable if code in RETRYABLE_CODES else TransportRefused
+    return kind(code, details)
+
+
+class SyncTransport(ABC):
+    """One connection of the Sync stream: requests out, responses back, in order.
+
+    Owned by one thread (the training thread). `send` never waits for an answer;
+    `receive` returns the responses that arrived, waiting up to `wait_s` for the first
+    one (an empty list when none came in time). A broken connection raises a
+    TransportError from either, after the responses that arrived before it.
+    """
+
+    name: str  # "stream" | "socket", for the stats and the log
+
+    @abstractmethod
+    def send(self, messages: Sequence[Outgoing]) -> None:
+        """SyncRequests, in order: serialized, or inline pushes the transport serializes
+        (once: worker/sync_messages.py InlinePush)."""
+
+    @abstractmethod
+    def receive(self, wait_s: float) -> list[Response]:
+        """The decoded SyncResponses that arrived (Framed.error set for one that did not
+        decode)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Half-close, let the server end, release; safe to call twice."""
+
+
+def decode_response(data: bytes) -> Response:
+    return wire.decode_framed(shard_pb2.SyncResponse, data,
+                              (("update", "chunk", "ids"), ("update", "chunk", "delta")),
+                              "update")

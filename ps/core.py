@@ -20,7 +20,8 @@ import torch
 from hybridps import optim
 from hybridps.errors import FlushTimeout, InvalidArgument, ShardError
 from hybridps.optim import OptimizerSpec
-from ps.partition import Answer, PushChunk, TableSpec
+from ps.partition import TableSpec
+from ps.push import Answer, PushChunk
 from ps.store import RankStep, RegisteredTable, ServerStats, Store, SyncSession, kv
 
 log = logging.getLogger("ps.core")

@@ -21,15 +21,13 @@ Store (ps/store.py) serialises access to one partition with `Partition.lock`.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hmac
 import math
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +47,8 @@ from hybridps.optim import OptimizerSpec, apply_rows_, apply_update_, undo_rows_
 from hybridps.push_checks import mark_rows_, scan_push_max
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from ps.overflow import OverflowBound
+from ps.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
+from ps.push import PushChunk as PushChunk  # re-exported: the core's input, next to TableSpec
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
@@ -112,78 +112,6 @@ class TableSpec:
         return self.rows_held * per_row
 
 
-class AnswerSink(Protocol):
-    """A transport's buffer for one push's answer (e.g. the rank's shared memory).
-
-    The partition writes every answer to the push into it under its lock: the kernel
-    writes the delta into `out` when the push is applied (float32 [U, dim], not
-    overlapping the gradients; None: not possible, e.g. another dtype), `write` copies
-    (and converts) anything else in - a duplicate's saved answer, master rows, a delta
-    that could not go to `out`. `write` raises a ShardError when the answer does not fit.
-    """
-
-    @property
-    def out(self) -> torch.Tensor | None: ...
-
-    def write(self, answer_UD: torch.Tensor) -> None: ...
-
-
-@dataclass
-class PushChunk:
-    """One Push message with its tensors decoded (ids int64 [U], grads float32 [U, dim])."""
-
-    run_id: str
-    rank: int
-    incarnation: int
-    step: int
-    table: str
-    ids: torch.Tensor
-    grads: torch.Tensor
-    chunk: int = 0
-    num_chunks: int = 1  # 0 is read as 1 (an unchunked push that left the field unset)
-    # Set by SyncSession.received(): this chunk opened a push counted in queue_depth.
-    queued: bool = field(default=False, compare=False)
-    # Where the answer of a one-chunk push goes besides the return value (the
-    # transport's shared memory); None: the answer is only returned.
-    sink: AnswerSink | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def total_chunks(self) -> int:
-        return self.num_chunks if self.num_chunks != 0 else 1
-
-    @property
-    def identity(self) -> tuple[str, int, int, int, str]:
-        return (self.run_id, self.rank, self.incarnation, self.step, self.table)
-
-    def describe(self) -> str:
-        return (f"push run={self.run_id!r} rank={self.rank} incarnation={self.incarnation} "
-                f"step={self.step} table={self.table!r}")
-
-
-@dataclass(frozen=True)
-class Answer:
-    """The server's answer to one push: rows[ids] = rows[ids] * decay + delta.
-
-    With `rows` (master-rows partitions) `delta` holds the new rows themselves, in
-    the registered row dtype, and decay is 0: rows[ids] = delta.
-    """
-
-    step: int
-    table: str
-    ids: torch.Tensor    # int64 [U], global ids, in the push's order
-    delta: torch.Tensor  # float32 [U, dim] (rows: [U, dim] in the row dtype)
-    decay: float
-    duplicate: bool = False
-    rows: bool = False
-    # The delta is a view of the transport's memory (the rank's shared-memory answer
-    # region), which the rank reuses once it has this answer: valid for a re-sent push
-    # (the rank did not get the answer, so it has not reused the region), not after.
-    borrowed: bool = field(default=False, compare=False)
-
-    def as_duplicate(self) -> Answer:
-        return dataclasses.replace(self, duplicate=True)
-
-
 class RateWindow:
     """Rows updated per second over the last `window_s` seconds."""
 
@@ -221,20 +149,6 @@ def optimizer_description(spec: OptimizerSpec) -> str:
     if spec.kind == "adamw":
         text += f", weight_decay={spec.weight_decay:g}"
     return text + ")"
-
-
-def first_duplicate(ids_U: torch.Tensor) -> int | None:
-    if ids_U.numel() < 2:
-        return None
-    # Coalesced gradients come sorted: strictly increasing ids are unique, an O(U) check
-    # instead of an O(U log U) sort (which then only runs for unsorted pushes).
-    if bool((ids_U[1:] > ids_U[:-1]).all()):
-        return None
-    sorted_ids = ids_U.sort().values
-    same = sorted_ids[1:] == sorted_ids[:-1]
-    if not bool(same.any()):
-        return None
-    return int(sorted_ids[1:][same][0])
 
 
 class TableState:
@@ -414,17 +328,21 @@ class TableState:
     # -- the update ------------------------------------------------------------------
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
-              sink: AnswerSink | None = None, grad_max: float = math.inf) -> Answer:
+              sink: AnswerSink | None = None, grad_max: float = math.inf,
+              lr: float | None = None) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
         written into `sink` too (PushChunk.sink). `grad_max`: the largest |gradient|
         (check_rows); a push whose update could overflow float32 is applied checked and
-        refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound)."""
+        refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound).
+        `lr`: the push's own learning rate (Push.lr, checked by optimizer_with_lr), else
+        the registered one."""
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
-        checked = not self.bound.safe(self.optimizer, count, grad_max)
+        optimizer = self.optimizer if lr is None else optimizer_with_lr(self.optimizer, lr)
+        checked = not self.bound.safe(optimizer, count, grad_max)
         try:
-            delta, decay = apply_rows_(self.optimizer, self.m, self.v, local, grads, count,
+            delta, decay = apply_rows_(optimizer, self.m, self.v, local, grads, count,
                                        out=out, check_finite=checked)
         except NonFiniteUpdate as exc:
             raise NonFiniteUpdate(f"push step={step} {self.where}: {exc} (a gradient too "
@@ -441,7 +359,7 @@ class TableState:
         if checked:
             self.bound.observe(self.m, self.v, self.master, local)
         else:
-            self.bound.advance(self.optimizer, count, grad_max, float(decay))
+            self.bound.advance(optimizer, count, grad_max, float(decay))
         self.adam_step = count
         self.last_step = step
         self.pushes_applied += 1

@@ -23,7 +23,7 @@ from ps.arena_server import ArenaRegistry
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker, check_finish
 from ps.maintenance import RunReaper
-from ps.partition import PushChunk
+from ps.push import PushChunk
 from ps.status import SHUTTING_DOWN, abort_with
 from ps.store import check_run_id, kv
 from ps.sync_codec import (

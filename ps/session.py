@@ -14,7 +14,8 @@ from typing import Protocol
 import torch
 
 from hybridps.errors import InvalidArgument, ShardError
-from ps.partition import Answer, Partition, PushChunk, TableState, first_duplicate
+from ps.partition import Partition, TableState
+from ps.push import Answer, PushChunk, check_push_lr, first_duplicate
 
 TableKey = tuple[str, int, str]  # (run_id, rank, table)
 
@@ -46,6 +47,7 @@ class _Pending:
     ids: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     grad_max: float = 0.0  # the largest |gradient| of the chunks so far
+    lr: float | None = None  # Push.lr of chunk 0 (None: the registered lr)
     tickets: list[TableKey] = field(default_factory=list)  # queue_depth entries it holds
 
     @property
@@ -134,7 +136,7 @@ class SyncSession:
                                               chunk.table, what)
             table.classify_step(chunk.step, what)  # fail fast on out-of-order / evicted
             pending = _Pending(chunk.identity, n, part, table,
-                               what if n == 1 else chunk.describe())
+                               what if n == 1 else chunk.describe(), lr=chunk.lr)
             self._pending = pending
         elif chunk.identity != pending.identity or n != pending.num_chunks:
             raise InvalidArgument(
@@ -148,6 +150,13 @@ class SyncSession:
         if chunk.queued:
             chunk.queued = False
             pending.tickets.append(self._key(chunk))
+        if chunk.lr is not None:
+            check_push_lr(chunk.lr, what)
+        if chunk.lr != pending.lr:
+            raise InvalidArgument(
+                f"{what}: lr={chunk.lr!r} differs from lr={pending.lr!r} of chunk 0; every "
+                "chunk of a push carries the push's lr"
+            )
         pending.grad_max = max(pending.grad_max,
                                pending.table.check_rows(chunk.ids, chunk.grads, what))
         pending.ids.append(chunk.ids)
@@ -172,7 +181,8 @@ class SyncSession:
             saved = table.classify_step(chunk.step, pending.what)
             sink = chunk.sink if n == 1 else None
             if saved is None:
-                answer = table.apply(chunk.step, ids, grads, sink, pending.grad_max)
+                answer = table.apply(chunk.step, ids, grads, sink, pending.grad_max,
+                                     pending.lr)
             elif sink is not None:
                 sink.write(saved.delta)
                 answer = saved

@@ -22,7 +22,8 @@ from hybridps.errors import BadShmReference, InvalidArgument
 from hybridps.v1 import admin_pb2, shard_pb2
 from ps.arena_server import ArenaRegistry, ResolvedShmPush, ShmRef, resolve
 from ps.maintenance import RunReaper
-from ps.partition import Answer, PushChunk, TableSpec
+from ps.partition import TableSpec
+from ps.push import Answer, PushChunk
 from ps.store import ServerStats, Store
 
 # Tensor fields of the Sync messages, from the outer message down (wire.TensorPath).
@@ -163,6 +164,7 @@ def _push_chunk(push: shard_pb2.Push, framed: wire.Framed[Any] | None,
     return WirePushChunk(
         run_id=push.run_id, rank=push.rank, incarnation=push.incarnation, step=push.step,
         table=push.table, ids=ids, grads=grads, chunk=index, num_chunks=count,
+        lr=push.lr if push.HasField("lr") else None,  # unset: the registered lr
         update_dtype=update_dtype, message_bytes=framed.nbytes if framed is not None else 0,
         sink=sink,  # a shared-memory push: the core writes the answer into the arena
     )

@@ -21,8 +21,8 @@ from hybridps.v1 import shard_pb2
 from ps.arena_server import ArenaRegistry, ResolvedShmPush
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker
-from ps.partition import PushChunk
 from ps.partition_auth import Binding
+from ps.push import PushChunk
 from ps.status import refusal_reason
 from ps.store import kv
 from ps.sync_codec import (

@@ -38,6 +38,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # Keci(p=1, q=1) has a per-query bias term and learnable coefficients: every code path.
     "kvsall": {"training": "kvsall", "model": "keci", "dim": 9},
     "negsample": {"training": "negsample", "model": "complex", "dim": 8, "neg_ratio": 3},
+    # 1vsAll cross-entropy, N3, a warm-up and reduce-on-plateau fed by evaluations every
+    # epoch, the best model restored: the reference follows the same hooks
+    "1vsall": {"training": "1vsall", "model": "complex", "dim": 8,
+               "reg": "n3", "reg_weight": 0.02, "warmup_epochs": 1.5, "plateau_factor": 0.5,
+               "plateau_patience": 0, "eval_every_epochs": 1},
+    "kvsall-smooth": {"training": "kvsall", "model": "distmult", "dim": 6,
+                      "label_smoothing": 0.1, "reg": "l2", "reg_weight": 0.01,
+                      "rel_reg_weight": 0.003, "warmup_epochs": 0.5},
+    "kvsall-ce": {"training": "kvsall", "model": "qmult", "dim": 8, "loss": "ce"},
 }
 
 
@@ -127,7 +136,7 @@ def brute_force_ranks(model: HybridModel, task: KGETask, triples: np.ndarray) ->
     ranks = []
     with torch.no_grad():
         for h, r, t in queries:
-            q, bias = model.dense(ent[[h]], torch.tensor([r]))
+            q, bias, _ = model.dense(ent[[h]], torch.tensor([r]))
             scores = (ent @ q[0] + bias[0]).numpy()
             others = [e for e in range(len(ent)) if e != t and e not in known[(h, r)]]
             greater = sum(scores[e] > scores[t] for e in others)

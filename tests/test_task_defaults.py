@@ -27,6 +27,9 @@ def test_kge_defaults_are_the_dicee_settings() -> None:
     assert (cfg.optim.lr, cfg.optim.dense_lr, cfg.optim.init_std, cfg.run.batch_size,
             cfg.run.epochs, cfg.run.dim) == (0.1, 0.1, 1.0, 512, 100, 32)
     assert cfg.kge.model == "distmult" and cfg.kge.training == "kvsall"
+    # valid MRR by epochs within --eval-budget (worker/tasks/kge_schedule.py), not the
+    # step-based --eval-every of the other tasks
+    assert cfg.output.eval_every == 0 and TrainConfig.of(local_optimizer=True).output.eval_every
 
 
 def test_flag_and_env_beat_task_defaults() -> None:
@@ -49,7 +52,7 @@ def test_other_tasks_keep_the_config_defaults() -> None:
 @pytest.mark.parametrize(("argv", "match"), [
     (["--task", "kge"], "needs --data-dir"),
     (["--model", "transe"], "model='transe'"),
-    (["--training", "1vsall"], "training='1vsall'"),
+    (["--training", "allvsall"], "training='allvsall'"),  # 1vsall became a mode
     (["--neg-ratio", "0"], "neg_ratio=0"),
     (["--table-rows", "10,x"], "table_rows='10,x'"),
     (["--eval-every", "-1"], "eval_every=-1"),

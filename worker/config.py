@@ -25,6 +25,7 @@ from hybridps.cli import FlagConfig, check_settings, section, setting
 from hybridps.logs import AUTO, LOG_LEVELS
 from hybridps.names import describe_problem
 from worker.dense_options import DenseConfig
+from worker.kge_options import KGEOptions
 from worker.nodes import node_ps_address, rank_layout, split_ps
 from worker.task_options import DlrmConfig, KgeConfig, SyntheticConfig, TablesConfig
 
@@ -342,6 +343,7 @@ class TrainConfig(FlagConfig):
     tables: TablesConfig = section(TablesConfig, "--task tables")
     dlrm: DlrmConfig = section(DlrmConfig, "--task dlrm")
     kge: KgeConfig = section(KgeConfig, "--task kge")
+    kge_train: KGEOptions = section(KGEOptions, "--task kge trainer (docs/kge.md)")
 
     def __post_init__(self) -> None:
         """The checks that span sections (each section checked its own already)."""

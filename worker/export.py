@@ -13,6 +13,15 @@ as built by worker/reference.py (LocalEmbedding: one nn.Embedding per table):
 so `HybridModel(LocalEmbedding(task.tables(), ...), task.build_dense())
 .load_state_dict(torch.load("model.pt"))` rebuilds the trained model in one
 process. No process group, no server, no optimizer state.
+
+KGE runs (--task kge): add `--kge-results RUN.json` (the run's --results; its id maps are
+next to it in RUN.id_maps/) to write a self-contained model file instead, with the entity and
+relation names, that worker/tasks/kge_export.py's KGEModel loads and scores with (torch only):
+
+    python -m worker.export --state run.pt --kge-results run.json --out model.pt
+
+`--state` takes the run's --dump-state file (the final model: with --keep-best, the best
+on valid) instead of a checkpoint.
 """
 
 from __future__ import annotations
@@ -54,16 +63,42 @@ def export_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], 
     return out, int(manifest["step"])
 
 
+def state_dict_of_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
+    """The same plain state_dict from a --dump-state file ({"tables", "dense", "steps"})."""
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    out = {f"{EMBEDDING_PREFIX}{name}.weight": t for name, t in blob["tables"].items()}
+    out.update({f"{DENSE_PREFIX}{key}": t for key, t in blob["dense"].items()})
+    return out, int(blob["steps"]) - 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR",
                         help="a step-<s> checkpoint directory, or a root (its newest)")
+    source.add_argument("--state", metavar="PATH",
+                        help="a --dump-state file (the run's final model) instead")
+    parser.add_argument("--kge-results", metavar="RUN.json", default="",
+                        help="--task kge: write a KGEModel file (worker/tasks/kge_export.py) "
+                             "with the id maps of this run's --results")
     parser.add_argument("--out", required=True, metavar="PATH", help="output .pt file")
     args = parser.parse_args(argv)
     try:
-        state, step = export_state_dict(args.checkpoint)
-    except (OSError, ValueError, ShardError) as exc:
+        if args.state:
+            state, step = state_dict_of_dump(args.state)
+        else:
+            state, step = export_state_dict(args.checkpoint)
+        if args.kge_results:
+            from worker.tasks.kge_export import payload_from_run
+
+            payload = payload_from_run(state, args.kge_results)
+            save_torch(args.out, payload)
+            print(f"exported step {step}: {payload['model']} with "
+                  f"{payload['entity'].shape[0]} entities and {payload['num_relations']} "
+                  f"relations -> {args.out}")
+            return 0
+    except (OSError, ValueError, KeyError, ShardError) as exc:
         print(f"worker.export: error: {exc}", file=sys.stderr)
         return 1
     save_torch(args.out, state)

@@ -29,7 +29,7 @@ from worker.config import TrainConfig
 from worker.embedding import POOLING_MODES, TableConfig, init_rows
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, build_dense_seeded
-from worker.train import make_dense_optimizer, num_steps
+from worker.train import make_dense_optimizer, num_steps, scheduled_lr
 
 
 class LocalEmbedding(nn.Module):
@@ -114,6 +114,7 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
     # rank's mean loss, i.e. world_size x the global mean (for dense and embedding grads).
     d = cfg.dense
     loss_factor = world_size if d.dense_parallel == "ddp" and d.ddp_grad_reduce == "sum" else 1
+    hooks = task.hooks(model, world_size)  # the worker's lr schedule, evaluations, best model
     for step in range(steps):
         batch = task.global_batch(step, world_size).to(device)
         loss = task.loss(model, batch)  # mean over the global batch
@@ -121,10 +122,23 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
         if d.clip_grad_norm > 0:  # the dense part only, like the worker
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
                 list(dense.parameters()), d.clip_grad_norm)))
+        lr = scheduled_lr(hooks, step, cfg, dense_opt)
+        if lr is not None:
+            for group in sparse_opt.param_groups:
+                group["lr"] = lr
         dense_opt.step()
         sparse_opt.step()
         dense_opt.zero_grad(set_to_none=True)
         sparse_opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        if hooks is not None and (hooks.eval_due(step) or (
+                cfg.output.eval_every and ((step + 1) % cfg.output.eval_every == 0
+                                           or step + 1 == steps))):
+            with torch.no_grad():
+                metrics = task.evaluate_full(model, 0, 1, quick=True) or {}
+            if hooks.after_eval(step, metrics):
+                break
+    if hooks is not None:
+        hooks.finish()
     state = {k: v.detach().cpu().clone() for k, v in dense.state_dict().items()}
     return ReferenceResult(embedding.full_tables(), state, losses, grad_norms)

@@ -172,13 +172,15 @@ class ShardClient(UpdateSource):
         if self._transport is not None:
             self._transport.cut()
 
-    def push(self, step: int, grads: Grads) -> None:
+    def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
+        """UpdateSource.push; `lr` (Push.lr) travels in every message of the step's pushes,
+        re-sends included, so the server applies them with it."""
         if self._transport is None:
             raise SyncError(f"rank {self.rank}: the client of shard server {self.address} "
                             f"is {self.state}")
         self.newest_pushed = step
         pushes = [(name, self._pending(step, name, grads[name][0].detach().cpu(),
-                                       grads[name][1].detach().cpu()))
+                                       grads[name][1].detach().cpu(), lr))
                   for name in self.buffer.tables]
         messages = self.ledger.add_step(step, pushes, self.placement.epoch)
         try:
@@ -257,7 +259,7 @@ class ShardClient(UpdateSource):
 
     # -- sending and receiving ----------------------------------------------------------
     def _pending(self, step: int, name: str, ids_U: torch.Tensor,
-                 grads_UD: torch.Tensor) -> Pending:
+                 grads_UD: torch.Tensor, lr: float | None) -> Pending:
         """The push by reference into the arena, else its inline messages."""
         self.stats.pushes += 1
         self.stats.push_rows += int(ids_U.numel())
@@ -266,16 +268,16 @@ class ShardClient(UpdateSource):
         if slot is not None:
             self.stats.shm_pushes += 1
             self.stats.shm_bytes += slot.tensor_bytes
-            return self.encoder.by_reference(step, name, slot)
+            return self.encoder.by_reference(step, name, slot, lr)
         if self.placement.epoch:
             self.stats.shm_inline_pushes += 1
-        return self._inline(step, name, ids_U, grads_UD)
+        return self._inline(step, name, ids_U, grads_UD, lr)
 
     def _inline(self, step: int, name: str, ids_U: torch.Tensor,
-                grads_UD: torch.Tensor) -> InlinePush:
+                grads_UD: torch.Tensor, lr: float | None) -> InlinePush:
         """Encoded by the transport (the gRPC stream: on its loop thread), once."""
         return InlinePush(lambda: self.encoder.inline(step, name, ids_U, grads_UD,
-                                                      self.max_chunk_bytes),
+                                                      self.max_chunk_bytes, lr),
                           self._count_encoded)
 
     def _count_encoded(self, messages: list[bytes]) -> None:

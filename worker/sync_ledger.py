@@ -92,14 +92,16 @@ class SyncLedger:
                 messages.append(pending)
         return messages
 
-    def demote(self, encode: Callable[[int, str, torch.Tensor, torch.Tensor], InlinePush]
-               ) -> None:
-        """The server no longer holds the arena: every push by reference goes inline."""
+    def demote(self, encode: Callable[[int, str, torch.Tensor, torch.Tensor, float | None],
+                                      InlinePush]) -> None:
+        """The server no longer holds the arena: every push by reference goes inline
+        (with the lr it was sent with, Push.lr)."""
         for (step, index), pending in list(self.unanswered.items()):
             if isinstance(pending, PlacedShmPush):
-                slot = pending.slot
+                slot, head = pending.slot, pending.head
+                lr = head.lr if head.HasField("lr") else None
                 self.unanswered[(step, index)] = encode(step, self.tables[index], slot.ids,
-                                                        slot.grads)
+                                                        slot.grads, lr)
 
     # -- answers ------------------------------------------------------------------------
     def on_response(self, framed: Response) -> list[tuple[RowUpdate, ShmSlot | None]]:

@@ -63,29 +63,32 @@ class PushEncoder:
         return (shard_pb2.DTYPE_UNSPECIFIED if self.wire_dtype == torch.float32
                 else wire.wire_dtype(self.wire_dtype))
 
-    def _push(self, step: int, table: str) -> shard_pb2.Push:
+    def _push(self, step: int, table: str, lr: float | None) -> shard_pb2.Push:
+        """`lr`: the push's own learning rate (Push.lr; None: the registered one)."""
         return shard_pb2.Push(run_id=self.run_id, rank=self.rank, incarnation=self.incarnation,
-                              step=step, table=table,
+                              step=step, table=table, lr=lr,
                               update_dtype=self.update_dtype)  # type: ignore[arg-type]
 
     def inline(self, step: int, table: str, ids_U: torch.Tensor, grads_UD: torch.Tensor,
-               max_chunk_bytes: int) -> list[bytes]:
-        """The push's SyncRequests, its rows split into chunks that fit max_chunk_bytes."""
+               max_chunk_bytes: int, lr: float | None = None) -> list[bytes]:
+        """The push's SyncRequests, its rows split into chunks that fit max_chunk_bytes
+        (each chunk carries the push's lr)."""
         grads = grads_UD.to(self.wire_dtype)
         per_chunk = wire.rows_per_chunk(int(grads.shape[1]), max_chunk_bytes,
                                         grads.element_size())
         bounds = list(wire.chunk_bounds(int(ids_U.shape[0]), per_chunk))
         messages = []
         for index, (lo, hi) in enumerate(bounds):
-            push = self._push(step, table)
+            push = self._push(step, table, lr)
             push.chunk.index, push.chunk.count = index, len(bounds)
             messages.append(wire.encode_framed(shard_pb2.SyncRequest(push=push),
                                                [(PUSH_IDS, ids_U[lo:hi]),
                                                 (PUSH_GRADS, grads[lo:hi])]))
         return messages
 
-    def by_reference(self, step: int, table: str, slot: ShmSlot) -> PlacedShmPush:
-        push = self._push(step, table)
+    def by_reference(self, step: int, table: str, slot: ShmSlot,
+                     lr: float | None = None) -> PlacedShmPush:
+        push = self._push(step, table, lr)
         push.shm.ids.CopyFrom(slot.refs[0])
         push.shm.grads.CopyFrom(slot.refs[1])
         push.shm.answer.CopyFrom(slot.refs[2])

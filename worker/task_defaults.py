@@ -12,13 +12,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from worker.kge_options import preset_defaults
+
 if TYPE_CHECKING:
     from worker.config import TrainConfig
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "kge": {
         "dim": 32, "epochs": 100, "batch_size": 512, "lr": 0.1, "dense_lr": 0.1,
-        "init_std": 1.0, "log_every": 5, "eval_every": 50,
+        "init_std": 1.0, "log_every": 5,
+        # evaluations by epochs within --eval-budget (KGEHooks); --eval-every N replaces them
+        "eval_every": 0,
     },
     "dlrm": {
         "dim": 16, "steps": 1500, "batch_size": 1024, "lr": 0.02, "dense_lr": 3e-3,
@@ -31,9 +35,12 @@ def task_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
     """Defaults of the task named in `given` (the fields set by flag or environment).
 
     `--steps` given alone means a step-count run: the task's default `epochs` is then
-    not applied (the run uses --steps only when epochs is 0).
+    not applied (the run uses --steps only when epochs is 0). `--preset NAME`
+    (worker/kge_options.py PRESETS) adds its recipe over the task's defaults.
     """
-    defaults = dict(TASK_DEFAULTS.get(str(given.get("task", "synthetic")), {}))
+    preset = preset_defaults(str(given["preset"])) if given.get("preset") else {}
+    task = str(given.get("task", preset.get("task", "synthetic")))
+    defaults = {**TASK_DEFAULTS.get(task, {}), **preset}
     if "steps" in given:
         defaults.pop("epochs", None)
     return defaults

@@ -15,7 +15,7 @@ from hybridps.cli import check_settings, setting
 from hybridps.names import describe_problem
 
 KgeModel = Literal["distmult", "complex", "keci", "qmult"]
-KgeTraining = Literal["kvsall", "negsample"]
+KgeTraining = Literal["kvsall", "1vsall", "negsample"]
 KGE_MODELS: tuple[str, ...] = get_args(KgeModel)  # worker/tasks/kge_models.py builds them
 
 
@@ -92,7 +92,9 @@ class KgeConfig:
         "shipped with hybridps: umls | kinship (hybridps/data/README.md)", "DIR|NAME")
     model: KgeModel = setting("distmult", "scoring model")
     training: KgeTraining = setting(
-        "kvsall", "kvsall (1-vs-all BCE, sharded by entity rows) | negsample")
+        "kvsall", "kvsall (each (h, r) against all entities, multi-hot targets) | 1vsall "
+        "(each (h, r, t) against all entities) | negsample; scoring against all entities is "
+        "sharded by entity rows")
     neg_ratio: int = setting(
         8, "--training negsample: corrupted tails per positive triple", "N", at_least=1)
 

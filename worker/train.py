@@ -44,7 +44,7 @@ from worker.pipeline import InputPipeline
 from worker.staleness import RowPredictor
 from worker.sync import WIRE_DTYPES, ShardClient
 from worker.tasks import build_task
-from worker.tasks.base import HybridModel, Task, build_dense_seeded
+from worker.tasks.base import HybridModel, Task, TrainHooks, build_dense_seeded
 from worker.tensorboard_log import TensorBoardLog
 from worker.updates import LocalSparseOptimizer, StalenessWindow, UpdateSource
 
@@ -75,6 +75,18 @@ def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
         return torch.optim.AdamW(params, lr=o.dense_lr, weight_decay=o.weight_decay,
                                  foreach=True)
     return torch.optim.SGD(params, lr=o.dense_lr, weight_decay=o.weight_decay)
+
+
+def scheduled_lr(hooks: TrainHooks | None, step: int, cfg: TrainConfig,
+                 dense_opt: torch.optim.Optimizer) -> float | None:
+    """Step `step`'s lr: --dense-lr * scale into the dense optimizer, and --lr * scale for the
+    rows' optimizer (sent with the push); None without hooks (the registered lr)."""
+    if hooks is None:
+        return None
+    scale = hooks.lr_scale(step)
+    for group in dense_opt.param_groups:
+        group["lr"] = cfg.optim.dense_lr * scale
+    return cfg.optim.lr * scale
 
 
 def num_steps(cfg: TrainConfig, task: Task, world_size: int) -> int:
@@ -125,6 +137,8 @@ class Trainer:
                                                    plain_at_one_rank=True)
         self.model = HybridModel(self.embedding, self.dense_parallel.module)
         self.dense_opt = make_dense_optimizer(cfg, self.dense_parallel.module.parameters())
+        # the task's lr schedule / scheduled evaluation / early stopping (Task.hooks)
+        self.hooks = self.task.hooks(self.model, ctx.world_size)
         spec = self.sparse_spec = sparse_optimizer_spec(cfg)
         self.checkpointer = Checkpointer(self)
         resume = self.checkpointer.resume_target()  # (directory, step) or None
@@ -164,6 +178,7 @@ class Trainer:
                    else None)
         self.setup_s = time.perf_counter() - t0
         self.train_s = 0.0
+        self.final_eval_s = 0.0
         if self.is_main:
             log.info(kv("ready", run=self.run_id, task=self.task.name, steps=self.steps,
                         start_step=self.start_step, world_size=ctx.world_size,
@@ -200,10 +215,11 @@ class Trainer:
             # Dense step (fp16 unscale + inf check, clipping) and the embedding grads to push.
             # Each rank's loss is its local mean, so its gradient is W times the global-mean
             # loss's gradient share: scaled by 1/W (the dense averaging does the same).
+            lr = scheduled_lr(self.hooks, step, self.cfg, self.dense_opt)
             grads = self.dense_parallel.step(self.dense_opt, self.embedding)
             self.inputs.step_done(step)
             t5 = time.perf_counter()
-            self.source.push(step, grads)  # handed to the sync thread; never blocks
+            self.source.push(step, grads, lr)  # handed to the sync thread; never blocks
             self.last_step = step
             self.window.pushed(step, grads)
             faults.kill_point(rank, step)  # HYBRIDPS_FAULT_KILL: die with the push in flight
@@ -219,13 +235,18 @@ class Trainer:
 
             window_loss += loss.detach()
             window_steps += 1
-            if out.eval_every and ((step + 1) % out.eval_every == 0 or step + 1 == self.steps):
+            stop = False
+            if ((out.eval_every and ((step + 1) % out.eval_every == 0 or step + 1 == self.steps))
+                    or (self.hooks is not None and self.hooks.eval_due(step))):
                 t_eval = time.perf_counter()  # a collective on every rank: same steps
+                self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
                 metrics = self.evaluate(quick=True)
                 if metrics:
                     self.eval_curve.append((step, metrics))
                     if self.tb is not None:
                         self.tb.eval(step + 1, metrics)
+                if self.hooks is not None:  # the same metrics, so the same answer, everywhere
+                    stop = self.hooks.after_eval(step, metrics)
                 t["eval"] += time.perf_counter() - t_eval
                 t6 += time.perf_counter() - t_eval
             if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
@@ -248,12 +269,14 @@ class Trainer:
             if self.checkpointer.due(step):
                 self.checkpointer.save(step)
             bar.update(1)
-            if stop_agreed(step, out.log_every, ctx):  # SIGTERM: worker/lifecycle.py
+            if stop or stop_agreed(step, out.log_every, ctx):  # SIGTERM: worker/lifecycle.py
                 self.last_step = step
                 break
         self.inputs.close()  # what is in flight is the same on every rank
         self.window.drain(self.last_step)  # the final rows include every update
         self.source.finish(self.last_step)
+        if self.hooks is not None:
+            self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
         self.train_s = time.perf_counter() - start
         bar.close()
         self.console.close()
@@ -321,8 +344,9 @@ class Trainer:
 
     def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
                 wall_s: float) -> dict[str, Any]:
-        per_step = {k: v / max(self.steps, 1) for k, v in self.times.items()}
-        samples = self.steps * self.cfg.run.batch_size * self.ctx.world_size
+        ran = self.last_step + 1 - self.start_step  # fewer than planned after an early stop
+        per_step = {k: v / max(ran, 1) for k, v in self.times.items()}
+        samples = ran * self.cfg.run.batch_size * self.ctx.world_size
         sync_stats = dataclasses.asdict(self.source.stats)
         return {
             "config": self.cfg.flat(),  # by setting (= flag) name
@@ -338,6 +362,11 @@ class Trainer:
             "final_loss": self.loss_curve[-1][1] if self.loss_curve else None,
             "loss_curve": [[s, v] for s, v in self.loss_curve],
             "eval_curve": [[s, m] for s, m in self.eval_curve],
+            "last_step": self.last_step,
+            "eval_time_s": self.times["eval"],
+            "final_eval_time_s": self.final_eval_s,
+            "eval_fraction": self.times["eval"] / self.train_s if self.train_s else 0.0,
+            "hooks": self.hooks.describe() if self.hooks is not None else None,
             "eval": eval_metrics,
             "samples_per_s": samples / self.train_s if self.train_s else 0.0,
             "wall_time_s": wall_s,
@@ -378,6 +407,12 @@ class Trainer:
             "step time (ms, rank 0): " + "  ".join(
                 f"{k} {v * 1000:.1f}" for k, v in res["step_time_s"].items()),
         ]
+        if res["eval_curve"]:
+            parts.append(f"evaluations during training: {len(res['eval_curve'])}, "
+                         f"{res['eval_time_s']:.1f}s ({100 * res['eval_fraction']:.1f}% of "
+                         "the training time)")
+        if res["hooks"]:
+            parts.append("schedule: " + "  ".join(f"{k} {v}" for k, v in res["hooks"].items()))
         if ev:
             parts.append("eval: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
         if "dense" in res:  # --dense-parallel and friends (worker/parallel.py)
@@ -394,7 +429,9 @@ class Trainer:
     def report(self) -> dict[str, Any] | None:
         """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
         out, ctx = self.cfg.output, self.ctx
+        t_eval = time.perf_counter()
         eval_metrics = self.evaluate()
+        self.final_eval_s = time.perf_counter() - t_eval
         if self.tb is not None:
             self.tb.eval(self.last_step + 1, eval_metrics)
             self.tb.close()

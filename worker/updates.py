@@ -20,6 +20,7 @@ and the step, and the transport lives in worker/sync.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -215,8 +216,9 @@ class UpdateSource(ABC):
         """Connect/register; called once before the first push."""
 
     @abstractmethod
-    def push(self, step: int, grads: Grads) -> None:
-        """Hand over the coalesced gradients of every table for `step` (never blocks)."""
+    def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
+        """Hand over the coalesced gradients of every table for `step` (never blocks).
+        `lr`: the rows' learning rate for this step (None: the registered one)."""
 
     def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
         return self.buffer.take(through_step, self.timeout_s, self.describe_wait)
@@ -279,13 +281,14 @@ class LocalSparseOptimizer(UpdateSource):
                                       torch.empty(0, weight.shape[1])).to(weight.device)
 
     @torch.no_grad()
-    def push(self, step: int, grads: Grads) -> None:
+    def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
+        spec = self.spec if lr is None else dataclasses.replace(self.spec, lr=lr)
         for name in self.buffer.tables:
             ids_U, grads_UD = grads[name]
             start = self.embedding.ranges[name][0]
             self.counts[name] += 1
             m_RD, v_RD = self.moments[name]
-            delta_UD, decay = apply_rows_(self.spec, m_RD, v_RD, ids_U - start, grads_UD,
+            delta_UD, decay = apply_rows_(spec, m_RD, v_RD, ids_U - start, grads_UD,
                                           self.counts[name])
             self.stats.pushes += 1
             self.stats.push_rows += int(ids_U.numel())
@@ -375,6 +378,11 @@ class StalenessWindow:
         s.lag_max = max(s.lag_max, lag)
         s.histogram[applied] = s.histogram.get(applied, 0) + 1
         self.last_applied_staleness = applied
+
+    def catch_up(self, step: int) -> None:
+        """After step `step`: apply now what the forward of step+1 will see (updates <=
+        step-K), e.g. so that an evaluation after step t sees the model of step t+1."""
+        self._apply_through(step - self.staleness)
 
     def drain(self, last_step: int) -> None:
         """End of training: apply every remaining update, through `last_step`."""

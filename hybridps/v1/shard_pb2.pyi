@@ -211,7 +211,7 @@ class SyncRequest(_message.Message):
     def __init__(self, push: _Optional[_Union[Push, _Mapping]] = ..., batch: _Optional[_Union[PushBatch, _Mapping]] = ...) -> None: ...
 
 class Push(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "update_dtype", "chunk", "shm")
+    __slots__ = ("run_id", "rank", "incarnation", "step", "table", "update_dtype", "chunk", "shm", "lr")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class Push(_message.Message):
     UPDATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -228,7 +229,8 @@ class Push(_message.Message):
     update_dtype: DType
     chunk: InlineChunk
     shm: ShmRefs
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., chunk: _Optional[_Union[InlineChunk, _Mapping]] = ..., shm: _Optional[_Union[ShmRefs, _Mapping]] = ...) -> None: ...
+    lr: float
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., table: _Optional[str] = ..., update_dtype: _Optional[_Union[DType, str]] = ..., chunk: _Optional[_Union[InlineChunk, _Mapping]] = ..., shm: _Optional[_Union[ShmRefs, _Mapping]] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class InlineChunk(_message.Message):
     __slots__ = ("index", "count", "ids", "grads")

@@ -17,6 +17,7 @@ __all__ = ["TASKS", "Batch", "HybridModel", "Task", "build_task", "task_class"]
 TASKS: dict[str, str] = {
     "synthetic": "worker.tasks.synthetic:SyntheticTask",
     "kge": "worker.tasks.kge:KGETask",
+    "kge_planted": "worker.tasks.kge_synth:PlantedKGETask",
     "dlrm": "worker.tasks.dlrm:DLRMTask",
     "tables": "worker.tasks.tables:TablesTask",
 }

@@ -25,7 +25,9 @@ Contract:
   `evaluate_full(model, rank, world_size, quick=...)` (a whole-split evaluation
   that is itself a collective, e.g. shard-parallel ranking; replaces the
   eval_batch/evaluate averaging when it returns metrics), `save_artifacts(
-  results_path)` (rank 0 writes task files next to --results, e.g. id maps).
+  results_path)` (rank 0 writes task files next to --results, e.g. id maps),
+  `hooks(model, world_size)` (a TrainHooks: lr schedule, scheduled evaluation, early
+  stopping, best-model restore; the loop and the reference call it the same way).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from torch import nn
 from worker.config import TrainConfig
 from worker.embedding import TableConfig
 
-__all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task",
+__all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task", "TrainHooks",
            "build_dense_seeded"]
 
 
@@ -110,6 +112,32 @@ class Batch:
         )
 
 
+class TrainHooks:
+    """Per-run training controls a task may add (Task.hooks); the defaults change nothing.
+
+    Determinism: `lr_scale(step)` may depend only on `step` and on the metrics given to
+    `after_eval` before `step` (the same on every rank), so the lr of step t's push is fixed
+    by what was known when step t was taken, whatever the timing."""
+
+    def lr_scale(self, step: int) -> float:
+        """Factor on --lr (the rows' optimizer, sent with each push) and --dense-lr."""
+        return 1.0
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate (task.evaluate_full(quick=True), a collective) after `step`?"""
+        return False
+
+    def after_eval(self, step: int, metrics: dict[str, float]) -> bool:
+        """Metrics of the evaluation after `step`; True: stop training after this step."""
+        return False
+
+    def finish(self) -> None:
+        """After the last step's updates are applied, before the final evaluation."""
+
+    def describe(self) -> dict[str, object]:
+        return {}
+
+
 class Task(ABC):
     """One job. Constructed from the run's TrainConfig (sizes, seed, batch size)."""
 
@@ -161,6 +189,10 @@ class Task(ABC):
     def save_artifacts(self, results_path: str) -> list[str]:
         """Rank 0, after --results is written: task files next to it; returns their paths."""
         return []
+
+    def hooks(self, model: HybridModel, world_size: int) -> TrainHooks | None:
+        """Training controls for this run (None: none); built once the model exists."""
+        return None
 
     def fsdp_units(self, dense: nn.Module) -> list[nn.Module]:
         """Submodules of `dense` to shard as their own FSDP units (default: root only)."""

@@ -44,6 +44,7 @@ Files: the entity/relation id maps are written next to --results (`<results>.id_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -72,10 +73,25 @@ from worker.tasks.kge_data import (
     sample_negatives,
 )
 from worker.tasks.kge_models import KGEScorer, build_model
+from worker.tasks.kge_schedule import KGEHooks, auto_eval_every
+from worker.tasks.kge_scoring import block_loss
 
 ENTITY = "entity"
-EVAL_CELLS = 1 << 24  # queries x owned entities scored at once in evaluation
+EVAL_CELLS = 1 << 25  # queries x owned entities scored at once in evaluation (128 MiB)
 MODEL_OPTIONS = {"keci": ("p", "q", "coefficients"), "qmult": ("unit_relation",)}
+
+
+PENALTY_POWERS = {"none": 0.0, "l2": 2.0, "n3": 3.0}
+
+
+def _scorer(model: HybridModel) -> KGEScorer:
+    """The scorer inside the (possibly FSDP-wrapped) dense module, for its pure functions."""
+    dense = model.dense
+    scorer = getattr(dense, "scorer", None) or getattr(getattr(dense, "module", None),
+                                                       "scorer", None)
+    if not isinstance(scorer, KGEScorer):
+        raise TypeError(f"the dense module {type(dense).__name__} holds no KGEScorer")
+    return scorer
 
 
 def id_maps_dir(results_path: str | Path) -> Path:
@@ -96,19 +112,25 @@ class KGEDense(nn.Module):
 
     score(h, r, t) = q . t + bias for every model, so the same forward serves 1-vs-all block
     scoring and triple scoring. Everything that touches a parameter runs inside forward
-    (FSDP2 gathers the parameters around forward only).
+    (FSDP2 gathers the parameters around forward only): the relation dropout mask and the
+    relation rows' penalty sum_b sum_i |r_bi|^power (0: none) too.
     """
 
     def __init__(self, scorer: KGEScorer) -> None:
         super().__init__()
         self.scorer = scorer
 
-    def forward(self, h_rows: torch.Tensor, rel_ids: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, bias = self.scorer.query(h_rows, rel_ids)
+    def forward(self, h_rows: torch.Tensor, rel_ids: torch.Tensor,
+                rel_mask: torch.Tensor | None = None, penalty_power: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, bias = self.scorer.query(h_rows, rel_ids, rel_mask)
         if bias is None:
             bias = q.new_zeros(q.shape[0])
-        return q, bias
+        penalty = q.new_zeros(())
+        if penalty_power:
+            rel_rows = self.scorer.relation(rel_ids)
+            penalty = self.scorer.squared_moduli(rel_rows).pow(penalty_power / 2).sum()
+        return q, bias, penalty
 
 
 def load_model_options(path: str, model: str) -> dict[str, Any]:
@@ -141,7 +163,10 @@ class KGETask(Task):
         self.num_entities = dataset.num_entities
         self.num_relations = dataset.num_relations  # base relations R; the model has 2R
         self.model_options = load_model_options(cfg.run.model_config, cfg.kge.model)
+        self.options = cfg.kge_train
         self.training = cfg.kge.training
+        self.loss_kind = self.options.loss_for(self.training)
+        self.penalty_power = PENALTY_POWERS[self.options.reg]
         if self.training == "kvsall":
             self.kvs: TailIndex = dataset.kvsall_index()
             self.examples = self.kvs.pairs()  # [P, 2] (h, r)
@@ -151,6 +176,7 @@ class KGETask(Task):
             raise ValueError(f"{cfg.kge.data_dir}: no training triples")
         self._filter: TailIndex | None = None
         self._perm: tuple[int, np.ndarray] | None = None
+        self._dropout_rng: torch.Generator | None = None
 
     # -- Task interface -------------------------------------------------------------------
     def tables(self) -> list[TableConfig]:
@@ -158,11 +184,25 @@ class KGETask(Task):
 
     def build_dense(self) -> nn.Module:
         kw = self.model_options
-        return KGEDense(build_model(self.cfg.kge.model, 2 * self.num_relations,
-                                    self.cfg.run.dim, **kw))
+        scorer = build_model(self.cfg.kge.model, 2 * self.num_relations, self.cfg.run.dim, **kw)
+        with torch.no_grad():  # relations start at N(0, 1) * --init-std, like the entity rows
+            scorer.relation.weight.mul_(self.cfg.optim.init_std)
+        return KGEDense(scorer)
 
     def steps_per_epoch(self, world_size: int) -> int:
         return math.ceil(len(self.examples) / (world_size * self.cfg.run.batch_size))
+
+    def hooks(self, model: HybridModel, world_size: int) -> KGEHooks:
+        per_epoch = self.steps_per_epoch(world_size)
+        every = auto_eval_every(self.options, training=self.training,
+                                valid_triples=len(self.ds.valid), examples=len(self.examples),
+                                num_entities=self.num_entities, neg_ratio=self.cfg.kge.neg_ratio)
+        total = self.cfg.run.epochs * per_epoch if self.cfg.run.epochs else self.cfg.run.steps
+        # --eval-every N (steps) replaces the schedule by epochs; its evaluations still feed
+        # the plateau schedule, early stopping and the best model
+        scheduled = len(self.ds.valid) > 0 and not self.cfg.output.eval_every
+        return KGEHooks(self.options, model, steps_per_epoch=per_epoch, total_steps=total,
+                        eval_every_epochs=every if scheduled else 0)
 
     def global_batch(self, step: int, world_size: int) -> Batch:
         per_epoch = self.steps_per_epoch(world_size)
@@ -175,27 +215,30 @@ class KGETask(Task):
                                         "head": torch.from_numpy(h),
                                         "rel": torch.from_numpy(r)})
         pos = self.examples[idx]
-        rng = np.random.default_rng([self.cfg.run.seed, 2, step])
-        neg = sample_negatives(pos, self.num_entities, self.cfg.kge.neg_ratio, rng, mode="tail")
-        tails = neg[:, 2].reshape(len(pos), self.cfg.kge.neg_ratio)
-        return Batch(len(idx), ids={"head": torch.from_numpy(pos[:, 0].copy()),
-                                    "rel": torch.from_numpy(pos[:, 1].copy()),
-                                    "tail": torch.from_numpy(pos[:, 2].copy()),
-                                    "neg": torch.from_numpy(tails.copy())})
+        ids = {"head": torch.from_numpy(pos[:, 0].copy()),
+               "rel": torch.from_numpy(pos[:, 1].copy()),
+               "tail": torch.from_numpy(pos[:, 2].copy())}
+        if self.training == "negsample":
+            rng = np.random.default_rng([self.cfg.run.seed, 2, step])
+            ratio = self.cfg.kge.neg_ratio
+            neg = sample_negatives(pos, self.num_entities, ratio, rng, mode="tail")
+            ids["neg"] = torch.from_numpy(neg[:, 2].reshape(len(pos), ratio).copy())
+        return Batch(len(idx), ids=ids)
 
     def batch(self, step: int, rank: int, world_size: int) -> Batch:
         full = self.global_batch(step, world_size)
         return full.slice(*split_bounds(full.size, world_size, rank))
 
     def loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
-        if self.training == "kvsall":
-            return self._kvsall_loss(model, batch)
-        return self._negsample_loss(model, batch)
+        if self.training == "negsample":
+            return self._negsample_loss(model, batch)
+        return self._all_entities_loss(model, batch)
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "data_dir": self.cfg.kge.data_dir,
                 "model": self.cfg.kge.model,
                 "model_options": self.model_options, "training": self.training,
+                "loss": self.loss_kind, "kge_options": dataclasses.asdict(self.options),
                 "neg_ratio": self.cfg.kge.neg_ratio if self.training == "negsample" else None,
                 "entities": self.num_entities, "relations": self.num_relations,
                 "train_triples": len(self.ds.train), "valid_triples": len(self.ds.valid),
@@ -214,29 +257,78 @@ class KGETask(Task):
             self._perm = (epoch, order.astype(np.int64))
         return self._perm[1]
 
-    def _kvsall_loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
+    def _dropout(self, x: torch.Tensor, p: float, rank: int) -> torch.Tensor:
+        """Inverted dropout with this rank's own generator (seeded by (seed, rank)): a run is
+        a deterministic function of its config."""
+        if not p:
+            return x
+        if self._dropout_rng is None:
+            self._dropout_rng = torch.Generator(x.device).manual_seed(
+                self.cfg.run.seed * 1_000_003 + rank)
+        keep = torch.rand(x.shape, generator=self._dropout_rng, device=x.device) >= p
+        return x * keep.to(x.dtype) / (1.0 - p)
+
+    def _relation_mask(self, n: int, rank: int, device: torch.device) -> torch.Tensor | None:
+        p = self.options.relation_dropout
+        if not p:
+            return None
+        return self._dropout(torch.ones(n, self.cfg.run.dim, device=device), p, rank)
+
+    def _penalty(self, model: HybridModel, ent_rows: torch.Tensor, rel_penalty: torch.Tensor
+                 ) -> torch.Tensor:
+        """lambda_e sum |e|^p over the entity rows the examples use + lambda_r sum |r|^p."""
+        scorer = _scorer(model)
+        ent = scorer.squared_moduli(ent_rows).pow(self.penalty_power / 2).sum()
+        return self.options.reg_weight * ent + self.options.relation_reg_weight * rel_penalty
+
+    def _all_entities_loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
+        """kvsall / 1vsall: every query of the global batch against the rows this rank owns."""
         emb = model.lookups
         rank, world, group = dist_info(emb)
         device = batch.ids["head"].device
         sizes = gather_sizes(batch.size, world, group, device)
         total = sum(sizes)
-        h_BD = emb.lookup(ENTITY, batch.ids["head"])
-        q_BD, bias_B = model.dense(h_BD, batch.ids["rel"])
+        b = batch.size
+        opts = self.options
+        with_tail = self.penalty_power and self.training == "1vsall"
+        ids = torch.cat([batch.ids["head"], batch.ids["tail"]]) if with_tail else batch.ids["head"]
+        rows = emb.lookup(ENTITY, ids)
+        h_BD = rows[:b]
+        q_BD, bias_B, rel_pen = model.dense(
+            self._dropout(h_BD, opts.entity_dropout, rank), batch.ids["rel"],
+            self._relation_mask(b, rank, device), self.penalty_power)
         qb_QD = all_gather_rows(torch.cat([q_BD, bias_B.unsqueeze(1)], dim=1), sizes, rank,
                                 world, group)
-        pair_Q = all_gather_rows(batch.ids["pair"], sizes, rank, world, group)
         start, block_ED = emb.local_block(ENTITY)
+        end = start + block_ED.shape[0]
+        weights_P = None
+        if self.training == "kvsall":
+            pair_Q = all_gather_rows(batch.ids["pair"], sizes, rank, world, group).cpu().numpy()
+            rows_np, cols_np = self.kvs.block_coo_by_pair(pair_Q, start, end)
+            if self.loss_kind == "ce":  # the target distribution: uniform over known tails
+                counts = np.diff(self.kvs.offsets)[pair_Q]
+                weights_P = torch.from_numpy(1.0 / counts[rows_np]).to(device)
+        else:
+            tail_Q = all_gather_rows(batch.ids["tail"], sizes, rank, world, group)
+            inside = (tail_Q >= start) & (tail_Q < end)
+            rows_t = torch.nonzero(inside).squeeze(1)
+            rows_np, cols_np = rows_t.cpu().numpy(), (tail_Q[rows_t] - start).cpu().numpy()
         dim = q_BD.shape[1]
-        scores_QE = qb_QD[:, :dim] @ block_ED.t() + qb_QD[:, dim:]
-        target = self.kvs.block_mask_by_pair(pair_Q.cpu().numpy(), start,
-                                             start + block_ED.shape[0])
-        target_QE = torch.from_numpy(target).to(scores_QE.device, scores_QE.dtype)
-        bce = F.binary_cross_entropy_with_logits(scores_QE, target_QE, reduction="sum")
-        return bce * (world / (total * self.num_entities))
+        # bce: the mean over the Q x E cells (dicee's KvsAll); ce: the mean over queries
+        per = self.num_entities if self.loss_kind == "bce" else 1
+        loss = block_loss(self.loss_kind, qb_QD[:, :dim], qb_QD[:, dim],
+                          self._dropout(block_ED, opts.entity_dropout, rank),
+                          torch.from_numpy(rows_np).to(device),
+                          torch.from_numpy(cols_np).to(device), weights_P=weights_P,
+                          scale=world / (total * per), num_entities=self.num_entities,
+                          label_smoothing=opts.label_smoothing, world_size=world, group=group)
+        if self.penalty_power:
+            loss = loss + self._penalty(model, rows, rel_pen) * (world / total)
+        return loss
 
     def _negsample_loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
         emb = model.lookups
-        _, world, group = dist_info(emb)
+        rank, world, group = dist_info(emb)
         device = batch.ids["head"].device
         total = sum(gather_sizes(batch.size, world, group, device))
         b = batch.size
@@ -244,14 +336,26 @@ class KGETask(Task):
         ids = torch.cat([batch.ids["head"], batch.ids["tail"], neg_BK.reshape(-1)])
         rows = emb.lookup(ENTITY, ids)
         h_BD, t_BD, neg_BKD = rows[:b], rows[b:2 * b], rows[2 * b:].reshape(b, -1, rows.shape[1])
-        q_BD, bias_B = model.dense(h_BD, batch.ids["rel"])
-        pos_B = (q_BD * t_BD).sum(dim=1) + bias_B
-        neg_score_BK = torch.einsum("bd,bkd->bk", q_BD, neg_BKD) + bias_B.unsqueeze(1)
-        pos_loss = F.binary_cross_entropy_with_logits(pos_B, torch.ones_like(pos_B),
-                                                      reduction="sum")
-        neg_loss = F.binary_cross_entropy_with_logits(neg_score_BK, torch.zeros_like(neg_score_BK),
-                                                      reduction="sum")
-        return (pos_loss + neg_loss) * (world / (total * (1 + neg_BK.shape[1])))
+        p = self.options.entity_dropout
+        q_BD, bias_B, rel_pen = model.dense(self._dropout(h_BD, p, rank), batch.ids["rel"],
+                                            self._relation_mask(b, rank, device),
+                                            self.penalty_power)
+        pos_B = (q_BD * self._dropout(t_BD, p, rank)).sum(dim=1) + bias_B
+        neg_score_BK = (torch.einsum("bd,bkd->bk", q_BD, self._dropout(neg_BKD, p, rank))
+                        + bias_B.unsqueeze(1))
+        if self.loss_kind == "ce":  # softmax over the positive and its negatives
+            logits = torch.cat([pos_B.unsqueeze(1), neg_score_BK], dim=1)
+            loss = F.cross_entropy(logits, torch.zeros(b, dtype=torch.long, device=device),
+                                   reduction="sum") * (world / total)
+        else:
+            pos_loss = F.binary_cross_entropy_with_logits(pos_B, torch.ones_like(pos_B),
+                                                          reduction="sum")
+            neg_loss = F.binary_cross_entropy_with_logits(
+                neg_score_BK, torch.zeros_like(neg_score_BK), reduction="sum")
+            loss = (pos_loss + neg_loss) * (world / (total * (1 + neg_BK.shape[1])))
+        if self.penalty_power:
+            loss = loss + self._penalty(model, rows[:2 * b], rel_pen) * (world / total)
+        return loss
 
     # -- evaluation -------------------------------------------------------------------------
     @property
@@ -263,7 +367,8 @@ class KGETask(Task):
     def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
                       quick: bool = False) -> dict[str, float]:
         out: dict[str, float] = {}
-        for split in ("valid",) if quick else ("valid", "test"):
+        splits = ("valid",) if quick or not self.options.eval_test else ("valid", "test")
+        for split in splits:
             triples = self.ds.split(split)
             if len(triples) == 0:
                 continue
@@ -298,7 +403,7 @@ class KGETask(Task):
                      for r in range(world)]
             h = torch.from_numpy(qb[lo:hi, 0].copy()).to(device)
             rel = torch.from_numpy(qb[lo:hi, 1].copy()).to(device)
-            q_BD, bias_B = model.dense(emb.lookup(ENTITY, h), rel)
+            q_BD, bias_B, _ = model.dense(emb.lookup(ENTITY, h), rel)
             qb_QD = all_gather_rows(torch.cat([q_BD, bias_B.unsqueeze(1)], dim=1), sizes, rank,
                                     world, group)
             dim = q_BD.shape[1]

@@ -25,8 +25,9 @@ Layouts of a D-wide entity row (the relation rows use the same layout):
 
 Initialisation follows dicee's defaults (``init_param=None``): relation rows N(0, 1), and
 ``init_entity_rows`` (N(0, 1)) is what the sharded entity table should use for parity with the
-single-process reference. No dropout / normalisation: dicee's defaults use none, and the
-reference numbers are reached without them (see bench/kge_reference.py).
+single-process reference. Dropout and the N3 / L2 penalties are the trainer's
+(worker/tasks/kge.py): ``query(..., rel_mask)`` takes a relation dropout mask and
+``squared_moduli`` gives the per-coordinate magnitudes the penalties use.
 """
 
 from __future__ import annotations
@@ -68,9 +69,21 @@ class KGEScorer(nn.Module):
         nn.init.normal_(self.relation.weight, 0.0, 1.0)
 
     # -- to implement
-    def query(self, h_rows: Tensor, rel_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(q [B, D], bias [B] or None) such that score(h, r, t) = q . t + bias."""
+    def query(self, h_rows: Tensor, rel_ids: Tensor, rel_mask: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
+        """(q [B, D], bias [B] or None) such that score(h, r, t) = q . t + bias.
+
+        `rel_mask` [B, relation_dim] (optional) multiplies the relation rows: dropout."""
         raise NotImplementedError
+
+    def squared_moduli(self, rows: Tensor) -> Tensor:
+        """[B, k] squared magnitude of each coordinate of rows in this model's algebra (the
+        N3 / L2 penalty is sum |x_i|^p = sum squared_moduli ** (p / 2)): |x_i|^2 per real."""
+        return rows * rows
+
+    def relation_rows(self, rel_ids: Tensor, rel_mask: Tensor | None = None) -> Tensor:
+        rows: Tensor = self.relation(rel_ids)
+        return rows if rel_mask is None else rows * rel_mask
 
     def score_triples(self, h_rows: Tensor, rel_ids: Tensor, t_rows: Tensor) -> Tensor:
         raise NotImplementedError
@@ -106,8 +119,9 @@ class KGEScorer(nn.Module):
 class DistMult(KGEScorer):
     """score = sum_i h_i r_i t_i."""
 
-    def query(self, h_rows: Tensor, rel_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        return h_rows * self.relation(rel_ids), None
+    def query(self, h_rows: Tensor, rel_ids: Tensor, rel_mask: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
+        return h_rows * self.relation_rows(rel_ids, rel_mask), None
 
     def score_triples(self, h_rows: Tensor, rel_ids: Tensor, t_rows: Tensor) -> Tensor:
         self._check(h_rows, rel_ids, t_rows)
@@ -122,10 +136,15 @@ class ComplEx(KGEScorer):
             raise ValueError("ComplEx needs an even entity_dim")
         super().__init__(num_relations, entity_dim)
 
-    def query(self, h_rows: Tensor, rel_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    def query(self, h_rows: Tensor, rel_ids: Tensor, rel_mask: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
         hr, hi = h_rows.chunk(2, dim=1)
-        rr, ri = self.relation(rel_ids).chunk(2, dim=1)
+        rr, ri = self.relation_rows(rel_ids, rel_mask).chunk(2, dim=1)
         return torch.cat([hr * rr - hi * ri, hr * ri + hi * rr], dim=1), None
+
+    def squared_moduli(self, rows: Tensor) -> Tensor:
+        re, im = rows.chunk(2, dim=1)
+        return re * re + im * im
 
     def score_triples(self, h_rows: Tensor, rel_ids: Tensor, t_rows: Tensor) -> Tensor:
         self._check(h_rows, rel_ids, t_rows)
@@ -159,15 +178,20 @@ class QMult(KGEScorer):
         super().__init__(num_relations, entity_dim)
         self.unit_relation = unit_relation
 
-    def _rel(self, rel_ids: Tensor) -> tuple[Tensor, ...]:
-        parts = self.relation(rel_ids).chunk(4, dim=1)
+    def _rel(self, rel_ids: Tensor, rel_mask: Tensor | None = None) -> tuple[Tensor, ...]:
+        parts = self.relation_rows(rel_ids, rel_mask).chunk(4, dim=1)
         if self.unit_relation:
             norm = torch.sqrt(torch.stack([p * p for p in parts]).sum(dim=0) + 1e-12)
             parts = tuple(p / norm for p in parts)
         return parts
 
-    def query(self, h_rows: Tensor, rel_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        return torch.cat(_hamilton(h_rows.chunk(4, dim=1), self._rel(rel_ids)), dim=1), None
+    def query(self, h_rows: Tensor, rel_ids: Tensor, rel_mask: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
+        prod = _hamilton(h_rows.chunk(4, dim=1), self._rel(rel_ids, rel_mask))
+        return torch.cat(prod, dim=1), None
+
+    def squared_moduli(self, rows: Tensor) -> Tensor:
+        return torch.stack([p * p for p in rows.chunk(4, dim=1)]).sum(dim=0)
 
     def score_triples(self, h_rows: Tensor, rel_ids: Tensor, t_rows: Tensor) -> Tensor:
         self._check(h_rows, rel_ids, t_rows)
@@ -221,16 +245,18 @@ class Keci(KGEScorer):
         b, p = x0.shape[0], self.p
         return torch.cat([x0, xv[:, :, :p].reshape(b, -1), xv[:, :, p:].reshape(b, -1)], dim=1)
 
-    def _operands(self, h_rows: Tensor, rel_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _operands(self, h_rows: Tensor, rel_ids: Tensor, rel_mask: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         h0, hv = self._split(h_rows)
-        r0, rv = self._split(self.relation(rel_ids))
+        r0, rv = self._split(self.relation_rows(rel_ids, rel_mask))
         if self.coef is not None:
             hv = hv * self.coef
             rv = rv * self.coef
         return h0, hv, r0, rv
 
-    def query(self, h_rows: Tensor, rel_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        h0, hv, r0, rv = self._operands(h_rows, rel_ids)
+    def query(self, h_rows: Tensor, rel_ids: Tensor, rel_mask: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
+        h0, hv, r0, rv = self._operands(h_rows, rel_ids, rel_mask)
         sig: Tensor = self.signature  # type: ignore[assignment]
         s0 = h0 * r0 + (hv * rv * sig).sum(dim=2)
         sv = h0.unsqueeze(2) * rv + hv * r0.unsqueeze(2)

@@ -1,0 +1,62 @@
+"""A KGE run exported with `python -m worker.export --kge-results` loads into KGEModel (plain
+torch) and gives the run's own test/valid metrics; the id maps travel in the file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_checkpoint import REPO, run
+from tests.test_kge_task import write_graph
+from worker.tasks.kge_export import KGEModel, export_payload, link_prediction_metrics
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["complex", "keci"])
+def test_exported_model_gives_the_runs_metrics(tmp_path: Path, model: str) -> None:
+    graph = write_graph(tmp_path / "graph")
+    extra = ["--model-config", str(graph / "keci.json")] if model == "keci" else []
+    dim = "9" if model == "keci" else "8"  # keci(1, 1): multivectors of 3
+    dump, results = tmp_path / "run.pt", tmp_path / "run.json"
+    run(["--task", "kge", "--data-dir", str(graph), "--model", model, "--dim", dim,
+         "--training", "1vsall", "--epochs", "3", "--lr", "0.05", "--dense-lr", "0.05",
+         "--local-optimizer", "--eval-every-epochs", "1", *extra,
+         "--dump-state", str(dump), "--results", str(results)])
+    out = tmp_path / "model.pt"
+    proc = subprocess.run([sys.executable, "-m", "worker.export", "--state", str(dump),
+                           "--kge-results", str(results), "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    loaded = KGEModel.load(out)
+    ran = json.loads(results.read_text())["eval"]
+    for split in ("valid", "test"):
+        got = link_prediction_metrics(loaded, graph, split)
+        for key, value in got.items():
+            assert value == pytest.approx(ran[f"{split}_{key}"], abs=1e-9), (split, key)
+    # names in, names out
+    h, r, t = (graph / "test.txt").read_text().splitlines()[0].split("\t")
+    score = loaded.score_names([(h, r, t)])
+    best = loaded.predict_tails(h, r, k=30)
+    assert len(best) == 23 and t in {name for name, _ in best}
+    assert score.item() == pytest.approx(dict(best)[t], rel=1e-5)
+    assert {name for name, _ in loaded.predict_heads(r, t, k=3)} <= set(loaded.entity_to_id)
+
+
+def test_export_refuses_mismatched_id_maps() -> None:
+    rows = torch.zeros(3, 4)
+    dense = {"scorer.relation.weight": torch.zeros(4, 4)}
+    with pytest.raises(ValueError, match="2 entity names for 3 rows"):
+        export_payload(rows, dense, model="distmult", model_options={}, num_relations=2,
+                       entity_to_id={"a": 0, "b": 1}, relation_to_id={"r": 0, "s": 1})
+    with pytest.raises(ValueError, match="no scorer"):
+        export_payload(rows, {}, model="distmult", model_options={}, num_relations=2,
+                       entity_to_id={"a": 0, "b": 1, "c": 2}, relation_to_id={"r": 0, "s": 1})
+    with pytest.raises(ValueError, match="not a hybridps-kge-v1"):
+        KGEModel({"format": "other"})

@@ -22,7 +22,8 @@ from hybridps.errors import FlushTimeout, InvalidArgument, ShardError
 from hybridps.optim import OptimizerSpec
 from ps.partition import TableSpec
 from ps.push import Answer, PushChunk
-from ps.store import RankStep, RegisteredTable, ServerStats, Store, SyncSession, kv
+from ps.server_stats import ServerStats
+from ps.store import RankStep, RegisteredTable, Store, SyncSession, kv
 
 log = logging.getLogger("ps.core")
 T = TypeVar("T")

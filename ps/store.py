@@ -52,6 +52,7 @@ from ps.partition import (
     optimizer_description,
 )
 from ps.partition_auth import PartitionAuth, check_run_id
+from ps.server_stats import ServerStats, partition_rows
 from ps.session import SyncSession, TableKey
 
 log = logging.getLogger("ps.store")
@@ -74,47 +75,6 @@ class RankStep:
     rank: int
     table: str
     last_step: int
-
-
-@dataclass(frozen=True)
-class PartitionStatsRow:
-    """One (run, rank, table); the fields of admin.proto's PartitionStats."""
-
-    run_id: str
-    rank: int
-    incarnation: int
-    table: str
-    row_start: int
-    row_end: int
-    rows_held: int
-    state_bytes: int
-    pushes_applied: int
-    rows_updated: int
-    rows_per_second: float
-    distinct_rows_touched: int
-    last_step: int
-    lag_steps: int
-    queue_depth: int
-    refusals: dict[str, int]
-    optimizer: str
-    master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
-    row_dtype: str = "fp32"
-    run_state: str = ""  # active | finished | aborted | abandoned (Store.run_state); '' unknown
-
-
-@dataclass(frozen=True)
-class ServerStats:
-    server_id: str
-    uptime_s: float
-    partitions: list[PartitionStatsRow]
-    refusals: dict[str, int]
-    state_bytes_total: int
-    pushes_applied_total: int
-    rows_updated_total: int
-    master_bytes_total: int = 0
-    runs_freed: int = 0
-    partitions_freed: int = 0
-    max_state_bytes: int = 0
 
 
 def default_server_id() -> str:
@@ -537,28 +497,8 @@ class Store(PartitionAuth):
         with self._lock:
             queued = dict(self._queued)
             refusals = dict(self._refusals)
-        newest: dict[str, int] = {}
-        for p in parts:
-            for t in p.tables.values():
-                newest[p.run_id] = max(newest.get(p.run_id, -1), t.last_step)
-        states = {run: self.run_state(run) for run in newest}
-        rows: list[PartitionStatsRow] = []
-        for p in parts:
-            opt = optimizer_description(p.optimizer)
-            for name, t in p.tables.items():
-                s = t.spec
-                rows.append(PartitionStatsRow(
-                    run_id=p.run_id, rank=p.rank, incarnation=p.incarnation, table=name,
-                    row_start=s.row_start, row_end=s.row_end, rows_held=s.rows_held,
-                    state_bytes=t.state_bytes, pushes_applied=t.pushes_applied,
-                    rows_updated=t.rows_updated, rows_per_second=t.rate.rate(),
-                    distinct_rows_touched=t.distinct_touched, last_step=t.last_step,
-                    lag_steps=newest[p.run_id] - t.last_step,
-                    queue_depth=queued.get((p.run_id, p.rank, name), 0),
-                    refusals=dict(t.refusals), optimizer=opt,
-                    master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
-                    run_state=states[p.run_id],
-                ))
+        states = {p.run_id: self.run_state(p.run_id) for p in parts}
+        rows = partition_rows(parts, queued, states)
         return ServerStats(
             server_id=self.server_id,
             uptime_s=self._clock() - self._started,

@@ -24,7 +24,8 @@ from ps.arena_server import ArenaRegistry, ResolvedShmPush, ShmRef, resolve
 from ps.maintenance import RunReaper
 from ps.partition import TableSpec
 from ps.push import Answer, PushChunk
-from ps.store import ServerStats, Store
+from ps.server_stats import ServerStats
+from ps.store import Store
 
 # Tensor fields of the Sync messages, from the outer message down (wire.TensorPath).
 PUSH_TENSORS = (("push", "chunk", "ids"), ("push", "chunk", "grads"))

@@ -1,0 +1,80 @@
+"""The server's stats snapshot (GetShardStats, the Prometheus metrics, the worker's summary):
+one row per (run, rank, table) and the server's totals. Transport-free, no grpc."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ps.partition import ROW_DTYPES, Partition, optimizer_description
+from ps.session import TableKey
+
+
+@dataclass(frozen=True)
+class PartitionStatsRow:
+    """One (run, rank, table); the fields of admin.proto's PartitionStats."""
+
+    run_id: str
+    rank: int
+    incarnation: int
+    table: str
+    row_start: int
+    row_end: int
+    rows_held: int
+    state_bytes: int
+    pushes_applied: int
+    rows_updated: int
+    rows_per_second: float
+    distinct_rows_touched: int
+    last_step: int
+    lag_steps: int
+    queue_depth: int
+    refusals: dict[str, int]
+    optimizer: str
+    master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
+    row_dtype: str = "fp32"
+    run_state: str = ""  # active | finished | aborted | abandoned (Store.run_state); '' unknown
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    server_id: str
+    uptime_s: float
+    partitions: list[PartitionStatsRow]
+    refusals: dict[str, int]
+    state_bytes_total: int
+    pushes_applied_total: int
+    rows_updated_total: int
+    master_bytes_total: int = 0
+    runs_freed: int = 0
+    partitions_freed: int = 0
+    max_state_bytes: int = 0
+
+
+def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
+                   states: Mapping[str, str]) -> list[PartitionStatsRow]:
+    """One row per (run, rank, table) of `parts`; counters read without the partition
+    locks (ints, GIL-atomic). `queued`: pushes waiting per table; `states`: each run's
+    state (Store.run_state)."""
+    newest: dict[str, int] = {}
+    for p in parts:
+        for t in p.tables.values():
+            newest[p.run_id] = max(newest.get(p.run_id, -1), t.last_step)
+    rows: list[PartitionStatsRow] = []
+    for p in parts:
+        opt = optimizer_description(p.optimizer)
+        for name, t in p.tables.items():
+            s = t.spec
+            rows.append(PartitionStatsRow(
+                run_id=p.run_id, rank=p.rank, incarnation=p.incarnation, table=name,
+                row_start=s.row_start, row_end=s.row_end, rows_held=s.rows_held,
+                state_bytes=t.state_bytes, pushes_applied=t.pushes_applied,
+                rows_updated=t.rows_updated, rows_per_second=t.rate.rate(),
+                distinct_rows_touched=t.distinct_touched, last_step=t.last_step,
+                lag_steps=newest[p.run_id] - t.last_step,
+                queue_depth=queued.get((p.run_id, p.rank, name), 0),
+                refusals=dict(t.refusals), optimizer=opt,
+                master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
+                run_state=states.get(p.run_id, ""),
+            ))
+    return rows

@@ -12,7 +12,9 @@ thread per process.
 from __future__ import annotations
 
 import glob
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,3 +164,18 @@ def server_state_differences(ck_a: Path, ck_b: Path, step: int) -> list[str]:
 def load_line() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
+
+
+def end_campaign(failures: list[Any], figures: dict[str, Any], json_path: str, work: Path,
+                 keep_work: bool) -> int:
+    """The end of every campaign: its failures printed, its figures written to `json_path`
+    (if given), its work directory removed unless asked to keep it; exit code 1 on a
+    failure."""
+    for failure in failures[:20]:
+        print(f"  FAIL {failure}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+    if not keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if not failures else 1

@@ -29,7 +29,6 @@ with the uninterrupted run, bitwise. Exit code 0 only when every trial passed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -45,6 +44,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from campaign_tools import end_campaign  # noqa: E402  (bench/ is sys.path[0])
 
 from hybridps.checkpoint import (  # noqa: E402
     MANIFEST,
@@ -322,14 +323,7 @@ def main(argv: list[str] | None = None) -> int:
           "left the manifest's content as it was")
     print(f"  resumed runs: {resumed_equal}/{resumes} bitwise equal to the uninterrupted run")
     print(f"  {len(failures)} failures; {elapsed:.0f}s; load average {figures['load_average']:.1f}")
-    for f in failures[:20]:
-        print(f"  FAIL {f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-    if not args.dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if not failures else 1
+    return end_campaign(failures, figures, args.json, work, bool(args.dir))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ no internal error in its log, and every healthy run bitwise equal to the solo on
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +46,7 @@ from campaign_tools import (
     SMALL_JOB,
     PsProcess,
     child_env,
+    end_campaign,
     load_line,
     server_state_differences,
     state_differences,
@@ -275,16 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  INTERNAL/UNKNOWN: {bad}; server alive: {alive}, health {health}; healthy runs "
           f"bitwise equal to the solo run: {equal}/{len(healthy)}")
     print(f"  {len(failures)} failures; {elapsed:.0f}s; {load_line()}")
-    for failure in failures[:20]:
-        print(f"  FAIL {failure}")
     for example in fuzzer.bad[:10]:
         print(f"  BAD {example}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-    if not args.dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if not failures else 1
+    return end_campaign(failures, figures, args.json, work, bool(args.dir))
 
 
 if __name__ == "__main__":

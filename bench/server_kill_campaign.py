@@ -22,10 +22,8 @@ Exit code 0 only then.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +38,7 @@ from campaign_tools import (
     SMALL_JOB,
     PsProcess,
     child_env,
+    end_campaign,
     load_line,
     min_last_step,
     server_state_differences,
@@ -213,14 +212,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'bitwise equal' if equal_rows else 'NOT equal'}, server m/v/step "
           f"{'bitwise equal' if equal_server else 'NOT equal'}")
     print(f"  {len(failures)} failures; {elapsed:.0f}s; {load_line()}")
-    for failure in failures[:20]:
-        print(f"  FAIL {failure}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-    if not args.dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if not failures else 1
+    return end_campaign(failures, figures, args.json, work, bool(args.dir))
 
 
 if __name__ == "__main__":

@@ -27,11 +27,9 @@ no internal error.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -48,6 +46,7 @@ from campaign_tools import (
     SMALL_JOB,
     PsProcess,
     child_env,
+    end_campaign,
     load_line,
     min_last_step,
     worker_cmd,
@@ -207,14 +206,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{measured[-1]['VmRSS']:.1f} MiB, peak {peak:.1f} MiB; growth (median of the "
               f"last 5 / first 5 samples) {growth:+.2%} (limit {args.max_growth:.0%})")
     print(f"  {len(failures)} failures; {load_line()}")
-    for failure in failures:
-        print(f"  FAIL {failure}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-    if not args.dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if not failures else 1
+    return end_campaign(failures, figures, args.json, work, bool(args.dir))
 
 
 if __name__ == "__main__":

@@ -444,3 +444,32 @@ def test_shm_on_against_a_refusing_server_is_a_clear_error(tmp_path: Path) -> No
     assert (f"--shm on, but shard server {server.address} did not accept the shared-memory "
             "arena") in proc.stderr
     assert "this server runs with --shm false" in proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_an_inline_push_of_mibs_while_an_inline_answer_of_mibs_waits(ps_address: str) -> None:
+    """A push that does not fit in the arena goes inline over the Sync socket; its answer
+    (tens of MiB) is written while the next push is being sent: the client reads it while
+    its send waits, else each side waits on the other's full buffer (a hang until the
+    timeout; the KGE scale check at 5M entities met it)."""
+    rows, dim = 500_000, 64
+    client = ShardClient(ps_address, run_id=f"big-{os.urandom(4).hex()}", rank=0,
+                         world_size=1, tables=[TableConfig("t", rows, dim)],
+                         ranges={"t": (0, rows)}, optimizer=SPEC, timeout_s=15.0,
+                         shm="on", shm_bytes=64 << 20, max_chunk_bytes=4 << 20)
+    g = torch.Generator().manual_seed(0)
+    sizes = [72_000, 132_000, 72_000]  # the second does not fit beside the first: inline
+    client.start()
+    try:
+        for step, n in enumerate(sizes):
+            ids = torch.randperm(rows, generator=g)[:n].sort().values
+            client.push(step, {"t": (ids, torch.randn(n, dim, generator=g))})
+            if step >= 1:
+                client.take(step - 1)
+        updates, _ = client.take(len(sizes) - 1)
+        assert [u.step for u in updates] == [2]
+        assert client.stats.shm_inline_pushes >= 1
+        assert client.stats.reconnects == 0
+    finally:
+        client.close()

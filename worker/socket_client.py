@@ -84,6 +84,11 @@ class SocketTransport(SyncTransport):
             self.send_frame(FRAME.pack(PUSH, len(message)), message)
 
     def send_frame(self, *parts: bytes) -> None:
+        """Send one frame whole. While the socket buffer is full, what the server sends is
+        read (into the answers `receive` returns): the server answers a message before it
+        reads the next, so an answer of MiBs it is still writing (an inline push's) would
+        otherwise wait on us while we wait on it. The deadline counts from the last byte
+        sent or read."""
         views = [memoryview(p) for p in parts if p]
         deadline: float | None = None
         while views:
@@ -96,10 +101,13 @@ class SocketTransport(SyncTransport):
                     raise TransportRetryable(
                         "DEADLINE_EXCEEDED", f"sync socket {self.path}: the server reads "
                         f"nothing for {self.timeout_s:g}s") from None
-                select.select([], [self._sock], [], deadline - now)
+                readable, _, _ = select.select([self._sock], [self._sock], [], deadline - now)
+                if readable and self._read(0.0):
+                    deadline = None
                 continue
             except OSError as exc:
                 raise self._last_words(exc.strerror or str(exc)) from None
+            deadline = None
             while views and sent >= len(views[0]):
                 sent -= len(views[0])
                 views.pop(0)

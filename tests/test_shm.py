@@ -323,7 +323,7 @@ def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
                           strict=True):
             torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-9)
         strict = _client(server.address, ROWS, DIM, shm="on")
-        with pytest.raises(ServerRefused, match=r"--shm on, but shard server .* did not "
+        with pytest.raises(ServerRefused, match=r"--same-node require, but shard server .* did not "
                                                 r"accept .*--shm false"):
             strict.start()
         strict.close()
@@ -441,8 +441,8 @@ def test_shm_on_against_a_refusing_server_is_a_clear_error(tmp_path: Path) -> No
         proc = run_worker(["--ps", server.address, "--same-node", "require", *SMALL], check=False,
                           timeout=100)
     assert proc.returncode != 0
-    assert (f"--shm on, but shard server {server.address} did not accept the shared-memory "
-            "arena") in proc.stderr
+    assert (f"--same-node require, but shard server {server.address} did not accept the "
+            "shared-memory arena") in proc.stderr
     assert "this server runs with --shm false" in proc.stderr
 
 

@@ -472,7 +472,8 @@ def test_placement_refused_by_the_server_falls_back_or_fails() -> None:
     strict = ArenaPlacement("on", 1 << 20, rank=0, address="x")
     assert strict.offer(first=True) is not None
     try:
-        with pytest.raises(ServerRefused, match="--shm on, but shard server x did not accept"):
+        with pytest.raises(ServerRefused,
+                           match="--same-node require, but shard server x did not accept"):
             strict.accept(shard_pb2.SharedMemoryStatus(accepted=False, reason="no"), True)
     finally:
         strict.close()

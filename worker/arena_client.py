@@ -1,7 +1,7 @@
 """Shared-memory placement, worker side: the rank's arena, its regions, what goes by
 reference, and when a region comes back.
 
-With `--shm auto|on` a rank creates an arena (a file under /dev/shm, mode 0600,
+With `--same-node auto|require` a rank creates an arena (a file under /dev/shm, mode 0600,
 space reserved up front) and offers it at Register; the node's shard server maps it
 (ps/arena_server.py). While it is accepted, each push copies its ids and gradients once
 into a region of the arena, the Push message carries only references (ShmRefs), and
@@ -25,7 +25,7 @@ Lifetimes:
   the training thread's next `take`, and that may itself be waiting for this very
   push. `SyncStats.shm_inline_pushes` counts these, a warning says so once; size the
   arena to hold about K+2 steps of pushes (ids 8 bytes, then gradients and answer
-  dim x 4 bytes a row each) with --shm-mb.
+  dim x 4 bytes a row each) with --same-node-mb.
 
 Shape suffixes in names: `_U` one entry per row a push carries (its unique ids), `_D`
 the table's dim: `ids_U` int64 [U], `grads_UD` [U, dim].
@@ -163,7 +163,7 @@ class ClientArena:
         except OSError as exc:
             self._unlink()
             raise ShmUnavailable(f"cannot reserve {size} bytes in {self.path}: "
-                                 f"{exc.strerror} (is {directory} big enough? --shm-mb)"
+                                 f"{exc.strerror} (is {directory} big enough? --same-node-mb)"
                                  ) from None
         finally:
             os.close(fd)
@@ -281,13 +281,13 @@ class ArenaPlacement:
     def offer(self, first: bool) -> shard_pb2.SharedMemoryArena | None:
         """What to offer at this Register: the arena first, then on every re-Register
         while the server uses it. Creates it on the first Register (ServerRefused with
-        --shm on when it cannot)."""
+        --same-node require when it cannot)."""
         if first and self.mode != "off" and self.arena is None:
             try:
                 self.arena = ClientArena(self.size_bytes, self.rank)
             except ShmUnavailable as exc:
                 if self.mode == "on":
-                    raise ServerRefused(f"rank {self.rank}: --shm on: {exc}") from None
+                    raise ServerRefused(f"rank {self.rank}: --same-node require: {exc}") from None
                 self._fall_back(str(exc))
         elif first and self.mode == "off":
             self.status = "off"
@@ -312,9 +312,9 @@ class ArenaPlacement:
         reason = status.reason or "the server gave no reason"
         if self.mode == "on":
             raise ServerRefused(
-                f"rank {self.rank}: --shm on, but shard server {self.address} did not accept "
-                f"the shared-memory arena {arena.path}: {reason} (--shm auto falls back to "
-                "inline tensors)")
+                f"rank {self.rank}: --same-node require, but shard server {self.address} did "
+                f"not accept the shared-memory arena {arena.path}: {reason} (--same-node auto "
+                "falls back to inline tensors)")
         self.epoch = 0
         self._fall_back(reason)
         if first:
@@ -335,7 +335,7 @@ class ArenaPlacement:
                 log.warning(kv("shm_full", push=what, rows=int(ids_U.shape[0]),
                                arena_bytes=arena.size, used=arena.ring.used,
                                hint="this push (and others that do not fit) goes inline; "
-                                    "raise --shm-mb"))
+                                    "raise --same-node-mb"))
         return slot
 
     def answered(self, step: int, table: str, slot: ShmSlot) -> None:

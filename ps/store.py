@@ -497,7 +497,7 @@ class Store(PartitionAuth):
         with self._lock:
             queued = dict(self._queued)
             refusals = dict(self._refusals)
-        states = {p.run_id: self.run_state(p.run_id) for p in parts}
+        states = {run: self.run_state(run) for run in {p.run_id for p in parts}}
         rows = partition_rows(parts, queued, states)
         return ServerStats(
             server_id=self.server_id,

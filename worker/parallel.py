@@ -379,10 +379,10 @@ def wrapper_needed(cfg: DenseConfig, world_size: int) -> bool:
     """Whether the dense wrapper does anything a plain module would not.
 
     At world size 1 FSDP/HSDP have nothing to shard or gather and DDP nothing to average,
-    yet their hooks, flat buffers and (FSDP2) DTensor bookkeeping cost every step (the
-    plain `nn.EmbeddingBag` + SparseAdam loop pays none of it: issue 24's world-size-1
-    goal). What one rank still needs a wrapper for: mixed precision and a reduce dtype
-    (FSDP2's policy casts), CPU offload and --prefetch-dense (FSDP2 features)."""
+    yet their hooks, flat buffers and (FSDP2) DTensor bookkeeping cost every step, which
+    a plain `nn.EmbeddingBag` + SparseAdam loop does not pay. What one rank still needs a
+    wrapper for: mixed precision and a reduce dtype (FSDP2's policy casts), CPU offload
+    and --prefetch-dense (FSDP2 features)."""
     return (world_size > 1 or cfg.precision != "fp32" or bool(cfg.reduce_dtype)
             or cfg.dense_cpu_offload or cfg.prefetch_dense)
 

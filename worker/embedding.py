@@ -446,18 +446,25 @@ class ShardedEmbedding(nn.Module):
 
     @torch.no_grad()
     def apply_update(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor,
-                     decay: float) -> None:
-        """rows[ids] = rows[ids] * decay + delta, for global ids inside the owned range."""
+                     decay: float, measure: bool = False) -> torch.Tensor | None:
+        """rows[ids] = rows[ids] * decay + delta, for global ids inside the owned range.
+        `measure`: return what it changed, new rows - old rows (fp32, U x D; the weight
+        prediction's effective update, hybridps/row_deltas.py), else None."""
         from hybridps.optim import apply_update_
+        from hybridps.row_deltas import apply_update_measured_
 
         start, end = self.ranges[name]
         if ids_U.numel() == 0:  # decay only ever touches the updated rows
-            return
+            return torch.empty(0, self.tables[name].dim, device=self.device) if measure else None
         lo, hi = int(ids_U.min()), int(ids_U.max())
         if lo < start or hi >= end:
             raise IndexError(f"table {name!r}: update for rows [{lo}, {hi}] outside the owned "
                              f"range [{start}, {end}) of rank {self.rank}")
-        apply_update_(self.weights[name].data, ids_U.to(torch.int64) - start, delta_UD, decay)
+        local_U = ids_U.to(device=self.device, dtype=torch.int64) - start
+        if measure:
+            return apply_update_measured_(self.weights[name].data, local_U, delta_UD, decay)
+        apply_update_(self.weights[name].data, local_U, delta_UD, decay)
+        return None
 
     @torch.no_grad()
     def set_rows(self, name: str, ids_U: torch.Tensor, rows_UD: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from hybridps.row_deltas import add_offsets_
 from worker.embedding import ShardedEmbedding
 
 COMPENSATIONS = ("none", "predict")  # --staleness-compensation
@@ -76,10 +77,9 @@ class RowPrediction:
             return rows_MD.index_add(0, local_P, offset_PD.to(rows_MD.dtype))
         if local_ids_M.numel() == 0:
             return rows_MD
-        pos_M = torch.searchsorted(local_P, local_ids_M).clamp_(max=local_P.numel() - 1)
-        hit_M1 = (local_P.index_select(0, pos_M) == local_ids_M).unsqueeze(1)
-        offset_MD = offset_PD.index_select(0, pos_M).to(rows_MD.dtype)
-        return rows_MD + torch.where(hit_M1, offset_MD, 0.0)
+        # In place where the native kernel runs: rows_MD is the caller's fresh gather, and
+        # the gather's backward does not read its output.
+        return add_offsets_(rows_MD, local_ids_M.contiguous(), local_P, offset_PD)
 
 
 class RowPredictor:
@@ -121,12 +121,21 @@ class RowPredictor:
 
     @torch.no_grad()
     def applied(self, name: str, ids_U: torch.Tensor, before_UD: torch.Tensor) -> None:
-        """An update of table `name` is in the rows: its rows' effective updates replace the
-        table's deltas (updates are applied in step order, so this is the newest step)."""
+        """An update of table `name` is in the rows (`before_UD`: the rows it changed, as
+        they were): see `measured`."""
         ids_U = ids_U.to(self.embedding.device, torch.int64)
-        delta_UD = self.rows_before(name, ids_U) - before_UD
-        ids_U, order_U = torch.sort(ids_U)  # pushes are coalesced (sorted); cheap insurance
-        self.deltas[name] = (ids_U, delta_UD.index_select(0, order_U))
+        self.measured(name, ids_U, self.rows_before(name, ids_U) - before_UD)
+
+    @torch.no_grad()
+    def measured(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor) -> None:
+        """An update of table `name` is in the rows and changed rows ids_U by delta_UD (new -
+        old, fp32): these effective updates replace the table's deltas (updates are applied
+        in step order, so this is the newest step)."""
+        ids_U = ids_U.to(self.embedding.device, torch.int64)
+        if ids_U.numel() > 1 and not bool((ids_U[1:] > ids_U[:-1]).all()):
+            ids_U, order_U = torch.sort(ids_U)  # pushes are coalesced (sorted): rare
+            delta_UD = delta_UD.index_select(0, order_U)
+        self.deltas[name] = (ids_U, delta_UD)
 
     def refresh(self, applied_through: int) -> None:
         """Before a forward: the updates <= `applied_through` are in the rows; predict the

@@ -352,11 +352,14 @@ class StalenessWindow:
             self.stats.wait_s += time.perf_counter() - t0
         predictor = self.predictor
         for u in updates:
+            if not u.rows:
+                effect_UD = self.embedding.apply_update(u.table, u.ids_U, u.delta_UD, u.decay,
+                                                        measure=predictor is not None)
+                if predictor is not None and effect_UD is not None:
+                    predictor.measured(u.table, u.ids_U, effect_UD)
+                continue
             before_UD = None if predictor is None else predictor.rows_before(u.table, u.ids_U)
-            if u.rows:
-                self.embedding.set_rows(u.table, u.ids_U, u.delta_UD)
-            else:
-                self.embedding.apply_update(u.table, u.ids_U, u.delta_UD, u.decay)
+            self.embedding.set_rows(u.table, u.ids_U, u.delta_UD)
             if predictor is not None and before_UD is not None:
                 predictor.applied(u.table, u.ids_U, before_UD)
         self.stats.updates_applied += len(updates)

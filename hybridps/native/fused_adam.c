@@ -342,6 +342,7 @@ typedef struct {
     const int64_t *ids;
     int64_t dim;
     float decay;
+    float *eff; /* NULL, or [n_ids, dim]: each element's new value minus its old one */
 } update_job;
 
 MULTIVERSION static void update_chunk(const void *job, int64_t lo, int64_t hi) {
@@ -356,7 +357,17 @@ MULTIVERSION static void update_chunk(const void *job, int64_t lo, int64_t hi) {
         prefetch_ahead(w, NULL, ids, i, hi, pd, dim);
         float *RESTRICT wr = w + ids[i] * dim;
         const float *RESTRICT dr = k->d + i * dim;
-        if (decay == 1.0f) {
+        if (k->eff) {
+            /* The effective update as torch would measure it (new - old, both rounded to
+             * float32): the staleness window's weight prediction reuses it. */
+            float *RESTRICT er = k->eff + i * dim;
+            for (int64_t j = 0; j < dim; j++) {
+                const float old = wr[j];
+                const float nw = decay == 1.0f ? old + dr[j] : old * decay + dr[j];
+                wr[j] = nw;
+                er[j] = nw - old;
+            }
+        } else if (decay == 1.0f) {
             for (int64_t j = 0; j < dim; j++) wr[j] = wr[j] + dr[j];
         } else {
             for (int64_t j = 0; j < dim; j++) wr[j] = wr[j] * decay + dr[j];
@@ -635,25 +646,66 @@ static PyObject *py_adamw(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(apply_update_doc,
-             "apply_update(rows, n_rows, dim, ids, n_ids, delta, decay, threads)\n--\n\n"
-             "rows[ids] = rows[ids] * decay + delta (float32, unique int64 ids).");
+             "apply_update(rows, n_rows, dim, ids, n_ids, delta, decay, threads, eff=0)\n--\n\n"
+             "rows[ids] = rows[ids] * decay + delta (float32, unique int64 ids); eff, when\n"
+             "not 0, receives [n_ids, dim] new minus old rows.");
 
 static PyObject *py_apply_update(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pw, pids, pd;
+    unsigned long long pw, pids, pd, peff = 0;
     long long n_rows, dim, n_ids;
     double decay;
     int threads;
-    if (!PyArg_ParseTuple(args, "KLLKLKdi", &pw, &n_rows, &dim, &pids, &n_ids, &pd, &decay,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "KLLKLKdi|K", &pw, &n_rows, &dim, &pids, &n_ids, &pd, &decay,
+                          &threads, &peff))
         return NULL;
     if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
     if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
-    const update_job job = {PTR(float *, pw), PTR(const float *, pd), ids, dim, (float)decay};
+    const update_job job = {PTR(float *, pw), PTR(const float *, pd), ids, dim, (float)decay,
+                            peff ? PTR(float *, peff) : NULL};
     Py_BEGIN_ALLOW_THREADS
     run_parallel(update_chunk, &job, n_ids, dim, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(add_offsets_doc,
+             "add_offsets(rows, n, dim, ids, keys, n_keys, offsets)\n--\n\n"
+             "rows[i] += offsets[p] for every i whose ids[i] == keys[p] (keys sorted and\n"
+             "distinct, int64; rows [n, dim] and offsets [n_keys, dim] float32); other rows\n"
+             "are left as they are.");
+
+static PyObject *py_add_offsets(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long prows, pids, pkeys, poff;
+    long long n, dim, n_keys;
+    if (!PyArg_ParseTuple(args, "KLLKKLK", &prows, &n, &dim, &pids, &pkeys, &n_keys, &poff))
+        return NULL;
+    if (n <= 0 || dim <= 0 || n_keys <= 0) Py_RETURN_NONE;
+    float *rows = PTR(float *, prows);
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t *keys = PTR(const int64_t *, pkeys);
+    const float *off = PTR(const float *, poff);
+    Py_BEGIN_ALLOW_THREADS
+    int64_t lo_hint = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        /* Sorted ids (an owner's distinct rows) walk forward from the last hit; others
+         * search the whole range. */
+        int64_t lo = (i > 0 && id >= ids[i - 1]) ? lo_hint : 0, hi = n_keys;
+        while (lo < hi) {
+            const int64_t mid = lo + ((hi - lo) >> 1);
+            if (keys[mid] < id) lo = mid + 1; else hi = mid;
+        }
+        lo_hint = lo;
+        if (lo < n_keys && keys[lo] == id) {
+            float *RESTRICT r = rows + i * dim;
+            const float *RESTRICT o = off + lo * dim;
+            for (int64_t j = 0; j < dim; j++) r[j] = r[j] + o[j];
+        }
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -847,6 +899,7 @@ static PyMethodDef methods[] = {
     {"adam", py_adam, METH_VARARGS, adam_doc},
     {"adamw", py_adamw, METH_VARARGS, adamw_doc},
     {"apply_update", py_apply_update, METH_VARARGS, apply_update_doc},
+    {"add_offsets", py_add_offsets, METH_VARARGS, add_offsets_doc},
     {"scale", py_scale, METH_VARARGS, scale_doc},
     {"triad", py_triad, METH_VARARGS, triad_doc},
     {"advise_hugepages", py_advise_hugepages, METH_VARARGS, advise_hugepages_doc},

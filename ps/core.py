@@ -29,6 +29,9 @@ log = logging.getLogger("ps.core")
 T = TypeVar("T")
 
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
+# The longest a Flush or Checkpoint may ask to wait: a waiting call holds a coroutine and a
+# place in the waiters, so a client cannot park calls on the server for ever.
+MAX_WAIT_S = 86400.0
 # A one-chunk push of at most this many gradient elements is applied on the event loop
 # itself: its kernel takes microseconds, less than the two thread hops of the update pool.
 # (The last chunk of a chunked push applies the whole push, however small that chunk is.)
@@ -126,9 +129,9 @@ class ShardCore:
         """Wait until every named (rank, table) applied `step`; FlushTimeout otherwise."""
         self._flush_waiters += 1
         try:
-            if not 0 <= timeout_s < float("inf"):
+            if not 0 <= timeout_s <= MAX_WAIT_S:
                 raise InvalidArgument(f"flush run={run_id!r}: timeout_s={timeout_s} must be "
-                                      "finite and >= 0 (0: the server's default)")
+                                      f"in [0, {MAX_WAIT_S:g}] (0: the server's default)")
             timeout = timeout_s or self.flush_timeout_s
             applied, behind = self.store.flush_status(run_id, rank, step)
             if not behind:

@@ -20,7 +20,7 @@ from hybridps.errors import InvalidArgument, NotFound, WrongSecret
 from hybridps.partition_secret import PARTITION_HEADER, given_partition, given_secret
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.arena_server import ArenaRegistry
-from ps.core import ShardCore
+from ps.core import MAX_WAIT_S, ShardCore
 from ps.lifecycle import RunTracker, check_finish
 from ps.maintenance import RunReaper
 from ps.push import PushChunk
@@ -97,13 +97,24 @@ def call_secret(context: grpc.aio.ServicerContext) -> str:
     return given_secret(context.invocation_metadata())  # type: ignore[arg-type]
 
 
+MAX_REASON_CHARS = 500  # of a client's free text (Finish, DropRun, Shutdown reasons) kept
+
+
+def clip_text(text: str) -> str:
+    """A client's free text as the log and the run's status keep it: at most
+    MAX_REASON_CHARS characters and the length it had (a client cannot fill the log)."""
+    if len(text) <= MAX_REASON_CHARS:
+        return text
+    return f"{text[:MAX_REASON_CHARS]}... ({len(text)} characters)"
+
+
 def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float:
     """The request's timeout (0: server default), cut to end shortly before the
     client's deadline, so the client gets our message rather than DEADLINE_EXCEEDED.
     InvalidArgument unless it is finite and >= 0."""
-    if not 0 <= requested_s < float("inf"):
-        raise InvalidArgument(f"timeout_s={requested_s} must be finite and >= 0 (0: the "
-                              "server's default)")
+    if not 0 <= requested_s <= MAX_WAIT_S:
+        raise InvalidArgument(f"timeout_s={requested_s} must be in [0, {MAX_WAIT_S:g}] (0: "
+                              "the server's default)")
     remaining = context.time_remaining()
     if remaining is not None and (requested_s == 0 or remaining < requested_s):
         return max(remaining * 0.95, 1e-3)
@@ -314,9 +325,10 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             raise
         if self.shm_arenas is not None:
             self.shm_arenas.release(request.run_id, request.rank, "finish")
+        reason = clip_text(request.reason)
         registered, finished, over = self.tracker.finish(
-            request.run_id, request.rank, request.last_step, request.aborted, request.reason)
-        log.info(kv("finish", **fields, aborted=request.aborted, reason=request.reason or "-",
+            request.run_id, request.rank, request.last_step, request.aborted, reason)
+        log.info(kv("finish", **fields, aborted=request.aborted, reason=reason or "-",
                     ranks_finished=f"{finished}/{registered}", run_over=over))
         if request.aborted and not over and self.stop_when_run_over:
             asyncio.get_running_loop().call_later(
@@ -340,7 +352,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             if self.reaper is None:
                 raise InvalidArgument("this server cannot drop runs")
             why = f"admin DropRun from {context.peer()}" + (
-                f": {request.reason}" if request.reason else "")
+                f": {clip_text(request.reason)}" if request.reason else "")
             partitions, freed = self.reaper.drop(request.run_id, why)
             if not partitions:
                 raise NotFound(f"drop run: run {request.run_id!r} holds no partition on this "
@@ -361,7 +373,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                                 f"grace_s={request.grace_s} must be >= 0")
         assert self.request_stop is not None
         reason = f"admin Shutdown from {context.peer()}" + (
-            f": {request.reason}" if request.reason else "")
+            f": {clip_text(request.reason)}" if request.reason else "")
         asyncio.get_running_loop().call_soon(self.request_stop, reason, request.grace_s)
         return admin_pb2.ShutdownResponse(server_id=self.core.store.server_id)
 

@@ -321,7 +321,7 @@ def test_an_aborted_run_nobody_restarts_is_over_after_the_grace() -> None:
 
 # -- Flush timeouts -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0])
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0, 1e9])
 def test_flush_timeout_must_be_finite(timeout: float) -> None:
     async def go() -> None:
         store = Store()

@@ -68,7 +68,7 @@ def test_random_bytes_are_invalid_argument(server: PsServer, method: str) -> Non
         assert stats.server_id
 
 
-@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0])
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0, 1e9])
 def test_flush_with_a_non_finite_timeout_is_invalid_argument(server: PsServer,
                                                              timeout: float) -> None:
     with open_channel(server.address) as ch:
@@ -272,3 +272,19 @@ def test_generated_token_file(tmp_path: Path) -> None:
                             "--generate-auth-token")
     again.terminate()
     assert token_file.read_text().strip() == token
+
+
+def test_a_long_finish_reason_is_clipped_in_the_log(server: PsServer) -> None:
+    with open_channel(server.address) as ch:
+        stub = shard_stub(ch)
+        _trained_run(stub, "long-reason")
+        stub.Finish(shard_pb2.FinishRequest(run_id="long-reason", rank=0, last_step=1,
+                                            reason="why " * 50_000), timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "long-reason" not in server.stderr() + server.stdout():
+        time.sleep(0.1)
+    lines = [line for line in (server.stderr() + server.stdout()).splitlines()
+             if "event=finish" in line and "long-reason" in line]
+    assert lines, "no finish line for the run"
+    assert "(200000 characters)" in lines[0]
+    assert len(lines[0]) < 1000

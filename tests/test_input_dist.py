@@ -31,7 +31,7 @@ from worker.parallel import DistContext
 
 
 @pytest.mark.parametrize("bound", [7, 100_000, 1 << 62], ids=["tiny", "ids", "torch-path"])
-@pytest.mark.parametrize("num", [0, 1, 2, 100, 5000])
+@pytest.mark.parametrize("num", [0, 1, 2, 100, 5000, 20_000])
 def test_unique_runs_is_torch_unique(bound: int, num: int) -> None:
     gen = torch.Generator().manual_seed(num)
     values = torch.randint(0, min(bound, 1 << 40), (num,), generator=gen)

@@ -66,6 +66,7 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 
 NUMPY_SORT_MIN = 4096  # fewer values: torch's one call costs less than numpy's few
+SMALL_BOUND = 1 << 15  # values below it sort as int16 (numpy: a radix sort)
 
 
 def _numpy_sort(values_N: torch.Tensor, bound: int) -> int:
@@ -88,6 +89,9 @@ def sort_stable(values_N: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch
     bits = _numpy_sort(values_N, bound)
     if not bits:
         return torch.sort(values_N, stable=True)
+    if bound <= SMALL_BOUND:  # e.g. owners: numpy's stable sort of int16 is a radix sort
+        order = np.argsort(values_N.numpy().astype(np.int16), kind="stable")
+        return values_N[torch.from_numpy(order)], torch.from_numpy(order)
     keys = np.sort((values_N.numpy() << bits) | np.arange(values_N.numel(), dtype=np.int64))
     return torch.from_numpy(keys >> bits), torch.from_numpy(keys & ((1 << bits) - 1))
 
@@ -106,6 +110,16 @@ def unique_runs(values_N: torch.Tensor, bound: int
     uniq_U[inverse_N] (torch.unique(sorted=True, return_inverse=True)), order_N the stable
     sorting order and runs_U how many of each value (return_counts)."""
     sorted_N, order_N = sort_stable(values_N, bound)
+    if _numpy_sort(values_N, bound):  # numpy's small ops cost a fraction of torch's here
+        s, o = sorted_N.numpy(), order_N.numpy()
+        first = np.empty(s.size, dtype=bool)
+        first[0] = True
+        np.not_equal(s[1:], s[:-1], out=first[1:])
+        inverse = np.empty(s.size, dtype=np.int64)
+        inverse[o] = np.cumsum(first) - 1
+        runs = np.diff(np.flatnonzero(first), append=s.size)
+        return (torch.from_numpy(s[first]), torch.from_numpy(inverse), order_N,
+                torch.from_numpy(runs))
     first_N = torch.ones_like(sorted_N, dtype=torch.bool)
     torch.ne(sorted_N[1:], sorted_N[:-1], out=first_N[1:])
     uniq_U = sorted_N[first_N]

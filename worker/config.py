@@ -208,7 +208,7 @@ class SameNodeConfig:
         "(hold ~K+2 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row)", "MB")
 
     def __post_init__(self) -> None:
-        if self.same_node == "stream":  # type: ignore[comparison-overlap]
+        if self.same_node == "stream":  # what auto does now: named, not just "not one of"
             raise ValueError("same_node='stream' was removed: with the arena, the Sync "
                              "messages travel on the gRPC stream in every mode; use auto "
                              "(or require)")

@@ -1,12 +1,12 @@
-"""CPU a rank's ShardClient and its shard server spend per step, by Sync transport.
+"""CPU a rank's ShardClient and its shard server spend per step, with and without the arena.
 
     python bench/bench_client_cpu.py                       # this checkout, ~1 min
     python bench/bench_client_cpu.py --root . --root ../other-checkout --repeats 2
 
 One ShardClient (1 table of 1M x 64 rows, 10k unique rows a push, fp32) against a fresh
 `python -m ps`, pushing and taking like the staleness window at K=1 with a 10 ms pause
-a step (a step's compute), once per transport: socket (shared memory + the Sync socket),
-stream (shared memory + the gRPC stream), inline (tensors in the gRPC messages). Prints
+a step (a step's compute), once per mode: shm (the tensors in the shared-memory arena,
+their references on the gRPC Sync stream), inline (tensors in the gRPC messages). Prints
 the client's CPU (every thread of this process: time.process_time) and the server's
 (/proc) per step; the client runs in a child process per measurement so that each
 checkout's code is imported alone. Several --root: the same, interleaved, per checkout.
@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"socket": {"shm": "on", "shm_socket": "auto"},
-         "stream": {"shm": "on", "shm_socket": "off"},
+MODES = {"shm": {"shm": "on"},
          "inline": {"shm": "off"}}
 
 

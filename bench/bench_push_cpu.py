@@ -8,8 +8,7 @@ each, by reference into its arena, in one `PushBatch` message), measured two way
 in one run:
   (a) in process: the server's Python path alone (decode, the Store's checks and
       update, the answer message), no gRPC; min and median of 7 rounds;
-  (b) a real `python -m ps` and one rank on a real Sync stream, and on the server's
-      Sync socket (ps/socket_server.py, the default for a same-node rank), one batch in flight:
+  (b) a real `python -m ps` and one rank on a real Sync stream, one batch in flight:
       the server's CPU per batch (/proc/<pid>/stat) and the client's, with the next
       batch sent at once (`gap 0`) and after a pause like a training step's (`gap 5`
       ms): a server that sleeps between messages pays more for each (cold caches).
@@ -48,7 +47,6 @@ from ps.partition import TableSpec  # noqa: E402
 from ps.store import Store  # noqa: E402
 from ps.sync_codec import batch_message, decode_request, request_chunks, shm_update  # noqa: E402
 from worker.arena_client import ClientArena, ShmSlot, place, region_bytes  # noqa: E402
-from worker.socket_client import SocketTransport  # noqa: E402
 from worker.sync_messages import optimizer_message  # noqa: E402
 
 TABLE_ROWS = 250_000
@@ -152,12 +150,10 @@ def process_cpu_s(pid: int) -> float:
 
 
 def through_server(address: str, server_pid: int, tables: int, rows: int, dim: int,
-                batches: int, gap_s: float, transport: str = "stream") -> dict[str, float]:
-    """`transport` "stream": the gRPC Sync stream; "socket": the server's Sync socket
-    (ps/socket_server.py), written and read on this thread as a rank's training thread
-    does."""
+                batches: int, gap_s: float) -> dict[str, float]:
+    """Batches of shared-memory pushes on a gRPC Sync stream, one in flight."""
     arena = ClientArena(64 << 20, rank=0)
-    run_id = f"bench-{os.getpid()}-{int(gap_s * 1e6)}-{transport}"
+    run_id = f"bench-{os.getpid()}-{int(gap_s * 1e6)}"
     outbox: queue.Queue[shard_pb2.SyncRequest | None] = queue.Queue()
 
     def requests() -> Iterator[shard_pb2.SyncRequest]:
@@ -175,33 +171,13 @@ def through_server(address: str, server_pid: int, tables: int, rows: int, dim: i
         if not response.shm.accepted:
             raise RuntimeError(f"the server refused the arena: {response.shm.reason}")
         pushes = Pushes(arena, run_id, response.shm.epoch, tables, rows, dim)
-        direct = None
-        if transport == "socket":
-            if not response.shm.sync_socket:
-                raise RuntimeError("the server offers no Sync socket (--shm-socket false?)")
-            hello = shard_pb2.SyncHello(run_id=run_id, rank=0,
-                                        partition_secret=response.partition_secret)
-            direct = SocketTransport(response.shm.sync_socket, hello.SerializeToString(),
-                                     60.0, 64 << 20)
-        answers = (stub.Sync(requests(), metadata=partition_metadata(
-            run_id, 0, response.partition_secret)) if direct is None else None)
-
-        def next_update() -> shard_pb2.SyncResponse:
-            if answers is not None:
-                return next(answers)
-            assert direct is not None
-            got: list[Any] = []
-            while not got:
-                got = direct.receive(60.0)
-            return got[0].message
+        answers = stub.Sync(requests(), metadata=partition_metadata(
+            run_id, 0, response.partition_secret))
 
         def one(step: int) -> None:
             msg, slots = pushes.batch(step)
-            if direct is not None:
-                direct.send([msg.SerializeToString()])
-            else:
-                outbox.put(msg)
-            answered = len(next_update().batch.updates)
+            outbox.put(msg)
+            answered = len(next(answers).batch.updates)
             if answered != tables:
                 raise RuntimeError(f"step {step}: {answered} answers, not {tables}")
             pushes.free(slots)
@@ -218,10 +194,7 @@ def through_server(address: str, server_pid: int, tables: int, rows: int, dim: i
         server1, client1, wall1 = (process_cpu_s(server_pid), time.process_time(),
                                    time.perf_counter())
         outbox.put(None)
-        if answers is not None:
-            answers.cancel()
-        if direct is not None:
-            direct.close()
+        answers.cancel()
     arena.close()
     return {"server_cpu_us": (server1 - server0) / batches * 1e6,
             "client_cpu_us": (client1 - client0) / batches * 1e6,
@@ -255,25 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(Path(tmp), [])
         try:
             for gap in gaps:
-                for transport in ("stream", "socket"):
-                    results[f"{transport} {gap:g}"] = through_server(
-                        server.address(), server.proc.pid, args.tables, args.rows,
-                        args.dim, batches, gap / 1000, transport)
+                results[f"{gap:g}"] = through_server(
+                    server.address(), server.proc.pid, args.tables, args.rows, args.dim,
+                    batches, gap / 1000)
         finally:
             server.close()
-    print(f"(b) real server, the gRPC Sync stream or the Sync socket, {batches} batches, "
-          "one in flight")
-    print(f"{'transport':>9} {'gap ms':>7} {'server CPU us':>14} {'client CPU us':>14} "
-          f"{'wall us':>9}")
-    for key, r in results.items():
-        transport, gap_ms = key.split()
-        print(f"{transport:>9} {gap_ms:>7} {r['server_cpu_us']:>14.0f} "
-              f"{r['client_cpu_us']:>14.0f} {r['wall_us']:>9.0f}")
-    for gap in gaps:
-        stream, sock = results[f"stream {gap:g}"], results[f"socket {gap:g}"]
-        print(f"gap {gap:g} ms: socket / stream CPU per batch: server "
-              f"{sock['server_cpu_us'] / stream['server_cpu_us']:.2f}, client "
-              f"{sock['client_cpu_us'] / stream['client_cpu_us']:.2f}")
+    print(f"(b) real server, the gRPC Sync stream, {batches} batches, one in flight")
+    print(f"{'gap ms':>7} {'server CPU us':>14} {'client CPU us':>14} {'wall us':>9}")
+    for gap_ms, r in results.items():
+        print(f"{gap_ms:>7} {r['server_cpu_us']:>14.0f} {r['client_cpu_us']:>14.0f} "
+              f"{r['wall_us']:>9.0f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary: dict[str, Any] = {

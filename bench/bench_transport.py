@@ -1,4 +1,4 @@
-"""End-to-end training throughput by Sync transport: is the second transport worth keeping?
+"""End-to-end training throughput with and without the shared-memory arena.
 
     python bench/bench_transport.py                      # 3 interleaved repeats (~5 min)
     python bench/bench_transport.py --repeats 5 --steps 400 --json runs/bench/transport.json
@@ -7,12 +7,11 @@
 The "20-ids job" (`--task tables --tables t0:1000000:20 --dim 64 --batch-size 1024
 --staleness 1`: one 1M x 64 table, 20 ids a sample, batch 1024 per rank) on 2 gloo ranks
 (torchrun, OMP_NUM_THREADS=1 each) against a fresh `python -m ps` per run, once per
-variant:
-  socket: shared memory, the Sync messages over the server's Unix socket (--same-node
-          require);
-  stream: shared memory, the Sync messages over the gRPC stream (--same-node stream);
+variant, the Sync messages on the gRPC stream in both:
+  shm:    the tensors in the shared-memory arena, the messages carry references
+          (--same-node require);
   inline: no shared memory, the tensors inside the gRPC messages (--same-node off).
-The variants run interleaved (socket, stream, inline, socket, ...) so that a change in
+The variants run interleaved (shm, inline, shm, ...) so that a change in
 the machine's load hits them alike; the table gives each variant's median samples/s
 (the worker's `samples_per_s`: training steps only, set-up excluded), its spread and
 the ratios of the medians, with the load average before and after. With several
@@ -37,8 +36,7 @@ JOB = ["--task", "tables", "--tables", "t0:1000000:20", "--dim", "64", "--batch-
        "--staleness", "1"]
 # The worker flags of each variant (the same-node flags of worker/config.py).
 VARIANTS: dict[str, list[str]] = {
-    "socket": ["--same-node", "require"],
-    "stream": ["--same-node", "stream"],
+    "shm": ["--same-node", "require"],
     "inline": ["--same-node", "off"],
 }
 WORLD = 2
@@ -100,9 +98,8 @@ def run_once(root: Path, variant: str, steps: int, directory: Path,
     sync = res.get("sync", {})
     if variant != "inline" and sync.get("shm") != "on":
         raise RuntimeError(f"{variant}: shared memory was not used ({sync.get('shm')})")
-    want = "socket" if variant == "socket" else "stream"
-    if sync.get("transport", want) != want:
-        raise RuntimeError(f"{variant}: ran over {sync.get('transport')}, not {want}")
+    if sync.get("transport", "stream") != "stream":
+        raise RuntimeError(f"{variant}: ran over {sync.get('transport')}, not the stream")
     return {"samples_per_s": float(res["samples_per_s"]),
             "step_ms": res["train_time_s"] / res["steps"] * 1000}
 

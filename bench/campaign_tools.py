@@ -11,7 +11,6 @@ thread per process.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -87,12 +86,9 @@ class PsProcess:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def kill(self) -> None:
-        """SIGKILL and reap; its Sync socket file is left behind, as a crash leaves it:
-        removed here so that a campaign of many kills leaves nothing in /dev/shm."""
+        """SIGKILL and reap."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        for path in glob.glob(f"/dev/shm/hybridps-sync-{self.proc.pid}-*.sock"):
-            Path(path).unlink(missing_ok=True)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (a graceful stop), SIGKILL after `timeout`; the exit code."""

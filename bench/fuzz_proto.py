@@ -17,7 +17,7 @@ Unary requests go one per call, Sync requests 1-4 per stream. The fuzz partition
 their own run ids (a pool of 16, so the state they allocate stays bounded); the healthy
 runs' ids are never used (guessing them is the token's business, docs/deploy.md).
 
-Meanwhile healthy runs (torchrun, 2 ranks, the Sync socket, checkpoints) train back to
+Meanwhile healthy runs (torchrun, 2 ranks, the shared-memory arena, checkpoints) train back to
 back on the same server until the fuzz is over; each must equal the same run on a server
 of its own, bitwise (rows and dense weights, and the server's m, v, steps in the final
 checkpoint). Every call's status is counted by code and printed. Exit code 0 only with

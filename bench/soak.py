@@ -6,9 +6,9 @@ cut every few steps and its ranks killed now and then; the server's RSS must not
 
 A 2-rank run (staleness 1, checkpoints every --checkpoint-every steps, --resume) under
 `torchrun --max-restarts`, with HYBRIDPS_FAULT_CUT=EVERY (worker/faults.py): every rank
-breaks its Sync connection (the Unix socket, or the gRPC stream with --same-node
-stream/off) right after the push of every EVERY-th step, so the server sees a stream
-end mid-run and the ranks re-register, reconnect and re-send, hundreds of times a minute.
+breaks its Sync connection (cancels its gRPC Sync stream) right after the push of
+every EVERY-th step, so the server sees a stream end mid-run and the ranks re-register,
+reconnect and re-send, hundreds of times a minute.
 Every --kill-every-s seconds one rank (chosen by --seed) is SIGKILLed: torchrun restarts
 both, they resume from the newest checkpoint (the server replaces the partitions:
 Register.restore) with new shared-memory arenas. The server's RSS (VmRSS, and its

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 # The details of the UNAVAILABLE status a draining server (SIGTERM, an admin Shutdown)
-# ends every Sync stream and Sync socket connection with. A client that reads them knows
-# the server is going away with the optimizer state it holds: waiting --ps-timeout for it
-# to come back cannot help (a restarted server has lost that state), so it stops at once.
+# ends every Sync stream with. A client that reads them knows the server is going away
+# with the optimizer state it holds: waiting --ps-timeout for it to come back cannot help
+# (a restarted server has lost that state), so it stops at once.
 SHUTTING_DOWN = ("server shutting down: the pushes it received are answered; the optimizer "
                  "state it holds goes with it (restart it and resume from a checkpoint)")
 SHUTTING_DOWN_PREFIX = "server shutting down:"

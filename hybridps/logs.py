@@ -26,7 +26,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 AUTO = "AUTO"
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(hybridps_fields)s%(message)s"
 # Quieted on rank 0 by `auto` on a terminal: the shard client's connection detail (its
-# transports: the shm arena, the sync socket, the gRPC channel; Finish) and the
+# transports: the shm arena, the gRPC channel and stream; Finish) and the
 # process-group generation line. Their warnings still show.
 AUTO_QUIET_LOGGERS = ("worker.sync", "worker.arena", "worker.grpc", "worker.rendezvous")
 

@@ -5,8 +5,8 @@ call for that (run, rank) carries it in its metadata, next to the auth token (th
 attaches both in one place: worker/grpc_client.py ShardRpc.metadata). The Sync stream
 also names the partition it is bound to (`hybridps-partition: <run_id>/<rank>`): the
 server checks the secret when the stream opens and every push on it against that
-binding. The Sync socket carries the same in its first frame (SyncHello). Run ids are
-letters, digits, `_`, `.` and `-` (hybridps/names.py), so `/` separates unambiguously.
+binding. Run ids are letters, digits, `_`, `.` and `-` (hybridps/names.py), so `/`
+separates unambiguously.
 """
 
 from __future__ import annotations

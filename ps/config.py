@@ -51,6 +51,10 @@ class ServerConfig:
         "--uds": "workers on this node reach the server over TCP and shared memory "
                  "(--shm); there is no Unix-socket listener any more",
         "HYBRIDPS_UDS": "unset it: there is no Unix-socket listener any more (--uds is gone)",
+        "--shm-socket": "the Sync socket is gone: ranks on this node send their Sync messages "
+                        "on the gRPC stream, their tensors in the arena (--shm)",
+        "HYBRIDPS_SHM_SOCKET": "unset it: the Sync socket is gone (--shm-socket); the Sync "
+                               "messages travel on the gRPC stream",
     }
     # --- listening ----------------------------------------------------------------------
     host: str = _s("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)",
@@ -68,10 +72,6 @@ class ServerConfig:
     shm: bool = _s(True, "accept the shared-memory arenas workers on this node offer at "
                    "Register (pushes and answers by reference into /dev/shm instead of inline; "
                    "false: every worker sends inline tensors)", SAME_NODE)
-    shm_socket: bool = _s(
-        True, "with --shm: offer the ranks whose arena it accepts a Unix socket next to the "
-        "arenas for their Sync messages, written and read by their training thread instead "
-        "of a gRPC stream (ps/socket_server.py; false: the Sync stream)", SAME_NODE)
     shm_sweep: bool = _s(
         True, "with --shm: at start and every minute remove leaked arena files in /dev/shm "
         "(hybridps-<pid>-r<rank>-*.arena of this user, older than a minute, whose creator "

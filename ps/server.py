@@ -52,7 +52,6 @@ from ps.lifecycle import RunTracker
 from ps.limits import default_max_state_bytes
 from ps.maintenance import RunReaper, maintain
 from ps.service import AdminServicer, ShardServicer, add_shard_service
-from ps.socket_server import SyncSocketServer
 from ps.store import Store, kv
 
 if TYPE_CHECKING:
@@ -115,7 +114,6 @@ class RunningServer:
     port: int
     shard: ShardServicer
     stop_request: StopRequest
-    sync_socket: SyncSocketServer | None = None
     metrics: MetricsServer | None = None  # --metrics-port (ps/metrics.py)
     maintenance: asyncio.Task[None] | None = None
 
@@ -126,8 +124,6 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
         self.shard.begin_drain()  # Sync streams answer what they hold, then end
         await self.server.stop(grace)
-        if self.sync_socket is not None:
-            await self.sync_socket.close()
         if self.metrics is not None:
             self.metrics.close()
         self.core.shutdown()
@@ -227,15 +223,6 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                         f"{_bind_diagnosis(config.host, config.port)}") from None
     metrics = _start_metrics(config, store, core)
     await server.start()
-    sync_socket = None
-    if config.shm and config.shm_socket:
-        sync_socket = SyncSocketServer(shard, token, config.max_message_bytes)
-        try:
-            await sync_socket.start()
-            shard.sync_socket = sync_socket.path
-        except OSError as exc:  # e.g. no /dev/shm: the ranks keep the Sync stream
-            log.warning(kv("sync_socket_unavailable", path=sync_socket.path, error=str(exc)))
-            sync_socket = None
     for name in ("", *services):
         await health.set(name, SERVING)
     tls = "off" if credentials is None else ("mutual" if config.tls_client_ca else "on")
@@ -247,10 +234,9 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                 reflection=config.reflection, tls=tls, auth="token" if token else "off",
                 admin_shutdown="token" if admin_token else "off",
                 exit_after_run=config.exit_after_run, shm=config.shm,
-                sync_socket=sync_socket.path if sync_socket is not None else "-",
                 checkpoint_root=store.checkpoint_root.root,
                 max_state_bytes=store.budget.limit_bytes))
-    return RunningServer(server, health, core, port, shard, stop_request, sync_socket,
+    return RunningServer(server, health, core, port, shard, stop_request,
                          metrics=metrics, maintenance=maintenance)
 
 

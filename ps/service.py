@@ -3,7 +3,7 @@
 No logic lives here beyond conversion (ps/sync_codec.py) and the call's plumbing:
 validation, exactly-once and the update math are in the transport-free core
 (ps/store.py, ps/partition.py, ps/core.py); one Sync stream is a SyncStream
-(ps/sync_stream.py), shared with the Sync socket (ps/socket_server.py).
+(ps/sync_stream.py).
 """
 
 from __future__ import annotations
@@ -134,8 +134,6 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self.stop_when_run_over = stop_when_run_over
         self.run_idle_timeout_s = run_idle_timeout_s
         self.stopping = asyncio.Event()
-        # ps/socket_server.py's socket, told to ranks whose arena is accepted ("": none).
-        self.sync_socket = ""
 
     def begin_drain(self) -> None:
         """Graceful stop: every Sync stream answers what it already received, then ends."""
@@ -201,8 +199,6 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     offer.size, offer.nonce)
             response.shm.accepted, response.shm.reason = accepted, reason
             response.shm.epoch = epoch
-            if accepted:
-                response.shm.sync_socket = self.sync_socket
         return response
 
     async def Sync(self, request_iterator: SyncFrames,

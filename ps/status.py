@@ -1,5 +1,4 @@
-"""The one mapping from the core's exceptions to gRPC status codes, for every servicer
-and the Sync socket (which sends the same codes in its STATUS frame)."""
+"""The one mapping from the core's exceptions to gRPC status codes, for every servicer."""
 
 from __future__ import annotations
 
@@ -68,7 +67,7 @@ def refusal_reason(exc: BaseException) -> str:
 
 
 class Abortable(Protocol):
-    """What abort_with needs of a call: grpc.aio.ServicerContext, or the Sync socket's."""
+    """What abort_with needs of a call (grpc.aio.ServicerContext)."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "",
                     trailing_metadata: Any = ()) -> Any: ...

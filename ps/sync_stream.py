@@ -1,6 +1,5 @@
-"""One Sync stream, whatever carries it: the gRPC stream (ps/service.py) or the Sync
-socket (ps/socket_server.py). Decode each message, feed its chunks to the core in order,
-and encode the answers; no transport here."""
+"""One Sync stream (its gRPC plumbing: ps/service.py): decode each message, feed its
+chunks to the core in order, and encode the answers; no transport here."""
 
 from __future__ import annotations
 

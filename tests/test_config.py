@@ -29,7 +29,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "max_chunk_bytes": ("1048576", 1048576),
     "wire_dtype": ("bf16", "bf16"),  # tests/test_wire_fast.py
     "staleness_compensation": ("none", "none"),  # tests/test_staleness.py
-    "same_node": ("stream", "stream"),  # tests/test_shm.py
+    "same_node": ("require", "require"),  # tests/test_shm.py
     "same_node_mb": ("128", 128),
     "run_id": ("r1", "r1"),
     "task": ("synthetic", "synthetic"),
@@ -242,21 +242,21 @@ def test_removed_variable_names_its_replacement() -> None:
     with pytest.raises(SystemExit) as exc:
         parse_config(TrainConfig, ["--local-optimizer"], environ={"HYBRIDPS_SHM_MB": "8"})
     assert exc.value.code == 2
-    # HYBRIDPS_SHM and HYBRIDPS_SHM_SOCKET still configure the server: the worker ignores them
+    # HYBRIDPS_SHM configures the server (HYBRIDPS_SHM_SOCKET did; the server refuses it
+    # now): the worker ignores them
     cfg = parse_config(TrainConfig, ["--local-optimizer"],
                        environ={"HYBRIDPS_SHM": "false", "HYBRIDPS_SHM_SOCKET": "false"})
     assert cfg.node.same_node == "auto"
 
 
-@pytest.mark.parametrize(("same_node", "shm", "socket"), [
-    ("auto", "auto", "auto"), ("off", "off", "off"), ("require", "on", "auto"),
-    ("stream", "auto", "off")])
-def test_same_node_maps_to_the_client_arguments(same_node: str, shm: str, socket: str) -> None:
-    from worker.config import SHM_MODES, SHM_SOCKET_MODES
+@pytest.mark.parametrize(("same_node", "shm"), [
+    ("auto", "auto"), ("off", "off"), ("require", "on")])
+def test_same_node_maps_to_the_client_arguments(same_node: str, shm: str) -> None:
+    from worker.config import SHM_MODES
 
     args = TrainConfig.of(ps="h:1", same_node=same_node, same_node_mb=3).node.client_args()
-    assert args == {"shm": shm, "shm_bytes": 3 << 20, "shm_socket": socket}
-    assert args["shm"] in SHM_MODES and args["shm_socket"] in SHM_SOCKET_MODES
+    assert args == {"shm": shm, "shm_bytes": 3 << 20}
+    assert args["shm"] in SHM_MODES
 
 
 # -- the config tree -------------------------------------------------------------------------

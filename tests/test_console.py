@@ -91,7 +91,7 @@ def test_a_terminal_shows_phases_bar_and_checkpoints_without_interleaving(
     assert not mixed, mixed
     logs = [m for m in (LINE.match(line) for line in lines) if m]
     # --log-level auto on a terminal: rank 0 INFO without the per-connection detail (shm
-    # arena, sync socket, process group, Finish), rank 1 only warnings (none here): start,
+    # arena, gRPC channel, process group, Finish), rank 1 only warnings (none here): start,
     # ready, one line per checkpoint.
     assert {m["rank"] for m in logs} == {"0"}, [m.group(0) for m in logs]
     events = [re.match(r"(event=\S+|checkpoint step \d+)", m["message"]) for m in logs]

@@ -7,9 +7,9 @@
   aborted rank once no stream of the run is open, or when the run is abandoned;
 - worker SIGTERM (via torchrun): every rank stops after the same step, flushes,
   sends Finish(aborted), exits 143; the server holds exactly that step;
-- server SIGTERM under a training run (Sync socket or stream): every rank learns at once
-  that the server is shutting down and exits 1 with one line saying so, instead of
-  re-registering for the whole --ps-timeout.
+- server SIGTERM under a training run (the Sync stream, with the arena or inline): every
+  rank learns at once that the server is shutting down and exits 1 with one line saying
+  so, instead of re-registering for the whole --ps-timeout.
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> N
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("same_node", ["auto", "stream"])  # the Sync socket, the gRPC stream
+@pytest.mark.parametrize("same_node", ["auto", "off"])  # the stream with the arena, inline
 def test_server_sigterm_stops_the_ranks_at_once_with_a_clear_line(tmp_path: Path,
                                                                    same_node: str) -> None:
     """The default --ps-timeout (60 s): the ranks must not spend it re-registering with a
@@ -359,7 +359,7 @@ def test_server_sigterm_stops_the_ranks_at_once_with_a_clear_line(tmp_path: Path
         for line in lines:
             assert "is shutting down" in line, line
         assert "unreachable for" not in text, text[-6000:]
-        assert ("event=sync_socket " in text) == (same_node == "auto"), "not that transport"
+        assert ("event=shm " in text) == (same_node == "auto"), "not that same-node mode"
         assert elapsed < 30.0, f"the ranks took {elapsed:.0f}s to stop\n{text[-4000:]}"
     finally:
         if proc.poll() is None:

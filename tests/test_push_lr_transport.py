@@ -222,8 +222,7 @@ def _check_run(c: ShardClient) -> None:
 @pytest.mark.parametrize(("route", "kwargs"), [
     ("stream", {}),
     ("stream", {"max_chunk_bytes": 8 * 1024}),  # every push in several chunks
-    ("stream", {"shm": "on", "shm_socket": "off"}),  # by reference, in PushBatches
-    ("socket", {"shm": "on"}),
+    ("stream", {"shm": "on"}),  # by reference, in PushBatches
 ])
 def test_the_server_applies_each_push_at_its_lr(ps_address: str, route: str,
                                                 kwargs: dict[str, object]) -> None:
@@ -249,7 +248,7 @@ def test_pushes_resent_after_a_cut_are_applied_at_their_lr(tmp_path: Path, shm: 
         proxy = FaultProxy((server.host, server.port), after=100_000 if shm == "off" else 2_000,
                            mode="drop")
         try:
-            c = _client(f"127.0.0.1:{proxy.port}", shm=shm, shm_socket="off")
+            c = _client(f"127.0.0.1:{proxy.port}", shm=shm)
             _check_run(c)
         finally:
             proxy.close()

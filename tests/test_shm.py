@@ -337,18 +337,36 @@ def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
 # -- flags ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--same-node", "maybe"], "same_node='maybe' is not one of auto, off, require, stream"),
+    (["--same-node", "maybe"], "same_node='maybe' is not one of auto, off, require"),
+    (["--same-node", "stream"], "same_node='stream' was removed: with the arena, the Sync "
+                                "messages travel on the gRPC stream in every mode; use auto"),
     (["--same-node-mb", "0"], "same_node_mb=0 must be in [1, 1048576]"),
     (["--same-node", "require", "--local-optimizer"], "same_node='require' needs a shard server"),
     (["--shm", "on"], "--shm was removed: use --same-node auto|off"),
     (["--shm-mb=16"], "--shm-mb was removed: use --same-node-mb"),
-    (["--shm-socket", "off"], "--shm-socket was removed: use --same-node stream"),
+    (["--shm-socket", "off"], "--shm-socket was removed: the Sync socket is gone: "
+                              "--same-node auto (the default) puts the tensors in the arena "
+                              "and the messages on the gRPC stream"),
 ])
 def test_worker_shm_flags_name_bad_values(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     full = argv if "--local-optimizer" in argv else [*argv, "--ps", "127.0.0.1:1"]
     with pytest.raises(SystemExit):
         parse_config(TrainConfig, full, environ={})
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "environ", "message"), [
+    (["--shm-socket", "false"], {}, "--shm-socket was removed: the Sync socket is gone"),
+    ([], {"HYBRIDPS_SHM_SOCKET": "false"}, "HYBRIDPS_SHM_SOCKET was removed: unset it"),
+])
+def test_server_refuses_the_removed_sync_socket_flag(argv: list[str], environ: dict[str, str],
+                                                     message: str,
+                                                     capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_config(ServerConfig, argv, environ=environ)
+    assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
 
@@ -415,9 +433,8 @@ def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
         # Shared-memory pushes are ~100-byte headers: the run sends ~20 KB through the proxy.
         proxy = FaultProxy((server.host, server.port), after=8_000, mode="drop")
         try:
-            # The stream's reconnect (the Sync socket's is tests/test_direct.py).
             run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--same-node",
-                        "stream", "--run-id", "shm-reconnect",
+                        "require", "--run-id", "shm-reconnect",
                         "--dump-state", str(tmp_path / "state.pt"),
                         "--results", str(tmp_path / "r.json"), *SMALL])
         finally:
@@ -449,10 +466,11 @@ def test_shm_on_against_a_refusing_server_is_a_clear_error(tmp_path: Path) -> No
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_an_inline_push_of_mibs_while_an_inline_answer_of_mibs_waits(ps_address: str) -> None:
-    """A push that does not fit in the arena goes inline over the Sync socket; its answer
-    (tens of MiB) is written while the next push is being sent: the client reads it while
-    its send waits, else each side waits on the other's full buffer (a hang until the
-    timeout; the KGE scale check at 5M entities met it)."""
+    """A push that does not fit in the arena goes inline over the Sync stream; its answer
+    (tens of MiB) is written while the next push is being sent: neither may wait on the
+    other's full buffer (a hang until the timeout; the KGE scale check at 5M entities met
+    it on the former Sync socket). gRPC's flow control reads and writes each direction
+    on its own, so the stream must get through with no reconnect."""
     rows, dim = 500_000, 64
     client = ShardClient(ps_address, run_id=f"big-{os.urandom(4).hex()}", rank=0,
                          world_size=1, tables=[TableConfig("t", rows, dim)],
@@ -471,5 +489,6 @@ def test_an_inline_push_of_mibs_while_an_inline_answer_of_mibs_waits(ps_address:
         assert [u.step for u in updates] == [2]
         assert client.stats.shm_inline_pushes >= 1
         assert client.stats.reconnects == 0
+        assert client.stats.transport == "stream"
     finally:
         client.close()

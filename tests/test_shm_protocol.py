@@ -133,6 +133,37 @@ def test_bad_shm_reference_is_refused_and_changes_nothing(
 
 
 @pytest.mark.e2e
+def test_a_push_by_reference_needs_the_partition_secret(raw_rank: RawRank,
+                                                        ps_address: str) -> None:
+    """A Sync stream is bound to the partition (and secret) its metadata names: a push by
+    reference into a rank's arena on a stream without its secret, with a wrong one, or
+    bound to another partition (with that one's secret) is PERMISSION_DENIED before any
+    of it is read: the server neither applies it nor writes into the arena."""
+    assert raw_rank.register().shm.accepted
+    good, answer = raw_rank.push(0)
+    other = RawRank(ps_address, f"{raw_rank.run_id}-other")
+    try:
+        assert other.register().shm.accepted
+        for metadata in ((), partition_metadata(raw_rank.run_id, 0, ""),
+                         partition_metadata(raw_rank.run_id, 0, "0" * 32),
+                         partition_metadata(raw_rank.run_id, 0, raw_rank.secret[:-1] + "x"),
+                         partition_metadata(raw_rank.run_id, 0, other.secret),
+                         other.metadata):
+            with pytest.raises(grpc.RpcError) as info:
+                list(raw_rank.stub.Sync(iter([shard_pb2.SyncRequest(push=good)]),
+                                        timeout=30, metadata=metadata))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, metadata
+    finally:
+        other.close()
+    assert float(answer.abs().sum()) == 0, "the server wrote into the arena"
+    stats = get_shard_stats(ps_address, run_id=raw_rank.run_id).partitions[0]
+    assert stats.last_step == -1 and stats.pushes_applied == 0
+    assert stats.refusals["wrong_secret"] >= 1
+    (response,) = raw_rank.sync(good)  # the rank's own stream, with its secret
+    assert response.update.step == 0 and float(answer.abs().sum()) > 0
+
+
+@pytest.mark.e2e
 def test_shm_push_without_an_accepted_arena_is_refused(raw_rank: RawRank) -> None:
     request = shard_pb2.RegisterRequest(
         run_id=raw_rank.run_id, rank=0, world_size=1, incarnation=1,

@@ -144,9 +144,6 @@ class FakeRpc:
     def bind_partition(self, run_id: str, rank: int, secret: str) -> None:
         self.partition = (run_id, rank, secret)
 
-    def socket_hello(self) -> bytes:
-        return b""
-
     def start(self) -> None:
         self.running = True
 

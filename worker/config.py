@@ -32,7 +32,7 @@ from worker.task_options import DlrmConfig, KgeConfig, SyntheticConfig, TablesCo
 if TYPE_CHECKING:
     from hybridps.security import ClientSecurity
 
-__all__ = ["SHM_MODES", "SHM_SOCKET_MODES", "TrainConfig", "parse_host_port"]
+__all__ = ["SHM_MODES", "TrainConfig", "parse_host_port"]
 
 Optimizer = Literal["adam", "adamw", "sgd"]
 RowDtype = Literal["fp32", "bf16"]  # worker/embedding.py ROW_DTYPES maps them to torch
@@ -40,11 +40,10 @@ WireDtype = Literal["fp32", "bf16", "fp16"]  # worker/sync.py WIRE_DTYPES maps t
 Device = Literal["auto", "cpu", "cuda"]
 Compensation = Literal["none", "predict"]  # worker/staleness.py
 PoolAt = Literal["auto", "owner", "requester"]  # worker/embedding.py POOL_AT
-SameNode = Literal["auto", "off", "require", "stream"]
-# The client's own same-node arguments (ShardClient(shm=..., shm_socket=...)); the worker's
-# flags reach them only through SameNodeConfig.client_args.
+SameNode = Literal["auto", "off", "require"]
+# The client's own same-node argument (ShardClient(shm=...)); the worker's flags reach it
+# only through SameNodeConfig.client_args.
 SHM_MODES = ("auto", "on", "off")
-SHM_SOCKET_MODES = ("auto", "off")
 MAX_SAME_NODE_MB = 1 << 20
 MIN_CHUNK_BYTES = 64 * 1024
 
@@ -52,7 +51,8 @@ MIN_CHUNK_BYTES = 64 * 1024
 REMOVED_FLAGS = {
     "--shm": "use --same-node auto|off (require: fail without the shared-memory arena)",
     "--shm-mb": "use --same-node-mb MB",
-    "--shm-socket": "use --same-node stream (the arena, messages on the gRPC stream) or "
+    "--shm-socket": "the Sync socket is gone: --same-node auto (the default) puts the "
+                    "tensors in the arena and the messages on the gRPC stream; or "
                     "--same-node off",
     "HYBRIDPS_SHM_MB": "use HYBRIDPS_SAME_NODE_MB",
 }
@@ -196,18 +196,22 @@ class SyncConfig:
 @dataclass(frozen=True)
 class SameNodeConfig:
     """The same-node fast path to this node's server: a shared-memory arena in /dev/shm
-    for pushes and answers, and the server's Unix socket for the step's messages."""
+    for pushes and answers, referenced by the messages of the gRPC Sync stream."""
 
     same_node: SameNode = setting(
-        "auto", "auto: arena + Unix socket when the node's server takes them, else inline "
-        "tensors over gRPC (another host or container) | off: inline tensors over gRPC only "
-        "| require: as auto, but fail at start when the server refuses the arena | stream: "
-        "the arena, with the messages on the gRPC Sync stream instead of the Unix socket")
+        "auto", "auto: the pushes and answers in a shared-memory arena when the node's "
+        "server takes it (the Sync stream carries references), else inline tensors over "
+        "gRPC (another host or container) | off: inline tensors over gRPC only | require: "
+        "as auto, but fail at start when the server refuses the arena")
     same_node_mb: int = setting(
         64, "size of the shared-memory arena in MiB; a push that does not fit goes inline "
         "(hold ~K+2 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row)", "MB")
 
     def __post_init__(self) -> None:
+        if self.same_node == "stream":  # what auto does now: named, not just "not one of"
+            raise ValueError("same_node='stream' was removed: with the arena, the Sync "
+                             "messages travel on the gRPC stream in every mode; use auto "
+                             "(or require)")
         check_settings(self)
         if not 1 <= self.same_node_mb <= MAX_SAME_NODE_MB:
             raise ValueError(f"same_node_mb={self.same_node_mb!r} must be in "
@@ -215,9 +219,8 @@ class SameNodeConfig:
 
     def client_args(self) -> dict[str, Any]:
         """These settings as ShardClient's keyword arguments (the one place they meet)."""
-        shm, socket = {"auto": ("auto", "auto"), "off": ("off", "off"),
-                       "require": ("on", "auto"), "stream": ("auto", "off")}[self.same_node]
-        return {"shm": shm, "shm_bytes": self.same_node_mb << 20, "shm_socket": socket}
+        shm = {"auto": "auto", "off": "off", "require": "on"}[self.same_node]
+        return {"shm": shm, "shm_bytes": self.same_node_mb << 20}
 
 
 @dataclass(frozen=True)

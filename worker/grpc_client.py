@@ -5,9 +5,8 @@ thread of its own, for the life of the client. Every call goes through it: the u
 calls (Register, SeedRows, Flush, Checkpoint, Finish) by `call`, which the calling
 thread waits on with a deadline, and the Sync stream by `open_stream`. `metadata` is
 the one place a call's credentials are attached: the auth token, and, once a Register
-answered it, the partition's secret (hybridps/partition_secret.py), which the Sync
-socket's HELLO carries too (`socket_hello`). Errors are TransportErrors
-(worker/transport.py), never grpc's.
+answered it, the partition's secret (hybridps/partition_secret.py). Errors are
+TransportErrors (worker/transport.py), never grpc's.
 
 Why a thread with its own loop: grpc.aio needs a running loop, and the training thread
 must never run one (it would have to stop in the middle of a step to let it run). No
@@ -39,7 +38,7 @@ from hybridps.channel_options import channel_options
 from hybridps.logs import kv
 from hybridps.partition_secret import partition_metadata
 from hybridps.security import ClientSecurity, open_aio_channel, open_channel
-from hybridps.v1 import shard_pb2, shard_pb2_grpc
+from hybridps.v1 import shard_pb2_grpc
 from worker.sync_messages import InlinePush, Outgoing
 from worker.transport import (
     Response,
@@ -98,12 +97,6 @@ class ShardRpc:
         secret (and the partition it belongs to, which binds a Sync stream)."""
         own = partition_metadata(*self._partition) if self._partition is not None else ()
         return tuple(self.security.metadata) + own
-
-    def socket_hello(self) -> bytes:
-        """The same credentials, as the Sync socket's first frame (a SyncHello)."""
-        run_id, rank, secret = self._partition or ("", 0, "")
-        return shard_pb2.SyncHello(auth_token=self.security.token, run_id=run_id, rank=rank,
-                                   partition_secret=secret).SerializeToString()
 
     @property
     def running(self) -> bool:

@@ -5,8 +5,8 @@ into the server's master copy), then send each step's pushes over a Sync transpo
 read the answers back. The pieces, each in its own module:
 - worker/grpc_client.py `ShardRpc`: the channel and every call (its event loop runs in
   a thread of its own), with the call's credentials attached in one place;
-- worker/transport.py `SyncTransport`: the gRPC Sync stream (grpc_client.py), or the
-  server's Sync socket for a rank on its node (socket_client.py);
+- worker/transport.py `SyncTransport`: the gRPC Sync stream (grpc_client.py), which
+  carries the pushes and answers inline or, with the arena, their references;
 - worker/arena_client.py `ArenaPlacement`: what goes by reference into shared memory;
 - worker/sync_ledger.py `SyncLedger`: the exactly-once bookkeeping, no I/O;
 - worker/sync_messages.py: the messages.
@@ -45,11 +45,9 @@ from hybridps.security import ClientSecurity
 from hybridps.v1 import shard_pb2
 from worker import faults
 from worker.arena_client import ArenaPlacement
-from worker.config import SHM_SOCKET_MODES
 from worker.connect import call_until_connected, connect_window_s
 from worker.embedding import TableConfig
 from worker.grpc_client import ShardRpc
-from worker.socket_client import SocketTransport
 from worker.sync_ledger import Pending, SyncLedger
 from worker.sync_messages import (
     InlinePush,
@@ -103,13 +101,8 @@ class ShardClient(UpdateSource):
                  initial_rows: InitialRows | None = None,
                  wire_dtype: torch.dtype = torch.float32,
                  shm: str = "off", shm_bytes: int = 64 << 20,
-                 shm_socket: str = "auto",
                  rpc: ShardRpc | None = None) -> None:
         super().__init__([t.name for t in tables], timeout_s)
-        # shm_socket: with an accepted arena, the Sync socket the server offers (auto) or not
-        if shm_socket not in SHM_SOCKET_MODES:
-            raise ValueError(f"shm_socket={shm_socket!r} is not one of "
-                             f"{', '.join(SHM_SOCKET_MODES)}")
         if wire_dtype not in WIRE_DTYPES.values():
             raise ValueError(f"wire dtype {wire_dtype} is not one of "
                              f"{', '.join(map(str, WIRE_DTYPES.values()))}")
@@ -124,7 +117,6 @@ class ShardClient(UpdateSource):
         self.security = security or ClientSecurity()
         # (checkpoint directory, step): the first Register loads the server state from it.
         self.restore = restore
-        self.shm_socket_mode = shm_socket
         self.table_specs = table_specs(tables, ranges)
         self.dims = {t.name: t.dim for t in tables}
         who = f"rank {rank}: shard server {address}"
@@ -140,7 +132,6 @@ class ShardClient(UpdateSource):
         self.last_error = ""
         self.newest_pushed = -1
         self._transport: SyncTransport | None = None
-        self._socket_path = ""  # the Sync socket the server offered at the latest Register
         self._broken_since: float | None = None  # broke, with no answer since (_broken)
         self._forget_cut: Callable[[], None] | None = None
         if restore is not None:
@@ -313,20 +304,7 @@ class ShardClient(UpdateSource):
         return waited
 
     def _connect(self) -> None:
-        """The Sync socket the server offered, if any and allowed; else the gRPC stream."""
-        if self._socket_path and self.placement.epoch:
-            try:
-                self._transport = SocketTransport(self._socket_path, self.rpc.socket_hello(),
-                                                  self.timeout_s, self.rpc.max_receive_bytes)
-            except TransportError as exc:
-                log.info(kv("sync_socket_fallback", server=self.address,
-                            path=self._socket_path, error=exc.text,
-                            hint="Sync messages travel over gRPC"))
-            else:
-                if self.stats.transport != "socket":
-                    log.info(kv("sync_socket", server=self.address, path=self._socket_path))
-                self.stats.transport = self.state = "socket"
-                return
+        """Open the gRPC Sync stream (bound to the partition Register answered)."""
         self._transport = self.rpc.open_stream()
         self.stats.transport, self.state = "stream", "streaming"
 
@@ -455,8 +433,6 @@ class ShardClient(UpdateSource):
         if offer is not None and not accepted and not first:
             self.ledger.demote(self._inline)  # the server lost the arena: re-send inline
         self.stats.shm = self.placement.status
-        self._socket_path = (response.shm.sync_socket
-                             if accepted and self.shm_socket_mode != "off" else "")
         if self.row_dtype != torch.float32:
             self._seed_master(response, first)
 

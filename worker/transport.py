@@ -1,13 +1,12 @@
 """What carries a rank's Sync messages: the `SyncTransport` interface and its errors.
 
-Two implementations: the gRPC Sync stream (worker/grpc_client.py, the default path,
-also across nodes) and the server's Sync socket for a rank on the server's node
-(worker/socket_client.py). ShardClient (worker/sync.py) calls a transport from the
-training thread only; what a transport does inside (the gRPC stream's event loop) is
-its own business.
+One implementation: the gRPC Sync stream (worker/grpc_client.py), on the same node
+(its pushes and answers by reference into the shared-memory arena) and across nodes
+(inline). ShardClient (worker/sync.py) calls a transport from the training thread
+only; what a transport does inside (the gRPC stream's event loop) is its own business,
+and tests can stand in for it behind this interface.
 
-Failures are `TransportError`s named by gRPC status code, whichever transport: the
-socket's server sends the same codes in its last frame. `TransportRetryable`: worth
+Failures are `TransportError`s named by gRPC status code. `TransportRetryable`: worth
 re-registering and re-sending (the connection broke, the server restarted or drains);
 `TransportRefused`: the server refused what we sent or who we are, and sending it
 again would be refused again; `TransportShutdown`: the server said it is shutting down
@@ -74,7 +73,7 @@ class SyncTransport(ABC):
     TransportError from either, after the responses that arrived before it.
     """
 
-    name: str  # "stream" | "socket", for the stats and the log
+    name: str  # "stream", for the stats and the log
 
     @abstractmethod
     def send(self, messages: Sequence[Outgoing]) -> None:

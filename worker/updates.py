@@ -1,8 +1,8 @@
 """Row updates on the training thread: sources, the buffer, and the staleness window.
 
 Two sources of row updates share one interface (`UpdateSource`):
-- `worker.sync.ShardClient`: the node's shard server (Register, then the Sync stream or
-  the Sync socket), read on the training thread;
+- `worker.sync.ShardClient`: the node's shard server (Register, then the Sync stream),
+  read on the training thread;
 - `LocalSparseOptimizer` (--local-optimizer): the same hybridps.optim kernels run
   in-process, m/v on the device, no server.
 Both fill an `UpdateBuffer`; `StalenessWindow` decides, at each step boundary on the
@@ -89,7 +89,7 @@ class SyncStats:
     shm_bytes: int = 0         # their tensor bytes (ids, gradients, answers) in the arena
     shm_inline_pushes: int = 0  # pushes sent inline while shm was on (the arena was full)
     shm_batches: int = 0       # messages carrying a step's shm pushes of several tables
-    # "stream" (gRPC Sync) or "socket" (the server's Sync socket, worker/socket_client.py)
+    # The Sync transport (worker/transport.py): "stream", the gRPC Sync stream
     transport: str = "stream"
 
 

@@ -107,16 +107,14 @@ class SharedMemoryArena(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class SharedMemoryStatus(_message.Message):
-    __slots__ = ("accepted", "reason", "epoch", "sync_socket")
+    __slots__ = ("accepted", "reason", "epoch")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    SYNC_SOCKET_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     epoch: int
-    sync_socket: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., sync_socket: _Optional[str] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ShmTensor(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "length")
@@ -189,18 +187,6 @@ class SeedRowsResponse(_message.Message):
     rows_seeded: int
     rows_held: int
     def __init__(self, rows_seeded: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
-
-class SyncHello(_message.Message):
-    __slots__ = ("auth_token", "run_id", "rank", "partition_secret")
-    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    RUN_ID_FIELD_NUMBER: _ClassVar[int]
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    PARTITION_SECRET_FIELD_NUMBER: _ClassVar[int]
-    auth_token: str
-    run_id: str
-    rank: int
-    partition_secret: str
-    def __init__(self, auth_token: _Optional[str] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., partition_secret: _Optional[str] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("push", "batch")

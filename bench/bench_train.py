@@ -44,6 +44,7 @@ from typing import Any
 
 from harness import (  # bench/ is sys.path[0] when run as a script
     REPO,
+    CpuSampler,
     Server,
     bench_parser,
     log,
@@ -93,6 +94,8 @@ class Run:
     eval_loss: float | None = None
     wall_s: float = 0.0
     repeats_step_ms: list[float] = field(default_factory=list)
+    cpu_ms: float | None = None         # rank 0's process CPU a training step (all threads)
+    server_cpu_ms: float | None = None  # the shard server's CPU a step, over the whole run
 
 
 # -- (a) plain single-process PyTorch -------------------------------------------------------
@@ -195,6 +198,7 @@ def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
                  directory: Path, nproc: int = WORLD) -> Run:
     directory.mkdir(parents=True, exist_ok=True)
     server = Server(directory) if not variant.startswith("local") else None
+    sampler = None if server is None else CpuSampler(server.proc.pid)
     try:
         source = ["--local-optimizer"] if server is None else ["--ps", server.address]
         res = run_worker([*source, "--staleness", "1", "--steps", str(steps),
@@ -203,13 +207,21 @@ def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
                          directory / f"{name}-{variant}.json",
                          directory / f"{name}-{variant}.log", world=nproc, timeout=1800)
     finally:
+        if sampler is not None:
+            sampler.stop()
         if server is not None:
             server.close()
+    # the server's CPU while rank 0 trained (not while the ranks registered and seeded)
+    span = res.get("train_span_unix_s")
+    server_cpu_s = (sampler.cpu_between(*span) if sampler is not None and span else None)
     step_s = res["train_time_s"] / res["steps"]
     b = res["world_size"] * res["config"]["batch_size"]
+    cpu_s = res.get("train_cpu_s")
     return Run(name, variant, res["steps"], b, res["samples_per_s"], step_s * 1000,
                {k: res["step_time_s"].get(k, 0.0) * 1000 for k in BREAKDOWN},
-               res["eval"].get("loss"), res["process_wall_s"])
+               res["eval"].get("loss"), res["process_wall_s"],
+               cpu_ms=None if cpu_s is None else cpu_s / res["steps"] * 1000,
+               server_cpu_ms=None if server_cpu_s is None else server_cpu_s / res["steps"] * 1000)
 
 
 def distinct_ids_per_step(worker_args: list[str]) -> float:

@@ -168,7 +168,7 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
         return KeyedJaggedTensor(keys=names, values=torch.cat(values), lengths=torch.cat(lengths))
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = torch.zeros(())
     for step in range(steps):  # the data, as hybridps' loop makes it: inside the step
         batch = task.batch(step, rank, world)
@@ -177,11 +177,12 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
         dense_opt.step()
         dense_opt.zero_grad(set_to_none=True)
     dist.barrier()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     if rank == 0:
         out.write_text(json.dumps({
             "samples_per_s": steps * cfg.run.batch_size * world / wall,
             "step_ms": wall / steps * 1000, "steps": steps, "final_loss": float(loss.detach()),
+            "cpu_ms": cpu / steps * 1000,
             "optimizer": "fbgemm EXACT_ROWWISE_ADAGRAD (fused, in backward)",
             "dense": "DDP + torch Adam"}) + "\n")
     dist.destroy_process_group()
@@ -218,14 +219,28 @@ def run_hybridps_variant(job: str, variant: str, steps: int, directory: Path,
     run = run_hybridps(job, mode, [*JOBS[job], "--dense-parallel", dense_parallel], steps,
                        directory)
     return {"samples_per_s": run.samples_per_s, "step_ms": run.step_ms,
-            "breakdown_ms": run.breakdown_ms}
+            "breakdown_ms": run.breakdown_ms, "cpu_ms": run.cpu_ms,
+            "server_cpu_ms": run.server_cpu_ms}
 
 
 # -- report -------------------------------------------------------------------------------------
 
+def _cpu_text(tries: list[dict[str, Any]]) -> str:
+    """Median CPU ms a step of rank 0's process (every thread) and of the server: on a
+    machine with a core per rank, the CPU a step needs bounds its wall time from below."""
+    def median(key: str) -> float | None:
+        values = [t[key] for t in tries if t.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    rank0, server = median("cpu_ms"), median("server_cpu_ms")
+    if rank0 is None:
+        return "-"
+    return f"{rank0:.2f}" + ("" if server is None else f" (+ {server:.2f})")
+
+
 def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, list[dict[str, Any]]]:
     lines = [f"{'job':<6} {'variant':<15} {'samples/s per repeat':<30} {'median':>8} "
-             f"{'spread':>7}  step ms (median)"]
+             f"{'spread':>7}  step ms  CPU ms a step: rank 0 (+ server)  (medians)"]
     goals = []
     for job, variants in runs.items():
         for variant, tries in variants.items():
@@ -234,7 +249,8 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, li
             spread = (max(sps) - min(sps)) / med if med else 0.0
             lines.append(f"{job:<6} {variant:<15} {' '.join(f'{s:>8.0f}' for s in sps):<30} "
                          f"{med:>8.0f} {spread:>6.0%}  "
-                         f"{statistics.median(t['step_ms'] for t in tries):.2f}")
+                         f"{statistics.median(t['step_ms'] for t in tries):7.2f}  "
+                         + _cpu_text(tries))
         base = [t["samples_per_s"] for t in variants["torchrec"]]
         for variant in ("hybridps", "hybridps-local"):
             ratios = [h["samples_per_s"] / t for h, t in zip(

@@ -11,11 +11,13 @@ benchmark says every flag it means) and one OpenMP thread per process.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +47,53 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuSampler:
+    """Samples a process's CPU seconds (process_cpu_s) every `every_s` on a thread, so
+    the CPU it used in a span of wall-clock time (e.g. another process's training loop)
+    can be read afterwards: `cpu_between(t0, t1)`."""
+
+    def __init__(self, pid: int, every_s: float = 0.02) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            cpu = process_cpu_s(self.pid)
+            if cpu is None:
+                return
+            self.samples.append((time.time(), cpu))
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cpu_between(self, start: float, end: float) -> float | None:
+        """CPU seconds used in [start, end] (wall clock), interpolated between samples."""
+        if len(self.samples) < 2 or not self.samples[0][0] <= start < end <= self.samples[-1][0]:
+            return None
+        times = [t for t, _ in self.samples]
+
+        def at(x: float) -> float:
+            i = max(1, bisect.bisect_left(times, x))
+            (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+            return c0 + (c1 - c0) * ((x - t0) / (t1 - t0) if t1 > t0 else 0.0)
+
+        return at(end) - at(start)
 
 
 class Server:

@@ -19,7 +19,9 @@ The calls and the report live in hybridps/admin.py (the worker prints the stats 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -209,8 +211,17 @@ def watch_stats(config: StatsConfig, security: ClientSecurity) -> int:
     """Print the stats every --watch seconds until Ctrl-C (exit 0); a failed call prints
     its line and the watch goes on (the server may be restarting)."""
     clear = "\033[H\033[2J" if sys.stdout.isatty() and not config.json else ""
+    interrupted = threading.Event()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        # Remembered as well as raised: a KeyboardInterrupt raised inside grpc's own code
+        # (channel clean-up) can be swallowed there, and the watch must stop anyway.
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        while True:
+        while not interrupted.is_set():
             started = time.monotonic()
             if not config.json:
                 print(f"{clear}every {config.watch:g}s  {time.strftime('%H:%M:%S')}  "
@@ -220,9 +231,12 @@ def watch_stats(config: StatsConfig, security: ClientSecurity) -> int:
             except grpc.RpcError as exc:
                 print(_rpc_failure("GetShardStats", config.ps, exc), file=sys.stderr,
                       flush=True)
-            time.sleep(max(0.0, config.watch - (time.monotonic() - started)))
+            interrupted.wait(max(0.0, config.watch - (time.monotonic() - started)))
     except KeyboardInterrupt:
-        return 0
+        pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ def test_results_json_contract(server_run: dict[str, Any]) -> None:
     assert [p[0] for p in res["loss_curve"]] == [4, 9, 14, 19]
     assert res["final_loss"] == res["loss_curve"][-1][1] and res["samples_per_s"] > 0
     assert 0 < res["train_cpu_s"] < 20 * res["train_time_s"]  # rank 0's process, all threads
+    started, ended = res["train_span_unix_s"]
+    assert abs((ended - started) - res["train_time_s"]) < 0.5
     assert set(res["step_time_s"]) >= {"data", "forward", "a2a", "backward", "push", "apply"}
     assert res["staleness"]["k"] == 0 and res["staleness"]["applied_max"] == 0
     assert res["sync"]["pushes"] == STEPS * 4 and res["sync"]["updates"] == STEPS * 4

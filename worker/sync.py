@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from worker.arena_client import ArenaPlacement
 from worker.config import SHM_SOCKET_MODES
 from worker.connect import call_until_connected, connect_window_s
 from worker.embedding import TableConfig
+from worker.groups import Member
 from worker.grpc_client import ShardRpc
 from worker.socket_client import SocketTransport
 from worker.sync_ledger import Pending, SyncLedger
@@ -101,6 +102,7 @@ class ShardClient(UpdateSource):
                  security: ClientSecurity | None = None,
                  row_dtype: torch.dtype = torch.float32,
                  initial_rows: InitialRows | None = None,
+                 members: Mapping[str, Sequence[Member]] | None = None,
                  wire_dtype: torch.dtype = torch.float32,
                  shm: str = "off", shm_bytes: int = 64 << 20,
                  shm_socket: str = "auto",
@@ -125,7 +127,8 @@ class ShardClient(UpdateSource):
         # (checkpoint directory, step): the first Register loads the server state from it.
         self.restore = restore
         self.shm_socket_mode = shm_socket
-        self.table_specs = table_specs(tables, ranges)
+        # members: the tables of each group registered as one table (worker/groups.py)
+        self.table_specs = table_specs(tables, ranges, members)
         self.dims = {t.name: t.dim for t in tables}
         who = f"rank {rank}: shard server {address}"
         self.ledger = SyncLedger(self.buffer.tables, self.dims, row_dtype, self.stats, who,

@@ -35,7 +35,9 @@ from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.embedding import ShardedEmbedding
 from worker.staleness import RowPredictor
 
-Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids_U global, grads_UD)
+# unit (worker/groups.py: a group of tables of one width, or a table alone) -> (ids_U unit
+# row ids, grads_UD)
+Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class SyncError(RuntimeError):
@@ -56,14 +58,15 @@ class ServerRefused(SyncError):
 
 @dataclass
 class RowUpdate:
-    """rows[ids] = rows[ids] * decay + delta for one (step, table).
+    """rows[ids] = rows[ids] * decay + delta for one (step, unit): `table` names a unit
+    (worker/groups.py), its ids are unit row ids (a table alone: its global row ids).
 
     `rows` (bf16 rows with an fp32 master): delta_UD holds the new rows, rows[ids] = delta.
     """
 
     step: int
     table: str
-    ids_U: torch.Tensor    # int64 global row ids, inside the owned range
+    ids_U: torch.Tensor    # int64 unit row ids, inside the owned range
     delta_UD: torch.Tensor
     decay: float
     duplicate: bool = False
@@ -251,7 +254,9 @@ class LocalSparseOptimizer(UpdateSource):
     """--local-optimizer: the shard server's kernels (hybridps.optim) run in-process.
 
     One optimizer step count per table advancing on every push (exactly like
-    the server and torch.optim.SparseAdam); m/v live on the rows' device.
+    the server and torch.optim.SparseAdam); m/v live on the rows' device. It runs per
+    unit (worker/groups.py): one kernel call a step for a group of tables, whose step
+    count is every member's.
     Updates are computed at push time and applied by the StalenessWindow at
     the same step boundaries as server updates, so results match the server
     path for every --staleness.
@@ -265,11 +270,12 @@ class LocalSparseOptimizer(UpdateSource):
 
     def __init__(self, embedding: ShardedEmbedding, spec: OptimizerSpec,
                  timeout_s: float = 60.0) -> None:
-        super().__init__(list(embedding.tables), timeout_s)
+        super().__init__(list(embedding.units), timeout_s)
         self.embedding, self.spec = embedding, spec
+        # per unit: m, v and (bf16 rows only) the fp32 master rows, laid out like its block
         self.moments: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        self.masters: dict[str, torch.Tensor] = {}  # fp32 master rows (bf16 rows only)
-        self.counts = dict.fromkeys(embedding.tables, 0)
+        self.masters: dict[str, torch.Tensor] = {}
+        self.counts = dict.fromkeys(embedding.units, 0)
         for name, weight in embedding.weights.items():
             if spec.has_moments:
                 self.moments[name] = (_moment(weight, "m"), _moment(weight, "v"))
@@ -285,7 +291,7 @@ class LocalSparseOptimizer(UpdateSource):
         spec = self.spec if lr is None else dataclasses.replace(self.spec, lr=lr)
         for name in self.buffer.tables:
             ids_U, grads_UD = grads[name]
-            start = self.embedding.ranges[name][0]
+            start = self.embedding.units[name].start
             self.counts[name] += 1
             m_RD, v_RD = self.moments[name]
             delta_UD, decay = apply_rows_(spec, m_RD, v_RD, ids_U - start, grads_UD,

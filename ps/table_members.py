@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hybridps.errors import InvalidArgument
 from hybridps.names import describe_problem
-
-if TYPE_CHECKING:
-    from ps.partition import TableSpec
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,23 @@ class MemberSpec:
     @property
     def rows_held(self) -> int:
         return self.row_end - self.row_start
+
+
+class TableSpec(Protocol):
+    """ps/partition.py's TableSpec, as this module reads it (no import cycle)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def num_rows(self) -> int: ...
+    @property
+    def row_start(self) -> int: ...
+    @property
+    def row_end(self) -> int: ...
+    @property
+    def rows_held(self) -> int: ...
+    @property
+    def members(self) -> tuple[MemberSpec, ...]: ...
 
 
 @dataclass(frozen=True)

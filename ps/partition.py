@@ -196,6 +196,10 @@ class TableState:
         self.pushes_applied = 0
         self.rows_updated = 0
         self.distinct_touched = 0
+        # a group (ps/table_members.py): rows updated per member, for the per-table stats
+        self.member_rows_updated = [0] * len(spec.members)
+        self._member_bounds = torch.tensor([m.offset for m in spec.members[1:]],
+                                           dtype=torch.int64)
         self.refusals: collections.Counter[str] = collections.Counter()
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
         self.answer_cache_steps = answer_cache_steps
@@ -373,6 +377,10 @@ class TableState:
         self.rows_updated += n
         if n:
             self.distinct_touched += mark_rows_(self.touched, local)
+            if self.member_rows_updated:  # local ids are sorted (check_rows)
+                cuts = [0, *torch.searchsorted(local, self._member_bounds).tolist(), n]
+                for i in range(len(self.member_rows_updated)):
+                    self.member_rows_updated[i] += cuts[i + 1] - cuts[i]
         self.rate.add(n)
         if self.master is not None:
             # The optimizer step landed on the fp32 master above (exactly what the rank would

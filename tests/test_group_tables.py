@@ -106,11 +106,21 @@ def test_grouping_changes_nothing(server: PsServer, tmp_path: Path, staleness: s
     assert res_on["table_groups"] == {"group-d4": ["a", "b", "e"],
                                       "group-d8": ["c_wide", "d_wide"]}
     assert res_off["table_groups"] == {}
-    # the server holds one partition table per group (and the losses moved: it trained)
-    assert res_on["server_stats"] is not None
-    held = {p["table"] for p in res_on["server_stats"]["partitions"]
-            if p["run_id"] == f"on-{tag}"}
-    assert held == {"group-d4", "group-d8"}
+    # the server's stats show a group as its member tables, like separate tables
+    for res, run_id in ((res_on, f"on-{tag}"), (res_off, f"off-{tag}")):
+        rows = [p for p in res["server_stats"]["partitions"] if p["run_id"] == run_id]
+        assert sorted((p["table"], p["rank"]) for p in rows) == sorted(
+            (t, r) for t in ("a", "b", "c_wide", "d_wide", "e") for r in (0, 1))
+        assert all(p["pushes_applied"] == 12 for p in rows)
+    stats = {(p["table"], p["rank"]): p for p in res_off["server_stats"]["partitions"]
+             if p["run_id"] == f"off-{tag}"}
+    for p in res_on["server_stats"]["partitions"]:
+        if p["run_id"] == f"on-{tag}":
+            same = stats[(p["table"], p["rank"])]
+            for key in ("row_start", "row_end", "rows_held", "state_bytes", "rows_updated",
+                        "distinct_rows_touched", "last_step"):
+                assert p[key] == same[key], (p["table"], key)
+    assert res_on["sync"]["pushes"] == res_off["sync"]["pushes"] == 12 * 5
     curve = [v for _, v in res_on["loss_curve"]]
     assert curve[0] != curve[-1]
 

@@ -129,10 +129,11 @@ class ShardClient(UpdateSource):
         self.shm_socket_mode = shm_socket
         # members: the tables of each group registered as one table (worker/groups.py)
         self.table_specs = table_specs(tables, ranges, members)
+        self.tables_in.update({n: len(ms) for n, ms in (members or {}).items()})
         self.dims = {t.name: t.dim for t in tables}
         who = f"rank {rank}: shard server {address}"
         self.ledger = SyncLedger(self.buffer.tables, self.dims, row_dtype, self.stats, who,
-                                 -1 if restore is None else restore[1])
+                                 -1 if restore is None else restore[1], self.tables_in)
         self.placement = ArenaPlacement(shm, shm_bytes, rank, address)
         self.encoder = PushEncoder(run_id, rank, self.incarnation, wire_dtype,
                                    row_dtype if row_dtype != torch.float32 else wire_dtype)
@@ -264,7 +265,8 @@ class ShardClient(UpdateSource):
     def _pending(self, step: int, name: str, ids_U: torch.Tensor,
                  grads_UD: torch.Tensor, lr: float | None) -> Pending:
         """The push by reference into the arena, else its inline messages."""
-        self.stats.pushes += 1
+        self.stats.pushes += self.tables_in.get(name, 1)
+        self.stats.unit_pushes += 1
         self.stats.push_rows += int(ids_U.numel())
         slot = self.placement.place(ids_U, grads_UD, self.wire_dtype, self.encoder.answer_dtype,
                                     f"step {step} table {name!r}")

@@ -75,7 +75,11 @@ class RowUpdate:
 
 @dataclass
 class SyncStats:
+    # pushes and updates of tables (a group's push or update counts for each of its
+    # tables); unit_pushes/unit_updates: the pushes and updates sent (one per group)
     pushes: int = 0
+    unit_pushes: int = 0
+    unit_updates: int = 0
     push_chunks: int = 0
     push_bytes: int = 0
     push_rows: int = 0
@@ -214,6 +218,9 @@ class UpdateSource(ABC):
         self.buffer = UpdateBuffer(tables)
         self.timeout_s = timeout_s
         self.stats = SyncStats()
+        # unit -> the tables it carries (worker/groups.py; absent: 1): the stats count the
+        # tables' pushes and updates, like those of separate tables
+        self.tables_in: dict[str, int] = {}
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Connect/register; called once before the first push."""
@@ -272,6 +279,7 @@ class LocalSparseOptimizer(UpdateSource):
                  timeout_s: float = 60.0) -> None:
         super().__init__(list(embedding.units), timeout_s)
         self.embedding, self.spec = embedding, spec
+        self.tables_in.update({n: len(u.members) for n, u in embedding.units.items()})
         # per unit: m, v and (bf16 rows only) the fp32 master rows, laid out like its block
         self.moments: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.masters: dict[str, torch.Tensor] = {}
@@ -296,9 +304,11 @@ class LocalSparseOptimizer(UpdateSource):
             m_RD, v_RD = self.moments[name]
             delta_UD, decay = apply_rows_(spec, m_RD, v_RD, ids_U - start, grads_UD,
                                           self.counts[name])
-            self.stats.pushes += 1
+            self.stats.pushes += self.tables_in[name]
             self.stats.push_rows += int(ids_U.numel())
-            self.stats.updates += 1
+            self.stats.updates += self.tables_in[name]
+            self.stats.unit_pushes += 1
+            self.stats.unit_updates += 1
             master_RD = self.masters.get(name)
             if master_RD is not None:  # the shard server's master-rows math (ps/partition.py)
                 apply_update_(master_RD, ids_U - start, delta_UD, float(decay))

@@ -91,11 +91,14 @@ def _train(server: PsServer, out: Path, run_id: str, grouped: bool, *extra: str,
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("staleness,pool_at,predict", [
-    ("0", "auto", False), ("1", "owner", True), ("1", "requester", False)])
+@pytest.mark.parametrize("staleness,pool_at,predict,row_dtype", [
+    ("0", "auto", False, "fp32"), ("1", "owner", True, "fp32"),
+    ("1", "requester", False, "bf16")])
 def test_grouping_changes_nothing(server: PsServer, tmp_path: Path, staleness: str,
-                                  pool_at: str, predict: bool) -> None:
+                                  pool_at: str, predict: bool, row_dtype: str) -> None:
+    """bf16 rows: the server's fp32 master of a group is seeded per unit and answers rows."""
     extra = ["--steps", "12", "--staleness", staleness, "--pool-at", pool_at,
+             "--row-dtype", row_dtype,
              *(["--staleness-compensation", "predict"] if predict else [])]
     tag = f"s{staleness}-{pool_at}"
     on = _train(server, tmp_path / "on", f"on-{tag}", True, *extra)
@@ -234,3 +237,41 @@ def test_units_are_rank_major() -> None:
     assert g.to_table_ids(b, g.to_unit_ids(b, ids)).tolist() == [2, 3]
     assert not units[0]["w"].grouped and units[0]["w"].name == "w"
     assert list(plan_units(tables, 0, 1, False)) == ["a", "b", "w"]
+
+
+def test_one_block_and_one_gradient_per_width() -> None:
+    """World size 1: the tables of one width are one weight, looked up with one gather and
+    popped as one gradient in unit row ids; rows, gradients and whole tables equal the
+    separate tables'."""
+    from worker.embedding import ShardedEmbedding
+
+    tables = [TableConfig("a", 10, 4), TableConfig("b", 7, 4), TableConfig("w", 5, 8)]
+    grouped = ShardedEmbedding(tables, seed=3, group_tables=True)
+    plain = ShardedEmbedding(tables, seed=3)
+    assert list(grouped.weights) == ["group-d4", "w"] and list(plain.weights) == ["a", "b", "w"]
+    ids_a, ids_b = torch.tensor([[1, 9], [1, 0]]), torch.tensor([6, 2, 2])
+    offsets = torch.tensor([0, 1])
+    out = {}
+    for name, emb in (("grouped", grouped), ("plain", plain)):
+        rows_a, bags_b = emb.lookup_many(["a", "b"], [ids_a, ids_b], [None, (offsets, "sum")])
+        rows_w = emb.lookup("w", torch.tensor([4, 4]))
+        (rows_a.pow(2).sum() + 3 * bags_b.sum() + rows_w.sum()).backward()
+        out[name] = (rows_a, bags_b, rows_w, emb.pop_grads())
+    for x, y in zip(out["grouped"][:3], out["plain"][:3], strict=True):
+        assert torch.equal(x, y)
+    grads = out["grouped"][3]
+    assert list(grads) == ["group-d4", "w"]
+    ids_U, grads_UD = grads["group-d4"]
+    assert ids_U.tolist() == [0, 1, 9, 12, 16]  # a's rows 0, 1, 9; b's 2, 6 at offset 10
+    plain_grads = out["plain"][3]
+    assert torch.equal(grads_UD, torch.cat([plain_grads["a"][1], plain_grads["b"][1]]))
+    assert torch.equal(grads["w"][1], plain_grads["w"][1])
+    grouped.apply_update("group-d4", ids_U, grads_UD, 0.5)
+    plain.apply_update("a", plain_grads["a"][0], plain_grads["a"][1], 0.5)
+    plain.apply_update("b", plain_grads["b"][0], plain_grads["b"][1], 0.5)
+    full_g, full_p = grouped.gather_full(), plain.gather_full()
+    assert full_g is not None and full_p is not None
+    assert all(torch.equal(full_g[t], full_p[t]) for t in ("a", "b", "w"))
+    assert full_g["b"].untyped_storage().nbytes() == 7 * 4 * 4  # its own rows, not the block
+    assert grouped.device_bytes() == plain.device_bytes()
+    assert grouped.groups() == {"group-d4": ["a", "b"]} and plain.groups() == {}

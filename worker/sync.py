@@ -271,11 +271,11 @@ class ShardClient(UpdateSource):
         slot = self.placement.place(ids_U, grads_UD, self.wire_dtype, self.encoder.answer_dtype,
                                     f"step {step} table {name!r}")
         if slot is not None:
-            self.stats.shm_pushes += 1
+            self.stats.shm_pushes += self.tables_in.get(name, 1)
             self.stats.shm_bytes += slot.tensor_bytes
             return self.encoder.by_reference(step, name, slot, lr)
         if self.placement.epoch:
-            self.stats.shm_inline_pushes += 1
+            self.stats.shm_inline_pushes += self.tables_in.get(name, 1)
         return self._inline(step, name, ids_U, grads_UD, lr)
 
     def _inline(self, step: int, name: str, ids_U: torch.Tensor,

@@ -67,16 +67,18 @@ class SyncLedger:
         self.pushed_through = max(self.pushed_through, step)
         messages: list[Outgoing] = []
         placed: list[PlacedShmPush] = []
+        tables_placed = 0  # tables whose pushes go by reference (a group's: each of its)
         for table, pending in pushes:
             self.unanswered[(step, self.table_index[table])] = pending
             if isinstance(pending, PlacedShmPush):
                 placed.append(pending)
+                tables_placed += self.tables_in.get(table, 1)
             else:
                 messages.append(pending)
         if placed:
             message = placed_message(placed, epoch)
             messages.append(message)
-            self.stats.shm_batches += len(placed) > 1
+            self.stats.shm_batches += tables_placed > 1
             self.stats.push_chunks += 1
             self.stats.push_bytes += len(message)
         return messages

@@ -96,6 +96,7 @@ class SyncStats:
     shm_bytes: int = 0         # their tensor bytes (ids, gradients, answers) in the arena
     shm_inline_pushes: int = 0  # pushes sent inline while shm was on (the arena was full)
     shm_batches: int = 0       # messages carrying a step's shm pushes of several tables
+    #                            (a group's push: of its tables)
     # "stream" (gRPC Sync) or "socket" (the server's Sync socket, worker/socket_client.py)
     transport: str = "stream"
 

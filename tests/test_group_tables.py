@@ -275,3 +275,31 @@ def test_one_block_and_one_gradient_per_width() -> None:
     assert full_g["b"].untyped_storage().nbytes() == 7 * 4 * 4  # its own rows, not the block
     assert grouped.device_bytes() == plain.device_bytes()
     assert grouped.groups() == {"group-d4": ["a", "b"]} and plain.groups() == {}
+
+
+@pytest.mark.e2e
+def test_bad_members_over_grpc_are_invalid_argument(server: PsServer) -> None:
+    """Through the real server: INVALID_ARGUMENT naming the value, nothing registered; a
+    good group registers and its stats rows are its member tables."""
+    import grpc
+
+    from hybridps.admin import get_shard_stats
+    from hybridps.v1 import shard_pb2
+    from tests.grpc_helpers import open_channel, register, shard_stub, table
+
+    stub = shard_stub(open_channel(server.address))
+    group = table("group-d4", 30, 4, 0, 30)
+    group.members.extend([shard_pb2.TableMember(name="a", num_rows=20, row_end=20),
+                          shard_pb2.TableMember(name="b", num_rows=10, row_end=10, offset=7)])
+    with pytest.raises(grpc.RpcError) as err:
+        register(stub, "bad-members", [group])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "offset=7" in str(err.value.details())
+    assert not [p for p in get_shard_stats(server.address).partitions
+                if p.run_id == "bad-members"]
+    group.members[1].offset = 20
+    register(stub, "good-members", [group])
+    rows = [p for p in get_shard_stats(server.address).partitions
+            if p.run_id == "good-members"]
+    assert [(p.table, p.row_start, p.row_end, p.rows_held) for p in rows] == [
+        ("a", 0, 20, 20), ("b", 0, 10, 10)]

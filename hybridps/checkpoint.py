@@ -140,6 +140,8 @@ def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, ra
                 raise InvalidArgument(f"{kind} {table!r} rank {rank}: tensor {name!r} of shape "
                                       f"{list(t.shape)} is not [{held}, {dim}]")
             t = t.detach().to("cpu", torch.float32).contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view (a table of a group's block): save its rows only
         out[name] = t
     payload = {"format": SHARD_FORMAT, "kind": kind, "table": table, "rank": rank,
                "num_rows": num_rows, "dim": dim, "row_start": row_start, "row_end": row_end,

@@ -1,4 +1,9 @@
-"""A server partition's optimizer state to and from a checkpoint (format: hybridps.checkpoint)."""
+"""A server partition's optimizer state to and from a checkpoint (format: hybridps.checkpoint).
+
+The files are per table: a group (ps/table_members.py) is written as its member tables,
+each file holding the member's slice of the group's m, v and master rows and the
+group's step count (every member of a group is pushed with it, every step), and read
+back into those slices."""
 
 from __future__ import annotations
 
@@ -11,6 +16,11 @@ import torch
 from hybridps.checkpoint import OptimState, ShardInfo, load_optim_state, save_optim_state
 from hybridps.errors import Conflict
 from ps.partition import Partition, TableSpec
+from ps.table_members import pieces
+
+
+def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi]
 
 
 def save_partition(part: Partition, directory: str | Path, step: int) -> list[ShardInfo]:
@@ -24,13 +34,14 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
                            f"applied step is {t.last_step}; a checkpoint needs exactly {step}")
     out = []
     opt = dataclasses.asdict(part.optimizer)
-    for name, t in part.tables.items():
-        s = t.spec
-        out.append(save_optim_state(
-            directory, table=name, rank=part.rank, num_rows=s.num_rows, dim=s.dim,
-            row_start=s.row_start, row_end=s.row_end,
-            state=OptimState(t.m, t.v, t.adam_step, t.last_step, t.master), optimizer=opt,
-            incarnation=part.incarnation))
+    for t in part.tables.values():
+        for p in pieces(t.spec):
+            out.append(save_optim_state(
+                directory, table=p.name, rank=part.rank, num_rows=p.num_rows,
+                dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
+                state=OptimState(_rows(t.m, p.lo, p.hi), _rows(t.v, p.lo, p.hi), t.adam_step,
+                                 t.last_step, _rows(t.master, p.lo, p.hi)),
+                optimizer=opt, incarnation=part.incarnation))
     return out
 
 
@@ -41,9 +52,15 @@ def check_restore(specs: Sequence[TableSpec], has_moments: bool, master: bool,
     headers and metadata. Raises (CorruptCheckpoint naming the file, Conflict, NotFound)
     before any state changes."""
     for s in specs:
-        load_optim_state(directory, table=s.name, num_rows=s.num_rows, dim=s.dim,
-                         row_start=s.row_start, row_end=s.row_end, step=step,
-                         has_moments=has_moments, master=master, dry_run=True)
+        counts = set()
+        for p in pieces(s):
+            state = load_optim_state(directory, table=p.name, num_rows=p.num_rows, dim=s.dim,
+                                     row_start=p.row_start, row_end=p.row_end, step=step,
+                                     has_moments=has_moments, master=master, dry_run=True)
+            counts.add(state.adam_step)
+        if len(counts) > 1:  # one step count per group: its members' must agree
+            raise Conflict(f"checkpoint {directory}: the tables of group {s.name!r} were "
+                           f"saved with different optimizer step counts {sorted(counts)}")
 
 
 def restore_partition(part: Partition, directory: str | Path, step: int,
@@ -55,22 +72,25 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
     if not checked:
         check_restore(part.specs(), part.optimizer.has_moments,
                       part.row_dtype != torch.float32, directory, step)
-    for name, t in part.tables.items():
+    for t in part.tables.values():
         s = t.spec
-        state = load_optim_state(directory, table=name, num_rows=s.num_rows, dim=s.dim,
-                                 row_start=s.row_start, row_end=s.row_end, step=step,
-                                 has_moments=part.optimizer.has_moments,
-                                 master=t.master is not None, verify=False)
-        if t.master is not None and state.master is not None:
-            t.master.copy_(state.master)
+        for p in pieces(s):
+            state = load_optim_state(directory, table=p.name, num_rows=p.num_rows, dim=s.dim,
+                                     row_start=p.row_start, row_end=p.row_end, step=step,
+                                     has_moments=part.optimizer.has_moments,
+                                     master=t.master is not None, verify=False)
+            if t.master is not None and state.master is not None:
+                t.master[p.lo:p.hi].copy_(state.master)
+            if t.m is not None and state.m is not None:
+                t.m[p.lo:p.hi].copy_(state.m)
+            if t.v is not None and state.v is not None:
+                t.v[p.lo:p.hi].copy_(state.v)
+            t.adam_step = state.adam_step
+        if t.master is not None:
             t.rows_seeded = s.rows_held
-        if t.m is not None and state.m is not None:
-            t.m.copy_(state.m)
-        if t.v is not None and state.v is not None:
-            t.v.copy_(state.v)
+        if t.v is not None:
             t.touched.copy_((t.v != 0).any(dim=1))
             t.distinct_touched = int(t.touched.sum())
-        t.adam_step = state.adam_step
         t.last_step = step
         t.answers.clear()
         t.bound.observe(t.m, t.v, t.master)  # what the loaded state holds

@@ -49,6 +49,7 @@ from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from ps.overflow import OverflowBound
 from ps.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
 from ps.push import PushChunk as PushChunk  # re-exported: the core's input, next to TableSpec
+from ps.table_members import MemberSpec, check_members
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
@@ -72,13 +73,15 @@ def check_row_dtype(row_dtype: torch.dtype, what: str) -> None:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """The rows [row_start, row_end) of a num_rows x dim table that one rank owns."""
+    """The rows [row_start, row_end) of a num_rows x dim table that one rank owns; a group
+    of tables when `members` is not empty (ps/table_members.py)."""
 
     name: str
     num_rows: int
     dim: int
     row_start: int
     row_end: int
+    members: tuple[MemberSpec, ...] = ()
 
     @property
     def rows_held(self) -> int:
@@ -99,10 +102,13 @@ class TableSpec:
                 f"{where}: row range [{self.row_start}, {self.row_end}) must satisfy "
                 f"0 <= row_start <= row_end <= num_rows={self.num_rows}"
             )
+        check_members(self, MAX_TABLE_ROWS)
 
     def describe(self) -> str:
+        group = (f", members={'+'.join(m.name for m in self.members)}" if self.members
+                 else "")
         return (f"{self.name}(num_rows={self.num_rows}, dim={self.dim}, "
-                f"rows=[{self.row_start}, {self.row_end}))")
+                f"rows=[{self.row_start}, {self.row_end}){group})")
 
     def state_bytes(self, has_moments: bool, master: bool) -> int:
         """Host bytes a partition allocates for these rows (TableState): m and v
@@ -190,6 +196,10 @@ class TableState:
         self.pushes_applied = 0
         self.rows_updated = 0
         self.distinct_touched = 0
+        # a group (ps/table_members.py): rows updated per member, for the per-table stats
+        self.member_rows_updated = [0] * len(spec.members)
+        self._member_bounds = torch.tensor([m.offset for m in spec.members[1:]],
+                                           dtype=torch.int64)
         self.refusals: collections.Counter[str] = collections.Counter()
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
         self.answer_cache_steps = answer_cache_steps
@@ -367,6 +377,10 @@ class TableState:
         self.rows_updated += n
         if n:
             self.distinct_touched += mark_rows_(self.touched, local)
+            if self.member_rows_updated:  # local ids are sorted (check_rows)
+                cuts = [0, *torch.searchsorted(local, self._member_bounds).tolist(), n]
+                for i in range(len(self.member_rows_updated)):
+                    self.member_rows_updated[i] += cuts[i + 1] - cuts[i]
         self.rate.add(n)
         if self.master is not None:
             # The optimizer step landed on the fp32 master above (exactly what the rank would

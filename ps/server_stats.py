@@ -1,13 +1,18 @@
 """The server's stats snapshot (GetShardStats, the Prometheus metrics, the worker's summary):
-one row per (run, rank, table) and the server's totals. Transport-free, no grpc."""
+one row per (run, rank, table) and the server's totals. Transport-free, no grpc.
+
+A group of tables registered as one partition table (ps/table_members.py) shows as its
+member tables, one row each, like separate tables (`_per_member`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ps.partition import ROW_DTYPES, Partition, optimizer_description
+from ps.partition import ROW_DTYPES, Partition, TableState, optimizer_description
 from ps.session import TableKey
+from ps.table_members import pieces
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
         opt = optimizer_description(p.optimizer)
         for name, t in p.tables.items():
             s = t.spec
-            rows.append(PartitionStatsRow(
+            row = PartitionStatsRow(
                 run_id=p.run_id, rank=p.rank, incarnation=p.incarnation, table=name,
                 row_start=s.row_start, row_end=s.row_end, rows_held=s.rows_held,
                 state_bytes=t.state_bytes, pushes_applied=t.pushes_applied,
@@ -76,5 +81,24 @@ def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
                 refusals=dict(t.refusals), optimizer=opt,
                 master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
                 run_state=states.get(p.run_id, ""),
-            ))
+            )
+            rows.extend(_per_member(row, t) if s.members else [row])
     return rows
+
+
+def _per_member(row: PartitionStatsRow, t: TableState) -> list[PartitionStatsRow]:
+    """A group's row as one row per member table (ps/table_members.py), so the stats read
+    like those of separate tables: each member's global rows, its share of the state
+    bytes (the same per row), the rows updated in it; the group's pushes, steps, queue and
+    refusals (every member is pushed with the group); its rate split by rows updated."""
+    held = max(row.rows_held, 1)
+    out = []
+    for piece, updated in zip(pieces(t.spec), t.member_rows_updated, strict=True):
+        n = piece.hi - piece.lo
+        out.append(dataclasses.replace(
+            row, table=piece.name, row_start=piece.row_start, row_end=piece.row_end,
+            rows_held=n, state_bytes=row.state_bytes * n // held,
+            master_bytes=row.master_bytes * n // held, rows_updated=updated,
+            rows_per_second=row.rows_per_second * updated / max(row.rows_updated, 1),
+            distinct_rows_touched=int(t.touched[piece.lo:piece.hi].sum())))
+    return out

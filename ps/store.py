@@ -54,6 +54,7 @@ from ps.partition import (
 from ps.partition_auth import PartitionAuth, check_run_id
 from ps.server_stats import ServerStats, partition_rows
 from ps.session import SyncSession, TableKey
+from ps.table_members import file_names
 
 log = logging.getLogger("ps.store")
 
@@ -232,9 +233,10 @@ class Store(PartitionAuth):
         seen: set[str] = set()
         for spec in tables:
             spec.validate()
-            if spec.name in seen:
-                raise InvalidArgument(f"{what}: table name {spec.name!r} appears twice")
-            seen.add(spec.name)
+        for name in file_names(tables):  # tables and group members: checkpoint file names
+            if name in seen:
+                raise InvalidArgument(f"{what}: table name {name!r} appears twice")
+            seen.add(name)
         spec_opt = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(
             **dict(optimizer))
         return what, spec_opt

@@ -26,6 +26,7 @@ from ps.partition import TableSpec
 from ps.push import Answer, PushChunk
 from ps.server_stats import ServerStats
 from ps.store import Store
+from ps.table_members import MemberSpec
 
 # Tensor fields of the Sync messages, from the outer message down (wire.TensorPath).
 PUSH_TENSORS = (("push", "chunk", "ids"), ("push", "chunk", "grads"))
@@ -59,7 +60,10 @@ def row_dtype_arg(msg: shard_pb2.RegisterRequest) -> torch.dtype:
 
 
 def table_specs(msg: shard_pb2.RegisterRequest) -> list[TableSpec]:
-    return [TableSpec(t.name, t.num_rows, t.dim, t.row_start, t.row_end) for t in msg.tables]
+    return [TableSpec(t.name, t.num_rows, t.dim, t.row_start, t.row_end,
+                      tuple(MemberSpec(m.name, m.num_rows, m.row_start, m.row_end, m.offset)
+                            for m in t.members))
+            for t in msg.tables]
 
 
 def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:

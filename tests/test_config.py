@@ -70,6 +70,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "progress": ("0", False),
     "pipeline": ("false", False),  # tests/test_pipeline.py
     "pool_at": ("owner", "owner"),  # tests/test_pooled_e2e.py
+    "group_tables": ("false", False),  # tests/test_group_tables.py
     "auth_token_file": ("/tmp/token", "/tmp/token"),
     "tls": ("true", True),
     "tls_ca": ("/tmp/ca.pem", "/tmp/ca.pem"),

@@ -430,8 +430,9 @@ def test_broken_stream_over_shm_reconnects_and_resends(tmp_path: Path) -> None:
     )
 
     with start_ps_server(tmp_path) as server:
-        # Shared-memory pushes are ~100-byte headers: the run sends ~20 KB through the proxy.
-        proxy = FaultProxy((server.host, server.port), after=8_000, mode="drop")
+        # Shared-memory pushes are ~100-byte headers, one a step for the 4 tables (one group,
+        # --group-tables): the run sends ~9 KB through the proxy, the cut comes mid-run.
+        proxy = FaultProxy((server.host, server.port), after=4_000, mode="drop")
         try:
             run_worker(["--ps", f"127.0.0.1:{proxy.port}", "--staleness", "0", "--same-node",
                         "require", "--run-id", "shm-reconnect",

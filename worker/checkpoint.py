@@ -83,6 +83,7 @@ from hybridps.checkpoint import (
 )
 from hybridps.errors import ShardError
 from worker.checkpoint_dense import DENSE_DIR, restore_dense, save_dense
+from worker.checkpoint_units import join_updates, split_rows, split_updates, table_slice
 from worker.console import checkpoint_entry, human_bytes
 from worker.faults import fault_point
 from worker.sync import ShardClient
@@ -291,13 +292,14 @@ class Checkpointer:
         the pending updates for the rows files, then are put back bitwise: only those rows
         are copied (memory ~ rows touched in K steps), never the table."""
         emb = self.t.embedding
-        touched: dict[str, list[torch.Tensor]] = {name: [] for name in emb.tables}
+        # per unit (worker/groups.py); the files per table (worker/checkpoint_units.py)
+        touched: dict[str, list[torch.Tensor]] = {name: [] for name in emb.units}
         for u in pending:
             touched[u.table].append(u.ids_U.to(torch.int64))
         before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, ids in touched.items():
             ids_P = torch.unique(torch.cat(ids)) if ids else torch.empty(0, dtype=torch.int64)
-            local_P = ids_P.to(emb.device) - emb.ranges[name][0]
+            local_P = ids_P.to(emb.device) - emb.units[name].start
             before[name] = (ids_P.cpu(), emb.weights[name].data.index_select(0, local_P))
         rows: dict[str, ShardInfo] = {}
         try:
@@ -311,20 +313,17 @@ class Checkpointer:
                 rows[name] = save_shard(directory, rows_file(name, self.rank), kind="rows",
                                         table=name, rank=self.rank, num_rows=table.num_rows,
                                         dim=table.dim, row_start=start, row_end=end,
-                                        tensors={"weight": emb.weights[name].data},
+                                        tensors={"weight": emb.table_rows(name)},
                                         meta={"step": step})
         finally:
             for name, (ids_P, rows_PD) in before.items():
-                local_P = ids_P.to(emb.device) - emb.ranges[name][0]
+                local_P = ids_P.to(emb.device) - emb.units[name].start
                 emb.weights[name].data.index_copy_(0, local_P, rows_PD)
         payload = {
             "format": PENDING_FORMAT, "rank": self.rank, "step": step,
             "applied_through": self.t.window.applied_through,
-            "updates": [{"step": u.step, "table": u.table, "ids": u.ids_U.cpu().clone(),
-                         "delta": u.delta_UD.cpu().clone(), "decay": float(u.decay),
-                         "rows": bool(u.rows)} for u in pending],
-            "before": {name: {"ids": ids_P, "rows": rows_PD.cpu()}
-                       for name, (ids_P, rows_PD) in before.items()},
+            "updates": split_updates(emb, pending),
+            "before": split_rows(emb, before),
             # --staleness-compensation predict: what the next forwards' predictions need
             "prediction": (None if self.t.window.predictor is None
                            else self.t.window.predictor.state_dict()),
@@ -361,11 +360,15 @@ class Checkpointer:
         opt = dataclasses.asdict(tr.sparse_spec)
         for name, table in tr.embedding.tables.items():
             start, end = tr.embedding.ranges[name]
-            m, v = source.moments[name]
+            unit, rows = table_slice(tr.embedding, name)
+            m, v = source.moments[unit]
+            master = source.masters.get(unit)
             out[name] = save_optim_state(
                 directory, table=name, rank=self.rank, num_rows=table.num_rows, dim=table.dim,
                 row_start=start, row_end=end,
-                state=OptimState(m, v, source.counts[name], step, source.masters.get(name)),
+                state=OptimState(None if m is None else m[rows], None if v is None else v[rows],
+                                 source.counts[unit], step,
+                                 None if master is None else master[rows]),
                 optimizer=opt)
         return out
 
@@ -409,24 +412,25 @@ class Checkpointer:
                                        ["master"], verify=False)
                 weight = masters["master"] if masters["master"] is not None else weight
             assert weight is not None
-            tr.embedding.weights[name].data.copy_(weight)
+            tr.embedding.table_rows(name).copy_(weight)
         self._restore_pending(directory, manifest, step)
         source = tr.source
         if isinstance(source, LocalSparseOptimizer):
             for name, table in tr.embedding.tables.items():
                 start, end = tr.embedding.ranges[name]
+                unit, rows = table_slice(tr.embedding, name)
                 state = load_optim_state(directory, table=name, num_rows=table.num_rows,
                                          dim=table.dim, row_start=start, row_end=end,
                                          step=step, has_moments=tr.sparse_spec.has_moments,
-                                         master=name in source.masters, verify=False)
-                m, v = source.moments[name]
-                if name in source.masters and state.master is not None:  # bf16 rows
-                    source.masters[name].copy_(state.master)
+                                         master=unit in source.masters, verify=False)
+                m, v = source.moments[unit]
+                if unit in source.masters and state.master is not None:  # bf16 rows
+                    source.masters[unit][rows].copy_(state.master)
                 if m is not None and state.m is not None:
-                    m.copy_(state.m)
+                    m[rows].copy_(state.m)
                 if v is not None and state.v is not None:
-                    v.copy_(state.v)
-                source.counts[name] = state.adam_step
+                    v[rows].copy_(state.v)
+                source.counts[unit] = state.adam_step
         restore_dense(self.t.model.dense, self.t.dense_opt, self.t.dense_parallel.scaler,
                       directory, manifest["dense"], self.cfg.dense.loss_scale_init)
         self.resumed_step = step
@@ -466,25 +470,24 @@ class Checkpointer:
                     continue
                 mine = (saved["ids"] >= start) & (saved["ids"] < end)
                 local_P = saved["ids"][mine].to(emb.device) - start
-                weight = emb.weights[name].data
+                weight = emb.table_rows(name)
                 weight.index_copy_(0, local_P, saved["rows"][mine].to(weight.device,
                                                                       weight.dtype))
         merged: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for payload in payloads:  # rank order: ascending row ranges, so ids stay sorted
             for u in payload["updates"]:
                 merged.setdefault((u["step"], u["table"]), []).append(u)
-        updates = []
-        for (update_step, name), parts in sorted(
-                merged.items(), key=lambda kv: (kv[0][0], emb.table_index.get(kv[0][1], -1))):
+        per_table = {}
+        for (update_step, name), parts in merged.items():
             if name not in emb.tables:
                 continue
             start, end = emb.ranges[name]
             ids = torch.cat([p["ids"] for p in parts])
             delta = torch.cat([p["delta"] for p in parts])
             mine = (ids >= start) & (ids < end)
-            updates.append(RowUpdate(update_step, name, ids[mine].to(emb.device),
-                                     delta[mine].to(emb.device), float(parts[0]["decay"]),
-                                     rows=bool(parts[0]["rows"])))
+            per_table[(update_step, name)] = (ids[mine], delta[mine], float(parts[0]["decay"]),
+                                              bool(parts[0]["rows"]))
+        updates = join_updates(emb, per_table)  # per unit
         window.restore_pending(applied, updates)
         predictions = [p["prediction"] for p in payloads if p.get("prediction") is not None]
         if window.predictor is not None and predictions:

@@ -107,6 +107,10 @@ class RunConfig:
         "of every bag and the B x D partial sums travel) | requester (the distinct rows "
         "travel, U x D, and are pooled where they were asked) | auto (per table, whichever "
         "moves fewer bytes on the first batch, summed over the ranks; worker/embedding.py)")
+    group_tables: bool = setting(
+        True, "hold, gather, push and update a rank's tables of one width as one group (one "
+        "block with each table at a row offset, one partition table on the server); the "
+        "same results as separate tables, checkpoints per table (worker/groups.py)")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -49,7 +49,7 @@ on as fp32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -57,7 +57,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.comm import BlockCap, all_to_all_rows, exchange, exchange_blocks
+from worker.embedding_rows import UnitRows
+from worker.groups import Member, Unit, plan_units
 from worker.input_dist import (
     ID_BITS,
     ID_MASK,
@@ -71,9 +74,7 @@ from worker.rows import (
     INIT_CHUNK_ROWS,
     Routing,
     TableConfig,
-    coalesce_grads,
     init_rows,
-    initial_blocks,
     route,
     row_range,
 )
@@ -109,8 +110,10 @@ def _check_bag(ids_N: torch.Tensor, offsets_B: torch.Tensor, mode: str) -> None:
                          f"{tuple(offsets_B.shape)}")
 
 
-class ShardedEmbedding(nn.Module):
-    """Several row-wise sharded tables; this rank holds `weights[name]` = its rows.
+class ShardedEmbedding(UnitRows, nn.Module):
+    """Several row-wise sharded tables; this rank holds `weights[unit]` = the rows of each
+    unit (worker/groups.py: a group of tables of one width, or a table alone; the rows,
+    gradients and updates per unit are in worker/embedding_rows.py).
 
     Every rank must issue the same lookups in the same order (they are
     collectives when world_size > 1).
@@ -119,7 +122,8 @@ class ShardedEmbedding(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], *, rank: int = 0, world_size: int = 1,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
                  seed: int = 0, init_std: float = 1.0,
-                 row_dtype: torch.dtype = torch.float32, pool_at: str = "auto") -> None:
+                 row_dtype: torch.dtype = torch.float32, pool_at: str = "auto",
+                 group_tables: bool = False) -> None:
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} outside world_size={world_size}")
@@ -151,20 +155,56 @@ class ShardedEmbedding(nn.Module):
         self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...],
                                    tuple[Bag | None, ...]]] | None = None
         self.row_offsets: RowOffsets | None = None  # --staleness-compensation predict
+        self.units = plan_units(tables, rank, world_size, group_tables)
+        self.unit_of: dict[str, tuple[Unit, Member]] = {
+            m.name: (u, m) for u in self.units.values() for m in u.members}
         self.weights = nn.ParameterDict()
-        for index, table in enumerate(tables):
-            start, end = self.ranges[table.name]
-            rows_RD = init_rows(table.num_rows, table.dim, start, end, seed=seed,
-                                table_index=index, init_std=init_std)
-            self.weights[table.name] = nn.Parameter(rows_RD.to(self.device, row_dtype))
+        for unit in self.units.values():
+            block_RD = (alloc_state(unit.rows, unit.dim, offset=STATE_OFFSETS["rows"],
+                                    zero=False) if unit.grouped else None)
+            for m in unit.members:
+                rows_RD = init_rows(m.num_rows, unit.dim, m.start, m.end, seed=seed,
+                                    table_index=self.table_index[m.name], init_std=init_std,
+                                    out=None if block_RD is None
+                                    else block_RD[m.offset:m.offset + m.rows])
+            self.weights[unit.name] = nn.Parameter(
+                (rows_RD if block_RD is None else block_RD).to(self.device, row_dtype))
 
     # -- forward ------------------------------------------------------------
-    def _local_rows(self, name: str, local_ids_M: torch.Tensor, whole: bool = False
-                    ) -> torch.Tensor:
-        """Stage 3: the owner's gather (sparse gradient), in the dense model's dtype.
-        `whole`: local_ids_M is every owned row in order (local_block)."""
-        rows_MD = F.embedding(local_ids_M, self.weights[name], sparse=True)
-        return self._as_seen(name, None if whole else local_ids_M, rows_MD)
+    def _gather(self, unit: str, local_ids_M: torch.Tensor, whole: bool = False
+                ) -> torch.Tensor:
+        """Stage 3: the owner's gather of rows of a unit's block (sparse gradient), in the
+        dense model's dtype. `whole`: local_ids_M is every row of the block in order."""
+        rows_MD = F.embedding(local_ids_M, self.weights[unit], sparse=True)
+        return self._as_seen(unit, None if whole else local_ids_M, rows_MD)
+
+    def _gather_tables(self, names: Sequence[str], local_ids: Sequence[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Rows of several tables' owned (table-local) ids: ONE gather per unit. Returns
+        each entry's rows and, when one gather served every entry in order, its result
+        (the entries' rows side by side: nothing to concatenate)."""
+        by_unit: dict[str, list[int]] = {}
+        for e, name in enumerate(names):
+            by_unit.setdefault(self.unit_of[name][0].name, []).append(e)
+        out: list[torch.Tensor] = list(local_ids)
+        joined = None
+        for unit, entries in by_unit.items():
+            offsets = [self.unit_of[names[e]][1].offset for e in entries]
+            if len(entries) == 1:
+                local_M = local_ids[entries[0]]
+                out[entries[0]] = joined = self._gather(
+                    unit, local_M + offsets[0] if offsets[0] else local_M)
+                continue
+            sizes = [int(local_ids[e].numel()) for e in entries]
+            local_M = torch.cat([local_ids[e] for e in entries])
+            if any(offsets):
+                local_M = local_M + torch.repeat_interleave(
+                    torch.tensor(offsets, device=self.device),
+                    torch.tensor(sizes, device=self.device), output_size=local_M.numel())
+            joined = self._gather(unit, local_M)
+            for e, rows_MD in zip(entries, joined.split(sizes), strict=True):
+                out[e] = rows_MD
+        return out, joined if len(by_unit) == 1 else None  # entries in order within a unit
 
     def _as_seen(self, name: str, local_ids_M: torch.Tensor | None, rows_MD: torch.Tensor
                  ) -> torch.Tensor:
@@ -178,10 +218,13 @@ class ShardedEmbedding(nn.Module):
     def _local_bags(self, name: str, ids_M: torch.Tensor, offsets_B: torch.Tensor, mode: str
                     ) -> torch.Tensor:
         """World size 1: pool the rows in place, as nn.EmbeddingBag(sparse=True) does."""
-        weight = self.weights[name]
+        unit, member = self.unit_of[name]
+        weight = self.weights[unit.name]
+        if member.offset:
+            ids_M = ids_M + member.offset
         if weight.dtype == self.output_dtype and self.row_offsets is None:
             return F.embedding_bag(ids_M, weight, offsets_B, mode=mode, sparse=True)
-        rows_MD = self._local_rows(name, ids_M)
+        rows_MD = self._gather(unit.name, ids_M)
         local_M = torch.arange(ids_M.numel(), device=self.device)
         return F.embedding_bag(local_M, rows_MD, offsets_B, mode=mode)
 
@@ -304,24 +347,26 @@ class ShardedEmbedding(nn.Module):
         """Stages 3-4 (after the staleness window applied the due updates): each entry's
         result, flat: rows_ND for a plain lookup, bags_BD for a bag."""
         if plan.requests is None or plan.work is None:  # world size 1: in place
-            return [self._local_rows(n, f) if o is None else
-                    self._local_bags(n, f, o.to(self.device), str(m))
-                    for n, f, o, m in zip(plan.names, plan.flat, plan.offsets, plan.modes,
-                                          strict=True)]
+            return self._fetch_local(plan)
         req, work = plan.requests, plan.work
         rows_e = [e for e, p in enumerate(plan.pooled) if not p]
         pool_e = [e for e, p in enumerate(plan.pooled) if p]
-        served = [self._local_rows(plan.names[e], local_M)  # 3: rows asked of this rank
-                  for e, local_M in zip(rows_e, work.local_ids, strict=True)]
+        served: list[torch.Tensor] = []
+        joined = None
+        if rows_e:  # 3: the rows asked of this rank, one gather per unit
+            served, joined = self._gather_tables([plan.names[e] for e in rows_e],
+                                                 work.local_ids)
         for e, pool in zip(pool_e, work.pools, strict=True):  # 3: its part of every bag
-            name = plan.names[e]
+            unit, member = self.unit_of[plan.names[e]]
+            weight = self.weights[unit.name]
+            rows_U = pool.uniq_U + member.offset if member.offset else pool.uniq_U
             with torch.no_grad():
-                rows_UD = self._as_seen(name, pool.uniq_U,
-                                        self.weights[name].index_select(0, pool.uniq_U))
-            partial = PoolAtOwner.apply(self.weights[name], rows_UD, pool)
+                rows_UD = self._as_seen(unit.name, rows_U, weight.index_select(0, rows_U))
+            partial = PoolAtOwner.apply(weight, rows_UD, pool, rows_U)
             assert isinstance(partial, torch.Tensor)
             served.append(partial)
-        local_MD = torch.cat(served) if len(served) > 1 else served[0]
+        local_MD = (joined if joined is not None and not pool_e else
+                    torch.cat(served) if len(served) > 1 else served[0])
         if work.restore is not None:
             local_MD = local_MD.index_select(0, work.restore)
         answer = all_to_all_rows(local_MD, req.rows_from, work.rows_to, self.group)  # 4
@@ -346,6 +391,21 @@ class ShardedEmbedding(nn.Module):
                 bags_BD = bags_BD + more_BD
             out[e] = bags_BD if divisor is None else bags_BD / divisor
         return out
+
+    def _fetch_local(self, plan: InputDist) -> list[torch.Tensor]:
+        """World size 1: every entry from the rows in place, one gather per unit."""
+        local = list(plan.flat)
+        plain_e = [e for e, o in enumerate(plan.offsets) if o is None]
+        if plain_e:
+            rows, _ = self._gather_tables([plan.names[e] for e in plain_e],
+                                          [plan.flat[e] for e in plain_e])
+            for e, rows_ND in zip(plain_e, rows, strict=True):
+                local[e] = rows_ND
+        for e, (offsets_B, mode) in enumerate(zip(plan.offsets, plan.modes, strict=True)):
+            if offsets_B is not None:
+                local[e] = self._local_bags(plan.names[e], plan.flat[e],
+                                            offsets_B.to(self.device), str(mode))
+        return local
 
     def stage(self, plans: Sequence[InputDist]) -> None:
         """Hand over input dists computed ahead (worker/pipeline.py): a lookup whose names, id
@@ -409,84 +469,9 @@ class ShardedEmbedding(nn.Module):
         sparse gradient over the owned rows, like a lookup's, so `pop_grads` hands it to the
         sparse optimizer together with the lookups' row gradients.
         """
-        start, end = self.ranges[name]
-        local_R = torch.arange(end - start, device=self.device)
-        return start, self._local_rows(name, local_R, whole=True)
-
-    # -- gradients and updates ----------------------------------------------------
-    def pop_grads(self, scale: float = 1.0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Coalesced owned-row gradients, times `scale`, and clear them.
-
-        Returns {table: (ids_U global row ids, unique and sorted; grads_UD)};
-        a table whose rows got no gradient this step yields empty tensors.
-        """
-        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        groups: dict[tuple[int, torch.dtype], list[str]] = {}  # coalesced together
-        for name, weight in self.weights.items():
-            if weight.grad is None:
-                out[name] = (torch.empty(0, dtype=torch.int64, device=self.device),
-                             weight.new_empty((0, weight.shape[1]), dtype=torch.float32))
-            elif not weight.grad.is_sparse:
-                raise TypeError(f"table {name!r}: expected a sparse gradient, got a dense one")
-            else:
-                groups.setdefault((weight.shape[1], weight.grad.dtype), []).append(name)
-        for names in groups.values():
-            grads = []
-            for name in names:
-                grad = self.weights[name].grad
-                assert grad is not None
-                grads.append((grad._indices()[0], grad._values(),
-                              self.weights[name].shape[0]))
-            for name, (local_U, values_UD) in zip(names, coalesce_grads(grads), strict=True):
-                out[name] = (local_U + self.ranges[name][0],
-                             values_UD.to(torch.float32) * scale)  # bf16 rows: bf16 grads
-        for weight in self.weights.values():
-            weight.grad = None
-        return {name: out[name] for name in self.weights}
-
-    @torch.no_grad()
-    def apply_update(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor,
-                     decay: float, measure: bool = False) -> torch.Tensor | None:
-        """rows[ids] = rows[ids] * decay + delta, for global ids inside the owned range.
-        `measure`: return what it changed, new rows - old rows (fp32, U x D; the weight
-        prediction's effective update, hybridps/row_deltas.py), else None."""
-        from hybridps.optim import apply_update_
-        from hybridps.row_deltas import apply_update_measured_
-
-        start, end = self.ranges[name]
-        if ids_U.numel() == 0:  # decay only ever touches the updated rows
-            return torch.empty(0, self.tables[name].dim, device=self.device) if measure else None
-        lo, hi = int(ids_U.min()), int(ids_U.max())
-        if lo < start or hi >= end:
-            raise IndexError(f"table {name!r}: update for rows [{lo}, {hi}] outside the owned "
-                             f"range [{start}, {end}) of rank {self.rank}")
-        local_U = ids_U.to(device=self.device, dtype=torch.int64) - start
-        if measure:
-            return apply_update_measured_(self.weights[name].data, local_U, delta_UD, decay)
-        apply_update_(self.weights[name].data, local_U, delta_UD, decay)
-        return None
-
-    @torch.no_grad()
-    def set_rows(self, name: str, ids_U: torch.Tensor, rows_UD: torch.Tensor) -> None:
-        """rows[ids] = rows_UD (a "rows" answer: the master rows, rounded to the row dtype)."""
-        start, end = self.ranges[name]
-        if ids_U.numel() == 0:
-            return
-        lo, hi = int(ids_U.min()), int(ids_U.max())
-        if lo < start or hi >= end:
-            raise IndexError(f"table {name!r}: new rows [{lo}, {hi}] outside the owned "
-                             f"range [{start}, {end}) of rank {self.rank}")
-        weight = self.weights[name].data
-        local_U = ids_U.to(device=weight.device, dtype=torch.int64) - start
-        weight.index_copy_(0, local_U, rows_UD.to(device=weight.device, dtype=weight.dtype))
-
-    def initial_row_blocks(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
-        """(global start, fp32 rows on the CPU): the owned rows as initialised, in order,
-        checked against the rows held (worker/rows.py initial_blocks)."""
-        start, end = self.ranges[name]
-        return initial_blocks(self.tables[name], start, end, self.weights[name].data,
-                              seed=self._init_seed, table_index=self.table_index[name],
-                              init_std=self._init_std, rank=self.rank)
+        unit, member = self.unit_of[name]
+        local_R = torch.arange(member.offset, member.offset + member.rows, device=self.device)
+        return member.start, self._gather(unit.name, local_R, whole=not unit.grouped)
 
     def describe(self) -> dict[str, object]:
         """--pool-at and the bags it pooled at their owner (table names), for --results."""
@@ -495,20 +480,3 @@ class ShardedEmbedding(nn.Module):
                        | {n for (_, names, pooled) in self._caps
                           for n, p in zip(names, pooled, strict=True) if p})
         return {"pool_at": self.pool_at, "pooled_at_owner": owner}
-
-    def device_bytes(self) -> dict[str, int]:
-        """Bytes of the rows this rank holds on its device, per table (the tensors' own)."""
-        return {name: w.numel() * w.element_size() for name, w in self.weights.items()}
-
-    # -- whole tables -------------------------------------------------------------
-    def gather_full(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """Full tables (CPU) on rank `dst`, None elsewhere. A collective; for tests/dumps."""
-        shards = {name: w.detach().cpu() for name, w in self.weights.items()}
-        if self.world_size == 1:
-            return shards
-        gathered: list[dict[str, torch.Tensor]] | None = (
-            [{} for _ in range(self.world_size)] if self.rank == dst else None)
-        dist.gather_object(shards, gathered, dst=dst, group=self.group)
-        if gathered is None:
-            return None
-        return {name: torch.cat([g[name] for g in gathered]) for name in self.tables}

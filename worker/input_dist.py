@@ -167,12 +167,15 @@ class PoolAtOwner(torch.autograd.Function):
 
     rows_UD: the rows of pool.uniq_U as the dense model sees them (cast from the row dtype,
     plus any staleness prediction: worker/staleness.py), computed without autograd: they
-    are `weight`'s rows plus constants, so their gradient is the weight rows' gradient."""
+    are `weight`'s rows plus constants, so their gradient is the weight rows' gradient.
+    rows_U: where those rows are in `weight` (None: pool.uniq_U; a table of a group's
+    block: pool.uniq_U + the table's offset, worker/groups.py)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, rows_UD: torch.Tensor, pool: OwnerPool
-                ) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, rows_UD: torch.Tensor, pool: OwnerPool,
+                rows_U: torch.Tensor | None = None) -> torch.Tensor:
         ctx.pool, ctx.shape, ctx.dtype = pool, weight.shape, weight.dtype
+        ctx.rows_U = pool.uniq_U if rows_U is None else rows_U
         return F.embedding_bag(pool.inverse_M, rows_UD, pool.offsets_B, mode="sum")
 
     @staticmethod
@@ -180,9 +183,9 @@ class PoolAtOwner(torch.autograd.Function):
         pool: OwnerPool = ctx.pool
         grad_UD = F.embedding_bag(pool.bags_by_row_M, grads[0].contiguous(),
                                   pool.row_starts_U, mode="sum")
-        grad = torch.sparse_coo_tensor(pool.uniq_U.unsqueeze(0), grad_UD.to(ctx.dtype),
+        grad = torch.sparse_coo_tensor(ctx.rows_U.unsqueeze(0), grad_UD.to(ctx.dtype),
                                        ctx.shape, is_coalesced=True, check_invariants=False)
-        return grad, None, None
+        return grad, None, None, None
 
 
 @dataclass

@@ -76,14 +76,16 @@ def _chunk_seed(seed: int, table_index: int, chunk: int) -> int:
 
 
 def init_rows(num_rows: int, dim: int, start: int, end: int, *, seed: int, table_index: int,
-              init_std: float) -> torch.Tensor:
-    """rows [end-start, dim] (float32, CPU) of the global table, world-size independent.
+              init_std: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [end-start, dim] (float32, CPU) of the global table, world-size independent;
+    written into `out` when given (a table's part of a group's block: worker/groups.py).
 
     A large block is allocated like the server's state (hybridps.state_alloc.alloc_state: huge
     pages, 2 MiB-aligned): on a CPU rank these are the rows themselves, gathered and
     updated at random every step, and on 4 KiB pages a 25M x 16 table's gather +
     update of 4k rows took ~300 us instead of ~225 us (one thread, this 2-core VM)."""
-    out_RD = alloc_state(max(end - start, 0), dim, offset=STATE_OFFSETS["rows"], zero=False)
+    out_RD = (alloc_state(max(end - start, 0), dim, offset=STATE_OFFSETS["rows"], zero=False)
+              if out is None else out)
     if end <= start:
         return out_RD
     for chunk in range(start // INIT_CHUNK_ROWS, (end - 1) // INIT_CHUNK_ROWS + 1):

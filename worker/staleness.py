@@ -17,7 +17,7 @@ added on top of the stored row. The effective update is measured when an update 
 applied, so it is the same thing for adam, adamw (decay), sgd and bf16 "rows" answers.
 
 Where the prediction lives: only in the lookup path. The owner adds it to the rows it
-gathers (stage 3, `ShardedEmbedding._local_rows`, so `lookup`, `lookup_bag`,
+gathers (stage 3, `ShardedEmbedding._gather`, so `lookup`, `lookup_bag`,
 `lookup_many` and `local_block` all see it, also with --pipeline whose stage 3 stays in
 the step); the stored rows are never modified, the gradient reaching them is unchanged
 (the prediction is a constant offset), and when the true update of step s is applied the
@@ -27,6 +27,11 @@ evaluation, --dump-state, export and checkpoint rows files see the stored rows o
 Determinism: the prediction is a function of the pushed ids and of the applied updates,
 which the staleness window fixes by step, so a run stays a deterministic function of its
 config (the server and --local-optimizer give the same results). K=0 creates no predictor.
+
+Per unit (worker/groups.py: a group of tables of one width, or a table alone): one
+prediction a step for all the tables of a group. The checkpointed state is per table
+with global row ids (units split and joined at that boundary), so it loads at any world
+size and with or without grouping.
 
 Memory (per table, on the rows' device): the ids pushed in the K steps not yet applied,
 and one fp32 delta per row touched in the last K+1 steps (rows not touched for longer are
@@ -44,11 +49,12 @@ import torch
 
 from hybridps.row_deltas import add_offsets_
 from worker.embedding import ShardedEmbedding
+from worker.groups import join_ids
 
 COMPENSATIONS = ("none", "predict")  # --staleness-compensation
 STATE_FORMAT = "hybridps-row-prediction-v1"
 
-Grads = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids_U global, grads_UD)
+Grads = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # unit -> (ids_U, grads_UD)
 
 
 def _empty_ids(device: torch.device) -> torch.Tensor:
@@ -56,7 +62,8 @@ def _empty_ids(device: torch.device) -> torch.Tensor:
 
 
 class RowPrediction:
-    """The offsets the owner adds to the rows it gathers: sorted local ids -> offset rows.
+    """The offsets the owner adds to the rows it gathers: per unit, sorted local ids (rows
+    of the unit's block) -> offset rows.
 
     Held by the embedding (`ShardedEmbedding.row_offsets`) while a forward may run.
     """
@@ -93,13 +100,14 @@ class RowPredictor:
                              "(at K=0 no update is ever missing)")
         self.embedding, self.staleness = embedding, staleness
         device = embedding.device
-        # step -> table -> ids_U pushed in that step (global, sorted): steps not yet applied
+        # step -> unit -> ids_U pushed in that step (unit row ids, sorted): steps not yet
+        # applied
         self.pushed: dict[int, dict[str, torch.Tensor]] = {}
-        # table -> (ids_L sorted global, delta_LD fp32): the effective update of each row of
-        # the newest applied update of the table (a row it did not touch has no delta)
+        # unit -> (ids_L sorted, delta_LD fp32): the effective update of each row of the
+        # newest applied update of the unit (a row it did not touch has no delta)
         self.deltas: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            name: (_empty_ids(device), torch.empty(0, t.dim, device=device))
-            for name, t in embedding.tables.items()}
+            name: (_empty_ids(device), torch.empty(0, u.dim, device=device))
+            for name, u in embedding.units.items()}
         self.prediction = RowPrediction()
         self.refreshes = 0
         self.predicted_rows = 0  # rows with a prediction in the newest refresh (stats)
@@ -107,29 +115,29 @@ class RowPredictor:
 
     # -- hooks ----------------------------------------------------------------------------
     def pushed_step(self, step: int, grads: Grads) -> None:
-        """`grads` as pushed: per table, the ids sorted and distinct (`pop_grads`)."""
+        """`grads` as pushed: per unit, the ids sorted and distinct (`pop_grads`)."""
         self.pushed[step] = {name: grads[name][0].detach().to(self.embedding.device,
                                                               torch.int64)
-                             for name in self.embedding.tables}
+                             for name in self.embedding.units}
 
     @torch.no_grad()
     def rows_before(self, name: str, ids_U: torch.Tensor) -> torch.Tensor:
         """The stored rows an update is about to change (fp32)."""
         emb = self.embedding
-        local_U = ids_U.to(emb.device, torch.int64) - emb.ranges[name][0]
+        local_U = ids_U.to(emb.device, torch.int64) - emb.units[name].start
         return emb.weights[name].data.index_select(0, local_U).float()
 
     @torch.no_grad()
     def applied(self, name: str, ids_U: torch.Tensor, before_UD: torch.Tensor) -> None:
-        """An update of table `name` is in the rows (`before_UD`: the rows it changed, as
+        """An update of unit `name` is in the rows (`before_UD`: the rows it changed, as
         they were): see `measured`."""
         ids_U = ids_U.to(self.embedding.device, torch.int64)
         self.measured(name, ids_U, self.rows_before(name, ids_U) - before_UD)
 
     @torch.no_grad()
     def measured(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor) -> None:
-        """An update of table `name` is in the rows and changed rows ids_U by delta_UD (new -
-        old, fp32): these effective updates replace the table's deltas (updates are applied
+        """An update of unit `name` is in the rows and changed rows ids_U by delta_UD (new -
+        old, fp32): these effective updates replace the unit's deltas (updates are applied
         in step order, so this is the newest step)."""
         ids_U = ids_U.to(self.embedding.device, torch.int64)
         if ids_U.numel() > 1 and not bool((ids_U[1:] > ids_U[:-1]).all()):
@@ -145,7 +153,7 @@ class RowPredictor:
         offsets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.predicted_rows = 0
         pending_steps = sorted(self.pushed)
-        for name in self.embedding.tables:
+        for name in self.embedding.units:
             ids_L, delta_LD = self.deltas[name]
             if not pending_steps or ids_L.numel() == 0:
                 continue
@@ -164,7 +172,7 @@ class RowPredictor:
                 have_P = torch.nonzero(count_L).squeeze(1)
                 count_P1 = count_L.index_select(0, have_P).unsqueeze(1).to(delta_LD.dtype)
                 offset_PD = delta_LD.index_select(0, have_P) * count_P1
-            local_P = ids_L.index_select(0, have_P) - self.embedding.ranges[name][0]
+            local_P = ids_L.index_select(0, have_P) - self.embedding.units[name].start
             offsets[name] = (local_P, offset_PD)
             self.predicted_rows += int(local_P.numel())
         self.refreshes += 1
@@ -184,12 +192,20 @@ class RowPredictor:
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """CPU tensors, global row ids: re-shardable by row range like the rows."""
-        return {"format": STATE_FORMAT, "staleness": self.staleness,
-                "pushed": {step: {n: ids.cpu() for n, ids in tables.items()}
-                           for step, tables in self.pushed.items()},
-                "deltas": {n: {"ids": ids.cpu(), "delta": d.cpu()}
-                           for n, (ids, d) in self.deltas.items()}}
+        """CPU tensors, per TABLE with global row ids (units split): re-shardable by row
+        range like the rows, and loadable with or without grouping."""
+        pushed: dict[int, dict[str, torch.Tensor]] = {}
+        for step, units in self.pushed.items():
+            pushed[step] = {}
+            for name, ids in units.items():
+                for table, part, _ in self._split(name, ids):
+                    pushed[step][table] = part.cpu()
+        deltas: dict[str, dict[str, torch.Tensor]] = {}
+        for name, (ids, delta) in self.deltas.items():
+            for table, part, cut in self._split(name, ids):
+                deltas[table] = {"ids": part.cpu(), "delta": delta[cut].cpu()}
+        return {"format": STATE_FORMAT, "staleness": self.staleness, "pushed": pushed,
+                "deltas": deltas}
 
     def load_state_dict(self, states: Sequence[dict[str, Any]] | dict[str, Any]) -> None:
         """The saved state of every rank (or one): keeps the rows this rank owns now."""
@@ -211,14 +227,22 @@ class RowPredictor:
                     mine = self._owned(name, entry["ids"])
                     deltas[name][0].append(entry["ids"][mine])
                     deltas[name][1].append(entry["delta"][mine])
-        self.pushed = {step: {n: torch.sort(torch.cat(v)).values.to(device) if v else
-                              _empty_ids(device) for n, v in tables.items()}
-                       for step, tables in pushed.items()}
-        for name, (ids, rows) in deltas.items():
-            ids_L = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
-            delta_LD = torch.cat(rows) if rows else torch.empty(0, emb.tables[name].dim)
-            order = torch.argsort(ids_L)
-            self.deltas[name] = (ids_L[order].to(device), delta_LD[order].float().to(device))
+        self.pushed = {}
+        for step, tables in pushed.items():  # per table, sorted -> per unit, sorted
+            sorted_ids = {n: torch.sort(torch.cat(v)).values for n, v in tables.items() if v}
+            self.pushed[step] = {u: join_ids(unit, sorted_ids)[0].to(device)
+                                 for u, unit in emb.units.items()}
+        for u, unit in emb.units.items():
+            ids_parts, delta_parts = {}, []
+            for m in unit.members:
+                ids, rows = deltas[m.name]
+                ids_L = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+                delta_LD = torch.cat(rows) if rows else torch.empty(0, unit.dim)
+                order = torch.argsort(ids_L)
+                ids_parts[m.name] = ids_L[order]
+                delta_parts.append(delta_LD[order].float())
+            ids_U, _ = join_ids(unit, ids_parts)
+            self.deltas[u] = (ids_U.to(device), torch.cat(delta_parts).to(device))
 
     def _owned(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         start, end = self.embedding.ranges[name]
@@ -226,3 +250,9 @@ class RowPredictor:
 
     def _mine(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         return ids[self._owned(name, ids)]
+
+    def _split(self, unit: str, ids_U: torch.Tensor
+               ) -> list[tuple[str, torch.Tensor, slice]]:
+        """Sorted unit row ids -> per table (name, its global row ids, the slice of ids_U)."""
+        u = self.embedding.units[unit]
+        return [(m.name, u.to_table_ids(m, ids_U[cut]), cut) for m, cut in u.split(ids_U)]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from worker import faults
 from worker.arena_client import ArenaPlacement
 from worker.connect import call_until_connected, connect_window_s
 from worker.embedding import TableConfig
+from worker.groups import Member
 from worker.grpc_client import ShardRpc
 from worker.sync_ledger import Pending, SyncLedger
 from worker.sync_messages import (
@@ -99,6 +100,7 @@ class ShardClient(UpdateSource):
                  security: ClientSecurity | None = None,
                  row_dtype: torch.dtype = torch.float32,
                  initial_rows: InitialRows | None = None,
+                 members: Mapping[str, Sequence[Member]] | None = None,
                  wire_dtype: torch.dtype = torch.float32,
                  shm: str = "off", shm_bytes: int = 64 << 20,
                  rpc: ShardRpc | None = None) -> None:
@@ -117,11 +119,13 @@ class ShardClient(UpdateSource):
         self.security = security or ClientSecurity()
         # (checkpoint directory, step): the first Register loads the server state from it.
         self.restore = restore
-        self.table_specs = table_specs(tables, ranges)
+        # members: the tables of each group registered as one table (worker/groups.py)
+        self.table_specs = table_specs(tables, ranges, members)
+        self.tables_in.update({n: len(ms) for n, ms in (members or {}).items()})
         self.dims = {t.name: t.dim for t in tables}
         who = f"rank {rank}: shard server {address}"
         self.ledger = SyncLedger(self.buffer.tables, self.dims, row_dtype, self.stats, who,
-                                 -1 if restore is None else restore[1])
+                                 -1 if restore is None else restore[1], self.tables_in)
         self.placement = ArenaPlacement(shm, shm_bytes, rank, address)
         self.encoder = PushEncoder(run_id, rank, self.incarnation, wire_dtype,
                                    row_dtype if row_dtype != torch.float32 else wire_dtype)
@@ -252,16 +256,17 @@ class ShardClient(UpdateSource):
     def _pending(self, step: int, name: str, ids_U: torch.Tensor,
                  grads_UD: torch.Tensor, lr: float | None) -> Pending:
         """The push by reference into the arena, else its inline messages."""
-        self.stats.pushes += 1
+        self.stats.pushes += self.tables_in.get(name, 1)
+        self.stats.unit_pushes += 1
         self.stats.push_rows += int(ids_U.numel())
         slot = self.placement.place(ids_U, grads_UD, self.wire_dtype, self.encoder.answer_dtype,
                                     f"step {step} table {name!r}")
         if slot is not None:
-            self.stats.shm_pushes += 1
+            self.stats.shm_pushes += self.tables_in.get(name, 1)
             self.stats.shm_bytes += slot.tensor_bytes
             return self.encoder.by_reference(step, name, slot, lr)
         if self.placement.epoch:
-            self.stats.shm_inline_pushes += 1
+            self.stats.shm_inline_pushes += self.tables_in.get(name, 1)
         return self._inline(step, name, ids_U, grads_UD, lr)
 
     def _inline(self, step: int, name: str, ids_U: torch.Tensor,

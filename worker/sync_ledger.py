@@ -15,7 +15,7 @@ when that is not where this rank left it (the server restarted and lost the stat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -33,10 +33,13 @@ Key = tuple[int, int]  # (step, table index)
 
 class SyncLedger:
     def __init__(self, tables: Sequence[str], dims: dict[str, int], row_dtype: torch.dtype,
-                 stats: SyncStats, who: str, resumed_step: int = -1) -> None:
+                 stats: SyncStats, who: str, resumed_step: int = -1,
+                 tables_in: Mapping[str, int] | None = None) -> None:
         """`who` names the rank and server in errors; `resumed_step`: the step a resumed
-        run restored (-1: a fresh run)."""
+        run restored (-1: a fresh run); `tables_in`: the tables a group carries (the stats
+        count tables' updates)."""
         self.tables = list(tables)
+        self.tables_in = tables_in or {}
         self.table_index = {name: i for i, name in enumerate(self.tables)}
         self.dims = dims
         self.rows_answered = row_dtype != torch.float32  # bf16 rows: answers are rows
@@ -64,16 +67,18 @@ class SyncLedger:
         self.pushed_through = max(self.pushed_through, step)
         messages: list[Outgoing] = []
         placed: list[PlacedShmPush] = []
+        tables_placed = 0  # tables whose pushes go by reference (a group's: each of its)
         for table, pending in pushes:
             self.unanswered[(step, self.table_index[table])] = pending
             if isinstance(pending, PlacedShmPush):
                 placed.append(pending)
+                tables_placed += self.tables_in.get(table, 1)
             else:
                 messages.append(pending)
         if placed:
             message = placed_message(placed, epoch)
             messages.append(message)
-            self.stats.shm_batches += len(placed) > 1
+            self.stats.shm_batches += tables_placed > 1
             self.stats.push_chunks += 1
             self.stats.push_bytes += len(message)
         return messages
@@ -155,7 +160,8 @@ class SyncLedger:
     def _answered(self, key: Key, update: shard_pb2.Update) -> None:
         del self.unanswered[key]
         self.progress = True
-        self.stats.updates += 1
+        self.stats.updates += self.tables_in.get(self.tables[key[1]], 1)
+        self.stats.unit_updates += 1
         self.stats.duplicates += int(update.duplicate)
 
     def _shm_answer(self, key: Key, update: shard_pb2.Update

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from hybridps.optim import OptimizerSpec
 from hybridps.v1 import shard_pb2
 from worker.arena_client import PlacedShmPush, ShmSlot
 from worker.embedding import TableConfig
+from worker.groups import Member
 
 OPTIMIZER_KIND = {"adam": shard_pb2.OptimizerConfig.ADAM,
                   "adamw": shard_pb2.OptimizerConfig.ADAMW,
@@ -41,10 +42,18 @@ def optimizer_message(spec: OptimizerSpec) -> shard_pb2.OptimizerConfig:
                                      weight_decay=spec.weight_decay)
 
 
-def table_specs(tables: Sequence[TableConfig],
-                ranges: dict[str, tuple[int, int]]) -> list[shard_pb2.TableSpec]:
-    return [shard_pb2.TableSpec(name=t.name, num_rows=t.num_rows, dim=t.dim,
-                                row_start=ranges[t.name][0], row_end=ranges[t.name][1])
+def table_specs(tables: Sequence[TableConfig], ranges: dict[str, tuple[int, int]],
+                members: Mapping[str, Sequence[Member]] | None = None
+                ) -> list[shard_pb2.TableSpec]:
+    """Register's tables; `members`: the tables of each group (worker/groups.py)."""
+    members = members or {}
+    return [shard_pb2.TableSpec(
+                name=t.name, num_rows=t.num_rows, dim=t.dim, row_start=ranges[t.name][0],
+                row_end=ranges[t.name][1],
+                members=[shard_pb2.TableMember(name=m.name, num_rows=m.num_rows,
+                                               row_start=m.start, row_end=m.end,
+                                               offset=m.offset)
+                         for m in members.get(t.name, ())])
             for t in tables]
 
 

@@ -129,7 +129,8 @@ class Trainer:
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
-            row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at)
+            row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
+            group_tables=cfg.run.group_tables)
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
@@ -149,7 +150,11 @@ class Trainer:
         else:
             self.source = ShardClient(
                 sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
-                tables=tables, ranges=self.embedding.ranges, optimizer=spec,
+                # per unit (worker/groups.py): a group of tables registers as one table
+                tables=[u.table_config() for u in self.embedding.units.values()],
+                ranges={n: (u.start, u.end) for n, u in self.embedding.units.items()},
+                members={n: u.members for n, u in self.embedding.units.items() if u.grouped},
+                optimizer=spec,
                 timeout_s=sync.ps_timeout, max_chunk_bytes=sync.max_chunk_bytes,
                 wire_dtype=WIRE_DTYPES[sync.wire_dtype], **cfg.node.client_args(),
                 restore=None if resume is None else (str(resume[0]), resume[1]),
@@ -388,6 +393,7 @@ class Trainer:
             "server_stats": server,
             "dense": self.dense_parallel.describe(),
             "embedding": self.embedding.describe(),
+            "table_groups": self.embedding.groups(),
             "checkpoint": {"save_s": self.checkpointer.save_s,
                            "restore_s": self.checkpointer.restore_s,
                            "resumed_step": self.checkpointer.resumed_step,

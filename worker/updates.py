@@ -35,7 +35,9 @@ from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.embedding import ShardedEmbedding
 from worker.staleness import RowPredictor
 
-Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (ids_U global, grads_UD)
+# unit (worker/groups.py: a group of tables of one width, or a table alone) -> (ids_U unit
+# row ids, grads_UD)
+Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class SyncError(RuntimeError):
@@ -56,14 +58,15 @@ class ServerRefused(SyncError):
 
 @dataclass
 class RowUpdate:
-    """rows[ids] = rows[ids] * decay + delta for one (step, table).
+    """rows[ids] = rows[ids] * decay + delta for one (step, unit): `table` names a unit
+    (worker/groups.py), its ids are unit row ids (a table alone: its global row ids).
 
     `rows` (bf16 rows with an fp32 master): delta_UD holds the new rows, rows[ids] = delta.
     """
 
     step: int
     table: str
-    ids_U: torch.Tensor    # int64 global row ids, inside the owned range
+    ids_U: torch.Tensor    # int64 unit row ids, inside the owned range
     delta_UD: torch.Tensor
     decay: float
     duplicate: bool = False
@@ -72,7 +75,11 @@ class RowUpdate:
 
 @dataclass
 class SyncStats:
+    # pushes and updates of tables (a group's push or update counts for each of its
+    # tables); unit_pushes/unit_updates: the pushes and updates sent (one per group)
     pushes: int = 0
+    unit_pushes: int = 0
+    unit_updates: int = 0
     push_chunks: int = 0
     push_bytes: int = 0
     push_rows: int = 0
@@ -89,6 +96,7 @@ class SyncStats:
     shm_bytes: int = 0         # their tensor bytes (ids, gradients, answers) in the arena
     shm_inline_pushes: int = 0  # pushes sent inline while shm was on (the arena was full)
     shm_batches: int = 0       # messages carrying a step's shm pushes of several tables
+    #                            (a group's push: of its tables)
     # The Sync transport (worker/transport.py): "stream", the gRPC Sync stream
     transport: str = "stream"
 
@@ -211,6 +219,9 @@ class UpdateSource(ABC):
         self.buffer = UpdateBuffer(tables)
         self.timeout_s = timeout_s
         self.stats = SyncStats()
+        # unit -> the tables it carries (worker/groups.py; absent: 1): the stats count the
+        # tables' pushes and updates, like those of separate tables
+        self.tables_in: dict[str, int] = {}
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Connect/register; called once before the first push."""
@@ -251,7 +262,9 @@ class LocalSparseOptimizer(UpdateSource):
     """--local-optimizer: the shard server's kernels (hybridps.optim) run in-process.
 
     One optimizer step count per table advancing on every push (exactly like
-    the server and torch.optim.SparseAdam); m/v live on the rows' device.
+    the server and torch.optim.SparseAdam); m/v live on the rows' device. It runs per
+    unit (worker/groups.py): one kernel call a step for a group of tables, whose step
+    count is every member's.
     Updates are computed at push time and applied by the StalenessWindow at
     the same step boundaries as server updates, so results match the server
     path for every --staleness.
@@ -265,11 +278,13 @@ class LocalSparseOptimizer(UpdateSource):
 
     def __init__(self, embedding: ShardedEmbedding, spec: OptimizerSpec,
                  timeout_s: float = 60.0) -> None:
-        super().__init__(list(embedding.tables), timeout_s)
+        super().__init__(list(embedding.units), timeout_s)
         self.embedding, self.spec = embedding, spec
+        self.tables_in.update({n: len(u.members) for n, u in embedding.units.items()})
+        # per unit: m, v and (bf16 rows only) the fp32 master rows, laid out like its block
         self.moments: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        self.masters: dict[str, torch.Tensor] = {}  # fp32 master rows (bf16 rows only)
-        self.counts = dict.fromkeys(embedding.tables, 0)
+        self.masters: dict[str, torch.Tensor] = {}
+        self.counts = dict.fromkeys(embedding.units, 0)
         for name, weight in embedding.weights.items():
             if spec.has_moments:
                 self.moments[name] = (_moment(weight, "m"), _moment(weight, "v"))
@@ -285,14 +300,16 @@ class LocalSparseOptimizer(UpdateSource):
         spec = self.spec if lr is None else dataclasses.replace(self.spec, lr=lr)
         for name in self.buffer.tables:
             ids_U, grads_UD = grads[name]
-            start = self.embedding.ranges[name][0]
+            start = self.embedding.units[name].start
             self.counts[name] += 1
             m_RD, v_RD = self.moments[name]
             delta_UD, decay = apply_rows_(spec, m_RD, v_RD, ids_U - start, grads_UD,
                                           self.counts[name])
-            self.stats.pushes += 1
+            self.stats.pushes += self.tables_in[name]
             self.stats.push_rows += int(ids_U.numel())
-            self.stats.updates += 1
+            self.stats.updates += self.tables_in[name]
+            self.stats.unit_pushes += 1
+            self.stats.unit_updates += 1
             master_RD = self.masters.get(name)
             if master_RD is not None:  # the shard server's master-rows math (ps/partition.py)
                 apply_update_(master_RD, ids_U - start, delta_UD, float(decay))

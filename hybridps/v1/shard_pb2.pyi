@@ -61,18 +61,34 @@ class OptimizerConfig(_message.Message):
     def __init__(self, kind: _Optional[_Union[OptimizerConfig.Kind, str]] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_rows", "dim", "row_start", "row_end")
+    __slots__ = ("name", "num_rows", "dim", "row_start", "row_end", "members")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_rows: int
     dim: int
     row_start: int
     row_end: int
-    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[TableMember]
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TableMember, _Mapping]]] = ...) -> None: ...
+
+class TableMember(_message.Message):
+    __slots__ = ("name", "num_rows", "row_start", "row_end", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_rows: int
+    row_start: int
+    row_end: int
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore", "row_dtype", "shm")

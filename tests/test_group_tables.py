@@ -28,6 +28,7 @@ from ps.partition import TableSpec
 from ps.store import Store
 from ps.table_members import MemberSpec
 from tests.helpers import PsServer, start_ps_server
+from tests.test_checkpoint import assert_states
 from worker.groups import plan_units
 from worker.rows import TableConfig
 
@@ -57,14 +58,7 @@ def run(args: list[str], nproc: int = 2, tables: str = TABLES) -> None:
 
 
 def assert_same(a_dir: Path, b_dir: Path, exact: bool = True) -> None:
-    a, b = torch.load(a_dir / "state.pt"), torch.load(b_dir / "state.pt")
-    for part in ("tables", "dense"):
-        assert set(a[part]) == set(b[part])
-        for key in a[part]:
-            if exact:
-                assert torch.equal(a[part][key], b[part][key]), f"{part} {key} differs"
-            else:
-                torch.testing.assert_close(a[part][key], b[part][key], rtol=1e-4, atol=1e-5)
+    assert_states(a_dir / "state.pt", b_dir / "state.pt", exact=exact)
     if exact:
         ra = json.loads((a_dir / "res.json").read_text())
         rb = json.loads((b_dir / "res.json").read_text())

@@ -214,10 +214,11 @@ def watch_stats(config: StatsConfig, security: ClientSecurity) -> int:
     interrupted = threading.Event()
 
     def on_sigint(signum: int, frame: object) -> None:
-        # Remembered as well as raised: a KeyboardInterrupt raised inside grpc's own code
-        # (channel clean-up) can be swallowed there, and the watch must stop anyway.
+        # Only remembered, never raised: a KeyboardInterrupt raised inside grpc's own code
+        # (a call's condition wait, the channel's close) can leave it holding a lock the
+        # exit then waits on for ever. The call under way ends by its own deadline, and
+        # the loop stops.
         interrupted.set()
-        raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
@@ -232,8 +233,6 @@ def watch_stats(config: StatsConfig, security: ClientSecurity) -> int:
                 print(_rpc_failure("GetShardStats", config.ps, exc), file=sys.stderr,
                       flush=True)
             interrupted.wait(max(0.0, config.watch - (time.monotonic() - started)))
-    except KeyboardInterrupt:
-        pass
     finally:
         signal.signal(signal.SIGINT, previous)
     return 0

@@ -37,18 +37,8 @@ class TwoWidths(TablesTask):
     def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
         out: list[torch.Tensor] = []
         for wide in (False, True):
-            names, ids, bags = [], [], []
-            for name, _, pool in self.specs:
-                if name.endswith("_wide") != wide:
-                    continue
-                names.append(name)
-                if pool == 1:
-                    ids.append(batch.ids[name])
-                    bags.append(None)
-                else:
-                    ids_N, offsets_B = batch.bags[name]
-                    ids.append(ids_N)
-                    bags.append((offsets_B, "sum" if wide else "mean"))
+            names = [name for name, _, _ in self.specs if name.endswith("_wide") == wide]
+            ids, bags = self.lookup_inputs(batch, names, "sum" if wide else "mean")
             if names:
                 out.extend(model.lookups.lookup_many(names, ids, bags=bags))
         logit: torch.Tensor = model.dense(torch.cat([*out, batch.values["dense"]], dim=1))

@@ -93,18 +93,26 @@ class TablesTask(ClickTask):
         return {**super().describe(), "pool": {n: p for n, _, p in self.specs},
                 "num_dense": NUM_DENSE}
 
-    def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
-        names = [name for name, _, _ in self.specs]
+    def lookup_inputs(self, batch: Batch, names: list[str], mode: str = "mean"
+                      ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, str] | None]]:
+        """lookup_many's ids and bags for tables `names` of the batch: one id a sample is a
+        plain lookup, more are bags pooled by `mode`."""
+        pools = {name: pool for name, _, pool in self.specs}
         ids: list[torch.Tensor] = []
         bags: list[tuple[torch.Tensor, str] | None] = []
-        for name, _, pool in self.specs:
-            if pool == 1:
+        for name in names:
+            if pools[name] == 1:
                 ids.append(batch.ids[name])
                 bags.append(None)
             else:
                 ids_N, offsets_B = batch.bags[name]
                 ids.append(ids_N)
-                bags.append((offsets_B, "mean"))
+                bags.append((offsets_B, mode))
+        return ids, bags
+
+    def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
+        names = [name for name, _, _ in self.specs]
+        ids, bags = self.lookup_inputs(batch, names)
         rows = model.lookups.lookup_many(names, ids, bags=bags)
         out: torch.Tensor = model.dense(torch.cat([*rows, batch.values["dense"]], dim=1))
         return out.squeeze(-1)

@@ -23,8 +23,8 @@ exits with code 2.
 from __future__ import annotations
 
 import argparse
-import difflib
 import dataclasses
+import difflib
 import math
 import os
 import sys

@@ -122,8 +122,9 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
     from worker.plan import PlanError, format_plan, plan_for_config
     from worker.preflight import connect_window_s, data_problem, server_problem
 
+    server = not (cfg.sync.local_optimizer or cfg.sizing.plan)  # --plan needs no server
     try:
-        if not cfg.sync.local_optimizer:
+        if server:
             address = cfg.sync.ps_address
             security = cfg.security.client_security()
             log.info(kv("start", ps=address, connection=security.describe(),
@@ -151,7 +152,7 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
         report_error("hybridps worker: error: this config cannot fit; nothing was allocated "
                      "(the plan above)")
         return 1
-    if not cfg.sync.local_optimizer:
+    if server:
         problem = server_problem(address, security, connect_window_s(cfg.sync.ps_timeout))
         if problem is not None:
             report_error(f"hybridps worker: error: rank {rank}: {problem}")

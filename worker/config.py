@@ -259,7 +259,7 @@ class CheckpointConfig:
     checkpoint_every: int = setting(0, "checkpoint after every N steps (0: never)", "N",
                                     everyday=True, at_least=0)
     checkpoint_keep: int = setting(
-        0, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N",
+        3, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N",
         at_least=0)
     resume: bool = setting(
         False, "resume from the newest complete checkpoint under --checkpoint-dir (none: "

@@ -15,8 +15,8 @@ from hybridps.v1 import admin_pb2
 from worker import console
 from worker.console import bar_layout, bar_postfix, fit_fields, postfix_text, show_progress
 
-CTR_EVALS = {"loss": 0.5232, "accuracy": 0.7417, "auc": 0.8137, "planted_auc": 0.848,
-             "planted_loss": 0.4822}
+CTR_EVALS = {"accuracy": 0.7417, "auc": 0.8137, "loss": 0.5232, "planted_auc": 0.848,
+             "planted_loss": 0.4822}  # in the task's order
 KGE_EVALS = {"valid_mrr": 0.8372}
 RUN_IDS = ("1f0c2b7e-aaaa-4b1e-9c1d-2f3e4a5b6c7d",  # torchrun's 36-character ids
            "9a3e51d0-bbbb-4b1e-9c1d-2f3e4a5b6c7d")

@@ -57,7 +57,7 @@ def bar_postfix(loss: float, evals: Mapping[str, float], samples_per_s: float, s
     metrics = {(f"eval_{k}" if k in BAR_KEYS else k): f"{v:.4f}" for k, v in evals.items()
                if not k.startswith("planted")}
     out = {"loss": f"{loss:.4f}"}
-    out.update({k: v for k, v in metrics.items() if k in HEADLINE_METRICS})
+    out.update({k: metrics[k] for k in HEADLINE_METRICS if k in metrics})
     out.update(sps=f"{samples_per_s:.0f}", stale=str(stale), lag=f"{lag:.2f}",
                waits=str(waits))
     out.update({k: v for k, v in metrics.items() if k not in HEADLINE_METRICS})

@@ -37,7 +37,9 @@ MAX_CHECKPOINT_LINES = 10
 BAR_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
               "[{elapsed}<{remaining}{postfix}]")
 PROGRESS_LINE_EVERY = 10  # bar updates (--log-every steps each) between `progress` lines
-TIME_MARGIN = 4  # the bar's times grow as it runs ("00:09<00:11" -> "1:00:09<1:00:11")
+# columns kept free: the fields are chosen again at each update (--log-every steps), and
+# tqdm cuts a line that outgrew the width in between (its times at the hour: "1:00:00")
+TIME_MARGIN = 1
 
 log = logging.getLogger("worker.console")
 

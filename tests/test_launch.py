@@ -124,6 +124,7 @@ def test_a_rank_error_is_printed_by_rank_0_only_and_recorded_by_every_rank(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
     monkeypatch.delenv(launch.LAUNCHER_DIR_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv(launch.ERROR_FILE_ENV, str(tmp_path / f"error-{rank}.json"))
@@ -136,6 +137,9 @@ def test_a_rank_error_is_printed_by_rank_0_only_and_recorded_by_every_rank(
     monkeypatch.setenv("RANK", "0")
     launch.report_error("hybridps worker: error: quiet")
     assert capsys.readouterr().err == ""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # said as it happens, restarts ahead
+    launch.report_error("hybridps worker: error: restarting")
+    assert capsys.readouterr().err == "hybridps worker: error: restarting\n"
 
 
 def test_a_bad_data_dir_gets_one_line_with_the_known_names(tmp_path: Path) -> None:

@@ -64,8 +64,10 @@ def _rank() -> int:
 def report_error(line: str) -> None:
     """A rank's one error line: recorded in the rank's torchelastic error file (in
     torchelastic's format: a bare torchrun's failure report shows it too) and printed by
-    rank 0 only, and not at all under the launcher, which prints it last."""
-    if not os.environ.get(LAUNCHER_DIR_ENV) and _rank() == 0:
+    rank 0 only; under the launcher, which prints it last, only when torchrun may restart
+    the ranks (--max-restarts: each failure is then worth a line as it happens)."""
+    restarts = (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or "0") != "0"
+    if _rank() == 0 and (restarts or not os.environ.get(LAUNCHER_DIR_ENV)):
         print(line, file=sys.stderr, flush=True)
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:

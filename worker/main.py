@@ -1,7 +1,7 @@
 """hybridps worker entry point.
 
-    torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051
-    torchrun --standalone --nproc_per_node 2 worker/main.py --local-optimizer
+    hybridps-run --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051
+    torchrun --standalone --nproc_per_node 2 worker/main.py --local-optimizer  # works too
     python -m worker.main --local-optimizer --steps 50     # a world of one
     python worker/main.py --plan --num-rows 1000000000 --dim 128   # sizing only
 
@@ -11,10 +11,15 @@ one line naming the value (exit code 2). Before any table is allocated the
 memory plan (worker/plan.py) is checked: a config that cannot fit is refused
 with the numbers (exit 1); `--plan` prints the plan and exits.
 
+Before torch is set up, the data directory and the shard server are checked too
+(worker/preflight.py): a bad --data-dir or a server that does not answer is one line.
+A known error is printed by rank 0 only (every rank records it for torchrun's report, and
+`hybridps-run` prints it last: worker/launch.py).
+
 Exit codes: 0 trained to the end (or resumed at the run's last step: nothing to
-do); 1 error; 2 bad flags, or no intact checkpoint to resume as asked; 143 stopped
-by SIGTERM/SIGINT after finishing the step, flushing and telling the server
-(worker/lifecycle.py).
+do); 1 error (the server, a plan that cannot fit); 2 bad flags or data, or no intact
+checkpoint to resume as asked; 143 stopped by SIGTERM/SIGINT after finishing the step,
+flushing and telling the server (worker/lifecycle.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ run): no torch import.
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -179,13 +180,18 @@ def run_summaries(stats: admin_pb2.ShardStats) -> list[RunSummary]:
 
 RUN_COLUMNS = ("run", "state", "ranks", "tables", "step", "lag", "pushes", "rows/s",
                "host_MB", "queue", "refusals")  # host_MB: optimizer state + master rows
+# the compact view leaves these out first, in this order, to fit the terminal
+RUN_COLUMNS_DROPPED_FIRST = ("queue", "tables", "ranks", "rows/s", "lag", "host_MB",
+                             "pushes")
 COLUMNS = ("run", "rank", "table", "rows", "state_MB", "pushes", "rows_updated", "rows/s",
            "touched", "last_step", "lag", "queue", "refusals", "state", "inc", "rows_range",
            "dtype", "master_MB", "optimizer")
 _TEXT_COLUMNS = {"run", "table", "refusals", "state", "rows_range", "dtype", "optimizer"}
+DEFAULT_WIDTH = 100  # the compact view's width off a terminal
+MAX_REFUSALS_CELL = 24  # longer: the compact view's cell shows the count (details: --wide)
 
 
-def _table(columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
     lines = []
     for r in [columns, *rows]:
@@ -195,43 +201,87 @@ def _table(columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[st
     return lines
 
 
+def _fitted_table(columns: Sequence[str], rows: Sequence[Sequence[str]], width: int,
+                  dropped_first: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The table without the fewest columns of `dropped_first` (in that order) that makes it
+    fit `width`; (lines, the columns left out)."""
+    keep = list(columns)
+    left_out: list[str] = []
+    for name in ["", *dropped_first]:
+        if name:
+            keep.remove(name)
+            left_out.append(name)
+        index = [columns.index(c) for c in keep]
+        lines = _table(keep, [[r[i] for i in index] for r in rows])
+        if max(len(line) for line in lines) <= width:
+            break
+    return lines, [c for c in columns if c in left_out]
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """A header line, wrapped to `width` at its spaces (continuations indented)."""
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=True,
+                         break_on_hyphens=False) or [text]
+
+
+def _refusals_cell(counts: Mapping[str, int]) -> str:
+    text = _refusals(counts)
+    return text if len(text) <= MAX_REFUSALS_CELL else f"{sum(counts.values())} (--wide)"
+
+
 def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
-                       all_run_ids: Iterable[str] = ()) -> str:
+                       all_run_ids: Iterable[str] = (), width: int = DEFAULT_WIDTH) -> str:
     """A readable report: header lines, then one row per run (state, ranks, newest step,
     pushes...), or with `wide` one row per (run, rank, table) with every counter.
 
+    The compact view fits `width` columns: header lines wrap, a long refusals cell shows
+    its count, and the least useful columns are left out (named on a last line) when the
+    table is still wider. The wide view may be wider: one optimizer shared by every row is
+    said once above the table instead of in each row.
+
     Run ids are shortened to prefixes unique among the shown runs and `all_run_ids` (the
     server's runs when `stats` is a selection, so a short id does not change with it)."""
-    lines = [
+    header = [
         f"server {stats.server_id}  uptime {_duration(stats.uptime_s)}  "
         f"partitions {len(stats.partitions)}",
         f"totals: state {_mb(stats.state_bytes_total)} MB  master rows "
         f"{_mb(stats.master_bytes_total)} MB  pushes "
         f"{stats.pushes_applied_total}  rows updated {stats.rows_updated_total}",
-        f"refusals: {_refusals(stats.refusals)}",
+        "refusals: " + (", ".join(f"{k}={v}" for k, v in sorted(stats.refusals.items()))
+                        or "-"),
         f"runs freed {stats.runs_freed} ({stats.partitions_freed} partitions); each run's "
-        "state and when it is freed: --json (runs)",
+        "state and when it is freed: --json",
     ]
+    lines = [part for line in header for part in _wrapped(line, max(width, 40))]
     if not stats.partitions:
         lines.append("(no partitions registered)")
         return "\n".join(lines)
     if wide:
+        optimizers = {p.optimizer for p in stats.partitions}
+        columns = COLUMNS if len(optimizers) > 1 else COLUMNS[:-1]
+        if len(optimizers) == 1:
+            lines.append(f"optimizer (every row): {optimizers.pop() or '-'}")
         rows: list[tuple[str, ...]] = [
                 (p.run_id, str(p.rank), p.table, str(p.rows_held), _mb(p.state_bytes),
                  str(p.pushes_applied), str(p.rows_updated), f"{p.rows_per_second:.0f}",
                  str(p.distinct_rows_touched), str(p.last_step), str(p.lag_steps),
                  str(p.queue_depth), _refusals(p.refusals), p.run_state or "-",
                  str(p.incarnation), f"[{p.row_start},{p.row_end})", p.row_dtype or "-",
-                 _mb(p.master_bytes), p.optimizer)
+                 _mb(p.master_bytes), p.optimizer)[:len(columns)]
                 for p in stats.partitions]
-        return "\n".join(lines + _table(COLUMNS, rows))
+        return "\n".join(lines + _table(columns, rows))
     summaries = run_summaries(stats)
     short = short_run_ids([*(r.run_id for r in summaries), *all_run_ids])
     rows = [(short[r.run_id], r.state or "-", str(len(r.ranks)), str(len(r.tables)),
              str(r.last_step), str(r.lag), str(r.pushes), f"{r.rows_per_second:.0f}",
-             _mb(r.state_bytes), str(r.queue), _refusals(r.refusals)) for r in summaries]
-    lines += _table(RUN_COLUMNS, rows)
+             _mb(r.state_bytes), str(r.queue), _refusals_cell(r.refusals)) for r in summaries]
+    table, left_out = _fitted_table(RUN_COLUMNS, rows, width, RUN_COLUMNS_DROPPED_FIRST)
+    lines += table
+    notes = []
     if any(short[r.run_id] != r.run_id for r in summaries):
-        lines.append("(run ids shortened: --run PREFIX selects, --wide shows whole ids by "
-                     "rank and table)")
+        notes.append("run ids shortened: --run PREFIX selects")
+    if left_out:
+        notes.append(f"{', '.join(left_out)} left out to fit {width} columns")
+    if notes:
+        lines += _wrapped(f"({'; '.join(notes)}; --wide shows all)", max(width, 40))
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import sys
@@ -298,7 +299,19 @@ class ConfigParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"usage: {self.prog} [options]   (--help lists every flag)\n")
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+
+    def _suggestion(self, message: str) -> str:
+        """' (did you mean --steps?)' for a misspelled flag."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        guesses = []
+        for token in message.split(":", 1)[1].split():
+            flag = token.split("=", 1)[0]
+            if flag.startswith("--"):
+                guesses += difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        return f" (did you mean {', '.join(dict.fromkeys(guesses))}?)" if guesses else ""
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:

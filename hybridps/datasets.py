@@ -2,6 +2,7 @@
 
     shipped_dataset("umls")      # Path of the installed copy: train.txt, valid.txt, test.txt
     resolve_data_dir("umls")     # a --data-dir value: an existing directory, else a shipped name
+    data_dir_problem("umsl")     # the one line a bad --data-dir gets (None when it is good)
 
 They are package data (pyproject.toml [tool.setuptools.package-data]), so they are found
 relative to this module in a checkout, an editable install and a wheel alike. Larger sets
@@ -10,6 +11,7 @@ relative to this module in a checkout, an editable install and a wheel alike. La
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -59,3 +61,26 @@ def resolve_data_dir(value: str | os.PathLike[str]) -> Path:
     if os.sep not in text and "/" not in text and is_shipped_name(text):
         return shipped_dataset(text)
     return path
+
+
+def data_dir_problem(value: str) -> str | None:
+    """What is wrong with a --data-dir value, as one line naming it and what to give instead;
+    None when it is a directory with train.txt or the name of a shipped set."""
+    text = os.fspath(value)
+    path = Path(text)
+    names = ", ".join(shipped_names())
+    if path.is_dir():
+        if (path / "train.txt").is_file():
+            return None
+        return (f"--data-dir {text!r} has no train.txt: give a directory with train.txt, "
+                "valid.txt and test.txt (one 'head<TAB>relation<TAB>tail' a line), or a "
+                f"shipped set: {names}")
+    if os.sep not in text and "/" not in text and is_shipped_name(text):
+        return None
+    close = difflib.get_close_matches(text.strip().lower(), [*SHIPPED_DATASETS, *ALIASES],
+                                      n=1, cutoff=0.6)
+    hint = f"did you mean --data-dir {ALIASES.get(close[0], close[0])}? Else " if close else ""
+    what = "a file, not a directory" if path.exists() else "no such directory"
+    return (f"--data-dir {text!r}: {what}, and not a set shipped with hybridps: "
+            f"{hint}give a directory with train.txt, valid.txt and test.txt, or one of the "
+            f"shipped sets: {names}")

@@ -1,6 +1,7 @@
 """`python -m ps.admin`: talk to a shard server (no torch import).
 
     python -m ps.admin stats --ps HOST:PORT            # one line per run: state, step, pushes
+                                                       # (fits the terminal; 100 columns off one)
     python -m ps.admin stats --ps HOST:PORT --wide     # one line per (run, rank, table)
     python -m ps.admin stats --run run-1a2b --watch 2  # one run, refreshed every 2 s
     python -m ps.admin stats --json                    # the ShardStats message, numbers as numbers
@@ -19,6 +20,7 @@ The calls and the report live in hybridps/admin.py (the worker prints the stats 
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import threading
@@ -30,6 +32,7 @@ import grpc
 
 from hybridps.admin import (
     DEFAULT_TIMEOUT_S,
+    DEFAULT_WIDTH,
     drop_run,
     format_shard_stats,
     get_shard_stats,
@@ -201,8 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def print_stats(config: StatsConfig, security: ClientSecurity, indent: int | None = 2) -> int:
     every = get_shard_stats(config.ps, config.timeout_s, config.run_id, security)
     stats = select_runs(every, config.run)
+    width = shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns  # COLUMNS, the terminal
     text = (stats_json(stats, indent) if config.json else
-            format_shard_stats(stats, config.wide, [p.run_id for p in every.partitions]))
+            format_shard_stats(stats, config.wide, [p.run_id for p in every.partitions],
+                               width=width))
     print(text, flush=True)
     return 0
 

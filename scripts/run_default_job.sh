@@ -27,8 +27,8 @@ if [ ! -s "$PORT_FILE" ]; then
 fi
 PS_ADDR="127.0.0.1:$(cat "$PORT_FILE")"
 echo "shard server on $PS_ADDR (log: $PS_LOG)"
-# One intra-op thread per rank (torchrun's own default, set here so it says nothing).
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-torchrun --standalone --nproc_per_node 2 worker/main.py --ps "$PS_ADDR" \
+# hybridps-run: torchrun (one intra-op thread per rank, as torchrun would set, without its
+# banner) whose last line is ours (worker/launch.py)
+python -m worker.launch --standalone --nproc_per_node 2 worker/main.py --ps "$PS_ADDR" \
     --results "$RUN_DIR/results.json" "$@"
 echo "next: source .venv/bin/activate, then see README.md (three ways to use it)"

@@ -186,7 +186,8 @@ def test_an_unreachable_server_fails_fast_with_one_line_last(kind: str) -> None:
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert seconds < FAIL_WITHIN_S, f"took {seconds:.1f}s\n{proc.stderr[-4000:]}"
     last = _last_line(proc.stderr)
-    assert last.startswith("hybridps worker: error: rank "), proc.stderr[-4000:]
+    # the launcher checks the server before it starts any rank (worker/preflight.py)
+    assert last.startswith("hybridps-run: error: "), proc.stderr[-4000:]
     assert f"could not register with shard server {address} within 5s " in last
     assert hint in last, last
     assert "Traceback" not in proc.stderr and "DEADLINE_EXCEEDED" not in proc.stderr

@@ -36,18 +36,20 @@ def _command(tmp_path: Path, ps: str, *extra: str) -> list[str]:
             "--results", str(tmp_path / "run.json"), *extra]
 
 
-def _env() -> dict[str, str]:
+def _env(columns: int = 150) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="150")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS=str(columns))
     return env
 
 
-def run_on_terminal(cmd: list[str], timeout: float = 200) -> tuple[int, str]:
-    """Run with stdout and stderr on a 150x40 pseudo-terminal; returns (exit code, output)."""
+def run_on_terminal(cmd: list[str], timeout: float = 200, columns: int = 150
+                    ) -> tuple[int, str]:
+    """Run with stdout and stderr on a `columns`x40 pseudo-terminal; returns (exit code,
+    output)."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=slave, close_fds=True)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(columns), stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     chunks: list[bytes] = []
     deadline = time.monotonic() + timeout
@@ -111,6 +113,24 @@ def test_a_terminal_shows_phases_bar_and_checkpoints_without_interleaving(
         path = Path(w["path"])
         assert path.is_dir() and w["seconds"] > 0
         assert w["bytes"] == sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_an_80_column_terminal_gets_a_bar_that_fits_and_the_rest_as_a_log_line(
+        tmp_path: Path, ps_server: str) -> None:
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(REPO / "worker" / "main.py"),
+           "--ps", ps_server, "--num-rows", "4000", "--batch-size", "32", "--dim", "8",
+           "--steps", "60", "--log-every", "5", "--eval-every", "20"]
+    code, output = run_on_terminal(cmd, columns=80)
+    assert code == 0, output[-4000:]
+    bars = [line for line in screen_lines(output) if "%|" in line]
+    assert bars and any("loss=" in line for line in bars), output[-3000:]
+    assert all(len(line.rstrip()) <= 80 for line in bars), [len(b) for b in bars]
+    # what did not fit (speed and staleness at least) is on the progress line
+    progress = [line for line in screen_lines(output) if "event=progress step=49 " in line]
+    assert len(progress) == 1, output[-3000:]
+    assert " sps=" in progress[0] and " waits=" in progress[0], progress[0]
 
 
 @pytest.mark.e2e

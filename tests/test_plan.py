@@ -10,9 +10,19 @@ import time
 
 import pytest
 
+from hybridps.cli import parse_config
 from tests.helpers import REPO
-from worker.plan import Plan, TableShape, format_plan
+from worker.config import TrainConfig
+from worker.plan import (
+    Plan,
+    PlanError,
+    TableShape,
+    format_plan,
+    optimizer_state_bytes,
+    plan_for_config,
+)
 from worker.plan import main as plan_main
+from worker.task_defaults import task_defaults
 
 MAIN = str(REPO / "worker" / "main.py")
 
@@ -90,3 +100,88 @@ def test_a_config_that_cannot_fit_is_refused_before_allocating() -> None:
     assert "a node has 64.000 GB" in proc.stderr
     planned = _run("--plan", *args)
     assert planned.returncode == 1 and "verdict: DOES NOT FIT" in planned.stdout
+
+
+# -- sizing without a cluster: `python -m worker.plan --world-size N --nodes M [worker flags]`
+
+def test_optimizer_state_size_is_said_in_one_place() -> None:
+    assert optimizer_state_bytes("adam") == optimizer_state_bytes("adamw") == 8
+    assert optimizer_state_bytes("sgd") == 0
+    with pytest.raises(PlanError, match="no state size known for optimizer 'lion'"):
+        optimizer_state_bytes("lion")
+    bf16 = Plan([TableShape("t", 100, 4)], 1, 1, 10, "adam", 0, local_optimizer=False,
+                row_bytes=2)
+    assert bf16.host_state_bytes_per_rank == 100 * (4 * (8 + 4) + 1)  # m, v + fp32 master
+
+
+JOB = ["--num-rows", "1000000000", "--dim", "128", "--batch-size", "4096",
+       "--device-memory-gb", "80", "--host-memory-gb", "512"]
+
+
+def test_a_job_on_a_cluster_is_planned_without_a_server(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    code = plan_main(["--world-size", "64", "--nodes", "8", *JOB])  # no --ps, no torchrun
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "hybridps plan: 64 ranks = 8 node(s) x 8 ranks, batch 4096/rank" in out
+    assert "user: 1,000,000,000 rows x 128 dim" in out
+    cfg = parse_config(TrainConfig, [*JOB, "--plan"], defaults=task_defaults)
+    expected = plan_for_config(cfg, world_size=64, ranks_per_node=8, detect=False)
+    assert expected.device_kind == "cuda" and expected.fits
+    assert format_plan(expected) in out  # per GPU, per server, on the wire, the verdict
+    lines = out.splitlines()
+    server = lines[lines.index("  on each node, its shard server:") + 1]
+    assert server.strip().startswith("python -m ps --host 0.0.0.0 --port 50051 "
+                                     "--auth-token-file ps.token")
+    ranks = " ".join(lines[lines.index("  on each node, its ranks:") + 1:][:2])
+    assert "hybridps-run --nnodes 8 --nproc_per_node 8 --rdzv-backend c10d" in ranks
+    assert ("worker/main.py --ps " + ",".join(f"NODE{i}:50051" for i in range(8))) in ranks
+    assert "--num-rows 1000000000 --dim 128 --batch-size 4096" in ranks
+    assert "--device-memory-gb" not in ranks  # the plan's flags, not the job's
+
+
+def test_a_job_that_does_not_fit_gets_a_layout_that_does(capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    code = plan_main(["--world-size", "8", "--nodes", "1", *JOB])
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: DOES NOT FIT" in out
+    nodes = int(out.split("would fit: ")[1].split(" nodes x 8 ranks")[0])
+    cfg = parse_config(TrainConfig, [*JOB, "--plan"], defaults=task_defaults)
+    for n, fits in ((nodes - 1, False), (nodes, True)):
+        plan = plan_for_config(cfg, world_size=8 * n, ranks_per_node=8, detect=False)
+        assert plan.fits == fits, (n, plan.refusals)
+    assert plan_main(["--world-size", str(8 * nodes), "--nodes", str(nodes), *JOB]) == 0
+
+
+def test_a_single_node_job_gets_local_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--world-size", "2", "--local-optimizer", "--num-rows", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "its shard server:" not in out and "--ps" not in out
+    assert "hybridps-run --standalone --nproc_per_node 2" in out
+    assert "worker/main.py --local-optimizer --num-rows 1000" in out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--world-size", "7", "--nodes", "2"], "--world-size 7 does not split evenly over --nodes 2"),
+    (["--world-size", "8", "--nodes", "2", "--ranks-per-node", "2"],
+     "--world-size 8 is not --nodes 2 x --ranks-per-node 2"),
+    (["--nodes", "2"], "give --world-size N"),
+])
+def test_a_layout_that_cannot_be_is_refused_with_one_line(
+        args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        plan_main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.e2e
+def test_main_plan_needs_no_server_and_the_module_no_torch() -> None:
+    proc = _run("--plan", "--num-rows", "1000000", "--dim", "16", "--device", "cpu",
+                "--host-memory-gb", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict: fits" in proc.stdout
+    code = "import sys, worker.plan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == "False"

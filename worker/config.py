@@ -182,10 +182,7 @@ class SyncConfig:
                 raise ValueError(problem)
         if self.local_optimizer and self.ps:
             raise ValueError(f"ps={self.ps!r} given together with --local-optimizer: pick one")
-        if not self.local_optimizer:
-            if not self.ps:
-                raise ValueError(
-                    "ps='' (empty): --ps HOST:PORT is required unless --local-optimizer")
+        if not self.local_optimizer and self.ps:  # required: TrainConfig (not for --plan)
             for address in split_ps(self.ps):
                 check_ps_address(address)
         if not math.isfinite(self.ps_timeout) or self.ps_timeout <= 0:
@@ -262,7 +259,7 @@ class CheckpointConfig:
     checkpoint_every: int = setting(0, "checkpoint after every N steps (0: never)", "N",
                                     everyday=True, at_least=0)
     checkpoint_keep: int = setting(
-        0, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N",
+        3, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N",
         at_least=0)
     resume: bool = setting(
         False, "resume from the newest complete checkpoint under --checkpoint-dir (none: "
@@ -357,6 +354,9 @@ class TrainConfig(FlagConfig):
         if self.node.same_node == "require" and self.sync.local_optimizer:
             raise ValueError("same_node='require' needs a shard server; --local-optimizer "
                              "has none")
+        if not (self.sync.local_optimizer or self.sync.ps or self.sizing.plan):
+            raise ValueError(
+                "ps='' (empty): --ps HOST:PORT is required unless --local-optimizer")
         if self.run.task == "kge" and not self.kge.data_dir:
             raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt) "
                              "or a shipped set: --data-dir umls | kinship")

@@ -16,46 +16,24 @@ recovery of docs/reliability.md).
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TypeVar
 
 from hybridps.logs import kv
+from worker.preflight import (  # noqa: F401  (connect_window_s: worker/sync.py)
+    BACKOFF_MAX_S,
+    BACKOFF_START_S,
+    FIRST_CONNECT_S,
+    connect_window_s,
+    unreachable_hint,
+)
 from worker.transport import TransportError
 from worker.updates import ServerUnavailable
 
 log = logging.getLogger("worker.connect")
 
-FIRST_CONNECT_S = 5.0  # how long a first start retries an address nobody answers at
-BACKOFF_START_S = 0.1
-BACKOFF_MAX_S = 1.0
-
 T = TypeVar("T")
-
-
-def connect_window_s(timeout_s: float, environ: Mapping[str, str] = os.environ) -> float:
-    """How long the first Register retries a server it cannot connect to."""
-    restarts = environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    if restarts != "0":
-        return timeout_s
-    return min(FIRST_CONNECT_S, timeout_s)
-
-
-def unreachable_hint(address: str, details: str) -> str:
-    """What an UNAVAILABLE of a call that could not connect means, and what to check."""
-    host = address.rsplit(":", 1)[0]
-    lowered = details.lower()
-    if "resolv" in lowered or "domain name not found" in lowered or "dns" in lowered:
-        return (f"the host name {host!r} does not resolve: check the host in --ps "
-                "(a compose service name resolves only inside its network)")
-    if "connection refused" in lowered:
-        return ("connection refused, nothing listens there: check that the shard server "
-                "is running (python -m ps --port PORT) and that --ps names its host and port")
-    if "ssl" in lowered or "handshake" in lowered or "certificate" in lowered:
-        return (f"{details}: check that the TLS settings (--tls-*) match the server's")
-    return (f"{details}: check that the shard server is running and reachable from here "
-            "(host, port, firewall)")
 
 
 def call_until_connected(attempt: Callable[[float], T], *, address: str, rank: int,

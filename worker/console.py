@@ -1,6 +1,12 @@
 """What rank 0 shows on the console: the progress bar's fields, log lines routed around the
 bar, and the checkpoint entries of the end-of-run summary.
 
+The bar fits the terminal (COLUMNS, else the terminal's width as tqdm reads it): its
+fields are shown most useful first (the train loss, the headline evaluation, speed,
+staleness, then the other metrics) while the whole line fits with a bar of at least ten
+characters; the fields left out go to a `progress` log line every PROGRESS_LINE_EVERY
+updates of the bar (every field when the bar is off: `--progress false`).
+
 Log records written while the bar is on screen go through tqdm.write (tqdm's
 logging_redirect_tqdm): the bar is cleared, the line printed, the bar redrawn, so a log
 line never lands inside the bar. Other processes (other ranks, a shard server sharing
@@ -11,15 +17,31 @@ quiet on a terminal (hybridps/logs.py).
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+from tqdm.utils import disp_len
+
+from hybridps.logs import kv
 
 BAR_KEYS = ("loss", "sps", "stale", "lag", "waits")
+RUN_KEYS = ("sps", "stale", "lag", "waits")
+# evaluation metrics shown right after the train loss; the others come after RUN_KEYS
+HEADLINE_METRICS = ("eval_loss", "auc", "valid_mrr", "test_mrr", "mrr")
 MAX_CHECKPOINT_LINES = 10
+BAR_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+              "[{elapsed}<{remaining}{postfix}]")
+PROGRESS_LINE_EVERY = 10  # bar updates (--log-every steps each) between `progress` lines
+# columns kept free: the fields are chosen again at each update (--log-every steps), and
+# tqdm cuts a line that outgrew the width in between (its times at the hour: "1:00:00")
+TIME_MARGIN = 1
+
+log = logging.getLogger("worker.console")
 
 
 def route_logs_around(bar: tqdm) -> contextlib.AbstractContextManager[Any]:
@@ -31,15 +53,73 @@ def route_logs_around(bar: tqdm) -> contextlib.AbstractContextManager[Any]:
 
 def bar_postfix(loss: float, evals: Mapping[str, float], samples_per_s: float, stale: int,
                 lag: float, waits: int) -> dict[str, str]:
-    """The bar's fields: the train loss first, then the latest eval metrics (`eval_loss` when
-    a metric shares a name with a bar field; the planted model's, a constant, left out),
-    speed and staleness."""
+    """The bar's fields, most useful first: the train loss, the headline evaluation metrics
+    (`eval_loss` when a metric shares a name with a bar field; the planted model's, a
+    constant, left out), speed and staleness, then the other evaluation metrics."""
+    metrics = {(f"eval_{k}" if k in BAR_KEYS else k): f"{v:.4f}" for k, v in evals.items()
+               if not k.startswith("planted")}
     out = {"loss": f"{loss:.4f}"}
-    out.update({(f"eval_{k}" if k in BAR_KEYS else k): f"{v:.4f}" for k, v in evals.items()
-                if not k.startswith("planted")})
+    out.update({k: metrics[k] for k in HEADLINE_METRICS if k in metrics})
     out.update(sps=f"{samples_per_s:.0f}", stale=str(stale), lag=f"{lag:.2f}",
                waits=str(waits))
+    out.update({k: v for k, v in metrics.items() if k not in HEADLINE_METRICS})
     return out
+
+
+def postfix_text(fields: Mapping[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def bar_layout() -> dict[str, Any]:
+    """tqdm's layout options: the width (COLUMNS when set, else the terminal's, read at each
+    redraw) and the format, without tqdm's steps/s (the `sps` field says the speed)."""
+    env = os.environ.get("COLUMNS", "")
+    width: dict[str, Any] = ({"ncols": int(env)} if env.isdigit() and int(env) > 0
+                             else {"dynamic_ncols": True})
+    return {**width, "bar_format": BAR_FORMAT}
+
+
+def terminal_columns(bar: tqdm) -> int | None:
+    """The width the bar must fit: COLUMNS when set, else what tqdm measured (None: no
+    terminal and no COLUMNS, so no limit)."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    ncols = bar.format_dict.get("ncols")
+    return int(ncols) if ncols else None
+
+
+def fit_fields(bar: tqdm, fields: Mapping[str, str], width: int | None
+               ) -> tuple[dict[str, str], dict[str, str]]:
+    """(shown, left out): the longest prefix of the fields that fits on one line of `width`
+    columns with the bar's other parts and a bar of at least ten characters."""
+    if width is None:
+        return dict(fields), {}
+    meter = dict(bar.format_dict)
+    meter["ncols"] = None  # unbounded: the bar is drawn 10 characters wide
+
+    def length(shown: Mapping[str, str]) -> int:
+        return disp_len(bar.format_meter(**{**meter, "postfix": postfix_text(shown)}))
+
+    shown: dict[str, str] = {}
+    for key, value in fields.items():  # the most useful first: stop at the first too long
+        if length({**shown, key: value}) + TIME_MARGIN > width:
+            break
+        shown[key] = value
+    return shown, {k: v for k, v in fields.items() if k not in shown}
+
+
+def show_progress(bar: tqdm, fields: Mapping[str, str], *, step: int, update: int) -> None:
+    """Put the fields that fit on the bar; every PROGRESS_LINE_EVERY-th `update`, log the
+    others (all of them when the bar is off) as one `progress` line."""
+    shown: dict[str, str]
+    if bar.disable:
+        shown, left = {}, dict(fields)
+    else:
+        shown, left = fit_fields(bar, fields, terminal_columns(bar))
+        bar.set_postfix_str(postfix_text(shown), refresh=False)
+    if left and update % PROGRESS_LINE_EVERY == 0:
+        log.info(kv("progress", step=step, **left))
 
 
 def directory_bytes(path: Path) -> int:

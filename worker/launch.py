@@ -1,24 +1,44 @@
-"""`python -m worker.launch ARGS`: torchrun ARGS, ending with one clear line.
+"""`hybridps-run ARGS` (= `python -m worker.launch ARGS`): torchrun ARGS, whose last line is
+ours.
 
-torchrun turns a SIGTERM/SIGINT it receives into a SignalException: it forwards the
-signal to the ranks (which finish their step, flush, tell the server and exit 143:
-worker/lifecycle.py), waits for them, and then dies of the exception with a traceback
-and exit code 1. For a stop the user asked for (`docker compose stop`, Ctrl-C) this
-launcher ends with 128 + the signal number (143 for SIGTERM) and one log line instead.
+The flags are torchrun's (`--standalone --nproc_per_node 2 worker/main.py --ps ...`).
+What it adds:
 
-A rank that fails with a known error (server unreachable or refusing, a bad run id, no
-checkpoint to resume: worker/main.py) prints one line and records it in its torchelastic
-error file (`report_error`); torchrun then ends with its ChildFailedError traceback,
-which this launcher replaces by that line, printed last (exit code 1, as torchrun's).
-A failure without such a record (a crash) keeps torchrun's full report. Everything
-else, exit codes included, is torchrun's own.
+- **Checks before any rank starts** when the script is worker/main.py: the worker's flags
+  (a misspelled flag: exit 2 with argparse's line), then its data directory and its shard
+  server (worker/preflight.py): one line naming the value and what to do, exit 2 (data) or
+  1 (server), in a second or two instead of after the ranks' imports and rendezvous.
+- **A known error of a rank ends on its one line.** A rank that fails with a known error
+  (server unreachable or refusing, a bad run id, no checkpoint to resume: worker/main.py)
+  records its line in its torchelastic error file (`report_error`); the launcher prints the
+  earliest such line last, and exits with that rank's exit code, without torchrun's
+  ChildFailedError traceback, `Failures:` block or log lines. A rank that crashed gets one
+  line naming it and its exit code or signal (its traceback is above, from the rank).
+- **A stop the user asked for exits 0.** torchrun forwards SIGTERM/SIGINT (Ctrl-C) to the
+  ranks, which finish their step, flush, tell the server and exit (worker/lifecycle.py);
+  each writes a note to the launcher (`note_stop`). When every rank of this node noted a
+  clean stop, the launcher prints the step and exits 0; when one did not (it was killed,
+  or the stop came before training started) it exits 128 + the signal (130 for SIGINT,
+  143 for SIGTERM). A scheduler that must tell a run stopped early from a finished one
+  sets HYBRIDPS_STOP_EXIT_CODE=signal: a clean stop then exits 128 + the signal too.
+- torchrun's own log lines about the ranks' processes (its OMP_NUM_THREADS banner: the
+  launcher sets OMP_NUM_THREADS=1 itself when unset and more than one rank runs, as
+  torchrun would; closing signals; exit codes) are left out, unless LOGLEVEL is set
+  (torchrun's variable: LOGLEVEL=INFO shows them all).
+
+Under a bare torchrun the worker still checks everything before its rendezvous, and
+only rank 0 prints a known error (once); the other ranks record it and exit with the same
+code. torchrun then adds its ChildFailedError report, and ends a signalled stop with a
+SignalException traceback and exit code 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -28,14 +48,31 @@ from typing import Any
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torchrun sets it for each rank
 MARK = "hybridps_error"  # in the record's extraInfo: a line of ours, not a traceback
+LAUNCHER_DIR_ENV = "HYBRIDPS_LAUNCHER_DIR"  # set by the launcher: ranks leave notes there
+STOP_EXIT_ENV = "HYBRIDPS_STOP_EXIT_CODE"  # "signal": a clean stop exits 128 + the signal
+PROG = "hybridps-run"
+WORKER_MAIN = Path(__file__).resolve().with_name("main.py")
+# torchrun's loggers whose lines the launcher's last line replaces (the rendezvous's stay)
+QUIET_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic.multiprocessing",
+                 "torch.distributed.elastic.agent")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def report_error(line: str) -> None:
-    """Print a rank's one error line, and record it in the rank's torchelastic error file
-    (in torchelastic's format: bare torchrun shows it in its failure report too)."""
-    print(line, file=sys.stderr, flush=True)
+    """A rank's one error line: recorded in the rank's torchelastic error file (in
+    torchelastic's format: a bare torchrun's failure report shows it too) and printed by
+    rank 0 only; under the launcher, which prints it last, only when torchrun may restart
+    the ranks (--max-restarts: each failure is then worth a line as it happens)."""
+    restarts = (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or "0") != "0"
+    if _rank() == 0 and (restarts or not os.environ.get(LAUNCHER_DIR_ENV)):
+        print(line, file=sys.stderr, flush=True)
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
+        if _rank() != 0 and not os.environ.get(LAUNCHER_DIR_ENV):
+            print(line, file=sys.stderr, flush=True)  # no torchrun to report it
         return
     record = {"message": {"message": line,
                           "extraInfo": {"timestamp": str(int(time.time())), MARK: True}}}
@@ -43,36 +80,169 @@ def report_error(line: str) -> None:
         Path(path).write_text(json.dumps(record))
 
 
-def recorded_line(failures: dict[int, Any]) -> str | None:
-    """The earliest line a failed rank recorded (`report_error`), or None."""
+def note_stop(step: int, steps: int, flushed: bool, reason: str) -> None:
+    """A rank stopped by a signal tells the launcher how it ended (no-op without one)."""
+    folder = os.environ.get(LAUNCHER_DIR_ENV)
+    if not folder:
+        return
+    note = {"rank": _rank(), "step": step, "steps": steps, "flushed": flushed,
+            "reason": reason}
+    with contextlib.suppress(OSError):
+        Path(folder, f"stopped-{_rank()}.json").write_text(json.dumps(note))
+
+
+def _recorded(failures: dict[int, Any]) -> Any | None:
+    """The earliest failure whose rank recorded a line of ours (`report_error`), or None."""
     ours = [f for f in failures.values()
             if isinstance(f.message, dict) and f.message.get("extraInfo", {}).get(MARK)]
-    if not ours:
-        return None
-    return str(min(ours, key=lambda f: f.timestamp).message["message"])
+    return min(ours, key=lambda f: f.timestamp) if ours else None
+
+
+def recorded_line(failures: dict[int, Any]) -> str | None:
+    """The earliest line a failed rank recorded (`report_error`), or None."""
+    first = _recorded(failures)
+    return None if first is None else str(first.message["message"])
+
+
+def split_worker_args(argv: Sequence[str]) -> list[str] | None:
+    """The worker's flags when the training script is worker/main.py (as a path, or
+    `-m worker.main`), else None."""
+    for i, token in enumerate(argv):
+        if token == "worker.main" and i > 0 and argv[i - 1] in ("-m", "--module"):
+            return list(argv[i + 1:])
+        if token.endswith("main.py") and not token.startswith("-"):
+            with contextlib.suppress(OSError):
+                if Path(token).resolve() == WORKER_MAIN:
+                    return list(argv[i + 1:])
+    return None
+
+
+def preflight(worker_argv: list[str]) -> tuple[str, int] | None:
+    """The worker's flags, data and server checked here, before any rank starts: (the
+    line, the exit code) of the first problem. Bad flags exit in argparse (2)."""
+    from hybridps.cli import parse_config
+    from hybridps.security import SecurityError
+    from worker.config import TrainConfig
+    from worker.nodes import split_ps
+    from worker.preflight import data_problem, problem
+    from worker.task_defaults import task_defaults
+
+    cfg = parse_config(TrainConfig, worker_argv, prog="worker/main.py",
+                       defaults=task_defaults)
+    found = data_problem(cfg)
+    if found is not None:
+        return f"{PROG}: error: {found}", 2
+    # one --ps entry: every rank of this node uses it; one per node: the rank's node is
+    # known only after the rendezvous, so each rank checks its own
+    ps = [] if cfg.sync.local_optimizer else split_ps(cfg.sync.ps)
+    try:
+        found = problem(cfg, ps[0] if len(ps) == 1 else None)
+    except (ValueError, SecurityError) as exc:
+        return f"{PROG}: error: {exc}", 2
+    if found is not None:
+        return f"{PROG}: error: {found}", 1
+    return None
+
+
+class _Quiet(logging.Filter):
+    """Drops torchrun's lines about the ranks' processes (what our last line replaces)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.CRITICAL or not record.name.startswith(QUIET_LOGGERS)
+
+
+def _quiet_torchrun() -> None:
+    if os.environ.get("LOGLEVEL"):
+        return
+    for name in ("torch", "torch.distributed", ""):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_Quiet())
+
+
+def _local_world_size(torchrun_argv: Sequence[str]) -> int:
+    from torch.distributed.run import determine_local_world_size, parse_args
+
+    with contextlib.suppress(Exception, SystemExit):
+        return int(determine_local_world_size(parse_args(list(torchrun_argv)).nproc_per_node))
+    return 1
+
+
+def stop_line(sig: signal.Signals, notes: list[dict[str, Any]], expected: int) -> tuple[str, int]:
+    """The last line and the exit code after a stop signal, from the ranks' notes."""
+    code = 128 + int(sig)
+    clean = len(notes) >= expected and all(n.get("flushed") for n in notes)
+    if clean:
+        step = max(int(n["step"]) for n in notes)
+        steps = max(int(n.get("steps", 0)) for n in notes)
+        line = (f"{PROG}: stopped by {sig.name} after step {step} of {steps}: every rank "
+                "finished the step, flushed its updates and told the server")
+        return line, code if os.environ.get(STOP_EXIT_ENV) == "signal" else 0
+    missing = expected - len(notes)
+    why = (f"{missing} of {expected} ranks did not report a clean stop (stopped before "
+           "training started, or killed)" if missing > 0 else
+           "a rank could not flush its updates (see its line above)")
+    return f"{PROG}: stopped by {sig.name}: {why}", code
+
+
+def _read_notes(folder: str) -> list[dict[str, Any]]:
+    notes = []
+    for path in sorted(Path(folder).glob("stopped-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            notes.append(json.loads(path.read_text()))
+    return notes
+
+
+def failure_line(failures: dict[int, Any]) -> tuple[str, int]:
+    """The last line and the exit code after a rank failed: its recorded line and its exit
+    code, else a line naming the first rank that failed and how."""
+    ours = _recorded(failures)
+    if ours is not None:
+        return str(ours.message["message"]), max(int(ours.exitcode), 1)
+    rank, first = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    exitcode = int(first.exitcode)
+    if exitcode < 0:  # killed by a signal
+        return (f"{PROG}: error: rank {rank} was killed by {first.signal_name()} (out of "
+                "memory, or killed from outside?)", 128 - exitcode)
+    return (f"{PROG}: error: rank {rank} exited with code {exitcode} (its output above "
+            "says why)", max(exitcode, 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    worker_argv = split_worker_args(args)
+    if worker_argv is not None:
+        found = preflight(worker_argv)
+        if found is not None:
+            print(found[0], file=sys.stderr, flush=True)
+            return found[1]
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    _quiet_torchrun()
+    local_world = _local_world_size(args)
+    if "OMP_NUM_THREADS" not in os.environ and local_world > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
     with tempfile.TemporaryDirectory(prefix="hybridps-launch-") as scratch:
+        os.environ[LAUNCHER_DIR_ENV] = scratch
         if not os.environ.get(ERROR_FILE_ENV):
             # torchrun copies the failed rank's record into its own error file, and logs an
             # error when it has none; the ranks get files of their own from torchrun.
             os.environ[ERROR_FILE_ENV] = os.path.join(scratch, "error.json")
         try:
-            torchrun_main(list(sys.argv[1:] if argv is None else argv))
+            torchrun_main(args)
         except SignalException as exc:
-            print(f"hybridps launch: stopped by {exc.sigval.name}: the ranks finished their "
-                  "step and flushed", file=sys.stderr, flush=True)
-            return 128 + int(exc.sigval)
-        except ChildFailedError as exc:
-            line = recorded_line(exc.failures)
-            if line is None:
-                raise
+            line, code = stop_line(exc.sigval, _read_notes(scratch), local_world)
             print(line, file=sys.stderr, flush=True)
+            return code
+        except ChildFailedError as exc:
+            line, code = failure_line(exc.failures)
+            print(line, file=sys.stderr, flush=True)
+            return code
+        except Exception as exc:  # torchrun's own (a rendezvous that timed out, ...)
+            print(f"{PROG}: error: torchrun: {type(exc).__name__}: {exc}", file=sys.stderr,
+                  flush=True)
             return 1
     return 0
 

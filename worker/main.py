@@ -1,7 +1,7 @@
 """hybridps worker entry point.
 
-    torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051
-    torchrun --standalone --nproc_per_node 2 worker/main.py --local-optimizer
+    hybridps-run --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051
+    torchrun --standalone --nproc_per_node 2 worker/main.py --local-optimizer  # works too
     python -m worker.main --local-optimizer --steps 50     # a world of one
     python worker/main.py --plan --num-rows 1000000000 --dim 128   # sizing only
 
@@ -11,18 +11,24 @@ one line naming the value (exit code 2). Before any table is allocated the
 memory plan (worker/plan.py) is checked: a config that cannot fit is refused
 with the numbers (exit 1); `--plan` prints the plan and exits.
 
+Before torch is set up, the data directory and the shard server are checked too
+(worker/preflight.py): a bad --data-dir or a server that does not answer is one line.
+A known error is printed by rank 0 only (every rank records it for torchrun's report, and
+`hybridps-run` prints it last: worker/launch.py).
+
 Exit codes: 0 trained to the end (or resumed at the run's last step: nothing to
-do); 1 error; 2 bad flags, or no intact checkpoint to resume as asked; 143 stopped
-by SIGTERM/SIGINT after finishing the step, flushing and telling the server
-(worker/lifecycle.py).
+do); 1 error (the server, a plan that cannot fit); 2 bad flags or data, or no intact
+checkpoint to resume as asked; 143 stopped by SIGTERM/SIGINT after finishing the step,
+flushing and telling the server (worker/lifecycle.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +38,7 @@ if not __package__:  # `torchrun worker/main.py` / `python worker/main.py` from 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
 from worker.config import TrainConfig
-from worker.launch import report_error
+from worker.launch import note_stop, report_error
 from worker.task_defaults import TASK_DEFAULTS, task_defaults
 
 if TYPE_CHECKING:
@@ -48,9 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     epilog = "task defaults (when the flag is not given):\n" + "\n".join(
         f"  {task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
         for task, d in TASK_DEFAULTS.items())
-    cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
-                       defaults=task_defaults, epilog=epilog)
     rank = int(os.environ.get("RANK", "0") or 0)
+    with _quiet_unless(rank == 0):  # a bad flag: rank 0 says it, every rank exits 2
+        cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
+                           defaults=task_defaults, epilog=epilog)
     setup_logging(cfg.output.log_level, sys.stderr, rank=rank)
     from worker.lifecycle import STOP, STOPPED_EXIT_CODE, install_signal_handlers
 
@@ -86,9 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if STOP.requested and trainer.last_step < trainer.steps - 1:
             ended = True  # told the server (or tried: end_run logs a failure; no second try)
             trainer.source.end_run(trainer.last_step, aborted=True, reason=STOP.reason)
+            flushed = trainer.source.buffer.fatal is None
             log.warning(kv("stopped", step=trainer.last_step, reason=STOP.reason,
-                           flushed=trainer.source.buffer.fatal is None,
-                           exit_code=STOPPED_EXIT_CODE))
+                           flushed=flushed, exit_code=STOPPED_EXIT_CODE))
+            note_stop(trainer.last_step, trainer.steps, flushed, STOP.reason)
             return STOPPED_EXIT_CODE
         trainer.report()             # eval, --dump-state, summary, shard stats, --results
         ended = True
@@ -111,14 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
-    """Server address, TLS/token files and the memory plan, before anything is allocated.
+    """Server address, TLS/token files, the data, the memory plan and the server's health,
+    before torch is set up and anything is allocated (worker/preflight.py).
 
     Returns the exit code when the worker must stop here (--plan, or a problem)."""
     from hybridps.security import SecurityError
     from worker.plan import PlanError, format_plan, plan_for_config
+    from worker.preflight import connect_window_s, data_problem, server_problem
 
+    server = not (cfg.sync.local_optimizer or cfg.sizing.plan)  # --plan needs no server
     try:
-        if not cfg.sync.local_optimizer:
+        if server:
             address = cfg.sync.ps_address
             security = cfg.security.client_security()
             log.info(kv("start", ps=address, connection=security.describe(),
@@ -126,6 +137,10 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
                         local_world_size=os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except (ValueError, SecurityError) as exc:
         report_error(f"hybridps worker: error: {exc}")
+        return 2
+    problem = data_problem(cfg)
+    if problem is not None:
+        report_error(f"hybridps worker: error: {problem}")
         return 2
     try:
         plan: Plan | None = plan_for_config(cfg) if cfg.sizing.plan else _cheap_plan(cfg)
@@ -138,10 +153,27 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
         return 0 if plan.fits else 1
     if plan is not None and not plan.fits:
         if rank == 0:
-            print("hybridps worker: error: this config cannot fit; nothing was allocated:\n"
-                  + format_plan(plan), file=sys.stderr, flush=True)
+            print(format_plan(plan), file=sys.stderr, flush=True)
+        report_error("hybridps worker: error: this config cannot fit; nothing was allocated "
+                     "(the plan above)")
         return 1
+    if server:
+        problem = server_problem(address, security, connect_window_s(cfg.sync.ps_timeout))
+        if problem is not None:
+            report_error(f"hybridps worker: error: rank {rank}: {problem}")
+            return 1
     return None
+
+
+@contextlib.contextmanager
+def _quiet_unless(speak: bool) -> Iterator[None]:
+    """Standard output and error to /dev/null unless `speak` (what every rank would repeat)."""
+    if speak:
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), \
+            contextlib.redirect_stdout(null):
+        yield
 
 
 def _cheap_plan(cfg: TrainConfig) -> Plan | None:

@@ -17,17 +17,21 @@ most, and a node's server holds the state of its ranks' rows.
     plan = plan_for_config(cfg, world_size=64, ranks_per_node=8)
     print(format_plan(plan)); plan.refusals  # [] when it fits
 
+`python -m worker.plan --world-size 16 --nodes 2 [worker flags]` plans a job on a
+cluster from anywhere (no server, no torchrun) and prints the commands to run it;
 `python -m worker.plan --rows 1000000000 --dim 128 --nodes 8 --ranks-per-node 8`
 is the calculator for one table (docs/deploy.md's worked example);
-`worker/main.py --plan` prints the plan of the actual flags and layout.
+`worker/main.py --plan` prints the plan of the actual flags and launch.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,10 +46,24 @@ ID_BYTES = 8
 FLOAT_BYTES = 4
 TOUCHED_FLAG_BYTES = 1
 ANSWER_CACHE_STEPS = 8  # ps.partition.DEFAULT_ANSWER_CACHE_STEPS (kept torch-free here)
+SERVER_STATE_SHARE = 0.75  # the server's default --max-state-bytes: this share of its host
 
 
 class PlanError(ValueError):
     """The plan cannot be made (e.g. a task that cannot say its tables without data)."""
+
+
+# Bytes of optimizer state per embedding element, by --optimizer (on the shard server, or
+# on the device with --local-optimizer): adam and adamw keep m and v, sgd nothing.
+OPTIMIZER_STATE_BYTES = {"adam": 2 * FLOAT_BYTES, "adamw": 2 * FLOAT_BYTES, "sgd": 0}
+
+
+def optimizer_state_bytes(optimizer: str) -> int:
+    """Bytes of `optimizer`'s state per embedding element (its fp32 moments)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise PlanError(f"no state size known for optimizer {optimizer!r} (worker/plan.py "
+                        "OPTIMIZER_STATE_BYTES)")
+    return OPTIMIZER_STATE_BYTES[optimizer]
 
 
 @dataclass(frozen=True)
@@ -83,15 +101,16 @@ class Plan:
         """Rows one rank pushes per step, at most: its share of the global batch's lookups."""
         return min(self.rows_per_rank(t), math.ceil(self.batch_size * t.lookups_per_sample))
 
-    @property
-    def moments(self) -> int:
-        return 0 if self.optimizer == "sgd" else 2
-
     # -- bytes -----------------------------------------------------------------------
     @property
     def master_copies(self) -> int:
         """fp32 master rows kept next to the optimizer state: 1 with bf16 rows."""
         return 1 if self.row_bytes < FLOAT_BYTES else 0
+
+    @property
+    def state_bytes_per_element(self) -> int:
+        """Optimizer state and fp32 master kept for one element of a row."""
+        return optimizer_state_bytes(self.optimizer) + FLOAT_BYTES * self.master_copies
 
     @property
     def device_rows_bytes(self) -> int:
@@ -102,8 +121,8 @@ class Plan:
         """m, v (and the fp32 master of bf16 rows) on the device: only --local-optimizer."""
         if not self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * t.dim * FLOAT_BYTES
-                   * (self.moments + self.master_copies) for t in self.tables)
+        return sum(self.rows_per_rank(t) * t.dim * self.state_bytes_per_element
+                   for t in self.tables)
 
     @property
     def device_step_bytes(self) -> int:
@@ -124,8 +143,7 @@ class Plan:
     def host_state_bytes_per_rank(self) -> int:
         if self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * (t.dim * FLOAT_BYTES
-                                            * (self.moments + self.master_copies)
+        return sum(self.rows_per_rank(t) * (t.dim * self.state_bytes_per_element
                                             + TOUCHED_FLAG_BYTES) for t in self.tables)
 
     @property
@@ -275,8 +293,10 @@ def detect_device(device_request: str, local_rank: int) -> tuple[str, int | None
 
 def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
                     ranks_per_node: int | None = None, local_rank: int | None = None,
-                    detect: bool = True) -> Plan:
-    """The plan of `cfg` on this launch's layout (torchrun env) unless given."""
+                    detect: bool = True, device_kind: str | None = None) -> Plan:
+    """The plan of `cfg` on this launch's layout (torchrun env) unless given; the device
+    and host are this machine's unless `detect` is False (`device_kind` then says which:
+    by default cuda unless --device cpu)."""
     env = os.environ
     world = world_size or int(env.get("WORLD_SIZE", "1") or 1)
     per_node = ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", "0") or 0) or world
@@ -285,7 +305,11 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
     plan = Plan(table_shapes(cfg, notes), world, per_node, cfg.run.batch_size,
                 cfg.optim.optimizer, cfg.sync.staleness, cfg.sync.local_optimizer, notes=notes,
                 row_bytes=2 if cfg.optim.row_dtype == "bf16" else FLOAT_BYTES)
-    kind, detected = detect_device(cfg.run.device, local) if detect else ("cpu", None)
+    if detect:
+        kind, detected = detect_device(cfg.run.device, local)
+    else:
+        kind = device_kind or ("cpu" if cfg.run.device == "cpu" else "cuda")
+        detected = None
     plan.device_kind = kind
     sizing = cfg.sizing
     if sizing.device_memory_gb > 0:
@@ -301,30 +325,186 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
     return plan
 
 
-# -- `python -m worker.plan`: the calculator -----------------------------------------
+# -- `python -m worker.plan`: sizing without a cluster -------------------------------
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.plan", description=(
-        "memory and traffic of one embedding table on a cluster (docs/deploy.md)"))
-    parser.add_argument("--rows", type=int, required=True, help="rows of the table")
+DESCRIPTION = """\
+Memory and traffic of a job on a cluster you do not have yet: no server, no torchrun.
+
+  python -m worker.plan --world-size 16 --nodes 2 --task dlrm --batch-size 4096 \\
+      --device-memory-gb 80 --host-memory-gb 512
+      the job of these worker flags (worker/main.py's; --ps is not needed) on 16 ranks
+      over 2 nodes: bytes per GPU, per shard server, on the wire, and the commands to run
+      it (or the layout and flags that would fit)
+  python -m worker.plan --rows 1000000000 --dim 128 --nodes 8 --ranks-per-node 8
+      one table (docs/deploy.md's worked example)
+"""
+
+
+def _layout_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker.plan", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Any other flag is the worker's (python "
+                                     "worker/main.py --help) and describes the job.")
+    parser.add_argument("--world-size", type=int, default=0,
+                        help="ranks (GPUs) in all (default: nodes x ranks per node)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes, one shard server each")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="GPUs per node (default: world size / nodes; --rows: 8)")
+    parser.add_argument("--rows", type=int, default=0,
+                        help="plan one table of this many rows instead of a worker job")
+    return parser
+
+
+def _table_parser() -> argparse.ArgumentParser:
+    """The one-table calculator's own flags (with --rows)."""
+    parser = argparse.ArgumentParser(prog="python -m worker.plan --rows R")
     parser.add_argument("--dim", type=int, required=True, help="embedding width")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node")
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank/step")
     parser.add_argument("--lookups", type=float, default=1.0, help="lookups per sample")
-    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adam")
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--row-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="dtype of the rows on the device (bf16: + fp32 master on the host)")
     parser.add_argument("--device-memory-gb", type=float, default=0.0)
     parser.add_argument("--host-memory-gb", type=float, default=0.0)
-    args = parser.parse_args(argv)
-    if min(args.rows, args.dim, args.nodes, args.ranks_per_node, args.batch_size) < 1:
-        parser.error("--rows, --dim, --nodes, --ranks-per-node, --batch-size must be >= 1")
-    plan = Plan([TableShape("table", args.rows, args.dim, args.lookups)],
-                args.nodes * args.ranks_per_node, args.ranks_per_node, args.batch_size,
-                args.optimizer, args.staleness, local_optimizer=False, device_kind="cuda",
-                device_capacity=int(args.device_memory_gb * GB) or None,
+    return parser
+
+
+def layout(world_size: int, nodes: int, ranks_per_node: int) -> tuple[int, int]:
+    """(world size, ranks per node) from what was given; ValueError naming a mismatch."""
+    if min(nodes, world_size, ranks_per_node) < 0 or nodes < 1:
+        raise ValueError(f"--world-size {world_size}, --nodes {nodes}, --ranks-per-node "
+                         f"{ranks_per_node}: each must be >= 1")
+    if world_size and ranks_per_node and world_size != nodes * ranks_per_node:
+        raise ValueError(f"--world-size {world_size} is not --nodes {nodes} x "
+                         f"--ranks-per-node {ranks_per_node}")
+    if world_size:
+        if world_size % nodes:
+            raise ValueError(f"--world-size {world_size} does not split evenly over --nodes "
+                             f"{nodes}: give a multiple of {nodes}")
+        return world_size, world_size // nodes
+    if ranks_per_node:
+        return nodes * ranks_per_node, ranks_per_node
+    raise ValueError("give --world-size N (and --nodes M), or --nodes M --ranks-per-node G")
+
+
+def fitting_changes(plan: Plan) -> list[str]:
+    """What would make a plan that does not fit fit: more nodes of the same size, bf16 rows."""
+    out: list[str] = []
+    if plan.fits:
+        return out
+    per_node = min(plan.ranks_per_node, plan.world_size)
+    for nodes in range(plan.nodes + 1, 4097):
+        bigger = dataclasses.replace(plan, world_size=nodes * per_node, notes=[])
+        if bigger.fits:
+            out.append(f"{nodes} nodes x {per_node} ranks (--world-size {nodes * per_node} "
+                       f"--nodes {nodes}) fit")
+            break
+    if plan.row_bytes == FLOAT_BYTES:
+        half = dataclasses.replace(plan, row_bytes=2, notes=[])
+        if half.fits:
+            out.append("--row-dtype bf16 fits (rows in bf16 on the device, an fp32 master "
+                       "on the shard server)")
+    if plan.local_optimizer:
+        served = dataclasses.replace(plan, local_optimizer=False, notes=[])
+        if served.fits:
+            out.append("a shard server per node instead of --local-optimizer fits (m, v off "
+                       "the device)")
+    return out or ["nothing simple: fewer or smaller tables, or bigger machines"]
+
+
+def run_commands(plan: Plan, worker_flags: Sequence[str]) -> list[str]:
+    """The commands that run the planned job: a shard server per node, then the ranks."""
+    per_node = min(plan.ranks_per_node, plan.world_size)
+    flags = " ".join(shlex.quote(f) for f in worker_flags)
+    # the server refuses a Register beyond --max-state-bytes, by default 3/4 of its host's
+    # memory: raised, with headroom over the plan, where that default may be too low
+    max_state = math.ceil(plan.host_bytes_per_server * 1.25 / GB) * GB
+    default_ok = (plan.host_capacity is not None
+                  and max_state <= SERVER_STATE_SHARE * plan.host_capacity)
+    server_limit = ("" if plan.local_optimizer or default_ok
+                    else f" --max-state-bytes {max_state}")
+    if plan.nodes == 1:
+        server = f"python -m ps --port 50051{server_limit}"
+        ps = "127.0.0.1:50051"
+        launch = f"hybridps-run --standalone --nproc_per_node {per_node}"
+    else:
+        server = (f"python -m ps --host 0.0.0.0 --port 50051 --auth-token-file ps.token "
+                  f"--generate-auth-token true{server_limit}")
+        ps = ",".join(f"NODE{i}:50051" for i in range(plan.nodes))
+        launch = (f"hybridps-run --nnodes {plan.nodes} --nproc_per_node {per_node} "
+                  "--rdzv-backend c10d --rdzv-endpoint NODE0:29400")
+        flags = f"--auth-token-file ps.token {flags}".strip()
+    lines = ["to run it (docs/deploy.md):"]
+    where = "on the node" if plan.nodes == 1 else "on each node"
+    if not plan.local_optimizer:
+        lines += [f"  {where}, its shard server:", f"    {server}"]
+        flags = f"--ps {ps} {flags}".strip()
+    lines += [f"  {where}, its ranks:", f"    {launch} \\",
+              f"        worker/main.py {flags}".rstrip()]
+    if plan.nodes > 1:
+        lines.append("  (NODE0, NODE1, ...: the nodes' host names; every node shares ps.token)")
+    return lines
+
+
+def _worker_flags(argv: Sequence[str]) -> list[str]:
+    """The worker flags that describe the job (the plan's own and --ps left out)."""
+    out: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in ("--ps", "--plan", "--device-memory-gb", "--host-memory-gb"):
+            skip = "=" not in token and name != "--plan"
+            continue
+        out.append(token)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _layout_parser()
+    given, rest = parser.parse_known_args(args)
+    if given.rows:
+        return _one_table(parser, given, rest)
+    from hybridps.cli import parse_config
+    from worker.config import TrainConfig
+    from worker.task_defaults import task_defaults
+
+    try:
+        world, per_node = layout(given.world_size, given.nodes, given.ranks_per_node)
+    except ValueError as exc:
+        parser.error(str(exc))
+    cfg = parse_config(TrainConfig, [*rest, "--plan"], prog="python -m worker.plan",
+                       defaults=task_defaults)
+    try:
+        plan = plan_for_config(cfg, world_size=world, ranks_per_node=per_node, detect=False)
+    except PlanError as exc:
+        print(f"python -m worker.plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    if plan.fits:
+        print("\n".join(run_commands(plan, _worker_flags(rest))))
+        return 0
+    print("would fit: " + "; ".join(fitting_changes(plan)))
+    return 1
+
+
+def _one_table(parser: argparse.ArgumentParser, given: argparse.Namespace,
+               rest: list[str]) -> int:
+    args = _table_parser().parse_args(rest)
+    try:
+        world, per_node = layout(given.world_size, given.nodes, given.ranks_per_node or
+                                 (0 if given.world_size else 8))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if min(given.rows, args.dim, args.batch_size) < 1:
+        parser.error("--rows, --dim, --batch-size must be >= 1")
+    plan = Plan([TableShape("table", given.rows, args.dim, args.lookups)], world, per_node,
+                args.batch_size, args.optimizer, args.staleness, local_optimizer=False,
+                device_kind="cuda", device_capacity=int(args.device_memory_gb * GB) or None,
                 host_capacity=int(args.host_memory_gb * GB) or None,
                 row_bytes=2 if args.row_dtype == "bf16" else FLOAT_BYTES)
     print(format_plan(plan))

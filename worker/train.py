@@ -36,7 +36,13 @@ from hybridps.optim import OptimizerSpec
 from worker import comm, faults
 from worker.checkpoint import Checkpointer
 from worker.config import TrainConfig
-from worker.console import bar_postfix, checkpoint_lines, route_logs_around
+from worker.console import (
+    bar_layout,
+    bar_postfix,
+    checkpoint_lines,
+    route_logs_around,
+    show_progress,
+)
 from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
@@ -199,8 +205,8 @@ class Trainer:
     def train(self) -> None:
         out, ctx, task, model = self.cfg.output, self.ctx, self.task, self.model
         world, rank = ctx.world_size, ctx.rank
-        bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=0.5, disable=not (self.is_main and out.progress), file=sys.stderr)
+        bar = tqdm(total=self.steps, desc="train", unit="step", mininterval=0.5,
+                   disable=not (self.is_main and out.progress), file=sys.stderr, **bar_layout())
         self.console.enter_context(route_logs_around(bar))
         window_loss = torch.zeros((), device=ctx.device)
         window_steps = 0
@@ -268,8 +274,11 @@ class Trainer:
                 last = self.eval_curve[-1][1] if self.eval_curve else {}
                 sps = (step + 1 - self.start_step) * self.cfg.run.batch_size * world / elapsed
                 lag = st.lag_sum / max(st.steps, 1)
-                bar.set_postfix(bar_postfix(mean, last, sps, self.window.last_applied_staleness,
-                                            lag, st.waits), refresh=False)
+                if self.is_main:  # the fields that fit the terminal; the rest to the log
+                    show_progress(bar, bar_postfix(mean, last, sps,
+                                                   self.window.last_applied_staleness, lag,
+                                                   st.waits),
+                                  step=step, update=(step + 1) // out.log_every)
                 if self.tb is not None:
                     self.tb.train(step + 1, mean, sps, {
                         "applied": self.window.last_applied_staleness, "arrival_lag": lag,

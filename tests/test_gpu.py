@@ -76,6 +76,11 @@ def run_worker(args: list[str], device: str, timeout: float = 180.0) -> None:
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
+def load(path: Path) -> Any:
+    """A --dump-state or export file, on the CPU (a GPU run may have saved CUDA tensors)."""
+    return torch.load(path, map_location="cpu")
+
+
 def config(**overrides: Any) -> TrainConfig:
     return TrainConfig.of(**{"local_optimizer": True, "num_rows": 2000, "dim": 8,
                              "batch_size": 64, "steps": STEPS, "staleness": 0, **overrides})
@@ -113,7 +118,7 @@ def straight(device: str, server: PsServer, tmp_path_factory: pytest.TempPathFac
 @pytest.mark.timeout(300)
 def test_staleness0_on_the_device_equals_the_reference(device: str,
                                                        straight: dict[str, Path]) -> None:
-    state = torch.load(straight["state"])
+    state = load(straight["state"])
     ref = train_reference(config(), world_size=1, device=device)
     initial = train_reference(config(), world_size=1, steps=0)
     for name, rows in state["tables"].items():
@@ -128,7 +133,7 @@ def test_local_optimizer_on_the_device_equals_the_reference(device: str,
     run_worker(["--local-optimizer", "--steps", str(STEPS), "--dump-state",
                 str(tmp_path / "state.pt")], device)
     ref = train_reference(config(), world_size=1, device=device)
-    assert_close_states(torch.load(tmp_path / "state.pt"), ref.tables, ref.dense)
+    assert_close_states(load(tmp_path / "state.pt"), ref.tables, ref.dense)
 
 
 @pytest.mark.timeout(300)
@@ -137,7 +142,7 @@ def test_bf16_rows_are_the_servers_fp32_master_rounded(device: str, server: PsSe
     run_worker(["--ps", server.address, "--run-id", "gpu-bf16", "--row-dtype", "bf16",
                 "--steps", "10", "--checkpoint-every", "10", "--checkpoint-dir",
                 str(tmp_path / "ck"), "--dump-state", str(tmp_path / "state.pt")], device)
-    state = torch.load(tmp_path / "state.pt")
+    state = load(tmp_path / "state.pt")
     initial = train_reference(config(), world_size=1, steps=0)
     for name, rows in state["tables"].items():
         assert rows.dtype == torch.bfloat16, name
@@ -161,8 +166,8 @@ def test_a_checkpoint_resumes_across_devices(device: str, server: PsServer,
     run_worker(["--ps", server.address, "--run-id", f"gpu-{first}-then-{then}", "--steps",
                 str(STEPS), "--resume", *ck, "--dump-state", str(tmp_path / "state.pt")],
                on[then])
-    want = torch.load(straight["state"])
-    assert_close_states(torch.load(tmp_path / "state.pt"), want["tables"], want["dense"])
+    want = load(straight["state"])
+    assert_close_states(load(tmp_path / "state.pt"), want["tables"], want["dense"])
 
 
 @pytest.mark.timeout(300)
@@ -178,14 +183,14 @@ def test_export_of_a_device_checkpoint(straight: dict[str, Path], tmp_path: Path
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert f"exported step {STEPS - 1}" in proc.stdout
-    exported = torch.load(out)
+    exported = load(out)
     cfg = config()
     task = build_task(cfg)
     model = HybridModel(LocalEmbedding(task.tables(), seed=cfg.run.seed,
                                        init_std=cfg.optim.init_std),
                         build_dense_seeded(task, cfg.run.seed))
     model.load_state_dict(exported)  # strict: exactly the un-sharded model's keys
-    dump = torch.load(straight["state"])
+    dump = load(straight["state"])
     for name, rows in dump["tables"].items():
         assert torch.equal(exported[f"embedding.tables.{name}.weight"], rows), name
     for key, value in dump["dense"].items():

@@ -138,9 +138,9 @@ def _compile_directly() -> str:
     if not shutil.which(compiler[0]):
         compiler = ["cc"]
     target = REPO / "hybridps" / "native" / f"_fused_adam{sysconfig.get_config_var('EXT_SUFFIX')}"
+    sources = sorted(str(c) for c in (REPO / "hybridps" / "native").glob("*.c"))
     cmd = [*compiler, "-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-pthread",
-           "-fPIC", "-shared", f"-I{include}", str(REPO / "hybridps" / "native" / "fused_adam.c"),
-           "-o", str(target), "-lm"]
+           "-fPIC", "-shared", f"-I{include}", *sources, "-o", str(target), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     return f"{' '.join(cmd[:2])} ... -o {target.name}: exit {proc.returncode} {proc.stderr[-400:]}"
 
@@ -411,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.stage not in stages:
         p.error(f"stage {args.stage!r} is not one of {', '.join(stages)}")
+    from hybridps.logs import setup_logging
+
+    setup_logging("INFO", sys.stderr, stage=args.stage)  # the in-process workers' log lines
     log(f"stage {args.stage}{' (dry run)' if args.dry_run else ''}")
     with rep.failing_on_error():
         stages[args.stage]()

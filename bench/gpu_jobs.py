@@ -21,6 +21,7 @@ c. `table_budget`: per design, the most rows of width D whose training step runs
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class GpuMemory:
 
     def start(self) -> None:
         if self.device.type == "cuda":
+            gc.collect()  # a previous run's trainer (reference cycles) frees its tensors
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -71,11 +73,12 @@ class GpuMemory:
 
     def figures(self, elements: int, dense: int) -> dict[str, Any]:
         if self.device.type != "cuda":
-            return {"gpu_bytes_per_element": None, "note": "no GPU memory on the CPU"}
+            return {"gpu_bytes_per_element": None, "embedding_elements": elements,
+                    "note": "no GPU memory on the CPU"}
         peak = torch.cuda.max_memory_allocated(self.device) - self.base
         held = torch.cuda.memory_allocated(self.device) - self.base
         return {"gpu_peak_mib": round(peak / 2**20, 1), "dense_mib": round(dense / 2**20, 2),
-                "embedding_elements": elements,
+                "gpu_peak_bytes": peak, "embedding_elements": elements,
                 "gpu_bytes_per_element": round((peak - dense) / elements, 3),
                 "held_bytes_per_element": round((held - dense) / elements, 3)}
 
@@ -182,9 +185,10 @@ def stage_default_job(rep: StageReport, dry_run: bool, work: Path) -> None:
                 "hybridps fp32 K=2": [*ps, "--staleness", "2"],
                 "hybridps bf16 K=1": [*ps, "--staleness", "1", "--row-dtype", "bf16"],
             }
-            log("warm-up: CUDA kernels, cuBLAS, the server")  # untimed, not reported
-            resident_loop(device, job, 20)
-            train_in_process(ctx, [*ps, "--staleness", "1", *job], 20)
+            if not dry_run:
+                log("warm-up: CUDA kernels, cuBLAS, the server")  # untimed, not reported
+                resident_loop(device, job, 20)
+                train_in_process(ctx, [*ps, "--staleness", "1", *job], 20)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
             for i in range(repeats):
                 for name, args in variants.items():
@@ -193,13 +197,39 @@ def stage_default_job(rep: StageReport, dry_run: bool, work: Path) -> None:
                            else train_in_process(ctx, [*args, *job], steps))
                     runs[name].append(res)
                     rep.set(variants=_medians(runs))
+            variants_out = rep.figures["variants"]
+            base = variants_out[BASELINE]["samples_per_s"]
+            rep.set(samples_per_s_vs_sparse_adam={
+                name: round(v["samples_per_s"] / base, 3) for name, v in variants_out.items()})
+            sizes = (5000, 10000) if dry_run else (1_000_000, 2_000_000)
+            rep.set(marginal_bytes_per_element=marginal_bytes(
+                ctx, device, variants, sizes, 5 if dry_run else 30),
+                    marginal_between_num_rows=sizes)
     finally:
         destroy_distributed()
-    variants_out = rep.figures["variants"]
-    base = variants_out[BASELINE]["samples_per_s"]
-    rep.set(samples_per_s_vs_sparse_adam={
-        name: round(v["samples_per_s"] / base, 3) for name, v in variants_out.items()})
     rep.finish(True)
+
+
+def marginal_bytes(ctx: Any, device: torch.device, variants: dict[str, list[str] | None],
+                   sizes: tuple[int, int], steps: int) -> dict[str, float | None]:
+    """GPU bytes per embedding element as the tables' own cost: the growth of
+    torch.cuda.max_memory_allocated from the job at --num-rows sizes[0] to sizes[1] over
+    the growth of its elements (the dense part, activations and a step's working set do
+    not grow with the tables, so they drop out). None on the CPU."""
+    out: dict[str, float | None] = {}
+    for name in (BASELINE, "hybridps fp32 K=1", "hybridps bf16 K=1"):
+        args = variants[name]
+        runs = []
+        for rows in sizes:
+            size = ["--num-rows", str(rows)]
+            runs.append(resident_loop(device, size, steps) if args is None
+                        else train_in_process(ctx, [*args, *size], steps))
+        grown = runs[1]["embedding_elements"] - runs[0]["embedding_elements"]
+        peaks = [r.get("gpu_peak_bytes") for r in runs]
+        out[name] = (None if peaks[0] is None or peaks[1] is None or grown <= 0
+                     else round((peaks[1] - peaks[0]) / grown, 3))
+        log(f"{name}: {out[name]} GPU bytes per element")
+    return out
 
 
 def _medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -48,6 +48,8 @@ def test_the_dry_run_runs_every_stage_ok_on_the_cpu(tmp_path: Path) -> None:
                              "hybridps fp32 K=1", "hybridps fp32 K=2", "hybridps bf16 K=1"}
     assert all(v["samples_per_s"] > 0 for v in variants.values())
     assert variants["hybridps fp32 K=0"]["waits"] > 0  # K=0 waits for every update
+    assert set(fig["default_job"]["marginal_bytes_per_element"]) == {
+        "sparse_adam (rows + Adam on the GPU)", "hybridps fp32 K=1", "hybridps bf16 K=1"}
     assert fig["sync_debug"]["checked"] is False
     assert all(r["named_per_step"]["pop_grads"] == 1.0 for r in fig["sync_debug"]["runs"].values())
     assert fig["table_budget"]["rows_vs_sparse_adam"]["16"]["hybridps fp32"] == pytest.approx(
@@ -81,8 +83,8 @@ def _stages(**figures: dict[str, Any]) -> dict[str, Any]:
 def test_goals_say_met_or_missed_with_the_margin() -> None:
     goals, markdown = _report().goals, _report().markdown
     stages = _stages(
-        default_job={"variants": {"hybridps fp32 K=1": {"gpu_bytes_per_element": 4.4},
-                                  "hybridps bf16 K=1": {"gpu_bytes_per_element": 2.0}},
+        default_job={"marginal_bytes_per_element": {"hybridps fp32 K=1": 4.4,
+                                                    "hybridps bf16 K=1": 2.0},
                      "samples_per_s_vs_sparse_adam": {"hybridps fp32 K=1": 0.99}},
         table_budget={"rows_vs_sparse_adam": {"16": {"hybridps fp32": 2.9,
                                                      "hybridps bf16": 5.6}}},

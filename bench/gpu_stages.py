@@ -150,15 +150,16 @@ def _compile_directly() -> str:
 def stage_pytest_gpu(rep: StageReport, dry_run: bool, work: Path) -> None:
     junit = work / "pytest_gpu.xml"
     env = clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # the image's plugins stay out
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-v",
            "-p", "no:cacheprovider", "-p", "pytest_timeout", "--junitxml", str(junit)]
     if dry_run:  # the stage's plumbing, with 3 of the tests on the CPU (the others each
         # start two more workers; `GPU_TESTS_DEVICE=cpu pytest -m gpu` runs all of them)
         env["GPU_TESTS_DEVICE"] = "cpu"
         cmd += ["-k", DRY_RUN_TESTS]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+    # its output goes to this stage's log as it comes: a stage stopped at its limit still
+    # shows which tests ran
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=sys.stderr, stderr=sys.stderr,
                           check=False)
-    sys.stderr.write(proc.stdout[-20000:] + proc.stderr[-5000:])
     tests: dict[str, dict[str, Any]] = {}
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -175,8 +176,9 @@ def stage_pytest_gpu(rep: StageReport, dry_run: bool, work: Path) -> None:
               for k in ("passed", "failed", "error", "skipped")}
     rep.set(tests=tests, **counts, exit_code=proc.returncode)
     if proc.returncode != 0 or counts["passed"] == 0 or counts["skipped"]:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        rep.finish(False, f"pytest exit {proc.returncode}: {counts}; " + " | ".join(tail))
+        failed = [f"{name}: {t['message']}" for name, t in tests.items()
+                  if t["outcome"] != "passed"]
+        rep.finish(False, f"pytest exit {proc.returncode}: {counts}; " + " | ".join(failed))
         return
     rep.finish(True)
 
@@ -200,10 +202,9 @@ def stage_nccl(rep: StageReport, dry_run: bool, work: Path) -> None:
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "1"]
     flags = ["--dry-run"] if dry_run else []
-    proc = subprocess.run([*run, str(Path(__file__)), "nccl_rank", "--work", str(work),
-                           *flags], cwd=REPO, env=clean_env(), capture_output=True,
-                          text=True, timeout=120, check=False)
-    sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-5000:])
+    subprocess.run([*run, str(Path(__file__)), "nccl_rank", "--work", str(work), *flags],
+                   cwd=REPO, env=clean_env(), stdout=sys.stderr, stderr=sys.stderr,
+                   timeout=120, check=False)
     rank = StageReport.load(work / "nccl_rank.json")
     rep.set(group=rank.get("figures", {}), group_ok=rank.get("ok"),
             group_error=rank.get("error"))
@@ -216,9 +217,8 @@ def stage_nccl(rep: StageReport, dry_run: bool, work: Path) -> None:
                               "10", "--eval-batches", "1", "--progress", "false",
                               "--results", str(results), *(["--num-rows", "5000"]
                                                            if dry_run else [])],
-                             cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                             timeout=240, check=False)
-    sys.stderr.write(job.stdout[-3000:] + job.stderr[-5000:])
+                             cwd=REPO, env=clean_env(), stdout=sys.stderr,
+                             stderr=sys.stderr, timeout=240, check=False)
     if job.returncode == 0 and results.exists():
         import json
 
@@ -227,7 +227,7 @@ def stage_nccl(rep: StageReport, dry_run: bool, work: Path) -> None:
                      "steps": res["steps"], "samples_per_s": round(res["samples_per_s"]),
                      "mode": res["mode"]})
     else:
-        rep.set(job={"error": f"exit {job.returncode}: {job.stderr[-600:]}"})
+        rep.set(job={"error": f"exit {job.returncode} (its output is in this stage's log)"})
     want = "gloo" if dry_run else "nccl"
     problems = []
     if not rank.get("ok"):

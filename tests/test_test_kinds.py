@@ -34,4 +34,5 @@ def test_the_markers_are_registered(pytestconfig: pytest.Config) -> None:
     lines = pytestconfig.getini("markers")
     assert any(line.startswith("e2e:") for line in lines)
     assert any(line.startswith("slow:") for line in lines)
+    assert any(line.startswith("gpu:") for line in lines)
     assert "--strict-markers" in pytestconfig.getini("addopts")

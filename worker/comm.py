@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from worker.device_copy import sync_point
+
 # Wall seconds spent inside all_to_all_single since the last reset, by direction.
 COMM_SECONDS: dict[str, float] = {"forward": 0.0, "backward": 0.0}
 
@@ -99,7 +101,8 @@ def exchange_blocks(header_WH: torch.Tensor, blocks: list[torch.Tensor], cap: Bl
         send_WS[r, 2 + width:2 + width + n] = block[:n]
     recv_WS = _all_to_all(send_WS.reshape(-1), [slot] * world, [slot] * world, group,
                           direction).view(world, slot)
-    meta = recv_WS[:, :2 + width].tolist()
+    with sync_point("input_dist"):
+        meta = recv_WS[:, :2 + width].tolist()
     recv_lengths = [int(m[0]) for m in meta]
     largest = max(int(m[1]) for m in meta)
     parts = [recv_WS[s, 2 + width:2 + width + min(n, fit)] for s, n in enumerate(recv_lengths)]

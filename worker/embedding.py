@@ -59,6 +59,7 @@ from torch import nn
 
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.comm import BlockCap, all_to_all_rows, exchange, exchange_blocks
+from worker.device_copy import sync_point, to_device
 from worker.embedding_rows import UnitRows
 from worker.groups import Member, Unit, plan_units
 from worker.input_dist import (
@@ -196,11 +197,10 @@ class ShardedEmbedding(UnitRows, nn.Module):
                     unit, local_M + offsets[0] if offsets[0] else local_M)
                 continue
             sizes = [int(local_ids[e].numel()) for e in entries]
-            local_M = torch.cat([local_ids[e] for e in entries])
-            if any(offsets):
-                local_M = local_M + torch.repeat_interleave(
-                    torch.tensor(offsets, device=self.device),
-                    torch.tensor(sizes, device=self.device), output_size=local_M.numel())
+            # each table's ids + its offset in the block: a scalar add, no host list copied
+            # to the device (a blocking copy on a GPU: worker/device_copy.py)
+            local_M = torch.cat([local_ids[e] + offset if offset else local_ids[e]
+                                 for e, offset in zip(entries, offsets, strict=True)])
             joined = self._gather(unit, local_M)
             for e, rows_MD in zip(entries, joined.split(sizes), strict=True):
                 out[e] = rows_MD
@@ -243,7 +243,8 @@ class ShardedEmbedding(UnitRows, nn.Module):
         entries = list(bags) if bags is not None else [None] * len(names)
         flat = [i.reshape(-1).to(device=self.device, dtype=torch.int64) for i in ids]
         rows_E, rows_tensor_E = self._route_constants(tuple(names))
-        self._check_ids(names, flat, rows_E, rows_tensor_E)
+        with sync_point("check_ids"):
+            self._check_ids(names, flat, rows_E, rows_tensor_E)
         offsets = tuple(None if b is None else b[0] for b in entries)
         modes = tuple(None if b is None else b[1] for b in entries)
         plan = InputDist(tuple(names), tuple(ids), offsets, modes, (False,) * len(names), flat)
@@ -302,7 +303,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
                     raise ValueError(f"table {name!r}: {num_rows} rows do not fit the "
                                      f"{ID_BITS}-bit row ids of the routing key")
             consts = self._route_consts[names] = (
-                num_rows_E, torch.tensor(num_rows_E, dtype=torch.int64, device=self.device))
+                num_rows_E, to_device(torch.tensor(num_rows_E, dtype=torch.int64), self.device))
         return consts
 
     def _pooled_entries(self, plan: InputDist, offsets: Sequence[torch.Tensor | None],

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from worker.device_copy import sync_point, to_device
 from worker.groups import Member, Unit
 from worker.rows import TableConfig, coalesce_grads, initial_blocks
 
@@ -41,6 +42,10 @@ class UnitRows:
         Returns {unit: (ids_U unit row ids, unique and sorted; grads_UD)}; a unit whose
         rows got no gradient this step yields empty tensors.
         """
+        with sync_point("pop_grads"):  # a push's row count depends on the ids
+            return self._pop_grads(scale)
+
+    def _pop_grads(self, scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         together: dict[tuple[int, torch.dtype], list[str]] = {}  # coalesced together
         for name, weight in self.weights.items():
@@ -68,11 +73,12 @@ class UnitRows:
     def _local(self, name: str, ids_U: torch.Tensor, what: str) -> torch.Tensor:
         """Unit row ids of unit `name` -> rows of its block; IndexError outside its range."""
         unit = self.units[name]
-        lo, hi = int(ids_U.min()), int(ids_U.max())
+        with sync_point("update_ids"):  # host ids (the server's answers) read no device
+            lo, hi = int(ids_U.min()), int(ids_U.max())
         if lo < unit.start or hi >= unit.end:
             raise IndexError(f"table {name!r}: {what} [{lo}, {hi}] outside the owned "
                              f"range [{unit.start}, {unit.end}) of rank {self.rank}")
-        return ids_U.to(device=self.device, dtype=torch.int64) - unit.start
+        return to_device(ids_U, self.device).to(torch.int64) - unit.start
 
     @torch.no_grad()
     def apply_update(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor,
@@ -87,6 +93,7 @@ class UnitRows:
             return (torch.empty(0, self.weights[name].shape[1], device=self.device)
                     if measure else None)
         local_U = self._local(name, ids_U, "update for rows")
+        delta_UD = to_device(delta_UD, self.device)  # pinned, non-blocking (worker/device_copy.py)
         if measure:
             return apply_update_measured_(self.weights[name].data, local_U, delta_UD, decay)
         apply_update_(self.weights[name].data, local_U, delta_UD, decay)
@@ -99,7 +106,7 @@ class UnitRows:
             return
         local_U = self._local(name, ids_U, "new rows")
         weight = self.weights[name].data
-        weight.index_copy_(0, local_U, rows_UD.to(device=weight.device, dtype=weight.dtype))
+        weight.index_copy_(0, local_U, to_device(rows_UD, weight.device).to(weight.dtype))
 
     def table_rows(self, name: str) -> torch.Tensor:
         """The rows this rank owns of table `name`: its part of its unit's block (a view)."""

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.device_copy import sync_point
+
 ID_BITS = 40  # table rows below 2**40 (the routing key packs a local id into fewer bits)
 ID_MASK = (1 << ID_BITS) - 1
 
@@ -259,7 +261,8 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
                              bags))
         columns += [per_owner.new_full((world, 1), bags), per_owner.view(world, 1)]
     header_WH = torch.cat(columns, dim=1) if columns else ids_N.new_zeros((world, 0))
-    header = header_WH.tolist()  # the one host sync of stage 1
+    with sync_point("input_dist"):
+        header = header_WH.tolist()  # the one host sync of stage 1
     num_rows = len(rows_e)
     asked = [sum(h[:num_rows]) for h in header]
     rows_parts = rows_ids_U.split(asked)

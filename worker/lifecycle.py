@@ -76,10 +76,13 @@ def stop_agreed(step: int, every: int, ctx: DistContext) -> bool:
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1.0 if STOP.requested else 0.0], device=ctx.device)
-    if ctx.world_size > 1:
-        dist.all_reduce(flag)
-    stop = bool(flag.item() > 0)
+    from worker.device_copy import sync_point
+
+    with sync_point("stop_flag"):
+        flag = torch.tensor([1.0 if STOP.requested else 0.0], device=ctx.device)
+        if ctx.world_size > 1:
+            dist.all_reduce(flag)
+        stop = bool(flag.item() > 0)
     if stop:
         STOP.request("peer rank stopping")
         log.warning(kv("stopping", step=step, reason=STOP.reason))

@@ -42,7 +42,8 @@ class LocalEmbedding(nn.Module):
         for index, t in enumerate(tables):
             rows_RD = init_rows(t.num_rows, t.dim, 0, t.num_rows, seed=seed, table_index=index,
                                 init_std=init_std)
-            self.tables[t.name] = nn.Embedding(t.num_rows, t.dim, sparse=True, _weight=rows_RD,
+            self.tables[t.name] = nn.Embedding(t.num_rows, t.dim, sparse=True,
+                                               _weight=rows_RD.to(device),
                                                device=device)
 
     def lookup(self, name: str, ids_N: torch.Tensor) -> torch.Tensor:

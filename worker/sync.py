@@ -46,6 +46,7 @@ from hybridps.v1 import shard_pb2
 from worker import faults
 from worker.arena_client import ArenaPlacement
 from worker.connect import call_until_connected, connect_window_s
+from worker.device_copy import PushOutbox
 from worker.embedding import TableConfig
 from worker.groups import Member
 from worker.grpc_client import ShardRpc
@@ -138,6 +139,9 @@ class ShardClient(UpdateSource):
         self._transport: SyncTransport | None = None
         self._broken_since: float | None = None  # broke, with no answer since (_broken)
         self._forget_cut: Callable[[], None] | None = None
+        # pushes whose gradients are on their way to the host (worker/device_copy.py; on
+        # the CPU each one is sent at once)
+        self.outbox = PushOutbox()
         if restore is not None:
             self.newest_pushed = restore[1]
             self.buffer.start_at(restore[1])
@@ -174,8 +178,25 @@ class ShardClient(UpdateSource):
             raise SyncError(f"rank {self.rank}: the client of shard server {self.address} "
                             f"is {self.state}")
         self.newest_pushed = step
-        pushes = [(name, self._pending(step, name, grads[name][0].detach().cpu(),
-                                       grads[name][1].detach().cpu(), lr))
+        self.outbox.add(step, grads, lr)  # a GPU's copies to pinned host memory start here
+        self._send_ready()
+
+    def poll(self) -> None:
+        """UpdateSource.poll: send the pushes whose gradients reached the host."""
+        if self._transport is not None:
+            self._send_ready()
+
+    def _send_ready(self, through_step: int = -1) -> None:
+        """Send, in step order, the pushes whose gradients are on the host, waiting for
+        those of steps <= `through_step` (their updates are due)."""
+        for step, grads, lr in self.outbox.ready(through_step):
+            self._send(step, grads, lr)
+
+    def _send(self, step: int, grads: Grads, lr: float | None) -> None:
+        if self._transport is None:
+            raise SyncError(f"rank {self.rank}: the client of shard server {self.address} "
+                            f"is {self.state}")
+        pushes = [(name, self._pending(step, name, grads[name][0], grads[name][1], lr))
                   for name in self.buffer.tables]
         messages = self.ledger.add_step(step, pushes, self.placement.epoch)
         try:
@@ -210,6 +231,7 @@ class ShardClient(UpdateSource):
         """Flush: the server confirms it applied every push through `last_step`."""
         if last_step < 0 or not self.rpc.running:
             return
+        self._send_ready(last_step)
         request = shard_pb2.FlushRequest(run_id=self.run_id, rank=self.rank, step=last_step,
                                          timeout_s=self.timeout_s)
         self._control("Flush", request, self.timeout_s + 5.0,
@@ -217,6 +239,7 @@ class ShardClient(UpdateSource):
 
     def checkpoint(self, step: int, directory: str) -> list[Any]:
         """The server saves this rank's optimizer state once it applied every push <= step."""
+        self._send_ready(step)
         request = shard_pb2.CheckpointRequest(run_id=self.run_id, step=step,
                                               directory=directory, ranks=[self.rank],
                                               timeout_s=self.timeout_s)
@@ -245,6 +268,7 @@ class ShardClient(UpdateSource):
     def close(self) -> None:
         if self._forget_cut is not None:
             self._forget_cut()
+        self.outbox.clear()
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
@@ -284,6 +308,7 @@ class ShardClient(UpdateSource):
         """Read answers until every update through `through_step` arrived; True if it had
         to wait for one (what already arrived is read without waiting first, so the
         staleness stats count real waits, not reads)."""
+        self._send_ready(through_step)
         deadline: float | None = None
         waited = False
         while self.buffer.arrived_through < through_step:

@@ -43,6 +43,7 @@ from worker.console import (
     route_logs_around,
     show_progress,
 )
+from worker.device_copy import sync_point
 from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
@@ -224,6 +225,7 @@ class Trainer:
             batch = self.inputs.take(step)  # made (and input-dist'ed) ahead with --pipeline
             t2 = time.perf_counter()
             loss = task.loss(model, batch)  # mean over this rank's B samples
+            self.source.poll()  # the last push, if its gradients reached the host by now
             t3 = time.perf_counter()
             self.dense_parallel.backward(loss)  # dense grads: FSDP/DDP average them across ranks
             t4 = time.perf_counter()
@@ -255,7 +257,8 @@ class Trainer:
                     or (self.hooks is not None and self.hooks.eval_due(step))):
                 t_eval = time.perf_counter()  # a collective on every rank: same steps
                 self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
-                metrics = self.evaluate(quick=True)
+                with sync_point("evaluate"):
+                    metrics = self.evaluate(quick=True)
                 if metrics:
                     self.eval_curve.append((step, metrics))
                     if self.tb is not None:
@@ -285,7 +288,8 @@ class Trainer:
                         "waits": st.waits}, t)
                 t["log"] += time.perf_counter() - t6
             if self.checkpointer.due(step):
-                self.checkpointer.save(step)
+                with sync_point("checkpoint"):
+                    self.checkpointer.save(step)
             bar.update(1)
             if stop or stop_agreed(step, out.log_every, ctx):  # SIGTERM: worker/lifecycle.py
                 self.last_step = step
@@ -302,11 +306,12 @@ class Trainer:
         self.console.close()
 
     def _global_mean(self, total: torch.Tensor, count: int) -> float:
-        pair = torch.stack([total.detach().float(),
-                            torch.tensor(float(count), device=total.device)])
-        if self.ctx.world_size > 1:
-            dist.all_reduce(pair)
-        return float(pair[0] / pair[1])
+        with sync_point("log_loss"):
+            pair = torch.stack([total.detach().float(),
+                                torch.tensor(float(count), device=total.device)])
+            if self.ctx.world_size > 1:
+                dist.all_reduce(pair)
+            return float(pair[0] / pair[1])
 
     # -- after training -----------------------------------------------------------------
     @torch.no_grad()

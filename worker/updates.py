@@ -231,6 +231,10 @@ class UpdateSource(ABC):
         """Hand over the coalesced gradients of every table for `step` (never blocks).
         `lr`: the rows' learning rate for this step (None: the registered one)."""
 
+    def poll(self) -> None:  # noqa: B027 - optional hook
+        """Mid-step: hand on what became ready since the push (never blocks; the shard
+        client sends the pushes whose gradients reached the host: worker/device_copy.py)."""
+
     def take(self, through_step: int) -> tuple[list[RowUpdate], bool]:
         return self.buffer.take(through_step, self.timeout_s, self.describe_wait)
 

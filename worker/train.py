@@ -261,6 +261,8 @@ class Trainer:
             if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
                 mean = self._global_mean(window_loss, window_steps)
                 self.loss_curve.append((step, mean))
+                if self.hooks is not None:
+                    self.hooks.observe_loss(step, mean)
                 window_loss.zero_()
                 window_steps = 0
                 elapsed = time.perf_counter() - start

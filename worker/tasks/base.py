@@ -131,6 +131,10 @@ class TrainHooks:
         """Metrics of the evaluation after `step`; True: stop training after this step."""
         return False
 
+    def observe_loss(self, step: int, mean: float) -> None:
+        """The training loss of the --log-every window ending at `step`, the mean over the
+        ranks (all-reduced: the same on every rank)."""
+
     def finish(self) -> None:
         """After the last step's updates are applied, before the final evaluation."""
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridps.logs import kv
 from worker.config import TrainConfig
 from worker.gather import all_gather_rows, all_reduce_sum, dist_info, gather_sizes
 from worker.metrics import (
@@ -64,6 +66,12 @@ from worker.metrics import (
     ranks_from_counts,
 )
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
+from worker.tasks.kge_collapse import (
+    CollapseCheck,
+    uniform_loss,
+    what_to_change,
+    zero_model_is_optimal,
+)
 from worker.tasks.kge_data import (
     KGDataset,
     TailIndex,
@@ -79,6 +87,7 @@ from worker.tasks.kge_scoring import block_loss
 ENTITY = "entity"
 EVAL_CELLS = 1 << 25  # queries x owned entities scored at once in evaluation (128 MiB)
 MODEL_OPTIONS = {"keci": ("p", "q", "coefficients"), "qmult": ("unit_relation",)}
+log = logging.getLogger("worker.kge")
 
 
 PENALTY_POWERS = {"none": 0.0, "l2": 2.0, "n3": 3.0}
@@ -201,8 +210,21 @@ class KGETask(Task):
         # --eval-every N (steps) replaces the schedule by epochs; its evaluations still feed
         # the plateau schedule, early stopping and the best model
         scheduled = len(self.ds.valid) > 0 and not self.cfg.output.eval_every
+        is_main = dist_info(model.lookups)[0] == 0
+        model_name, lr = self.cfg.kge.model, self.cfg.optim.lr
+        if is_main and zero_model_is_optimal(self.options, model_name):
+            log.warning(kv("kge_penalty", reg=self.options.reg,
+                           reg_weight=self.options.reg_weight,
+                           problem="training will collapse to uniform scores",
+                           change=what_to_change(self.options, model_name, lr)))
+        collapse = CollapseCheck(
+            num_entities=self.num_entities,
+            uniform=uniform_loss(self.training, self.loss_kind, self.num_entities,
+                                 self.cfg.kge.neg_ratio),
+            advice=what_to_change(self.options, model_name, lr))
         return KGEHooks(self.options, model, steps_per_epoch=per_epoch, total_steps=total,
-                        eval_every_epochs=every if scheduled else 0)
+                        eval_every_epochs=every if scheduled else 0, collapse=collapse,
+                        is_main=is_main)
 
     def global_batch(self, step: int, world_size: int) -> Batch:
         per_epoch = self.steps_per_epoch(world_size)

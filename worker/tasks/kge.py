@@ -266,6 +266,28 @@ class KGETask(Task):
                 "train_triples": len(self.ds.train), "valid_triples": len(self.ds.valid),
                 "test_triples": len(self.ds.test), "examples": len(self.examples)}
 
+    def eval_cost_in_steps(self, world_size: int, *, quick: bool) -> float:
+        """Scores computed: an evaluation ranks 2 queries a triple against every entity; a
+        step scores its global batch against every entity (1vsall, kvsall) or 1 + k of them,
+        about 3 times over with the backward (as auto_eval_every)."""
+        triples = len(self.ds.valid) + (0 if quick or not self.options.eval_test
+                                        else len(self.ds.test))
+        return self.ranking_cost_in_steps(triples, world_size)
+
+    def ranking_cost_in_steps(self, triples: int, world_size: int) -> float:
+        scored = self.num_entities if self.training != "negsample" else 1 + self.cfg.kge.neg_ratio
+        step_work = 3.0 * world_size * self.cfg.run.batch_size * scored
+        return 2.0 * triples * self.num_entities / step_work
+
+    def rows_pushed_per_step(self, world_size: int) -> dict[str, int] | None:
+        """1vsall / kvsall score every entity, so every owned row is pushed every step;
+        negsample: the global batch's heads, tails and negatives at most."""
+        owned = math.ceil(self.num_entities / world_size)
+        if self.training != "negsample":
+            return {ENTITY: owned}
+        looked_up = world_size * self.cfg.run.batch_size * (2 + self.cfg.kge.neg_ratio)
+        return {ENTITY: min(owned, looked_up)}
+
     def save_artifacts(self, results_path: str) -> list[str]:
         directory = id_maps_dir(results_path)
         self.ds.save_id_maps(directory)

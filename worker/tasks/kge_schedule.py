@@ -104,10 +104,12 @@ class KGEHooks(TrainHooks):
                                            epoch=(step + 1) / self.steps_per_epoch)
             if report is not None:  # every rank sees the same metrics and loss: same answer
                 self.collapsed = report
+                if self.options.on_collapse == "warn":
+                    report["action"] = "going on (--on-collapse warn)"
+                elif step + 1 < self.total_steps:
+                    self.stopped_early = stop = True
                 if self.is_main:
                     log.warning(kv("collapse", step=step, **report))
-                if step + 1 < self.total_steps:
-                    self.stopped_early = stop = True
         return stop
 
     def _schedule(self, step: int, mrr: float) -> bool:

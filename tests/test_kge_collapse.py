@@ -52,7 +52,9 @@ def test_the_zero_model_is_optimal_from_an_n3_weight_of_one_third() -> None:
     assert not zero_model_is_optimal(KGEOptions(reg="l2", reg_weight=0.5), "complex")
     assert not zero_model_is_optimal(KGEOptions(reg="n3", reg_weight=0.5), "qmult")
     advice = what_to_change(KGEOptions(reg="n3", reg_weight=0.5), "complex", 0.003)
-    assert "--reg-weight 0.5" in advice and "below 1/3" in advice
+    assert "--reg-weight 0.5" in advice and "use 0.05 (the presets) to 0.1" in advice
+    assert "now 0.3; the presets use 0.05" in what_to_change(
+        KGEOptions(reg="n3", reg_weight=0.3), "complex", 0.01)
 
 
 def _fit(weight: float, steps: int = 120) -> tuple[float, float]:
@@ -104,6 +106,9 @@ def test_collapse_needs_two_evaluations_in_a_row_after_the_first_epoch() -> None
     # a ranking far above chance is never called collapsed, whatever the loss
     good = CollapseCheck(num_entities=20_000, uniform=flat, advice="")
     assert not good.looks_collapsed(0.05, flat)
+    # a loss well above ln(E) is confident wrong scores, not uniform ones
+    assert not good.looks_collapsed(0.0004, 1.2 * flat)
+    assert good.looks_collapsed(0.0004, 0.995 * flat) and good.looks_collapsed(0.0004, 1.005 * flat)
     # bce: valid MRR alone, below 3 x chance (and never at 0.05 or more: tiny graphs)
     bce = CollapseCheck(num_entities=20_000, uniform=None, advice="")
     assert bce.looks_collapsed(2 * chance_mrr(20_000), None)
@@ -123,6 +128,15 @@ def test_hooks_stop_on_collapse_and_say_so(caplog: pytest.LogCaptureFixture) -> 
     lines = [r.getMessage() for r in caplog.records if "event=collapse" in r.getMessage()]
     assert len(lines) == 1 and 'change="lower it"' in lines[0]
     assert h.describe()["collapsed"] is True and h.stopped_early
+    # --on-collapse warn: the same line, and training goes on
+    warn = KGEHooks(KGEOptions(on_collapse="warn"), torch.nn.Linear(2, 2), steps_per_epoch=10,
+                    total_steps=100, eval_every_epochs=1,
+                    collapse=CollapseCheck(num_entities=1000, uniform=math.log(1000),
+                                           advice="lower it"))
+    for step in (9, 19, 29):
+        warn.observe_loss(step, math.log(1000))
+        assert not warn.after_eval(step, {"valid_mrr": 0.002})
+    assert warn.describe()["collapsed"] is True and not warn.stopped_early
 
 
 @pytest.mark.e2e
@@ -141,7 +155,7 @@ def test_a_run_forced_to_collapse_stops_after_two_epochs_with_one_line(tmp_path:
     per_epoch = res["steps"] // 8
     assert res["hooks"]["collapsed"] and res["last_step"] + 1 == 2 * per_epoch
     lines = [x for x in proc.stderr.splitlines() if "event=collapse" in x]
-    assert len(lines) == 1 and "--reg-weight 5" in lines[0] and "below 1/3" in lines[0]
+    assert len(lines) == 1 and "--reg-weight 5 makes the all-zero model" in lines[0]
     assert "event=kge_penalty" in proc.stderr  # said at the start already
     assert res["eval"]["test_mrr"] < 3 * chance_mrr(res["task"]["entities"])
     healthy = tmp_path / "healthy.json"

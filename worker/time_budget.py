@@ -1,8 +1,8 @@
 """--time-budget MINUTES: training ends in time to evaluate (the best model) and write the
 results, whatever the task.
 
-The budget counts from the worker process's start (Linux: /proc; elsewhere from the
-trainer's creation) to the results written. What the end needs is estimated from this run's
+The budget counts from the launch (torchrun's start, or the worker process's without it;
+Linux: /proc; elsewhere from the trainer's creation) to the results written. What the end needs is estimated from this run's
 own measurements:
 - a training step: the mean wall time of the steps run so far, evaluations during training
   included (they recur at the same rate);
@@ -12,7 +12,9 @@ own measurements:
   measured step time;
 - with hooks (KGE's best model), one more quick evaluation at the step training stops at, so
   the best model is chosen among every step's;
-- --dump-state at DUMP_BYTES_PER_S, and a margin for the summary, results and plot files.
+- --dump-state at DUMP_BYTES_PER_S, and a margin for the summary, the results and plot
+  files and the processes' exit (11 s after the results for a 2-rank run on a loaded
+  2-core machine).
 The estimate is scaled by SAFETY.
 
 Agreement. At the steps where (step + 1) % --log-every == 0 (where the loss is all-reduced
@@ -42,15 +44,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("worker.train")
 
 SAFETY = 1.25
-MARGIN_S = 5.0            # summary, results.json, the plot, the server's stats
-MARGIN_FRACTION = 0.02    # ... and 2% of the budget
+MARGIN_S = 10.0           # summary, results.json, the plot, the server's stats, the exit
+MARGIN_FRACTION = 0.05    # ... and 5% of the budget
 DUMP_BYTES_PER_S = 100e6  # gather + torch.save of --dump-state, a conservative rate
 
 
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux), None where it cannot be read."""
+def process_age_s(pid: int | str = "self") -> float | None:
+    """Seconds since a process started (Linux), None where it cannot be read."""
     try:
-        with open("/proc/self/stat", encoding="ascii") as f:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         with open("/proc/uptime", encoding="ascii") as f:
             uptime = float(f.read().split()[0])
@@ -58,6 +60,16 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return max(0.0, uptime - started)
+
+
+def run_age_s() -> float | None:
+    """Seconds since the run was launched: under torchrun (TORCHELASTIC_RUN_ID set) its
+    agent, this process's parent, started first; else this process."""
+    own = process_age_s()
+    if own is None or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return own
+    launcher = process_age_s(os.getppid())
+    return own if launcher is None else max(own, launcher)
 
 
 @dataclass
@@ -77,7 +89,7 @@ class TimeBudget:
                  started_at: float | None = None) -> None:
         self.budget_s = minutes * 60.0
         self.costs, self.every = costs, max(every, 1)
-        age = process_age_s()
+        age = run_age_s()
         now = time.perf_counter()
         self.started_at = started_at if started_at is not None else (
             now - age if age is not None else now)

@@ -19,7 +19,8 @@ of the objective, not an optimiser accident (docs/kge.md, "Sparse or dense graph
 
 The check (KGEHooks.after_eval): at an evaluation after the first epoch, collapsed when
   - the loss is a softmax over all entities (or over 1 + k): the mean training loss of the
-    last --log-every window is within 1% of the uniform loss AND valid MRR is below
+    last --log-every window is within 1% of the uniform loss (either side: at collapse the
+    penalty is ~0 too) AND valid MRR is below
     min(10 x chance, 0.05);
   - otherwise (bce): valid MRR below min(3 x chance, 0.05);
 at `EVALUATIONS` evaluations in a row. Then one warning line (`event=collapse ...
@@ -72,11 +73,11 @@ def zero_model_is_optimal(options: KGEOptions, model: str) -> bool:
 def what_to_change(options: KGEOptions, model: str, lr: float) -> str:
     if zero_model_is_optimal(options, model):
         return (f"--reg n3 --reg-weight {options.reg_weight:g} makes the all-zero model the "
-                "optimum (a score is at most the mean of |h|^3, |r|^3, |t|^3): use a weight "
-                "below 1/3 (the presets: 0.05; 0.1 for sparse graphs)")
+                "optimum (a score is at most the mean of |h|^3, |r|^3, |t|^3): use 0.05 (the "
+                "presets) to 0.1; just below 1/3 is not enough (docs/kge.md)")
     if options.reg != "none" and options.reg_weight > 0:
         return (f"the penalty outweighs the data: lower --reg-weight (now "
-                f"{options.reg_weight:g})")
+                f"{options.reg_weight:g}; the presets use 0.05)")
     if options.entity_dropout or options.relation_dropout:
         return (f"lower --entity-dropout / --relation-dropout (now {options.entity_dropout:g} "
                 f"/ {options.relation_dropout:g}) or raise --lr (now {lr:g})")
@@ -96,7 +97,8 @@ class CollapseCheck:
         if self.uniform is not None:
             if loss is None or not math.isfinite(loss):
                 return False
-            return (loss >= (1 - LOSS_MARGIN) * self.uniform
+            # both sides: a loss above it is confidently wrong scores, not uniform ones
+            return (abs(loss - self.uniform) <= LOSS_MARGIN * self.uniform
                     and mrr < min(10 * self.chance, MRR_CAP))
         return mrr < min(3 * self.chance, MRR_CAP)
 

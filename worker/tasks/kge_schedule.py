@@ -104,9 +104,11 @@ class KGEHooks(TrainHooks):
                                            epoch=(step + 1) / self.steps_per_epoch)
             if report is not None:  # every rank sees the same metrics and loss: same answer
                 self.collapsed = report
-                if self.options.on_collapse == "warn":
+                if step + 1 >= self.total_steps:
+                    report["action"] = "training ends here anyway"
+                elif self.options.on_collapse == "warn":
                     report["action"] = "going on (--on-collapse warn)"
-                elif step + 1 < self.total_steps:
+                else:
                     self.stopped_early = stop = True
                 if self.is_main:
                     log.warning(kv("collapse", step=step, **report))

@@ -2,8 +2,8 @@
 results, whatever the task.
 
 The budget counts from the launch (torchrun's start, or the worker process's without it;
-Linux: /proc; elsewhere from the trainer's creation) to the results written. What the end needs is estimated from this run's
-own measurements:
+Linux: /proc; elsewhere from the trainer's creation) to the results written. What the end
+needs is estimated from this run's own measurements:
 - a training step: the mean wall time of the steps run so far, evaluations during training
   included (they recur at the same rate);
 - the final evaluation: the mean time of the evaluations during training, scaled by the

@@ -1,7 +1,7 @@
 """The same-node arena sized from the run's own pushes (worker/arena_client.py size_arena,
 Task.rows_pushed_per_step): K+3 steps of them, at least 64 MiB, within /dev/shm's room; an
 explicit --same-node-mb that holds fewer steps warns with the size that would. End to end:
-KGE 1vsAll pushes every owned row every step, and with pushes of ~16 MB a rank the old
+KGE 1vsAll pushes every owned row every step, and with pushes of ~18 MB a rank the old
 64 MiB default overflows (pushes go inline) while the sized arena holds every push."""
 
 from __future__ import annotations
@@ -82,10 +82,12 @@ def test_kge_pushes_every_owned_row_with_1vsall(tmp_path: Path) -> None:
 def test_kge_pushes_overflow_64_mib_and_the_sized_arena_holds_them(
         server: PsServer, tmp_path: Path) -> None:
     graph = tmp_path / "g"
-    write_hierarchy(graph, 8000, seed=3, held_out=10)  # 4,000 rows a rank, dim 512: 16 MB
+    # 4,500 rows a rank at dim 512: 18.5 MB a push; at K = 2 four are live at once (74 MB)
+    write_hierarchy(graph, 9000, seed=3, held_out=10)
     common = ["--ps", server.address, "--task", "kge", "--data-dir", str(graph),
-              "--training", "1vsall", "--model", "distmult", "--dim", "512", "--steps", "4",
-              "--staleness", "2", "--eval-test", "false", "--keep-best", "false"]
+              "--training", "1vsall", "--model", "distmult", "--dim", "512", "--steps", "6",
+              "--batch-size", "8", "--staleness", "2", "--eval-test", "false",
+              "--keep-best", "false"]
     old = tmp_path / "old.json"
     proc = run([*common, "--run-id", "mib64", "--same-node-mb", "64", "--results", str(old)])
     sync = json.loads(old.read_text())["sync"]

@@ -281,12 +281,10 @@ def size_arena(requested: int, needed: int | None, *, staleness: int, local_rank
 
 
 def arena_bytes_for_run(cfg: TrainConfig, task: Task, embedding: ShardedEmbedding,
-                        ctx: DistContext) -> int:
+                        ctx: DistContext, wire: torch.dtype) -> int:
     """The arena of this rank (--same-node-mb, 0: sized from the pushes its task says it
-    makes a step, Task.rows_pushed_per_step); rank 0 warns when it is too small."""
-    from worker.sync import WIRE_DTYPES
-
-    wire = WIRE_DTYPES[cfg.sync.wire_dtype]
+    makes a step, Task.rows_pushed_per_step) for gradients sent as `wire`; rank 0 warns
+    when it is too small."""
     answer = embedding.row_dtype if embedding.row_dtype != torch.float32 else wire
     rows = task.rows_pushed_per_step(ctx.world_size)
     units = [(u.dim, [(m.name, m.end - m.start) for m in u.members])

@@ -152,7 +152,8 @@ class Trainer:
         else:
             node = cfg.node.client_args()
             if node["shm"] != "off":  # --same-node-mb 0: sized from this run's pushes
-                node["shm_bytes"] = arena_bytes_for_run(cfg, self.task, self.embedding, ctx)
+                node["shm_bytes"] = arena_bytes_for_run(cfg, self.task, self.embedding, ctx,
+                                                        WIRE_DTYPES[sync.wire_dtype])
             self.source = ShardClient(
                 sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 # per unit (worker/groups.py): a group of tables registers as one table

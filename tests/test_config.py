@@ -36,6 +36,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "steps": ("17", 17),
     "epochs": ("2", 2),
     "batch_size": ("9", 9),
+    "time_budget": ("12.5", 12.5),  # tests/test_time_budget.py
     "seed": ("4", 4),
     "optimizer": ("adamw", "adamw"),
     "lr": ("0.5", 0.5),
@@ -108,6 +109,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "eval_budget": ("0.05", 0.05),
     "eval_test": ("false", False),
     "keep_best": ("false", False),
+    "on_collapse": ("warn", "warn"),  # tests/test_kge_collapse.py
     "planted_community": ("4", 4),
     "planted_relations": ("3", 3),
     "planted_test": ("50", 50),

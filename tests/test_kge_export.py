@@ -60,3 +60,27 @@ def test_export_refuses_mismatched_id_maps() -> None:
                        entity_to_id={"a": 0, "b": 1, "c": 2}, relation_to_id={"r": 0, "s": 1})
     with pytest.raises(ValueError, match="not a hybridps-kge-v1"):
         KGEModel({"format": "other"})
+
+
+def _random_export(entity_to_id: dict[str, int], relation_to_id: dict[str, int]) -> KGEModel:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(len(entity_to_id), 8, generator=gen)
+    dense = {"scorer.relation.weight": torch.randn(2 * len(relation_to_id), 8, generator=gen)}
+    return KGEModel(export_payload(rows, dense, model="distmult", model_options={},
+                                   num_relations=len(relation_to_id),
+                                   entity_to_id=entity_to_id, relation_to_id=relation_to_id))
+
+
+def test_metrics_take_a_shipped_sets_name_as_data_dir_does() -> None:
+    from hybridps.datasets import shipped_dataset
+    from worker.tasks.kge_data import load_kg_dataset
+
+    ds = load_kg_dataset("umls")  # the name --data-dir umls takes
+    model = _random_export(ds.entity_to_id, ds.relation_to_id)
+    by_name = link_prediction_metrics(model, "umls", "test")
+    assert by_name == link_prediction_metrics(model, shipped_dataset("umls"), "test")
+    assert 0.0 < by_name["mrr"] < 1.0
+    with pytest.raises(FileNotFoundError, match=r"umsl.*a shipped set.s name"):
+        link_prediction_metrics(model, "umsl", "test")
+    with pytest.raises(ValueError, match="split='tset'"):
+        link_prediction_metrics(model, "umls", "tset")

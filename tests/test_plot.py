@@ -71,6 +71,33 @@ def test_kge_plots_mrr_and_no_loss_reference() -> None:
     assert metric_ax.get_ylabel() == "MRR"
 
 
+def test_a_restored_best_model_is_marked_and_not_joined_to_the_curve() -> None:
+    """--keep-best: the final evaluation is of the model of step 72, restored after step
+    200: a star marks the best evaluation, the final metrics are separate markers at the
+    end, and the training curve ends with the last step's own (lower) valid MRR."""
+    curve = [[35, {"valid_mrr": 0.70}], [71, {"valid_mrr": 0.837}], [107, {"valid_mrr": 0.78}],
+             [199, {"valid_mrr": 0.67}]]
+    res = {"config": {"task": "kge"}, "steps": 400, "last_step": 199,
+           "loss_curve": [[9, 2.0], [199, 0.4]], "eval_curve": curve,
+           "eval": {"valid_mrr": 0.837, "test_mrr": 0.83},
+           "hooks": {"restored_best": True, "best_valid_mrr": 0.837, "best_step": 71}}
+    metric = lines_by_label(build_figure(res).axes[1])
+    star = metric["best valid mrr 0.8370 at step 72: restored at the end"]
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([72], [0.837])
+    assert star.get_marker() == "*"
+    assert list(metric["valid mrr"].get_ydata()) == [0.70, 0.837, 0.78, 0.67]
+    final = metric["valid mrr, final: the best model (step 72) restored"]
+    assert (list(final.get_xdata()), list(final.get_ydata())) == ([200], [0.837])
+    assert final.get_linestyle() == "None"
+    test_final = metric["test mrr, final: the best model (step 72) restored"]
+    assert list(test_final.get_xdata()) == [200]
+    # without a restore the final evaluation joins the curve at the step training ended
+    plain = {**res, "hooks": {"restored_best": False}, "eval": {"valid_mrr": 0.67}}
+    metric = lines_by_label(build_figure(plain).axes[1])
+    assert set(metric) == {"valid mrr"}
+    assert list(metric["valid mrr"].get_xdata()) == [36, 72, 108, 200]
+
+
 def test_a_task_without_metrics_gets_one_panel() -> None:
     fig = build_figure({"steps": 20, "loss_curve": [[9, 1.0], [19, 0.5]], "eval": {}})
     assert len(fig.axes) == 1 and set(lines_by_label(fig.axes[0])) == {"train loss"}

@@ -340,7 +340,7 @@ def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
     (["--same-node", "maybe"], "same_node='maybe' is not one of auto, off, require"),
     (["--same-node", "stream"], "same_node='stream' was removed: with the arena, the Sync "
                                 "messages travel on the gRPC stream in every mode; use auto"),
-    (["--same-node-mb", "0"], "same_node_mb=0 must be in [1, 1048576]"),
+    (["--same-node-mb", "-1"], "same_node_mb=-1 must be in [0, 1048576]"),
     (["--same-node", "require", "--local-optimizer"], "same_node='require' needs a shard server"),
     (["--shm", "on"], "--shm was removed: use --same-node auto|off"),
     (["--shm-mb=16"], "--shm-mb was removed: use --same-node-mb"),

@@ -23,9 +23,16 @@ Lifetimes:
   here is never written again by a handler of an older stream.
 - a full arena: the push goes inline instead of waiting: regions are only freed by
   the training thread's next `take`, and that may itself be waiting for this very
-  push. `SyncStats.shm_inline_pushes` counts these, a warning says so once; size the
-  arena to hold about K+2 steps of pushes (ids 8 bytes, then gradients and answer
-  dim x 4 bytes a row each) with --same-node-mb.
+  push. `SyncStats.shm_inline_pushes` counts these, a warning says so once.
+
+Size (`size_arena`). K+2 steps of pushes are live at once (step t's region is freed at
+the take before step t+K+2, after the push of step t+K+1), and a wrap can leave up to a
+region unused at the ring's end: the arena holds K+3 steps (ids 8 bytes, then gradients
+and answer dim x 4 bytes a row each). `--same-node-mb 0` (the default) sizes it from the
+run's own pushes when the task says how many rows it pushes a step
+(Task.rows_pushed_per_step: with KGE's 1vsAll every owned row, every step), at least
+64 MiB, within the free space of /dev/shm; a given --same-node-mb that holds fewer steps is
+used as given, with a warning naming the size that would.
 
 Shape suffixes in names: `_U` one entry per row a push carries (its unique ids), `_D`
 the table's dim: `ids_U` int64 [U], `grads_UD` [U, dim].
@@ -36,12 +43,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import mmap
 import os
 import secrets
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,6 +60,12 @@ from hybridps.logs import kv
 from hybridps.v1 import shard_pb2
 from worker.config import SHM_MODES
 from worker.updates import ServerRefused
+
+if TYPE_CHECKING:
+    from worker.config import TrainConfig
+    from worker.embedding import ShardedEmbedding
+    from worker.parallel import DistContext
+    from worker.tasks.base import Task
 
 log = logging.getLogger("worker.arena")
 
@@ -224,6 +239,66 @@ def region_bytes(rows: int, dim: int, wire_dtype: torch.dtype = torch.float32,
                  answer_dtype: torch.dtype = torch.float32) -> int:
     """The arena bytes one push of `rows` x `dim` takes (`place`'s region)."""
     return sum(_spans(rows, dim, wire_dtype, answer_dtype))
+
+
+AUTO_MIN_BYTES = 64 << 20  # the arena without an estimate, and the least one sized
+SHM_SHARE = 0.8  # of the free space in the arena's directory, for all of a node's ranks
+
+
+def arena_bytes_needed(pushes: Sequence[tuple[int, int]], staleness: int,
+                       wire_dtype: torch.dtype, answer_dtype: torch.dtype) -> int:
+    """Bytes to hold K+3 steps of pushes, one push (rows, dim) per table unit a step."""
+    per_step = sum(region_bytes(rows, dim, wire_dtype, answer_dtype) for rows, dim in pushes)
+    return layout.HEADER_BYTES + (staleness + 3) * per_step
+
+
+def size_arena(requested: int, needed: int | None, *, staleness: int, local_ranks: int,
+               directory: str = layout.SHM_DIR) -> tuple[int, str | None]:
+    """(arena bytes, a warning or None): `requested` 0 is --same-node-mb 0, sized from
+    `needed` (None: the task cannot say: AUTO_MIN_BYTES). Module doc."""
+    mib = 1 << 20
+    if needed is None:
+        return (requested or AUTO_MIN_BYTES), None
+    steps = f"{staleness + 3} steps of this run's pushes ({needed / mib:.0f} MiB)"
+    if requested:
+        if requested >= needed:
+            return requested, None
+        return requested, (f"--same-node-mb {requested // mib} holds fewer than {steps}: "
+                           f"pushes that do not fit go inline, at about half the speed; use "
+                           f"--same-node-mb {math.ceil(needed / mib)} (or 0: sized by itself)")
+    size = max(AUTO_MIN_BYTES, needed)
+    try:
+        stat = os.statvfs(directory)
+        room = int(stat.f_bavail * stat.f_frsize * SHM_SHARE / max(local_ranks, 1))
+    except OSError:
+        return size, None
+    if size <= room:
+        return size, None
+    return max(room, layout.MIN_ARENA_BYTES), (
+        f"the same-node arena should hold {steps} but {directory} has room for "
+        f"{room / mib:.0f} MiB a rank ({local_ranks} ranks): pushes that do not fit go "
+        f"inline, at about half the speed; enlarge {directory} or pass --same-node off")
+
+
+def arena_bytes_for_run(cfg: TrainConfig, task: Task, embedding: ShardedEmbedding,
+                        ctx: DistContext, wire: torch.dtype) -> int:
+    """The arena of this rank (--same-node-mb, 0: sized from the pushes its task says it
+    makes a step, Task.rows_pushed_per_step) for gradients sent as `wire`; rank 0 warns
+    when it is too small."""
+    answer = embedding.row_dtype if embedding.row_dtype != torch.float32 else wire
+    rows = task.rows_pushed_per_step(ctx.world_size)
+    units = [(u.dim, [(m.name, m.end - m.start) for m in u.members])
+             for u in embedding.units.values()]
+    needed = None
+    if rows is not None and all(name in rows for _, members in units for name, _ in members):
+        pushes = [(sum(min(rows[name], owned) for name, owned in members), dim)
+                  for dim, members in units]
+        needed = arena_bytes_needed(pushes, cfg.sync.staleness, wire, answer)
+    size, warning = size_arena(cfg.node.same_node_mb << 20, needed,
+                               staleness=cfg.sync.staleness, local_ranks=ctx.local_world_size)
+    if warning and ctx.rank == 0:
+        log.warning(kv("same_node_arena", bytes=size, needed=needed, problem=warning))
+    return size
 
 
 def place(arena: ClientArena, ids_U: torch.Tensor, grads_UD: torch.Tensor,

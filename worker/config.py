@@ -92,6 +92,10 @@ class RunConfig:
                           "N", everyday=True, at_least=0)
     batch_size: int = setting(256, "samples per rank per step", "B", everyday=True,
                               at_least=1)
+    time_budget: float = setting(
+        0.0, "minutes for the whole run: training stops in time to evaluate (the best model) "
+        "and write --results, estimated from the run's own step and evaluation times "
+        "(worker/time_budget.py); 0: no limit", "MINUTES", everyday=True, at_least=0)
     seed: int = setting(0, "seed of data, table init and dense init", "S", at_least=0)
     dim: int = setting(16, "embedding width of every table", "D", at_least=1)
     model_config: str = setting(
@@ -116,6 +120,9 @@ class RunConfig:
         check_settings(self)
         if not self.task or (":" not in self.task and not self.task.isidentifier()):
             raise ValueError(f"task={self.task!r} is not a task name or module.path:ClassName")
+        if not math.isfinite(self.time_budget):
+            raise ValueError(f"time_budget={self.time_budget!r} must be a finite number of "
+                             "minutes (0: no limit)")
 
 
 @dataclass(frozen=True)
@@ -205,8 +212,10 @@ class SameNodeConfig:
         "gRPC (another host or container) | off: inline tensors over gRPC only | require: "
         "as auto, but fail at start when the server refuses the arena")
     same_node_mb: int = setting(
-        64, "size of the shared-memory arena in MiB; a push that does not fit goes inline "
-        "(hold ~K+2 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row)", "MB")
+        0, "size of the shared-memory arena in MiB; a push that does not fit goes inline "
+        "(hold K+3 steps of pushes: 8 + 2 x dim x 4 bytes a pushed row); 0: sized from "
+        "the run's pushes where the task says how many rows it pushes a step (KGE), at "
+        "least 64, within the free space of /dev/shm (worker/arena_client.py)", "MB")
 
     def __post_init__(self) -> None:
         if self.same_node == "stream":  # what auto does now: named, not just "not one of"
@@ -214,12 +223,13 @@ class SameNodeConfig:
                              "messages travel on the gRPC stream in every mode; use auto "
                              "(or require)")
         check_settings(self)
-        if not 1 <= self.same_node_mb <= MAX_SAME_NODE_MB:
+        if not 0 <= self.same_node_mb <= MAX_SAME_NODE_MB:
             raise ValueError(f"same_node_mb={self.same_node_mb!r} must be in "
-                             f"[1, {MAX_SAME_NODE_MB}]")
+                             f"[0, {MAX_SAME_NODE_MB}] (0: sized from the run's pushes)")
 
     def client_args(self) -> dict[str, Any]:
-        """These settings as ShardClient's keyword arguments (the one place they meet)."""
+        """These settings as ShardClient's keyword arguments (the one place they meet);
+        shm_bytes 0: to be sized from the run's pushes (worker/arena_client.size_arena)."""
         shm = {"auto": "auto", "off": "off", "require": "on"}[self.same_node]
         return {"shm": shm, "shm_bytes": self.same_node_mb << 20}
 

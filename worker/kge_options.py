@@ -17,6 +17,7 @@ from hybridps.cli import check_settings, setting
 
 KgeLoss = Literal["", "bce", "ce"]
 KgeReg = Literal["none", "l2", "n3"]
+KgeOnCollapse = Literal["stop", "warn"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class KGEOptions:
         0.1, "--eval-every-epochs 0: target evaluation cost as a fraction of training", "F")
     eval_test: bool = setting(
         True, "evaluate test at the end (false while tuning: only valid is ever computed)")
+    on_collapse: KgeOnCollapse = setting(
+        "stop", "when the scores have collapsed to uniform (training loss at its value for "
+        "uniform scores and valid MRR at chance, two evaluations in a row after the first "
+        "epoch; worker/tasks/kge_collapse.py): stop (and still evaluate and write the "
+        "results) | warn (one line, and go on)")
     keep_best: bool = setting(
         True, "end with the rows and dense weights of the evaluation with the best valid MRR "
         "(one in-memory copy of each rank's part of the model)")

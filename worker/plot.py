@@ -9,8 +9,11 @@ task has one, the planted model's loss as a horizontal line (synthetic and table
 drawn from a planted logit, so its loss is the best any model can do on those samples;
 dlrm's synthetic generator: its planted log loss). Bottom panel, when the task has one:
 its metric over the evaluations (AUC for synthetic, tables and dlrm, MRR for kge), with
-the planted model's AUC as a line. matplotlib with the Agg backend (no display),
-imported only when a plot is made.
+the planted model's AUC as a line. When training ended by restoring the best evaluated model
+(kge's --keep-best: results["hooks"]["restored_best"]), the final evaluation is of that
+model, not of the last step's: it is drawn as separate "final" markers, not joined to the
+curve, and the best evaluation is marked with a star saying it was restored. matplotlib
+with the Agg backend (no display), imported only when a plot is made.
 """
 
 from __future__ import annotations
@@ -45,13 +48,31 @@ def metric_keys(results: Mapping[str, Any]) -> list[str]:
     return [k for k in names if ("auc" in k or k.endswith("mrr")) and not k.startswith("planted")]
 
 
-def _eval_points(results: Mapping[str, Any]) -> list[tuple[int, Mapping[str, float]]]:
+def end_step(results: Mapping[str, Any]) -> int:
+    """The 1-based step training ended at: the last step run (an early stop, a time
+    budget) or, in older results without it, the planned steps."""
+    last = results.get("last_step")
+    return int(last) + 1 if last is not None else int(results.get("steps") or 0)
+
+
+def restored_best(results: Mapping[str, Any]) -> tuple[int, float] | None:
+    """(1-based step, valid MRR) of the best evaluation when training ended by restoring
+    it (the final evaluation is then of that model), else None."""
+    hooks = results.get("hooks") or {}
+    if not hooks.get("restored_best") or hooks.get("best_valid_mrr") is None:
+        return None
+    return int(hooks["best_step"]) + 1, float(hooks["best_valid_mrr"])
+
+
+def _eval_points(results: Mapping[str, Any], *, with_final: bool = True
+                 ) -> list[tuple[int, Mapping[str, float]]]:
     """(1-based step, metrics) of every evaluation: the --eval-every points, then the final
-    one (merged into the last point when that is the final step: the same model)."""
+    one (merged into the last point when that is the final step: the same model). Without
+    `with_final`, the evaluations during training only."""
     points = [(int(s) + 1, m) for s, m in results.get("eval_curve") or []]
     final = results.get("eval") or {}
-    steps = int(results.get("steps") or 0)
-    if final and steps:
+    steps = end_step(results)
+    if final and steps and with_final:
         if points and points[-1][0] == steps:
             points[-1] = (steps, {**points[-1][1], **final})
         elif not points or points[-1][0] < steps:
@@ -119,13 +140,23 @@ def _loss_panel(ax: Axes, results: Mapping[str, Any]) -> None:
 
 
 def _metric_panel(ax: Axes, results: Mapping[str, Any], keys: Sequence[str]) -> None:
-    points = _eval_points(results)
-    for i, key in enumerate(keys[:len(METRIC_COLORS)]):
-        xy = [(s, m[key]) for s, m in points if key in m]
-        ax.plot([s for s, _ in xy], [v for _, v in xy], color=METRIC_COLORS[i], marker="o",
-                markersize=3.5, linewidth=1.2,
-                label="held-out AUC" if key == "auc" else key.replace("_", " "))
+    best = restored_best(results)
+    points = _eval_points(results, with_final=best is None)
     final = results.get("eval") or {}
+    for i, key in enumerate(keys[:len(METRIC_COLORS)]):
+        label = "held-out AUC" if key == "auc" else key.replace("_", " ")
+        xy = [(s, m[key]) for s, m in points if key in m]
+        if xy:
+            ax.plot([s for s, _ in xy], [v for _, v in xy], color=METRIC_COLORS[i],
+                    marker="o", markersize=3.5, linewidth=1.2, label=label)
+        if best is not None and key in final:  # the restored model's: not on the curve
+            ax.plot([end_step(results)], [final[key]], color=METRIC_COLORS[i], marker="D",
+                    markersize=5, linestyle="none",
+                    label=f"{label}, final: the best model (step {best[0]}) restored")
+    if best is not None:
+        ax.plot([best[0]], [best[1]], color="black", marker="*", markersize=11,
+                linestyle="none",
+                label=f"best valid mrr {best[1]:.4f} at step {best[0]}: restored at the end")
     if "planted_auc" in final:
         ax.axhline(final["planted_auc"], color=PLANTED_COLOR, linestyle="--", linewidth=1.2,
                    label=f"planted model AUC {final['planted_auc']:.4f}")

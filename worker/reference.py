@@ -111,6 +111,7 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
     sparse_opt = make_sparse_optimizer(cfg, list(embedding.parameters()))
     dense_opt = make_dense_optimizer(cfg, dense.parameters())
     losses, grad_norms = [], []
+    logged = 0
     # --dense-parallel ddp --ddp-grad-reduce sum: the objective is the sum over ranks of each
     # rank's mean loss, i.e. world_size x the global mean (for dense and embedding grads).
     d = cfg.dense
@@ -139,6 +140,10 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
                 metrics = task.evaluate_full(model, 0, 1, quick=True) or {}
             if hooks.after_eval(step, metrics):
                 break
+        if hooks is not None and ((step + 1) % cfg.output.log_every == 0 or step + 1 == steps):
+            window = losses[logged:]  # the worker's --log-every window, after its evaluation
+            hooks.observe_loss(step, sum(window) / len(window))
+            logged = len(losses)
     if hooks is not None:
         hooks.finish()
     state = {k: v.detach().cpu().clone() for k, v in dense.state_dict().items()}

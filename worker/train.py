@@ -34,6 +34,7 @@ from hybridps.logs import kv
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
 from worker import comm, faults
+from worker.arena_client import arena_bytes_for_run
 from worker.checkpoint import Checkpointer
 from worker.config import TrainConfig
 from worker.console import (
@@ -53,6 +54,7 @@ from worker.sync import WIRE_DTYPES, ShardClient
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, TrainHooks, build_dense_seeded
 from worker.tensorboard_log import TensorBoardLog
+from worker.time_budget import budget_for_run
 from worker.updates import LocalSparseOptimizer, StalenessWindow, UpdateSource
 
 log = logging.getLogger("worker.train")
@@ -155,6 +157,10 @@ class Trainer:
         if sync.local_optimizer:
             self.source = LocalSparseOptimizer(self.embedding, spec, sync.ps_timeout)
         else:
+            node = cfg.node.client_args()
+            if node["shm"] != "off":  # --same-node-mb 0: sized from this run's pushes
+                node["shm_bytes"] = arena_bytes_for_run(cfg, self.task, self.embedding, ctx,
+                                                        WIRE_DTYPES[sync.wire_dtype])
             self.source = ShardClient(
                 sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 # per unit (worker/groups.py): a group of tables registers as one table
@@ -163,7 +169,7 @@ class Trainer:
                 members={n: u.members for n, u in self.embedding.units.items() if u.grouped},
                 optimizer=spec,
                 timeout_s=sync.ps_timeout, max_chunk_bytes=sync.max_chunk_bytes,
-                wire_dtype=WIRE_DTYPES[sync.wire_dtype], **cfg.node.client_args(),
+                wire_dtype=WIRE_DTYPES[sync.wire_dtype], **node,
                 restore=None if resume is None else (str(resume[0]), resume[1]),
                 security=cfg.security.client_security(), row_dtype=self.embedding.row_dtype,
                 initial_rows=self.embedding.initial_row_blocks)
@@ -184,6 +190,7 @@ class Trainer:
         self.times = dict.fromkeys(TIME_KEYS, 0.0)
         self.loss_curve: list[tuple[int, float]] = []
         self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
+        self.evaluations = 0  # during training
         self.console = ExitStack()  # rank 0's log redirect around the progress bar
         self.tb = (TensorBoardLog(cfg.output.tensorboard, self.run_id, dataclasses.asdict(cfg),
                                   self.start_step) if cfg.output.tensorboard and self.is_main
@@ -193,6 +200,8 @@ class Trainer:
         self.train_cpu_s = 0.0
         self.train_span = [0.0, 0.0]
         self.final_eval_s = 0.0
+        self.budget = (budget_for_run(cfg, self.task, self.model, self.hooks is not None,
+                                      ctx.world_size) if cfg.run.time_budget else None)
         if self.is_main:
             log.info(kv("ready", run=self.run_id, task=self.task.name, steps=self.steps,
                         start_step=self.start_step, world_size=ctx.world_size,
@@ -217,6 +226,8 @@ class Trainer:
         self.train_span = [time.time(), 0.0]
         comm.reset_comm_seconds()
         self.last_step = self.start_step - 1  # the last step pushed (a Finish reports it)
+        if self.budget is not None:
+            self.budget.start(self.start_step)
         for step in range(self.start_step, self.steps):
             t0 = time.perf_counter()
             self.dense_parallel.prefetch()  # --prefetch-dense: all-gather under what follows
@@ -252,24 +263,17 @@ class Trainer:
 
             window_loss += loss.detach()
             window_steps += 1
-            stop = False
+            stop = evaluated = False
             if ((out.eval_every and ((step + 1) % out.eval_every == 0 or step + 1 == self.steps))
                     or (self.hooks is not None and self.hooks.eval_due(step))):
-                t_eval = time.perf_counter()  # a collective on every rank: same steps
-                self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
-                with sync_point("evaluate"):
-                    metrics = self.evaluate(quick=True)
-                if metrics:
-                    self.eval_curve.append((step, metrics))
-                    if self.tb is not None:
-                        self.tb.eval(step + 1, metrics)
-                if self.hooks is not None:  # the same metrics, so the same answer, everywhere
-                    stop = self.hooks.after_eval(step, metrics)
-                t["eval"] += time.perf_counter() - t_eval
+                t_eval = time.perf_counter()
+                stop, evaluated = self._evaluate_in_training(step), True
                 t6 += time.perf_counter() - t_eval
             if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
                 mean = self._global_mean(window_loss, window_steps)
                 self.loss_curve.append((step, mean))
+                if self.hooks is not None:
+                    self.hooks.observe_loss(step, mean)
                 window_loss.zero_()
                 window_steps = 0
                 elapsed = time.perf_counter() - start
@@ -287,6 +291,11 @@ class Trainer:
                         "applied": self.window.last_applied_staleness, "arrival_lag": lag,
                         "waits": st.waits}, t)
                 t["log"] += time.perf_counter() - t6
+            if (self.budget is not None and not stop and step + 1 < self.steps
+                    and self.budget.should_stop(step, t["eval"], self.evaluations, ctx)):
+                if self.hooks is not None and not evaluated:  # the best among every step's
+                    self._evaluate_in_training(step)
+                stop = True
             if self.checkpointer.due(step):
                 with sync_point("checkpoint"):
                     self.checkpointer.save(step)
@@ -304,6 +313,24 @@ class Trainer:
         self.train_span[1] = time.time()
         bar.close()
         self.console.close()
+
+    def _evaluate_in_training(self, step: int) -> bool:
+        """A quick evaluation after `step` (a collective on every rank: same steps); True
+        when the hooks stop training on it."""
+        t_eval = time.perf_counter()
+        self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
+        with sync_point("evaluate"):
+            metrics = self.evaluate(quick=True)
+        self.evaluations += 1
+        if metrics:
+            self.eval_curve.append((step, metrics))
+            if self.tb is not None:
+                self.tb.eval(step + 1, metrics)
+        stop = False
+        if self.hooks is not None:  # the same metrics, so the same answer, everywhere
+            stop = self.hooks.after_eval(step, metrics)
+        self.times["eval"] += time.perf_counter() - t_eval
+        return stop
 
     def _global_mean(self, total: torch.Tensor, count: int) -> float:
         with sync_point("log_loss"):
@@ -392,6 +419,7 @@ class Trainer:
             "final_eval_time_s": self.final_eval_s,
             "eval_fraction": self.times["eval"] / self.train_s if self.train_s else 0.0,
             "hooks": self.hooks.describe() if self.hooks is not None else None,
+            "time_budget": self.budget.describe() if self.budget is not None else None,
             "eval": eval_metrics,
             "samples_per_s": samples / self.train_s if self.train_s else 0.0,
             "wall_time_s": wall_s,
@@ -441,6 +469,12 @@ class Trainer:
                          "the training time)")
         if res["hooks"]:
             parts.append("schedule: " + "  ".join(f"{k} {v}" for k, v in res["hooks"].items()))
+        budget = res["time_budget"]
+        if budget and budget["stopped_at_step"] is not None:
+            parts.append(f"time budget {budget['minutes']:g} min: training stopped after step "
+                         f"{budget['stopped_at_step']} of {res['steps']}, "
+                         f"{budget['reserved_s']:.0f}s kept for the final evaluation and "
+                         "the results")
         if ev:
             parts.append("eval: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
         if "dense" in res:  # --dense-parallel and friends (worker/parallel.py)

@@ -131,6 +131,10 @@ class TrainHooks:
         """Metrics of the evaluation after `step`; True: stop training after this step."""
         return False
 
+    def observe_loss(self, step: int, mean: float) -> None:
+        """The training loss of the --log-every window ending at `step`, the mean over the
+        ranks (all-reduced: the same on every rank)."""
+
     def finish(self) -> None:
         """After the last step's updates are applied, before the final evaluation."""
 
@@ -189,6 +193,17 @@ class Task(ABC):
     def save_artifacts(self, results_path: str) -> list[str]:
         """Rank 0, after --results is written: task files next to it; returns their paths."""
         return []
+
+    def eval_cost_in_steps(self, world_size: int, *, quick: bool) -> float:
+        """An evaluation's cost in training steps, an estimate (--time-budget scales the
+        measured step time with it; the final over a quick one scales the measured
+        evaluations). Default: --eval-batches forward passes, a third of a step each."""
+        return self.cfg.output.eval_batches / 3.0
+
+    def rows_pushed_per_step(self, world_size: int) -> dict[str, int] | None:
+        """The most rows of each table one rank pushes in a step (sizes the same-node
+        arena, worker/arena_client.py); None: not known (the default arena size)."""
+        return None
 
     def hooks(self, model: HybridModel, world_size: int) -> TrainHooks | None:
         """Training controls for this run (None: none); built once the model exists."""

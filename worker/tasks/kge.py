@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridps.logs import kv
 from worker.config import TrainConfig
 from worker.gather import all_gather_rows, all_reduce_sum, dist_info, gather_sizes
 from worker.metrics import (
@@ -64,6 +66,12 @@ from worker.metrics import (
     ranks_from_counts,
 )
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
+from worker.tasks.kge_collapse import (
+    CollapseCheck,
+    uniform_loss,
+    what_to_change,
+    zero_model_is_optimal,
+)
 from worker.tasks.kge_data import (
     KGDataset,
     TailIndex,
@@ -79,6 +87,7 @@ from worker.tasks.kge_scoring import block_loss
 ENTITY = "entity"
 EVAL_CELLS = 1 << 25  # queries x owned entities scored at once in evaluation (128 MiB)
 MODEL_OPTIONS = {"keci": ("p", "q", "coefficients"), "qmult": ("unit_relation",)}
+log = logging.getLogger("worker.kge")
 
 
 PENALTY_POWERS = {"none": 0.0, "l2": 2.0, "n3": 3.0}
@@ -201,8 +210,21 @@ class KGETask(Task):
         # --eval-every N (steps) replaces the schedule by epochs; its evaluations still feed
         # the plateau schedule, early stopping and the best model
         scheduled = len(self.ds.valid) > 0 and not self.cfg.output.eval_every
+        is_main = dist_info(model.lookups)[0] == 0
+        model_name, lr = self.cfg.kge.model, self.cfg.optim.lr
+        if is_main and zero_model_is_optimal(self.options, model_name):
+            log.warning(kv("kge_penalty", reg=self.options.reg,
+                           reg_weight=self.options.reg_weight,
+                           problem="training will collapse to uniform scores",
+                           change=what_to_change(self.options, model_name, lr)))
+        collapse = CollapseCheck(
+            num_entities=self.num_entities,
+            uniform=uniform_loss(self.training, self.loss_kind, self.num_entities,
+                                 self.cfg.kge.neg_ratio),
+            advice=what_to_change(self.options, model_name, lr))
         return KGEHooks(self.options, model, steps_per_epoch=per_epoch, total_steps=total,
-                        eval_every_epochs=every if scheduled else 0)
+                        eval_every_epochs=every if scheduled else 0, collapse=collapse,
+                        is_main=is_main)
 
     def global_batch(self, step: int, world_size: int) -> Batch:
         per_epoch = self.steps_per_epoch(world_size)
@@ -243,6 +265,28 @@ class KGETask(Task):
                 "entities": self.num_entities, "relations": self.num_relations,
                 "train_triples": len(self.ds.train), "valid_triples": len(self.ds.valid),
                 "test_triples": len(self.ds.test), "examples": len(self.examples)}
+
+    def eval_cost_in_steps(self, world_size: int, *, quick: bool) -> float:
+        """Scores computed: an evaluation ranks 2 queries a triple against every entity; a
+        step scores its global batch against every entity (1vsall, kvsall) or 1 + k of them,
+        about 3 times over with the backward (as auto_eval_every)."""
+        triples = len(self.ds.valid) + (0 if quick or not self.options.eval_test
+                                        else len(self.ds.test))
+        return self.ranking_cost_in_steps(triples, world_size)
+
+    def ranking_cost_in_steps(self, triples: int, world_size: int) -> float:
+        scored = self.num_entities if self.training != "negsample" else 1 + self.cfg.kge.neg_ratio
+        step_work = 3.0 * world_size * self.cfg.run.batch_size * scored
+        return 2.0 * triples * self.num_entities / step_work
+
+    def rows_pushed_per_step(self, world_size: int) -> dict[str, int] | None:
+        """1vsall / kvsall score every entity, so every owned row is pushed every step;
+        negsample: the global batch's heads, tails and negatives at most."""
+        owned = math.ceil(self.num_entities / world_size)
+        if self.training != "negsample":
+            return {ENTITY: owned}
+        looked_up = world_size * self.cfg.run.batch_size * (2 + self.cfg.kge.neg_ratio)
+        return {ENTITY: min(owned, looked_up)}
 
     def save_artifacts(self, results_path: str) -> list[str]:
         directory = id_maps_dir(results_path)

@@ -9,6 +9,7 @@ use an export anywhere.
     model.score_names([("/m/02mjmr", "/people/person/nationality", "/m/09c7w0")])
     model.predict_tails("/m/02mjmr", "/people/person/nationality", k=10)
     link_prediction_metrics(model, "DIR/FB15k-237", split="test")   # filtered MRR, Hits@k
+    link_prediction_metrics(model, "umls", split="test")   # a shipped set by name, as --data-dir
 
 The file (torch.save of a dict, format ``hybridps-kge-v1``) holds the model name and options,
 the entity rows [E, D], the scorer's state (relation rows [2R, D]: reciprocals are r + R, and
@@ -30,6 +31,10 @@ try:
     from worker.tasks.kge_models import KGEScorer, build_model
 except ImportError:  # copied next to kge_models.py, outside the package
     from kge_models import KGEScorer, build_model  # type: ignore[no-redef]
+try:  # --data-dir's rule: a directory, else the name of a set shipped with hybridps
+    from hybridps.datasets import resolve_data_dir
+except ImportError:  # copied outside the repository: directories only
+    resolve_data_dir = Path  # type: ignore[assignment]
 
 FORMAT = "hybridps-kge-v1"
 SCORER_PREFIX = "scorer."
@@ -185,10 +190,16 @@ def filtered_ranks(model: KGEModel, triples_N3: torch.Tensor, known_N3: torch.Te
 def link_prediction_metrics(model: KGEModel, data_dir: str | Path, split: str = "test"
                             ) -> dict[str, float]:
     """Filtered MRR, MR and Hits@1/3/10 of a split of a data directory (train/valid/test.txt),
-    both directions: what the training run reports as `<split>_*`."""
-    d = Path(data_dir)
+    both directions: what the training run reports as `<split>_*`. `data_dir` is read as
+    --data-dir is: a directory, else the name of a set shipped with hybridps ("umls")."""
+    if split not in ("train", "valid", "test"):
+        raise ValueError(f"split={split!r} must be train, valid or test")
+    d = resolve_data_dir(data_dir)
     parts = {s: model.ids(read_triples(d / f"{s}.txt")) for s in ("train", "valid", "test")
              if (d / f"{s}.txt").is_file()}
+    if split not in parts:
+        raise FileNotFoundError(f"{d / f'{split}.txt'} not found (data_dir={str(data_dir)!r}: "
+                                "a directory of train/valid/test.txt or a shipped set's name)")
     ranks = filtered_ranks(model, parts[split], torch.cat(list(parts.values())))
     out = {"mrr": float((1.0 / ranks).mean()), "mr": float(ranks.mean())}
     out.update({f"hits@{k}": float((ranks <= k).double().mean()) for k in (1, 3, 10)})

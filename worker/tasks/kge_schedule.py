@@ -25,6 +25,7 @@ times the scoring work of each example) : see `auto_eval_every`.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 
@@ -32,8 +33,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from hybridps.logs import kv
 from worker.kge_options import KGEOptions
 from worker.tasks.base import TrainHooks
+from worker.tasks.kge_collapse import CollapseCheck
+
+log = logging.getLogger("worker.kge")
 
 PLATEAU_THRESHOLD = 1e-4  # relative, as torch's ReduceLROnPlateau's default
 
@@ -53,8 +58,12 @@ def auto_eval_every(options: KGEOptions, *, training: str, valid_triples: int,
 
 class KGEHooks(TrainHooks):
     def __init__(self, options: KGEOptions, model: nn.Module, *, steps_per_epoch: int,
-                 total_steps: int, eval_every_epochs: int) -> None:
+                 total_steps: int, eval_every_epochs: int,
+                 collapse: CollapseCheck | None = None, is_main: bool = True) -> None:
         self.options, self.model = options, model
+        self.collapse, self.is_main = collapse, is_main
+        self.collapsed: dict[str, object] | None = None  # the report, once collapsed
+        self.last_loss: float | None = None  # the newest --log-every window's mean loss
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.eval_every_epochs = eval_every_epochs
         self.warmup_steps = round(options.warmup_epochs * steps_per_epoch)
@@ -80,12 +89,33 @@ class KGEHooks(TrainHooks):
         every = self.eval_every_epochs * self.steps_per_epoch
         return (step + 1) % every == 0 or step + 1 == self.total_steps
 
+    def observe_loss(self, step: int, mean: float) -> None:
+        self.last_loss = mean
+
     def after_eval(self, step: int, metrics: dict[str, float]) -> bool:
         mrr = metrics.get("valid_mrr")
         if mrr is None or not math.isfinite(mrr):
             return False
         self.evaluations += 1
         self.last_evaluated = step
+        stop = self._schedule(step, mrr)
+        if self.collapse is not None and self.collapsed is None:
+            report = self.collapse.observe(mrr=mrr, loss=self.last_loss,
+                                           epoch=(step + 1) / self.steps_per_epoch)
+            if report is not None:  # every rank sees the same metrics and loss: same answer
+                self.collapsed = report
+                if step + 1 >= self.total_steps:
+                    report["action"] = "training ends here anyway"
+                elif self.options.on_collapse == "warn":
+                    report["action"] = "going on (--on-collapse warn)"
+                else:
+                    self.stopped_early = stop = True
+                if self.is_main:
+                    log.warning(kv("collapse", step=step, **report))
+        return stop
+
+    def _schedule(self, step: int, mrr: float) -> bool:
+        """The best model, reduce-on-plateau and early stopping: True to stop."""
         if self.best is None or mrr > self.best * (1 + PLATEAU_THRESHOLD):
             self.best, self.best_step = mrr, step
             self.bad = self.plateau_bad = 0
@@ -119,6 +149,7 @@ class KGEHooks(TrainHooks):
             else None,
             "lr_cuts": self.cuts, "stopped_early": self.stopped_early,
             "restored_best": self.restored_best,
+            "collapsed": self.collapsed is not None,
         }
 
     # -- the best model ------------------------------------------------------------------

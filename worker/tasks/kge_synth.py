@@ -141,5 +141,8 @@ class PlantedKGETask(KGETask):
                 "mrr_ceiling": mrr_ceiling(self.community),
                 "mrr_chance": (math.log(n) + 0.5772) / n}
 
+    def eval_cost_in_steps(self, world_size: int, *, quick: bool) -> float:
+        return self.ranking_cost_in_steps(len(self.ds.test), world_size)  # test, always
+
     def save_artifacts(self, results_path: str) -> list[str]:
         return []  # ids are the names (e0 .. e{N-1}): no maps to write

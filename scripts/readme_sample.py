@@ -34,7 +34,7 @@ _VARYING = [
     (re.compile(r"^server \S+"), "server ID"),
     (re.compile(r"\b[0-9a-f]{8}(?:-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})?\b"),
      "ID"),
-    (re.compile(r"\b\d+h\d\dm|\b\d+m\d\ds"), "N"),  # uptimes
+    (re.compile(r"\b\d+h\d\dm|\b\d+m\d\ds|\b\d+(?:\.\d+)?s\b"), "N"),  # durations
     (re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?"), "N"),
     (re.compile(r"\s+"), " "),
 ]

@@ -61,6 +61,9 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+PEER_GRACE_S = 5.0  # report_error: how long rank != 0 waits for rank 0's line
+
+
 def report_error(line: str) -> None:
     """A rank's one error line: recorded in the rank's torchelastic error file (in
     torchelastic's format: a bare torchrun's failure report shows it too) and printed by
@@ -78,6 +81,10 @@ def report_error(line: str) -> None:
                           "extraInfo": {"timestamp": str(int(time.time())), MARK: True}}}
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps(record))
+    if _rank() != 0 and not os.environ.get(LAUNCHER_DIR_ENV):
+        # Bare torchrun stops every rank when the first one exits: give rank 0, which meets
+        # the same error (the same flags and data), time to print it before we do.
+        time.sleep(PEER_GRACE_S)
 
 
 def note_stop(step: int, steps: int, flushed: bool, reason: str) -> None:

@@ -77,6 +77,10 @@ cleanup() {
         log "stopping dockerd (pid $DOCKERD_PID)"
         kill -TERM "$DOCKERD_PID" 2>/dev/null
         for _ in $(seq 60); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 1; done
+        if ! kill -0 "$DOCKERD_PID" 2>/dev/null; then  # what it left mounted in $WORK
+            awk -v work="$WORK/" 'index($2, work) == 1 {print $2}' /proc/mounts | sort -r \
+                | while read -r mount; do umount "$mount"; done
+        fi
     fi
     if [[ -n $INDEX_PID ]]; then
         kill -TERM "$INDEX_PID" 2>/dev/null

@@ -229,7 +229,7 @@ write_override() {  # host network, loopback only, a free port, small tables (mo
     local port=$1 python=python3
     [[ -x $REPO/.venv/bin/python ]] && python=$REPO/.venv/bin/python
     "$python" - "$REPO/docker-compose.yml" "$port" >"$WORK/override.yml" <<'EOF'
-import json, sys
+import json, socket, sys
 import yaml
 spec = yaml.safe_load(open(sys.argv[1]))
 port = sys.argv[2]
@@ -240,7 +240,9 @@ host = {"network_mode": "host", "build": {"network": "host"}}
 override = {"services": {
     "ps": {**host, "command": local(ps["command"]),
            "healthcheck": {"test": local(ps["healthcheck"]["test"])}},
-    "worker": {**host, "command": local(worker["command"]), "extra_hosts": ["ps:127.0.0.1"],
+    "worker": {**host, "command": local(worker["command"]), "extra_hosts": [
+                   # the host's name too: torchrun's rendezvous store is reached by it
+                   "ps:127.0.0.1", f"{socket.gethostname()}:127.0.0.1"],
                "environment": {
                    "GLOO_SOCKET_IFNAME": "lo",
                    "HYBRIDPS_NUM_ROWS": "${HYBRIDPS_NUM_ROWS:-20000}",

@@ -30,7 +30,7 @@
 #   build       `build`: the image builds (time, size)
 #   up-1, up-2  plain `up` from scratch, twice: returns 0, both containers exit 0
 #   up-code     `up --abort-on-container-exit --exit-code-from worker`: returns 0
-#   stats       `run --rm worker python -m ps.admin stats` while a job runs (`up -d`)
+#   stats       `exec worker python -m ps.admin stats` while a job runs (`up -d`)
 #   stop        `stop`: worker exits 143 and its last line is the launcher's; ps exits 0
 #   resume      the documented `up` again: resumes from a checkpoint, returns 0
 #   failure     a rank killed with no restart left: the documented `up` returns non-zero
@@ -197,8 +197,18 @@ EOF
     BASE=$STANDIN
 }
 
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+free_port() {  # [PORT]: PORT when it is free on 127.0.0.1, else one the kernel picks
+    python3 - "${1:-0}" <<'EOF'
+import socket, sys
+for port in (int(sys.argv[1]), 0):
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            print(s.getsockname()[1])
+            break
+    except OSError:
+        continue
+EOF
 }
 
 INDEX_URL=""
@@ -218,7 +228,10 @@ torch_index() {  # INDEX_URL: a PEP 503 index of torch and its dependencies on 1
         mkdir -p "$WORK/index/simple/$name"
         ln -f "$wheel" "$WORK/index/simple/$name/"
     done
-    port=$(free_port)
+    # The port of the last run when it is free: the index's URL is a build argument, and
+    # a new one would rebuild every layer after it (torch included).
+    port=$(free_port "$(cat "$CACHE/index.port" 2>/dev/null || echo 0)")
+    echo "$port" >"$CACHE/index.port"
     python3 -m http.server --bind 127.0.0.1 --directory "$WORK/index" "$port" \
         >"$LOGS/index.log" 2>&1 &
     INDEX_PID=$!
@@ -280,10 +293,14 @@ check_build() {
     NOTE="image hybridps:$HYBRIDPS_TAG $((bytes / 1000000)) MB (base $BASE)"
 }
 
-both_exit_0() {
-    local ps worker
+finished_at() { date -d "$(docker inspect -f '{{.State.FinishedAt}}' "$(container "$1")")" +%s.%N; }
+
+both_exit_0() {  # and how long the server outlived the worker
+    local ps worker margin
     ps=$(exit_code ps) worker=$(exit_code worker)
-    NOTE="$NOTE ps=$ps worker=$worker"
+    margin=$(python3 -c "import sys; print(f'{float(sys.argv[1]) - float(sys.argv[2]):.1f}')" \
+        "$(finished_at ps)" "$(finished_at worker)")
+    NOTE="$NOTE ps=$ps worker=$worker (ps exited ${margin}s after the worker)"
     [[ $ps == 0 && $worker == 0 ]]
 }
 
@@ -318,7 +335,9 @@ check_stats_while_running() {
     HYBRIDPS_STEPS=$LONG_STEPS HYBRIDPS_CHECKPOINT_EVERY=$STEPS compose up -d || return 1
     wait_for worker "checkpoint step" 600 || return 1
     local out
-    out=$(compose run --rm --no-deps worker python -m ps.admin stats --ps "ps:$PORT") || return 1
+    # exec, not `run --rm`: compose 1.29 links a `run` container to its dependencies,
+    # which host networking refuses.
+    out=$(compose exec -T worker python -m ps.admin stats --ps "ps:$PORT") || return 1
     echo "$out"
     NOTE="$(echo "$out" | grep -c . ) lines"
     echo "$out" | grep -q "active"

@@ -7,7 +7,7 @@
 #
 # Layers: dependencies first (they change rarely: only pyproject.toml/setup.py
 # invalidate them), the source last. The `build` stage has gcc and compiles the
-# optional native kernel (setup.py, ps/native/fused_adam.c) in place; the final
+# optional native kernel (setup.py, hybridps/native/fused_adam.c) in place; the final
 # stage copies the venv and the tree and has no compiler. Runs as an unprivileged
 # user; /data (results) is owned by it, for a named volume.
 ARG BASE_IMAGE=python:3.11-slim
@@ -37,19 +37,24 @@ ENV PATH=/opt/venv/bin:$PATH
 # 1. torch from the index the build args select (cpu or cuXXX wheels).
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 # 2. The other runtime dependencies, read from pyproject.toml by installing a stub of
-#    the project (empty packages), then removing the stub: only these two files bust it.
+#    the project (empty packages: the top-level ones pyproject.toml's packages.find
+#    includes, and the one setup.py's optional extension lives in; its C source is not
+#    there yet, so the stub builds no kernel), then removing the stub: only these two
+#    files bust it. tests/test_docker_static.py checks the stub against both files.
 WORKDIR /app
 COPY pyproject.toml setup.py ./
-RUN mkdir -p ps/native worker hybridps && touch ps/__init__.py worker/__init__.py \
-        hybridps/__init__.py README.md \
+RUN mkdir -p ps worker hybridps/native \
+    && touch ps/__init__.py worker/__init__.py hybridps/__init__.py \
+        hybridps/native/__init__.py README.md \
     && pip install . \
     && pip uninstall -y hybridps \
     && rm -rf build ps worker hybridps README.md *.egg-info
 # 3. The source; the editable install compiles the native kernel into the tree
-#    (ps/native/_fused_adam*.so; optional: without it ps.optim uses torch kernels).
+#    (hybridps/native/_fused_adam*.so; optional: without it hybridps.optim uses torch
+#    kernels).
 COPY . .
 RUN pip install --no-deps -e . \
-    && python -c "import ps.native as n; print('native kernel:', n.load_error or 'built')" \
+    && python -c "import hybridps.native as n; print('native kernel:', n.load_error or 'built')" \
     && rm -rf build
 
 # -- final: no compiler ----------------------------------------------------------------

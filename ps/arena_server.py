@@ -233,6 +233,11 @@ class ArenaRegistry:
                     epoch=arena.epoch))
         return True, "", arena.epoch
 
+    def paths(self) -> list[str]:
+        """The files of the arenas mapped now (ps/maintenance.py never sweeps these)."""
+        with self._lock:
+            return [arena.path for arena in self._arenas.values()]
+
     def release(self, run_id: str, rank: int, why: str) -> None:
         with self._lock:
             arena = self._arenas.pop((run_id, rank), None)

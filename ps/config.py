@@ -74,8 +74,8 @@ class ServerConfig:
                    "false: every worker sends inline tensors)", SAME_NODE)
     shm_sweep: bool = _s(
         True, "with --shm: at start and every minute remove leaked arena files in /dev/shm "
-        "(hybridps-<pid>-r<rank>-*.arena of this user, older than a minute, whose creator "
-        "pid is dead; needs the workers in this server's PID namespace)", SAME_NODE)
+        "(hybridps-*.arena of this user, older than a minute, that no process has open or "
+        "mapped, in any container: ps/maintenance.py)", SAME_NODE)
     # --- updates and the sync protocol --------------------------------------------------
     max_message_bytes: int = _s(
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received; larger "
@@ -99,6 +99,10 @@ class ServerConfig:
     exit_after_run: bool = _s(
         False, "stop gracefully (exit 0) once the first run is over: every rank registered "
         "here sent Finish (or one aborted and no stream of the run is left open)", LIFECYCLE)
+    exit_after_run_delay_s: float = _s(
+        0.0, "with --exit-after-run: keep serving this long after the run is over, then stop "
+        "(docker-compose.yml: the worker container exits before the server's, so `up "
+        "--exit-code-from worker` returns the job's own exit code)", LIFECYCLE, "SEC")
     run_idle_timeout_s: float = _s(
         120.0, "a run whose Sync streams all stayed closed this long without every rank "
         "finishing is abandoned: over with --exit-after-run, state 'abandoned' in the stats "
@@ -186,7 +190,8 @@ class ServerConfig:
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
         if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
             raise ValueError("--keepalive-time-ms and --keepalive-timeout-ms must be > 0")
-        for name in ("run_idle_timeout_s", "abort_grace_s", "finished_run_retention_s"):
+        for name in ("run_idle_timeout_s", "abort_grace_s", "finished_run_retention_s",
+                     "exit_after_run_delay_s"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0 and finite")

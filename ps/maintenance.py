@@ -8,23 +8,33 @@
   arena file `hybridps-<pid>-r<rank>-<random>.arena` in /dev/shm (an accepted arena's
   file is unlinked at once: the mapping lives on). `sweep_dead_arenas` removes such
   files when all of these hold: the name is an arena's; it is a regular file (not a
-  link) owned by this server's user; its creator pid does not exist in this PID
-  namespace (os.kill(pid, 0) -> ESRCH); it is older than MIN_ARENA_AGE_S. A pid that
-  was reused by another process keeps its file (swept once that process is gone too):
-  never a live process's arena. The pid test needs the server to see the workers'
-  processes: the same PID namespace (docker-compose.yml: `pid: service:ps`); across
-  namespaces the age rule alone guards an arena between its creation and its Register.
+  link) owned by this server's user; it is older than MIN_ARENA_AGE_S; this server has
+  not mapped it (`keep`: the arenas of registered ranks); and no process uses it.
+  "Uses" is asked of the kernel, not of pids: a rank maps its arena from creation
+  until it exits, so while the creator lives the file is open or mapped, and a write
+  lease on it (F_SETLEASE, granted only when no other process has the file open or
+  mapped) is refused. That holds across PID namespaces: docker-compose.yml keeps the
+  worker out of the server's (the server's exit would kill it), and the pid in the name
+  then means nothing here. On top, the creator pid must not exist in this namespace
+  (os.kill(pid, 0) -> ESRCH): a file kept before is kept still. Where the kernel cannot
+  tell (leases disabled: /proc/sys/fs/leases-enable) only that pid rule and the age
+  apply, as before. The lease is held only while the file is unlinked, with no owner
+  for its break signal (F_SETOWN 0: an open racing the sweep waits, nothing is
+  signalled).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import functools
 import logging
 import os
 import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from hybridps.arena_layout import SHM_DIR
 from hybridps.logs import kv
@@ -32,6 +42,13 @@ from ps.lifecycle import RunTracker
 from ps.store import Store
 
 log = logging.getLogger("ps.maintenance")
+
+try:  # Linux: leases (F_SETLEASE); elsewhere only the pid and age rules
+    import fcntl
+
+    F_SETLEASE: int | None = getattr(fcntl, "F_SETLEASE", None)
+except ImportError:  # pragma: no cover - not a POSIX system
+    F_SETLEASE = None
 
 ARENA_NAME = re.compile(r"^hybridps-(\d+)-r(\d+)-[0-9a-f]+\.arena$")
 MIN_ARENA_AGE_S = 60.0
@@ -51,13 +68,49 @@ def pid_exists(pid: int) -> bool:
     return True
 
 
+def in_use(path: str) -> bool | None:
+    """Whether any process, in any PID namespace, has `path` open or mapped (None: this
+    kernel cannot tell). Unlinks nothing."""
+    return _lease_and(path, None)
+
+
+def _lease_and(path: str, then: Callable[[], None] | None) -> bool | None:
+    """Take a write lease on `path` (refused while another process has it open or
+    mapped: True), run `then` while holding it, release it. None: no leases here."""
+    if F_SETLEASE is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # EWOULDBLOCK: another holds a lease on it; gone or unreadable: keep
+        return True
+    try:
+        try:
+            fcntl.fcntl(fd, F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                return True
+            return None  # EINVAL/ENOSYS: leases off, or not a filesystem that has them
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETOWN, 0)  # a lease break signals no one
+            if then is not None:
+                then()
+        finally:
+            fcntl.fcntl(fd, F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)
+
+
 def sweep_dead_arenas(directory: str = SHM_DIR, *, uid: int | None = None,
                       min_age_s: float = MIN_ARENA_AGE_S,
                       alive: Callable[[int], bool] = pid_exists,
+                      keep: Collection[str] = (),
                       now: float | None = None) -> list[str]:
-    """Remove leaked arenas of dead creators (module doc); returns the paths removed."""
+    """Remove leaked arenas of dead creators (module doc); returns the paths removed.
+    `keep`: paths this server maps (ArenaRegistry.paths)."""
     uid = os.getuid() if uid is None else uid
     now = time.time() if now is None else now
+    kept = {os.path.realpath(p) for p in keep}
     removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
@@ -73,15 +126,24 @@ def sweep_dead_arenas(directory: str = SHM_DIR, *, uid: int | None = None,
             continue
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != uid
                 or now - max(st.st_mtime, st.st_ctime) < min_age_s
+                or os.path.realpath(entry.path) in kept
                 or alive(int(match.group(1)))):
             continue
-        try:
-            os.unlink(entry.path)
-        except OSError:
+        unlinked: list[bool] = []
+
+        def unlink(path: str = entry.path, unlinked: list[bool] = unlinked) -> None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                unlinked.append(True)
+
+        used = _lease_and(entry.path, unlink)
+        if used is None:  # the kernel cannot tell: the pid and age rules alone decide
+            unlink()
+        if not unlinked:
             continue
         removed.append(entry.path)
         log.info(kv("arena_swept", path=entry.path, creator_pid=match.group(1),
-                    bytes=st.st_size))
+                    bytes=st.st_size, in_use_known=used is not None))
     return removed
 
 
@@ -118,9 +180,11 @@ class RunReaper:
 
 async def maintain(reaper: RunReaper, sweep_directory: str | None,
                    interval_s: float = MAINTENANCE_INTERVAL_S,
-                   sweep_interval_s: float = SWEEP_INTERVAL_S) -> None:
+                   sweep_interval_s: float = SWEEP_INTERVAL_S,
+                   mapped: Callable[[], Collection[str]] = tuple) -> None:
     """The server's background task: reaper ticks, and (sweep_directory) arena sweeps at
-    start and every sweep_interval_s. Runs until cancelled."""
+    start and every sweep_interval_s, never of the paths `mapped()` names (the arenas this
+    server maps). Runs until cancelled."""
     last_sweep = -float("inf")
     while True:
         try:
@@ -128,7 +192,7 @@ async def maintain(reaper: RunReaper, sweep_directory: str | None,
             if sweep_directory is not None and time.monotonic() - last_sweep >= sweep_interval_s:
                 last_sweep = time.monotonic()
                 await asyncio.get_running_loop().run_in_executor(
-                    None, sweep_dead_arenas, sweep_directory)
+                    None, functools.partial(sweep_dead_arenas, sweep_directory, keep=mapped()))
         except Exception as exc:  # never let housekeeping take the server down
             log.error(kv("maintenance_error", error=f"{type(exc).__name__}: {exc}"),
                       exc_info=exc)

@@ -183,10 +183,20 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                      kernel_threads=config.kernel_threads,
                      flush_timeout_s=config.flush_timeout_s)
 
+    loop = asyncio.get_running_loop()
+
     def run_over(run_id: str, why: str) -> None:
         log.info(kv("run_over", run=run_id, why=why, exit_after_run=config.exit_after_run))
         if config.exit_after_run:
-            stop_request.set(f"--exit-after-run: run {run_id} is over ({why})")
+            reason = f"--exit-after-run: run {run_id} is over ({why})"
+            if config.exit_after_run_delay_s > 0:
+                # Still serving meanwhile: the workers' own exit comes first (compose).
+                def stop_later() -> None:
+                    loop.call_later(config.exit_after_run_delay_s, stop_request.set, reason)
+
+                loop.call_soon_threadsafe(stop_later)
+            else:
+                stop_request.set(reason)
 
     policy = AuthPolicy(token, admin_token, config.stats_without_token)
     interceptor = AuthInterceptor(policy, on_refused=store.record_refusal)
@@ -227,7 +237,8 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
         await health.set(name, SERVING)
     tls = "off" if credentials is None else ("mutual" if config.tls_client_ca else "on")
     maintenance = asyncio.get_running_loop().create_task(
-        maintain(reaper, SHM_DIR if config.shm and config.shm_sweep else None))
+        maintain(reaper, SHM_DIR if config.shm and config.shm_sweep else None,
+                 mapped=shard.shm_arenas.paths if shard.shm_arenas is not None else tuple))
     log.info(kv("serving", address=format_address(config.host, port),
                 kernel_threads=core.kernel_threads,
                 server_id=store.server_id, max_message_bytes=config.max_message_bytes,

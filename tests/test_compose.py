@@ -30,8 +30,10 @@ import pytest
 import torch
 import yaml
 
-from hybridps.v1 import admin_pb2, admin_pb2_grpc
-from tests.helpers import REPO
+from hybridps.admin import health_status
+from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
+from tests.grpc_helpers import open_channel, push_messages, register, shard_stub, table
+from tests.helpers import REPO, start_ps_server
 
 COMPOSE = REPO / "docker-compose.yml"
 GPU = REPO / "docker-compose.gpu.yml"
@@ -92,7 +94,10 @@ def test_compose_file_shape() -> None:
                                      "--nproc_per_node", "2", "--max-restarts"]
     assert worker["command"][8:] == ["worker/main.py", "--ps", "ps:50051"]
     assert env_of(worker)["HYBRIDPS_RESUME"] == "true"
-    assert worker["pid"] == "service:ps" and worker["ipc"] == "service:ps"
+    # The worker shares the server's /dev/shm but not its PID namespace: the server's exit
+    # would SIGKILL the worker's processes in it (exit 137, issue 31).
+    assert worker["ipc"] == "service:ps" and "pid" not in worker
+    assert float(env_of(ps)["HYBRIDPS_EXIT_AFTER_RUN_DELAY_S"]) >= 10
     assert worker["depends_on"] == {"ps": {"condition": "service_healthy"}}
     assert env_of(worker)["HYBRIDPS_RESULTS"].startswith("/data/")
     assert env_of(worker)["HYBRIDPS_CHECKPOINT_DIR"].startswith("/data/")
@@ -307,3 +312,45 @@ def test_docker_compose_config_is_valid(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr
         rendered = yaml.safe_load(proc.stdout)
         assert set(rendered["services"]) == {"ps", "worker"}
+
+
+@pytest.mark.e2e
+def test_exit_after_run_delay_keeps_serving_then_stops(tmp_path: Path) -> None:
+    """--exit-after-run-delay-s (compose: the worker container exits first, so `up
+    --exit-code-from worker` returns the job's code, never a 143 from being stopped):
+    the server serves on for the delay after the last Finish, then exits 0; a SIGTERM
+    meanwhile stops it at once."""
+    def finish_a_run(address: str) -> float:
+        with open_channel(address) as ch:
+            stub = shard_stub(ch)
+            register(stub, "job", [table("emb", 10, 4, 0, 10)])
+            msgs = push_messages("job", 0, "emb", torch.tensor([3]), torch.ones(1, 4))
+            assert [r.update.step for r in stub.Sync(iter(msgs), timeout=30)] == [0]
+            reply = stub.Finish(shard_pb2.FinishRequest(run_id="job", rank=0, last_step=0),
+                                timeout=10)
+            assert reply.server_stopping
+        return time.monotonic()
+
+    delayed = start_ps_server(tmp_path / "a", "--exit-after-run",
+                              "--exit-after-run-delay-s", "3")
+    try:
+        finished = finish_a_run(delayed.address)
+        time.sleep(1)
+        assert delayed.proc.poll() is None, "stopped before the delay"
+        assert health_status(delayed.address, 10) == "SERVING"
+        assert delayed.proc.wait(30) == 0
+        assert time.monotonic() - finished >= 3
+        assert "--exit-after-run: run job is over" in delayed.stderr()
+    finally:
+        delayed.terminate()
+    waiting = start_ps_server(tmp_path / "b", "--exit-after-run",
+                              "--exit-after-run-delay-s", "600")
+    try:
+        finish_a_run(waiting.address)
+        time.sleep(0.5)
+        stopped = time.monotonic()
+        waiting.proc.send_signal(signal.SIGTERM)
+        assert waiting.proc.wait(30) == 0
+        assert time.monotonic() - stopped < 20
+    finally:
+        waiting.terminate()

@@ -38,6 +38,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "batch_size": ("9", 9),
     "seed": ("4", 4),
     "optimizer": ("adamw", "adamw"),
+    "dense_optimizer": ("adagrad", "adagrad"),
     "lr": ("0.5", 0.5),
     "dense_lr": ("0.25", 0.25),
     "weight_decay": ("0.01", 0.01),

@@ -2,10 +2,11 @@
 
 Per embedding row of width D (float32 everywhere):
 - device of the rank that owns the row: the row itself, 4*D bytes
-  (+ 8*D for Adam's m and v with --local-optimizer, which keeps them on the device);
-- host of the shard server of that rank's node: the optimizer state, 8*D bytes for
-  adam/adamw (m and v), 0 for sgd, plus 1 byte (the "touched" flag); the server
-  holds no copy of the rows;
+  (+ the optimizer state with --local-optimizer, which keeps it on the device);
+- host of the shard server of that rank's node: the optimizer state (its layout,
+  hybridps/optim_kinds.py: 8*D bytes for adam/adamw (m and v), 4*D + 4 for
+  partial_rowwise_adam, 4*D for adagrad, 4 for rowwise_adagrad, 0 for sgd), plus 1 byte
+  (the "touched" flag); the server holds no copy of the rows;
 - on the wire, per step and rank: every touched owned row once up (id 8 B +
   gradient 4*D B) and once down (id + delta).
 With --row-dtype bf16 the row takes 2*D bytes on the device and the server adds an
@@ -33,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from hybridps.optim_kinds import KINDS, describe_layout, state_floats_per_row
 
 if TYPE_CHECKING:
     from worker.config import TrainConfig
@@ -83,9 +86,9 @@ class Plan:
         """Rows one rank pushes per step, at most: its share of the global batch's lookups."""
         return min(self.rows_per_rank(t), math.ceil(self.batch_size * t.lookups_per_sample))
 
-    @property
-    def moments(self) -> int:
-        return 0 if self.optimizer == "sgd" else 2
+    def state_floats(self, t: TableShape) -> int:
+        """float32 values a row: the optimizer's state (its layout) and the fp32 master."""
+        return state_floats_per_row(self.optimizer, t.dim) + self.master_copies * t.dim
 
     # -- bytes -----------------------------------------------------------------------
     @property
@@ -102,8 +105,8 @@ class Plan:
         """m, v (and the fp32 master of bf16 rows) on the device: only --local-optimizer."""
         if not self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * t.dim * FLOAT_BYTES
-                   * (self.moments + self.master_copies) for t in self.tables)
+        return sum(self.rows_per_rank(t) * self.state_floats(t) * FLOAT_BYTES
+                   for t in self.tables)
 
     @property
     def device_step_bytes(self) -> int:
@@ -124,8 +127,7 @@ class Plan:
     def host_state_bytes_per_rank(self) -> int:
         if self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * (t.dim * FLOAT_BYTES
-                                            * (self.moments + self.master_copies)
+        return sum(self.rows_per_rank(t) * (self.state_floats(t) * FLOAT_BYTES
                                             + TOUCHED_FLAG_BYTES) for t in self.tables)
 
     @property
@@ -207,6 +209,11 @@ def format_plan(plan: Plan) -> str:
                      f"rows/rank, <= {plan.touched_per_step(t):,} rows pushed/rank/step")
     cap_dev = "?" if plan.device_capacity is None else _gb(plan.device_capacity)
     cap_host = "?" if plan.host_capacity is None else _gb(plan.host_capacity)
+    lines.append(f"optimizer state: {describe_layout(plan.optimizer)} a row (D: per "
+                 "element), " + ", ".join(
+                     f"{4 * state_floats_per_row(plan.optimizer, d) / d:g} bytes/element at "
+                     f"dim {d}" for d in sorted({t.dim for t in plan.tables}))
+                 + (" (+ 4 for the fp32 master)" if plan.master_copies else ""))
     lines += [
         f"device bytes per rank ({plan.device_kind}): {_gb(plan.device_bytes_per_rank)} = rows "
         f"{_gb(plan.device_rows_bytes)} + optimizer state {_gb(plan.device_state_bytes)} + "
@@ -312,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node")
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank/step")
     parser.add_argument("--lookups", type=float, default=1.0, help="lookups per sample")
-    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
+    parser.add_argument("--optimizer", choices=KINDS, default="adam")
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--row-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="dtype of the rows on the device (bf16: + fp32 master on the host)")

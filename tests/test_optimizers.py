@@ -24,6 +24,7 @@ import torch
 import hybridps.optim as optim
 from hybridps import native
 from hybridps.checkpoint import write_manifest
+from hybridps.cli import parse_config
 from hybridps.errors import Conflict, InvalidArgument, NonFiniteUpdate, ResourceExhausted
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
 from hybridps.optim_kinds import KINDS, STATE_LAYOUTS, state_bytes_per_element
@@ -34,6 +35,7 @@ from ps.sync_codec import optimizer_args
 from worker.config import Optimizer, TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.sync_messages import optimizer_message
+from worker.task_defaults import TASK_DEFAULTS, task_defaults
 from worker.updates import LocalSparseOptimizer
 
 NEW = ("adagrad", "rowwise_adagrad", "partial_rowwise_adam")
@@ -162,6 +164,18 @@ def test_config_refuses_weight_decay_for_adagrad_and_picks_the_dense_optimizer()
     assert dense(optimizer="rowwise_adagrad") == "adagrad"
     assert dense(optimizer="partial_rowwise_adam") == "adam"
     assert dense(optimizer="rowwise_adagrad", dense_optimizer="adam") == "adam"
+
+
+def test_tasks_choose_the_optimizer_and_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    def parse(*argv: str) -> TrainConfig:
+        return parse_config(TrainConfig, ["--local-optimizer", *argv], environ={},
+                            defaults=task_defaults)
+
+    assert parse("--task", "kge", "--data-dir", "/d").optim.optimizer == "adam"
+    monkeypatch.setitem(TASK_DEFAULTS, "tables", {"optimizer": "rowwise_adagrad"})
+    assert parse("--task", "tables").optim.optimizer == "rowwise_adagrad"
+    assert parse("--task", "tables", "--optimizer", "partial_rowwise_adam"
+                 ).optim.optimizer == "partial_rowwise_adam"
 
 
 def test_descriptions_name_what_each_kind_reads() -> None:

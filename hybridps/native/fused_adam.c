@@ -788,7 +788,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT,
     "_fused_adam",
-    "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad) and the\n"
+    "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad; the\n"
+    "Adagrad family and partial-rowwise Adam from row_optim.c) and the\n"
     "server's allocation-free push checks (scan_push, mark_rows).",
     -1,
     methods,

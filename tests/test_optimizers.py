@@ -34,6 +34,7 @@ from ps.store import Store
 from ps.sync_codec import optimizer_args
 from worker.config import Optimizer, TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig
+from worker.plan import Plan, TableShape, format_plan
 from worker.sync_messages import optimizer_message
 from worker.task_defaults import TASK_DEFAULTS, task_defaults
 from worker.updates import LocalSparseOptimizer
@@ -186,6 +187,18 @@ def test_descriptions_name_what_each_kind_reads() -> None:
         "partial_rowwise_adam(lr=0.1, betas=(0.9, 0.999), eps=1e-08, weight_decay=0)")
     assert OptimizerSpec("adam", lr=0.1).describe() == (
         "adam(lr=0.1, betas=(0.9, 0.999), eps=1e-08)")
+
+
+@pytest.mark.parametrize(("kind", "floats"), [
+    ("adam", 2 * 64), ("partial_rowwise_adam", 64 + 1), ("adagrad", 64),
+    ("rowwise_adagrad", 1), ("sgd", 0)])
+def test_plan_counts_the_layout(kind: str, floats: int) -> None:
+    server = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, local_optimizer=False)
+    assert server.host_state_bytes_per_rank == 500 * (4 * floats + 1)
+    local = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, local_optimizer=True)
+    assert local.device_state_bytes == 500 * 4 * floats
+    text = format_plan(server)
+    assert f"{4 * floats / 64:g} bytes/element at dim 64" in text
 
 
 # -- the kernels against the references ---------------------------------------------------

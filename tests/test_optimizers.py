@@ -13,6 +13,7 @@ off now and then); its sum state is bitwise ours all the same.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import torch
 
 import hybridps.optim as optim
 from hybridps import native
-from hybridps.checkpoint import write_manifest
+from hybridps.checkpoint import load_optim_state, optim_file, save_shard, write_manifest
 from hybridps.cli import parse_config
 from hybridps.errors import Conflict, InvalidArgument, NonFiniteUpdate, ResourceExhausted
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
@@ -405,6 +406,29 @@ def test_partition_checkpoints_reshard_bitwise_and_refuse_another_optimizer(
     assert "\n" not in message
     assert f"saved with optimizer {spec.describe()}" in message
     assert f"this run uses {OptimizerSpec(other, lr=0.05).describe()}" in message
+
+
+def test_adam_checkpoints_of_before_the_layouts_still_load(tmp_path: Path) -> None:
+    """An optim file as written before there were other optimizers (m, v, master by name,
+    the optimizer dict in its meta) loads into adam's layout unchanged."""
+    adam = dataclasses.asdict(OptimizerSpec("adam", lr=0.1))
+    m, v = torch.randn(10, 4), torch.rand(10, 4)
+    info = save_shard(tmp_path, optim_file("t", 0), kind="optim", table="t", rank=0,
+                      num_rows=10, dim=4, row_start=0, row_end=10,
+                      tensors={"m": m, "v": v, "master": None},
+                      meta={"adam_step": 7, "last_step": 6, "incarnation": 0,
+                            "optimizer": adam})
+    write_manifest(tmp_path, {"step": 6, "tables": {"t": {"num_rows": 10, "dim": 4, "shards": [
+        {"rank": 0, "row_start": 0, "row_end": 10,
+         "optim": {"file": info.file, "bytes": info.bytes, "crc32": info.crc32}}]}}})
+    state = load_optim_state(tmp_path, table="t", num_rows=10, dim=4, row_start=2, row_end=9,
+                             step=6, optimizer=adam)
+    assert state.adam_step == 7 and set(state.state) == {"m", "v"}
+    assert state.m is not None and torch.equal(state.m, m[2:9])
+    assert state.v is not None and torch.equal(state.v, v[2:9])
+    with pytest.raises(Conflict, match=r"saved with optimizer adam\(lr=0.1"):
+        load_optim_state(tmp_path, table="t", num_rows=10, dim=4, row_start=0, row_end=10,
+                         step=6, optimizer=dataclasses.asdict(OptimizerSpec("adagrad")))
 
 
 # -- --local-optimizer --------------------------------------------------------------------

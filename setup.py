@@ -1,4 +1,4 @@
-"""Build hook for the optional native row kernels (hybridps/native/fused_adam.c).
+"""Build hook for the optional native row kernels (hybridps/native/*.c).
 
 All project metadata lives in pyproject.toml; this file only declares the C
 extension, which is optional: without a working C compiler `pip install` still
@@ -66,7 +66,8 @@ setup(
     ext_modules=[
         Extension(
             "hybridps.native._fused_adam",
-            sources=["hybridps/native/fused_adam.c"],
+            sources=["hybridps/native/fused_adam.c", "hybridps/native/row_optim.c"],
+            depends=["hybridps/native/kernels.h"],
             optional=True,  # no compiler: install anyway, hybridps.optim falls back to torch
         )
     ],

@@ -18,8 +18,9 @@ per rank, the task's MLP on the concatenated (pooled) rows and 4 dense features,
   ids1   the same table, 1 id a sample
   dlrm   26 tables of mixed sizes (3 to 1,000,000 rows) x 16, three of them multi-hot
          (3, 4 and 8 ids a sample, mean-pooled)
-Variants, interleaved within each job (torchrec, hybridps, hybridps-local, torchrec, ...)
-so this machine's drift over minutes falls on all alike:
+Variants, interleaved within each job (torchrec, hybridps, hybridps-local, hybridps-rwada,
+hybridps-rwada-local, torchrec, ...) so this machine's drift over minutes falls on all
+alike:
   torchrec        DistributedModelParallel, row-wise sharding of every table (on CPU the
                   stock sharder offers row-wise only on CUDA: `RowWiseCpuSharder` adds
                   it), fbgemm's fused EXACT_ROWWISE_ADAGRAD (TorchRec's CPU kernels have no
@@ -28,10 +29,15 @@ so this machine's drift over minutes falls on all alike:
                   server (m and v per element: more optimizer work than TorchRec's
                   rowwise Adagrad, one value per row), the MLP under --dense-parallel ddp
                   (like TorchRec's; `--dense-parallel fsdp` to compare hybridps' default);
-  hybridps-local  the same with --local-optimizer (Adam in-process, no server).
+  hybridps-local  the same with --local-optimizer (Adam in-process, no server);
+  hybridps-rwada  like for like: `--optimizer rowwise_adagrad --dense-optimizer adam` on
+                  the server at K=1 (FBGEMM's EXACT_ROWWISE_ADAGRAD, one value a row, and
+                  torch Adam on the MLP, as TorchRec's side);
+  hybridps-rwada-local  the same with --local-optimizer.
 samples/s = steps x global batch / the training loop's wall time (set-up excluded on
-both sides). Goal (issue 24): hybridps (server, K=1) >= 1.2x TorchRec on ids20 and >=
-1.0x on ids1 and dlrm, the median of the per-repeat ratios.
+both sides). Goals, the median of the per-repeat ratios: issue 24, hybridps (Adam,
+server, K=1) >= 1.2x TorchRec on ids20 and >= 1.0x on ids1 and dlrm; issue 33, like for
+like (hybridps-rwada) >= 1.3x on ids20 and >= 1.2x on ids1 and dlrm.
 """
 
 from __future__ import annotations
@@ -75,10 +81,15 @@ JOBS: dict[str, list[str]] = {
     "ids1": ["--task", "tables", "--tables", "t0:1000000", "--dim", "64", "--batch-size", "1024"],
     "dlrm": ["--task", "tables", "--tables", DLRM_TABLES, "--dim", "16", "--batch-size", "1024"],
 }
-GOALS = {"ids20": 1.2, "ids1": 1.0, "dlrm": 1.0}
+GOALS = {"ids20": 1.2, "ids1": 1.0, "dlrm": 1.0}  # hybridps (Adam, server) / torchrec
+LIKE_GOALS = {"ids20": 1.3, "ids1": 1.2, "dlrm": 1.2}  # hybridps-rwada / torchrec
 STEPS = {"ids20": 200, "ids1": 300, "dlrm": 150}
 QUICK_STEPS = {"ids20": 80, "ids1": 120, "dlrm": 60}
-VARIANTS = ("torchrec", "hybridps", "hybridps-local")
+VARIANTS = ("torchrec", "hybridps", "hybridps-local", "hybridps-rwada", "hybridps-rwada-local")
+# the hybridps variants: (--local-optimizer?, the optimizer flags)
+LIKE_FOR_LIKE = ["--optimizer", "rowwise_adagrad", "--dense-optimizer", "adam"]
+HYBRIDPS = {"hybridps": (False, []), "hybridps-local": (True, []),
+            "hybridps-rwada": (False, LIKE_FOR_LIKE), "hybridps-rwada-local": (True, LIKE_FOR_LIKE)}
 WORLD = 2
 INSTALL = "pip install -e '.[bench]' && pip install --no-deps torchrec==1.8.0"
 GOAL_NUMBER = 7  # bench/run_all.py's summary: issue 24's comparison
@@ -215,8 +226,9 @@ def run_hybridps_variant(job: str, variant: str, steps: int, directory: Path,
                          dense_parallel: str) -> dict[str, Any]:
     from bench_train import run_hybridps  # the training benchmark's runner (bench/ is on path)
 
-    mode = "local" if variant.endswith("local") else "server"
-    run = run_hybridps(job, mode, [*JOBS[job], "--dense-parallel", dense_parallel], steps,
+    local, optimizer = HYBRIDPS[variant]
+    run = run_hybridps(f"{job}-{variant}", "local" if local else "server",
+                       [*JOBS[job], "--dense-parallel", dense_parallel, *optimizer], steps,
                        directory)
     return {"samples_per_s": run.samples_per_s, "step_ms": run.step_ms,
             "breakdown_ms": run.breakdown_ms, "cpu_ms": run.cpu_ms,
@@ -239,7 +251,7 @@ def _cpu_text(tries: list[dict[str, Any]]) -> str:
 
 
 def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, list[dict[str, Any]]]:
-    lines = [f"{'job':<6} {'variant':<15} {'samples/s per repeat':<30} {'median':>8} "
+    lines = [f"{'job':<6} {'variant':<21} {'samples/s per repeat':<30} {'median':>8} "
              f"{'spread':>7}  step ms  CPU ms a step: rank 0 (+ server)  (medians)"]
     goals = []
     for job, variants in runs.items():
@@ -247,18 +259,18 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, li
             sps = [t["samples_per_s"] for t in tries]
             med = statistics.median(sps)
             spread = (max(sps) - min(sps)) / med if med else 0.0
-            lines.append(f"{job:<6} {variant:<15} {' '.join(f'{s:>8.0f}' for s in sps):<30} "
+            lines.append(f"{job:<6} {variant:<21} {' '.join(f'{s:>8.0f}' for s in sps):<30} "
                          f"{med:>8.0f} {spread:>6.0%}  "
                          f"{statistics.median(t['step_ms'] for t in tries):7.2f}  "
                          + _cpu_text(tries))
         base = [t["samples_per_s"] for t in variants["torchrec"]]
-        for variant in ("hybridps", "hybridps-local"):
+        for variant in HYBRIDPS:
             ratios = [h["samples_per_s"] / t for h, t in zip(
                 [x for x in variants[variant]], base, strict=True)] if variant in variants else []
             if not ratios:
                 continue
             ratio = statistics.median(ratios)
-            target = GOALS[job] if variant == "hybridps" else None
+            target = {"hybridps": GOALS, "hybridps-rwada": LIKE_GOALS}.get(variant, {}).get(job)
             verdict = ""
             if target is not None:
                 verdict = ("met" if ratio >= target else
@@ -267,8 +279,10 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, li
                          + ", ".join(f"{r:.3f}" for r in ratios) + ")"
                          + (f"  goal >= {target:g}: {verdict}" if target else ""))
             if target is not None:
+                what = ("hybridps K=1 / TorchRec" if variant == "hybridps" else
+                        "hybridps rowwise Adagrad K=1 / TorchRec (like for like)")
                 goals.append({"goal": GOAL_NUMBER,
-                              "what": f"{job}: samples/s hybridps K=1 / TorchRec (median)",
+                              "what": f"{job}: samples/s {what} (median)",
                               "ratio": ratio, "target": f">= {target:g}",
                               "met": ratio >= target, "per_repeat": ratios})
     return "\n".join(lines), goals
@@ -282,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="hybridps' dense parallelism (TorchRec's DMP uses DDP)")
     p.add_argument("--no-local", action="store_true", help="skip hybridps --local-optimizer")
+    p.add_argument("--no-like-for-like", action="store_true",
+                   help="skip the rowwise Adagrad variants (hybridps-rwada*)")
     p.add_argument("--work-dir", type=Path, default=None, help="logs and results of every run")
     # internal: one rank of the TorchRec run, under torchrun
     p.add_argument("--torchrec-worker", action="store_true", help=argparse.SUPPRESS)
@@ -300,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         if job not in JOBS:
             p.error(f"--jobs: {job!r} is not one of {', '.join(JOBS)}")
-    variants = [v for v in VARIANTS if not (args.no_local and v == "hybridps-local")]
+    variants = [v for v in VARIANTS if not (args.no_local and v.endswith("-local"))
+                and not (args.no_like_for_like and v.startswith("hybridps-rwada"))]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_vs_torchrec-"))
     started = time.perf_counter()
     load_before = os.getloadavg()
@@ -320,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     text, goals = summarize(runs)
     print(f"hybridps vs TorchRec, {WORLD} gloo ranks x 1 thread, identical batches "
           f"(--task tables); TorchRec: row-wise, fused rowwise Adagrad (no Adam on its CPU "
-          f"path), DDP; hybridps: sparse Adam (server K=1 / local), --dense-parallel "
-          f"{args.dense_parallel}")
+          f"path), DDP + Adam; hybridps: sparse Adam (server K=1 / local) and, like for "
+          f"like, rowwise Adagrad + dense Adam (rwada), --dense-parallel {args.dense_parallel}")
     print(text)
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s; "
           f"logs in {work}")

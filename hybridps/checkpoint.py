@@ -5,18 +5,21 @@ A checkpoint of step s is one directory (`<checkpoint-dir>/step-<s:010d>/`):
     manifest.json            written LAST (temp name + rename) by worker rank 0;
                              a directory without it is torn and never loaded
     rows/<table>.r<rank>.pt  the rows [row_start, row_end) rank `rank` owned
-    optim/<table>.r<rank>.pt the sparse optimizer state of those rows: m, v,
-                             the optimizer step count, last_step, and with
-                             --row-dtype bf16 the fp32 master rows (the rows
-                             file then holds them rounded to bf16) (written by
-                             the shard server's Checkpoint RPC, or by the worker
-                             itself under --local-optimizer: same format)
+    optim/<table>.r<rank>.pt the sparse optimizer state of those rows (by the
+                             names of its layout, hybridps/optim_kinds.py: adam's
+                             m and v, rowwise Adagrad's sum [rows, 1], ...), the
+                             optimizer and its hyperparameters, its step count,
+                             last_step, and with --row-dtype bf16 the fp32 master
+                             rows (the rows file then holds them rounded to bf16)
+                             (written by the shard server's Checkpoint RPC, or by
+                             the worker itself under --local-optimizer: same
+                             format)
     dense/                   the dense part + its optimizer, a torch.distributed.checkpoint
                              (DCP) directory written by every rank (worker/checkpoint.py);
                              older checkpoints: dense.pt, full state dicts
 
 Every shard file is a `torch.save` dict: {"format", "kind", "table", "num_rows",
-"dim", "row_start", "row_end", "tensors": {name: [rows, dim] float32 or None},
+"dim", "row_start", "row_end", "tensors": {name: [rows, width] float32 or None},
 "meta": {...}}, written under a temp name, fsynced, then renamed. The manifest
 lists every file with its size and crc32 and the row range it holds, so a
 reader at ANY world size gathers the saved ranges overlapping the range it
@@ -37,7 +40,7 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ from typing import Any
 import torch
 
 from hybridps.errors import Conflict, CorruptCheckpoint, InvalidArgument, NotFound
+from hybridps.optim_kinds import KINDS, describe_saved, state_widths
 
 SHARD_FORMAT = "hybridps-shard-v1"
 MANIFEST_FORMAT = "hybridps-checkpoint-v1"
@@ -130,15 +134,18 @@ class ShardInfo:
 def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, rank: int,
                num_rows: int, dim: int, row_start: int, row_end: int,
                tensors: Mapping[str, torch.Tensor | None],
-               meta: Mapping[str, Any] | None = None) -> ShardInfo:
-    """Write one row-range shard file (temp + rename) and describe it."""
+               meta: Mapping[str, Any] | None = None,
+               widths: Mapping[str, int] | None = None) -> ShardInfo:
+    """Write one row-range shard file (temp + rename) and describe it. Each tensor is
+    [rows, dim], or [rows, widths[name]] for a name in `widths`."""
     held = row_end - row_start
     out: dict[str, torch.Tensor | None] = {}
     for name, t in tensors.items():
         if t is not None:
-            if tuple(t.shape) != (held, dim):
+            width = (widths or {}).get(name, dim)
+            if tuple(t.shape) != (held, width):
                 raise InvalidArgument(f"{kind} {table!r} rank {rank}: tensor {name!r} of shape "
-                                      f"{list(t.shape)} is not [{held}, {dim}]")
+                                      f"{list(t.shape)} is not [{held}, {width}]")
             t = t.detach().to("cpu", torch.float32).contiguous()
             if t.untyped_storage().nbytes() != t.numel() * t.element_size():
                 t = t.clone()  # a view (a table of a group's block): save its rows only
@@ -234,18 +241,22 @@ def overlapping(shards: Sequence[ShardInfo], start: int, end: int) -> list[Shard
 
 def load_rows(directory: str | Path, table: str, num_rows: int, dim: int,
               shards: Sequence[ShardInfo], start: int, end: int,
-              names: Sequence[str], *, verify: bool = True, dry_run: bool = False
+              names: Sequence[str], *, verify: bool = True, dry_run: bool = False,
+              widths: Mapping[str, int] | None = None,
+              check_meta: Callable[[Mapping[str, Any]], None] | None = None,
               ) -> tuple[dict[str, torch.Tensor | None], list[dict[str, Any]]]:
     """Re-shard: rows [start, end) of tensors `names`, gathered from the overlapping shards.
 
-    Returns ({name: [end-start, dim] float32, or None when the saved state has no
-    such tensor}, [meta of every shard read]). Each file read is first checked
-    against its manifest entry (`verify`; False: the caller verified them). `dry_run`:
-    every check, no tensor allocated or copied (the returned tensors are empty).
+    Returns ({name: [end-start, width] float32 (width: widths[name], else dim), or None
+    when the saved state has no such tensor}, [meta of every shard read]). Each file read
+    is first checked against its manifest entry (`verify`; False: the caller verified
+    them), then its meta by `check_meta` (which raises), before a tensor of it is used.
+    `dry_run`: every check, no tensor allocated or copied (the returned tensors are empty).
     """
     ordered = check_tiling(table, num_rows, shards)
+    width_of = {n: (widths or {}).get(n, dim) for n in names}
     out: dict[str, torch.Tensor | None] = {
-        n: torch.empty(0 if dry_run else end - start, dim) for n in names}
+        n: torch.empty(0 if dry_run else end - start, width_of[n]) for n in names}
     metas: list[dict[str, Any]] = []
     for s in ordered:
         a, b = max(start, s.row_start), min(end, s.row_end)
@@ -261,6 +272,8 @@ def load_rows(directory: str | Path, table: str, num_rows: int, dim: int,
                 f"{data['num_rows']}x{data['dim']} rows [{data['row_start']}, "
                 f"{data['row_end']}); the manifest says {table!r} {num_rows}x{dim} rows "
                 f"[{s.row_start}, {s.row_end})")
+        if check_meta is not None:
+            check_meta(data["meta"])
         metas.append(dict(data["meta"]))
         held = s.row_end - s.row_start
         for n in names:
@@ -269,11 +282,11 @@ def load_rows(directory: str | Path, table: str, num_rows: int, dim: int,
                 out[n] = None
                 continue
             if (not isinstance(saved, torch.Tensor) or saved.dtype != torch.float32
-                    or tuple(saved.shape) != (held, dim)):
+                    or tuple(saved.shape) != (held, width_of[n])):
                 got = (f"{saved.dtype} {list(saved.shape)}" if isinstance(saved, torch.Tensor)
                        else type(saved).__name__)
                 raise CorruptCheckpoint(f"checkpoint file {Path(directory) / s.file}: tensor "
-                                        f"{n!r} is {got}, not float32 [{held}, {dim}]")
+                                        f"{n!r} is {got}, not float32 [{held}, {width_of[n]}]")
             dst = out[n]
             if dst is not None and a < b and not dry_run:
                 dst[a - start:b - start].copy_(saved[a - s.row_start:b - s.row_start])
@@ -392,29 +405,58 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 class OptimState:
     """The sparse optimizer state of rows [row_start, row_end) of one table."""
 
-    m: torch.Tensor | None
-    v: torch.Tensor | None
-    adam_step: int
+    state: dict[str, torch.Tensor | None]  # by the names of the optimizer's state layout
+    adam_step: int  # the optimizer's step count (the name from when adam was the only one)
     last_step: int
     # fp32 master rows of a rank with bf16 device rows (None: the rows file is exact)
     master: torch.Tensor | None = None
+
+    @property
+    def m(self) -> torch.Tensor | None:
+        return self.state.get("m")
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return self.state.get("v")
+
+
+def _widths(optimizer: Mapping[str, Any], dim: int) -> dict[str, int]:
+    kind = optimizer.get("kind")
+    return dict(state_widths(kind, dim)) if kind in KINDS else {}
 
 
 def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: int, dim: int,
                      row_start: int, row_end: int, state: OptimState,
                      optimizer: Mapping[str, Any], incarnation: int = 0) -> ShardInfo:
+    """`optimizer`: dataclasses.asdict of the OptimizerSpec, recorded in the file (a
+    restore refuses the state of another optimizer)."""
     return save_shard(directory, optim_file(table, rank), kind="optim", table=table, rank=rank,
                       num_rows=num_rows, dim=dim, row_start=row_start, row_end=row_end,
-                      tensors={"m": state.m, "v": state.v, "master": state.master},
+                      tensors={**state.state, "master": state.master},
                       meta={"adam_step": state.adam_step, "last_step": state.last_step,
-                            "incarnation": incarnation, "optimizer": dict(optimizer)})
+                            "incarnation": incarnation, "optimizer": dict(optimizer)},
+                      widths=_widths(optimizer, dim))
+
+
+def refuse_other_optimizer(where: str, saved: Mapping[str, Any] | None,
+                           running: Mapping[str, Any]) -> None:
+    """Conflict, one line naming both, when a checkpoint's optimizer (asdict of its
+    OptimizerSpec; None: not recorded) is of another kind than this run's: its state is
+    another optimizer's."""
+    if saved is None or saved.get("kind") == running.get("kind"):
+        return
+    raise Conflict(f"{where} was saved with optimizer {describe_saved(saved)}; this run uses "
+                   f"{describe_saved(running)}: resume with --optimizer {saved.get('kind')} "
+                   "(one optimizer's state does not carry over to another)")
 
 
 def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: int,
                      row_start: int, row_end: int, step: int,
-                     has_moments: bool, master: bool = False, verify: bool = True,
+                     optimizer: Mapping[str, Any], master: bool = False, verify: bool = True,
                      dry_run: bool = False) -> OptimState:
-    """The optimizer state of rows [row_start, row_end) at checkpoint step `step`.
+    """The optimizer state of rows [row_start, row_end) at checkpoint step `step`, for
+    `optimizer` (dataclasses.asdict of this run's OptimizerSpec): Conflict when the files
+    hold another optimizer's state.
 
     `master`: also the fp32 master rows. A checkpoint saved without them (fp32 device
     rows) has its exact rows in the rows files, so they seed the master instead.
@@ -426,9 +468,17 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
     if int(manifest["step"]) != step:
         raise Conflict(f"checkpoint {directory} is of step {manifest['step']}, not {step}")
     shards = manifest_shards(manifest, table, "optim")
-    names = (("m", "v") if has_moments else ()) + (("master",) if master else ())
+    widths = _widths(optimizer, dim)
+    names = (*widths, *(("master",) if master else ()))
+
+    def same_optimizer(meta: Mapping[str, Any]) -> None:
+        saved = meta.get("optimizer")
+        refuse_other_optimizer(f"checkpoint {directory} table {table!r}",
+                               saved if isinstance(saved, Mapping) else None, optimizer)
+
     tensors, metas = load_rows(directory, table, num_rows, dim, shards, row_start, row_end,
-                               names, verify=verify, dry_run=dry_run)
+                               names, verify=verify, dry_run=dry_run, widths=widths,
+                               check_meta=same_optimizer)
     if master and tensors["master"] is None:
         rows, _ = load_rows(directory, table, num_rows, dim,
                             manifest_shards(manifest, table, "rows"), row_start, row_end,
@@ -444,9 +494,9 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
         raise Conflict(f"checkpoint {directory} table {table!r}: saved partitions disagree "
                        f"(step counts {sorted(counts)}, last steps {sorted(lasts)}; "
                        f"expected last step {step})")
-    if has_moments and (tensors["m"] is None or tensors["v"] is None):
-        raise Conflict(f"checkpoint {directory} table {table!r} has no Adam moments (saved "
-                       "with an optimizer without them)")
+    missing = [n for n in widths if tensors[n] is None]
+    if missing:
+        raise Conflict(f"checkpoint {directory} table {table!r} has no optimizer state "
+                       f"{', '.join(missing)} (saved with an optimizer without it)")
     adam_step = counts.pop() if counts else step + 1
-    return OptimState(tensors.get("m"), tensors.get("v"), adam_step, step,
-                      tensors.get("master"))
+    return OptimState({n: tensors[n] for n in widths}, adam_step, step, tensors.get("master"))

@@ -5,7 +5,8 @@ returns (delta_UD, decay) such that the caller applies
     rows[ids] = rows[ids] * decay + delta
 to the embedding rows, which live on the worker's device, not here.
 
-Semantics (see README, "Optimizer semantics"):
+Semantics (see README, "Optimizer semantics"; the kinds and their per-row state:
+hybridps/optim_kinds.py):
 - adam: torch.optim.SparseAdam exactly: lazy (only touched rows change), one
   step counter per partition that advances on every push, eps added to
   sqrt(v) (not to the bias-corrected sqrt(v_hat)), and the bias correction
@@ -13,15 +14,20 @@ Semantics (see README, "Optimizer semantics"):
 - adamw: torch.optim.AdamW on the touched rows: decoupled decay
   w *= 1 - lr*wd, eps added to sqrt(v)/sqrt(1 - b2^t).
 - sgd: w = w * (1 - lr*wd) - lr * g.
+- adagrad, rowwise_adagrad, partial_rowwise_adam: torch.optim.Adagrad's sparse step and
+  FBGEMM's EXACT_ROWWISE_ADAGRAD and PARTIAL_ROWWISE_ADAM (hybridps/optim_torch.py).
+The state is a name -> tensor mapping per spec.state_layout() (`step_rows_`), or, in
+the older form, two tensors by position (`apply_rows_(spec, m, v, ...)`).
 No grpc in this module.
 
-Two implementations of apply_rows_ / apply_update_:
-- "native": the fused single-pass C loops of hybridps/native/fused_adam.c (one pass over
-  the rows, m and v updated in place, delta written into one buffer, optionally
-  caller-owned; a pthread pool across rows). m and v are bitwise those of the torch
-  path, as are sgd and the row update; the adam/adamw delta can differ in the last
-  bits (<= ~5 ulp) because torch's float32 sqrt is not always correctly rounded.
-- "torch": the vectorized torch ops below, the reference.
+Two implementations of step_rows_ / apply_rows_ / apply_update_:
+- "native": the fused single-pass C loops of hybridps/native/ (one pass over the rows,
+  the state updated in place, delta written into one buffer, optionally caller-owned;
+  a pthread pool across rows). The state is bitwise that of the torch path, as are
+  sgd, the row update and the deltas of the newer kinds; the adam/adamw delta can
+  differ in the last bits (<= ~5 ulp) because torch's float32 sqrt is not always
+  correctly rounded.
+- "torch": the vectorized torch ops of hybridps/optim_torch.py, the reference.
 The module picks one at import (`HYBRIDPS_KERNEL=auto|native|torch`, default auto:
 native when the extension is built); `kernel_name()` says which. Calls whose
 tensors the C loops do not take (not CPU, not float32, not contiguous...) use the
@@ -35,107 +41,32 @@ from __future__ import annotations
 import math
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from hybridps.errors import InvalidArgument, NonFiniteUpdate
+from hybridps.errors import NonFiniteUpdate
+from hybridps.optim_kinds import KINDS as KINDS
+from hybridps.optim_kinds import OptimizerSpec as OptimizerSpec
+from hybridps.optim_torch import adamw_rows_ as adamw_rows_
+from hybridps.optim_torch import all_finite as _all_finite
+from hybridps.optim_torch import sgd_rows_ as sgd_rows_
+from hybridps.optim_torch import sparse_adam_rows_ as sparse_adam_rows_
+from hybridps.optim_torch import step_rows_torch_
 
-KINDS = ("adam", "adamw", "sgd")
 KERNELS = ("auto", "native", "torch")
 KERNEL_ENV = "HYBRIDPS_KERNEL"
 THREADS_ENV = "HYBRIDPS_KERNEL_THREADS"
 
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    kind: str = "adam"
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise InvalidArgument(f"optimizer kind {self.kind!r} is not one of {KINDS}")
-        checks = {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay}
-        for name, value in checks.items():
-            if not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"optimizer {name}={value!r} must be finite and >= 0")
-        for name, value in (("beta1", self.beta1), ("beta2", self.beta2)):
-            if not (0.0 <= value < 1.0):
-                raise InvalidArgument(f"optimizer {name}={value!r} must be in [0, 1)")
-        if self.kind == "adam" and self.weight_decay != 0.0:
-            raise InvalidArgument(
-                f"optimizer adam takes no weight_decay (got {self.weight_decay!r}); "
-                "torch.optim.SparseAdam has none: use adamw"
-            )
-
-    @property
-    def has_moments(self) -> bool:
-        return self.kind in ("adam", "adamw")
+# name -> [rows, width] float32 tensor, as spec.state_layout() declares them
+RowState = Mapping[str, torch.Tensor]
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def sparse_adam_rows_(
-    spec: OptimizerSpec,
-    m_RD: torch.Tensor,
-    v_RD: torch.Tensor,
-    ids_U: torch.Tensor,
-    grads_UD: torch.Tensor,
-    step: int,
-    check_finite: bool = False,
-) -> tuple[torch.Tensor, float]:
-    """torch.optim.SparseAdam's math, op for op, on unique local row ids. `check_finite`:
-    NonFiniteUpdate, with m and v untouched, when a new m, v or delta is not finite."""
-    b1, b2 = spec.beta1, spec.beta2
-    old_m = m_RD.index_select(0, ids_U)
-    m_upd = grads_UD.sub(old_m).mul_(1 - b1)
-    old_v = v_RD.index_select(0, ids_U)
-    v_upd = grads_UD.pow(2).sub_(old_v).mul_(1 - b2)
-    numer = m_upd.add_(old_m)  # the new m
-    v_new = v_upd.add_(old_v)
-    denom = v_new.sqrt().add_(spec.eps)
-    step_size = spec.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-    delta = -step_size * numer.div(denom)
-    if check_finite and not _all_finite(numer, v_new, delta):
-        raise NonFiniteUpdate("the update would make m, v or the delta non-finite")
-    m_RD.index_copy_(0, ids_U, numer)
-    v_RD.index_copy_(0, ids_U, v_new)
-    return delta, 1.0
-
-
-def adamw_rows_(
-    spec: OptimizerSpec,
-    m_RD: torch.Tensor,
-    v_RD: torch.Tensor,
-    ids_U: torch.Tensor,
-    grads_UD: torch.Tensor,
-    step: int,
-    check_finite: bool = False,
-) -> tuple[torch.Tensor, float]:
-    """torch.optim.AdamW's (single-tensor) math restricted to the given rows."""
-    b1, b2 = spec.beta1, spec.beta2
-    m = m_RD.index_select(0, ids_U).lerp_(grads_UD, 1 - b1)
-    v = v_RD.index_select(0, ids_U).mul_(b2).addcmul_(grads_UD, grads_UD, value=1 - b2)
-    step_size = spec.lr / (1 - b1**step)
-    denom = (v.sqrt() / math.sqrt(1 - b2**step)).add_(spec.eps)
-    delta = m.div(denom).mul_(-step_size)
-    if check_finite and not _all_finite(m, v, delta):
-        raise NonFiniteUpdate("the update would make m, v or the delta non-finite")
-    m_RD.index_copy_(0, ids_U, m)
-    v_RD.index_copy_(0, ids_U, v)
-    return delta, 1.0 - spec.lr * spec.weight_decay
-
-
-def sgd_rows_(spec: OptimizerSpec, grads_UD: torch.Tensor) -> tuple[torch.Tensor, float]:
-    return grads_UD.mul(-spec.lr), 1.0 - spec.lr * spec.weight_decay
+def state_tensors(spec: OptimizerSpec, state: RowState) -> tuple[torch.Tensor, ...]:
+    """`state`'s tensors in layout order; KeyError naming a missing one."""
+    return tuple(state[name] for name, _ in spec.state_layout())
 
 
 def apply_rows_torch_(
@@ -147,16 +78,17 @@ def apply_rows_torch_(
     step: int,
     check_finite: bool = False,
 ) -> tuple[torch.Tensor, float]:
-    """The torch reference of apply_rows_ (any device and dtype)."""
-    if spec.kind == "sgd":
-        delta, decay = sgd_rows_(spec, grads_UD)
-        if check_finite and not _all_finite(delta):
-            raise NonFiniteUpdate("the update would make the delta non-finite")
-        return delta, decay
-    assert m_RD is not None and v_RD is not None  # internal invariant, not user input
-    if spec.kind == "adam":
-        return sparse_adam_rows_(spec, m_RD, v_RD, ids_U, grads_UD, step, check_finite)
-    return adamw_rows_(spec, m_RD, v_RD, ids_U, grads_UD, step, check_finite)
+    """The torch reference of apply_rows_ (any device and dtype); m_RD, v_RD: the state
+    tensors in layout order (adam: m, v; rowwise_adagrad: sum, None; sgd: None, None)."""
+    return step_rows_torch_(spec, (m_RD, v_RD), ids_U, grads_UD, step, check_finite)
+
+
+def step_rows_torch_state_(spec: OptimizerSpec, state: RowState, ids_U: torch.Tensor,
+                           grads_UD: torch.Tensor, step: int, check_finite: bool = False
+                           ) -> tuple[torch.Tensor, float]:
+    """The torch reference of step_rows_ (state by name)."""
+    return step_rows_torch_(spec, state_tensors(spec, state), ids_U, grads_UD, step,
+                            check_finite)
 
 
 def apply_update_torch_(rows_RD: torch.Tensor, ids_U: torch.Tensor, delta_UD: torch.Tensor,
@@ -329,44 +261,84 @@ def apply_rows_(
     num_threads: int | None = None,
     check_finite: bool = False,
 ) -> tuple[torch.Tensor, float]:
-    """One optimizer step (1-based `step`) on unique local rows `ids_U`.
+    """One optimizer step (1-based `step`) on unique local rows `ids_U`, with the state
+    tensors given in layout order (adam: m, v; rowwise_adagrad: its sum and None; sgd:
+    None, None): `step_rows_` with the state by position.
 
     `out`: an optional reusable CPU float32 buffer (contiguous, at least U*D elements)
     that receives the delta; the returned delta is then a view of it, valid until the
     buffer is reused, and the native path allocates nothing. `num_threads`: threads
     of the native kernels for this call (default kernel_threads()). `check_finite`:
-    raise NonFiniteUpdate, with m and v as they were, when any new m, v or delta
+    raise NonFiniteUpdate, with the state as it was, when any new state or delta
     element is not finite (finite gradients can overflow: 3e38 squared); the native
     kernel then stores the old rows in a per-thread scratch as it goes and puts them
     back (`undo_rows_` puts back those of the last step on demand).
     """
+    slots = (m_RD, v_RD)[:len(spec.state_layout())]
+    if any(t is None for t in slots):
+        raise ValueError(f"optimizer {spec.kind} needs its state tensors "
+                         f"{[name for name, _ in spec.state_layout()]}")
+    return _step(spec, tuple(t for t in slots if t is not None), ids_U, grads_UD, step,
+                 out, num_threads, check_finite)
+
+
+def step_rows_(
+    spec: OptimizerSpec,
+    state: RowState,
+    ids_U: torch.Tensor,
+    grads_UD: torch.Tensor,
+    step: int,
+    *,
+    out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    check_finite: bool = False,
+) -> tuple[torch.Tensor, float]:
+    """One optimizer step on unique local rows `ids_U`; `state` holds the tensors of
+    spec.state_layout() by name ([rows, D] or [rows, 1] each). The rest as apply_rows_."""
+    return _step(spec, state_tensors(spec, state), ids_U, grads_UD, step, out, num_threads,
+                 check_finite)
+
+
+def _step(spec: OptimizerSpec, tensors: tuple[torch.Tensor, ...], ids_U: torch.Tensor,
+          grads_UD: torch.Tensor, step: int, out: torch.Tensor | None,
+          num_threads: int | None, check_finite: bool) -> tuple[torch.Tensor, float]:
     ext = _native
     if ext is not None:
-        done = _apply_rows_native(ext, spec, m_RD, v_RD, ids_U, grads_UD, step, out,
-                                  num_threads, check_finite)
+        done = _step_native(ext, spec, tensors, ids_U, grads_UD, step, out, num_threads,
+                            check_finite)
         if done is not None:
             return done
     _scratch.undo = None
     old = None
-    if check_finite and m_RD is not None and v_RD is not None:  # for undo_rows_
-        old = (m_RD.index_select(0, ids_U), v_RD.index_select(0, ids_U))
-    delta, decay = apply_rows_torch_(spec, m_RD, v_RD, ids_U, grads_UD, step, check_finite)
+    if check_finite and tensors:  # for undo_rows_
+        old = tuple(t.index_select(0, ids_U) for t in tensors)
+    delta, decay = step_rows_torch_(spec, tensors, ids_U, grads_UD, step, check_finite)
     if old is not None:
-        assert m_RD is not None and v_RD is not None
-        _scratch.undo = (m_RD, v_RD, ids_U, old)
+        _scratch.undo = (tensors, ids_U, old)
     if out is not None:
-        inputs = (grads_UD,) if m_RD is None or v_RD is None else (m_RD, v_RD, grads_UD)
-        view = _delta_buffer(out, delta.shape[0], delta.shape[1], inputs)
+        view = _delta_buffer(out, delta.shape[0], delta.shape[1], (*tensors, grads_UD))
         view.copy_(delta)
         delta = view
     return delta, decay
 
 
-def _apply_rows_native(
+def _state_ok(tensors: tuple[torch.Tensor, ...], widths: tuple[tuple[str, int], ...]) -> bool:
+    """The state tensors are what the C loops take: CPU float32 contiguous [rows, width]
+    each, of the same rows, none overlapping another."""
+    if len(tensors) != len(widths):
+        return False
+    rows = tensors[0].shape[0] if tensors else 0
+    for t, (_, width) in zip(tensors, widths, strict=True):
+        if not is_cpu_f32(t) or t.dim() != 2 or t.shape != (rows, width):
+            return False
+    return not (len(tensors) == 2 and tensors[0].numel() and tensors[1].numel()
+                and _overlaps(tensors[0], tensors[1]))
+
+
+def _step_native(
     ext: ModuleType,
     spec: OptimizerSpec,
-    m_RD: torch.Tensor | None,
-    v_RD: torch.Tensor | None,
+    tensors: tuple[torch.Tensor, ...],
     ids_U: torch.Tensor,
     grads_UD: torch.Tensor,
     step: int,
@@ -386,38 +358,44 @@ def _apply_rows_native(
             raise NonFiniteUpdate("the update would make the delta non-finite")
         _scratch.undo = None
         return delta, 1.0 - spec.lr * spec.weight_decay
-    if m_RD is None or v_RD is None:
-        return None
     ids = _int64_ids(ids_U)
-    if (ids is None or ids.shape[0] != n or not is_cpu_f32(m_RD) or not is_cpu_f32(v_RD)
-            or m_RD.dim() != 2 or m_RD.shape != v_RD.shape or m_RD.shape[1] != dim
-            or (m_RD.numel() and _overlaps(m_RD, v_RD))):
+    widths = spec.state_widths(dim)
+    if ids is None or ids.shape[0] != n or not _state_ok(tensors, widths):
         return None
-    delta = _delta_buffer(out, n, dim, (m_RD, v_RD, grads_UD))
-    b1, b2 = spec.beta1, spec.beta2
-    rows = m_RD.shape[0]
-    snap: tuple[int, int] = (0, 0)
+    delta = _delta_buffer(out, n, dim, (*tensors, grads_UD))
+    rows = tensors[0].shape[0]
+    ptrs = [t.data_ptr() for t in tensors]
+    common = (rows, dim, ids.data_ptr(), n, grads_UD.data_ptr(), delta.data_ptr())
     _scratch.undo = None
+    snaps: list[torch.Tensor] = []
     if check_finite:
-        sm, sv = _snapshot_buffers(n * dim)
-        snap = (sm.data_ptr(), sv.data_ptr())
+        snaps = _snapshot_buffers([n * w for _, w in widths])
+    snap = [s.data_ptr() for s in snaps]
+    b1, b2, lr, eps = spec.beta1, spec.beta2, spec.lr, spec.eps
+    decay = 1.0 - lr * spec.weight_decay
     if spec.kind == "adam":
-        step_size = spec.lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-        undone = ext.adam(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
-                          grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, 1 - b2, spec.eps,
-                          -step_size, threads, *snap)
+        step_size = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+        undone = ext.adam(*ptrs, *common, 1 - b1, 1 - b2, eps, -step_size, threads, *snap)
         decay = 1.0
-    else:
-        step_size = spec.lr / (1 - b1**step)
-        undone = ext.adamw(m_RD.data_ptr(), v_RD.data_ptr(), rows, dim, ids.data_ptr(), n,
-                           grads_UD.data_ptr(), delta.data_ptr(), 1 - b1, b2, 1 - b2,
-                           math.sqrt(1 - b2**step), spec.eps, -step_size, threads, *snap)
-        decay = 1.0 - spec.lr * spec.weight_decay
+    elif spec.kind == "adamw":
+        step_size = lr / (1 - b1**step)
+        undone = ext.adamw(*ptrs, *common, 1 - b1, b2, 1 - b2, math.sqrt(1 - b2**step), eps,
+                           -step_size, threads, *snap)
+    elif spec.kind == "adagrad":
+        undone = ext.adagrad(*ptrs, *common, -lr, eps, threads, *snap)
+        decay = 1.0
+    elif spec.kind == "rowwise_adagrad":
+        undone = ext.rowwise_adagrad(*ptrs, *common, lr, eps, threads, *snap)
+    else:  # partial_rowwise_adam
+        undone = ext.partial_rowwise_adam(*ptrs, *common, b1, 1 - b1, b2, 1 - b2,
+                                          1 - b2**step, eps, -(lr / (1 - b1**step)),
+                                          threads, *snap)
     if undone:
-        raise NonFiniteUpdate("the update would make m, v or the delta non-finite")
+        raise NonFiniteUpdate("the update would make the optimizer state or the delta "
+                              "non-finite")
     if check_finite:
-        sm, sv = _snapshot_buffers(n * dim)
-        _scratch.undo = (m_RD, v_RD, ids, (sm.view(n, dim), sv.view(n, dim)))
+        old = tuple(s.view(n, w) for s, (_, w) in zip(snaps, widths, strict=True))
+        _scratch.undo = (tensors, ids, old)
     return delta, decay
 
 
@@ -426,30 +404,36 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0)
-        # (m, v, ids, (old m rows, old v rows)) of the last check_finite step
-        self.undo: tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                         tuple[torch.Tensor, torch.Tensor]] | None = None
+        # (state tensors, ids, old rows of each) of the last check_finite step
+        self.undo: tuple[tuple[torch.Tensor, ...], torch.Tensor,
+                         tuple[torch.Tensor, ...]] | None = None
 
 
 _scratch = _Scratch()
 
 
-def _snapshot_buffers(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two float32 [elems] views of a per-thread buffer that grows, never shrinks."""
-    if _scratch.buffer.numel() < 2 * elems:
-        _scratch.buffer = torch.empty(max(2 * elems, 1 << 16), dtype=torch.float32)
-    return _scratch.buffer[:elems], _scratch.buffer[elems:2 * elems]
+def _snapshot_buffers(sizes: Sequence[int]) -> list[torch.Tensor]:
+    """float32 views of `sizes` elements each, of one per-thread buffer that grows, never
+    shrinks."""
+    total = sum(sizes)
+    if _scratch.buffer.numel() < total:
+        _scratch.buffer = torch.empty(max(total, 1 << 16), dtype=torch.float32)
+    views, at = [], 0
+    for size in sizes:
+        views.append(_scratch.buffer[at:at + size])
+        at += size
+    return views
 
 
 def undo_rows_() -> bool:
-    """Put back the m, v rows of this thread's last check_finite step (e.g. when what
+    """Put back the state rows of this thread's last check_finite step (e.g. when what
     follows it, the master rows, turns out non-finite); False when there is none."""
     undo, _scratch.undo = _scratch.undo, None
     if undo is None:
         return False
-    m_RD, v_RD, ids, (old_m, old_v) = undo
-    m_RD.index_copy_(0, ids, old_m)
-    v_RD.index_copy_(0, ids, old_v)
+    tensors, ids, old = undo
+    for t, rows in zip(tensors, old, strict=True):
+        t.index_copy_(0, ids, rows)
     return True
 
 

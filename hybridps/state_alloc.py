@@ -1,8 +1,10 @@
-"""Memory for row-shaped float32 tables: optimizer state (m, v, master rows) on the shard
-server and a CPU rank's own embedding rows, laid out for the row kernels
+"""Memory for row-shaped float32 tables: optimizer state (m, v, sum..., master rows) on the
+shard server and a CPU rank's own embedding rows, laid out for the row kernels
 (hybridps/optim.py). No grpc in this module."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -13,8 +15,9 @@ HUGEPAGE_MIN_BYTES = 4 << 20
 HUGEPAGE_BYTES = 2 << 20
 # Where each array a row kernel reads at the same row sits past a 2 MiB boundary
 # (alloc_state's `offset`): m, v and the master row of one id fall in different L1 sets.
-# "rows": a CPU rank's own embedding rows (worker/embedding.py).
-STATE_OFFSETS = {"m": 0, "v": 2048, "master": 1024, "rows": 3072}
+# "rows": a CPU rank's own embedding rows (worker/embedding.py); the other names are those
+# of the optimizers' state (hybridps/optim_kinds.py STATE_LAYOUTS).
+STATE_OFFSETS = {"m": 0, "v": 2048, "sum": 2560, "master": 1024, "rows": 3072}
 
 
 def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0,
@@ -50,3 +53,14 @@ def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0,
     if hugepages and ext is not None:
         ext.advise_hugepages(t.data_ptr(), nbytes)
     return t.zero_() if zero else t
+
+
+def alloc_row_state(widths: Sequence[tuple[str, int]], rows: int,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Zeroed float32 optimizer state, name -> [rows, width] (OptimizerSpec.state_widths);
+    on the CPU each tensor is laid out by alloc_state at its name's offset."""
+    if torch.device(device).type == "cpu":
+        return {name: alloc_state(rows, width, offset=STATE_OFFSETS[name])
+                for name, width in widths}
+    return {name: torch.zeros(rows, width, dtype=torch.float32, device=device)
+            for name, width in widths}

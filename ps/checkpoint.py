@@ -1,7 +1,7 @@
 """A server partition's optimizer state to and from a checkpoint (format: hybridps.checkpoint).
 
 The files are per table: a group (ps/table_members.py) is written as its member tables,
-each file holding the member's slice of the group's m, v and master rows and the
+each file holding the member's slice of the group's optimizer state and master rows and the
 group's step count (every member of a group is pushed with it, every step), and read
 back into those slices."""
 
@@ -15,6 +15,7 @@ import torch
 
 from hybridps.checkpoint import OptimState, ShardInfo, load_optim_state, save_optim_state
 from hybridps.errors import Conflict
+from hybridps.optim import OptimizerSpec
 from ps.partition import Partition, TableSpec
 from ps.table_members import pieces
 
@@ -39,13 +40,13 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
             out.append(save_optim_state(
                 directory, table=p.name, rank=part.rank, num_rows=p.num_rows,
                 dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
-                state=OptimState(_rows(t.m, p.lo, p.hi), _rows(t.v, p.lo, p.hi), t.adam_step,
-                                 t.last_step, _rows(t.master, p.lo, p.hi)),
+                state=OptimState({n: x[p.lo:p.hi] for n, x in t.state.items()},
+                                 t.adam_step, t.last_step, _rows(t.master, p.lo, p.hi)),
                 optimizer=opt, incarnation=part.incarnation))
     return out
 
 
-def check_restore(specs: Sequence[TableSpec], has_moments: bool, master: bool,
+def check_restore(specs: Sequence[TableSpec], optimizer: OptimizerSpec, master: bool,
                   directory: str | Path, step: int) -> None:
     """Everything `restore_partition` will read for tables `specs`, checked without
     copying a tensor: the manifest, every file against its size and crc32, the files'
@@ -56,7 +57,8 @@ def check_restore(specs: Sequence[TableSpec], has_moments: bool, master: bool,
         for p in pieces(s):
             state = load_optim_state(directory, table=p.name, num_rows=p.num_rows, dim=s.dim,
                                      row_start=p.row_start, row_end=p.row_end, step=step,
-                                     has_moments=has_moments, master=master, dry_run=True)
+                                     optimizer=dataclasses.asdict(optimizer), master=master,
+                                     dry_run=True)
             counts.add(state.adam_step)
         if len(counts) > 1:  # one step count per group: its members' must agree
             raise Conflict(f"checkpoint {directory}: the tables of group {s.name!r} were "
@@ -70,27 +72,29 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
     Every table's files are checked first (check_restore; `checked`: the caller did),
     so a damaged checkpoint changes nothing."""
     if not checked:
-        check_restore(part.specs(), part.optimizer.has_moments,
-                      part.row_dtype != torch.float32, directory, step)
+        check_restore(part.specs(), part.optimizer, part.row_dtype != torch.float32,
+                      directory, step)
+    opt = dataclasses.asdict(part.optimizer)
     for t in part.tables.values():
         s = t.spec
         for p in pieces(s):
             state = load_optim_state(directory, table=p.name, num_rows=p.num_rows, dim=s.dim,
                                      row_start=p.row_start, row_end=p.row_end, step=step,
-                                     has_moments=part.optimizer.has_moments,
-                                     master=t.master is not None, verify=False)
+                                     optimizer=opt, master=t.master is not None,
+                                     verify=False)
             if t.master is not None and state.master is not None:
                 t.master[p.lo:p.hi].copy_(state.master)
-            if t.m is not None and state.m is not None:
-                t.m[p.lo:p.hi].copy_(state.m)
-            if t.v is not None and state.v is not None:
-                t.v[p.lo:p.hi].copy_(state.v)
+            for name, held in t.state.items():
+                saved = state.state.get(name)
+                if saved is not None:
+                    held[p.lo:p.hi].copy_(saved)
             t.adam_step = state.adam_step
         if t.master is not None:
             t.rows_seeded = s.rows_held
-        if t.v is not None:
-            t.touched.copy_((t.v != 0).any(dim=1))
+        squares = t.state.get("v", t.state.get("sum"))  # the accumulated g^2: 0 untouched
+        if squares is not None:
+            t.touched.copy_((squares != 0).any(dim=1))
             t.distinct_touched = int(t.touched.sum())
         t.last_step = step
         t.answers.clear()
-        t.bound.observe(t.m, t.v, t.master)  # what the loaded state holds
+        t.bound.observe(t.state, t.master)  # what the loaded state holds

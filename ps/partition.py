@@ -1,9 +1,10 @@
 """One rank's optimizer state on the shard server (transport-free: no grpc here).
 
 A *partition* is what one (run_id, rank) registered: for each of its tables the
-rows [row_start, row_end) it owns, with Adam's m and v for exactly those rows
-(allocated once, at Register), the optimizer step count, the last applied
-training step, and the bookkeeping behind GetShardStats.
+rows [row_start, row_end) it owns, with the optimizer's state for exactly those rows
+(by the names and widths of OptimizerSpec.state_layout(): adam's m and v, rowwise
+Adagrad's one sum a row...; allocated once, at Register), the optimizer step count, the
+last applied training step, and the bookkeeping behind GetShardStats.
 
 Row dtype. A rank whose device rows are fp32 (the default) holds the only copy
 of its rows: the server answers deltas. A rank that stores its rows in bf16
@@ -43,9 +44,10 @@ from hybridps.errors import (
     RowOutOfRange,
 )
 from hybridps.names import describe_problem
-from hybridps.optim import OptimizerSpec, apply_rows_, apply_update_, undo_rows_
+from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
+from hybridps.optim_kinds import state_floats_per_row
 from hybridps.push_checks import mark_rows_, scan_push_max
-from hybridps.state_alloc import STATE_OFFSETS, alloc_state
+from hybridps.state_alloc import STATE_OFFSETS, alloc_row_state, alloc_state
 from ps.overflow import OverflowBound
 from ps.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
 from ps.push import PushChunk as PushChunk  # re-exported: the core's input, next to TableSpec
@@ -110,12 +112,12 @@ class TableSpec:
         return (f"{self.name}(num_rows={self.num_rows}, dim={self.dim}, "
                 f"rows=[{self.row_start}, {self.row_end}){group})")
 
-    def state_bytes(self, has_moments: bool, master: bool) -> int:
-        """Host bytes a partition allocates for these rows (TableState): m and v
-        (float32), the fp32 master rows, one touched flag a row. Python ints: no
-        overflow, whatever the shape."""
-        per_row = 1 + 4 * self.dim * ((2 if has_moments else 0) + (1 if master else 0))
-        return self.rows_held * per_row
+    def state_bytes(self, optimizer: str, master: bool) -> int:
+        """Host bytes a partition allocates for these rows (TableState) with optimizer
+        kind `optimizer`: its float32 state (hybridps/optim_kinds.py), the fp32 master
+        rows, one touched flag a row. Python ints: no overflow, whatever the shape."""
+        floats = state_floats_per_row(optimizer, self.dim) + (self.dim if master else 0)
+        return self.rows_held * (1 + 4 * floats)
 
 
 class RateWindow:
@@ -149,12 +151,7 @@ class RateWindow:
 
 
 def optimizer_description(spec: OptimizerSpec) -> str:
-    if spec.kind == "sgd":
-        return f"sgd(lr={spec.lr:g}, weight_decay={spec.weight_decay:g})"
-    text = f"{spec.kind}(lr={spec.lr:g}, betas=({spec.beta1:g}, {spec.beta2:g}), eps={spec.eps:g}"
-    if spec.kind == "adamw":
-        text += f", weight_decay={spec.weight_decay:g}"
-    return text + ")"
+    return spec.describe()
 
 
 class TableState:
@@ -169,16 +166,12 @@ class TableState:
         self.row_dtype = row_dtype
         rows, dim = spec.rows_held, spec.dim
         try:
-            if optimizer.has_moments:
-                # Huge pages where available (the kernel touches random rows of tables far
-                # beyond the TLB's reach), and m[id], v[id] in different L1 sets
-                # (hybridps.state_alloc.alloc_state; zeroed like torch.zeros).
-                self.m: torch.Tensor | None = alloc_state(rows, dim,
-                                                          offset=STATE_OFFSETS["m"])
-                self.v: torch.Tensor | None = alloc_state(rows, dim,
-                                                          offset=STATE_OFFSETS["v"])
-            else:
-                self.m = self.v = None
+            # name -> [rows, width] (OptimizerSpec.state_layout()). Huge pages where
+            # available (the kernel touches random rows of tables far beyond the TLB's
+            # reach), and e.g. m[id], v[id] in different L1 sets
+            # (hybridps.state_alloc.alloc_state; zeroed like torch.zeros).
+            self.state: dict[str, torch.Tensor] = alloc_row_state(
+                optimizer.state_widths(dim), rows)
             # fp32 master rows for a rank with low-precision rows; seeded before any push
             # (and accessed at random rows like m and v: huge pages too).
             self.master: torch.Tensor | None = (
@@ -204,18 +197,25 @@ class TableState:
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
-        self.bound = OverflowBound()
+        self.bound = OverflowBound(dim)
 
     @property
     def where(self) -> str:
         return f"{self.owner} table={self.spec.name!r}"
 
     @property
+    def m(self) -> torch.Tensor | None:
+        return self.state.get("m")
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return self.state.get("v")
+
+    @property
     def state_bytes(self) -> int:
         total = self.touched.numel() * self.touched.element_size()
-        for t in (self.m, self.v):
-            if t is not None:
-                total += t.numel() * t.element_size()
+        for t in self.state.values():
+            total += t.numel() * t.element_size()
         return total
 
     @property
@@ -252,7 +252,7 @@ class TableState:
         if not bool(torch.isfinite(rows_ND).all()):
             raise NonFiniteGradient(f"{what}: the master rows hold non-finite values")
         self.master[local:local + n].copy_(rows_ND)
-        self.bound.observe(None, None, rows_ND)
+        self.bound.observe({}, rows_ND)
         self.rows_seeded = max(self.rows_seeded, local + n)
         return self.rows_seeded
 
@@ -352,8 +352,8 @@ class TableState:
         optimizer = self.optimizer if lr is None else optimizer_with_lr(self.optimizer, lr)
         checked = not self.bound.safe(optimizer, count, grad_max)
         try:
-            delta, decay = apply_rows_(optimizer, self.m, self.v, local, grads, count,
-                                       out=out, check_finite=checked)
+            delta, decay = step_rows_(optimizer, self.state, local, grads, count,
+                                      out=out, check_finite=checked)
         except NonFiniteUpdate as exc:
             raise NonFiniteUpdate(f"push step={step} {self.where}: {exc} (a gradient too "
                                   "large for float32 state); refused, nothing changed") from None
@@ -367,7 +367,7 @@ class TableState:
                 raise NonFiniteUpdate(f"push step={step} {self.where}: the update would make "
                                       "the master rows non-finite; refused, nothing changed")
         if checked:
-            self.bound.observe(self.m, self.v, self.master, local)
+            self.bound.observe(self.state, self.master, local)
         else:
             self.bound.advance(optimizer, count, grad_max, float(decay))
         self.adam_step = count

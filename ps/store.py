@@ -249,7 +249,7 @@ class Store(PartitionAuth):
                        row_dtype: torch.dtype, what: str, freed: int = 0) -> Partition:
         """Allocate a partition within --max-state-bytes (`freed`: bytes of partitions this
         request replaces); ResourceExhausted with nothing allocated when it does not fit."""
-        needed = sum(t.state_bytes(optimizer.has_moments, row_dtype != torch.float32)
+        needed = sum(t.state_bytes(optimizer.kind, row_dtype != torch.float32)
                      for t in tables)
         self.budget.reserve(needed, self._state_bytes_in_use(), what, freed)
         try:
@@ -339,7 +339,7 @@ class Store(PartitionAuth):
             self._check_takeover(held, secret, True, what)
         self._check_unused(run_id, rank, world_size, what)
         checked = held  # the partition the takeover rule allowed to replace
-        check_restore(tables, spec_opt.has_moments, row_dtype != torch.float32, path, step)
+        check_restore(tables, spec_opt, row_dtype != torch.float32, path, step)
 
         def replaced() -> list[tuple[str, int]]:
             return [key for key, p in self._partitions.items()

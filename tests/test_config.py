@@ -39,6 +39,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "time_budget": ("12.5", 12.5),  # tests/test_time_budget.py
     "seed": ("4", 4),
     "optimizer": ("adamw", "adamw"),
+    "dense_optimizer": ("adagrad", "adagrad"),
     "lr": ("0.5", 0.5),
     "dense_lr": ("0.25", 0.25),
     "weight_decay": ("0.01", 0.01),

@@ -82,6 +82,7 @@ from hybridps.checkpoint import (
     write_manifest,
 )
 from hybridps.errors import ShardError
+from hybridps.optim_kinds import describe_saved
 from worker.checkpoint_dense import DENSE_DIR, restore_dense, save_dense
 from worker.checkpoint_units import join_updates, split_rows, split_updates, table_slice
 from worker.console import checkpoint_entry, human_bytes
@@ -170,7 +171,9 @@ class Checkpointer:
         for candidate in candidates:
             problem = self._verify_together(Path(candidate))
             if problem is None:
-                step = int(read_manifest(candidate)["step"])
+                manifest = read_manifest(candidate)
+                self._check_optimizer(candidate, manifest)
+                step = int(manifest["step"])
                 if self.rank == 0:
                     log.info("rank 0: resuming from %s (step %d)%s", candidate, step,
                              f"; skipped {len(skipped)} damaged newer checkpoint(s)"
@@ -192,6 +195,18 @@ class Checkpointer:
         log.info("rank %d: --resume: no complete checkpoint under %s; starting at step 0",
                  self.rank, where)
         return None
+
+    def _check_optimizer(self, directory: str, manifest: dict[str, Any]) -> None:
+        """ResumeError, one line naming both, unless the checkpoint was saved with this
+        run's sparse optimizer and hyperparameters (another's state does not carry over:
+        adam's m, v are not rowwise Adagrad's sums)."""
+        saved = manifest.get("optimizer")
+        running = dataclasses.asdict(self.t.sparse_spec)
+        if not saved or saved == running:
+            return
+        raise ResumeError(f"checkpoint {directory} was saved with optimizer "
+                          f"{describe_saved(saved)}, this run has {describe_saved(running)}: "
+                          "resume with the optimizer and settings it was saved with")
 
     def _verify_together(self, directory: Path) -> str | None:
         """Collective: every rank checks its share of the checkpoint's files; None when all
@@ -361,12 +376,11 @@ class Checkpointer:
         for name, table in tr.embedding.tables.items():
             start, end = tr.embedding.ranges[name]
             unit, rows = table_slice(tr.embedding, name)
-            m, v = source.moments[unit]
             master = source.masters.get(unit)
             out[name] = save_optim_state(
                 directory, table=name, rank=self.rank, num_rows=table.num_rows, dim=table.dim,
                 row_start=start, row_end=end,
-                state=OptimState(None if m is None else m[rows], None if v is None else v[rows],
+                state=OptimState({n: t[rows] for n, t in source.state[unit].items()},
                                  source.counts[unit], step,
                                  None if master is None else master[rows]),
                 optimizer=opt)
@@ -394,10 +408,6 @@ class Checkpointer:
                 raise ValueError(f"checkpoint {directory}: table {name!r} is "
                                  f"{'missing' if entry is None else 'of another shape'}; "
                                  f"this run has {table.num_rows}x{table.dim}")
-        saved_opt = manifest.get("optimizer", {})
-        if saved_opt and saved_opt != dataclasses.asdict(tr.sparse_spec):
-            raise ValueError(f"checkpoint {directory}: sparse optimizer {saved_opt} differs "
-                             f"from this run's {dataclasses.asdict(tr.sparse_spec)}")
         for name, table in tr.embedding.tables.items():
             start, end = tr.embedding.ranges[name]
             shards = manifest_shards(manifest, name, "rows")  # verified by resume_target
@@ -421,15 +431,15 @@ class Checkpointer:
                 unit, rows = table_slice(tr.embedding, name)
                 state = load_optim_state(directory, table=name, num_rows=table.num_rows,
                                          dim=table.dim, row_start=start, row_end=end,
-                                         step=step, has_moments=tr.sparse_spec.has_moments,
+                                         step=step,
+                                         optimizer=dataclasses.asdict(tr.sparse_spec),
                                          master=unit in source.masters, verify=False)
-                m, v = source.moments[unit]
                 if unit in source.masters and state.master is not None:  # bf16 rows
                     source.masters[unit][rows].copy_(state.master)
-                if m is not None and state.m is not None:
-                    m[rows].copy_(state.m)
-                if v is not None and state.v is not None:
-                    v[rows].copy_(state.v)
+                for state_name, held in source.state[unit].items():
+                    saved = state.state.get(state_name)
+                    if saved is not None:
+                        held[rows].copy_(saved)
                 source.counts[unit] = state.adam_step
         restore_dense(self.t.model.dense, self.t.dense_opt, self.t.dense_parallel.scaler,
                       directory, manifest["dense"], self.cfg.dense.loss_scale_init)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from hybridps.cli import FlagConfig, check_settings, section, setting
 from hybridps.logs import AUTO, LOG_LEVELS
 from hybridps.names import describe_problem
+from hybridps.optim_kinds import TAKES_WEIGHT_DECAY
 from worker.dense_options import DenseConfig
 from worker.kge_options import KGEOptions
 from worker.nodes import node_ps_address, rank_layout, split_ps
@@ -34,7 +35,13 @@ if TYPE_CHECKING:
 
 __all__ = ["SHM_MODES", "TrainConfig", "parse_host_port"]
 
-Optimizer = Literal["adam", "adamw", "sgd"]
+# the sparse optimizers (hybridps/optim_kinds.py KINDS; tests/test_optimizers.py checks)
+Optimizer = Literal["adam", "adamw", "sgd", "adagrad", "rowwise_adagrad",
+                    "partial_rowwise_adam"]
+DenseOptimizer = Literal["auto", "adam", "adamw", "sgd", "adagrad"]
+# --dense-optimizer auto: the dense counterpart of --optimizer
+DENSE_FOR = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "adagrad": "adagrad",
+             "rowwise_adagrad": "adagrad", "partial_rowwise_adam": "adam"}
 RowDtype = Literal["fp32", "bf16"]  # worker/embedding.py ROW_DTYPES maps them to torch
 WireDtype = Literal["fp32", "bf16", "fp16"]  # worker/sync.py WIRE_DTYPES maps them to torch
 Device = Literal["auto", "cpu", "cuda"]
@@ -130,11 +137,17 @@ class OptimConfig:
     """The optimizers: sparse rows (on the shard server) and the dense part."""
 
     optimizer: Optimizer = setting(
-        "adam", "adam (SparseAdam rows + Adam dense) | adamw | sgd")
+        "adam", "the rows' optimizer: adam (SparseAdam) | adamw | sgd | adagrad | "
+        "rowwise_adagrad (FBGEMM's exact rowwise Adagrad: one value a row) | "
+        "partial_rowwise_adam (m per element, v per row); docs/usage.md")
     lr: float = setting(0.02, "embedding learning rate", "LR", everyday=True, at_least=0)
     dense_lr: float = setting(3e-3, "dense (FSDP) learning rate", "LR", at_least=0)
-    weight_decay: float = setting(0.0, "weight decay (adamw/sgd only; SparseAdam has none)",
-                                  "WD", at_least=0)
+    dense_optimizer: DenseOptimizer = setting(
+        "auto", "the dense part's optimizer (at --dense-lr); auto: adam for adam and "
+        "partial_rowwise_adam, adagrad for adagrad and rowwise_adagrad, else --optimizer")
+    weight_decay: float = setting(
+        0.0, "weight decay (adamw, sgd, rowwise_adagrad, partial_rowwise_adam: decoupled on "
+        "the rows; SparseAdam and sparse Adagrad have none)", "WD", at_least=0)
     init_std: float = setting(0.05, "embedding rows start as N(0, 1) * init_std", "STD",
                               at_least=0)
     row_dtype: RowDtype = setting(
@@ -148,6 +161,17 @@ class OptimConfig:
             raise ValueError(
                 f"weight_decay={self.weight_decay!r} with optimizer='adam': SparseAdam has "
                 "no weight decay, use --optimizer adamw")
+        if self.optimizer not in TAKES_WEIGHT_DECAY and self.weight_decay != 0:
+            raise ValueError(
+                f"weight_decay={self.weight_decay!r} with optimizer={self.optimizer!r}: "
+                "torch's sparse Adagrad has no weight decay, use --optimizer rowwise_adagrad "
+                "(decoupled) or --weight-decay 0")
+
+    @property
+    def dense_kind(self) -> str:
+        """The dense part's optimizer (--dense-optimizer, auto resolved)."""
+        return (DENSE_FOR[self.optimizer] if self.dense_optimizer == "auto"
+                else self.dense_optimizer)
 
 
 @dataclass(frozen=True)

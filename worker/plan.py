@@ -2,10 +2,11 @@
 
 Per embedding row of width D (float32 everywhere):
 - device of the rank that owns the row: the row itself, 4*D bytes
-  (+ 8*D for Adam's m and v with --local-optimizer, which keeps them on the device);
-- host of the shard server of that rank's node: the optimizer state, 8*D bytes for
-  adam/adamw (m and v), 0 for sgd, plus 1 byte (the "touched" flag); the server
-  holds no copy of the rows;
+  (+ the optimizer state with --local-optimizer, which keeps it on the device);
+- host of the shard server of that rank's node: the optimizer state (its layout,
+  hybridps/optim_kinds.py: 8*D bytes for adam/adamw (m and v), 4*D + 4 for
+  partial_rowwise_adam, 4*D for adagrad, 4 for rowwise_adagrad, 0 for sgd), plus 1 byte
+  (the "touched" flag); the server holds no copy of the rows;
 - on the wire, per step and rank: every touched owned row once up (id 8 B +
   gradient 4*D B) and once down (id + delta).
 With --row-dtype bf16 the row takes 2*D bytes on the device and the server adds an
@@ -38,6 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridps.optim_kinds import (
+    KINDS,
+    describe_layout,
+    state_bytes_per_element,
+    state_floats_per_row,
+)
+
 if TYPE_CHECKING:
     from worker.config import TrainConfig
 
@@ -53,17 +61,15 @@ class PlanError(ValueError):
     """The plan cannot be made (e.g. a task that cannot say its tables without data)."""
 
 
-# Bytes of optimizer state per embedding element, by --optimizer (on the shard server, or
-# on the device with --local-optimizer): adam and adamw keep m and v, sgd nothing.
-OPTIMIZER_STATE_BYTES = {"adam": 2 * FLOAT_BYTES, "adamw": 2 * FLOAT_BYTES, "sgd": 0}
-
-
-def optimizer_state_bytes(optimizer: str) -> int:
-    """Bytes of `optimizer`'s state per embedding element (its fp32 moments)."""
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise PlanError(f"no state size known for optimizer {optimizer!r} (worker/plan.py "
-                        "OPTIMIZER_STATE_BYTES)")
-    return OPTIMIZER_STATE_BYTES[optimizer]
+def optimizer_state_bytes(optimizer: str, dim: int = 1) -> float:
+    """Bytes of `optimizer`'s state per embedding element of a row of width `dim` (on the
+    shard server, or on the device with --local-optimizer; its declared layout,
+    hybridps/optim_kinds.py: per-row values are spread over the row)."""
+    try:
+        return state_bytes_per_element(optimizer, dim)
+    except ValueError:
+        raise PlanError(f"no state size known for optimizer {optimizer!r} (not one of "
+                        f"{', '.join(KINDS)})") from None
 
 
 @dataclass(frozen=True)
@@ -101,16 +107,15 @@ class Plan:
         """Rows one rank pushes per step, at most: its share of the global batch's lookups."""
         return min(self.rows_per_rank(t), math.ceil(self.batch_size * t.lookups_per_sample))
 
+    def state_floats(self, t: TableShape) -> int:
+        """float32 values a row: the optimizer's state (its layout) and the fp32 master."""
+        return state_floats_per_row(self.optimizer, t.dim) + self.master_copies * t.dim
+
     # -- bytes -----------------------------------------------------------------------
     @property
     def master_copies(self) -> int:
         """fp32 master rows kept next to the optimizer state: 1 with bf16 rows."""
         return 1 if self.row_bytes < FLOAT_BYTES else 0
-
-    @property
-    def state_bytes_per_element(self) -> int:
-        """Optimizer state and fp32 master kept for one element of a row."""
-        return optimizer_state_bytes(self.optimizer) + FLOAT_BYTES * self.master_copies
 
     @property
     def device_rows_bytes(self) -> int:
@@ -121,7 +126,7 @@ class Plan:
         """m, v (and the fp32 master of bf16 rows) on the device: only --local-optimizer."""
         if not self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * t.dim * self.state_bytes_per_element
+        return sum(self.rows_per_rank(t) * self.state_floats(t) * FLOAT_BYTES
                    for t in self.tables)
 
     @property
@@ -143,7 +148,7 @@ class Plan:
     def host_state_bytes_per_rank(self) -> int:
         if self.local_optimizer:
             return 0
-        return sum(self.rows_per_rank(t) * (t.dim * self.state_bytes_per_element
+        return sum(self.rows_per_rank(t) * (self.state_floats(t) * FLOAT_BYTES
                                             + TOUCHED_FLAG_BYTES) for t in self.tables)
 
     @property
@@ -225,6 +230,11 @@ def format_plan(plan: Plan) -> str:
                      f"rows/rank, <= {plan.touched_per_step(t):,} rows pushed/rank/step")
     cap_dev = "?" if plan.device_capacity is None else _gb(plan.device_capacity)
     cap_host = "?" if plan.host_capacity is None else _gb(plan.host_capacity)
+    lines.append(f"optimizer state: {describe_layout(plan.optimizer)} a row (D: per "
+                 "element), " + ", ".join(
+                     f"{4 * state_floats_per_row(plan.optimizer, d) / d:g} bytes/element at "
+                     f"dim {d}" for d in sorted({t.dim for t in plan.tables}))
+                 + (" (+ 4 for the fp32 master)" if plan.master_copies else ""))
     lines += [
         f"device bytes per rank ({plan.device_kind}): {_gb(plan.device_bytes_per_rank)} = rows "
         f"{_gb(plan.device_rows_bytes)} + optimizer state {_gb(plan.device_state_bytes)} + "
@@ -361,7 +371,7 @@ def _table_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dim", type=int, required=True, help="embedding width")
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank/step")
     parser.add_argument("--lookups", type=float, default=1.0, help="lookups per sample")
-    parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adam")
+    parser.add_argument("--optimizer", choices=KINDS, default="adam")
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--row-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="dtype of the rows on the device (bf16: + fp32 master on the host)")

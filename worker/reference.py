@@ -3,7 +3,9 @@
 Plain PyTorch, no sharding, no server: one nn.Embedding(sparse=True) per
 table (pooled bags call F.embedding_bag(..., sparse=True) on the same weight,
 which is exactly nn.EmbeddingBag(sparse=True).forward) trained by
-torch.optim.SparseAdam (or torch.optim.SGD for --optimizer sgd), the dense
+torch.optim.SparseAdam (torch.optim.SGD for --optimizer sgd, torch.optim.Adagrad for
+adagrad, and for rowwise_adagrad and partial_rowwise_adam `RowOptimizer`: the torch
+reference kernels of hybridps/optim_torch.py on the whole table), the dense
 module trained by the same torch.optim optimizer as the worker's, starting
 from the same rows (worker.embedding.init_rows over the whole table) and the
 same dense init (the run seed), on the same GLOBAL batches
@@ -18,6 +20,7 @@ dense weights up to float rounding (tests/test_worker_e2e.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridps.optim import OptimizerSpec, apply_update_torch_, step_rows_torch_state_
 from worker.config import TrainConfig
 from worker.embedding import POOLING_MODES, TableConfig, init_rows
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, build_dense_seeded
-from worker.train import make_dense_optimizer, num_steps, scheduled_lr
+from worker.train import make_dense_optimizer, num_steps, scheduled_lr, sparse_optimizer_spec
 
 
 class LocalEmbedding(nn.Module):
@@ -78,6 +82,36 @@ class LocalEmbedding(nn.Module):
         return {name: self.weight(name).detach().cpu().clone() for name in self.tables}
 
 
+class RowOptimizer(torch.optim.Optimizer):
+    """A torch.optim optimizer for sparse gradients over hybridps' torch reference kernels
+    (hybridps/optim_torch.py), for the kinds torch has no optimizer of: each step
+    coalesces a parameter's gradient and updates its touched rows (one step count a
+    parameter, like SparseAdam). The lr is the param group's (a schedule sets it)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], spec: OptimizerSpec) -> None:
+        super().__init__(list(params), {"lr": spec.lr})
+        self.spec = spec
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            spec = dataclasses.replace(self.spec, lr=group["lr"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.coalesce()
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["rows"] = {name: torch.zeros(p.shape[0], width, device=p.device)
+                                     for name, width in spec.state_widths(p.shape[1])}
+                state["step"] += 1
+                ids_U = grad.indices()[0]
+                delta_UD, decay = step_rows_torch_state_(spec, state["rows"], ids_U,
+                                                         grad.values(), state["step"])
+                apply_update_torch_(p.data, ids_U, delta_UD, decay)
+
+
 def make_sparse_optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]
                           ) -> torch.optim.Optimizer:
     o = cfg.optim
@@ -85,9 +119,15 @@ def make_sparse_optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]
         return torch.optim.SparseAdam(list(params), lr=o.lr)
     if o.optimizer == "sgd" and o.weight_decay == 0:
         return torch.optim.SGD(list(params), lr=o.lr)
+    spec = sparse_optimizer_spec(cfg)
+    if o.optimizer == "adagrad":
+        return torch.optim.Adagrad(list(params), lr=o.lr, eps=spec.eps)
+    if o.optimizer in ("rowwise_adagrad", "partial_rowwise_adam"):
+        return RowOptimizer(params, spec)
     raise NotImplementedError(
         f"the reference has no torch sparse optimizer for optimizer={o.optimizer!r} "
-        f"with weight_decay={o.weight_decay}: it supports adam and sgd without decay")
+        f"with weight_decay={o.weight_decay}: it supports adam, sgd without decay, "
+        "adagrad, rowwise_adagrad and partial_rowwise_adam")
 
 
 @dataclass

@@ -18,14 +18,15 @@ import torch
 
 from hybridps import wire
 from hybridps.optim import OptimizerSpec
+from hybridps.optim_kinds import KINDS
 from hybridps.v1 import shard_pb2
 from worker.arena_client import PlacedShmPush, ShmSlot
 from worker.embedding import TableConfig
 from worker.groups import Member
 
-OPTIMIZER_KIND = {"adam": shard_pb2.OptimizerConfig.ADAM,
-                  "adamw": shard_pb2.OptimizerConfig.ADAMW,
-                  "sgd": shard_pb2.OptimizerConfig.SGD}
+# OptimizerSpec.kind -> the name of its OptimizerConfig.Kind (ps/sync_codec.py maps it back;
+# tests/test_optimizers.py round-trips every kind)
+OPTIMIZER_KIND = {kind: kind.upper() for kind in KINDS}
 # Where a push's tensors lie in a SyncRequest (wire.TensorPath).
 PUSH_IDS, PUSH_GRADS = ("push", "chunk", "ids"), ("push", "chunk", "grads")
 

@@ -71,18 +71,24 @@ def sparse_optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
 
 def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
                          ) -> torch.optim.Optimizer:
-    """adam -> Adam, adamw -> AdamW, sgd -> SGD, at --dense-lr (shared with the reference).
+    """--dense-optimizer (auto: adam -> Adam, adamw -> AdamW, sgd -> SGD, the Adagrad kinds
+    -> Adagrad, partial_rowwise_adam -> Adam), at --dense-lr (shared with the reference).
 
     foreach: one dispatch per op for all parameters instead of one per parameter; torch
     picks it by itself only on CUDA, and on the CPU the per-parameter loop over FSDP's
     DTensors is a visible part of a small model's step (docs/performance-log.md)."""
     params = list(params)
     o = cfg.optim
-    if o.optimizer == "adam":
-        return torch.optim.Adam(params, lr=o.dense_lr, foreach=True)
-    if o.optimizer == "adamw":
+    kind = o.dense_kind
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=o.dense_lr, weight_decay=o.weight_decay,
+                                foreach=True)
+    if kind == "adamw":
         return torch.optim.AdamW(params, lr=o.dense_lr, weight_decay=o.weight_decay,
                                  foreach=True)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=o.dense_lr, weight_decay=o.weight_decay,
+                                   foreach=True)
     return torch.optim.SGD(params, lr=o.dense_lr, weight_decay=o.weight_decay)
 
 

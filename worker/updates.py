@@ -4,7 +4,7 @@ Two sources of row updates share one interface (`UpdateSource`):
 - `worker.sync.ShardClient`: the node's shard server (Register, then the Sync stream),
   read on the training thread;
 - `LocalSparseOptimizer` (--local-optimizer): the same hybridps.optim kernels run
-  in-process, m/v on the device, no server.
+  in-process, the optimizer's state on the device, no server.
 Both fill an `UpdateBuffer`; `StalenessWindow` decides, at each step boundary on the
 training thread, which updates are due and applies them to the local rows.
 
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from hybridps.optim import OptimizerSpec, apply_rows_, apply_update_
-from hybridps.state_alloc import STATE_OFFSETS, alloc_state
+from hybridps.optim import OptimizerSpec, apply_update_, step_rows_
+from hybridps.state_alloc import alloc_row_state
 from worker.embedding import ShardedEmbedding
 from worker.staleness import RowPredictor
 
@@ -255,18 +255,12 @@ class UpdateSource(ABC):
         """Release connections/threads; safe to call twice and after errors."""
 
 
-def _moment(weight: torch.Tensor, which: str) -> torch.Tensor:
-    """Zeroed fp32 m or v for `weight`'s rows; on CPU laid out like the server's."""
-    if weight.device.type == "cpu":
-        return alloc_state(weight.shape[0], weight.shape[1], offset=STATE_OFFSETS[which])
-    return torch.zeros_like(weight.data, dtype=torch.float32)
-
-
 class LocalSparseOptimizer(UpdateSource):
     """--local-optimizer: the shard server's kernels (hybridps.optim) run in-process.
 
     One optimizer step count per table advancing on every push (exactly like
-    the server and torch.optim.SparseAdam); m/v live on the rows' device. It runs per
+    the server and torch.optim.SparseAdam); the optimizer's state (by the names of
+    spec.state_layout(), laid out like the server's) lives on the rows' device. It runs per
     unit (worker/groups.py): one kernel call a step for a group of tables, whose step
     count is every member's.
     Updates are computed at push time and applied by the StalenessWindow at
@@ -277,7 +271,7 @@ class LocalSparseOptimizer(UpdateSource):
     rows (next to m and v, on the rows' device) takes the optimizer steps and
     the updates are the new rows rounded to bf16. This mode is the in-process
     reference, so it keeps the fp32 state where the rows are: it saves no
-    device memory (2 + 4 + 8 bytes per element), the server mode does.
+    device memory (2 + 4 bytes per element + the state: 8 for adam), the server mode does.
     """
 
     def __init__(self, embedding: ShardedEmbedding, spec: OptimizerSpec,
@@ -285,19 +279,24 @@ class LocalSparseOptimizer(UpdateSource):
         super().__init__(list(embedding.units), timeout_s)
         self.embedding, self.spec = embedding, spec
         self.tables_in.update({n: len(u.members) for n, u in embedding.units.items()})
-        # per unit: m, v and (bf16 rows only) the fp32 master rows, laid out like its block
-        self.moments: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # per unit: the state (name -> [rows, width]) and (bf16 rows only) the fp32 master
+        # rows, laid out like its block
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.masters: dict[str, torch.Tensor] = {}
         self.counts = dict.fromkeys(embedding.units, 0)
         for name, weight in embedding.weights.items():
-            if spec.has_moments:
-                self.moments[name] = (_moment(weight, "m"), _moment(weight, "v"))
-            else:
-                self.moments[name] = (None, None)
+            self.state[name] = alloc_row_state(spec.state_widths(weight.shape[1]),
+                                               weight.shape[0], weight.device)
             if weight.dtype != torch.float32:
                 blocks = [rows for _, rows in embedding.initial_row_blocks(name)]
                 self.masters[name] = (torch.cat(blocks) if blocks else
                                       torch.empty(0, weight.shape[1])).to(weight.device)
+
+    @property
+    def moments(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per unit: the state named m and v (adam, adamw; None where the optimizer keeps
+        no such state)."""
+        return {name: (state.get("m"), state.get("v")) for name, state in self.state.items()}
 
     @torch.no_grad()
     def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
@@ -306,9 +305,8 @@ class LocalSparseOptimizer(UpdateSource):
             ids_U, grads_UD = grads[name]
             start = self.embedding.units[name].start
             self.counts[name] += 1
-            m_RD, v_RD = self.moments[name]
-            delta_UD, decay = apply_rows_(spec, m_RD, v_RD, ids_U - start, grads_UD,
-                                          self.counts[name])
+            delta_UD, decay = step_rows_(spec, self.state[name], ids_U - start, grads_UD,
+                                         self.counts[name])
             self.stats.pushes += self.tables_in[name]
             self.stats.push_rows += int(ids_U.numel())
             self.stats.updates += self.tables_in[name]

@@ -1,4 +1,5 @@
-"""Optional native (C) row kernels; see fused_adam.c and hybridps.optim for the dispatch.
+"""Optional native (C) row kernels; see fused_adam.c, row_optim.c (the Adagrad family and
+partial-rowwise Adam) and hybridps.optim for the dispatch.
 
 `ext` is the compiled module hybridps.native._fused_adam, or None when it was not built
 (no C compiler at install time) or does not load; `load_error` then says why.

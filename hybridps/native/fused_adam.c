@@ -43,12 +43,9 @@
  * can differ in the last bits (measured: <= 5 ulp): sqrtf here is correctly rounded,
  * torch's float32 sqrt (MKL VML) is not always (~0.6% of elements off by 1 ulp).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "kernels.h"
 
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -70,14 +67,6 @@
 #ifndef PAR_MIN_ELEMS
 #define PAR_MIN_ELEMS 32768
 #endif
-/* Prefetch the rows about this many bytes (per array) ahead into L1: 8 rows at dim 64. */
-#ifndef PF_BYTES
-#define PF_BYTES 2048
-#endif
-/* ... and this many bytes ahead into L2 only: 32 rows at dim 64. */
-#ifndef PF_FAR_BYTES
-#define PF_FAR_BYTES 8192
-#endif
 /* Pause iterations a pool thread polls for the next call before sleeping. */
 #ifndef SPIN_ITERS
 #define SPIN_ITERS 2000
@@ -89,37 +78,6 @@
 #define MAX_CHUNKS 65536
 #define MAX_WORKERS 63
 
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH_L1(p) __builtin_prefetch((p), 1, 3)
-/* Read intent for the L2 stage: with write intent a target that has PREFETCHW
- * would emit it, and it fetches into L1, not L2. */
-#define PREFETCH_L2(p) __builtin_prefetch((p), 0, 1)
-#define RESTRICT __restrict__
-/* A function that only prefetches has no visible effect, so GCC's IPA may mark it
- * const and drop the call before inlining it (it did: no prefetch was left in the
- * binary); forced early inlining keeps the prefetches in the row loops. */
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define PREFETCH_L1(p) ((void)0)
-#define PREFETCH_L2(p) ((void)0)
-#define RESTRICT
-#define ALWAYS_INLINE inline
-#endif
-
-/* setup.py defines HYBRIDPS_TARGET_CLONES when the compiler and libc support
- * function multiversioning: the loops then also get an AVX2+FMA (haswell) build,
- * picked at load time on CPUs that have it: ~10% faster when the data is in cache,
- * and adamw's explicit fmaf() becomes one instruction instead of a libm call. The
- * results are the same in both builds: FMA contraction stays off, and fmaf() is
- * exactly rounded everywhere. */
-#if defined(HYBRIDPS_TARGET_CLONES)
-#define MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
-#define CLONES "haswell,default"
-#else
-#define MULTIVERSION
-#define CLONES "default"
-#endif
-
 #if defined(__x86_64__) || defined(__i386__)
 #define CPU_RELAX() __builtin_ia32_pause()
 #elif defined(__aarch64__)
@@ -128,84 +86,7 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
-typedef struct {
-    int64_t near, far; /* rows ahead: into L1, into L2 */
-} pf_dist;
-
-static inline pf_dist prefetch_dist(int64_t dim) {
-    const int64_t row_bytes = dim * (int64_t)sizeof(float);
-    int64_t near = PF_BYTES / row_bytes, far = PF_FAR_BYTES / row_bytes;
-    if (near < 2) near = 2;
-    if (far < 2 * near) far = 2 * near;
-    return (pf_dist){near, far};
-}
-
-static ALWAYS_INLINE void prefetch_row_l1(const float *row, int64_t dim) {
-    const char *p = (const char *)row;
-    const int64_t bytes = dim * (int64_t)sizeof(float);
-    for (int64_t off = 0; off < bytes; off += 64) PREFETCH_L1(p + off);
-}
-
-static ALWAYS_INLINE void prefetch_row_l2(const float *row, int64_t dim) {
-    const char *p = (const char *)row;
-    const int64_t bytes = dim * (int64_t)sizeof(float);
-    for (int64_t off = 0; off < bytes; off += 64) PREFETCH_L2(p + off);
-}
-
-/* Before row `lo` of a chunk [lo, hi): the first rows into L1, the next into L2.
- * `b` may be NULL (one table array). */
-static ALWAYS_INLINE void prefetch_start(const float *a, const float *b, const int64_t *ids,
-                                         int64_t lo, int64_t hi, pf_dist pd, int64_t dim) {
-    for (int64_t i = lo; i < hi && i < lo + pd.far; i++) {
-        const int64_t off = ids[i] * dim;
-        if (i < lo + pd.near) {
-            prefetch_row_l1(a + off, dim);
-            if (b) prefetch_row_l1(b + off, dim);
-        } else {
-            prefetch_row_l2(a + off, dim);
-            if (b) prefetch_row_l2(b + off, dim);
-        }
-    }
-}
-
-/* At row i: row i+far into L2, row i+near (fetched into L2 earlier) on into L1. */
-static ALWAYS_INLINE void prefetch_ahead(const float *a, const float *b, const int64_t *ids,
-                                         int64_t i, int64_t hi, pf_dist pd, int64_t dim) {
-    if (i + pd.far < hi) {
-        const int64_t off = ids[i + pd.far] * dim;
-        prefetch_row_l2(a + off, dim);
-        if (b) prefetch_row_l2(b + off, dim);
-    }
-    if (i + pd.near < hi) {
-        const int64_t off = ids[i + pd.near] * dim;
-        prefetch_row_l1(a + off, dim);
-        if (b) prefetch_row_l1(b + off, dim);
-    }
-}
-
-/* -1 if all ids are in [0, n_rows), else the position of the first bad one. */
-static int64_t first_bad_id(const int64_t *ids, int64_t n_ids, int64_t n_rows) {
-    for (int64_t i = 0; i < n_ids; i++)
-        if ((uint64_t)ids[i] >= (uint64_t)n_rows) return i;
-    return -1;
-}
-
 /* ---------------------------------------------------------------- row loops */
-
-/* Non-finite results: each kernel ORs "exponent all ones" of every new m, v and delta
- * element into a per-chunk flag (branch-free: the loops still vectorize) and publishes
- * it in *bad once per chunk. With a snapshot (sm, sv: [n_ids, dim], the old m and v of
- * each row, stored in the same pass), the caller puts every row back when *bad is set:
- * a push whose update would be non-finite changes nothing (py_adam / py_adamw). */
-static inline uint32_t nonfinite_f(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (bits & 0x7f800000u) == 0x7f800000u;
-}
-
-static inline void publish_bad(int *bad, uint32_t any) {
-    if (any) __atomic_store_n(bad, 1, __ATOMIC_RELAXED);
-}
 
 typedef struct {
     float *m, *v, *d;
@@ -396,8 +277,6 @@ MULTIVERSION static void axpy_chunk(const void *job, int64_t lo, int64_t hi) {
 
 /* ------------------------------------------------------------- thread pool */
 
-typedef void (*chunk_fn)(const void *job, int64_t lo, int64_t hi);
-
 #if HAVE_POOL
 /*
  * One job at a time. `ctr` = generation << 32 | chunks not yet claimed. A thread
@@ -507,8 +386,7 @@ static int pool_grow(int want) {
 }
 #endif /* HAVE_POOL */
 
-/* Run fn over items [0, n_items) (each `dim` floats wide) on up to `threads` threads. */
-static void run_parallel(chunk_fn fn, const void *job, int64_t n_items, int64_t dim, int threads) {
+void hp_run_parallel(chunk_fn fn, const void *job, int64_t n_items, int64_t dim, int threads) {
 #if HAVE_POOL
     int64_t per = CHUNK_ELEMS / (dim > 0 ? dim : 1);
     if (per < 1) per = 1;
@@ -558,9 +436,7 @@ static void run_parallel(chunk_fn fn, const void *job, int64_t n_items, int64_t 
 
 /* ------------------------------------------------------------ Python glue */
 
-#define PTR(T, x) ((T)(uintptr_t)(x))
-
-static PyObject *raise_bad_id(const int64_t *ids, int64_t pos, int64_t n_rows) {
+PyObject *hp_raise_bad_id(const int64_t *ids, int64_t pos, int64_t n_rows) {
     PyErr_Format(PyExc_IndexError, "row id %lld at position %lld is out of range [0, %lld)",
                  (long long)ids[pos], (long long)pos, (long long)n_rows);
     return NULL;
@@ -597,7 +473,7 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
     if (n_ids <= 0 || dim <= 0) Py_RETURN_FALSE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
-    if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    if (bad >= 0) return hp_raise_bad_id(ids, bad, n_rows);
     int nonfinite = 0;
     float *sm = (psm && psv) ? PTR(float *, psm) : NULL;
     float *sv = sm ? PTR(float *, psv) : NULL;
@@ -605,7 +481,7 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
                           PTR(const float *, pg), ids, dim, (float)a1, (float)a2,
                           (float)eps, (float)nss, sm, sv, &nonfinite};
     Py_BEGIN_ALLOW_THREADS
-    run_parallel(adam_chunk, &job, n_ids, dim, threads);
+    hp_run_parallel(adam_chunk, &job, n_ids, dim, threads);
     if (nonfinite && sm) undo_rows(job.m, job.v, ids, n_ids, dim, sm, sv);
     Py_END_ALLOW_THREADS
     if (nonfinite && sm) Py_RETURN_TRUE;
@@ -630,7 +506,7 @@ static PyObject *py_adamw(PyObject *self, PyObject *args) {
     if (n_ids <= 0 || dim <= 0) Py_RETURN_FALSE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
-    if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    if (bad >= 0) return hp_raise_bad_id(ids, bad, n_rows);
     int nonfinite = 0;
     float *sm = (psm && psv) ? PTR(float *, psm) : NULL;
     float *sv = sm ? PTR(float *, psv) : NULL;
@@ -638,7 +514,7 @@ static PyObject *py_adamw(PyObject *self, PyObject *args) {
                            PTR(const float *, pg), ids, dim, (float)w, (float)b2, (float)a2,
                            (float)sbc2, (float)eps, (float)nss, sm, sv, &nonfinite};
     Py_BEGIN_ALLOW_THREADS
-    run_parallel(adamw_chunk, &job, n_ids, dim, threads);
+    hp_run_parallel(adamw_chunk, &job, n_ids, dim, threads);
     if (nonfinite && sm) undo_rows(job.m, job.v, ids, n_ids, dim, sm, sv);
     Py_END_ALLOW_THREADS
     if (nonfinite && sm) Py_RETURN_TRUE;
@@ -662,11 +538,11 @@ static PyObject *py_apply_update(PyObject *self, PyObject *args) {
     if (n_ids <= 0 || dim <= 0) Py_RETURN_NONE;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_rows);
-    if (bad >= 0) return raise_bad_id(ids, bad, n_rows);
+    if (bad >= 0) return hp_raise_bad_id(ids, bad, n_rows);
     const update_job job = {PTR(float *, pw), PTR(const float *, pd), ids, dim, (float)decay,
                             peff ? PTR(float *, peff) : NULL};
     Py_BEGIN_ALLOW_THREADS
-    run_parallel(update_chunk, &job, n_ids, dim, threads);
+    hp_run_parallel(update_chunk, &job, n_ids, dim, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -722,7 +598,7 @@ static PyObject *py_scale(PyObject *self, PyObject *args) {
     if (n <= 0) Py_RETURN_NONE;
     const axpy_job job = {PTR(float *, pd), NULL, PTR(const float *, pg), (float)s};
     Py_BEGIN_ALLOW_THREADS
-    run_parallel(axpy_chunk, &job, n, 1, threads);
+    hp_run_parallel(axpy_chunk, &job, n, 1, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -742,7 +618,7 @@ static PyObject *py_triad(PyObject *self, PyObject *args) {
     const axpy_job job = {PTR(float *, pa), PTR(const float *, pb), PTR(const float *, pc),
                           (float)s};
     Py_BEGIN_ALLOW_THREADS
-    run_parallel(axpy_chunk, &job, n, 1, threads);
+    hp_run_parallel(axpy_chunk, &job, n, 1, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -852,7 +728,7 @@ static PyObject *py_mark_rows(PyObject *self, PyObject *args) {
     if (n_ids <= 0) return PyLong_FromLong(0);
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t bad = first_bad_id(ids, n_ids, n_flags);
-    if (bad >= 0) return raise_bad_id(ids, bad, n_flags);
+    if (bad >= 0) return hp_raise_bad_id(ids, bad, n_flags);
     uint8_t *flags = PTR(uint8_t *, pflags);
     int64_t fresh = 0;
     for (int64_t i = 0; i < n_ids; i++) {
@@ -912,7 +788,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT,
     "_fused_adam",
-    "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad) and the\n"
+    "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad; the\n"
+    "Adagrad family and partial-rowwise Adam from row_optim.c) and the\n"
     "server's allocation-free push checks (scan_push, mark_rows).",
     -1,
     methods,
@@ -930,5 +807,10 @@ PyMODINIT_FUNC PyInit__fused_adam(void) {
         atfork_done = 1;
     }
 #endif
-    return PyModule_Create(&moduledef);
+    PyObject *module = PyModule_Create(&moduledef);
+    if (module != NULL && PyModule_AddFunctions(module, hp_row_optim_methods) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -42,10 +42,16 @@ class OptimizerConfig(_message.Message):
         ADAM: _ClassVar[OptimizerConfig.Kind]
         ADAMW: _ClassVar[OptimizerConfig.Kind]
         SGD: _ClassVar[OptimizerConfig.Kind]
+        ADAGRAD: _ClassVar[OptimizerConfig.Kind]
+        ROWWISE_ADAGRAD: _ClassVar[OptimizerConfig.Kind]
+        PARTIAL_ROWWISE_ADAM: _ClassVar[OptimizerConfig.Kind]
     KIND_UNSPECIFIED: OptimizerConfig.Kind
     ADAM: OptimizerConfig.Kind
     ADAMW: OptimizerConfig.Kind
     SGD: OptimizerConfig.Kind
+    ADAGRAD: OptimizerConfig.Kind
+    ROWWISE_ADAGRAD: OptimizerConfig.Kind
+    PARTIAL_ROWWISE_ADAM: OptimizerConfig.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]

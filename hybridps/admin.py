@@ -195,6 +195,17 @@ def _table(columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[st
     return lines
 
 
+def _dynamic_lines(stats: admin_pb2.ShardStats) -> list[str]:
+    """One line per dynamic table's partition (docs/dynamic_ids.md)."""
+    return [f"dynamic {p.run_id} rank {p.rank} {p.table}: occupied {p.dynamic_occupied}/"
+            f"{p.dynamic_capacity}  admissions {p.dynamic_admissions}  refusals "
+            f"{p.dynamic_refusals}  evictions {p.dynamic_evictions}  page-ins "
+            f"{p.dynamic_page_ins}  hit rate {p.dynamic_hit_rate:.3f}  paged "
+            f"{p.dynamic_paged_rows} ({_mb(p.dynamic_paged_bytes)} MB)  expired "
+            f"{p.dynamic_expired}  dropped {p.dynamic_dropped}"
+            for p in stats.partitions if p.dynamic]
+
+
 def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
                        all_run_ids: Iterable[str] = ()) -> str:
     """A readable report: header lines, then one row per run (state, ranks, newest step,
@@ -215,6 +226,7 @@ def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
     if not stats.partitions:
         lines.append("(no partitions registered)")
         return "\n".join(lines)
+    lines += _dynamic_lines(stats)
     if wide:
         rows: list[tuple[str, ...]] = [
                 (p.run_id, str(p.rank), p.table, str(p.rows_held), _mb(p.state_bytes),

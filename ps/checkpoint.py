@@ -13,9 +13,17 @@ from pathlib import Path
 
 import torch
 
-from hybridps.checkpoint import OptimState, ShardInfo, load_optim_state, save_optim_state
+from hybridps.checkpoint import (
+    Manifest,
+    OptimState,
+    ShardInfo,
+    load_optim_state,
+    save_optim_state,
+    verify_shards,
+)
+from hybridps.dynamic_files import restore_plan, save_paged
 from hybridps.errors import Conflict
-from ps.partition import Partition, TableSpec
+from ps.partition import Partition, TableSpec, TableState
 from ps.table_members import pieces
 
 
@@ -42,7 +50,12 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
                 state=OptimState(_rows(t.m, p.lo, p.hi), _rows(t.v, p.lo, p.hi), t.adam_step,
                                  t.last_step, _rows(t.master, p.lo, p.hi)),
                 optimizer=opt, incarnation=part.incarnation))
+        if t.paging is not None:  # a dynamic table's paged-out rows
+            out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
+                                  start=t.spec.row_start, end=t.spec.row_end,
+                                  store=t.paging.store, step=step))
     return out
+
 
 
 def check_restore(specs: Sequence[TableSpec], has_moments: bool, master: bool,
@@ -61,6 +74,10 @@ def check_restore(specs: Sequence[TableSpec], has_moments: bool, master: bool,
         if len(counts) > 1:  # one step count per group: its members' must agree
             raise Conflict(f"checkpoint {directory}: the tables of group {s.name!r} were "
                            f"saved with different optimizer step counts {sorted(counts)}")
+        if s.dynamic:  # its slot maps and paged-out rows
+            manifest = Manifest.read(directory)
+            verify_shards(directory, [*manifest.shards(s.name, "ids"),
+                                      *manifest.shards(s.name, "paged")])
 
 
 def restore_partition(part: Partition, directory: str | Path, step: int,
@@ -88,9 +105,26 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
             t.adam_step = state.adam_step
         if t.master is not None:
             t.rows_seeded = s.rows_held
+        if t.paging is not None:
+            _restore_paged(part, t, directory)
         if t.v is not None:
             t.touched.copy_((t.v != 0).any(dim=1))
             t.distinct_touched = int(t.touched.sum())
         t.last_step = step
         t.answers.clear()
         t.bound.observe(t.m, t.v, t.master)  # what the loaded state holds
+
+
+def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> None:
+    """A dynamic table: the paged-out rows this rank owns now, and no optimizer state on
+    the slots whose id went to another owner (hybridps/dynamic_files.py)."""
+    assert t.paging is not None
+    s = t.spec
+    plan = restore_plan(directory, Manifest.read(directory), s.name, s.dim,
+                        t.paging.store.layout, part.rank, part.world_size, s.row_start,
+                        s.row_end, verify=False)
+    gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1)
+    for state in (t.m, t.v):
+        if state is not None:
+            state.index_fill_(0, gone, 0.0)
+    t.paging.store.load(plan.paged, plan.tombstones, plan.counters)

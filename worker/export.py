@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from hybridps.checkpoint import load_rows, manifest_shards, read_manifest, save_torch
+from hybridps.checkpoint import Manifest, load_rows, save_torch
 from hybridps.errors import ShardError
 
 EMBEDDING_PREFIX = "embedding.tables."
@@ -48,19 +48,19 @@ def export_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], 
     directory = find_checkpoint(checkpoint)
     if directory is None:
         raise FileNotFoundError(f"{checkpoint}: no complete checkpoint (manifest.json)")
-    manifest = read_manifest(directory)
+    manifest = Manifest.read(directory)
     out: dict[str, torch.Tensor] = {}
-    for name, entry in manifest["tables"].items():
-        num_rows, dim = int(entry["num_rows"]), int(entry["dim"])
-        shards = manifest_shards(manifest, name, "rows")
-        got, _ = load_rows(directory, name, num_rows, dim, shards, 0, num_rows, ["weight"])
+    for name, entry in manifest.tables.items():
+        shards = manifest.shards(name, "rows")
+        got, _ = load_rows(directory, name, entry.num_rows, entry.dim, shards, 0,
+                           entry.num_rows, ["weight"])
         weight = got["weight"]
         assert weight is not None
         out[f"{EMBEDDING_PREFIX}{name}.weight"] = weight
-    blob = read_dense_full(Path(directory), manifest["dense"])  # DCP -> full, no process group
+    blob = read_dense_full(Path(directory), manifest.dense or {})  # DCP -> full, no group
     for key, value in blob["model"].items():
         out[f"{DENSE_PREFIX}{key}"] = value.detach().clone()
-    return out, int(manifest["step"])
+    return out, manifest.step
 
 
 def state_dict_of_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:

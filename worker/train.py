@@ -131,6 +131,11 @@ class Trainer:
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
             row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
             group_tables=cfg.run.group_tables)
+        if self.embedding.dynamic is not None and cfg.run.pipeline:
+            raise ConfigError("pipeline=true: dynamic tables "
+                              f"({', '.join(self.embedding.dynamic.tables)}) translate their "
+                              "ids at the step, which --pipeline would run ahead; use "
+                              "--pipeline false")
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
@@ -151,7 +156,8 @@ class Trainer:
             self.source = ShardClient(
                 sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 # per unit (worker/groups.py): a group of tables registers as one table
-                tables=[u.table_config() for u in self.embedding.units.values()],
+                tables=[u.table_config() if u.grouped else self.embedding.tables[n]
+                        for n, u in self.embedding.units.items()],
                 ranges={n: (u.start, u.end) for n, u in self.embedding.units.items()},
                 members={n: u.members for n, u in self.embedding.units.items() if u.grouped},
                 optimizer=spec,
@@ -161,6 +167,7 @@ class Trainer:
                 security=cfg.security.client_security(), row_dtype=self.embedding.row_dtype,
                 initial_rows=self.embedding.initial_row_blocks)
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
+        self.embedding.set_pager(self.source)  # dynamic tables page rows out to it
         predictor = (RowPredictor(self.embedding, sync.staleness)
                      if sync.staleness_compensation == "predict" and sync.staleness > 0
                      else None)
@@ -284,6 +291,8 @@ class Trainer:
         self.inputs.close()  # what is in flight is the same on every rank
         self.window.drain(self.last_step)  # the final rows include every update
         self.source.finish(self.last_step)
+        if self.embedding.dynamic is not None and not self.cfg.sync.local_optimizer:
+            self.embedding.dynamic.report_counters()  # the server's stats up to date
         if self.hooks is not None:
             self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
         self.train_s = time.perf_counter() - start
@@ -337,6 +346,24 @@ class Trainer:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             torch.save({"tables": tables, "dense": dense, "steps": self.steps,
                         "world_size": self.ctx.world_size, "run_id": self.run_id}, path)
+
+    def dynamic_stats(self) -> dict[str, dict[str, float]]:
+        """Per dynamic table, every rank's counters summed, and the hit rate (collective)."""
+        dynamic = self.embedding.dynamic
+        if dynamic is None:
+            return {}
+        mine = dynamic.stats()
+        every: list[Any] = [mine]
+        if self.ctx.world_size > 1:
+            every = [None] * self.ctx.world_size
+            dist.all_gather_object(every, mine)
+        out: dict[str, dict[str, float]] = {}
+        for name in mine:
+            summed = {k: float(sum(r[name][k] for r in every)) for k in mine[name]}
+            summed["hit_rate"] = summed["hits"] / max(summed["lookups"], 1.0)
+            summed["occupancy"] = summed["occupied"] / max(summed["capacity"], 1.0)
+            out[name] = summed
+        return out
 
     def server_stats(self) -> tuple[dict[str, Any] | None, str]:
         """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
@@ -451,12 +478,15 @@ class Trainer:
             self.tb.close()
         if out.dump_state:
             self.dump_state(out.dump_state)
+        dynamic = self.dynamic_stats()  # a collective
         if ctx.world_size > 1:
             dist.barrier()  # every rank's pushes are applied before rank 0 reads the stats
         if not self.is_main:
             return None
         server, table = self.server_stats()
         res = self.results(eval_metrics, server, time.perf_counter() - self.created_at)
+        if dynamic:
+            res["dynamic"] = dynamic
         print(self.summary(res), flush=True)
         if table:
             print("shard server stats (this node):\n" + table, flush=True)

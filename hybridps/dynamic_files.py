@@ -197,3 +197,37 @@ def _rows_at(directory: Path, manifest: Manifest, table: str, dim: int,
                            else t.index_select(0, at))
     return PagedOut(torch.from_numpy(s_ids[local]), weight.index_select(0, at), got_state,
                     torch.from_numpy(s_seen[local]), torch.from_numpy(s_freq[local]))
+
+
+@dataclass
+class LiveRows:
+    """Every live id of a dynamic table in a checkpoint (on a slot or paged out), sorted
+    by id: its row and the last step it was looked up in; and the tombstones (ids dropped
+    from the paged store, with the step) of ids that are not live again."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    seen: torch.Tensor
+    tomb_ids: torch.Tensor
+    tomb_steps: torch.Tensor
+
+
+def live_rows(directory: str | Path, manifest: Manifest, table: str) -> LiveRows:
+    """For export (worker/export.py): the checkpoint read as by one rank holding all."""
+    entry = manifest.table(table)
+    plan = restore_plan(directory, manifest, table, entry.dim, (), 0, 1, 0, entry.num_rows)
+    rows, _ = load_rows(directory, table, entry.num_rows, entry.dim,
+                        manifest.shards(table, "rows"), 0, entry.num_rows, [ROWS_KEY])
+    weight = rows[ROWS_KEY]
+    assert weight is not None
+    kept = torch.from_numpy(np.flatnonzero(plan.kept))
+    ids = torch.cat([torch.from_numpy(plan.slot_id).index_select(0, kept), plan.paged.ids])
+    order = torch.argsort(ids)
+    tomb_ids = torch.from_numpy(plan.tombstones[0])
+    tomb_steps = torch.from_numpy(plan.tombstones[1])
+    dead = ~torch.isin(tomb_ids, ids)
+    return LiveRows(ids[order],
+                    torch.cat([weight.index_select(0, kept), plan.paged.rows])[order],
+                    torch.cat([torch.from_numpy(plan.seen).index_select(0, kept),
+                               plan.paged.seen])[order],
+                    tomb_ids[dead], tomb_steps[dead])

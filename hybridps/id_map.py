@@ -2,7 +2,8 @@
 
 Open addressing with linear probing: `keys`, `values` and a `state` byte per position
 (empty, full, or a removed entry's tombstone), the size a power of two kept at most
-70% occupied (full + tombstones; a rebuild drops the tombstones). Every operation works
+half occupied (full + tombstones; a rebuild drops the tombstones). 17 bytes a position:
+34 to 68 bytes an entry. Every operation works
 on a whole batch of ids at once: each probe round is a handful of numpy operations over
 the ids still probing, and at this load a round or two places or finds nearly all of
 them. A key's home position is a salted splitmix64 of it (hybridps/dynamic.py), so any
@@ -20,14 +21,16 @@ from hybridps.dynamic import salted
 
 EMPTY, FULL, GONE = 0, 1, 2
 MAP_SALT = 0x6A09E667F3BCC909
-MAX_LOAD = 0.7
+MAX_LOAD = 0.5
 MIN_SIZE = 16
+WINDOW = 4  # positions probed per round
+_STEPS = np.arange(WINDOW, dtype=np.int64)
 
 
 def _size_for(entries: int) -> int:
-    """The smallest power of two holding `entries` at half load."""
+    """The smallest power of two holding `entries` at a quarter load (a rebuild at half)."""
     size = MIN_SIZE
-    while size * 0.5 < entries:
+    while size * 0.25 < entries:
         size *= 2
     return size
 
@@ -44,6 +47,7 @@ class IdMap:
         self.keys = np.zeros(size, dtype=np.int64)
         self.values = np.zeros(size, dtype=np.int64)
         self.state = np.zeros(size, dtype=np.uint8)
+        self._claim = np.zeros(size, dtype=np.int64)  # _place's scratch
         self.count = 0
         self.gone = 0
 
@@ -67,12 +71,17 @@ class IdMap:
         mask = self.size - 1
         idx = np.arange(ids.size)
         pos = self._home(ids)
-        while idx.size:
-            st = self.state[pos]
-            hit = (st == FULL) & (self.keys[pos] == ids[idx])
-            out[idx[hit]] = pos[hit]
-            going = ~hit & (st != EMPTY)
-            idx, pos = idx[going], (pos[going] + 1) & mask
+        while idx.size:  # WINDOW positions of every id still probing at once
+            at = (pos[:, None] + _STEPS) & mask
+            st = self.state[at]
+            hit = (st == FULL) & (self.keys[at] == ids[idx][:, None])
+            stop = hit | (st == EMPTY)  # found, or an empty position: absent
+            first = stop.argmax(axis=1)
+            rows = np.arange(idx.size)
+            found = hit[rows, first]
+            out[idx[found]] = at[rows, first][found]
+            going = ~stop[rows, first]
+            idx, pos = idx[going], (pos[going] + WINDOW) & mask
         return out
 
     def find(self, ids: np.ndarray) -> np.ndarray:
@@ -86,13 +95,14 @@ class IdMap:
     def contains(self, ids: np.ndarray) -> np.ndarray:
         return self._locate(ids) >= 0
 
-    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Add distinct ids that are absent (ValueError otherwise) with their values."""
+    def insert(self, ids: np.ndarray, values: np.ndarray, *, check: bool = True) -> None:
+        """Add distinct ids that are absent with their values (`check`: ValueError
+        otherwise; a caller that knows it may skip the check)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         values = np.ascontiguousarray(values, dtype=np.int64)
         if ids.size == 0:
             return
-        if np.unique(ids).size != ids.size or bool(self.contains(ids).any()):
+        if check and (np.unique(ids).size != ids.size or bool(self.contains(ids).any())):
             raise ValueError("IdMap.insert: ids must be distinct and absent")
         if self.count + self.gone + ids.size > MAX_LOAD * self.size:
             self._rebuild(self.count + ids.size)
@@ -102,11 +112,20 @@ class IdMap:
         mask = self.size - 1
         idx = np.arange(ids.size)
         pos = self._home(ids)
+        claim = self._claim
         while idx.size:
-            free = np.flatnonzero(self.state[pos] != FULL)
-            # several ids may reach one free position in a round: the first of them takes it
-            _, first = np.unique(pos[free], return_index=True)
-            won = free[first]
+            # each id's first free position within WINDOW of where it is (else move on)
+            at = (pos[:, None] + _STEPS) & mask
+            open_ = self.state[at] != FULL
+            first = open_.argmax(axis=1)
+            rows = np.arange(idx.size)
+            has = open_[rows, first]
+            pos = np.where(has, at[rows, first], (pos + WINDOW) & mask)
+            free = np.flatnonzero(has)
+            # several ids may reach one free position in a round: one of them takes it
+            # (which one changes only where an id sits in the table, never its value)
+            claim[pos[free]] = idx[free]
+            won = free[claim[pos[free]] == idx[free]]
             at = pos[won]
             self.gone -= int((self.state[at] == GONE).sum())
             self.state[at] = FULL
@@ -115,7 +134,9 @@ class IdMap:
             self.count += won.size
             going = np.ones(idx.size, dtype=bool)
             going[won] = False
-            idx, pos = idx[going], (pos[going] + 1) & mask
+            # a loser probes on after the position it lost; the others moved on already
+            nxt = np.where(has, pos + 1, pos) & mask
+            idx, pos = idx[going], nxt[going]
 
     def set_values(self, ids: np.ndarray, values: np.ndarray) -> None:
         """New values for ids that are present (ValueError otherwise)."""
@@ -125,10 +146,10 @@ class IdMap:
         self.values[pos] = values
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
-        """Remove the ids that are present; returns which were."""
+        """Remove the ids that are present (distinct); returns which were."""
         pos = self._locate(ids)
         hit = pos >= 0
-        at = np.unique(pos[hit])
+        at = pos[hit]
         self.state[at] = GONE
         self.count -= at.size
         self.gone += at.size

@@ -113,7 +113,7 @@ class PagedRows:
         self._grow(n)
         pos = self.free[self.n_free - n:self.n_free][::-1].copy()
         self.n_free -= n
-        self.index.insert(out.ids.numpy(), pos)
+        self.index.insert(out.ids.numpy(), pos, check=False)  # the caller checked
         at = torch.from_numpy(pos)
         self.rows.index_copy_(0, at, out.rows.to(torch.float32))
         for name, _ in self.layout:

@@ -3,11 +3,25 @@ store, admission filters, the slot table's eviction rules, and bad specs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from hybridps.checkpoint import (
+    FileEntry,
+    Manifest,
+    ManifestShard,
+    ManifestTable,
+    OptimState,
+    load_rows,
+    rows_file,
+    save_optim_state,
+    save_shard,
+)
 from hybridps.dynamic import DynamicSpec, initial_rows, owner_of_ids
+from hybridps.dynamic_files import restore_plan, save_ids, save_paged
 from hybridps.id_map import IdMap
 from hybridps.paged_rows import PagedOut, PagedRows
 from worker.admission import Admission, CountMinSketch
@@ -218,3 +232,83 @@ def test_bad_specs_name_the_value() -> None:
         ShardedEmbedding([TableConfig("user", 1, 4, DynamicSpec())], rank=0, world_size=2)
     assert parse_tables("u:10:dynamic:lfu:probability=0.5:expire=7,s:4")[0][3] == DynamicSpec(
         eviction="lfu", admission="probability", probability=0.5, expire_steps=7)
+
+
+def test_checkpoint_files_reshard_every_id_to_its_new_owner(tmp_path: Path) -> None:
+    """Two saving ranks' slots and paged rows, read back at 1 and at 3 ranks: every live id
+    is held exactly once, on its owner at the new world size, with its row, optimizer state,
+    last step seen and frequency; an id keeps its slot where its new owner holds it."""
+    capacity, dim, world = 10, 3, 2
+    layout = (("m", dim), ("v", dim))
+    rng = np.random.default_rng(5)
+    truth: dict[int, tuple[torch.Tensor, ...]] = {}
+    shards = []
+    slot_of: dict[int, int] = {}
+    for rank in range(world):
+        start, end = rank * capacity // world, (rank + 1) * capacity // world
+        n = end - start
+        mine = [i for i in rng.integers(-10**12, 10**12, 200).tolist()
+                if int(owner_of_ids(torch.tensor([i]), world)[0]) == rank][:n + 3]
+        on_slots, paged_ids = mine[:n - 1], mine[n - 1:]  # one slot left free
+        t = SlotTable("u", DynamicSpec(), start, n, seed=0, table_index=0)
+        seen = np.full(n, -1, dtype=np.int64)
+        seen[:n - 1] = rng.integers(0, 50, n - 1)
+        slot_id = np.zeros(n, dtype=np.int64)
+        slot_id[:n - 1] = on_slots
+        freq = np.where(seen >= 0, rng.integers(1, 9, n), 0)
+        t.load(slot_id, seen, freq, np.array(paged_ids, dtype=np.int64))
+        rows, m, v = torch.randn(n, dim), torch.randn(n, dim), torch.rand(n, dim)
+        store = PagedRows(dim, layout)
+        entries = _entry(paged_ids, dim)
+        store.put(entries)
+        for s in range(n - 1):
+            truth[on_slots[s]] = (rows[s], m[s], v[s], torch.tensor(int(seen[s])),
+                                  torch.tensor(int(freq[s])))
+            slot_of[on_slots[s]] = start + s
+        for i, ident in enumerate(paged_ids):
+            truth[ident] = (entries.rows[i], entries.state["m"][i], entries.state["v"][i],
+                            entries.seen[i], entries.freq[i])
+        files = {
+            "rows": save_shard(tmp_path, rows_file("u", rank), kind="rows", table="u",
+                               rank=rank, num_rows=capacity, dim=dim, row_start=start,
+                               row_end=end, tensors={"weight": rows}),
+            "optim": save_optim_state(tmp_path, table="u", rank=rank, num_rows=capacity,
+                                      dim=dim, row_start=start, row_end=end,
+                                      state=OptimState(m, v, 4, 7), optimizer={}),
+            "ids": save_ids(tmp_path, table="u", rank=rank, start=start, end=end,
+                            state=t.state_dict(), step=7),
+            "paged": save_paged(tmp_path, table="u", rank=rank, start=start, end=end,
+                                store=store, step=7)}
+        shards.append(ManifestShard(rank, start, end, {
+            k: FileEntry(f.file, f.bytes, f.crc32) for k, f in files.items()}))
+    manifest = Manifest(step=7, tables={"u": ManifestTable(capacity, dim, tuple(shards),
+                                                           {"dynamic": {}})},
+                        world_size=world)
+    manifest.write(tmp_path)
+    for new_world in (1, 3):
+        held: dict[int, tuple[torch.Tensor, ...]] = {}
+        for rank in range(new_world):
+            start, end = rank * capacity // new_world, (rank + 1) * capacity // new_world
+            plan = restore_plan(tmp_path, Manifest.read(tmp_path), "u", dim, layout, rank,
+                                new_world, start, end)
+            full_rows, _ = load_rows(tmp_path, "u", capacity, dim,
+                                     manifest.shards("u", "rows"), start, end, ["weight"])
+            full_state, _ = load_rows(tmp_path, "u", capacity, dim,
+                                      manifest.shards("u", "optim"), start, end, ["m", "v"])
+            for s in np.flatnonzero(plan.kept).tolist():
+                ident = int(plan.slot_id[s])
+                assert slot_of[ident] == start + s  # kept its slot
+                assert ident not in held
+                held[ident] = (full_rows["weight"][s], full_state["m"][s],  # type: ignore
+                               full_state["v"][s], torch.tensor(int(plan.seen[s])),  # type: ignore
+                               torch.tensor(int(plan.freq[s])))
+            p = plan.paged
+            assert (owner_of_ids(p.ids, new_world) == rank).all()
+            for i, ident in enumerate(p.ids.tolist()):
+                assert ident not in held
+                held[ident] = (p.rows[i], p.state["m"][i], p.state["v"][i], p.seen[i],
+                               p.freq[i])
+        assert set(held) == set(truth)
+        for ident, want in truth.items():
+            for a, b in zip(held[ident], want, strict=True):
+                assert torch.equal(a, b), (new_world, ident)

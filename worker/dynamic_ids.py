@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridps.dynamic import DynamicSpec, initial_rows, owner_of_ids
+from hybridps.cli import ConfigError
+from hybridps.dynamic import DynamicSpec, check_capacity, initial_rows, owner_of_ids
 from hybridps.paged_rows import PagedOut
 from worker.comm import BlockCap, exchange, exchange_blocks
 from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
@@ -326,6 +327,22 @@ class DynamicIds:
                 "lookups": s.lookups, "hits": s.hits, "admissions": s.admissions,
                 "refused_filter": s.refused_filter, "refused_capacity": s.refused_capacity}
 
+    def gathered_stats(self) -> dict[str, dict[str, float]]:
+        """Per table, every rank's counters summed, with the hit rate and occupancy
+        (a collective when world size > 1): --results' `dynamic`."""
+        mine = self.stats()
+        every: list[Any] = [mine]
+        if self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine)
+        out: dict[str, dict[str, float]] = {}
+        for name in mine:
+            summed = {k: float(sum(r[name][k] for r in every)) for k in mine[name]}
+            summed["hit_rate"] = summed["hits"] / max(summed["lookups"], 1.0)
+            summed["occupancy"] = summed["occupied"] / max(summed["capacity"], 1.0)
+            out[name] = summed
+        return out
+
     def report_counters(self) -> None:
         """Hand the pager this rank's counters now (a Page call that moves nothing), e.g.
         at the end of training, so the server's stats are current."""
@@ -348,6 +365,21 @@ class DynamicIds:
             s["host_bytes"] = t.slots.nbytes
             out[name] = s
         return out
+
+
+def check_dynamic_tables(tables: Sequence[Any], world_size: int, row_dtype: str) -> None:
+    """A run's dynamic tables (TableConfig) fit its world size and options: ConfigError
+    (one line, exit 2) naming the value otherwise."""
+    for t in tables:
+        if t.dynamic is None:
+            continue
+        try:
+            check_capacity(t.name, t.num_rows, world_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if row_dtype != "fp32":
+            raise ConfigError(f"row_dtype={row_dtype!r}: dynamic table {t.name!r} keeps "
+                              "fp32 rows; use --row-dtype fp32")
 
 
 def _first_seen_unique(ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

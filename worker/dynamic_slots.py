@@ -51,6 +51,7 @@ class PageRequest:
     in_ids: np.ndarray
     new_slots: np.ndarray
     new_ids: np.ndarray
+    placed_slots: np.ndarray  # the slot of every id placed, in the order of the ids
 
     @property
     def moves(self) -> bool:
@@ -142,24 +143,26 @@ class SlotTable:
         stats.lookups += ids.size
         stats.hits += int(hit.sum())
         miss = np.flatnonzero(~hit)
-        paged = self.paged.contains(ids[miss])
-        new = miss[~paged]
+        is_paged = np.zeros(ids.size, dtype=bool)
+        is_paged[miss] = self.paged.contains(ids[miss])
+        new = miss[~is_paged[miss]]
         admitted = self.admission.admit(ids[new], step)
         stats.refused_filter += int((~admitted).sum())
-        want = np.sort(np.concatenate([miss[paged], new[admitted]]))  # batch order
-        request, placed = self._make_room(ids, want, local, step, applied_through)
+        want = np.sort(np.concatenate([miss[is_paged[miss]], new[admitted]]))  # batch order
+        request, placed = self._make_room(ids, want, local, is_paged, applied_through)
         answer = pager(request) if request.moves else PageAnswer(
             np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         self._commit(request, answer, step)
-        slots = self.map.find(ids)
+        slots = local.copy()
+        slots[want[:placed]] = request.placed_slots
         got = slots >= 0
         self.seen[slots[got]] = step
-        self.freq[slots[hit]] = np.minimum(self.freq[slots[hit]] + 1, LFU_FREQ_CAP)
+        self.freq[local[hit]] = np.minimum(self.freq[local[hit]] + 1, LFU_FREQ_CAP)
         stats.refused_capacity += want.size - placed
         return np.where(got, slots + self.start, -1), request
 
-    def _make_room(self, ids: np.ndarray, want: np.ndarray, local: np.ndarray, step: int,
-                   applied_through: int) -> tuple[PageRequest, int]:
+    def _make_room(self, ids: np.ndarray, want: np.ndarray, local: np.ndarray,
+                   is_paged: np.ndarray, applied_through: int) -> tuple[PageRequest, int]:
         """Slots for the wanted ids (positions into `ids`): free ones, then evicted ones."""
         take_free = min(want.size, self.free.size)
         slots = self.free[:take_free]
@@ -169,12 +172,12 @@ class SlotTable:
             slots = np.concatenate([slots, victims])
         placed = int(slots.size)
         chosen = want[:placed]
-        paged = self.paged.contains(ids[chosen])
+        paged = is_paged[chosen]
         request = PageRequest(
             out_slots=victims, out_ids=self.slot_id[victims].copy(),
             out_seen=self.seen[victims].copy(), out_freq=self.freq[victims].copy(),
             in_slots=slots[paged], in_ids=ids[chosen][paged],
-            new_slots=slots[~paged], new_ids=ids[chosen][~paged])
+            new_slots=slots[~paged], new_ids=ids[chosen][~paged], placed_slots=slots)
         self.free = self.free[take_free:]
         return request, placed
 
@@ -196,7 +199,8 @@ class SlotTable:
         stats = self.stats
         if req.out_slots.size:
             self.map.remove(req.out_ids)
-            self.paged.insert(req.out_ids, np.zeros(req.out_ids.size, dtype=np.int64))
+            self.paged.insert(req.out_ids, np.zeros(req.out_ids.size, dtype=np.int64),
+                              check=False)  # they were on slots: not paged
             stats.evictions += req.out_slots.size
         if answer.dropped.size:
             self.paged.remove(answer.dropped)
@@ -211,7 +215,7 @@ class SlotTable:
         stats.admissions += req.new_slots.size
         slots = np.concatenate([req.in_slots, req.new_slots])
         ids = np.concatenate([req.in_ids, req.new_ids])
-        self.map.insert(ids, slots)
+        self.map.insert(ids, slots, check=False)  # distinct misses of this step
         self.slot_id[slots] = ids
         self.seen[slots] = step
 

@@ -37,6 +37,7 @@ from worker import comm, faults
 from worker.checkpoint import Checkpointer
 from worker.config import TrainConfig
 from worker.console import bar_postfix, checkpoint_lines, route_logs_around
+from worker.dynamic_ids import check_dynamic_tables
 from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
@@ -126,6 +127,7 @@ class Trainer:
         self.steps = num_steps(cfg, self.task, ctx.world_size)
         self.run_id = resolve_run_id(cfg, ctx)
         tables = self.task.tables()
+        check_dynamic_tables(tables, ctx.world_size, cfg.optim.row_dtype)
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
@@ -347,24 +349,6 @@ class Trainer:
             torch.save({"tables": tables, "dense": dense, "steps": self.steps,
                         "world_size": self.ctx.world_size, "run_id": self.run_id}, path)
 
-    def dynamic_stats(self) -> dict[str, dict[str, float]]:
-        """Per dynamic table, every rank's counters summed, and the hit rate (collective)."""
-        dynamic = self.embedding.dynamic
-        if dynamic is None:
-            return {}
-        mine = dynamic.stats()
-        every: list[Any] = [mine]
-        if self.ctx.world_size > 1:
-            every = [None] * self.ctx.world_size
-            dist.all_gather_object(every, mine)
-        out: dict[str, dict[str, float]] = {}
-        for name in mine:
-            summed = {k: float(sum(r[name][k] for r in every)) for k in mine[name]}
-            summed["hit_rate"] = summed["hits"] / max(summed["lookups"], 1.0)
-            summed["occupancy"] = summed["occupied"] / max(summed["capacity"], 1.0)
-            out[name] = summed
-        return out
-
     def server_stats(self) -> tuple[dict[str, Any] | None, str]:
         """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
         if self.cfg.sync.local_optimizer:
@@ -478,7 +462,8 @@ class Trainer:
             self.tb.close()
         if out.dump_state:
             self.dump_state(out.dump_state)
-        dynamic = self.dynamic_stats()  # a collective
+        dynamic = ({} if self.embedding.dynamic is None  # a collective
+                   else self.embedding.dynamic.gathered_stats())
         if ctx.world_size > 1:
             dist.barrier()  # every rank's pushes are applied before rank 0 reads the stats
         if not self.is_main:

@@ -18,7 +18,10 @@ in-process optimizer: --local-optimizer's path, staleness 0):
   rows page out with their Adam state (host memory) and come back bitwise;
 - modulo (a): a static table of the same C rows, fed raw id % C (collisions);
 - full (b): a static table with a row for every item of the stream (no collisions);
-- TorchRec's ManagedCollisionCollection (c), when torchrec imports on this machine.
+- torchrec (c): TorchRec's ManagedCollisionCollection (MCH, LRU) remapping raw ids to C
+  rows of an nn.Embedding (SparseAdam), an evicted row reset; when torchrec imports
+  (pyproject's `bench` extra: pip install -e '.[bench]' && pip install --no-deps
+  torchrec==1.8.0), otherwise the JSON says why not.
 
 Goals (issue 35): AUC(dynamic) >= AUC(full) - 0.005 at 1/10 of its device rows; AUC(dynamic)
 > AUC(modulo); samples/s(dynamic) >= 0.8 x samples/s(modulo, same capacity).
@@ -168,18 +171,111 @@ class Variant:
         return w.numel() * w.element_size()
 
 
-def torchrec_status() -> str:
+class TorchRecVariant:
+    """(c) TorchRec's ManagedCollisionCollection (an MCH module, LRU, eviction every step)
+    remapping raw ids to `capacity` rows of an nn.Embedding trained by SparseAdam; an
+    evicted row is reset (its row re-drawn, its Adam state zeroed), as TorchRec's managed
+    collision embedding modules do: the evicted id's row is lost."""
+
+    name = "torchrec"
+
+    def __init__(self, capacity: int) -> None:
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+        from torchrec.modules.mc_modules import (
+            LRU_EvictionPolicy,
+            ManagedCollisionCollection,
+            MCHManagedCollisionModule,
+        )
+
+        self.capacity = capacity
+        module = MCHManagedCollisionModule(
+            zch_size=capacity, device=torch.device("cpu"), eviction_policy=LRU_EvictionPolicy(),
+            eviction_interval=1)
+        self.mcc = ManagedCollisionCollection({"t": module}, [EmbeddingConfig(
+            name="t", embedding_dim=DIM, num_embeddings=capacity, feature_names=["f"])])
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(capacity, DIM, sparse=True)
+        with torch.no_grad():
+            self.emb.weight.normal_(0.0, 0.05)
+        self.sparse_opt = torch.optim.SparseAdam(self.emb.parameters(), lr=0.02)
+        self.dense = dense_model(0)
+        self.opt = torch.optim.Adam(self.dense.parameters(), lr=0.003)
+        self.seconds: list[float] = []
+        self.samples: list[int] = []
+
+    def _slots(self, raw: torch.Tensor) -> torch.Tensor:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=raw & (2**63 - 1),  # its input range is [0, 2^63 - 1)
+            lengths=torch.ones(raw.numel(), dtype=torch.int64))
+        return self.mcc(kjt)["f"].values()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows = self.emb(self._slots(batch["raw"]))
+        out: torch.Tensor = self.dense(torch.cat([rows, batch["dense"]], 1)).squeeze(1)
+        return out
+
+    def train(self, stream: Stream, steps: range) -> None:
+        self.mcc.train()
+        t0 = time.perf_counter()
+        for step in steps:
+            batch = stream.batch(step)
+            loss = nn.functional.binary_cross_entropy_with_logits(self.forward(batch),
+                                                                  batch["label"])
+            self.opt.zero_grad()
+            self.sparse_opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.sparse_opt.step()
+            evicted = self.mcc.evict().get("t")
+            if evicted is not None and evicted.numel():
+                self._reset(evicted)
+        self.seconds.append(time.perf_counter() - t0)
+        self.samples.append(len(steps) * stream.shape.batch)
+
+    @torch.no_grad()
+    def _reset(self, slots: torch.Tensor) -> None:
+        self.emb.weight[slots] = torch.randn(slots.numel(), DIM) * 0.05
+        for state in self.sparse_opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key][slots] = 0.0
+
+    @torch.no_grad()
+    def auc(self, stream: Stream) -> float:
+        self.mcc.eval()
+        logits, labels = [], []
+        first = stream.shape.steps
+        for step in range(first, first + stream.shape.eval_steps):
+            batch = stream.batch(step)
+            logits.append(self.forward(batch))
+            labels.append(batch["label"])
+        return float(batch_roc_auc(torch.cat(logits), torch.cat(labels)))
+
+    @property
+    def samples_per_s(self) -> float:
+        return statistics.median(n / s for n, s in zip(self.samples, self.seconds,
+                                                       strict=True))
+
+    @property
+    def device_bytes(self) -> int:
+        return self.emb.weight.numel() * self.emb.weight.element_size()
+
+
+def torchrec_variant(capacity: int) -> tuple[TorchRecVariant | None, str]:
+    """(c) when torchrec imports and builds here; else (None, why not)."""
     try:
-        from torchrec.modules.mc_modules import ManagedCollisionCollection  # noqa: F401
-    except Exception as exc:  # any import failure: say why
-        return f"not run: torchrec does not import here ({type(exc).__name__}: {exc})"
-    return ("not run: torchrec imports, but its ManagedCollisionCollection path (remapping, "
-            "eviction, a fused optimizer) is not wired into this benchmark yet")
+        return TorchRecVariant(capacity), "ran"
+    except Exception as exc:  # any import or build failure: say why
+        return None, f"not run: {type(exc).__name__}: {exc}"
 
 
 def main() -> int:
-    args = bench_parser(__doc__, quick="the same shape, small (capacity 1/5 of the ids)"
-                        ).parse_args()
+    parser = bench_parser(__doc__, quick="the same shape, small (capacity 1/5 of the ids)")
+    parser.add_argument("--no-torchrec", action="store_true",
+                        help="skip (c), TorchRec's ManagedCollisionCollection")
+    args = parser.parse_args()
     load_before = os.getloadavg()
     torch.set_num_threads(1)  # one thread for every variant: the same work compared
     shape = QUICK if args.quick else FULL
@@ -188,13 +284,18 @@ def main() -> int:
     capacity = max(1, seen // shape.capacity_share)
     log(f"stream: {shape.steps} steps x {shape.batch} samples, {seen} distinct ids seen "
         f"(universe {shape.universe}); dynamic capacity {capacity}")
-    variants = [
+    variants: list[Any] = [
         Variant("dynamic", TableConfig("ids", capacity, DIM, DynamicSpec()),
                 lambda b: b["raw"]),
         Variant("modulo", TableConfig("ids", capacity, DIM),
                 lambda b: torch.remainder(b["raw"], capacity)),
         Variant("full", TableConfig("ids", shape.universe, DIM), lambda b: b["item"]),
     ]
+    torchrec, torchrec_state = (None, "skipped (--no-torchrec)") if args.no_torchrec else (
+        torchrec_variant(capacity))
+    if torchrec is not None:
+        variants.append(torchrec)
+    log(f"torchrec: {torchrec_state}")
     bounds = np.linspace(0, shape.steps, shape.chunks + 1).astype(int)
     for c, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         for v in variants:  # interleaved: the machine's load hits every variant alike
@@ -216,8 +317,11 @@ def main() -> int:
         "samples_per_s_dynamic": by["dynamic"].samples_per_s,
         "samples_per_s_static_same_capacity": by["modulo"].samples_per_s,
         "samples_per_s_full": by["full"].samples_per_s,
-        "dynamic_stats": stats, "torchrec": torchrec_status(),
+        "dynamic_stats": stats, "torchrec": torchrec_state,
     }
+    if torchrec is not None:
+        result.update(auc_torchrec=auc["torchrec"], samples_per_s_torchrec=torchrec.samples_per_s,
+                      device_bytes_torchrec=torchrec.device_bytes)
     result["goals"] = {
         "auc_within_0.005_of_full": auc["dynamic"] >= auc["full"] - 0.005,
         "auc_above_modulo": auc["dynamic"] > auc["modulo"],

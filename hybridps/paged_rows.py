@@ -156,11 +156,8 @@ class PagedRows:
         return torch.from_numpy(found), self.rows.index_select(0, torch.from_numpy(pos[found]))
 
     def _release(self, ids: np.ndarray, pos: np.ndarray) -> None:
+        """Free pool positions (their content is overwritten by the next put there)."""
         self.index.remove(ids)
-        at = torch.from_numpy(pos)
-        self.rows.index_fill_(0, at, 0.0)
-        for t in self.state.values():
-            t.index_fill_(0, at, 0.0)
         back = np.sort(pos)[::-1]
         self.free[self.n_free:self.n_free + back.size] = back
         self.n_free += back.size

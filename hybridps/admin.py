@@ -227,6 +227,15 @@ def _wrapped(text: str, width: int) -> list[str]:
 def _refusals_cell(counts: Mapping[str, int]) -> str:
     text = _refusals(counts)
     return text if len(text) <= MAX_REFUSALS_CELL else f"{sum(counts.values())} (--wide)"
+def _dynamic_lines(stats: admin_pb2.ShardStats) -> list[str]:
+    """One line per dynamic table's partition (docs/dynamic_ids.md)."""
+    return [f"dynamic {p.run_id} rank {p.rank} {p.table}: occupied {p.dynamic_occupied}/"
+            f"{p.dynamic_capacity}  admissions {p.dynamic_admissions}  refusals "
+            f"{p.dynamic_refusals}  evictions {p.dynamic_evictions}  page-ins "
+            f"{p.dynamic_page_ins}  hit rate {p.dynamic_hit_rate:.3f}  paged "
+            f"{p.dynamic_paged_rows} ({_mb(p.dynamic_paged_bytes)} MB)  expired "
+            f"{p.dynamic_expired}  dropped {p.dynamic_dropped}"
+            for p in stats.partitions if p.dynamic]
 
 
 def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
@@ -256,6 +265,8 @@ def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
     if not stats.partitions:
         lines.append("(no partitions registered)")
         return "\n".join(lines)
+    lines += [part for line in _dynamic_lines(stats)
+              for part in (_wrapped(line, max(width, 40)) if not wide else [line])]
     if wide:
         optimizers = {p.optimizer for p in stats.partitions}
         columns = COLUMNS if len(optimizers) > 1 else COLUMNS[:-1]

@@ -41,7 +41,7 @@ import os
 import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -296,6 +296,9 @@ def load_rows(directory: str | Path, table: str, num_rows: int, dim: int,
 # -- the manifest -----------------------------------------------------------------------
 
 MANIFEST_CHECKSUM = "checksum"
+# The files a shard entry of a manifest may list: the rows, the optimizer state, and for a
+# dynamic table (docs/dynamic_ids.md) its slots' ids and its paged-out rows.
+SHARD_FILE_KINDS = ("rows", "optim", "ids", "paged")
 
 
 def _manifest_crc(body: Mapping[str, Any]) -> str:
@@ -333,6 +336,169 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class FileEntry:
+    """One file a manifest lists: its path (relative to the checkpoint), size and crc32."""
+
+    file: str
+    bytes: int = 0
+    crc32: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes, "crc32": self.crc32}
+
+    @classmethod
+    def of(cls, entry: Mapping[str, Any]) -> FileEntry:
+        return cls(str(entry["file"]), int(entry.get("bytes", 0)), str(entry.get("crc32", "")))
+
+
+@dataclass(frozen=True)
+class ManifestShard:
+    """The files one rank saved for a table's rows [row_start, row_end), by kind: "rows"
+    and "optim" (dynamic tables also "ids" and "paged", hybridps/dynamic_files.py)."""
+
+    rank: int
+    row_start: int
+    row_end: int
+    files: Mapping[str, FileEntry]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "row_start": self.row_start, "row_end": self.row_end,
+                **{kind: f.as_dict() for kind, f in self.files.items()}}
+
+    def info(self, table: str, kind: str) -> ShardInfo:
+        f = self.files[kind]
+        return ShardInfo(table, self.rank, self.row_start, self.row_end, f.file, f.bytes,
+                         f.crc32)
+
+
+@dataclass(frozen=True)
+class ManifestTable:
+    """A table of a checkpoint: its shape, its shards, and what else a table declares
+    (`extra`: e.g. a dynamic table's spec), kept as it was written."""
+
+    num_rows: int
+    dim: int
+    shards: tuple[ManifestShard, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.extra, "num_rows": self.num_rows, "dim": self.dim,
+                "shards": [s.as_dict() for s in self.shards]}
+
+
+@dataclass(frozen=True)
+class PendingEntry:
+    """The workers' pending updates (worker/checkpoint.py): the staleness, the newest step
+    in the rows, and one file per rank."""
+
+    staleness: int
+    applied_through: int
+    files: tuple[tuple[int, FileEntry], ...]  # (rank, file)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"staleness": self.staleness, "applied_through": self.applied_through,
+                "files": [{"rank": rank, **f.as_dict()} for rank, f in self.files]}
+
+
+# The manifest's keys this class reads; any other is kept in `extra` and written back.
+_MANIFEST_KEYS = ("step", "next_step", "world_size", "run_id", "mode", "row_dtype",
+                  "optimizer", "task", "seed", "data", "created_unix", "tables", "dense",
+                  "pending")
+
+
+@dataclass
+class Manifest:
+    """A checkpoint's manifest.json, typed (the on-disk JSON is unchanged: `as_dict` writes
+    what `from_dict` reads, and a manifest written by older code, or a minimal one, reads
+    with the defaults below).
+
+    `read` checks the file's own checksum and shape first (read_manifest); a malformed
+    part raises CorruptCheckpoint naming it."""
+
+    step: int
+    tables: dict[str, ManifestTable]
+    world_size: int = 0
+    next_step: int | None = None
+    run_id: str = ""
+    mode: str = ""
+    row_dtype: str = "fp32"
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    task: str = ""
+    seed: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+    created_unix: float = 0.0
+    dense: dict[str, Any] | None = None
+    pending: PendingEntry | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, directory: str | Path) -> Manifest:
+        return cls.from_dict(read_manifest(directory))
+
+    def write(self, directory: str | Path) -> None:
+        write_manifest(directory, self.as_dict())
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        step = data.get("step")
+        try:
+            tables = {str(name): ManifestTable(
+                int(t["num_rows"]), int(t["dim"]),
+                tuple(ManifestShard(int(s["rank"]), int(s["row_start"]), int(s["row_end"]),
+                                    {k: FileEntry.of(v) for k, v in s.items()
+                                     if isinstance(v, Mapping)})
+                      for s in t["shards"]),
+                {k: v for k, v in t.items() if k not in ("num_rows", "dim", "shards")})
+                for name, t in data["tables"].items()}
+            pending = data.get("pending")
+            return cls(
+                step=int(data["step"]), tables=tables,
+                world_size=int(data.get("world_size", 0)),
+                next_step=None if data.get("next_step") is None else int(data["next_step"]),
+                run_id=str(data.get("run_id", "")), mode=str(data.get("mode", "")),
+                row_dtype=str(data.get("row_dtype", "fp32")),
+                optimizer=dict(data.get("optimizer") or {}), task=str(data.get("task", "")),
+                seed=int(data.get("seed", 0)), data=dict(data.get("data") or {}),
+                created_unix=float(data.get("created_unix", 0.0)),
+                dense=None if data.get("dense") is None else dict(data["dense"]),
+                pending=None if pending is None else PendingEntry(
+                    int(pending["staleness"]), int(pending["applied_through"]),
+                    tuple((int(f["rank"]), FileEntry.of(f)) for f in pending["files"])),
+                extra={k: v for k, v in data.items()
+                       if k not in _MANIFEST_KEYS and k not in ("format", MANIFEST_CHECKSUM)})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpoint(f"checkpoint of step {step}: malformed manifest "
+                                    f"({type(exc).__name__}: {exc})") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.extra, "step": self.step,
+                               "tables": {n: t.as_dict() for n, t in self.tables.items()}}
+        optional = {"world_size": self.world_size, "next_step": self.next_step,
+                    "run_id": self.run_id, "mode": self.mode, "row_dtype": self.row_dtype,
+                    "optimizer": self.optimizer, "task": self.task, "seed": self.seed,
+                    "data": self.data, "created_unix": self.created_unix, "dense": self.dense,
+                    "pending": None if self.pending is None else self.pending.as_dict()}
+        out.update({k: v for k, v in optional.items() if v is not None})
+        return out
+
+    def table(self, name: str) -> ManifestTable:
+        entry = self.tables.get(name)
+        if entry is None:
+            raise NotFound(f"checkpoint of step {self.step} has no table {name!r} "
+                           f"(tables: {sorted(self.tables)})")
+        return entry
+
+    def shards(self, table: str, kind: str) -> list[ShardInfo]:
+        """The `kind` ("rows", "optim", ...) shards of `table`."""
+        entry = self.table(table)
+        try:
+            return [s.info(table, kind) for s in entry.shards]
+        except KeyError:
+            raise CorruptCheckpoint(f"checkpoint of step {self.step}: a shard of table "
+                                    f"{table!r} lists no {kind} file") from None
+
+
 def manifest_shards(manifest: Mapping[str, Any], table: str, key: str) -> list[ShardInfo]:
     """The `key` ("rows" or "optim") shards of `table` listed in a manifest."""
     entry = manifest["tables"].get(table)
@@ -359,7 +525,7 @@ def manifest_entries(manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     try:
         for _, t in sorted(manifest["tables"].items()):
             for s in t["shards"]:
-                entries.extend(s[k] for k in ("rows", "optim") if k in s)
+                entries.extend(s[k] for k in SHARD_FILE_KINDS if k in s)
         if "dense" in manifest:  # DCP files, or one dense.pt in older checkpoints
             dense = manifest["dense"]
             entries.extend(dense.get("files", [dense]))
@@ -464,10 +630,10 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
     check (manifest, files, headers, metadata), no tensor copied: a restore calls it for
     all of a partition's tables before it changes anything.
     """
-    manifest = read_manifest(directory)
-    if int(manifest["step"]) != step:
-        raise Conflict(f"checkpoint {directory} is of step {manifest['step']}, not {step}")
-    shards = manifest_shards(manifest, table, "optim")
+    manifest = Manifest.read(directory)
+    if manifest.step != step:
+        raise Conflict(f"checkpoint {directory} is of step {manifest.step}, not {step}")
+    shards = manifest.shards(table, "optim")
     widths = _widths(optimizer, dim)
     names = (*widths, *(("master",) if master else ()))
 
@@ -481,7 +647,7 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
                                check_meta=same_optimizer)
     if master and tensors["master"] is None:
         rows, _ = load_rows(directory, table, num_rows, dim,
-                            manifest_shards(manifest, table, "rows"), row_start, row_end,
+                            manifest.shards(table, "rows"), row_start, row_end,
                             ["weight"], verify=verify, dry_run=dry_run)
         tensors["master"] = rows["weight"]
     try:

@@ -13,10 +13,18 @@ from pathlib import Path
 
 import torch
 
-from hybridps.checkpoint import OptimState, ShardInfo, load_optim_state, save_optim_state
+from hybridps.checkpoint import (
+    Manifest,
+    OptimState,
+    ShardInfo,
+    load_optim_state,
+    save_optim_state,
+    verify_shards,
+)
+from hybridps.dynamic_files import restore_plan, save_paged
 from hybridps.errors import Conflict
 from hybridps.optim import OptimizerSpec
-from ps.partition import Partition, TableSpec
+from ps.partition import Partition, TableSpec, TableState
 from ps.table_members import pieces
 
 
@@ -43,7 +51,12 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
                 state=OptimState({n: x[p.lo:p.hi] for n, x in t.state.items()},
                                  t.adam_step, t.last_step, _rows(t.master, p.lo, p.hi)),
                 optimizer=opt, incarnation=part.incarnation))
+        if t.paging is not None:  # a dynamic table's paged-out rows
+            out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
+                                  start=t.spec.row_start, end=t.spec.row_end,
+                                  store=t.paging.store, step=step))
     return out
+
 
 
 def check_restore(specs: Sequence[TableSpec], optimizer: OptimizerSpec, master: bool,
@@ -63,6 +76,10 @@ def check_restore(specs: Sequence[TableSpec], optimizer: OptimizerSpec, master: 
         if len(counts) > 1:  # one step count per group: its members' must agree
             raise Conflict(f"checkpoint {directory}: the tables of group {s.name!r} were "
                            f"saved with different optimizer step counts {sorted(counts)}")
+        if s.dynamic:  # its slot maps and paged-out rows
+            manifest = Manifest.read(directory)
+            verify_shards(directory, [*manifest.shards(s.name, "ids"),
+                                      *manifest.shards(s.name, "paged")])
 
 
 def restore_partition(part: Partition, directory: str | Path, step: int,
@@ -91,6 +108,8 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
             t.adam_step = state.adam_step
         if t.master is not None:
             t.rows_seeded = s.rows_held
+        if t.paging is not None:
+            _restore_paged(part, t, directory)
         squares = t.state.get("v", t.state.get("sum"))  # the accumulated g^2: 0 untouched
         if squares is not None:
             t.touched.copy_((squares != 0).any(dim=1))
@@ -98,3 +117,17 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
         t.last_step = step
         t.answers.clear()
         t.bound.observe(t.state, t.master)  # what the loaded state holds
+
+
+def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> None:
+    """A dynamic table: the paged-out rows this rank owns now, and no optimizer state on
+    the slots whose id went to another owner (hybridps/dynamic_files.py)."""
+    assert t.paging is not None
+    s = t.spec
+    plan = restore_plan(directory, Manifest.read(directory), s.name, s.dim,
+                        t.paging.store.layout, part.rank, part.world_size, s.row_start,
+                        s.row_end, verify=False)
+    gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1)
+    for state in t.state.values():
+        state.index_fill_(0, gone, 0.0)
+    t.paging.store.load(plan.paged, plan.tombstones, plan.counters)

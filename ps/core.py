@@ -20,6 +20,7 @@ import torch
 from hybridps import optim
 from hybridps.errors import FlushTimeout, InvalidArgument, ShardError
 from hybridps.optim import OptimizerSpec
+from ps.paging import PageCall, PageResult
 from ps.partition import TableSpec
 from ps.push import Answer, PushChunk
 from ps.server_stats import ServerStats
@@ -164,6 +165,11 @@ class ShardCore:
         for rank in (list(ranks) or [-1]):
             await self.flush(run_id, rank, step, timeout_s)
         return await self._run(self.store.checkpoint, run_id, list(ranks), step, directory)
+
+    async def page(self, run_id: str, rank: int, incarnation: int, table: str,
+                   call: PageCall) -> PageResult:
+        """Store.page, off the event loop."""
+        return await self._run(self.store.page, run_id, rank, incarnation, table, call)
 
     def stats(self, run_id: str = "") -> ServerStats:
         return self.store.stats(run_id)

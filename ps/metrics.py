@@ -9,6 +9,9 @@ read from the Store at scrape time, so nothing is counted twice):
   hybridps_partition_rows_updated_total, hybridps_partition_refusals_total (+ reason),
   and the gauges hybridps_partition_{rows_held, state_bytes, master_bytes, rows_per_second,
   distinct_rows_touched, last_step, lag_steps, queue_depth};
+- per dynamic table's partition (docs/dynamic_ids.md): hybridps_partition_dynamic_{capacity,
+  occupied, admissions, refusals, evictions, page_ins, hit_rate, paged_rows, paged_bytes,
+  expired, dropped};
 - per run: hybridps_run_state{run, state} = 1 for its state (active, finished, aborted,
   abandoned);
 - per server: hybridps_refusals_total{reason}, hybridps_uptime_seconds,
@@ -57,6 +60,20 @@ PARTITION_GAUGES = (
     ("lag_steps", "newest step of the run on this server minus this partition's"),
     ("queue_depth", "pushes received but not yet applied"),
 )
+# a dynamic table's partitions only (docs/dynamic_ids.md), hybridps_partition_dynamic_<name>
+DYNAMIC_GAUGES = (
+    ("capacity", "the rank's slots"),
+    ("occupied", "slots holding an id"),
+    ("admissions", "new ids given a slot"),
+    ("refusals", "ids refused a slot (admission filter or no evictable slot)"),
+    ("evictions", "rows paged out of their slot"),
+    ("page_ins", "rows paged back onto a slot"),
+    ("hit_rate", "distinct ids looked up that were on a slot"),
+    ("paged_rows", "rows held paged out"),
+    ("paged_bytes", "host bytes of the rows held paged out"),
+    ("expired", "paged-out ids dropped after --expire steps unseen"),
+    ("dropped", "paged-out ids dropped over --max-state-bytes"),
+)
 
 
 class StoreCollector(Collector):
@@ -89,6 +106,9 @@ class StoreCollector(Collector):
                                             labels=[*LABELS, "reason"])
         gauges = {name: GaugeMetricFamily(f"hybridps_partition_{name}", doc, labels=list(LABELS))
                   for name, doc in PARTITION_GAUGES}
+        dynamic = {name: GaugeMetricFamily(f"hybridps_partition_dynamic_{name}", doc,
+                                           labels=list(LABELS))
+                   for name, doc in DYNAMIC_GAUGES}
         states: dict[str, str] = {}
         held: set[tuple[str, str, str]] = set()
         for p in stats.partitions:
@@ -100,11 +120,15 @@ class StoreCollector(Collector):
                 part_refusals.add_metric([*key, reason], n)
             for name, family in gauges.items():
                 family.add_metric(list(key), float(getattr(p, name)))
+            if p.dynamic:
+                for name, family in dynamic.items():
+                    family.add_metric(list(key), float(getattr(p, f"dynamic_{name}")))
             states[p.run_id] = p.run_state
         yield pushes
         yield rows
         yield part_refusals
         yield from gauges.values()
+        yield from dynamic.values()
         run_state = GaugeMetricFamily("hybridps_run_state", "1 for the run's state on this "
                                       "server (active, finished, aborted, abandoned)",
                                       labels=["run", "state"])

@@ -49,6 +49,7 @@ from hybridps.optim_kinds import state_floats_per_row
 from hybridps.push_checks import mark_rows_, scan_push_max
 from hybridps.state_alloc import STATE_OFFSETS, alloc_row_state, alloc_state
 from ps.overflow import OverflowBound
+from ps.paging import PagedTable
 from ps.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
 from ps.push import PushChunk as PushChunk  # re-exported: the core's input, next to TableSpec
 from ps.table_members import MemberSpec, check_members
@@ -84,6 +85,7 @@ class TableSpec:
     row_start: int
     row_end: int
     members: tuple[MemberSpec, ...] = ()
+    dynamic: bool = False  # slots of raw ids, with rows paged out (ps/paging.py)
 
     @property
     def rows_held(self) -> int:
@@ -105,12 +107,15 @@ class TableSpec:
                 f"0 <= row_start <= row_end <= num_rows={self.num_rows}"
             )
         check_members(self, MAX_TABLE_ROWS)
+        if self.dynamic and self.members:
+            raise InvalidArgument(f"{where}: a dynamic table cannot be a group of tables")
 
     def describe(self) -> str:
         group = (f", members={'+'.join(m.name for m in self.members)}" if self.members
                  else "")
         return (f"{self.name}(num_rows={self.num_rows}, dim={self.dim}, "
-                f"rows=[{self.row_start}, {self.row_end}){group})")
+                f"rows=[{self.row_start}, {self.row_end}){group}"
+                f"{', dynamic' if self.dynamic else ''})")
 
     def state_bytes(self, optimizer: str, master: bool) -> int:
         """Host bytes a partition allocates for these rows (TableState) with optimizer
@@ -198,6 +203,9 @@ class TableState:
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
         self.bound = OverflowBound(dim)
+        # a dynamic table: the rows paged out of its slots and the Page calls' bookkeeping
+        self.paging: PagedTable | None = (PagedTable(dim, optimizer.state_widths(dim))
+                                          if spec.dynamic else None)
 
     @property
     def where(self) -> str:
@@ -217,6 +225,27 @@ class TableState:
         for t in self.state.values():
             total += t.numel() * t.element_size()
         return total
+
+    @property
+    def paged_bytes(self) -> int:
+        """Host bytes of the rows a dynamic table holds paged out."""
+        return 0 if self.paging is None else self.paging.store.nbytes
+
+    # -- a row's optimizer state, by name (a dynamic table's paging, ps/paging.py) ----
+
+    def take_row_state(self, local_R: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer state of rows `local_R` (owned-row indices) by name, copied out
+        and zeroed here: the rows leave their slots."""
+        out = {}
+        for name, t in self.state.items():
+            out[name] = t.index_select(0, local_R)
+            t.index_fill_(0, local_R, 0.0)
+        return out
+
+    def put_row_state(self, local_R: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Set the optimizer state of rows `local_R` (by name, as take_row_state gives)."""
+        for name, t in self.state.items():
+            t.index_copy_(0, local_R, state[name])
 
     @property
     def master_bytes(self) -> int:
@@ -450,8 +479,9 @@ class Partition:
 
     @property
     def state_bytes(self) -> int:
-        """Host bytes of this partition's optimizer state and master rows."""
-        return sum(t.state_bytes + t.master_bytes for t in self.tables.values())
+        """Host bytes of this partition's optimizer state, master rows and paged-out rows."""
+        return sum(t.state_bytes + t.master_bytes + t.paged_bytes
+                   for t in self.tables.values())
 
     def difference(self, world_size: int, tables: list[TableSpec],
                    optimizer: OptimizerSpec,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ps.partition import ROW_DTYPES, Partition, TableState, optimizer_description
 from ps.session import TableKey
@@ -39,6 +40,20 @@ class PartitionStatsRow:
     master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
     row_dtype: str = "fp32"
     run_state: str = ""  # active | finished | aborted | abandoned (Store.run_state); '' unknown
+    # a dynamic table (docs/dynamic_ids.md; ps/paging.py): the rank's counters as of its last
+    # Page call, and this partition's paged-out rows
+    dynamic: bool = False
+    dynamic_capacity: int = 0
+    dynamic_occupied: int = 0
+    dynamic_admissions: int = 0
+    dynamic_refusals: int = 0
+    dynamic_evictions: int = 0
+    dynamic_page_ins: int = 0
+    dynamic_hit_rate: float = 0.0
+    dynamic_paged_rows: int = 0
+    dynamic_paged_bytes: int = 0
+    dynamic_expired: int = 0
+    dynamic_dropped: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,10 +95,25 @@ def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
                 queue_depth=queued.get((p.run_id, p.rank, name), 0),
                 refusals=dict(t.refusals), optimizer=opt,
                 master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
-                run_state=states.get(p.run_id, ""),
+                run_state=states.get(p.run_id, ""), **_dynamic_fields(t),
             )
             rows.extend(_per_member(row, t) if s.members else [row])
     return rows
+
+
+def _dynamic_fields(t: TableState) -> dict[str, Any]:
+    paging = t.paging
+    if paging is None:
+        return {}
+    c, store = paging.counters, paging.store
+    return {"dynamic": True, "dynamic_capacity": c.get("capacity", t.spec.rows_held),
+            "dynamic_occupied": c.get("occupied", 0),
+            "dynamic_admissions": c.get("admissions", 0),
+            "dynamic_refusals": c.get("refused_filter", 0) + c.get("refused_capacity", 0),
+            "dynamic_evictions": paging.page_outs, "dynamic_page_ins": paging.page_ins,
+            "dynamic_hit_rate": c.get("hits", 0) / max(c.get("lookups", 0), 1),
+            "dynamic_paged_rows": len(store), "dynamic_paged_bytes": store.nbytes,
+            "dynamic_expired": store.expired, "dynamic_dropped": store.dropped}
 
 
 def _per_member(row: PartitionStatsRow, t: TableState) -> list[PartitionStatsRow]:

@@ -31,6 +31,8 @@ from ps.sync_codec import (
     decode_request,
     encode_response,
     optimizer_args,
+    page_call,
+    page_response,
     row_dtype_arg,
     stats_message,
     table_specs,
@@ -331,6 +333,24 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 self.tracker.abort_grace_s + 0.05, self.tracker.recheck, request.run_id)
         return shard_pb2.FinishResponse(ranks_registered=registered, ranks_finished=finished,
                                         server_stopping=over and self.stop_when_run_over)
+
+
+    async def Page(self, request: shard_pb2.PageRequest,
+                   context: grpc.aio.ServicerContext) -> shard_pb2.PageResponse:
+        what = (f"page run={request.run_id!r} rank={request.rank} table={request.table!r}")
+        try:
+            self.core.store.authorize(request.run_id, [request.rank], call_secret(context),
+                                      what)
+            _, state = self.core.store.resolve(request.run_id, request.rank,
+                                               request.incarnation, request.table, what)
+            dim = state.spec.dim
+            result = await self.core.page(request.run_id, request.rank, request.incarnation,
+                                          request.table, page_call(request, dim))
+        except Exception as exc:
+            await abort_with(context, "Page", exc, run=request.run_id, rank=request.rank,
+                             table=request.table, step=request.step)
+            raise
+        return page_response(result, dim)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):

@@ -41,6 +41,7 @@ from hybridps.errors import (
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
 from ps.limits import CheckpointRoot, StateBudget, write_refusal
+from ps.paging import PageCall, PageResult
 from ps.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
@@ -435,6 +436,32 @@ class Store(PartitionAuth):
             return out
         except ShardError as exc:
             self.record_refusal(exc.reason, run_id)
+            raise
+
+    def page(self, run_id: str, rank: int, incarnation: int, table: str,
+             call: PageCall) -> PageResult:
+        """A dynamic table's Page call (ps/paging.py), under the partition's lock."""
+        what = (f"page run={run_id!r} rank={rank} table={table!r} step={call.step} "
+                f"seq={call.seq}")
+        try:
+            part, state = self.resolve(run_id, rank, incarnation, table, what)
+            if state.paging is None:
+                raise InvalidArgument(f"{what}: table {table!r} is not dynamic")
+            limit = self.budget.limit_bytes
+
+            def over_budget() -> int:
+                return self._state_bytes_in_use() - limit if limit > 0 else 0
+
+            with part.lock:
+                result, repeat = state.paging.page(state, call, what, over_budget)
+                if call.counters:
+                    state.paging.counters = dict(call.counters)
+            if result.dropped.size and not repeat:
+                log.info(kv("paged_dropped", run=run_id, rank=rank, table=table,
+                            step=call.step, ids=result.dropped.size))
+            return result
+        except ShardError as exc:
+            self.record_refusal(exc.reason, run_id, rank, table)
             raise
 
     def _check_run_consistency(self, run_id: str, rank: int, world_size: int,

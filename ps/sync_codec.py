@@ -19,9 +19,11 @@ import torch
 
 from hybridps import wire
 from hybridps.errors import BadShmReference, InvalidArgument
+from hybridps.paged_rows import PagedOut
 from hybridps.v1 import admin_pb2, shard_pb2
 from ps.arena_server import ArenaRegistry, ResolvedShmPush, ShmRef, resolve
 from ps.maintenance import RunReaper
+from ps.paging import PageCall, PageResult
 from ps.partition import TableSpec
 from ps.push import Answer, PushChunk
 from ps.server_stats import ServerStats
@@ -62,8 +64,52 @@ def row_dtype_arg(msg: shard_pb2.RegisterRequest) -> torch.dtype:
 def table_specs(msg: shard_pb2.RegisterRequest) -> list[TableSpec]:
     return [TableSpec(t.name, t.num_rows, t.dim, t.row_start, t.row_end,
                       tuple(MemberSpec(m.name, m.num_rows, m.row_start, m.row_end, m.offset)
-                            for m in t.members))
+                            for m in t.members), t.dynamic)
             for t in msg.tables]
+
+
+def _tensor(msg: shard_pb2.Tensor, what: str, dtype: torch.dtype, dims: int
+            ) -> torch.Tensor:
+    t = wire.decode(msg, what)
+    if t.dtype != dtype or t.dim() != dims:
+        raise InvalidArgument(f"{what} must be {dtype} with {dims} dimension(s), got "
+                              f"{t.dtype} of shape {list(t.shape)}")
+    return t
+
+
+def page_call(msg: shard_pb2.PageRequest, dim: int) -> PageCall:
+    """A PageRequest as the core's PageCall (every tensor's dtype and rank checked)."""
+    what = f"page run={msg.run_id!r} rank={msg.rank} table={msg.table!r}"
+    i64 = torch.int64
+
+    def ids(field: shard_pb2.Tensor, name: str) -> torch.Tensor:
+        return _tensor(field, f"{what}: {name}", i64, 1)
+
+    in_ids = ids(msg.in_ids, "in_ids")
+    if msg.peek:
+        empty = torch.empty(0, dtype=i64)
+        return PageCall(msg.step, msg.seq, 0, PagedOut(empty, torch.empty(0, dim), {},
+                                                       empty, empty),
+                        empty, in_ids, empty, peek=True)
+    c = msg.counters
+    return PageCall(
+        step=msg.step, seq=msg.seq, expire_steps=msg.expire_steps,
+        out=PagedOut(ids(msg.out_ids, "out_ids"),
+                     _tensor(msg.out_rows, f"{what}: out_rows", torch.float32, 2), {},
+                     ids(msg.out_seen, "out_seen"), ids(msg.out_freq, "out_freq")),
+        out_slots=ids(msg.out_slots, "out_slots"), in_ids=in_ids,
+        in_slots=ids(msg.in_slots, "in_slots"),
+        counters={f.name: int(getattr(c, f.name)) for f in c.DESCRIPTOR.fields})
+
+
+def page_response(result: PageResult, dim: int) -> shard_pb2.PageResponse:
+    msg = shard_pb2.PageResponse()
+    wire.encode(result.found, msg.found)
+    wire.encode(result.got.rows.reshape(-1, dim), msg.rows)
+    wire.encode(result.got.seen, msg.seen)
+    wire.encode(result.got.freq, msg.freq)
+    wire.encode(torch.from_numpy(result.dropped.astype("int64")), msg.dropped)
+    return msg
 
 
 def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:

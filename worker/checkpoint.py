@@ -14,15 +14,18 @@ steps <= s is in the rows:
    predictor's state: worker/staleness.py). The live rows are put back exactly, so the
    run goes on as if no checkpoint was taken; a resume restores the same rows, pending
    updates and predictions;
-3. the sparse optimizer state: each rank asks ITS shard server to save its own
-   partition (Checkpoint RPC, ranks=[rank]: the server waits until the pushes
-   <= s are applied, then writes m, v, step count, last_step); under
-   --local-optimizer the rank writes the same files itself;
+3. the sparse optimizer state, which the update source saves itself
+   (`UpdateSource.save_to`; the checkpointer never reads a source's fields): the shard
+   client asks ITS shard server to save its own partition (Checkpoint RPC,
+   ranks=[rank]: the server waits until the pushes <= s are applied, then writes m, v,
+   step count, last_step); --local-optimizer writes the same files itself
+   (worker/local_state.py). A resume hands it back (`restore_from`);
 4. the dense part and its optimizer with torch.distributed.checkpoint (DCP, `dense/`:
    every rank writes its own FSDP shards; a resume at another world size re-shards
    them), plus the fp16 GradScaler's state (scale, growth tracker) in the manifest;
 5. barrier; rank 0 renames `manifest.json` into place LAST (step, world size,
-   tables, row ranges, files with sizes + crc32, data position); barrier.
+   tables, row ranges, files with sizes + crc32, data position: hybridps/checkpoint.py
+   `Manifest`); barrier.
 
 A directory without a manifest is torn and ignored. Before anything is loaded the
 checkpoint is verified whole: the manifest against its own checksum and every file it
@@ -66,29 +69,29 @@ import torch.distributed as dist
 from hybridps.checkpoint import (
     MANIFEST,
     STEP_DIR,
-    OptimState,
+    FileEntry,
+    Manifest,
+    ManifestShard,
+    ManifestTable,
+    PendingEntry,
     ShardInfo,
     complete_checkpoints,
-    load_optim_state,
     load_rows,
-    manifest_shards,
     read_manifest,
     rows_file,
-    save_optim_state,
     save_shard,
     save_torch,
     step_dir,
     verify_files,
-    write_manifest,
 )
+from hybridps.dynamic_files import restore_plan, save_ids
 from hybridps.errors import ShardError
 from hybridps.optim_kinds import describe_saved
 from worker.checkpoint_dense import DENSE_DIR, restore_dense, save_dense
-from worker.checkpoint_units import join_updates, split_rows, split_updates, table_slice
+from worker.checkpoint_units import join_updates, split_rows, split_updates
 from worker.console import checkpoint_entry, human_bytes
 from worker.faults import fault_point
-from worker.sync import ShardClient
-from worker.updates import LocalSparseOptimizer, RowUpdate
+from worker.updates import RowUpdate, SavedFiles
 
 if TYPE_CHECKING:
     from hybridps.optim import OptimizerSpec
@@ -171,9 +174,9 @@ class Checkpointer:
         for candidate in candidates:
             problem = self._verify_together(Path(candidate))
             if problem is None:
-                manifest = read_manifest(candidate)
+                manifest = Manifest.read(candidate)
                 self._check_optimizer(candidate, manifest)
-                step = int(manifest["step"])
+                step = manifest.step
                 if self.rank == 0:
                     log.info("rank 0: resuming from %s (step %d)%s", candidate, step,
                              f"; skipped {len(skipped)} damaged newer checkpoint(s)"
@@ -196,11 +199,11 @@ class Checkpointer:
                  self.rank, where)
         return None
 
-    def _check_optimizer(self, directory: str, manifest: dict[str, Any]) -> None:
+    def _check_optimizer(self, directory: str, manifest: Manifest) -> None:
         """ResumeError, one line naming both, unless the checkpoint was saved with this
         run's sparse optimizer and hyperparameters (another's state does not carry over:
         adam's m, v are not rowwise Adagrad's sums)."""
-        saved = manifest.get("optimizer")
+        saved = manifest.optimizer
         running = dataclasses.asdict(self.t.sparse_spec)
         if not saved or saved == running:
             return
@@ -251,9 +254,11 @@ class Checkpointer:
         dense_info = save_dense(self.t.model.dense, self.t.dense_opt,
                                 self.t.dense_parallel.scaler, directory, self.rank)
         fault_point(self.rank, step, "dense")
-        mine = {name: {"rank": self.rank, "row_start": rows[name].row_start,
-                       "row_end": rows[name].row_end,
-                       "rows": _file_entry(rows[name]), "optim": _file_entry(optim[name])}
+        mine = {name: ManifestShard(self.rank, rows[name].row_start, rows[name].row_end,
+                                    {"rows": _file_entry(rows[name]),
+                                     **{k: _file_entry(f) for k, f in optim[name].items()},
+                                     **{k: _file_entry(f) for k, f in
+                                        self._save_ids(name, directory, step).items()}})
                 for name in tables}
         gathered: list[Any] = [None] * self.world
         if self.world > 1:
@@ -263,29 +268,24 @@ class Checkpointer:
         pendings = [g[1] for g in gathered]
         gathered = [g[0] for g in gathered]
         if self.rank == 0:
-            manifest = {
-                "step": step,
-                "next_step": step + 1,
-                "world_size": self.world,
-                "run_id": tr.run_id,
-                "mode": "local-optimizer" if self.cfg.sync.local_optimizer else "server",
-                "row_dtype": self.cfg.optim.row_dtype,  # bf16: the optim files: fp32 masters
-                "optimizer": dataclasses.asdict(tr.sparse_spec),
-                "task": self.cfg.run.task,
-                "seed": self.cfg.run.seed,
-                "data": {"step": step, "samples_seen": (step + 1) * self.cfg.run.batch_size
-                         * self.world},
-                "created_unix": time.time(),
-                "tables": {name: {"num_rows": t.num_rows, "dim": t.dim,
-                                  "shards": [g[name] for g in gathered]}
-                           for name, t in tables.items()},
-                "dense": dense_info,
-                "pending": {"staleness": tr.window.staleness,
-                            "applied_through": tr.window.applied_through,
-                            "files": pendings},
-            }
+            manifest = Manifest(
+                step=step, next_step=step + 1, world_size=self.world, run_id=tr.run_id,
+                mode="local-optimizer" if self.cfg.sync.local_optimizer else "server",
+                row_dtype=self.cfg.optim.row_dtype,  # bf16: the optim files: fp32 masters
+                optimizer=dataclasses.asdict(tr.sparse_spec), task=self.cfg.run.task,
+                seed=self.cfg.run.seed,
+                data={"step": step,
+                      "samples_seen": (step + 1) * self.cfg.run.batch_size * self.world},
+                created_unix=time.time(),
+                tables={name: ManifestTable(
+                    t.num_rows, t.dim, tuple(g[name] for g in gathered),
+                    {} if t.dynamic is None else {"dynamic": dataclasses.asdict(t.dynamic)})
+                    for name, t in tables.items()},
+                dense=dense_info,
+                pending=PendingEntry(tr.window.staleness, tr.window.applied_through,
+                                     tuple(pendings)))
             fault_point(self.rank, step, "manifest")
-            write_manifest(directory, manifest)
+            manifest.write(directory)
             self._prune(step)
         self._barrier()
         fault_point(self.rank, step, "after")
@@ -300,7 +300,7 @@ class Checkpointer:
 
     @torch.no_grad()
     def _save_rows(self, directory: Path, step: int, pending: list[RowUpdate]
-                   ) -> tuple[dict[str, ShardInfo], dict[str, Any]]:
+                   ) -> tuple[dict[str, ShardInfo], tuple[int, FileEntry]]:
         """This rank's rows files (every update <= step applied) and its pending file.
 
         The rows the pending updates touch are saved as they are now (`before`), then get
@@ -344,7 +344,8 @@ class Checkpointer:
                            else self.t.window.predictor.state_dict()),
         }
         info = save_torch(directory / pending_file(self.rank), payload)
-        return rows, {"rank": self.rank, "file": pending_file(self.rank), **info}
+        return rows, (self.rank, FileEntry(pending_file(self.rank), info["bytes"],
+                                           info["crc32"]))
 
     def _prune(self, step: int) -> None:
         """--checkpoint-keep N: delete all but the newest N complete checkpoints, and torn
@@ -363,28 +364,19 @@ class Checkpointer:
             (d / MANIFEST).unlink(missing_ok=True)  # first: never a half-deleted loadable one
             shutil.rmtree(d, ignore_errors=True)
 
-    def _save_optim(self, step: int, directory: Path) -> dict[str, ShardInfo]:
-        tr = self.t
-        source = tr.source
-        if isinstance(source, ShardClient):
-            files = source.checkpoint(step, str(directory))
-            return {f.table: ShardInfo(f.table, f.rank, f.row_start, f.row_end, f.file,
-                                       f.bytes, f.crc32) for f in files}
-        assert isinstance(source, LocalSparseOptimizer)
-        out = {}
-        opt = dataclasses.asdict(tr.sparse_spec)
-        for name, table in tr.embedding.tables.items():
-            start, end = tr.embedding.ranges[name]
-            unit, rows = table_slice(tr.embedding, name)
-            master = source.masters.get(unit)
-            out[name] = save_optim_state(
-                directory, table=name, rank=self.rank, num_rows=table.num_rows, dim=table.dim,
-                row_start=start, row_end=end,
-                state=OptimState({n: t[rows] for n, t in source.state[unit].items()},
-                                 source.counts[unit], step,
-                                 None if master is None else master[rows]),
-                optimizer=opt)
-        return out
+    def _save_optim(self, step: int, directory: Path) -> SavedFiles:
+        """The update source writes its own optimizer state (UpdateSource.save_to)."""
+        return self.t.source.save_to(directory, step)
+
+    def _save_ids(self, name: str, directory: Path, step: int) -> dict[str, ShardInfo]:
+        """A dynamic table's slot map on this rank (hybridps/dynamic_files.py)."""
+        dynamic = self.t.embedding.dynamic
+        if dynamic is None or name not in dynamic.tables:
+            return {}
+        slots = dynamic.tables[name].slots
+        start, end = self.t.embedding.ranges[name]
+        return {"ids": save_ids(directory, table=name, rank=self.rank, start=start, end=end,
+                                state=slots.state_dict(), step=step)}
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -400,76 +392,88 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         tr = self.t
-        manifest = read_manifest(directory)
-        saved = manifest["tables"]
+        manifest = Manifest.read(directory)
         for name, table in tr.embedding.tables.items():
-            entry = saved.get(name)
-            if entry is None or (entry["num_rows"], entry["dim"]) != (table.num_rows, table.dim):
+            entry = manifest.tables.get(name)
+            if entry is None or (entry.num_rows, entry.dim) != (table.num_rows, table.dim):
                 raise ValueError(f"checkpoint {directory}: table {name!r} is "
                                  f"{'missing' if entry is None else 'of another shape'}; "
                                  f"this run has {table.num_rows}x{table.dim}")
+            if ("dynamic" in entry.extra) != (table.dynamic is not None):
+                raise ValueError(f"checkpoint {directory}: table {name!r} is "
+                                 f"{'' if 'dynamic' in entry.extra else 'not '}dynamic there "
+                                 f"and {'' if table.dynamic is not None else 'not '}dynamic "
+                                 "in this run")
         for name, table in tr.embedding.tables.items():
             start, end = tr.embedding.ranges[name]
-            shards = manifest_shards(manifest, name, "rows")  # verified by resume_target
+            shards = manifest.shards(name, "rows")  # verified by resume_target
             got, _ = load_rows(directory, name, table.num_rows, table.dim, shards, start, end,
                                ["weight"], verify=False)
             weight = got["weight"]
-            if manifest.get("row_dtype") == "bf16" and tr.embedding.row_dtype == torch.float32:
+            if manifest.row_dtype == "bf16" and tr.embedding.row_dtype == torch.float32:
                 # Saved bf16 rows are their fp32 master rounded; fp32 rows resume from the
                 # master itself (in the optim files, next to m and v).
                 masters, _ = load_rows(directory, name, table.num_rows, table.dim,
-                                       manifest_shards(manifest, name, "optim"), start, end,
+                                       manifest.shards(name, "optim"), start, end,
                                        ["master"], verify=False)
                 weight = masters["master"] if masters["master"] is not None else weight
             assert weight is not None
             tr.embedding.table_rows(name).copy_(weight)
+            self._restore_slots(directory, manifest, name)
         self._restore_pending(directory, manifest, step)
-        source = tr.source
-        if isinstance(source, LocalSparseOptimizer):
-            for name, table in tr.embedding.tables.items():
-                start, end = tr.embedding.ranges[name]
-                unit, rows = table_slice(tr.embedding, name)
-                state = load_optim_state(directory, table=name, num_rows=table.num_rows,
-                                         dim=table.dim, row_start=start, row_end=end,
-                                         step=step,
-                                         optimizer=dataclasses.asdict(tr.sparse_spec),
-                                         master=unit in source.masters, verify=False)
-                if unit in source.masters and state.master is not None:  # bf16 rows
-                    source.masters[unit][rows].copy_(state.master)
-                for state_name, held in source.state[unit].items():
-                    saved = state.state.get(state_name)
-                    if saved is not None:
-                        held[rows].copy_(saved)
-                source.counts[unit] = state.adam_step
+        tr.source.restore_from(directory, step)  # the update source's own optimizer state
         restore_dense(self.t.model.dense, self.t.dense_opt, self.t.dense_parallel.scaler,
-                      directory, manifest["dense"], self.cfg.dense.loss_scale_init)
+                      directory, manifest.dense or {}, self.cfg.dense.loss_scale_init)
         self.resumed_step = step
         self.restore_s = time.perf_counter() - t0
         log.info("rank %d: resumed from %s (step %d, saved by world %d) in %.2fs", self.rank,
-                 directory, step, manifest["world_size"], self.restore_s)
+                 directory, step, manifest.world_size, self.restore_s)
 
 
     @torch.no_grad()
-    def _restore_pending(self, directory: Path, manifest: dict[str, Any], step: int) -> None:
+    def _restore_slots(self, directory: Path, manifest: Manifest, name: str) -> None:
+        """A dynamic table's slot map (any world size: hybridps/dynamic_files.py); the slots
+        whose id went to another owner are emptied."""
+        emb = self.t.embedding
+        if emb.dynamic is None or name not in emb.dynamic.tables:
+            return
+        table = emb.dynamic.tables[name]
+        start, end = emb.ranges[name]
+        plan = restore_plan(directory, manifest, name, table.dim, (), self.rank, self.world,
+                            start, end, verify=False)
+        table.slots.load(plan.slot_id, plan.seen, plan.freq, plan.paged.ids.numpy())
+        table.slots.admission.load_state_dicts(plan.admission)
+        gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1).to(emb.device)
+        emb.table_rows(name).index_fill_(0, gone, 0.0)
+
+    @torch.no_grad()
+    def _restore_pending(self, directory: Path, manifest: Manifest, step: int) -> None:
         """Put back the rows the pending updates touch and queue those updates (module doc);
         every rank reads every rank's pending file and keeps the rows of its own ranges."""
         tr = self.t
         emb, window = tr.embedding, tr.window
-        entry = manifest.get("pending")
+        entry = manifest.pending
         row_dtype = self.cfg.optim.row_dtype
-        if entry is None or manifest.get("row_dtype", "fp32") != row_dtype:
-            if entry is not None and entry["applied_through"] < step:
+        if entry is not None and emb.dynamic is not None and manifest.world_size != self.world:
+            # a re-shard moves dynamic ids between owners and slots: the pending updates
+            # (by slot) are already in the saved rows, and those are what is restored
+            log.info("rank %d: re-sharding dynamic tables from world %d: the pending "
+                     "updates are taken from the saved rows", self.rank, manifest.world_size)
+            window.restore_pending(step, [])
+            return
+        if entry is None or manifest.row_dtype != row_dtype:
+            if entry is not None and entry.applied_through < step:
                 log.info("rank %d: resuming with --row-dtype %s from %s rows: the pending "
                          "updates are already in the saved rows", self.rank,
-                         row_dtype, manifest.get("row_dtype"))
+                         row_dtype, manifest.row_dtype)
             window.restore_pending(step, [])  # the rows hold every update <= step
             return  # nothing pending: nothing to predict (a predictor starts empty)
-        applied = int(entry["applied_through"])
+        applied = entry.applied_through
         payloads = []
-        for f in entry["files"]:  # verified by resume_target
-            payload = torch.load(directory / f["file"], map_location="cpu", weights_only=True)
+        for _, f in entry.files:  # verified by resume_target
+            payload = torch.load(directory / f.file, map_location="cpu", weights_only=True)
             if payload.get("format") != PENDING_FORMAT or payload.get("step") != step:
-                raise ValueError(f"checkpoint file {directory / f['file']} is not the pending "
+                raise ValueError(f"checkpoint file {directory / f.file} is not the pending "
                                  f"updates of step {step}")
             payloads.append(payload)
         for name in emb.tables:
@@ -508,5 +512,5 @@ class Checkpointer:
                      directory)
 
 
-def _file_entry(info: ShardInfo) -> dict[str, Any]:
-    return {"file": info.file, "bytes": info.bytes, "crc32": info.crc32}
+def _file_entry(info: ShardInfo) -> FileEntry:
+    return FileEntry(info.file, info.bytes, info.crc32)

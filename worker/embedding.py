@@ -57,9 +57,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridps.dynamic import check_capacity
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.comm import BlockCap, all_to_all_rows, exchange, exchange_blocks
 from worker.device_copy import sync_point, to_device
+from worker.dynamic_ids import DynamicIds, RowPager
 from worker.embedding_rows import UnitRows
 from worker.groups import Member, Unit, plan_units
 from worker.input_dist import (
@@ -156,6 +158,12 @@ class ShardedEmbedding(UnitRows, nn.Module):
         self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...],
                                    tuple[Bag | None, ...]]] | None = None
         self.row_offsets: RowOffsets | None = None  # --staleness-compensation predict
+        dynamic = [t for t in tables if t.dynamic is not None]
+        for t in dynamic:
+            check_capacity(t.name, t.num_rows, world_size)
+            if row_dtype != torch.float32:
+                raise ValueError(f"table {t.name!r}: dynamic tables keep fp32 rows; "
+                                 f"--row-dtype {row_dtype} is not supported with them")
         self.units = plan_units(tables, rank, world_size, group_tables)
         self.unit_of: dict[str, tuple[Unit, Member]] = {
             m.name: (u, m) for u in self.units.values() for m in u.members}
@@ -164,12 +172,24 @@ class ShardedEmbedding(UnitRows, nn.Module):
             block_RD = (alloc_state(unit.rows, unit.dim, offset=STATE_OFFSETS["rows"],
                                     zero=False) if unit.grouped else None)
             for m in unit.members:
+                if self.tables[m.name].dynamic is not None:  # slots get rows when taken
+                    rows_RD = torch.zeros(m.rows, unit.dim)
+                    continue
                 rows_RD = init_rows(m.num_rows, unit.dim, m.start, m.end, seed=seed,
                                     table_index=self.table_index[m.name], init_std=init_std,
                                     out=None if block_RD is None
                                     else block_RD[m.offset:m.offset + m.rows])
             self.weights[unit.name] = nn.Parameter(
                 (rows_RD if block_RD is None else block_RD).to(self.device, row_dtype))
+        # raw ids -> slots at their owners (worker/dynamic_ids.py), None without any
+        self.dynamic: DynamicIds | None = None
+        if dynamic:
+            self.dynamic = DynamicIds(
+                [(t.name, t.num_rows, t.dim, t.dynamic, self.table_index[t.name])
+                 for t in dynamic if t.dynamic is not None],
+                self.ranges, rank=rank, world_size=world_size, group=group,
+                device=self.device, seed=seed, init_std=init_std,
+                rows_of=lambda name: self.weights[name])
 
     # -- forward ------------------------------------------------------------
     def _gather(self, unit: str, local_ids_M: torch.Tensor, whole: bool = False
@@ -457,10 +477,28 @@ class ShardedEmbedding(UnitRows, nn.Module):
         for t, bag in enumerate(entries):
             if bag is not None:
                 _check_bag(ids[t], bag[0], bag[1])
+        if self.dynamic is not None and any(n in self.dynamic.tables for n in names):
+            # stage 0: raw ids -> slots; the slots then go the static way
+            return self.dynamic.lookup_many(names, ids, entries, self._lookup_static)
+        return self._lookup_static(names, ids, entries)
+
+    def _lookup_static(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                       entries: Sequence[Bag | None]) -> list[torch.Tensor]:
         plan = self._plan_for(names, ids, entries)
         out = self.fetch(plan)
         return [rows if bag is not None else rows.reshape(*ids_N.shape, rows.shape[-1])
                 for rows, ids_N, bag in zip(out, ids, entries, strict=True)]
+
+    def begin_step(self, step: int, applied_through: int) -> None:
+        """Before the forward of `step` (the staleness window): the updates of steps <=
+        applied_through are in the rows (dynamic tables evict only such rows)."""
+        if self.dynamic is not None:
+            self.dynamic.begin_step(step, applied_through)
+
+    def set_pager(self, pager: RowPager) -> None:
+        """Where dynamic tables page their evicted rows out to (the update source)."""
+        if self.dynamic is not None:
+            self.dynamic.pager = pager
 
     def local_block(self, name: str) -> tuple[int, torch.Tensor]:
         """(start, rows_RD): the rows this rank owns, [start, start + R), differentiable.

@@ -1,6 +1,7 @@
 """Export a checkpoint as one plain, single-process state_dict.
 
     python -m worker.export --checkpoint CKPT_DIR --out model.pt
+    python -m worker.export --checkpoint CKPT_DIR --delta-since STEP --out delta.pt
 
 CKPT_DIR is a complete checkpoint (`.../step-<s>/` with manifest.json) or a
 checkpoint root (its newest complete one is taken). model.pt is a torch.save
@@ -8,6 +9,9 @@ of a plain state_dict of the un-sharded model `HybridModel(embedding, dense)`
 as built by worker/reference.py (LocalEmbedding: one nn.Embedding per table):
 
     embedding.tables.<table>.weight   the full [num_rows, dim] table
+    embedding.dynamic.<table>.ids     a dynamic table (docs/dynamic_ids.md): every live
+    embedding.dynamic.<table>.weight  id (sorted) and its row; with --delta-since STEP the
+    embedding.dynamic.<table>.tombstones  rows changed after STEP and the ids dropped
     dense.<key>                       the dense module's (unsharded) weights
 
 so `HybridModel(LocalEmbedding(task.tables(), ...), task.build_dense())
@@ -33,34 +37,55 @@ from pathlib import Path
 
 import torch
 
-from hybridps.checkpoint import load_rows, manifest_shards, read_manifest, save_torch
+from hybridps.checkpoint import Manifest, load_rows, save_torch
+from hybridps.dynamic_files import live_rows
 from hybridps.errors import ShardError
 
 EMBEDDING_PREFIX = "embedding.tables."
+DYNAMIC_PREFIX = "embedding.dynamic."
 DENSE_PREFIX = "dense."
 
 
-def export_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], int]:
-    """(the plain state_dict, the checkpoint's step) of a checkpoint directory or root."""
+def export_state_dict(checkpoint: str | Path, delta_since: int | None = None
+                      ) -> tuple[dict[str, torch.Tensor], int]:
+    """(the plain state_dict, the checkpoint's step) of a checkpoint directory or root.
+
+    A dynamic table (docs/dynamic_ids.md) is written as `embedding.dynamic.<table>.ids`
+    and `.weight`: every live id and its row. `delta_since` S: only the rows looked up
+    (so changed) after step S, and `.tombstones`: the ids dropped after S that are not
+    live again; static tables and the dense part are written whole."""
     from worker.checkpoint import find_checkpoint
     from worker.checkpoint_dense import read_dense_full
 
     directory = find_checkpoint(checkpoint)
     if directory is None:
         raise FileNotFoundError(f"{checkpoint}: no complete checkpoint (manifest.json)")
-    manifest = read_manifest(directory)
+    manifest = Manifest.read(directory)
+    if delta_since is not None and not 0 <= delta_since <= manifest.step:
+        raise ValueError(f"delta_since={delta_since}: not a step of this run's checkpoint "
+                         f"of step {manifest.step} (0..{manifest.step})")
     out: dict[str, torch.Tensor] = {}
-    for name, entry in manifest["tables"].items():
-        num_rows, dim = int(entry["num_rows"]), int(entry["dim"])
-        shards = manifest_shards(manifest, name, "rows")
-        got, _ = load_rows(directory, name, num_rows, dim, shards, 0, num_rows, ["weight"])
+    for name, entry in manifest.tables.items():
+        if "dynamic" in entry.extra:
+            live = live_rows(directory, manifest, name)
+            keep = (live.seen > delta_since if delta_since is not None
+                    else torch.ones_like(live.ids, dtype=torch.bool))
+            prefix = f"{DYNAMIC_PREFIX}{name}"
+            out[f"{prefix}.ids"] = live.ids[keep]
+            out[f"{prefix}.weight"] = live.rows[keep]
+            if delta_since is not None:
+                out[f"{prefix}.tombstones"] = live.tomb_ids[live.tomb_steps > delta_since]
+            continue
+        shards = manifest.shards(name, "rows")
+        got, _ = load_rows(directory, name, entry.num_rows, entry.dim, shards, 0,
+                           entry.num_rows, ["weight"])
         weight = got["weight"]
         assert weight is not None
         out[f"{EMBEDDING_PREFIX}{name}.weight"] = weight
-    blob = read_dense_full(Path(directory), manifest["dense"])  # DCP -> full, no process group
+    blob = read_dense_full(Path(directory), manifest.dense or {})  # DCP -> full, no group
     for key, value in blob["model"].items():
         out[f"{DENSE_PREFIX}{key}"] = value.detach().clone()
-    return out, int(manifest["step"])
+    return out, manifest.step
 
 
 def state_dict_of_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
@@ -82,13 +107,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kge-results", metavar="RUN.json", default="",
                         help="--task kge: write a KGEModel file (worker/tasks/kge_export.py) "
                              "with the id maps of this run's --results")
+    parser.add_argument("--delta-since", type=int, default=None, metavar="STEP",
+                        help="dynamic tables: only the rows changed after STEP, and "
+                             "tombstones for the ids dropped after it (docs/dynamic_ids.md)")
     parser.add_argument("--out", required=True, metavar="PATH", help="output .pt file")
     args = parser.parse_args(argv)
     try:
         if args.state:
+            if args.delta_since is not None:
+                raise ValueError("--delta-since reads a checkpoint (--checkpoint), not "
+                                 "--state")
             state, step = state_dict_of_dump(args.state)
         else:
-            state, step = export_state_dict(args.checkpoint)
+            state, step = export_state_dict(args.checkpoint, args.delta_since)
         if args.kge_results:
             from worker.tasks.kge_export import payload_from_run
 

@@ -114,8 +114,9 @@ def plan_units(tables: Sequence[TableConfig], rank: int, world_size: int, groupe
     """The units of `tables` on rank `rank` (module doc), in the order of their first
     table; members in table order."""
     together: dict[int | str, list[TableConfig]] = {}
-    for t in tables:
-        together.setdefault(t.dim if grouped else t.name, []).append(t)
+    for t in tables:  # a dynamic table is a unit of its own (its slots are paged per table)
+        together.setdefault(t.dim if grouped and t.dynamic is None else t.name,
+                            []).append(t)
     units: dict[str, Unit] = {}
     for members in together.values():
         placed, offset, unit_start = [], 0, 0

@@ -44,6 +44,9 @@ class LocalEmbedding(nn.Module):
         super().__init__()
         self.tables = nn.ModuleDict()
         for index, t in enumerate(tables):
+            if t.dynamic is not None:
+                raise ValueError(f"table {t.name!r} is dynamic: the reference trainer has "
+                                 "only static tables (docs/dynamic_ids.md)")
             rows_RD = init_rows(t.num_rows, t.dim, 0, t.num_rows, seed=seed, table_index=index,
                                 init_std=init_std)
             self.tables[t.name] = nn.Embedding(t.num_rows, t.dim, sparse=True,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridps.dynamic import DynamicSpec
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.input_dist import owner_of, unique_inverse
 
@@ -22,16 +23,23 @@ INIT_CHUNK_ROWS = 65536
 
 @dataclass(frozen=True)
 class TableConfig:
-    """One embedding table: `num_rows` x `dim`, looked up by global row id."""
+    """One embedding table: `num_rows` x `dim`, looked up by global row id.
+
+    `dynamic` (docs/dynamic_ids.md): looked up by raw int64 ids instead, `num_rows` being
+    its device capacity (slots), with these admission and eviction policies."""
 
     name: str
     num_rows: int
     dim: int
+    dynamic: DynamicSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
             raise ValueError(f"table name {self.name!r} must be a Python identifier")
         if self.num_rows < 1:
+            if self.dynamic is not None:
+                raise ValueError(f"table {self.name!r}: dynamic capacity {self.num_rows} "
+                                 "must be >= 1")
             raise ValueError(f"table {self.name!r}: num_rows={self.num_rows} must be >= 1")
         if self.dim < 1:
             raise ValueError(f"table {self.name!r}: dim={self.dim} must be >= 1")

@@ -34,13 +34,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridps import wire
+from hybridps.checkpoint import ShardInfo
 from hybridps.logs import kv
 from hybridps.optim import OptimizerSpec
+from hybridps.paged_rows import PagedOut
 from hybridps.security import ClientSecurity
 from hybridps.v1 import shard_pb2
 from worker import faults
@@ -68,6 +72,7 @@ from worker.transport import (
 from worker.updates import (  # re-exported: the errors and types of every source
     Grads,
     RowUpdate,
+    SavedFiles,
     ServerRefused,
     ServerTimeout,
     ServerUnavailable,
@@ -142,6 +147,7 @@ class ShardClient(UpdateSource):
         # pushes whose gradients are on their way to the host (worker/device_copy.py; on
         # the CPU each one is sent at once)
         self.outbox = PushOutbox()
+        self._page_seq: dict[str, int] = {}  # per dynamic table: its last Page call
         if restore is not None:
             self.newest_pushed = restore[1]
             self.buffer.start_at(restore[1])
@@ -238,7 +244,8 @@ class ShardClient(UpdateSource):
                       f"Flush through step {last_step}")
 
     def checkpoint(self, step: int, directory: str) -> list[Any]:
-        """The server saves this rank's optimizer state once it applied every push <= step."""
+        """The server saves this rank's optimizer state once it applied every push <= step
+        (Checkpoint RPC, ranks=[rank]); the files it wrote (CheckpointResponse.files)."""
         self._send_ready(step)
         request = shard_pb2.CheckpointRequest(run_id=self.run_id, step=step,
                                               directory=directory, ranks=[self.rank],
@@ -246,6 +253,25 @@ class ShardClient(UpdateSource):
         response = self._control("Checkpoint", request, self.timeout_s + 60.0,
                                  f"Checkpoint of step {step}")
         return list(response.files)
+
+    def save_to(self, directory: Path, step: int) -> SavedFiles:
+        """UpdateSource.save_to: the server writes the files (`checkpoint`); a dynamic
+        table's paged-out rows are its `paged/` file."""
+        out: SavedFiles = {}
+        for f in self.checkpoint(step, str(directory)):
+            kind = "paged" if f.file.startswith("paged/") else "optim"
+            out.setdefault(f.table, {})[kind] = ShardInfo(f.table, f.rank, f.row_start,
+                                                          f.row_end, f.file, f.bytes, f.crc32)
+        return out
+
+    def restore_from(self, directory: Path, step: int) -> None:
+        """UpdateSource.restore_from: the server loaded the state when this client first
+        registered (`restore`); this checks it was the same checkpoint."""
+        if self.restore is None or (Path(self.restore[0]), self.restore[1]) != (
+                Path(directory), step):
+            raise SyncError(f"rank {self.rank}: shard server {self.address} restored "
+                            f"{self.restore}, not checkpoint {directory} step {step}: pass "
+                            "restore= when creating the client")
 
     def end_run(self, last_step: int, aborted: bool = False, reason: str = "") -> bool:
         """Finish: this rank is done (after its last Flush, or stopping early). Never
@@ -275,6 +301,57 @@ class ShardClient(UpdateSource):
         self.state = "closed"
         self.rpc.close(min(self.timeout_s, 10.0))
         self.placement.close()
+
+    # -- dynamic tables: the RowPager of worker/dynamic_ids.py (the Page RPC) -------------
+    def page(self, table: str, step: int, out: PagedOut, out_slots: torch.Tensor,
+             in_ids: torch.Tensor, in_slots: torch.Tensor, expire_steps: int,
+             counters: Mapping[str, int] | None = None
+             ) -> tuple[torch.Tensor, PagedOut, np.ndarray]:
+        """The node's server pages `out` out and `in_ids` in (shard.proto PageRequest);
+        retried with the same sequence number until answered (the server applies it once)."""
+        seq = self._page_seq.get(table, 0) + 1
+        request = shard_pb2.PageRequest(run_id=self.run_id, rank=self.rank,
+                                        incarnation=self.incarnation, table=table, step=step,
+                                        seq=seq, expire_steps=expire_steps)
+        for field, t in (("out_ids", out.ids), ("out_slots", out_slots),
+                         ("out_rows", out.rows.reshape(-1, self.dims[table]).float()),
+                         ("out_seen", out.seen), ("out_freq", out.freq), ("in_ids", in_ids),
+                         ("in_slots", in_slots)):
+            wire.encode(t, getattr(request, field))
+        if counters:
+            request.counters.CopyFrom(shard_pb2.DynamicCounters(**counters))
+        response = self._page_call(request, f"Page of table {table!r} at step {step}")
+        self._page_seq[table] = seq
+        found = wire.decode(response.found, "found").clone().to(torch.bool)
+        got = PagedOut(in_ids[found], wire.decode(response.rows, "rows").clone(), {},
+                       wire.decode(response.seen, "seen").clone(),
+                       wire.decode(response.freq, "freq").clone())
+        return found, got, wire.decode(response.dropped, "dropped").numpy().copy()
+
+    def peek_paged(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        request = shard_pb2.PageRequest(run_id=self.run_id, rank=self.rank,
+                                        incarnation=self.incarnation, table=table, peek=True)
+        wire.encode(ids, request.in_ids)
+        response = self._page_call(request, f"read of paged rows of table {table!r}")
+        found = wire.decode(response.found, "found").clone().to(torch.bool)
+        return found, wire.decode(response.rows, "rows").clone()
+
+    def _page_call(self, request: shard_pb2.PageRequest, what: str) -> Any:
+        """One Page call, retried on a broken connection within --ps-timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = BACKOFF_START_S
+        while True:
+            try:
+                return self.rpc.call("Page", request, self.timeout_s)
+            except TransportError as exc:
+                left = deadline - time.monotonic()
+                if not isinstance(exc, TransportRetryable) or left <= 0:
+                    kind = ServerTimeout if exc.code == "DEADLINE_EXCEEDED" else ServerRefused
+                    raise kind(f"rank {self.rank}: {what} on shard server {self.address} "
+                               f"failed: {exc.text}") from None
+                self.last_error = exc.text
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, BACKOFF_MAX_S)
 
     # -- sending and receiving ----------------------------------------------------------
     def _pending(self, step: int, name: str, ids_U: torch.Tensor,

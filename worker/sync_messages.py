@@ -54,7 +54,8 @@ def table_specs(tables: Sequence[TableConfig], ranges: dict[str, tuple[int, int]
                 members=[shard_pb2.TableMember(name=m.name, num_rows=m.num_rows,
                                                row_start=m.start, row_end=m.end,
                                                offset=m.offset)
-                         for m in members.get(t.name, ())])
+                         for m in members.get(t.name, ())],
+                dynamic=t.dynamic is not None)
             for t in tables]
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from hybridps.cli import check_settings, setting
+from hybridps.dynamic import EVICTIONS, DynamicSpec
 from hybridps.names import describe_problem
 
 KgeModel = Literal["distmult", "complex", "keci", "qmult"]
@@ -20,23 +21,70 @@ KGE_MODELS: tuple[str, ...] = get_args(KgeModel)  # worker/tasks/kge_models.py b
 
 
 def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
-    """--tables 'NAME:ROWS[:POOL],...' -> [(name, rows, pool)]; ValueError naming the entry."""
-    out: list[tuple[str, int, int]] = []
+    """--tables 'NAME:ROWS[:POOL],...' -> [(name, rows, pool)]; ValueError naming the entry.
+    (A dynamic table's ROWS is its capacity: `parse_tables` has its policies.)"""
+    return [(name, rows, pool) for name, rows, pool, _ in parse_tables(spec)]
+
+
+def parse_tables(spec: str) -> list[tuple[str, int, int, DynamicSpec | None]]:
+    """--tables 'NAME:ROWS[:POOL][:dynamic[:OPTION...]],...' -> [(name, rows, pool, dynamic
+    spec or None)]; ValueError naming the entry. Options of a dynamic table
+    (docs/dynamic_ids.md): lru | lfu, always | threshold=N | probability=P, expire=T."""
+    out: list[tuple[str, int, int, DynamicSpec | None]] = []
     for entry in spec.replace(" ", "").split(","):
         parts = entry.split(":")
-        if (len(parts) not in (2, 3) or not parts[0].isidentifier()
-                or not all(p.isdigit() for p in parts[1:])):
-            raise ValueError(f"tables={spec!r}: entry {entry!r} is not NAME:ROWS[:POOL]")
-        problem = describe_problem("table name", parts[0])  # what the server accepts
+        cut = parts.index("dynamic") if "dynamic" in parts else len(parts)
+        sizes, options = parts[:cut], parts[cut + 1:]
+        if (len(sizes) not in (2, 3) or not sizes[0].isidentifier()
+                or not all(p.isdigit() for p in sizes[1:])):
+            raise ValueError(f"tables={spec!r}: entry {entry!r} is not "
+                             "NAME:ROWS[:POOL][:dynamic[:OPTION...]]")
+        problem = describe_problem("table name", sizes[0])  # what the server accepts
         if problem is not None:
             raise ValueError(f"tables={spec!r}: {problem}")
-        rows, pool = int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
+        rows, pool = int(sizes[1]), int(sizes[2]) if len(sizes) == 3 else 1
+        dynamic = (_dynamic_spec(spec, entry, sizes[0], rows, options)
+                   if cut < len(parts) else None)
         if rows < 1 or pool < 1:
             raise ValueError(f"tables={spec!r}: entry {entry!r} needs ROWS >= 1 and POOL >= 1")
-        if parts[0] in {name for name, _, _ in out}:
-            raise ValueError(f"tables={spec!r}: table {parts[0]!r} appears twice")
-        out.append((parts[0], rows, pool))
+        if sizes[0] in {name for name, _, _, _ in out}:
+            raise ValueError(f"tables={spec!r}: table {sizes[0]!r} appears twice")
+        out.append((sizes[0], rows, pool, dynamic))
     return out
+
+
+def _dynamic_spec(spec: str, entry: str, name: str, capacity: int,
+                  options: list[str]) -> DynamicSpec:
+    """The options after `dynamic` (parse_tables); ValueError naming the bad one."""
+    where = f"tables={spec!r}: entry {entry!r}"
+    if capacity < 1:
+        raise ValueError(f"{where}: table {name!r}: dynamic capacity {capacity} must be >= 1")
+    fields: dict[str, Any] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        try:
+            if key in EVICTIONS and not value:
+                fields["eviction"] = key
+            elif key == "always" and not value:
+                fields["admission"] = "always"
+            elif key == "threshold":
+                fields.update(admission="threshold", threshold=int(value))
+            elif key == "probability":
+                fields.update(admission="probability", probability=float(value))
+            elif key == "expire":
+                fields["expire_steps"] = int(value)
+            else:
+                raise ValueError(f"unknown policy {option!r} (eviction: "
+                                 f"{' | '.join(EVICTIONS)}; admission: always | threshold=N |"
+                                 " probability=P; expire=T)")
+        except ValueError as exc:
+            if "unknown policy" in str(exc):
+                raise ValueError(f"{where}: {exc}") from None
+            raise ValueError(f"{where}: option {option!r} needs a number") from None
+    try:
+        return DynamicSpec(**fields)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -56,8 +104,10 @@ class TablesConfig:
     """--task tables: a configurable list of tables (worker/tasks/tables.py)."""
 
     tables: str = setting(
-        "", "NAME:ROWS[:POOL],... (POOL ids per sample, mean-pooled; default 1); empty: one "
-        "table t0 of --num-rows rows", "SPEC")
+        "", "NAME:ROWS[:POOL][:dynamic[:OPTION...]],... (POOL ids per sample, mean-pooled; "
+        "default 1; dynamic: raw ids, ROWS device slots, options lru|lfu, always|threshold=N|"
+        "probability=P, expire=T: docs/dynamic_ids.md); empty: one table t0 of --num-rows "
+        "rows", "SPEC")
     zipf_rows: int = setting(
         0, "draw ids from the Zipf law over the first N popularity ranks only (0: over the "
         "whole table), still scattered over the whole table; the rows a step touches are "

@@ -45,6 +45,7 @@ from worker.console import (
     show_progress,
 )
 from worker.device_copy import sync_point
+from worker.dynamic_ids import check_dynamic_tables
 from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
@@ -141,11 +142,17 @@ class Trainer:
         self.steps = num_steps(cfg, self.task, ctx.world_size)
         self.run_id = resolve_run_id(cfg, ctx)
         tables = self.task.tables()
+        check_dynamic_tables(tables, ctx.world_size, cfg.optim.row_dtype)
         self.embedding = ShardedEmbedding(
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
             row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
             group_tables=cfg.run.group_tables)
+        if self.embedding.dynamic is not None and cfg.run.pipeline:
+            raise ConfigError("pipeline=true: dynamic tables "
+                              f"({', '.join(self.embedding.dynamic.tables)}) translate their "
+                              "ids at the step, which --pipeline would run ahead; use "
+                              "--pipeline false")
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
@@ -170,7 +177,8 @@ class Trainer:
             self.source = ShardClient(
                 sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
                 # per unit (worker/groups.py): a group of tables registers as one table
-                tables=[u.table_config() for u in self.embedding.units.values()],
+                tables=[u.table_config() if u.grouped else self.embedding.tables[n]
+                        for n, u in self.embedding.units.items()],
                 ranges={n: (u.start, u.end) for n, u in self.embedding.units.items()},
                 members={n: u.members for n, u in self.embedding.units.items() if u.grouped},
                 optimizer=spec,
@@ -180,6 +188,7 @@ class Trainer:
                 security=cfg.security.client_security(), row_dtype=self.embedding.row_dtype,
                 initial_rows=self.embedding.initial_row_blocks)
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
+        self.embedding.set_pager(self.source)  # dynamic tables page rows out to it
         predictor = (RowPredictor(self.embedding, sync.staleness)
                      if sync.staleness_compensation == "predict" and sync.staleness > 0
                      else None)
@@ -312,6 +321,8 @@ class Trainer:
         self.inputs.close()  # what is in flight is the same on every rank
         self.window.drain(self.last_step)  # the final rows include every update
         self.source.finish(self.last_step)
+        if self.embedding.dynamic is not None and not self.cfg.sync.local_optimizer:
+            self.embedding.dynamic.report_counters()  # the server's stats up to date
         if self.hooks is not None:
             self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
         self.train_s = time.perf_counter() - start
@@ -505,12 +516,16 @@ class Trainer:
             self.tb.close()
         if out.dump_state:
             self.dump_state(out.dump_state)
+        dynamic = ({} if self.embedding.dynamic is None  # a collective
+                   else self.embedding.dynamic.gathered_stats())
         if ctx.world_size > 1:
             dist.barrier()  # every rank's pushes are applied before rank 0 reads the stats
         if not self.is_main:
             return None
         server, table = self.server_stats()
         res = self.results(eval_metrics, server, time.perf_counter() - self.created_at)
+        if dynamic:
+            res["dynamic"] = dynamic
         print(self.summary(res), flush=True)
         if table:
             print("shard server stats (this node):\n" + table, flush=True)

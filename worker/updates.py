@@ -24,20 +24,27 @@ import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from hybridps.checkpoint import ShardInfo
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_
+from hybridps.paged_rows import PagedOut, PagedRows
 from hybridps.state_alloc import alloc_row_state
 from worker.embedding import ShardedEmbedding
+from worker.local_state import restore_local_state, save_local_state
 from worker.staleness import RowPredictor
 
 # unit (worker/groups.py: a group of tables of one width, or a table alone) -> (ids_U unit
 # row ids, grads_UD)
 Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# table -> kind ("optim"; a dynamic table also "paged") -> the checkpoint file written
+SavedFiles = dict[str, dict[str, ShardInfo]]
 
 
 class SyncError(RuntimeError):
@@ -254,6 +261,19 @@ class UpdateSource(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections/threads; safe to call twice and after errors."""
 
+    # -- checkpoints: each source saves and restores its own optimizer state -------------
+    def save_to(self, directory: Path, step: int) -> SavedFiles:
+        """Write the sparse optimizer state of step `step` (every push <= step applied) into
+        checkpoint `directory`, in hybridps/checkpoint.py's optim file format (a dynamic
+        table also its paged-out rows, hybridps/dynamic_files.py); returns the files
+        written, per table and kind ("optim", "paged")."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no checkpointable state")
+
+    def restore_from(self, directory: Path, step: int) -> None:
+        """Load the sparse optimizer state of checkpoint `directory` (step `step`) for the
+        rows this rank owns now (any world size), before the first push."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no checkpointable state")
+
 
 class LocalSparseOptimizer(UpdateSource):
     """--local-optimizer: the shard server's kernels (hybridps.optim) run in-process.
@@ -284,6 +304,10 @@ class LocalSparseOptimizer(UpdateSource):
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.masters: dict[str, torch.Tensor] = {}
         self.counts = dict.fromkeys(embedding.units, 0)
+        # dynamic tables (docs/dynamic_ids.md): the rows paged out of their slots, with
+        # their optimizer state, in host memory
+        self.paged = {name: PagedRows(t.dim, spec.state_widths(t.dim))
+                      for name, t in embedding.tables.items() if t.dynamic is not None}
         for name, weight in embedding.weights.items():
             self.state[name] = alloc_row_state(spec.state_widths(weight.shape[1]),
                                                weight.shape[0], weight.device)
@@ -319,6 +343,51 @@ class LocalSparseOptimizer(UpdateSource):
                 self.buffer.put(RowUpdate(step, name, ids_U, rows_UD, 0.0, rows=True))
                 continue
             self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
+
+    def save_to(self, directory: Path, step: int) -> SavedFiles:
+        """The same files the shard server writes (worker/local_state.py)."""
+        return save_local_state(directory, step, rank=self.embedding.rank, emb=self.embedding,
+                                spec=self.spec, state=self.state, masters=self.masters,
+                                counts=self.counts, paged=self.paged)
+
+    def restore_from(self, directory: Path, step: int) -> None:
+        restore_local_state(directory, step, emb=self.embedding, spec=self.spec,
+                            state=self.state, masters=self.masters, counts=self.counts,
+                            paged=self.paged)
+
+    # -- dynamic tables: the RowPager of worker/dynamic_ids.py, in-process ----------------
+    @torch.no_grad()
+    def take_row_state(self, unit: str, local_R: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer state of rows `local_R` of a unit's block, by name (copies, fp32 on
+        the CPU), zeroed where it was: the rows leave for the paged store."""
+        out = {}
+        for name, t in self.state[unit].items():
+            at = local_R.to(t.device)
+            out[name] = t.index_select(0, at).cpu()
+            t.index_fill_(0, at, 0.0)
+        return out
+
+    @torch.no_grad()
+    def put_row_state(self, unit: str, local_R: torch.Tensor,
+                      state: dict[str, torch.Tensor]) -> None:
+        """Set the optimizer state of rows `local_R` (state by name, as take_row_state)."""
+        for name, t in self.state[unit].items():
+            t.index_copy_(0, local_R.to(t.device), state[name].to(t.device, t.dtype))
+
+    def page(self, table: str, step: int, out: PagedOut, out_slots: torch.Tensor,
+             in_ids: torch.Tensor, in_slots: torch.Tensor, expire_steps: int,
+             counters: Mapping[str, int] | None = None
+             ) -> tuple[torch.Tensor, PagedOut, np.ndarray]:
+        start = self.embedding.units[table].start
+        store = self.paged[table]
+        out.state = self.take_row_state(table, out_slots - start)
+        store.put(out)
+        found, got = store.take(in_ids)
+        self.put_row_state(table, in_slots[found] - start, got.state)
+        return found, got, store.expire(step, expire_steps)
+
+    def peek_paged(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.paged[table].peek(ids)
 
 
 @dataclass
@@ -388,6 +457,8 @@ class StalenessWindow:
     def before_step(self, step: int) -> None:
         """Make the rows hold exactly the updates of steps <= step-1-K."""
         self._apply_through(step - 1 - self.staleness)
+        # dynamic tables evict only rows whose every update is applied (docs/dynamic_ids.md)
+        self.embedding.begin_step(step, self.applied_through)
         if self.predictor is not None:
             self.predictor.refresh(self.applied_through)
         applied = step - 1 - self.applied_through

@@ -67,20 +67,22 @@ class OptimizerConfig(_message.Message):
     def __init__(self, kind: _Optional[_Union[OptimizerConfig.Kind, str]] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_rows", "dim", "row_start", "row_end", "members")
+    __slots__ = ("name", "num_rows", "dim", "row_start", "row_end", "members", "dynamic")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_rows: int
     dim: int
     row_start: int
     row_end: int
     members: _containers.RepeatedCompositeFieldContainer[TableMember]
-    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TableMember, _Mapping]]] = ...) -> None: ...
+    dynamic: bool
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TableMember, _Mapping]]] = ..., dynamic: _Optional[bool] = ...) -> None: ...
 
 class TableMember(_message.Message):
     __slots__ = ("name", "num_rows", "row_start", "row_end", "offset")
@@ -409,3 +411,71 @@ class CheckpointResponse(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     files: _containers.RepeatedCompositeFieldContainer[SavedPartition]
     def __init__(self, files: _Optional[_Iterable[_Union[SavedPartition, _Mapping]]] = ...) -> None: ...
+
+class PageRequest(_message.Message):
+    __slots__ = ("run_id", "rank", "incarnation", "table", "step", "seq", "expire_steps", "out_ids", "out_slots", "out_rows", "out_seen", "out_freq", "in_ids", "in_slots", "peek", "counters")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OUT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    OUT_SEEN_FIELD_NUMBER: _ClassVar[int]
+    OUT_FREQ_FIELD_NUMBER: _ClassVar[int]
+    IN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PEEK_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    incarnation: int
+    table: str
+    step: int
+    seq: int
+    expire_steps: int
+    out_ids: Tensor
+    out_slots: Tensor
+    out_rows: Tensor
+    out_seen: Tensor
+    out_freq: Tensor
+    in_ids: Tensor
+    in_slots: Tensor
+    peek: bool
+    counters: DynamicCounters
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., step: _Optional[int] = ..., seq: _Optional[int] = ..., expire_steps: _Optional[int] = ..., out_ids: _Optional[_Union[Tensor, _Mapping]] = ..., out_slots: _Optional[_Union[Tensor, _Mapping]] = ..., out_rows: _Optional[_Union[Tensor, _Mapping]] = ..., out_seen: _Optional[_Union[Tensor, _Mapping]] = ..., out_freq: _Optional[_Union[Tensor, _Mapping]] = ..., in_ids: _Optional[_Union[Tensor, _Mapping]] = ..., in_slots: _Optional[_Union[Tensor, _Mapping]] = ..., peek: _Optional[bool] = ..., counters: _Optional[_Union[DynamicCounters, _Mapping]] = ...) -> None: ...
+
+class DynamicCounters(_message.Message):
+    __slots__ = ("capacity", "occupied", "lookups", "hits", "admissions", "refused_filter", "refused_capacity")
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    OCCUPIED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FILTER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    capacity: int
+    occupied: int
+    lookups: int
+    hits: int
+    admissions: int
+    refused_filter: int
+    refused_capacity: int
+    def __init__(self, capacity: _Optional[int] = ..., occupied: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., admissions: _Optional[int] = ..., refused_filter: _Optional[int] = ..., refused_capacity: _Optional[int] = ...) -> None: ...
+
+class PageResponse(_message.Message):
+    __slots__ = ("found", "rows", "seen", "freq", "dropped")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
+    FREQ_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    found: Tensor
+    rows: Tensor
+    seen: Tensor
+    freq: Tensor
+    dropped: Tensor
+    def __init__(self, found: _Optional[_Union[Tensor, _Mapping]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., seen: _Optional[_Union[Tensor, _Mapping]] = ..., freq: _Optional[_Union[Tensor, _Mapping]] = ..., dropped: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

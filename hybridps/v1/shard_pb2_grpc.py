@@ -64,6 +64,11 @@ class ShardServiceStub:
                 request_serializer=hybridps_dot_v1_dot_shard__pb2.FinishRequest.SerializeToString,
                 response_deserializer=hybridps_dot_v1_dot_shard__pb2.FinishResponse.FromString,
                 _registered_method=True)
+        self.Page = channel.unary_unary(
+                '/hybridps.v1.ShardService/Page',
+                request_serializer=hybridps_dot_v1_dot_shard__pb2.PageRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_shard__pb2.PageResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -108,6 +113,13 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Page(self, request, context):
+        """A dynamic table's rows paged out of and into its slots (see PageRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +152,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=hybridps_dot_v1_dot_shard__pb2.FinishRequest.FromString,
                     response_serializer=hybridps_dot_v1_dot_shard__pb2.FinishResponse.SerializeToString,
+            ),
+            'Page': grpc.unary_unary_rpc_method_handler(
+                    servicer.Page,
+                    request_deserializer=hybridps_dot_v1_dot_shard__pb2.PageRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_shard__pb2.PageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +321,33 @@ class ShardService:
             '/hybridps.v1.ShardService/Finish',
             hybridps_dot_v1_dot_shard__pb2.FinishRequest.SerializeToString,
             hybridps_dot_v1_dot_shard__pb2.FinishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Page(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridps.v1.ShardService/Page',
+            hybridps_dot_v1_dot_shard__pb2.PageRequest.SerializeToString,
+            hybridps_dot_v1_dot_shard__pb2.PageResponse.FromString,
             options,
             channel_credentials,
             insecure,

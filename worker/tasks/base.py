@@ -32,6 +32,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -215,7 +216,15 @@ class Task(ABC):
 
     def describe(self) -> dict[str, object]:
         """Facts worth printing/saving with the results (sizes, planted truth...)."""
-        return {"task": self.name, "tables": [t.__dict__ for t in self.tables()]}
+        return {"task": self.name, "tables": [_table_facts(t) for t in self.tables()]}
+
+
+def _table_facts(t: TableConfig) -> dict[str, object]:
+    """name, num_rows, dim (and a dynamic table's policies) as plain values."""
+    facts: dict[str, object] = {"name": t.name, "num_rows": t.num_rows, "dim": t.dim}
+    if t.dynamic is not None:
+        facts["dynamic"] = dataclasses.asdict(t.dynamic)
+    return facts
 
 
 def build_dense_seeded(task: Task, seed: int) -> nn.Module:

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridps.dynamic import DynamicSpec, salted
 from worker.config import TrainConfig
 from worker.metrics import batch_roc_auc
-from worker.task_options import parse_table_list
+from worker.task_options import parse_table_list, parse_tables
 from worker.tasks.base import Batch, HybridModel, TableConfig
 from worker.tasks.click import ClickTask
 from worker.tasks.synthetic import Scatter, zipf_ranks
@@ -42,6 +43,19 @@ def table_specs(cfg: TrainConfig) -> list[tuple[str, int, int]]:
     """[(name, rows, pool)] from --tables, or one table t0 of --num-rows rows."""
     spec = cfg.tables.tables
     return parse_table_list(spec) if spec else [("t0", cfg.synthetic.num_rows, 1)]
+
+
+def dynamic_specs(cfg: TrainConfig) -> dict[str, DynamicSpec]:
+    """The dynamic tables of --tables (docs/dynamic_ids.md), by name."""
+    spec = cfg.tables.tables
+    return ({name: d for name, _, _, d in parse_tables(spec) if d is not None} if spec
+            else {})
+
+
+def raw_ids(ranks: np.ndarray, salt: int) -> np.ndarray:
+    """A dynamic table's raw int64 ids (any value, negatives too): a bijective hash of the
+    popularity rank."""
+    return salted(ranks.astype(np.int64).view(_U64), 0x5851F42D4C957F2D + salt).view(np.int64)
 
 
 def planted_value(ids: np.ndarray, salt: int) -> np.ndarray:
@@ -62,21 +76,28 @@ class TablesTask(ClickTask):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
         self.specs = table_specs(cfg)
+        # dynamic tables: ROWS is their capacity; their raw ids come from the Zipf law over
+        # --num-rows popularity ranks (--zipf-rows: the first N), hashed (`raw_ids`)
+        self.dynamic = dynamic_specs(cfg)
         self.scatter = [Scatter(rows, salt) for salt, (_, rows, _) in enumerate(self.specs)]
         # popularity ranks the ids are drawn from (--zipf-rows), scattered over all rows
         zipf_rows = cfg.tables.zipf_rows
-        self.zipf_support = [min(rows, zipf_rows or rows) for _, rows, _ in self.specs]
+        self.zipf_support = [min(cfg.synthetic.num_rows, zipf_rows or cfg.synthetic.num_rows)
+                             if name in self.dynamic else min(rows, zipf_rows or rows)
+                             for name, rows, _ in self.specs]
         rng = np.random.default_rng([cfg.run.seed, 7907])
         self.dense_w = (rng.standard_normal(NUM_DENSE) * 0.5).astype(np.float32)
 
     @classmethod
     def plan_tables(cls, cfg: TrainConfig) -> list[tuple[TableConfig, float]]:
         """(table, lookups per sample) without building the task (worker/plan.py)."""
-        return [(TableConfig(name, rows, cfg.run.dim), float(pool))
+        dynamic = dynamic_specs(cfg)
+        return [(TableConfig(name, rows, cfg.run.dim, dynamic.get(name)), float(pool))
                 for name, rows, pool in table_specs(cfg)]
 
     def tables(self) -> list[TableConfig]:
-        return [TableConfig(name, rows, self.cfg.run.dim) for name, rows, _ in self.specs]
+        return [TableConfig(name, rows, self.cfg.run.dim, self.dynamic.get(name))
+                for name, rows, _ in self.specs]
 
     def input_width(self) -> int:
         return len(self.specs) * self.cfg.run.dim + NUM_DENSE
@@ -124,7 +145,8 @@ class TablesTask(ClickTask):
         logit_B = np.full(size, BIAS, dtype=np.float32)
         for salt, (name, _, pool) in enumerate(self.specs):
             ranks = zipf_ranks(rng, self.zipf_support[salt], size * pool)
-            ids_BP = self.scatter[salt](ranks).reshape(size, pool)
+            ids_BP = (raw_ids(ranks, salt) if name in self.dynamic
+                      else self.scatter[salt](ranks)).reshape(size, pool)
             logit_B += planted_value(ids_BP, salt).mean(axis=1)
             if pool == 1:
                 ids[name] = torch.from_numpy(ids_BP.reshape(size))

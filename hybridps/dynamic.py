@@ -1,0 +1,135 @@
+"""Dynamic tables (docs/dynamic_ids.md): their spec and the fixed hashes of raw ids.
+
+Shared by the worker (the id -> slot map, admission, owners) and the shard server (the
+paged-out rows' expiry): no torch.distributed, no grpc.
+
+`mix64` is splitmix64's finalizer over uint64 (numpy wraps modulo 2^64 by definition,
+so the values are the same on every machine). The owner of an id is `mix64(id ^ salt)
+% W`: a function of the id alone, so a checkpoint re-shards by recomputing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import numpy as np
+import torch
+
+Eviction = Literal["lru", "lfu"]
+Admission = Literal["always", "threshold", "probability"]
+EVICTIONS: tuple[str, ...] = get_args(Eviction)
+ADMISSIONS: tuple[str, ...] = get_args(Admission)
+
+_U64 = np.uint64
+OWNER_SALT = 0x2545F4914F6CDD1D
+INIT_SALT = 0x9E3779B97F4A7C15
+SKETCH_DEPTH = 4
+DEFAULT_SKETCH_WIDTH = 1 << 20
+
+
+@dataclass(frozen=True)
+class DynamicSpec:
+    """How a dynamic table admits and evicts ids (its capacity is the table's num_rows).
+
+    eviction: "lru" | "lfu" (ties: the least recently seen, then the lowest slot);
+    admission: "always" | "threshold" (seen in `threshold` steps, counted by a count-min
+    sketch of SKETCH_DEPTH x `sketch_width` counters) | "probability" (each step an unknown
+    id is seen it is admitted with probability `probability`, from a hash of (seed, id,
+    step)); expire_steps: a paged-out id unseen for that many steps is dropped (0: never).
+    """
+
+    eviction: str = "lru"
+    admission: str = "always"
+    threshold: int = 2
+    probability: float = 1.0
+    expire_steps: int = 0
+    sketch_width: int = DEFAULT_SKETCH_WIDTH
+
+    def __post_init__(self) -> None:
+        self.check("dynamic table")
+
+    def check(self, what: str) -> None:
+        """ValueError naming the bad value."""
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"{what}: unknown eviction policy {self.eviction!r} (one of "
+                             f"{', '.join(EVICTIONS)})")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"{what}: unknown admission policy {self.admission!r} (one of "
+                             f"{', '.join(ADMISSIONS)})")
+        if self.threshold < 1:
+            raise ValueError(f"{what}: threshold={self.threshold} must be >= 1")
+        if not 0.0 < self.probability <= 1.0:
+            raise ValueError(f"{what}: probability={self.probability} must be in (0, 1]")
+        if self.expire_steps < 0:
+            raise ValueError(f"{what}: expire={self.expire_steps} must be >= 0 (0: never)")
+        if self.sketch_width < 1:
+            raise ValueError(f"{what}: sketch_width={self.sketch_width} must be >= 1")
+
+    def describe(self) -> str:
+        admit = {"always": "always", "threshold": f"threshold={self.threshold}",
+                 "probability": f"probability={self.probability:g}"}[self.admission]
+        return f"{self.eviction}, {admit}, expire={self.expire_steps}"
+
+
+def check_capacity(name: str, capacity: int, world_size: int) -> None:
+    """Every rank needs at least one slot."""
+    if capacity < 1:
+        raise ValueError(f"table {name!r}: dynamic capacity {capacity} must be >= 1")
+    if capacity < world_size:
+        raise ValueError(f"table {name!r}: dynamic capacity {capacity} is below the world "
+                         f"size {world_size}: every rank needs at least one slot (raise the "
+                         "capacity)")
+
+
+def as_u64(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """int64 ids (any value) as their uint64 bit patterns (a view where possible)."""
+    arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    return np.ascontiguousarray(arr, dtype=np.int64).view(_U64)
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer of uint64 values (a bijection of 64-bit values)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+        return z ^ (z >> _U64(31))
+
+
+def salted(ids_u64: np.ndarray, salt: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return mix64(ids_u64 ^ _U64(salt % 2**64))
+
+
+def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
+    """owner_N (int64): the rank owning each raw id at world size `world_size`."""
+    if world_size == 1:
+        return torch.zeros(ids.numel(), dtype=torch.int64)
+    owners = salted(as_u64(ids.reshape(-1)), OWNER_SALT) % _U64(world_size)
+    return torch.from_numpy(owners.astype(np.int64))
+
+
+def unit_floats(bits: np.ndarray) -> np.ndarray:
+    """uint64 -> float64 uniform in (0, 1] (53 bits)."""
+    return ((bits >> _U64(11)).astype(np.float64) + 1.0) * (1.0 / 2**53)
+
+
+def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, table_index: int,
+                 init_std: float) -> torch.Tensor:
+    """[N, dim] float32: N(0, init_std) rows drawn from a hash of (seed, table, id, column)
+    (Box-Muller on the CPU in float64), the same for an id whatever its slot, world
+    size or arrival step."""
+    u = as_u64(ids.reshape(-1))
+    n = u.size
+    if n == 0:
+        return torch.empty(0, dim)
+    with np.errstate(over="ignore"):
+        base = salted(u, INIT_SALT ^ (seed * 0x100000001B3) ^ (table_index << 48))
+        cols = np.arange((dim + 1) // 2, dtype=_U64) * _U64(2)
+        a = mix64(base[:, None] + cols[None, :] + _U64(1))
+        b = mix64(base[:, None] + cols[None, :] + _U64(2))
+    radius = np.sqrt(-2.0 * np.log(unit_floats(a)))
+    angle = 2.0 * np.pi * unit_floats(b)
+    pairs = np.stack([radius * np.cos(angle), radius * np.sin(angle)], axis=2)
+    rows = pairs.reshape(n, -1)[:, :dim] * init_std
+    return torch.from_numpy(rows.astype(np.float32))

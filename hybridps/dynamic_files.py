@@ -1,0 +1,227 @@
+"""A dynamic table's checkpoint files and their re-sharding (docs/dynamic_ids.md).
+
+Next to the rows and optim files of its slots (the format of a static table's rows), a
+dynamic table's shard lists two more files per saving rank:
+
+    ids/<table>.r<rank>.pt    written by the worker: per slot of the range, its id, the
+                              last step it was seen (-1: free) and its frequency; the ids
+                              paged out; the admission state (a count-min sketch)
+    paged/<table>.r<rank>.pt  written by whoever holds the paged-out rows (the shard
+                              server, or the worker under --local-optimizer):
+                              hybridps/paged_rows.py's state_dict
+
+`restore_plan` reads them for a rank at any world size: an id goes to its owner at the
+new world size (hybridps/dynamic.py `owner_of_ids`); it keeps its slot when its new
+owner holds that slot, and otherwise starts paged out on its new owner (its row from
+the rows file, its optimizer state from the optim file, both at its old slot). At the
+saving world size every id stays where it was: the resume is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridps.checkpoint import Manifest, ShardInfo, load_rows, save_torch, verify_shards
+from hybridps.dynamic import owner_of_ids
+from hybridps.errors import CorruptCheckpoint
+from hybridps.paged_rows import PagedOut, PagedRows, concat_paged, paged_from_dict
+
+IDS_FORMAT = "hybridps-dynamic-ids-v1"
+ROWS_KEY = "weight"
+
+
+def ids_file(table: str, rank: int) -> str:
+    return f"ids/{table}.r{rank:05d}.pt"
+
+
+def paged_file(table: str, rank: int) -> str:
+    return f"paged/{table}.r{rank:05d}.pt"
+
+
+def _info(directory: Path, rel: str, table: str, rank: int, start: int, end: int,
+          payload: Mapping[str, Any]) -> ShardInfo:
+    saved = save_torch(directory / rel, dict(payload))
+    return ShardInfo(table, rank, start, end, rel, saved["bytes"], saved["crc32"])
+
+
+def _as_torch(obj: Any) -> Any:
+    """numpy arrays (in dicts and lists) as tensors: the file then loads weights_only."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, Mapping):
+        return {k: _as_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_as_torch(v) for v in obj]
+    return obj
+
+
+def save_ids(directory: str | Path, *, table: str, rank: int, start: int, end: int,
+             state: Mapping[str, Any], step: int) -> ShardInfo:
+    """The worker's slot map of rows [start, end) (worker/dynamic_slots.py state_dict)."""
+    return _info(Path(directory), ids_file(table, rank), table, rank, start, end,
+                 _as_torch({**state, "ids_format": IDS_FORMAT, "step": step}))
+
+
+def save_paged(directory: str | Path, *, table: str, rank: int, start: int, end: int,
+               store: PagedRows, step: int) -> ShardInfo:
+    return _info(Path(directory), paged_file(table, rank), table, rank, start, end,
+                 {**store.state_dict(), "step": step})
+
+
+def _load(directory: Path, info: ShardInfo, what: str) -> dict[str, Any]:
+    path = directory / info.file
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpoint(f"checkpoint file {path} ({what}) is unreadable: "
+                                f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CorruptCheckpoint(f"checkpoint file {path} is not a {what} file")
+    return data
+
+
+@dataclass
+class DynamicRestore:
+    """What one rank restores of a dynamic table: its slots (local arrays, seen < 0 free),
+    the ids it holds paged out (with rows and state), their tombstones, the admission
+    states to load, and which local slots kept their saved id (the optimizer state of
+    the others is zeroed)."""
+
+    slot_id: np.ndarray
+    seen: np.ndarray
+    freq: np.ndarray
+    paged: PagedOut
+    tombstones: tuple[np.ndarray, np.ndarray]
+    admission: list[dict[str, Any]] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kept(self) -> np.ndarray:
+        return self.seen >= 0
+
+
+def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int,
+                 layout: Sequence[tuple[str, int]], rank: int, world: int, start: int,
+                 end: int, *, verify: bool = True) -> DynamicRestore:
+    """The module doc's re-shard for rank `rank` of `world` holding slots [start, end)."""
+    directory = Path(directory)
+    entry = manifest.table(table)
+    ids_infos = manifest.shards(table, "ids")
+    paged_infos = manifest.shards(table, "paged")
+    if verify:
+        verify_shards(directory, [*ids_infos, *paged_infos])
+    n = end - start
+    slot_id = np.zeros(n, dtype=np.int64)
+    seen = np.full(n, -1, dtype=np.int64)
+    freq = np.zeros(n, dtype=np.int64)
+    moved: list[PagedOut] = []
+    admission: list[dict[str, Any]] = []
+    same_world = manifest.world_size == world
+    for info in ids_infos:
+        data = _load(directory, info, "dynamic ids")
+        if data.get("ids_format") != IDS_FORMAT:
+            raise CorruptCheckpoint(f"checkpoint file {directory / info.file} is not a "
+                                    f"{IDS_FORMAT} file")
+        s_ids = np.asarray(data["slot_id"], dtype=np.int64)
+        s_seen = np.asarray(data["seen"], dtype=np.int64)
+        s_freq = np.asarray(data["freq"], dtype=np.int64)
+        if s_ids.size != info.row_end - info.row_start:
+            raise CorruptCheckpoint(f"checkpoint file {directory / info.file}: "
+                                    f"{s_ids.size} slots for rows [{info.row_start}, "
+                                    f"{info.row_end})")
+        if not same_world or info.rank == rank:
+            admission.append(dict(data.get("admission", {})))
+        used = np.flatnonzero(s_seen >= 0)
+        owner = owner_of_ids(torch.from_numpy(s_ids[used]), world).numpy()
+        glob = used + info.row_start
+        mine = used[owner == rank]
+        here = mine[(glob[owner == rank] >= start) & (glob[owner == rank] < end)]
+        local = here + info.row_start - start
+        slot_id[local], seen[local], freq[local] = s_ids[here], s_seen[here], s_freq[here]
+        away = np.setdiff1d(mine, here)
+        if away.size:
+            moved.append(_rows_at(directory, manifest, table, dim, layout, info,
+                                  away, s_ids, s_seen, s_freq))
+    paged: list[PagedOut] = []
+    tomb_ids, tomb_steps = [], []
+    counters: dict[str, int] = {}
+    for info in paged_infos:
+        data = _load(directory, info, "paged rows")
+        entries, tombs, saved_counters = paged_from_dict(data, str(directory / info.file))
+        mine_t = owner_of_ids(entries.ids, world) == rank
+        paged.append(PagedOut(entries.ids[mine_t], entries.rows[mine_t],
+                              {k: v[mine_t] for k, v in entries.state.items()},
+                              entries.seen[mine_t], entries.freq[mine_t]))
+        tomb_mine = owner_of_ids(torch.from_numpy(tombs[0]), world).numpy() == rank
+        tomb_ids.append(tombs[0][tomb_mine])
+        tomb_steps.append(tombs[1][tomb_mine])
+        if same_world and info.rank == rank:
+            counters = saved_counters
+    del entry
+    return DynamicRestore(slot_id, seen, freq, concat_paged([*moved, *paged], dim, layout),
+                          (np.concatenate(tomb_ids) if tomb_ids else np.empty(0, np.int64),
+                           np.concatenate(tomb_steps) if tomb_steps
+                           else np.empty(0, np.int64)), admission, counters)
+
+
+def _rows_at(directory: Path, manifest: Manifest, table: str, dim: int,
+             layout: Sequence[tuple[str, int]], info: ShardInfo, local: np.ndarray,
+             s_ids: np.ndarray, s_seen: np.ndarray, s_freq: np.ndarray) -> PagedOut:
+    """The saved rows and optimizer state of slots `local` of the range `info` saved."""
+    num_rows = manifest.table(table).num_rows
+    lo, hi = info.row_start, info.row_end
+    rows, _ = load_rows(directory, table, num_rows, dim, manifest.shards(table, "rows"),
+                        lo, hi, [ROWS_KEY], verify=False)
+    names = [n for n, _ in layout]
+    state, _ = (load_rows(directory, table, num_rows, dim, manifest.shards(table, "optim"),
+                          lo, hi, names, verify=False) if names else ({}, []))
+    at = torch.from_numpy(local)
+    weight = rows[ROWS_KEY]
+    assert weight is not None
+    got_state: dict[str, torch.Tensor] = {}
+    for name, width in layout:
+        t = state.get(name)
+        got_state[name] = (torch.zeros(local.size, width) if t is None
+                           else t.index_select(0, at))
+    return PagedOut(torch.from_numpy(s_ids[local]), weight.index_select(0, at), got_state,
+                    torch.from_numpy(s_seen[local]), torch.from_numpy(s_freq[local]))
+
+
+@dataclass
+class LiveRows:
+    """Every live id of a dynamic table in a checkpoint (on a slot or paged out), sorted
+    by id: its row and the last step it was looked up in; and the tombstones (ids dropped
+    from the paged store, with the step) of ids that are not live again."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    seen: torch.Tensor
+    tomb_ids: torch.Tensor
+    tomb_steps: torch.Tensor
+
+
+def live_rows(directory: str | Path, manifest: Manifest, table: str) -> LiveRows:
+    """For export (worker/export.py): the checkpoint read as by one rank holding all."""
+    entry = manifest.table(table)
+    plan = restore_plan(directory, manifest, table, entry.dim, (), 0, 1, 0, entry.num_rows)
+    rows, _ = load_rows(directory, table, entry.num_rows, entry.dim,
+                        manifest.shards(table, "rows"), 0, entry.num_rows, [ROWS_KEY])
+    weight = rows[ROWS_KEY]
+    assert weight is not None
+    kept = torch.from_numpy(np.flatnonzero(plan.kept))
+    ids = torch.cat([torch.from_numpy(plan.slot_id).index_select(0, kept), plan.paged.ids])
+    order = torch.argsort(ids)
+    tomb_ids = torch.from_numpy(plan.tombstones[0])
+    tomb_steps = torch.from_numpy(plan.tombstones[1])
+    dead = ~torch.isin(tomb_ids, ids)
+    return LiveRows(ids[order],
+                    torch.cat([weight.index_select(0, kept), plan.paged.rows])[order],
+                    torch.cat([torch.from_numpy(plan.seen).index_select(0, kept),
+                               plan.paged.seen])[order],
+                    tomb_ids[dead], tomb_steps[dead])

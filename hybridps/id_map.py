@@ -1,0 +1,169 @@
+"""A hash map from raw int64 ids to int64 values, vectorized over batches (numpy).
+
+Open addressing with linear probing: `keys`, `values` and a `state` byte per position
+(empty, full, or a removed entry's tombstone), the size a power of two kept at most
+half occupied (full + tombstones; a rebuild drops the tombstones). 17 bytes a position:
+34 to 68 bytes an entry. Every operation works
+on a whole batch of ids at once: each probe round is a handful of numpy operations over
+the ids still probing, and at this load a round or two places or finds nearly all of
+them. A key's home position is a salted splitmix64 of it (hybridps/dynamic.py), so any
+int64, negative ones included, is a key.
+
+Used by a dynamic table's owner (id -> slot, and the set of its paged-out ids) and by
+the store of paged-out rows (id -> position in its pool), worker and server alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridps.dynamic import salted
+
+EMPTY, FULL, GONE = 0, 1, 2
+MAP_SALT = 0x6A09E667F3BCC909
+MAX_LOAD = 0.5
+MIN_SIZE = 16
+WINDOW = 4  # positions probed per round
+_STEPS = np.arange(WINDOW, dtype=np.int64)
+
+
+def _size_for(entries: int) -> int:
+    """The smallest power of two holding `entries` at a quarter load (a rebuild at half)."""
+    size = MIN_SIZE
+    while size * 0.25 < entries:
+        size *= 2
+    return size
+
+
+class IdMap:
+    """int64 id -> int64 value (see the module doc)."""
+
+    def __init__(self, expected: int = 0) -> None:
+        self._alloc(_size_for(expected))
+
+    def _alloc(self, size: int) -> None:
+        self.size = size
+        self.bits = size.bit_length() - 1
+        self.keys = np.zeros(size, dtype=np.int64)
+        self.values = np.zeros(size, dtype=np.int64)
+        self.state = np.zeros(size, dtype=np.uint8)
+        self._claim = np.zeros(size, dtype=np.int64)  # _place's scratch
+        self.count = 0
+        self.gone = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.state.nbytes
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        return (salted(ids.view(np.uint64), MAP_SALT) >> np.uint64(64 - self.bits)).astype(
+            np.int64)
+
+    def _locate(self, ids: np.ndarray) -> np.ndarray:
+        """The position of each id, -1 where absent."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.full(ids.size, -1, dtype=np.int64)
+        if ids.size == 0 or self.count == 0:
+            return out
+        mask = self.size - 1
+        idx = np.arange(ids.size)
+        pos = self._home(ids)
+        while idx.size:  # WINDOW positions of every id still probing at once
+            at = (pos[:, None] + _STEPS) & mask
+            st = self.state[at]
+            hit = (st == FULL) & (self.keys[at] == ids[idx][:, None])
+            stop = hit | (st == EMPTY)  # found, or an empty position: absent
+            first = stop.argmax(axis=1)
+            rows = np.arange(idx.size)
+            found = hit[rows, first]
+            out[idx[found]] = at[rows, first][found]
+            going = ~stop[rows, first]
+            idx, pos = idx[going], (pos[going] + WINDOW) & mask
+        return out
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The value of each id, -1 where absent (values are >= 0 by convention)."""
+        pos = self._locate(ids)
+        out = np.full(pos.size, -1, dtype=np.int64)
+        hit = pos >= 0
+        out[hit] = self.values[pos[hit]]
+        return out
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        return self._locate(ids) >= 0
+
+    def insert(self, ids: np.ndarray, values: np.ndarray, *, check: bool = True) -> None:
+        """Add distinct ids that are absent with their values (`check`: ValueError
+        otherwise; a caller that knows it may skip the check)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        if ids.size == 0:
+            return
+        if check and (np.unique(ids).size != ids.size or bool(self.contains(ids).any())):
+            raise ValueError("IdMap.insert: ids must be distinct and absent")
+        if self.count + self.gone + ids.size > MAX_LOAD * self.size:
+            self._rebuild(self.count + ids.size)
+        self._place(ids, values)
+
+    def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
+        mask = self.size - 1
+        idx = np.arange(ids.size)
+        pos = self._home(ids)
+        claim = self._claim
+        while idx.size:
+            # each id's first free position within WINDOW of where it is (else move on)
+            at = (pos[:, None] + _STEPS) & mask
+            open_ = self.state[at] != FULL
+            first = open_.argmax(axis=1)
+            rows = np.arange(idx.size)
+            has = open_[rows, first]
+            pos = np.where(has, at[rows, first], (pos + WINDOW) & mask)
+            free = np.flatnonzero(has)
+            # several ids may reach one free position in a round: one of them takes it
+            # (which one changes only where an id sits in the table, never its value)
+            claim[pos[free]] = idx[free]
+            won = free[claim[pos[free]] == idx[free]]
+            at = pos[won]
+            self.gone -= int((self.state[at] == GONE).sum())
+            self.state[at] = FULL
+            self.keys[at] = ids[idx[won]]
+            self.values[at] = values[idx[won]]
+            self.count += won.size
+            going = np.ones(idx.size, dtype=bool)
+            going[won] = False
+            # a loser probes on after the position it lost; the others moved on already
+            nxt = np.where(has, pos + 1, pos) & mask
+            idx, pos = idx[going], nxt[going]
+
+    def set_values(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """New values for ids that are present (ValueError otherwise)."""
+        pos = self._locate(ids)
+        if bool((pos < 0).any()):
+            raise ValueError("IdMap.set_values: an id is absent")
+        self.values[pos] = values
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Remove the ids that are present (distinct); returns which were."""
+        pos = self._locate(ids)
+        hit = pos >= 0
+        at = pos[hit]
+        self.state[at] = GONE
+        self.count -= at.size
+        self.gone += at.size
+        return hit
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, values) of every entry, in position order."""
+        full = self.state == FULL
+        return self.keys[full].copy(), self.values[full].copy()
+
+    def _rebuild(self, entries: int) -> None:
+        keys, values = self.items()
+        self._alloc(_size_for(entries))
+        self._place(keys, values)
+
+    def clear(self) -> None:
+        self._alloc(MIN_SIZE)

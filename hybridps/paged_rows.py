@@ -1,0 +1,271 @@
+"""The rows a dynamic table paged out of its slots, and their optimizer state (no grpc).
+
+One store per (table, owning rank): per id its row (fp32 [dim]), the optimizer state of
+that row by name (e.g. Adam's "m" and "v", [dim] each; an optimizer without per-row state
+has none), its frequency and the last step it was seen. Columnar: a pool of rows grown by
+doubling, a free list, and an IdMap id -> pool position, so a batch goes in or out with a
+few tensor ops. `take` removes what it returns: an id is either on a slot or here.
+
+Expiry: `expire(step, T)` drops the ids last seen before step - T; `drop_oldest(n)` drops
+the n seen longest ago (a memory budget; ties: the lowest id). Every drop leaves a
+tombstone (id, step) for the delta export (worker/export.py --delta-since); tombstones
+are kept for the run (16 bytes each).
+
+Both sides hold one: the shard server (ps/partition.py, the node's store) and the
+worker's --local-optimizer (in-process). `state_dict`/`load_state_dict` are the
+checkpoint's `paged/<table>.r<rank>.pt` payload (worker/dynamic_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridps.id_map import IdMap
+
+PAGED_FORMAT = "hybridps-paged-rows-v1"
+# per id besides its row and state: pool id, last seen, frequency (int64 each) and its
+# IdMap entry (about 2 positions of 17 bytes)
+ENTRY_OVERHEAD_BYTES = 3 * 8 + 2 * 17
+
+
+@dataclass
+class PagedOut:
+    """Rows leaving slots (or found in the store): ids_N, rows_ND (fp32), the state by
+    name ([N, width] fp32 each), last step seen and frequency (int64 [N])."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    state: dict[str, torch.Tensor]
+    seen: torch.Tensor
+    freq: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.ids.numel())
+
+
+class PagedRows:
+    """Paged-out rows of one table and rank (module doc)."""
+
+    def __init__(self, dim: int, layout: Sequence[tuple[str, int]]) -> None:
+        self.dim = dim
+        self.layout = tuple((str(n), int(w)) for n, w in layout)
+        self.index = IdMap()
+        self._alloc(0)
+        self.tomb_ids: list[np.ndarray] = []
+        self.tomb_steps: list[np.ndarray] = []
+        self.expired = 0   # ids dropped by expiry, and by the memory budget
+        self.dropped = 0
+        self.last_expiry = -1
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows = torch.zeros(capacity, self.dim)
+        self.state = {n: torch.zeros(capacity, w) for n, w in self.layout}
+        self.ids = np.zeros(capacity, dtype=np.int64)
+        self.seen = np.zeros(capacity, dtype=np.int64)
+        self.freq = np.zeros(capacity, dtype=np.int64)
+        # free positions, a stack: the lowest on top (the end), n_free of them
+        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self.n_free = capacity
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def row_bytes(self) -> int:
+        """Host bytes one paged-out id costs."""
+        return 4 * (self.dim + sum(w for _, w in self.layout)) + ENTRY_OVERHEAD_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.row_bytes
+
+    def _grow(self, need: int) -> None:
+        if self.n_free >= need:
+            return
+        old = self.capacity
+        new = max(16, old * 2)
+        while new - len(self.index) < need:
+            new *= 2
+        rows, state = self.rows, self.state
+        ids, seen, freq = self.ids, self.seen, self.freq
+        free = self.free[:self.n_free].copy()
+        self._alloc(new)
+        self.rows[:old] = rows
+        for n in self.state:
+            self.state[n][:old] = state[n]
+        self.ids[:old], self.seen[:old], self.freq[:old] = ids, seen, freq
+        self.free = np.concatenate([np.arange(new - 1, old - 1, -1, dtype=np.int64), free])
+        self.n_free = self.free.size
+
+    def put(self, out: PagedOut) -> None:
+        """Store rows that left their slots (ids distinct and absent here)."""
+        n = out.count
+        if n == 0:
+            return
+        self._check(out)
+        self._grow(n)
+        pos = self.free[self.n_free - n:self.n_free][::-1].copy()
+        self.n_free -= n
+        self.index.insert(out.ids.numpy(), pos, check=False)  # the caller checked
+        at = torch.from_numpy(pos)
+        self.rows.index_copy_(0, at, out.rows.to(torch.float32))
+        for name, _ in self.layout:
+            self.state[name].index_copy_(0, at, out.state[name].to(torch.float32))
+        self.ids[pos] = out.ids.numpy()
+        self.seen[pos] = out.seen.numpy()
+        self.freq[pos] = out.freq.numpy()
+
+    def _check(self, out: PagedOut) -> None:
+        n = out.count
+        if tuple(out.rows.shape) != (n, self.dim):
+            raise ValueError(f"paged rows: rows of shape {list(out.rows.shape)} are not "
+                             f"[{n}, {self.dim}]")
+        for name, width in self.layout:
+            got = out.state.get(name)
+            if got is None or tuple(got.shape) != (n, width):
+                raise ValueError(f"paged rows: state {name!r} is "
+                                 f"{None if got is None else list(got.shape)}, not "
+                                 f"[{n}, {width}]")
+
+    def _gather(self, pos: np.ndarray) -> PagedOut:
+        at = torch.from_numpy(pos)
+        return PagedOut(torch.from_numpy(self.ids[pos].copy()), self.rows.index_select(0, at),
+                        {n: t.index_select(0, at) for n, t in self.state.items()},
+                        torch.from_numpy(self.seen[pos].copy()),
+                        torch.from_numpy(self.freq[pos].copy()))
+
+    def take(self, ids: torch.Tensor) -> tuple[torch.Tensor, PagedOut]:
+        """(found_N, the found ids' entries in the order of `ids`), removed from the store."""
+        pos = self.index.find(ids.numpy())
+        found = pos >= 0
+        got = self._gather(pos[found])
+        self._release(ids.numpy()[found], pos[found])
+        return torch.from_numpy(found), got
+
+    def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(found_N, rows_FD) without removing anything (evaluation reads)."""
+        pos = self.index.find(ids.numpy())
+        found = pos >= 0
+        return torch.from_numpy(found), self.rows.index_select(0, torch.from_numpy(pos[found]))
+
+    def _release(self, ids: np.ndarray, pos: np.ndarray) -> None:
+        """Free pool positions (their content is overwritten by the next put there)."""
+        self.index.remove(ids)
+        back = np.sort(pos)[::-1]
+        self.free[self.n_free:self.n_free + back.size] = back
+        self.n_free += back.size
+
+    def _drop(self, pos: np.ndarray, step: int) -> np.ndarray:
+        ids = self.ids[pos].copy()
+        self._release(ids, pos)
+        self.tomb_ids.append(ids)
+        self.tomb_steps.append(np.full(ids.size, step, dtype=np.int64))
+        return ids
+
+    def _live_positions(self) -> np.ndarray:
+        _, pos = self.index.items()
+        return np.sort(pos)
+
+    def expire(self, step: int, expire_steps: int) -> np.ndarray:
+        """Drop the ids last seen before `step - expire_steps` (0: never); returns them.
+        Scans the store at most every max(1, T // 8) steps: an id goes between T and
+        9T/8 steps after it was last seen."""
+        if expire_steps <= 0 or step < self.last_expiry + max(1, expire_steps // 8):
+            return np.empty(0, dtype=np.int64)
+        self.last_expiry = step
+        pos = self._live_positions()
+        old = pos[self.seen[pos] < step - expire_steps]
+        self.expired += old.size
+        return self._drop(old, step)
+
+    def drop_oldest(self, count: int, step: int) -> np.ndarray:
+        """Drop the `count` ids seen longest ago (ties: the lowest id); returns them."""
+        if count <= 0 or len(self) == 0:
+            return np.empty(0, dtype=np.int64)
+        pos = self._live_positions()
+        order = np.lexsort((self.ids[pos], self.seen[pos]))[:count]
+        self.dropped += order.size
+        return self._drop(pos[order], step)
+
+    def tombstones(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, steps) of every drop so far, in drop order."""
+        if not self.tomb_ids:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(self.tomb_ids), np.concatenate(self.tomb_steps)
+
+    # -- checkpoints -----------------------------------------------------------------
+    def entries(self) -> PagedOut:
+        """Every stored id, in id order (a deterministic file)."""
+        pos = self._live_positions()
+        pos = pos[np.argsort(self.ids[pos], kind="stable")]
+        return self._gather(pos)
+
+    def state_dict(self) -> dict[str, Any]:
+        tomb_ids, tomb_steps = self.tombstones()
+        e = self.entries()
+        return {"format": PAGED_FORMAT, "dim": self.dim, "layout": list(self.layout),
+                "ids": e.ids, "rows": e.rows, "state": e.state, "seen": e.seen,
+                "freq": e.freq, "tomb_ids": torch.from_numpy(tomb_ids),
+                "tomb_steps": torch.from_numpy(tomb_steps),
+                "counters": {"expired": self.expired, "dropped": self.dropped,
+                             "last_expiry": self.last_expiry}}
+
+    def load(self, entries: PagedOut, tombstones: tuple[np.ndarray, np.ndarray] = (
+            np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)),
+             counters: Mapping[str, int] | None = None) -> None:
+        """Replace the store's content (a restore)."""
+        self.index = IdMap(entries.count)
+        self._alloc(0)
+        self.put(entries)
+        self.tomb_ids, self.tomb_steps = ([tombstones[0]], [tombstones[1]]) if tombstones[
+            0].size else ([], [])
+        counters = counters or {}
+        self.expired = int(counters.get("expired", 0))
+        self.dropped = int(counters.get("dropped", 0))
+        self.last_expiry = int(counters.get("last_expiry", -1))
+
+
+def paged_from_dict(payload: Mapping[str, Any], what: str) -> tuple[PagedOut, tuple[
+        np.ndarray, np.ndarray], dict[str, int]]:
+    """A `state_dict` read back: (entries, tombstones, counters); ValueError naming `what`
+    when it is not one."""
+    if payload.get("format") != PAGED_FORMAT:
+        raise ValueError(f"{what} is not a {PAGED_FORMAT} file")
+    try:
+        entries = PagedOut(payload["ids"].to(torch.int64), payload["rows"].float(),
+                           {n: t.float() for n, t in payload["state"].items()},
+                           payload["seen"].to(torch.int64), payload["freq"].to(torch.int64))
+        tombs = (payload["tomb_ids"].numpy().astype(np.int64),
+                 payload["tomb_steps"].numpy().astype(np.int64))
+        counters = {k: int(v) for k, v in dict(payload.get("counters", {})).items()}
+    except (KeyError, AttributeError, TypeError) as exc:
+        raise ValueError(f"{what} is malformed ({type(exc).__name__}: {exc})") from None
+    return entries, tombs, counters
+
+
+def empty_paged(dim: int, layout: Sequence[tuple[str, int]]) -> PagedOut:
+    return PagedOut(torch.empty(0, dtype=torch.int64), torch.empty(0, dim),
+                    {n: torch.empty(0, w) for n, w in layout},
+                    torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+
+
+def concat_paged(parts: Sequence[PagedOut], dim: int,
+                 layout: Sequence[tuple[str, int]]) -> PagedOut:
+    parts = [p for p in parts if p.count]
+    if not parts:
+        return empty_paged(dim, layout)
+    return PagedOut(torch.cat([p.ids for p in parts]), torch.cat([p.rows for p in parts]),
+                    {n: torch.cat([p.state[n] for p in parts]) for n, _ in layout},
+                    torch.cat([p.seen for p in parts]), torch.cat([p.freq for p in parts]))
+
+
+def select_paged(p: PagedOut, mask: torch.Tensor) -> PagedOut:
+    return PagedOut(p.ids[mask], p.rows[mask], {n: t[mask] for n, t in p.state.items()},
+                    p.seen[mask], p.freq[mask])

@@ -1,0 +1,314 @@
+"""Dynamic tables' pure parts (docs/dynamic_ids.md): the id hashes, the id map, the paged
+store, admission filters, the slot table's eviction rules, and bad specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridps.checkpoint import (
+    FileEntry,
+    Manifest,
+    ManifestShard,
+    ManifestTable,
+    OptimState,
+    load_rows,
+    rows_file,
+    save_optim_state,
+    save_shard,
+)
+from hybridps.dynamic import DynamicSpec, initial_rows, owner_of_ids
+from hybridps.dynamic_files import restore_plan, save_ids, save_paged
+from hybridps.id_map import IdMap
+from hybridps.paged_rows import PagedOut, PagedRows
+from worker.admission import Admission, CountMinSketch
+from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
+from worker.embedding import ShardedEmbedding, TableConfig
+from worker.task_options import parse_tables
+
+INT64 = np.iinfo(np.int64)
+
+
+def _raw_ids(rng: np.random.Generator, n: int) -> np.ndarray:
+    ids = rng.integers(INT64.min, INT64.max, size=n, dtype=np.int64)
+    ids[:4] = [0, -1, INT64.min, INT64.max]
+    return np.unique(ids)
+
+
+def test_owner_is_a_fixed_function_of_the_id() -> None:
+    ids = torch.tensor([0, -1, 2**63 - 1, -(2**63), 12345], dtype=torch.int64)
+    assert owner_of_ids(ids, 1).tolist() == [0] * 5
+    owners = owner_of_ids(ids, 7)
+    assert owners.tolist() == owner_of_ids(ids.flip(0), 7).flip(0).tolist()
+    assert ((owners >= 0) & (owners < 7)).all()
+    many = owner_of_ids(torch.arange(70_000), 7)
+    counts = torch.bincount(many, minlength=7)
+    assert counts.min() > 9_000  # spread evenly (10,000 expected each)
+
+
+def test_initial_rows_depend_on_the_id_only() -> None:
+    ids = torch.tensor([5, -3, 2**62, 5], dtype=torch.int64)
+    rows = initial_rows(ids, 7, seed=1, table_index=0, init_std=1.0)
+    assert torch.equal(rows[0], rows[3])
+    assert torch.equal(rows[1:2], initial_rows(ids[1:2], 7, seed=1, table_index=0,
+                                              init_std=1.0))
+    assert not torch.equal(rows[0], initial_rows(ids[:1], 7, seed=2, table_index=0,
+                                                 init_std=1.0)[0])
+    big = initial_rows(torch.arange(20_000), 8, seed=0, table_index=0, init_std=0.5)
+    assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 0.5) < 0.01
+
+
+def test_id_map_matches_a_dict_through_inserts_and_removals() -> None:
+    rng = np.random.default_rng(0)
+    ids = _raw_ids(rng, 5000)
+    ref: dict[int, int] = {}
+    m = IdMap()
+    for lo in range(0, ids.size, 700):  # batches, with rebuilds as it grows
+        batch = ids[lo:lo + 700]
+        m.insert(batch, np.arange(lo, lo + batch.size))
+        ref.update(zip(batch.tolist(), range(lo, lo + batch.size), strict=True))
+        gone = batch[::3]
+        assert m.remove(gone).all()
+        for g in gone.tolist():
+            del ref[g]
+    query = np.concatenate([ids, _raw_ids(np.random.default_rng(1), 500)])
+    want = np.array([ref.get(int(q), -1) for q in query])
+    assert np.array_equal(m.find(query), want)
+    assert len(m) == len(ref)
+    keys, values = m.items()
+    assert dict(zip(keys.tolist(), values.tolist(), strict=True)) == ref
+    with pytest.raises(ValueError, match="distinct and absent"):
+        m.insert(keys[:1], np.zeros(1, dtype=np.int64))
+
+
+def _entry(ids: list[int], dim: int = 3) -> PagedOut:
+    n = len(ids)
+    t = torch.tensor(ids, dtype=torch.int64)
+    rows = torch.randn(n, dim)
+    return PagedOut(t, rows, {"m": torch.randn(n, dim), "v": torch.rand(n, dim)},
+                    torch.arange(n, dtype=torch.int64) * 10, torch.arange(n, dtype=torch.int64))
+
+
+def test_paged_rows_round_trip_bitwise_and_expire() -> None:
+    store = PagedRows(3, (("m", 3), ("v", 3)))
+    out = _entry([7, -2, 2**63 - 1, 40])
+    store.put(out)
+    found, got = store.take(torch.tensor([40, 99, -2], dtype=torch.int64))
+    assert found.tolist() == [True, False, True]
+    for name in ("rows", "seen", "freq"):
+        assert torch.equal(getattr(got, name), getattr(out, name)[[3, 1]])
+    for name in ("m", "v"):
+        assert torch.equal(got.state[name], out.state[name][[3, 1]])
+    assert len(store) == 2  # taken ids are gone
+    # left: 7 (seen at 0) and 2**63-1 (seen at 20); T=5 at step 26: both before 21 go
+    assert store.expire(21, 5).tolist() == [7]
+    dropped = store.expire(26, 5)
+    assert sorted(dropped.tolist()) == [2**63 - 1] and len(store) == 0
+    dropped = np.concatenate([np.array([7]), dropped])
+    assert sorted(dropped.tolist()) == [7, 2**63 - 1] and len(store) == 0
+    store.put(_entry([1, 2, 3]))
+    assert store.drop_oldest(2, 30).tolist() == [1, 2]  # seen 0 and 10
+    tomb_ids, tomb_steps = store.tombstones()
+    assert tomb_ids.tolist()[-2:] == [1, 2] and tomb_steps.tolist()[-2:] == [30, 30]
+    again = PagedRows(3, (("m", 3), ("v", 3)))
+    state = store.state_dict()
+    again.load(store.entries(), store.tombstones(), state["counters"])
+    assert torch.equal(again.entries().rows, store.entries().rows)
+
+
+def test_count_min_never_undercounts_and_stays_within_its_bound() -> None:
+    rng = np.random.default_rng(3)
+    sketch = CountMinSketch(width=512)
+    truth: dict[int, int] = {}
+    for _ in range(60):
+        step_ids = np.unique(rng.integers(0, 3000, size=200))
+        sketch.add(step_ids)
+        for i in step_ids.tolist():
+            truth[i] = truth.get(i, 0) + 1
+    ids = np.array(sorted(truth))
+    est = sketch.estimate(ids)
+    true = np.array([truth[i] for i in ids.tolist()])
+    assert (est >= true).all()
+    over = est - true
+    # the bound e/width * N holds with probability >= 1 - e^-4 per id: nearly all ids
+    assert (over <= sketch.error_bound()).mean() > 0.95
+
+
+def test_admission_filters() -> None:
+    ids = np.arange(-50, 50, dtype=np.int64)
+    always = Admission(DynamicSpec(), seed=0, table_index=0)
+    assert always.admit(ids, 0).all()
+    third = Admission(DynamicSpec(admission="threshold", threshold=3), seed=0, table_index=0)
+    assert not third.admit(ids, 0).any() and not third.admit(ids, 1).any()
+    assert third.admit(ids, 2).all()  # the third step each id was seen in
+    spec = DynamicSpec(admission="probability", probability=0.25)
+    a, b = Admission(spec, 7, 0), Admission(spec, 7, 0)
+    many = np.arange(40_000, dtype=np.int64)
+    first = a.admit(many, 5)
+    assert np.array_equal(first, b.admit(many, 5))  # reproducible
+    assert abs(first.mean() - 0.25) < 0.01
+    assert not np.array_equal(first, a.admit(many, 6))  # a new chance each step
+    assert not np.array_equal(first, Admission(spec, 8, 0).admit(many, 5))
+
+
+class FakePager:
+    """Records the page calls; holds what goes out (ids only)."""
+
+    def __init__(self) -> None:
+        self.stored: dict[int, tuple[int, int]] = {}
+        self.calls: list[PageRequest] = []
+
+    def __call__(self, req: PageRequest) -> PageAnswer:
+        self.calls.append(req)
+        for i, s, f in zip(req.out_ids.tolist(), req.out_seen.tolist(), req.out_freq.tolist(),
+                           strict=True):
+            self.stored[i] = (s, f)
+        found = np.array([i in self.stored for i in req.in_ids.tolist()], dtype=bool)
+        meta = [self.stored.pop(i) for i in req.in_ids[found].tolist()]
+        return PageAnswer(found, np.array([m[0] for m in meta], dtype=np.int64),
+                          np.array([m[1] for m in meta], dtype=np.int64))
+
+
+def _table(eviction: str = "lru", n: int = 3, start: int = 10) -> SlotTable:
+    return SlotTable("t", DynamicSpec(eviction=eviction), start, n, seed=0, table_index=0)
+
+
+def _step(t: SlotTable, ids: list[int], step: int, applied: int, pager: FakePager
+          ) -> list[int]:
+    slots, _ = t.translate(np.array(ids, dtype=np.int64), step, applied, pager)
+    return slots.tolist()
+
+
+def test_free_slots_lowest_first_in_batch_order_then_lru() -> None:
+    t, pager = _table(), FakePager()
+    assert _step(t, [30, -5, 8], 0, -1, pager) == [10, 11, 12]
+    assert _step(t, [8], 1, 0, pager) == [12]
+    # 30 and -5 were both last seen at step 0: the tie goes to the lowest slot (10)
+    assert _step(t, [99], 2, 1, pager) == [10]
+    assert pager.calls[-1].out_ids.tolist() == [30]
+    assert _step(t, [30, 8], 3, 2, pager) == [11, 12]  # 30 back onto -5's slot (LRU)
+    assert pager.calls[-1].in_ids.tolist() == [30] and pager.calls[-1].out_ids.tolist() == [-5]
+    assert t.stats.page_ins == 1 and t.stats.evictions == 2
+
+
+def test_lfu_evicts_the_least_frequent_then_least_recent() -> None:
+    t, pager = _table("lfu"), FakePager()
+    _step(t, [1, 2, 3], 0, -1, pager)
+    _step(t, [1, 2], 1, 0, pager)
+    _step(t, [1], 2, 1, pager)  # freq: 1 -> 3, 2 -> 2, 3 -> 1
+    assert _step(t, [4], 3, 2, pager) == [12]  # 3's slot
+    assert _step(t, [5], 4, 3, pager) == [12]  # 4 (freq 1) before 2 (freq 2)
+    _step(t, [6, 7], 5, 4, pager)  # slots of 5 then 2: freq 1 and 2
+    assert pager.calls[-1].out_ids.tolist() == [5, 2]
+
+
+def test_pin_rule() -> None:
+    """A slot looked up after the newest applied step has an update pending: it is not
+    evicted, and an id that would need it is refused (reads zeros) until it may go."""
+    t, pager = _table(n=2), FakePager()
+    _step(t, [1, 2], 0, -1, pager)
+    assert _step(t, [3], 1, -1, pager) == [-1]  # both pinned (seen 0 > applied -1)
+    assert t.stats.refused_capacity == 1 and not pager.calls
+    assert _step(t, [3, 1], 2, 0, pager) == [11, 10]  # 2's slot, free since step 0 applied
+    assert pager.calls[-1].out_ids.tolist() == [2]
+    assert _step(t, [4], 3, 1, pager) == [-1]  # 1 and 3 seen at step 2 > 1
+
+
+def test_bad_specs_name_the_value() -> None:
+    with pytest.raises(ValueError, match="dynamic capacity 0 must be >= 1"):
+        parse_tables("user:0:dynamic")
+    with pytest.raises(ValueError, match="unknown policy 'mru'"):
+        parse_tables("user:10:dynamic:mru")
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
+        DynamicSpec(eviction="fifo")
+    with pytest.raises(ValueError, match="threshold=0 must be >= 1"):
+        parse_tables("user:10:dynamic:threshold=0")
+    with pytest.raises(ValueError, match="dynamic capacity 0 must be >= 1"):
+        TableConfig("user", 0, 4, DynamicSpec())
+    with pytest.raises(ValueError, match="dynamic capacity 1 is below the world size 2"):
+        ShardedEmbedding([TableConfig("user", 1, 4, DynamicSpec())], rank=0, world_size=2)
+    assert parse_tables("u:10:dynamic:lfu:probability=0.5:expire=7,s:4")[0][3] == DynamicSpec(
+        eviction="lfu", admission="probability", probability=0.5, expire_steps=7)
+
+
+def test_checkpoint_files_reshard_every_id_to_its_new_owner(tmp_path: Path) -> None:
+    """Two saving ranks' slots and paged rows, read back at 1 and at 3 ranks: every live id
+    is held exactly once, on its owner at the new world size, with its row, optimizer state,
+    last step seen and frequency; an id keeps its slot where its new owner holds it."""
+    capacity, dim, world = 10, 3, 2
+    layout = (("m", dim), ("v", dim))
+    rng = np.random.default_rng(5)
+    truth: dict[int, tuple[torch.Tensor, ...]] = {}
+    shards = []
+    slot_of: dict[int, int] = {}
+    for rank in range(world):
+        start, end = rank * capacity // world, (rank + 1) * capacity // world
+        n = end - start
+        mine = [i for i in rng.integers(-10**12, 10**12, 200).tolist()
+                if int(owner_of_ids(torch.tensor([i]), world)[0]) == rank][:n + 3]
+        on_slots, paged_ids = mine[:n - 1], mine[n - 1:]  # one slot left free
+        t = SlotTable("u", DynamicSpec(), start, n, seed=0, table_index=0)
+        seen = np.full(n, -1, dtype=np.int64)
+        seen[:n - 1] = rng.integers(0, 50, n - 1)
+        slot_id = np.zeros(n, dtype=np.int64)
+        slot_id[:n - 1] = on_slots
+        freq = np.where(seen >= 0, rng.integers(1, 9, n), 0)
+        t.load(slot_id, seen, freq, np.array(paged_ids, dtype=np.int64))
+        rows, m, v = torch.randn(n, dim), torch.randn(n, dim), torch.rand(n, dim)
+        store = PagedRows(dim, layout)
+        entries = _entry(paged_ids, dim)
+        store.put(entries)
+        for s in range(n - 1):
+            truth[on_slots[s]] = (rows[s], m[s], v[s], torch.tensor(int(seen[s])),
+                                  torch.tensor(int(freq[s])))
+            slot_of[on_slots[s]] = start + s
+        for i, ident in enumerate(paged_ids):
+            truth[ident] = (entries.rows[i], entries.state["m"][i], entries.state["v"][i],
+                            entries.seen[i], entries.freq[i])
+        files = {
+            "rows": save_shard(tmp_path, rows_file("u", rank), kind="rows", table="u",
+                               rank=rank, num_rows=capacity, dim=dim, row_start=start,
+                               row_end=end, tensors={"weight": rows}),
+            "optim": save_optim_state(tmp_path, table="u", rank=rank, num_rows=capacity,
+                                      dim=dim, row_start=start, row_end=end,
+                                      state=OptimState(m, v, 4, 7), optimizer={}),
+            "ids": save_ids(tmp_path, table="u", rank=rank, start=start, end=end,
+                            state=t.state_dict(), step=7),
+            "paged": save_paged(tmp_path, table="u", rank=rank, start=start, end=end,
+                                store=store, step=7)}
+        shards.append(ManifestShard(rank, start, end, {
+            k: FileEntry(f.file, f.bytes, f.crc32) for k, f in files.items()}))
+    manifest = Manifest(step=7, tables={"u": ManifestTable(capacity, dim, tuple(shards),
+                                                           {"dynamic": {}})},
+                        world_size=world)
+    manifest.write(tmp_path)
+    for new_world in (1, 3):
+        held: dict[int, tuple[torch.Tensor, ...]] = {}
+        for rank in range(new_world):
+            start, end = rank * capacity // new_world, (rank + 1) * capacity // new_world
+            plan = restore_plan(tmp_path, Manifest.read(tmp_path), "u", dim, layout, rank,
+                                new_world, start, end)
+            full_rows, _ = load_rows(tmp_path, "u", capacity, dim,
+                                     manifest.shards("u", "rows"), start, end, ["weight"])
+            full_state, _ = load_rows(tmp_path, "u", capacity, dim,
+                                      manifest.shards("u", "optim"), start, end, ["m", "v"])
+            for s in np.flatnonzero(plan.kept).tolist():
+                ident = int(plan.slot_id[s])
+                assert slot_of[ident] == start + s  # kept its slot
+                assert ident not in held
+                held[ident] = (full_rows["weight"][s], full_state["m"][s],  # type: ignore
+                               full_state["v"][s], torch.tensor(int(plan.seen[s])),  # type: ignore
+                               torch.tensor(int(plan.freq[s])))
+            p = plan.paged
+            assert (owner_of_ids(p.ids, new_world) == rank).all()
+            for i, ident in enumerate(p.ids.tolist()):
+                assert ident not in held
+                held[ident] = (p.rows[i], p.state["m"][i], p.state["v"][i], p.seen[i],
+                               p.freq[i])
+        assert set(held) == set(truth)
+        for ident, want in truth.items():
+            for a, b in zip(held[ident], want, strict=True):
+                assert torch.equal(a, b), (new_world, ident)

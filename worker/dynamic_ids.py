@@ -1,0 +1,396 @@
+"""Stage 0 of a lookup of a dynamic table: raw ids -> slots, at their owners.
+
+    raw ids ──dedupe, owner = mix64(id) % W──► a2a ─► owner: SlotTable.translate
+                                                       (admit, evict, page in/out)
+            ◄──────────── a2a: a slot per id (-1: refused) ◄─┘
+    then the static path on slots (input_dist -> lookup -> output_dist), and the
+    refused positions read zeros (no gradient reaches any row for them).
+
+`DynamicIds` holds this rank's `SlotTable` per dynamic table (its share of the slots,
+worker/dynamic_slots.py) and moves rows when a slot changes hands: the evicted rows
+(exact: the pin rule leaves no update pending for them) go to the `RowPager` with their
+ids, the returning ids' rows come back from it, and new ids get their initial rows
+(hybridps/dynamic.py `initial_rows`). The pager (the shard client, or the local
+optimizer) moves the optimizer state of those rows itself (one call per table and step
+that evicts or pages in).
+
+A lookup without autograd (evaluation) changes nothing: ids on a slot read it, paged-out
+ids read their stored row (the pager's `peek`), unknown ids read zeros.
+
+Every rank must run the same lookups in the same order (collectives); world size 1 has
+none. Shapes: `_N` ids of an entry, `_U` distinct ids, `_M` ids an owner received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridps.cli import ConfigError
+from hybridps.dynamic import DynamicSpec, check_capacity, initial_rows, owner_of_ids
+from hybridps.paged_rows import PagedOut
+from worker.comm import BlockCap, exchange, exchange_blocks
+from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
+
+PAGED = -2  # an evaluation's code for an id whose row comes from the paged store
+
+Bag = tuple[torch.Tensor, str]
+StaticLookup = Callable[[Sequence[str], Sequence[torch.Tensor], Sequence[Bag | None]],
+                        list[torch.Tensor]]
+
+
+class RowPager(Protocol):
+    """Where a dynamic table's evicted rows go, with their optimizer state (the shard
+    client: the node's server; the local optimizer: host memory)."""
+
+    def page(self, table: str, step: int, out: PagedOut, out_slots: torch.Tensor,
+             in_ids: torch.Tensor, in_slots: torch.Tensor, expire_steps: int,
+             counters: Mapping[str, int] | None = None
+             ) -> tuple[torch.Tensor, PagedOut, np.ndarray]:
+        """Evict rows `out` (their optimizer state taken from global slots `out_slots`,
+        `out.state` is filled here), then bring `in_ids` onto global slots `in_slots`
+        (their state put there). Returns (found per in id, the found entries in order, ids
+        dropped from the store)."""
+        ...
+
+    def peek_paged(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(found per id, their stored rows) without moving anything."""
+        ...
+
+
+@dataclass
+class DynamicTable:
+    name: str
+    dim: int
+    spec: DynamicSpec
+    slots: SlotTable
+    table_index: int
+
+
+class DynamicIds:
+    """This rank's side of every dynamic table (module doc)."""
+
+    def __init__(self, tables: Sequence[tuple[str, int, int, DynamicSpec, int]],
+                 ranges: dict[str, tuple[int, int]], *, rank: int, world_size: int,
+                 group: dist.ProcessGroup | None, device: torch.device, seed: int,
+                 init_std: float, rows_of: Callable[[str], torch.Tensor]) -> None:
+        self.rank, self.world_size, self.group, self.device = rank, world_size, group, device
+        self.seed, self.init_std, self.rows_of = seed, init_std, rows_of
+        self.tables: dict[str, DynamicTable] = {}
+        for name, _capacity, dim, spec, index in tables:
+            start, end = ranges[name]
+            self.tables[name] = DynamicTable(name, dim, spec, SlotTable(
+                name, spec, start, end - start, seed=seed, table_index=index), index)
+        self.pager: RowPager | None = None
+        self.step = 0
+        self.applied_through = -1
+        self._caps: dict[tuple[str, ...], BlockCap] = {}
+
+    def begin_step(self, step: int, applied_through: int) -> None:
+        """Before the forward of `step`: updates <= applied_through are in the rows."""
+        self.step, self.applied_through = step, applied_through
+
+    # -- the lookup ---------------------------------------------------------------------
+    def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor],
+                    bags: Sequence[Bag | None], static: StaticLookup) -> list[torch.Tensor]:
+        """ShardedEmbedding.lookup_many with dynamic tables among `names` (module doc)."""
+        train = torch.is_grad_enabled()
+        dyn = [e for e, n in enumerate(names) if n in self.tables]
+        flat = [ids[e].reshape(-1).to(torch.int64).cpu() for e in dyn]
+        codes, paged_rows = self._translate([names[e] for e in dyn], flat, train)
+        call_ids = list(ids)
+        call_bags = list(bags)
+        keep: dict[int, torch.Tensor] = {}
+        for e, code_N in zip(dyn, codes, strict=True):
+            code_N = code_N.to(self.device)
+            if bool((code_N >= 0).all()):  # the common case: exactly the static path
+                call_ids[e] = code_N.view(ids[e].shape)
+                continue
+            kept = code_N >= 0
+            keep[e] = kept
+            call_ids[e] = code_N[kept]
+            bag = bags[e]
+            if bag is not None:
+                offsets_B = bag[0].to(self.device)
+                before = torch.cat([torch.cumsum(kept, 0) - kept.long(),
+                                    kept.sum().view(1)])
+                call_bags[e] = (before.index_select(0, offsets_B), "sum")
+        out = static(names, call_ids, call_bags)
+        for pos, e in enumerate(dyn):
+            if e not in keep:
+                continue
+            out[e] = self._fill(out[e], codes[pos].to(self.device), keep[e], ids[e],
+                                bags[e], paged_rows[pos])
+        return out
+
+    def _fill(self, got: torch.Tensor, code_N: torch.Tensor, kept_N: torch.Tensor,
+              ids: torch.Tensor, bag: Bag | None, paged_PD: torch.Tensor | None
+              ) -> torch.Tensor:
+        """The entry's result with zeros for refused ids (and stored rows for paged ones)."""
+        n = code_N.numel()
+        where_K = torch.nonzero(kept_N).squeeze(1)
+        paged_P = torch.nonzero(code_N == PAGED).squeeze(1)
+        if bag is None:
+            rows_ND = got.new_zeros((n, got.shape[-1])).index_copy(
+                0, where_K, got.reshape(-1, got.shape[-1]))
+            if paged_PD is not None and paged_P.numel():
+                rows_ND = rows_ND.index_copy(0, paged_P, paged_PD.to(rows_ND))
+            return rows_ND.view(*ids.shape, got.shape[-1])
+        offsets_B, mode = bag[0].to(self.device), bag[1]
+        bags_BD = got
+        if paged_PD is not None and paged_P.numel():
+            bag_P = torch.searchsorted(offsets_B, paged_P, right=True) - 1
+            bags_BD = bags_BD.index_add(0, bag_P, paged_PD.to(bags_BD))
+        if mode == "mean":
+            lengths_B = torch.diff(offsets_B, append=offsets_B.new_tensor([n]))
+            bags_BD = bags_BD / lengths_B.clamp(min=1).to(bags_BD.dtype).unsqueeze(1)
+        return bags_BD
+
+    # -- ids -> slots ---------------------------------------------------------------------
+    def _translate(self, names: list[str], flat: list[torch.Tensor], train: bool
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per entry: a code per id (a global slot, -1 zeros, PAGED) and, in evaluation, the
+        stored rows of its PAGED ids (in order)."""
+        uniq, inverse = [], []
+        for ids_N in flat:
+            u_U, inv_N = _first_seen_unique(ids_N)
+            uniq.append(u_U)
+            inverse.append(inv_N)
+        if self.world_size == 1:
+            answers = [self._serve(n, u.numpy(), train) for n, u in zip(names, uniq,
+                                                                         strict=True)]
+            codes_U = [torch.from_numpy(a[0]) for a in answers]
+            rows_U = [a[1] for a in answers]
+        else:
+            codes_U, rows_U = self._exchange(names, uniq, train)
+        codes: list[torch.Tensor] = []
+        paged: list[torch.Tensor | None] = []
+        for c_U, inv_N, r in zip(codes_U, inverse, rows_U, strict=True):
+            code_N = c_U.index_select(0, inv_N)
+            codes.append(code_N)
+            if r is None or r.numel() == 0:
+                paged.append(None)
+                continue
+            # stored rows of the distinct paged ids, in order -> one per PAGED position
+            rank_U = torch.cumsum(c_U == PAGED, 0) - 1
+            paged.append(r.index_select(0, rank_U.index_select(0, inv_N)[code_N == PAGED]))
+        return codes, paged
+
+    def _serve(self, name: str, ids_U: np.ndarray, train: bool
+               ) -> tuple[np.ndarray, torch.Tensor | None]:
+        """At the owner: the codes of distinct ids (in order) and, evaluating, the stored
+        rows of the PAGED ones."""
+        table = self.tables[name]
+        slots = table.slots
+        if train:
+            codes, request = slots.translate(ids_U, self.step, self.applied_through,
+                                             self._pager_for(table))
+            self._fresh_rows(table, request.new_slots, request.new_ids)
+            return codes, None
+        local = slots.find(ids_U)
+        codes = np.where(local >= 0, local + slots.start, -1)
+        missing = np.flatnonzero(local < 0)
+        rows = None
+        if missing.size and self.pager is not None:
+            paged = missing[slots.is_paged(ids_U[missing])]
+            if paged.size:
+                found, rows = self.pager.peek_paged(name, torch.from_numpy(ids_U[paged]))
+                codes[paged[found.numpy()]] = PAGED
+        return codes, rows
+
+    def _pager_for(self, table: DynamicTable) -> Callable[[PageRequest], PageAnswer]:
+        def page(req: PageRequest) -> PageAnswer:
+            if self.pager is None:
+                raise RuntimeError(f"dynamic table {table.name!r}: no pager to evict to")
+            weight = self.rows_of(table.name)
+            start = table.slots.start
+            out_local = torch.from_numpy(req.out_slots).to(self.device)
+            out = PagedOut(torch.from_numpy(req.out_ids),
+                           weight.data.index_select(0, out_local).float().cpu(), {},
+                           torch.from_numpy(req.out_seen), torch.from_numpy(req.out_freq))
+            found, got, dropped = self.pager.page(
+                table.name, self.step, out, torch.from_numpy(req.out_slots + start),
+                torch.from_numpy(req.in_ids), torch.from_numpy(req.in_slots + start),
+                table.spec.expire_steps, self.counters(table))
+            found_np = found.numpy().astype(bool)
+            with torch.no_grad():
+                back = torch.from_numpy(req.in_slots[found_np]).to(self.device)
+                weight.data.index_copy_(0, back, got.rows.to(weight.device, weight.dtype))
+            self._fresh_rows(table, req.in_slots[~found_np], req.in_ids[~found_np])
+            return PageAnswer(found_np, got.seen.numpy(), got.freq.numpy(), dropped)
+        return page
+
+    def _fresh_rows(self, table: DynamicTable, local: np.ndarray, ids: np.ndarray) -> None:
+        if local.size == 0:
+            return
+        weight = self.rows_of(table.name)
+        rows = initial_rows(torch.from_numpy(ids), table.dim, seed=self.seed,
+                            table_index=table.table_index, init_std=self.init_std)
+        with torch.no_grad():
+            weight.data.index_copy_(0, torch.from_numpy(local).to(self.device),
+                                    rows.to(weight.device, weight.dtype))
+
+    def _exchange(self, names: list[str], uniq: list[torch.Tensor], train: bool
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """World size > 1: each entry's distinct ids to their owners (one exchange of all
+        entries), the codes back (and, evaluating, the stored rows of PAGED ids)."""
+        world = self.world_size
+        owners = [owner_of_ids(u, world) for u in uniq]
+        orders = [torch.sort(o, stable=True)[1] for o in owners]
+        counts_EW = torch.stack([torch.bincount(o, minlength=world) for o in owners])
+        sent = [u.index_select(0, order) for u, order in zip(uniq, orders, strict=True)]
+        per_owner = [s.split(c.tolist()) for s, c in zip(sent, counts_EW, strict=True)]
+        blocks = [torch.cat([per_owner[e][r] for e in range(len(names))]) if names
+                  else torch.empty(0, dtype=torch.int64) for r in range(world)]
+        cap = self._caps.setdefault(tuple(names), BlockCap())
+        header, data, lengths = exchange_blocks(counts_EW.t().contiguous(), blocks, cap,
+                                                self.group)
+        got = data.split(lengths)
+        # at the owner: per entry, the ids of every source in source order
+        reply_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        rows_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for e, name in enumerate(names):
+            pieces = [got[s].split(header[s])[e] for s in range(world)]
+            ids_M = torch.cat(pieces)
+            u_U, inv_M = _first_seen_unique(ids_M)
+            codes_U, rows = self._serve(name, u_U.numpy(), train)
+            codes_M = torch.from_numpy(codes_U).index_select(0, inv_M)
+            for s, part in enumerate(codes_M.split([p.numel() for p in pieces])):
+                reply_parts[s].append(part)
+                if not train:  # the stored rows of this source's PAGED ids, in order
+                    rows_parts[s].append(self._rows_for(codes_U, rows, inv_M, part, pieces,
+                                                        s))
+        reply = [torch.cat(p) if p else torch.empty(0, dtype=torch.int64)
+                 for p in reply_parts]
+        back = exchange(torch.cat(reply), [b.numel() for b in blocks],
+                        [r.numel() for r in reply], self.group)
+        answers = back.split([b.numel() for b in blocks])
+        codes_out: list[torch.Tensor] = []
+        for e, (u, order) in enumerate(zip(uniq, orders, strict=True)):
+            parts = [answers[r].split(counts_EW[:, r].tolist())[e] for r in range(world)]
+            code_U = torch.empty_like(u)
+            code_U[order] = torch.cat(parts) if parts else code_U
+            codes_out.append(code_U)
+        rows_out: list[torch.Tensor | None] = [None] * len(names)
+        if not train:
+            rows_out = self._exchange_rows(names, uniq, orders, codes_out, rows_parts)
+        return codes_out, rows_out
+
+    def _rows_for(self, codes_U: np.ndarray, rows: torch.Tensor | None, inv_M: torch.Tensor,
+                  part: torch.Tensor, pieces: list[torch.Tensor], source: int
+                  ) -> torch.Tensor:
+        dim = 0 if rows is None else int(rows.shape[1])
+        if rows is None:
+            return torch.empty(0, dim)
+        rank_U = torch.from_numpy(np.cumsum(codes_U == PAGED) - 1)
+        lo = sum(p.numel() for p in pieces[:source])
+        inv = inv_M[lo:lo + part.numel()]
+        return rows.index_select(0, rank_U.index_select(0, inv[part == PAGED]))
+
+    def _exchange_rows(self, names: list[str], uniq: list[torch.Tensor],
+                       orders: list[torch.Tensor], codes: list[torch.Tensor],
+                       rows_parts: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
+        """Evaluation: the stored rows of PAGED ids, from their owners (one exchange)."""
+        world = self.world_size
+        dim = self.tables[names[0]].dim
+        send = [torch.cat([r.reshape(-1, dim) for r in parts]) if parts
+                else torch.empty(0, dim) for parts in rows_parts]
+        owners = [owner_of_ids(u, world) for u in uniq]
+        expect = [int(sum(int(((o == r) & (c == PAGED)).sum())
+                          for o, c in zip(owners, codes, strict=True))) for r in range(world)]
+        got = exchange(torch.cat(send), expect, [s.shape[0] for s in send], self.group)
+        per_owner = list(got.split(expect))
+        out: list[torch.Tensor | None] = []
+        for u, order, c, o in zip(uniq, orders, codes, owners, strict=True):
+            rows_U = torch.zeros(u.numel(), dim)
+            sorted_codes = c.index_select(0, order)
+            sorted_owner = o.index_select(0, order)
+            for r in range(world):
+                n = int(((sorted_owner == r) & (sorted_codes == PAGED)).sum())
+                take, per_owner[r] = per_owner[r][:n], per_owner[r][n:]
+                where = order[(sorted_owner == r) & (sorted_codes == PAGED)]
+                rows_U[where] = take
+            out.append(rows_U[c == PAGED])
+        return out
+
+    # -- stats --------------------------------------------------------------------------
+    @staticmethod
+    def counters(table: DynamicTable) -> dict[str, int]:
+        """What the server shows of this rank's side (shard.proto DynamicCounters)."""
+        s = table.slots.stats
+        return {"capacity": table.slots.n, "occupied": table.slots.occupied,
+                "lookups": s.lookups, "hits": s.hits, "admissions": s.admissions,
+                "refused_filter": s.refused_filter, "refused_capacity": s.refused_capacity}
+
+    def gathered_stats(self) -> dict[str, dict[str, float]]:
+        """Per table, every rank's counters summed, with the hit rate and occupancy
+        (a collective when world size > 1): --results' `dynamic`."""
+        mine = self.stats()
+        every: list[Any] = [mine]
+        if self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine)
+        out: dict[str, dict[str, float]] = {}
+        for name in mine:
+            summed = {k: float(sum(r[name][k] for r in every)) for k in mine[name]}
+            summed["hit_rate"] = summed["hits"] / max(summed["lookups"], 1.0)
+            summed["occupancy"] = summed["occupied"] / max(summed["capacity"], 1.0)
+            out[name] = summed
+        return out
+
+    def report_counters(self) -> None:
+        """Hand the pager this rank's counters now (a Page call that moves nothing), e.g.
+        at the end of training, so the server's stats are current."""
+        if self.pager is None:
+            return
+        empty = torch.empty(0, dtype=torch.int64)
+        for table in self.tables.values():
+            self.pager.page(table.name, self.step, PagedOut(
+                empty, torch.empty(0, table.dim), {}, empty, empty), empty, empty, empty,
+                0, self.counters(table))
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per table, this rank's counters (summed over ranks by the caller)."""
+        out = {}
+        for name, t in self.tables.items():
+            s = t.slots.stats.as_dict()
+            s["occupied"] = t.slots.occupied
+            s["capacity"] = t.slots.n
+            s["paged"] = len(t.slots.paged)
+            s["host_bytes"] = t.slots.nbytes
+            out[name] = s
+        return out
+
+
+def check_dynamic_tables(tables: Sequence[Any], world_size: int, row_dtype: str) -> None:
+    """A run's dynamic tables (TableConfig) fit its world size and options: ConfigError
+    (one line, exit 2) naming the value otherwise."""
+    for t in tables:
+        if t.dynamic is None:
+            continue
+        try:
+            check_capacity(t.name, t.num_rows, world_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if row_dtype != "fp32":
+            raise ConfigError(f"row_dtype={row_dtype!r}: dynamic table {t.name!r} keeps "
+                              "fp32 rows; use --row-dtype fp32")
+
+
+def _first_seen_unique(ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct ids in the order of their first occurrence, inverse: ids_N ==
+    uniq[inverse])."""
+    if ids_N.numel() == 0:
+        return ids_N.clone(), torch.empty(0, dtype=torch.int64)
+    sorted_U, inverse_N = torch.unique(ids_N, sorted=True, return_inverse=True)
+    first_U = torch.full((sorted_U.numel(),), ids_N.numel(), dtype=torch.int64)
+    first_U.scatter_reduce_(0, inverse_N, torch.arange(ids_N.numel()), reduce="amin")
+    order_U = torch.argsort(first_U)
+    rank_U = torch.empty_like(order_U)
+    rank_U[order_U] = torch.arange(order_U.numel())
+    return sorted_U.index_select(0, order_U), rank_U.index_select(0, inverse_N)

@@ -1,8 +1,9 @@
 """--local-optimizer's state in a checkpoint: the same files a shard server writes.
 
 Per table (a group's block is split into its tables, worker/groups.py): the optimizer's
-state tensors by name (its layout, hybridps/optim_kinds.py), the fp32 master rows of bf16 rows, and the step count, for the rows this rank owns; read back for
-the rows it owns now (any world size); a dynamic table's paged-out rows
+state tensors by name (its layout, hybridps/optim_kinds.py), the fp32 master rows of bf16
+rows, and the step count, for the rows this rank owns; read back for the rows it owns now
+(any world size); a dynamic table's paged-out rows
 (hybridps/dynamic_files.py). `LocalSparseOptimizer.save_to`/`restore_from`
 (worker/updates.py) call these, so the checkpointer never reads the optimizer's fields.
 """

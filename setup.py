@@ -3,9 +3,10 @@ and the owner's pooled-bags kernel (hybridps/native/pooled_bags.c).
 
 All project metadata lives in pyproject.toml; this file only declares the C
 extensions, which are optional: without a working C compiler `pip install` still
-succeeds and hybridps.optim and hybridps.pooled_bags use their torch paths. Each compiler flag is probed with the
-actual compiler and kept only if it works. No OpenMP: the kernels run on their own
-small pthread pool (see the comment at the top of fused_adam.c for why).
+succeeds and hybridps.optim and hybridps.pooled_bags use their torch paths. Each compiler
+flag is probed with the actual compiler and kept only if it works. No OpenMP: the row
+kernels run on their own small pthread pool (see the comment at the top of fused_adam.c
+for why); the pooled-bags kernel is single-threaded.
 """
 
 from __future__ import annotations

@@ -49,11 +49,18 @@
 
 #define PTR(type, addr) ((type)(uintptr_t)(addr))
 
+#if !defined(__STDC_NO_ATOMICS__) && !defined(_MSC_VER)
+#define HAVE_ATOMICS 1
+#include <stdatomic.h>
+#else
+#define HAVE_ATOMICS 0
+#endif
+
 /* Fields of one entry of the entries table (int64, [n_entries, ENTRY_FIELDS]). */
 enum { E_IDS, E_NUM_IDS, E_LENGTHS, E_NUM_BAGS, E_OFFSET, E_ROWS, ENTRY_FIELDS };
 
-/* Rows ahead whose weight row the gather prefetches. */
-#define GATHER_AHEAD 8
+/* Rows ahead the gather prefetches (fbgemm's embedding kernels use 16). */
+#define GATHER_AHEAD 16
 /* Radix digit bits at most (2048 counters: in L1). */
 #define RADIX_BITS 11
 /* Fewer keys than this: an insertion sort (no counters to clear). */
@@ -122,22 +129,46 @@ static void sort_pairs(uint64_t **key, int32_t **pos, uint64_t **key_tmp, int32_
     *pos_tmp = pt;
 }
 
-/* The distinct rows' values: weight rows (fp32, or bf16 widened: exact) plus the
- * prediction of those that have one (keys sorted and distinct, like uniq). */
+/* Sums are accumulated BLOCK floats of the width at a time in vector registers: the
+ * vectors run across the width, never across the rows summed, so every element is still
+ * +0 + its rows in order. */
+#define BLOCK 32
+
+#if defined(__GNUC__) || defined(__clang__)
+/* 4 floats; the adds are IEEE float adds lane by lane, as the scalar ones. */
+typedef float vf4 __attribute__((vector_size(16)));
+#define VECTORS (BLOCK / 4)
+
+static inline vf4 load4(const float *p) {
+    vf4 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+#endif
+
+static inline void prefetch_row(const char *row, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) PREFETCH(row + b);
+}
+
+/* rows[u] = the block's row uniq[u] as the dense model sees it: float32, or bf16 widened
+ * (exact), plus its prediction where it has one (keys sorted and distinct, like uniq; one
+ * float add per element, as the torch path's add_offsets_). In row order, prefetching
+ * GATHER_AHEAD rows ahead: random rows of a table far larger than the caches. */
 MULTIVERSION
 static void gather_rows(float *RESTRICT rows, const void *weight, int row_bf16,
                         const uint64_t *uniq, int64_t n_uniq, int64_t dim,
                         const int64_t *keys, int64_t n_keys, const float *offsets) {
     const size_t row_bytes = (size_t)dim * (row_bf16 ? 2 : 4);
+    const char *base = (const char *)weight;
+    for (int64_t u = 0; u < n_uniq && u < GATHER_AHEAD; u++)
+        prefetch_row(base + uniq[u] * row_bytes, row_bytes);
     int64_t p = 0;
     for (int64_t u = 0; u < n_uniq; u++) {
-        if (u + GATHER_AHEAD < n_uniq) {
-            const char *ahead = (const char *)weight + uniq[u + GATHER_AHEAD] * row_bytes;
-            for (size_t b = 0; b < row_bytes; b += 64) PREFETCH(ahead + b);
-        }
+        if (u + GATHER_AHEAD < n_uniq)
+            prefetch_row(base + uniq[u + GATHER_AHEAD] * row_bytes, row_bytes);
         float *RESTRICT r = rows + u * dim;
         if (row_bf16) {
-            const uint16_t *RESTRICT w = (const uint16_t *)weight + uniq[u] * dim;
+            const uint16_t *w = (const uint16_t *)weight + uniq[u] * dim;
             for (int64_t d = 0; d < dim; d++) {
                 const uint32_t bits = (uint32_t)w[d] << 16;
                 memcpy(r + d, &bits, sizeof(float));
@@ -145,47 +176,105 @@ static void gather_rows(float *RESTRICT rows, const void *weight, int row_bf16,
         } else {
             memcpy(r, (const float *)weight + uniq[u] * dim, (size_t)dim * sizeof(float));
         }
-        const int64_t row = (int64_t)uniq[u];
-        while (p < n_keys && keys[p] < row) p++;
-        if (p < n_keys && keys[p] == row) {
+        while (p < n_keys && (uint64_t)keys[p] < uniq[u]) p++;
+        if (p < n_keys && (uint64_t)keys[p] == uniq[u]) {
             const float *RESTRICT o = offsets + p * dim;
             for (int64_t d = 0; d < dim; d++) r[d] = r[d] + o[d];
         }
     }
 }
 
-/* out[b] = +0 + rows[inverse[j]] for the positions j of bag b, in order. */
+/* out[0:dim] = +0 + src[index(k)] for k in [k0, k1), in order (index: index32 or index64). */
+static inline void sum_indexed(float *RESTRICT out, const float *RESTRICT src,
+                               const int32_t *index32, const int64_t *index64, int64_t k0,
+                               int64_t k1, int64_t dim) {
+    int64_t d0 = 0;
+#if defined(__GNUC__) || defined(__clang__)
+    for (; d0 + BLOCK <= dim; d0 += BLOCK) {
+        vf4 acc[VECTORS];
+        for (int i = 0; i < VECTORS; i++) acc[i] = (vf4){0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t k = k0; k < k1; k++) {
+            const float *s = src + (index32 ? (int64_t)index32[k] : index64[k]) * dim + d0;
+            for (int i = 0; i < VECTORS; i++) acc[i] = acc[i] + load4(s + 4 * i);
+        }
+        memcpy(out + d0, acc, sizeof(acc));
+    }
+#endif
+    for (; d0 < dim; d0 += BLOCK) {
+        const int64_t width = dim - d0 < BLOCK ? dim - d0 : BLOCK;
+        float acc[BLOCK];
+        for (int64_t i = 0; i < width; i++) acc[i] = 0.0f;
+        for (int64_t k = k0; k < k1; k++) {
+            const float *s = src + (index32 ? (int64_t)index32[k] : index64[k]) * dim + d0;
+            for (int64_t i = 0; i < width; i++) acc[i] = acc[i] + s[i];
+        }
+        memcpy(out + d0, acc, (size_t)width * sizeof(float));
+    }
+}
+
+/* out[b] = +0 + rows[inverse[j]] for the positions j of bag b, in order; the bags of
+ * every entry, one after the other. */
 MULTIVERSION
 static void sum_bags(float *RESTRICT out, const float *RESTRICT rows, const int32_t *inverse,
-                     const int64_t *const *lengths, const int64_t *n_bags, int64_t n_entries,
-                     int64_t dim) {
+                     const int64_t *entries, int64_t n_entries, int64_t dim) {
     int64_t j = 0;
-    float *RESTRICT o = out;
+    float *o = out;
     for (int64_t e = 0; e < n_entries; e++) {
-        for (int64_t b = 0; b < n_bags[e]; b++, o += dim) {
-            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
-            for (int64_t end = j + lengths[e][b]; j < end; j++) {
-                const float *RESTRICT r = rows + (int64_t)inverse[j] * dim;
-                for (int64_t d = 0; d < dim; d++) o[d] = o[d] + r[d];
-            }
+        const int64_t *f = entries + e * ENTRY_FIELDS;
+        const int64_t *lengths = PTR(const int64_t *, f[E_LENGTHS]);
+        for (int64_t b = 0; b < f[E_NUM_BAGS]; b++, o += dim) {
+            sum_indexed(o, rows, inverse, NULL, j, j + lengths[b], dim);
+            j += lengths[b];
         }
     }
 }
 
-/* grad_rows[u] = +0 + grad_bags[bags_by_row[k]] for k in [starts[u], starts[u+1]). */
+/* grad_rows[u] = +0 + grad_bags[bags_by_row[k]] for k in [starts[u], starts[u+1]), in
+ * order. */
 MULTIVERSION
 static void sum_rows(float *RESTRICT grad_rows, const float *RESTRICT grad_bags,
                      const int64_t *starts, const int64_t *bags_by_row, int64_t n_uniq,
                      int64_t dim) {
-    for (int64_t u = 0; u < n_uniq; u++) {
-        float *RESTRICT g = grad_rows + u * dim;
-        for (int64_t d = 0; d < dim; d++) g[d] = 0.0f;
-        for (int64_t k = starts[u]; k < starts[u + 1]; k++) {
-            const float *RESTRICT s = grad_bags + bags_by_row[k] * dim;
-            for (int64_t d = 0; d < dim; d++) g[d] = g[d] + s[d];
-        }
+    for (int64_t u = 0; u < n_uniq; u++)
+        sum_indexed(grad_rows + u * dim, grad_bags, NULL, bags_by_row, starts[u], starts[u + 1],
+                    dim);
+}
+
+/* Scratch of a forward call: kept between calls (grown to the largest call, never
+ * shrunk: a few bytes per id plus the distinct rows, ~2 MB for a step of ids20), since
+ * fresh buffers of that size cost page faults on every call. */
+typedef struct {
+    void *p;
+    size_t cap;
+} buffer_t;
+
+typedef struct {
+    buffer_t keys_a, keys_b, pos_a, pos_b, bag_of, inverse, count, rows;
+} scratch_t;
+
+static void *grow(buffer_t *b, size_t bytes) {
+    if (b->cap < bytes) {
+        free(b->p);
+        b->p = malloc(bytes);
+        b->cap = b->p ? bytes : 0;
+    }
+    return b->p;
+}
+
+static void release(scratch_t *sc) {
+    buffer_t *all[] = {&sc->keys_a, &sc->keys_b, &sc->pos_a, &sc->pos_b, &sc->bag_of,
+                       &sc->inverse, &sc->count, &sc->rows};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+        free(all[i]->p);
+        all[i]->p = NULL;
+        all[i]->cap = 0;
     }
 }
+
+#if HAVE_ATOMICS
+static scratch_t shared_scratch;
+static atomic_flag shared_busy = ATOMIC_FLAG_INIT;
+#endif
 
 PyDoc_STRVAR(forward_doc,
              "forward(weight, n_rows, dim, row_bf16, entries, n_entries, keys, n_keys, offsets,\n"
@@ -219,7 +308,6 @@ static PyObject *py_forward(PyObject *self, PyObject *args) {
     int64_t total = 0, total_bags = 0;
     for (int64_t e = 0; e < n_entries; e++) {
         const int64_t *f = entries + e * ENTRY_FIELDS;
-        const int64_t *ids = PTR(const int64_t *, f[E_IDS]);
         const int64_t *lengths = PTR(const int64_t *, f[E_LENGTHS]);
         if (f[E_NUM_IDS] < 0 || f[E_NUM_BAGS] < 0 || f[E_OFFSET] < 0 || f[E_ROWS] < 0 ||
             f[E_OFFSET] + f[E_ROWS] > n_rows) {
@@ -228,13 +316,6 @@ static PyObject *py_forward(PyObject *self, PyObject *args) {
                          (long long)f[E_NUM_BAGS], (long long)f[E_OFFSET], (long long)f[E_ROWS],
                          n_rows);
             return NULL;
-        }
-        for (int64_t i = 0; i < f[E_NUM_IDS]; i++) {
-            if ((uint64_t)ids[i] >= (uint64_t)f[E_ROWS]) {
-                PyErr_Format(PyExc_ValueError, "entry %lld: row id %lld outside [0, %lld)",
-                             (long long)e, (long long)ids[i], (long long)f[E_ROWS]);
-                return NULL;
-            }
         }
         int64_t sum = 0;
         for (int64_t b = 0; b < f[E_NUM_BAGS]; b++) {
@@ -253,9 +334,10 @@ static PyObject *py_forward(PyObject *self, PyObject *args) {
         total += f[E_NUM_IDS];
         total_bags += f[E_NUM_BAGS];
     }
-    if (total >= INT32_MAX || total_bags >= INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%lld ids in %lld bags: more than the kernel's 2^31",
-                     (long long)total, (long long)total_bags);
+    if (total >= INT32_MAX || total_bags >= INT32_MAX || n_keys >= INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%lld ids in %lld bags, %lld predicted rows: more "
+                     "than the kernel's 2^31", (long long)total, (long long)total_bags,
+                     (long long)n_keys);
         return NULL;
     }
     float *out = PTR(float *, pout);
@@ -263,36 +345,50 @@ static PyObject *py_forward(PyObject *self, PyObject *args) {
     int64_t *starts = PTR(int64_t *, pstarts);
     int64_t *bags_by_row = PTR(int64_t *, pbags);
     const size_t n = (size_t)total;
-    uint64_t *keys_a = malloc((n + 1) * sizeof(uint64_t));
-    uint64_t *keys_b = malloc((n + 1) * sizeof(uint64_t));
-    int32_t *pos_a = malloc((n + 1) * sizeof(int32_t));
-    int32_t *pos_b = malloc((n + 1) * sizeof(int32_t));
-    int32_t *bag_of = malloc((n + 1) * sizeof(int32_t));
-    int32_t *inverse = malloc((n + 1) * sizeof(int32_t));
-    uint32_t *count = malloc(((size_t)1 << RADIX_BITS) * sizeof(uint32_t));
-    const int64_t **lengths = malloc(((size_t)n_entries + 1) * sizeof(int64_t *));
-    int64_t *n_bags = malloc(((size_t)n_entries + 1) * sizeof(int64_t));
+    /* The shared scratch when free (the usual case: one training thread), else this
+     * call's own. */
+    scratch_t own = {0}, *sc = &own;
+#if HAVE_ATOMICS
+    const int shared = !atomic_flag_test_and_set(&shared_busy);
+    if (shared) sc = &shared_scratch;
+#endif
+    uint64_t *keys_a = grow(&sc->keys_a, (n + 1) * sizeof(uint64_t));
+    uint64_t *keys_b = grow(&sc->keys_b, (n + 1) * sizeof(uint64_t));
+    int32_t *pos_a = grow(&sc->pos_a, (n + 1) * sizeof(int32_t));
+    int32_t *pos_b = grow(&sc->pos_b, (n + 1) * sizeof(int32_t));
+    int32_t *bag_of = grow(&sc->bag_of, (n + 1) * sizeof(int32_t));
+    int32_t *inverse = grow(&sc->inverse, (n + 1) * sizeof(int32_t));
+    uint32_t *count = grow(&sc->count, ((size_t)1 << RADIX_BITS) * sizeof(uint32_t));
     float *rows = NULL;
-    int64_t n_uniq = 0;
-    int failed = !keys_a || !keys_b || !pos_a || !pos_b || !bag_of || !inverse || !count ||
-                 !lengths || !n_bags;
+    int64_t n_uniq = 0, bad_entry = -1, bad_id = 0;
+    int failed = !keys_a || !keys_b || !pos_a || !pos_b || !bag_of || !inverse || !count;
     if (!failed) {
         Py_BEGIN_ALLOW_THREADS
         int64_t j = 0, bag = 0;
         for (int64_t e = 0; e < n_entries; e++) {
             const int64_t *f = entries + e * ENTRY_FIELDS;
             const int64_t *ids = PTR(const int64_t *, f[E_IDS]);
-            lengths[e] = PTR(const int64_t *, f[E_LENGTHS]);
-            n_bags[e] = f[E_NUM_BAGS];
+            const int64_t *lengths = PTR(const int64_t *, f[E_LENGTHS]);
+            uint64_t bad = 0; /* ids checked here, in the pass that reads them anyway */
             for (int64_t i = 0; i < f[E_NUM_IDS]; i++) {
+                bad |= (uint64_t)ids[i] >= (uint64_t)f[E_ROWS];
                 keys_a[j + i] = (uint64_t)(ids[i] + f[E_OFFSET]);
                 pos_a[j + i] = (int32_t)(j + i);
             }
+            if (bad) {
+                for (int64_t i = 0; i < f[E_NUM_IDS] && bad_entry < 0; i++)
+                    if ((uint64_t)ids[i] >= (uint64_t)f[E_ROWS]) {
+                        bad_entry = e;
+                        bad_id = ids[i];
+                    }
+                break;
+            }
             int64_t at = j;
             for (int64_t b = 0; b < f[E_NUM_BAGS]; b++, bag++)
-                for (int64_t end = at + lengths[e][b]; at < end; at++) bag_of[at] = (int32_t)bag;
+                for (int64_t end = at + lengths[b]; at < end; at++) bag_of[at] = (int32_t)bag;
             j += f[E_NUM_IDS];
         }
+        if (bad_entry >= 0) goto unlock;
         sort_pairs(&keys_a, &pos_a, &keys_b, &pos_b, (int64_t)n,
                    bit_length(n_rows > 0 ? (uint64_t)(n_rows - 1) : 0), count);
         for (int64_t k = 0; k < (int64_t)n; k++) {
@@ -304,26 +400,27 @@ static PyObject *py_forward(PyObject *self, PyObject *args) {
             bags_by_row[k] = bag_of[pos_a[k]];
         }
         starts[n_uniq] = (int64_t)n;
-        rows = malloc(((size_t)n_uniq * (size_t)dim + 1) * sizeof(float));
+        rows = grow(&sc->rows, ((size_t)n_uniq * (size_t)dim + 1) * sizeof(float));
         if (rows) {
             gather_rows(rows, PTR(const void *, pweight), row_bf16, uniq, n_uniq, dim,
                         PTR(const int64_t *, pkeys), n_keys, PTR(const float *, poffsets));
-            sum_bags(out, rows, inverse, lengths, n_bags, n_entries, dim);
+            sum_bags(out, rows, inverse, entries, n_entries, dim);
         }
+    unlock:
         Py_END_ALLOW_THREADS
-        failed = rows == NULL;
+        failed = bad_entry < 0 && rows == NULL;
     }
-    free(keys_a);
-    free(keys_b);
-    free(pos_a);
-    free(pos_b);
-    free(bag_of);
-    free(inverse);
-    free(count);
-    free(lengths);
-    free(n_bags);
-    free(rows);
+    if (sc == &own) release(&own);
+#if HAVE_ATOMICS
+    if (shared) atomic_flag_clear(&shared_busy);
+#endif
     if (failed) return PyErr_NoMemory();
+    if (bad_entry >= 0) {
+        PyErr_Format(PyExc_ValueError, "entry %lld: row id %lld outside [0, %lld)",
+                     (long long)bad_entry, (long long)bad_id,
+                     (long long)entries[bad_entry * ENTRY_FIELDS + E_ROWS]);
+        return NULL;
+    }
     return PyLong_FromLongLong((long long)n_uniq);
 }
 

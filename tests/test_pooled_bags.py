@@ -5,15 +5,20 @@ backward uses, and the coalesced row gradients the push gets, on random bags (em
 bags, a row repeated in a bag and across bags, several tables of a unit, fp32 and bf16
 rows, with and without the weight prediction); then ShardedEmbedding on 2 gloo ranks,
 pooled at the owner, sum and mean, grouped tables, with a prediction: every lookup and
-gradient the same with either kernel. Bits are compared as integers (+0.0 is not -0.0).
+gradient the same with either kernel; and the worker (torchrun, 2 ranks, K=1 with the
+prediction) dumps the same state with the torch path forced (HYBRIDPS_POOL_KERNEL=torch).
+Bits are compared as integers (+0.0 is not -0.0).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +28,7 @@ from hybridps import pooled_bags
 from hybridps.pooled_bags import BagsAtOwner
 from hybridps.row_deltas import add_offsets_
 from tests.spawn_helpers import run_ranks
+from tests.test_worker_e2e import MAIN, REPO, TORCHRUN
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.input_dist import OwnerPool, PoolAtOwner, PoolUnitAtOwner
 from worker.parallel import DistContext
@@ -308,3 +314,52 @@ def _two_ranks_scenario(ctx: DistContext, row_dtype_name: str) -> None:
 @pytest.mark.parametrize("row_dtype", ["fp32", "bf16"])
 def test_two_ranks_pooled_at_owner_same_with_either_kernel(row_dtype: str) -> None:
     run_ranks("tests.test_pooled_bags:_two_ranks_scenario", 2, row_dtype)
+
+
+# -- end to end: the worker with either kernel dumps the same state -----------------------
+
+E2E_JOB = ["--task", "tables", "--tables", "a:3000:4,b:500:3,c:100", "--num-rows", "3000",
+           "--pool-at", "owner", "--local-optimizer", "true", "--staleness", "1",
+           "--batch-size", "32", "--steps", "12", "--dim", "8",
+           "--log-every", "1", "--eval-batches", "1", "--progress", "false"]
+
+
+def _run_worker_with(kernel: str, out: Path, extra: list[str]) -> dict[str, Any]:
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYBRIDPS_POOL_KERNEL=kernel)
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", MAIN, *E2E_JOB,
+                           *extra, "--dump-state", str(out / "state.pt"), "--results",
+                           str(out / "r.json")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
+    result: dict[str, Any] = json.loads((out / "r.json").read_text())
+    return result
+
+
+@needs_native
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("row_dtype", ["fp32", "bf16"])
+def test_worker_dumps_the_same_state_with_either_kernel(tmp_path: Path, row_dtype: str) -> None:
+    """K=1 with the weight prediction, a group of three tables (two pooled at the owner,
+    one plain): the torch path forced gives the native run's rows, dense state and losses
+    bit for bit."""
+    runs = {}
+    for kernel in ("native", "torch"):
+        res = _run_worker_with(kernel, tmp_path / kernel, ["--row-dtype", row_dtype])
+        runs[kernel] = (res, torch.load(tmp_path / kernel / "state.pt"))
+    (native_res, native_state), (torch_res, torch_state) = runs["native"], runs["torch"]
+    assert native_res["embedding"]["pooled_at_owner"] == ["a", "b"]
+    assert native_res["table_groups"] == {"group-d8": ["a", "b", "c"]}
+    assert native_res["staleness"]["compensation"]["predicted_rows_mean"] > 0
+    assert native_res["owner_pool"]["kernel"] == "native"
+    assert native_res["owner_pool"]["native_calls"] > 0
+    assert torch_res["owner_pool"] == {"kernel": "torch", "native_calls": 0}
+    assert native_res["loss_curve"] == torch_res["loss_curve"]
+    assert native_res["eval"] == torch_res["eval"]
+    for part in ("tables", "dense"):
+        assert native_state[part].keys() == torch_state[part].keys()
+        for key, value in native_state[part].items():
+            assert_same_bits(value, torch_state[part][key], f"{part} {key}")

@@ -17,8 +17,11 @@ its one-table cases) goes through visible stages:
      served either as rows or pooled at the owner, per table, whichever moves
      fewer bytes (`--pool-at`, `_pooled_entries`);
   3. lookup (`fetch`): the owner gathers the requested rows from its shard
-     (F.embedding, sparse gradient) or sums its part of each bag
-     (`PoolAtOwner`);
+     (F.embedding, sparse gradient) or sums its part of each bag: one native call
+     per unit for its dedupe, gather with the weight prediction and bag sums, and one
+     in backward for the row gradients (`PoolUnitAtOwner`, hybridps/pooled_bags.py),
+     or the torch path, the reference and fallback (`OwnerPool` made at stage 2,
+     `PoolAtOwner`);
   4. output dist (`fetch`): ONE all_to_all (AllToAllRows) sends the rows and the
      partial sums back; the requester expands the rows with its inverse (plain
      lookup) or pools them (embedding_bag), and adds the owners' partial sums
@@ -164,6 +167,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
         self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...],
                                    tuple[Bag | None, ...]]] | None = None
         self.row_offsets: RowOffsets | None = None  # --staleness-compensation predict
+        self.native_pool_calls = 0  # PoolUnitAtOwner calls (the owner's fused kernel)
         self.units = plan_units(tables, rank, world_size, group_tables)
         self.unit_of: dict[str, tuple[Unit, Member]] = {
             m.name: (u, m) for u in self.units.values() for m in u.members}
@@ -426,6 +430,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
             for call in [list(range(len(idx)))] if together else [[j] for j in range(len(idx))]:
                 partial = PoolUnitAtOwner.apply(weight, [entries[j] for j in call], prediction)
                 assert isinstance(partial, torch.Tensor)
+                self.native_pool_calls += 1
                 sizes = [entries[j].lengths_B.numel() for j in call]
                 for j, part in zip(call, partial.split(sizes) if len(call) > 1 else [partial],
                                    strict=True):
@@ -512,6 +517,11 @@ class ShardedEmbedding(UnitRows, nn.Module):
         unit, member = self.unit_of[name]
         local_R = torch.arange(member.offset, member.offset + member.rows, device=self.device)
         return member.start, self._gather(unit.name, local_R, whole=not unit.grouped)
+
+    def owner_pool(self) -> dict[str, object]:
+        """The kernel of bags pooled at their owner (hybridps/pooled_bags.py) and how many
+        native calls it made, for --results."""
+        return {"kernel": pooled_bags.pool_kernel_name(), "native_calls": self.native_pool_calls}
 
     def describe(self) -> dict[str, object]:
         """--pool-at and the bags it pooled at their owner (table names), for --results."""

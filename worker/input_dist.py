@@ -15,9 +15,10 @@ ways per entry, both row-wise sharded (rank r owns rows [r*R//W, (r+1)*R//W)):
 Stage 1 (`Requests`) runs on the requester and needs no communication; stage 2 is ONE
 `worker.comm.exchange_blocks` (counts and ids of all entries in one all_to_all); the
 owner then lays out what it received (`OwnerWork`), and for the torch path dedupes each
-pooled entry (`OwnerPool`); the owner's fused kernel (`PoolUnitAtOwner`,
-hybridps/pooled_bags.py) dedupes in its own call at stage 3 instead. Both depend on the ids and the bag
-offsets only, never on the rows, so they may run ahead of the step (worker/pipeline.py).
+pooled entry (`OwnerPool`; the owner's fused kernel, `PoolUnitAtOwner` over
+hybridps/pooled_bags.py, dedupes in its own call at stage 3 instead). Both depend on the
+ids and the bag offsets only, never on the rows, so they may run ahead of the step
+(worker/pipeline.py).
 
 Layout of the block a requester sends owner r: the distinct local row ids it asks of r
 for the rows entries (sorted by entry, then id), then for each pooled entry the B bag

@@ -22,7 +22,8 @@
  * Raw addresses as ints and the GIL released around the loops, like fused_adam.c; shapes,
  * dtypes and sizes are checked in Python, the ids and the bag lengths here (before any
  * output is written). Single-threaded: a pooled lookup of a training step is ~20k ids,
- * work of a few hundred microseconds, on ranks that run one torch thread each.
+ * 1-3 ms of work, on ranks that run one torch thread each. Where the time goes and what
+ * was tried: docs/performance-log.md, "Issue 33".
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -1,10 +1,12 @@
-"""Build hook for the optional native row kernels (hybridps/native/*.c).
+"""Build hook for the optional native kernels: the row kernels (hybridps/native/fused_adam.c,
+row_optim.c) and the owner's pooled-bags kernel (hybridps/native/pooled_bags.c).
 
 All project metadata lives in pyproject.toml; this file only declares the C
-extension, which is optional: without a working C compiler `pip install` still
-succeeds and hybridps.optim uses its torch kernels. Each compiler flag is probed with the
-actual compiler and kept only if it works. No OpenMP: the kernels run on their own
-small pthread pool (see the comment at the top of fused_adam.c for why).
+extensions, which are optional: without a working C compiler `pip install` still
+succeeds and hybridps.optim and hybridps.pooled_bags use their torch paths. Each compiler
+flag is probed with the actual compiler and kept only if it works. No OpenMP: the row
+kernels run on their own small pthread pool (see the comment at the top of fused_adam.c
+for why); the pooled-bags kernel is single-threaded.
 """
 
 from __future__ import annotations
@@ -69,7 +71,12 @@ setup(
             sources=["hybridps/native/fused_adam.c", "hybridps/native/row_optim.c"],
             depends=["hybridps/native/kernels.h"],
             optional=True,  # no compiler: install anyway, hybridps.optim falls back to torch
-        )
+        ),
+        Extension(
+            "hybridps.native._pooled_bags",
+            sources=["hybridps/native/pooled_bags.c"],
+            optional=True,  # no compiler: hybridps.pooled_bags falls back to torch
+        ),
     ],
     cmdclass={"build_ext": BuildExt},
 )

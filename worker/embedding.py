@@ -17,8 +17,11 @@ its one-table cases) goes through visible stages:
      served either as rows or pooled at the owner, per table, whichever moves
      fewer bytes (`--pool-at`, `_pooled_entries`);
   3. lookup (`fetch`): the owner gathers the requested rows from its shard
-     (F.embedding, sparse gradient) or sums its part of each bag
-     (`PoolAtOwner`);
+     (F.embedding, sparse gradient) or sums its part of each bag: one native call
+     per unit for its dedupe, gather with the weight prediction and bag sums, and one
+     in backward for the row gradients (`PoolUnitAtOwner`, hybridps/pooled_bags.py),
+     or the torch path, the reference and fallback (`OwnerPool` made at stage 2,
+     `PoolAtOwner`);
   4. output dist (`fetch`): ONE all_to_all (AllToAllRows) sends the rows and the
      partial sums back; the requester expands the rows with its inverse (plain
      lookup) or pools them (embedding_bag), and adds the owners' partial sums
@@ -57,7 +60,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridps import pooled_bags
 from hybridps.dynamic import check_capacity
+from hybridps.pooled_bags import BagsAtOwner
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.comm import BlockCap, all_to_all_rows, exchange, exchange_blocks
 from worker.device_copy import sync_point, to_device
@@ -68,7 +73,9 @@ from worker.input_dist import (
     ID_BITS,
     ID_MASK,
     InputDist,
+    OwnerWork,
     PoolAtOwner,
+    PoolUnitAtOwner,
     make_requests,
     owner_of,
     owner_work,
@@ -98,6 +105,11 @@ class RowOffsets(Protocol):
 
     def add_to(self, name: str, local_ids_M: torch.Tensor | None, rows_MD: torch.Tensor
                ) -> torch.Tensor: ...
+
+    def offsets_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(local_P sorted distinct rows of unit `name`'s block, offset_PD float32): what
+        add_to adds, for the owner's fused kernel to add itself; None: nothing."""
+        ...
 
 
 def _plan_key(names: Sequence[str], ids: Sequence[torch.Tensor],
@@ -164,6 +176,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
             if row_dtype != torch.float32:
                 raise ValueError(f"table {t.name!r}: dynamic tables keep fp32 rows; "
                                  f"--row-dtype {row_dtype} is not supported with them")
+        self.native_pool_calls = 0  # PoolUnitAtOwner calls (the owner's fused kernel)
         self.units = plan_units(tables, rank, world_size, group_tables)
         self.unit_of: dict[str, tuple[Unit, Member]] = {
             m.name: (u, m) for u in self.units.values() for m in u.members}
@@ -282,7 +295,9 @@ class ShardedEmbedding(UnitRows, nn.Module):
         plan.requests = requests
         owned = [self.ranges[n][1] - self.ranges[n][0]
                  for n, pooled in zip(plan.names, plan.pooled, strict=True) if pooled]
-        plan.work = owner_work(header, data, plan.pooled.count(False), owned)
+        fused = all(pooled_bags.fused_for(self.weights[self.unit_of[n][0].name])
+                    for n, pooled in zip(plan.names, plan.pooled, strict=True) if pooled)
+        plan.work = owner_work(header, data, plan.pooled.count(False), owned, dedupe=not fused)
         for e, pooled in enumerate(plan.pooled):
             offsets_B = on_device[e]
             if pooled and modes[e] == "mean" and offsets_B is not None:
@@ -377,15 +392,8 @@ class ShardedEmbedding(UnitRows, nn.Module):
         if rows_e:  # 3: the rows asked of this rank, one gather per unit
             served, joined = self._gather_tables([plan.names[e] for e in rows_e],
                                                  work.local_ids)
-        for e, pool in zip(pool_e, work.pools, strict=True):  # 3: its part of every bag
-            unit, member = self.unit_of[plan.names[e]]
-            weight = self.weights[unit.name]
-            rows_U = pool.uniq_U + member.offset if member.offset else pool.uniq_U
-            with torch.no_grad():
-                rows_UD = self._as_seen(unit.name, rows_U, weight.index_select(0, rows_U))
-            partial = PoolAtOwner.apply(weight, rows_UD, pool, rows_U)
-            assert isinstance(partial, torch.Tensor)
-            served.append(partial)
+        if pool_e:  # 3: its part of every bag
+            served += self._pool_at_owner(plan.names, pool_e, work)
         local_MD = (joined if joined is not None and not pool_e else
                     torch.cat(served) if len(served) > 1 else served[0])
         if work.restore is not None:
@@ -412,6 +420,43 @@ class ShardedEmbedding(UnitRows, nn.Module):
                 bags_BD = bags_BD + more_BD
             out[e] = bags_BD if divisor is None else bags_BD / divisor
         return out
+
+    def _pool_at_owner(self, names: Sequence[str], pool_e: Sequence[int], work: OwnerWork
+                       ) -> list[torch.Tensor]:
+        """Stage 3 of the entries pooled at their owner: this rank's part of every bag, per
+        entry. ONE native call per unit (PoolUnitAtOwner: dedupe, gather with the weight
+        prediction, bag sums; hybridps/pooled_bags.py) where the kernel takes the unit's
+        rows, else the torch path per entry (OwnerPool + PoolAtOwner), the reference."""
+        by_unit: dict[str, list[int]] = {}  # unit -> its pooled entries (index into pool_e)
+        for i, e in enumerate(pool_e):
+            by_unit.setdefault(self.unit_of[names[e]][0].name, []).append(i)
+        parts: dict[int, torch.Tensor] = {}
+        for unit, idx in by_unit.items():
+            weight = self.weights[unit]
+            members = [self.unit_of[names[pool_e[i]]][1] for i in idx]
+            if not pooled_bags.fused_for(weight):
+                for i, member in zip(idx, members, strict=True):
+                    pool = work.pool(i, member.rows)
+                    rows_U = pool.uniq_U + member.offset if member.offset else pool.uniq_U
+                    with torch.no_grad():
+                        rows_UD = self._as_seen(unit, rows_U, weight.index_select(0, rows_U))
+                    parts[i] = PoolAtOwner.apply(weight, rows_UD, pool, rows_U)
+                continue
+            prediction = None if self.row_offsets is None else self.row_offsets.offsets_of(unit)
+            entries = [BagsAtOwner(*work.bags[i], m.offset, m.rows)
+                       for i, m in zip(idx, members, strict=True)]
+            # A table twice in one lookup: a call per entry, as the torch path sums each
+            # entry's row gradients apart (autograd then adds the entries' sums).
+            together = len({m.name for m in members}) == len(members)
+            for call in [list(range(len(idx)))] if together else [[j] for j in range(len(idx))]:
+                partial = PoolUnitAtOwner.apply(weight, [entries[j] for j in call], prediction)
+                assert isinstance(partial, torch.Tensor)
+                self.native_pool_calls += 1
+                sizes = [entries[j].lengths_B.numel() for j in call]
+                for j, part in zip(call, partial.split(sizes) if len(call) > 1 else [partial],
+                                   strict=True):
+                    parts[idx[j]] = part
+        return [parts[i] for i in range(len(pool_e))]
 
     def _fetch_local(self, plan: InputDist) -> list[torch.Tensor]:
         """World size 1: every entry from the rows in place, one gather per unit."""
@@ -511,6 +556,11 @@ class ShardedEmbedding(UnitRows, nn.Module):
         unit, member = self.unit_of[name]
         local_R = torch.arange(member.offset, member.offset + member.rows, device=self.device)
         return member.start, self._gather(unit.name, local_R, whole=not unit.grouped)
+
+    def owner_pool(self) -> dict[str, object]:
+        """The kernel of bags pooled at their owner (hybridps/pooled_bags.py) and how many
+        native calls it made, for --results."""
+        return {"kernel": pooled_bags.pool_kernel_name(), "native_calls": self.native_pool_calls}
 
     def describe(self) -> dict[str, object]:
         """--pool-at and the bags it pooled at their owner (table names), for --results."""

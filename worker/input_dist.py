@@ -14,8 +14,11 @@ ways per entry, both row-wise sharded (rank r owns rows [r*R//W, (r+1)*R//W)):
 
 Stage 1 (`Requests`) runs on the requester and needs no communication; stage 2 is ONE
 `worker.comm.exchange_blocks` (counts and ids of all entries in one all_to_all); the
-owner then lays out what it received (`OwnerWork`). Both depend on the ids and the bag
-offsets only, never on the rows, so they may run ahead of the step (worker/pipeline.py).
+owner then lays out what it received (`OwnerWork`), and for the torch path dedupes each
+pooled entry (`OwnerPool`; the owner's fused kernel, `PoolUnitAtOwner` over
+hybridps/pooled_bags.py, dedupes in its own call at stage 3 instead). Both depend on the
+ids and the bag offsets only, never on the rows, so they may run ahead of the step
+(worker/pipeline.py).
 
 Layout of the block a requester sends owner r: the distinct local row ids it asks of r
 for the rows entries (sorted by entry, then id), then for each pooled entry the B bag
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridps import pooled_bags
 from worker.device_copy import sync_point
 
 ID_BITS = 40  # table rows below 2**40 (the routing key packs a local id into fewer bits)
@@ -190,6 +194,32 @@ class PoolAtOwner(torch.autograd.Function):
         return grad, None, None, None
 
 
+class PoolUnitAtOwner(torch.autograd.Function):
+    """PoolAtOwner for every pooled entry of one unit (worker/groups.py) in ONE native call
+    each way (hybridps/pooled_bags.py): forward dedupes the ids received, gathers each
+    distinct row with its weight prediction and sums the bags (entry after entry);
+    backward sums each distinct row's bag gradients into a coalesced sparse gradient of
+    `weight`. Bitwise OwnerPool.build + PoolAtOwner of each entry, the entries' tables
+    being distinct (their rows do not overlap in the block).
+
+    prediction: (keys_P, offset_PD) of the unit, worker/staleness.py, or None."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, entries: Sequence[pooled_bags.BagsAtOwner],
+                prediction: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        bags_BD, ctx.layout = pooled_bags.forward(weight, entries, prediction)
+        ctx.shape, ctx.dtype = weight.shape, weight.dtype
+        return bags_BD
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layout: pooled_bags.PoolLayout = ctx.layout
+        grad_UD = pooled_bags.backward(layout, grads[0])
+        grad = torch.sparse_coo_tensor(layout.uniq_U.unsqueeze(0), grad_UD.to(ctx.dtype),
+                                       ctx.shape, is_coalesced=True, check_invariants=False)
+        return grad, None, None
+
+
 @dataclass
 class Requests:
     """Stage 1 on the requester: the blocks to send and how to read what comes back."""
@@ -283,15 +313,27 @@ class OwnerWork:
     """What an owner serves, laid out from the blocks it received (stage 2's end)."""
 
     local_ids: list[torch.Tensor]  # per rows entry: the local rows asked (requester order)
-    pools: list[OwnerPool]         # per pooled entry
+    # per pooled entry: the ids received (requester order) and every requester's bag lengths
+    bags: list[tuple[torch.Tensor, torch.Tensor]]
+    # per pooled entry, the torch path's dedupe, made here (ahead), or None where the
+    # owner's fused kernel (PoolUnitAtOwner) dedupes in its own call
+    pools: list[OwnerPool | None]
     rows_to: list[int]             # rows + partial sums each requester gets back
     restore: torch.Tensor | None   # entry-major results -> requester-major
 
+    def pool(self, i: int, bound: int) -> OwnerPool:
+        """Pooled entry i's dedupe for the torch path (made now if not made ahead)."""
+        pool = self.pools[i]
+        if pool is None:
+            pool = self.pools[i] = OwnerPool.build(*self.bags[i], bound)
+        return pool
+
 
 def owner_work(header: list[list[int]], data: torch.Tensor, num_rows: int,
-               pooled_rows: Sequence[int]) -> OwnerWork:
+               pooled_rows: Sequence[int], dedupe: bool = True) -> OwnerWork:
     """header: per requester its header row; data: the blocks received, requester order;
-    pooled_rows: per pooled entry, the rows this rank owns of its table."""
+    pooled_rows: per pooled entry, the rows this rank owns of its table; dedupe: make the
+    torch path's OwnerPool of every pooled entry now."""
     num_pooled = len(pooled_rows)
     device = data.device
     inp = [h[:num_rows] + [h[num_rows + i] for i in range(2 * num_pooled)] for h in header]
@@ -300,12 +342,14 @@ def owner_work(header: list[list[int]], data: torch.Tensor, num_rows: int,
     if columns > 1:  # requester-major -> entry-major, one gather
         data = data.index_select(0, transpose_blocks(torch.tensor(inp, device=device)))
     parts = data.split([sum(col) for col in zip(*inp, strict=True)]) if columns else []
-    pools = [OwnerPool.build(parts[num_rows + 2 * i + 1], parts[num_rows + 2 * i], owned)
-             for i, owned in enumerate(pooled_rows)]
+    bags = [(parts[num_rows + 2 * i + 1], parts[num_rows + 2 * i]) for i in range(num_pooled)]
+    pools: list[OwnerPool | None] = [
+        OwnerPool.build(ids_M, lengths_B, owned) if dedupe else None
+        for (ids_M, lengths_B), owned in zip(bags, pooled_rows, strict=True)]
     restore = None
     if num_rows + num_pooled > 1:
         restore = transpose_blocks(torch.tensor(out, device=device).t().contiguous())
-    return OwnerWork(list(parts[:num_rows]), pools, [sum(o) for o in out], restore)
+    return OwnerWork(list(parts[:num_rows]), bags, pools, [sum(o) for o in out], restore)
 
 
 @dataclass
@@ -334,6 +378,7 @@ class InputDist:
         if self.requests is not None:
             out += [*self.requests.inverse]
         if self.work is not None:
-            out += [*self.work.local_ids, *(t for p in self.work.pools for t in p.tensors())]
+            out += [*self.work.local_ids, *(t for b in self.work.bags for t in b),
+                    *(t for p in self.work.pools if p is not None for t in p.tensors())]
             out += [] if self.work.restore is None else [self.work.restore]
         return out

@@ -71,6 +71,11 @@ class RowPrediction:
     def __init__(self) -> None:
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # local_P, offset_PD
 
+    def offsets_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(local_P, offset_PD) of unit `name`, or None (the owner's fused kernel adds them
+        to the rows it gathers as add_to would)."""
+        return self.tables.get(name)
+
     def add_to(self, name: str, local_ids_M: torch.Tensor | None, rows_MD: torch.Tensor
                ) -> torch.Tensor:
         """rows_MD + the offsets of the rows `local_ids_M` (None: rows_MD is every owned row,

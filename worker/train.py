@@ -452,6 +452,7 @@ class Trainer:
             "server_stats": server,
             "dense": self.dense_parallel.describe(),
             "embedding": self.embedding.describe(),
+            "owner_pool": self.embedding.owner_pool(),
             "table_groups": self.embedding.groups(),
             "checkpoint": {"save_s": self.checkpointer.save_s,
                            "restore_s": self.checkpointer.restore_s,

@@ -24,7 +24,7 @@ UNIX_CFLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-pthr
 UNIX_LDFLAGS = ["-pthread", "-lm"]
 # Function multiversioning (an extra AVX2+FMA build of the loops, chosen at load time).
 CLONES_PROBE = """
-__attribute__((target_clones("arch=haswell", "default")))
+__attribute__((target_clones("avx2", "default")))
 static void twice(float *x, int n) { for (int i = 0; i < n; i++) x[i] *= 2.0f; }
 void (*probe_fn)(float *, int) = twice;
 """

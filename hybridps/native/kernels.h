@@ -40,14 +40,14 @@
 #endif
 
 /* setup.py defines HYBRIDPS_TARGET_CLONES when the compiler and libc support
- * function multiversioning: the loops then also get an AVX2+FMA (haswell) build,
- * picked at load time on CPUs that have it: ~10% faster when the data is in cache,
- * and adamw's explicit fmaf() becomes one instruction instead of a libm call. The
- * results are the same in both builds: FMA contraction stays off, and fmaf() is
- * exactly rounded everywhere. */
+ * function multiversioning: the loops then also get an AVX2 build, picked at load time
+ * by the CPU's feature flags (not by its model: "arch=haswell" is chosen on Haswell
+ * cores only, never on later Intel or on AMD ones). The results are the same in both
+ * builds: FMA contraction stays off, the loops are element-wise (no reassociated
+ * sums), and fmaf() is exactly rounded everywhere. */
 #if defined(HYBRIDPS_TARGET_CLONES)
-#define MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
-#define CLONES "haswell,default"
+#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#define CLONES "avx2,default"
 #else
 #define MULTIVERSION
 #define CLONES "default"

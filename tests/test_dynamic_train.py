@@ -69,19 +69,22 @@ class Run:
         return self.emb.dynamic
 
     def by_id(self) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Every live id's (row, m, v), on a slot or paged out."""
+        """Every live id's (row, then its optimizer state by name: Adam's m, v), on a slot
+        or paged out."""
         slots = self.dynamic.tables[self.name].slots
-        m, v = self.source.moments[self.name]
-        assert m is not None and v is not None
+        state = self.source.state[self.name]
+        names = sorted(state)
         weight = self.emb.weights[self.name].data
         out = {}
         used = np.flatnonzero(slots.seen >= 0)
         for s in used.tolist():
-            out[int(slots.slot_id[s])] = (weight[s].clone(), m[s].clone(), v[s].clone())
+            out[int(slots.slot_id[s])] = (weight[s].clone(),
+                                          *(state[n][s].clone() for n in names))
         stored = self.source.paged[self.name].entries()
+        assert sorted(stored.state) == names
         for i, ident in enumerate(stored.ids.tolist()):
             assert ident not in out
-            out[ident] = (stored.rows[i], stored.state["m"][i], stored.state["v"][i])
+            out[ident] = (stored.rows[i], *(stored.state[n][i] for n in names))
         return out
 
 
@@ -149,6 +152,26 @@ def test_eviction_and_page_in_are_bitwise(staleness: int, eviction: str) -> None
     got, want = small.by_id(), large.by_id()
     assert set(got) == set(want)
     for ident, parts in want.items():
+        for a, b in zip(got[ident], parts, strict=True):
+            assert torch.equal(a, b), ident
+
+
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "partial_rowwise_adam", "adagrad",
+                                  "sgd"])
+def test_eviction_and_page_in_are_bitwise_for_every_optimizer(kind: str) -> None:
+    """The same round trip with each optimizer's own per-row state (hybridps/optim_kinds.py:
+    one sum a row, m per element with v per row, ...): it pages out and back by name."""
+    data = batches(40, 8)
+    small = Run(dynamic_table(24, eviction="lru"), 2, kind)
+    large = Run(dynamic_table(64, eviction="lru"), 2, kind)
+    small.train(data)
+    large.train(data)
+    assert small.dynamic.tables["user"].slots.stats.page_ins > 10
+    got, want = small.by_id(), large.by_id()
+    assert set(got) == set(want)
+    widths = dict(OptimizerSpec(kind=kind).state_widths(DIM))
+    for ident, parts in want.items():
+        assert len(parts) == 1 + len(widths)
         for a, b in zip(got[ident], parts, strict=True):
             assert torch.equal(a, b), ident
 

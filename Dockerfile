@@ -50,11 +50,12 @@ RUN mkdir -p ps worker hybridps/native \
     && pip uninstall -y hybridps \
     && rm -rf build ps worker hybridps README.md *.egg-info
 # 3. The source; the editable install compiles the native kernel into the tree
-#    (hybridps/native/_fused_adam*.so; optional: without it hybridps.optim uses torch
-#    kernels).
+#    (hybridps/native/_fused_adam*.so and _pooled_bags*.so). Both are optional for a
+#    pip install without a compiler (torch kernels instead), but this stage has one:
+#    an image without them would be silently slower, so a failed build stops here.
 COPY . .
 RUN pip install --no-deps -e . \
-    && python -c "import hybridps.native as n; print('native kernel:', n.load_error or 'built')" \
+    && python -c "import hybridps.native._fused_adam, hybridps.native._pooled_bags; print('native kernels: built')" \
     && rm -rf build
 
 # -- final: no compiler ----------------------------------------------------------------

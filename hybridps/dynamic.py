@@ -1,7 +1,8 @@
 """Dynamic tables (docs/dynamic_ids.md): their spec and the fixed hashes of raw ids.
 
 Shared by the worker (the id -> slot map, admission, owners) and the shard server (the
-paged-out rows' expiry): no torch.distributed, no grpc.
+paged-out rows' expiry): no torch.distributed, no grpc. torch is imported only by the
+functions that return tensors, so parsing `--tables` stays torch-free (worker.config).
 
 `mix64` is splitmix64's finalizer over uint64 (numpy wraps modulo 2^64 by definition,
 so the values are the same on every machine). The owner of an id is `mix64(id ^ salt)
@@ -11,10 +12,12 @@ so the values are the same on every machine). The owner of an id is `mix64(id ^ 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 Eviction = Literal["lru", "lfu"]
 Admission = Literal["always", "threshold", "probability"]
@@ -84,7 +87,7 @@ def check_capacity(name: str, capacity: int, world_size: int) -> None:
 
 def as_u64(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     """int64 ids (any value) as their uint64 bit patterns (a view where possible)."""
-    arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    arr = ids if isinstance(ids, np.ndarray) else ids.detach().cpu().numpy()
     return np.ascontiguousarray(arr, dtype=np.int64).view(_U64)
 
 
@@ -103,6 +106,7 @@ def salted(ids_u64: np.ndarray, salt: int) -> np.ndarray:
 
 def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
     """owner_N (int64): the rank owning each raw id at world size `world_size`."""
+    import torch
     if world_size == 1:
         return torch.zeros(ids.numel(), dtype=torch.int64)
     owners = salted(as_u64(ids.reshape(-1)), OWNER_SALT) % _U64(world_size)
@@ -119,6 +123,7 @@ def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, table_index: int,
     """[N, dim] float32: N(0, init_std) rows drawn from a hash of (seed, table, id, column)
     (Box-Muller on the CPU in float64), the same for an id whatever its slot, world
     size or arrival step."""
+    import torch
     u = as_u64(ids.reshape(-1))
     n = u.size
     if n == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from hybridps.admin import (
+    DEFAULT_WIDTH,
     RUN_COLUMNS,
     message_dict,
     select_runs,
@@ -34,8 +36,11 @@ ROWS = 100  # rank 0 owns [0, 50), rank 1 owns [50, 100)
 
 
 def admin(*args: str) -> subprocess.CompletedProcess[str]:
+    # The width off a terminal, whatever COLUMNS the test runner's environment carries
+    # (80 where a parent set it): these tests read the default view's columns.
+    env = {**os.environ, "COLUMNS": str(DEFAULT_WIDTH)}
     return subprocess.run([sys.executable, "-m", "ps.admin", *args], capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
+                          text=True, timeout=60, cwd=REPO, env=env)
 
 
 def test_stats_report_pushes_rows_and_steps(ps_server: str) -> None:

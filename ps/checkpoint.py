@@ -13,7 +13,13 @@ from pathlib import Path
 
 import torch
 
-from hybridps.checkpoint import OptimState, ShardInfo, load_optim_state, save_optim_state
+from hybridps.checkpoint import (
+    OptimState,
+    ShardInfo,
+    Writer,
+    load_optim_state,
+    save_optim_state,
+)
 from hybridps.errors import Conflict
 from ps.partition import Partition, TableSpec
 from ps.table_members import pieces
@@ -23,8 +29,10 @@ def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     return None if t is None else t[lo:hi]
 
 
-def save_partition(part: Partition, directory: str | Path, step: int) -> list[ShardInfo]:
-    """Write every table of a partition whose last applied step is exactly `step`.
+def save_partition(part: Partition, directory: str | Path, step: int,
+                   writer: Writer | None = None) -> list[ShardInfo]:
+    """Write every table of a partition whose last applied step is exactly `step`
+    (through `writer`: ps/checkpoint_dirs.py; None: by path).
 
     The caller holds `part.lock` (no push applies while the files are written).
     """
@@ -41,7 +49,7 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
                 dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
                 state=OptimState(_rows(t.m, p.lo, p.hi), _rows(t.v, p.lo, p.hi), t.adam_step,
                                  t.last_step, _rows(t.master, p.lo, p.hi)),
-                optimizer=opt, incarnation=part.incarnation))
+                optimizer=opt, incarnation=part.incarnation, writer=writer))
     return out
 
 

@@ -412,7 +412,7 @@ class Partition:
                  answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic,
-                 row_dtype: torch.dtype = torch.float32) -> None:
+                 row_dtype: torch.dtype = torch.float32, run_digest: str = "") -> None:
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -426,6 +426,13 @@ class Partition:
         # incarnation holds a secret that no longer opens anything; the same one for a
         # re-Register of the same process (a reconnect), which carries it.
         self.secret = secrets.token_hex(SECRET_BYTES)
+        # The sha256 of the run secret its Register proved ('' when it carried none,
+        # hybridps/run_secret.py): what a takeover, and the owner file of a checkpoint
+        # directory it writes into, must match (ps/partition_auth.py, ps/checkpoint_dirs.py).
+        self.run_digest = run_digest
+        # Refusals of calls for this partition that name no table (a wrong secret, a
+        # refused takeover); per-table ones are in TableState.refusals.
+        self.refusals: collections.Counter[str] = collections.Counter()
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
             t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,

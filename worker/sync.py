@@ -103,7 +103,8 @@ class ShardClient(UpdateSource):
                  members: Mapping[str, Sequence[Member]] | None = None,
                  wire_dtype: torch.dtype = torch.float32,
                  shm: str = "off", shm_bytes: int = 64 << 20,
-                 rpc: ShardRpc | None = None) -> None:
+                 rpc: ShardRpc | None = None, run_secret: str = "",
+                 restore_secret: str = "", checkpoint_dir: str = "") -> None:
         super().__init__([t.name for t in tables], timeout_s)
         if wire_dtype not in WIRE_DTYPES.values():
             raise ValueError(f"wire dtype {wire_dtype} is not one of "
@@ -131,6 +132,11 @@ class ShardClient(UpdateSource):
                                    row_dtype if row_dtype != torch.float32 else wire_dtype)
         self.rpc = rpc or ShardRpc(address, self.security,
                                    max(max_chunk_bytes * 2, 64 * 1024 * 1024))
+        # The job's proof (worker/run_claim.py), carried by every Register, and the run's
+        # checkpoint directory, which the server checks at the first Register.
+        if run_secret:
+            self.rpc.set_run_secret(run_secret, restore_secret)
+        self.checkpoint_dir = checkpoint_dir
         self.server_id = ""
         self.state = "starting"
         self.last_error = ""
@@ -409,6 +415,7 @@ class ShardClient(UpdateSource):
             row_dtype=wire.wire_dtype(self.row_dtype))  # type: ignore[arg-type]
         if first and self.restore is not None:
             request.restore.directory, request.restore.step = self.restore
+        request.checkpoint_dir = self.checkpoint_dir
         offer = self.placement.offer(first)
         if offer is not None:
             request.shm.CopyFrom(offer)

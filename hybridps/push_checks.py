@@ -1,14 +1,18 @@
 """The shard server's per-push bookkeeping over the row kernels' extension: one pass that
-checks a push's ids and gradients (range, order, finiteness, magnitude), and the marks of
-rows a partition has touched. The native path is used when the row kernels are native
-(hybridps/optim.py `set_kernel`); the torch path is the reference. No grpc here."""
+checks a push's ids and gradients (range, order, finiteness, magnitude), the marks of
+rows a partition has touched, and the digest of a push's payload. The native path is
+used when the row kernels are native (hybridps/optim.py `set_kernel`; the digest: when
+built); the torch path is the reference. No grpc here."""
 
 from __future__ import annotations
 
 import math
+import struct
 
+import numpy as np
 import torch
 
+from hybridps import native
 from hybridps.optim import is_cpu_f32, native_in_use
 
 
@@ -73,3 +77,54 @@ def mark_rows_(flags_R: torch.Tensor, ids_U: torch.Tensor) -> int:
     fresh = int((~flags_R.index_select(0, ids_U)).sum()) if ids_U.numel() else 0
     flags_R.index_fill_(0, ids_U, True)
     return fresh
+
+
+# -- a push's payload digest ------------------------------------------------------------
+
+DIGEST_K32 = 0x9E3779B9
+DIGEST_LANES = 8
+MASK64 = 2**64 - 1
+
+
+def words_digest(t: torch.Tensor) -> int:
+    """A 64-bit digest of `t`'s bytes: 8 lanes, lane j = sum(word[i] * (2i + 1) *
+    DIGEST_K32) mod 2^32 over its 32-bit words i = j mod 8 (the native `digest` when
+    built, else the same in numpy), folded into one number."""
+    if t.numel() == 0:
+        return 0
+    t = t.detach().contiguous().cpu()
+    nbytes = t.numel() * t.element_size()
+    ext = native.ext
+    if ext is not None and hasattr(ext, "digest") and nbytes % 4 == 0:
+        lanes = [int(x) for x in ext.digest(t.data_ptr(), nbytes)]
+    else:
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        pad = (-raw.size) % (4 * DIGEST_LANES)
+        words = np.concatenate([raw, np.zeros(pad, dtype=np.uint8)]).view(np.uint32)
+        position = np.arange(words.size, dtype=np.uint32).reshape(-1, DIGEST_LANES)
+        mult = (position * np.uint32(2) + np.uint32(1)) * np.uint32(DIGEST_K32)
+        lanes = [int(x) for x in (words.reshape(-1, DIGEST_LANES) * mult).sum(
+            axis=0, dtype=np.uint32)]
+    h = 0
+    for lane in lanes:
+        h = ((h ^ lane) * 0x100000001B3) & MASK64
+    return h
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: every input bit reaches every output bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def payload_digest(ids_U: torch.Tensor, grads_UD: torch.Tensor, lr: float | None) -> int:
+    """A 64-bit digest of a push's payload (ids, gradients, its own lr), kept with its
+    cached answer: a re-sent step must carry the same payload to get that answer
+    (ps/session.py). A checksum against client bugs, not a cryptographic hash: the
+    partition secret keeps others from pushing at all."""
+    h = (words_digest(ids_U) * 0xD6E8FEB86659FD93 + words_digest(grads_UD)) & MASK64
+    h ^= (int(ids_U.shape[0]) * 0xA0761D6478BD642F) & MASK64
+    if lr is not None:
+        h ^= struct.unpack("<Q", struct.pack("<d", lr))[0]
+    return _mix64(h)

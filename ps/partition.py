@@ -339,13 +339,13 @@ class TableState:
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
               sink: AnswerSink | None = None, grad_max: float = math.inf,
-              lr: float | None = None) -> Answer:
+              lr: float | None = None, digest: int = 0) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
         written into `sink` too (PushChunk.sink). `grad_max`: the largest |gradient|
         (check_rows); a push whose update could overflow float32 is applied checked and
         refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound).
         `lr`: the push's own learning rate (Push.lr, checked by optimizer_with_lr), else
-        the registered one."""
+        the registered one. `digest`: the push's payload digest, kept with its answer."""
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
@@ -387,7 +387,7 @@ class TableState:
             # do to fp32 rows); the rank gets the new rows rounded once to its row dtype.
             new_rows = self.master.index_select(0, local).to(self.row_dtype)
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
-                            decay=0.0, rows=True)
+                            decay=0.0, rows=True, digest=digest)
         else:
             # A delta the kernel wrote into the sink stays there, and the cache only
             # borrows it (no [U, dim] copy a push): the cache is read for a re-sent push
@@ -395,7 +395,7 @@ class TableState:
             # it has not reused.
             in_sink = out is not None and (n == 0 or delta.data_ptr() == out.data_ptr())
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=delta,
-                            decay=float(decay), borrowed=in_sink)
+                            decay=float(decay), borrowed=in_sink, digest=digest)
         if sink is not None and not answer.borrowed:
             sink.write(answer.delta)
         self.answers[step] = answer

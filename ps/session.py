@@ -1,5 +1,10 @@
 """One Sync stream's view of the Store (transport-free, no grpc): chunk assembly,
-exactly-once application, queue-depth accounting. See ps/store.py."""
+exactly-once application, queue-depth accounting. See ps/store.py.
+
+Exactly-once: a push of a step already applied gets the answer saved for it, if it
+carries the same payload (its digest, hybridps/push_checks.py, is kept with the answer);
+a re-sent step with another payload is a client's bug, refused (Conflict) naming the
+step."""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from hybridps.errors import InvalidArgument, ShardError
+from hybridps.errors import Conflict, InvalidArgument, ShardError
+from hybridps.push_checks import payload_digest
 from ps.partition import Partition, TableState
 from ps.push import Answer, PushChunk, check_push_lr, first_duplicate
 
@@ -175,6 +181,7 @@ class SyncSession:
                     f"{pending.what}: id {dup} appears in more than one chunk; pushes must "
                     "be coalesced (each id once)"
                 )
+        digest = payload_digest(ids, grads, pending.lr)
         with pending.part.lock:
             _, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
                                            chunk.table, pending.what)
@@ -182,7 +189,12 @@ class SyncSession:
             sink = chunk.sink if n == 1 else None
             if saved is None:
                 answer = table.apply(chunk.step, ids, grads, sink, pending.grad_max,
-                                     pending.lr)
+                                     pending.lr, digest)
+            elif saved.digest != digest:
+                raise Conflict(
+                    f"{pending.what}: step {chunk.step} was applied with another payload "
+                    "(ids, gradients or lr differ: its digest does not match); a re-sent "
+                    "push must be the one sent before: refused, nothing changed")
             elif sink is not None:
                 sink.write(saved.delta)
                 answer = saved

@@ -839,6 +839,58 @@ static PyObject *py_scan_push(PyObject *self, PyObject *args) {
                          (long long)nonfinite);
 }
 
+/* A push's payload digest (the answer cache compares a re-sent push with the one applied,
+ * hybridps/push_checks.py payload_digest): 8 lanes, lane j = sum of word[i] * (2i + 1) * K
+ * mod 2^32 over the 32-bit words i = j mod 8. Every multiplier is odd, so any one changed
+ * word changes its lane; 32-bit lanes vectorize (one multiply-add per word). */
+#define DIGEST_K32 0x9E3779B9u
+#define DIGEST_LANES 8
+
+MULTIVERSION static void digest_lanes(const uint32_t *w, int64_t n, uint32_t *out) {
+    /* Each block's multipliers from its position, not carried from block to block: gcc
+     * 12 -O3 miscompiled a carried multiplier array (lanes 0-3 wrong). */
+    uint32_t acc[DIGEST_LANES] = {0};
+    const int64_t full = n - n % DIGEST_LANES;
+    for (int64_t i = 0; i < full; i += DIGEST_LANES) {
+        const uint32_t base = DIGEST_K32 * (uint32_t)(2 * i + 1);
+        for (int j = 0; j < DIGEST_LANES; j++) {
+            uint32_t word;
+            memcpy(&word, w + i + j, sizeof word);
+            acc[j] += word * (base + 2u * DIGEST_K32 * (uint32_t)j);
+        }
+    }
+    for (int64_t i = full; i < n; i++) {
+        uint32_t word;
+        memcpy(&word, w + i, sizeof word);
+        acc[i - full] += word * (DIGEST_K32 * (uint32_t)(2 * i + 1));
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+PyDoc_STRVAR(digest_doc,
+             "digest(ptr, n_bytes)\n--\n\n"
+             "8-tuple: lane j = sum(word[i] * (2i+1) * 0x9E3779B9) mod 2^32 over the 32-bit\n"
+             "words i = j mod 8 of the n_bytes at ptr (n_bytes a multiple of 4).");
+
+static PyObject *py_digest(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long ptr;
+    long long n_bytes;
+    if (!PyArg_ParseTuple(args, "KL", &ptr, &n_bytes)) return NULL;
+    if (n_bytes < 0 || n_bytes % 4) {
+        PyErr_SetString(PyExc_ValueError, "digest: n_bytes must be a multiple of 4, >= 0");
+        return NULL;
+    }
+    uint32_t lanes[DIGEST_LANES];
+    Py_BEGIN_ALLOW_THREADS
+    digest_lanes(PTR(const uint32_t *, ptr), n_bytes / 4, lanes);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(kkkkkkkk)", (unsigned long)lanes[0], (unsigned long)lanes[1],
+                         (unsigned long)lanes[2], (unsigned long)lanes[3],
+                         (unsigned long)lanes[4], (unsigned long)lanes[5],
+                         (unsigned long)lanes[6], (unsigned long)lanes[7]);
+}
+
 PyDoc_STRVAR(mark_rows_doc,
              "mark_rows(flags, n_flags, ids, n_ids)\n--\n\n"
              "Set the bytes flags[ids] (bool [n_flags]) to 1 and return how many were 0 (the\n"
@@ -905,6 +957,7 @@ static PyMethodDef methods[] = {
     {"advise_hugepages", py_advise_hugepages, METH_VARARGS, advise_hugepages_doc},
     {"scan_push", py_scan_push, METH_VARARGS, scan_push_doc},
     {"mark_rows", py_mark_rows, METH_VARARGS, mark_rows_doc},
+    {"digest", py_digest, METH_VARARGS, digest_doc},
     {"build_info", py_build_info, METH_NOARGS, "Build options (threads, prefetch, chunking)."},
     {NULL, NULL, 0, NULL},
 };
@@ -913,7 +966,7 @@ static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT,
     "_fused_adam",
     "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad) and the\n"
-    "server's allocation-free push checks (scan_push, mark_rows).",
+    "server's allocation-free push checks (scan_push, mark_rows, digest).",
     -1,
     methods,
     NULL,

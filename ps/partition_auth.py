@@ -210,7 +210,8 @@ class PartitionAuth:
             else:
                 self.check_run_secret(run_id, ranks, given, what)
         except (WrongSecret, NotRegistered, InvalidArgument) as exc:
-            self.record_refusal(exc.reason, run_id, ranks[0] if len(ranks) == 1 else None)
+            one = len(ranks) == 1 and ranks[0] >= 0
+            self.record_refusal(exc.reason, run_id, ranks[0] if one else None)
             raise
 
     def record_refusal(self, reason: str, run_id: str = "", rank: int | None = None,

@@ -132,6 +132,12 @@ def claim_directory(directory: str | os.PathLike[str], prefer: str | None = None
         secret = read_secret(path)
         if secret is None:
             chosen = prefer or new_secret()
+            claimed = read_owner(path)
+            if claimed is not None and not digests_match(claimed, secret_digest(chosen)):
+                raise RunClaimError(
+                    f"checkpoint directory {str(path)!r} belongs to another run: its "
+                    f"{OWNER_FILE} names a run secret that is not in it ({SECRET_FILE} is "
+                    "missing); use another --checkpoint-dir")
             if create_exclusive(path, SECRET_FILE, (chosen + "\n").encode(), 0o600):
                 secret = chosen
             else:  # another rank of the job wrote it meanwhile

@@ -101,6 +101,8 @@ def test_a_directory_of_another_run_or_with_a_link_cannot_be_claimed(tmp_path: P
     (ck / SECRET_FILE).unlink()
     with pytest.raises(RunClaimError, match="belongs to another run"):
         claim_directory(ck, prefer=INTRUDER)  # the owner file still names the victim
+    assert not (ck / SECRET_FILE).exists()  # nothing written
+    assert claim_directory(ck, prefer=VICTIM) == VICTIM  # the run itself (its resume)
     linked = tmp_path / "linked"
     linked.mkdir()
     (tmp_path / "elsewhere").write_text(INTRUDER + "\n")

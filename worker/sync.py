@@ -389,8 +389,10 @@ class ShardClient(UpdateSource):
 
     def _refusal_text(self, exc: TransportError) -> str:
         step = self.ledger.oldest_step()
+        step = self.newest_pushed if step is None else step
+        when = f"around step {step}" if step >= 0 else "before its first step"
         text = (f"rank {self.rank}: shard server {self.address} refused run {self.run_id!r} "
-                f"(around step {self.newest_pushed if step is None else step}): {exc.text}")
+                f"({when}): {exc.text}")
         if self.wire_dtype == torch.float16 and "non-finite" in text:
             text += (" (--wire-dtype fp16: gradients beyond +-65504 become inf on the wire; "
                      "use bf16 or fp32)")

@@ -44,7 +44,7 @@ from hybridps.errors import (
 )
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec, apply_rows_, apply_update_, undo_rows_
-from hybridps.push_checks import mark_rows_, scan_push_max
+from hybridps.push_checks import PayloadDigest, mark_rows_, scan_push_max
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from ps.overflow import OverflowBound
 from ps.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
@@ -258,9 +258,11 @@ class TableState:
 
     # -- validation (no state change) ------------------------------------------------
 
-    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> float:
+    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str,
+                   digest: PayloadDigest | None = None) -> float:
         """Raise if ids/grads are not a valid (part of a) coalesced push for this table;
-        returns the largest |gradient| (for `apply`'s overflow bound)."""
+        returns the largest |gradient| (for `apply`'s overflow bound). The chunk is added
+        to `digest` in the same pass (the push's payload digest, ps/session.py)."""
         spec = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidArgument(
@@ -281,9 +283,11 @@ class TableState:
                 f"{what}: grads have {grads.shape[0]} rows for {n} ids; they must match"
             )
         if n == 0:
+            if digest is not None:
+                digest.add(ids, grads)
             return 0.0
         bad, increasing, nonfinite, grad_max = scan_push_max(ids, grads, spec.row_start,
-                                                             spec.row_end)
+                                                             spec.row_end, digest)
         if bad >= 0:
             bad_id = int(ids[bad])
             extra = " (int64 max)" if bad_id == INT64_MAX else ""
@@ -339,7 +343,7 @@ class TableState:
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
               sink: AnswerSink | None = None, grad_max: float = math.inf,
-              lr: float | None = None, digest: int = 0) -> Answer:
+              lr: float | None = None, digest: tuple[object, ...] = ()) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
         written into `sink` too (PushChunk.sink). `grad_max`: the largest |gradient|
         (check_rows); a push whose update could overflow float32 is applied checked and

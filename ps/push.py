@@ -87,7 +87,7 @@ class Answer:
     borrowed: bool = field(default=False, compare=False)
     # The digest of the push's payload (hybridps/push_checks.py payload_digest): a re-sent
     # step gets this answer only if it carries the same payload (ps/session.py).
-    digest: int = field(default=0, compare=False)
+    digest: tuple[object, ...] = field(default=(), compare=False)
 
     def as_duplicate(self) -> Answer:
         return dataclasses.replace(self, duplicate=True)

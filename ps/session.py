@@ -2,9 +2,9 @@
 exactly-once application, queue-depth accounting. See ps/store.py.
 
 Exactly-once: a push of a step already applied gets the answer saved for it, if it
-carries the same payload (its digest, hybridps/push_checks.py, is kept with the answer);
-a re-sent step with another payload is a client's bug, refused (Conflict) naming the
-step."""
+carries the same payload (its digest, hybridps/push_checks.py, computed in the pass that
+checks each chunk, is kept with the answer); a re-sent step with another payload is a
+client's bug, refused (Conflict) naming the step."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from hybridps.errors import Conflict, InvalidArgument, ShardError
-from hybridps.push_checks import payload_digest
+from hybridps.push_checks import PayloadDigest
 from ps.partition import Partition, TableState
 from ps.push import Answer, PushChunk, check_push_lr, first_duplicate
 
@@ -54,6 +54,8 @@ class _Pending:
     grads: list[torch.Tensor] = field(default_factory=list)
     grad_max: float = 0.0  # the largest |gradient| of the chunks so far
     lr: float | None = None  # Push.lr of chunk 0 (None: the registered lr)
+    # the payload digest, chunk by chunk (TableState.check_rows adds each)
+    digest: PayloadDigest = field(default_factory=PayloadDigest)
     tickets: list[TableKey] = field(default_factory=list)  # queue_depth entries it holds
 
     @property
@@ -164,7 +166,8 @@ class SyncSession:
                 "chunk of a push carries the push's lr"
             )
         pending.grad_max = max(pending.grad_max,
-                               pending.table.check_rows(chunk.ids, chunk.grads, what))
+                               pending.table.check_rows(chunk.ids, chunk.grads, what,
+                                                        pending.digest))
         pending.ids.append(chunk.ids)
         pending.grads.append(chunk.grads)
         if pending.next_chunk < n:
@@ -181,7 +184,7 @@ class SyncSession:
                     f"{pending.what}: id {dup} appears in more than one chunk; pushes must "
                     "be coalesced (each id once)"
                 )
-        digest = payload_digest(ids, grads, pending.lr)
+        digest = pending.digest.value(pending.lr)
         with pending.part.lock:
             _, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
                                            chunk.table, pending.what)

@@ -27,7 +27,7 @@ import torch
 from hybridps import native
 from hybridps.checkpoint import MANIFEST, optim_file, step_dir, write_manifest
 from hybridps.errors import Conflict, PermissionDenied, ResourceExhausted, WrongSecret
-from hybridps.push_checks import payload_digest, words_digest
+from hybridps.push_checks import digest_lanes, payload_digest
 from hybridps.run_secret import (
     OWNER_FILE,
     SECRET_FILE,
@@ -384,9 +384,9 @@ def test_the_payload_digest_is_the_same_natively_and_in_numpy(
     gen = torch.Generator().manual_seed(3)
     tensors = [torch.randn(513, 7, generator=gen), torch.arange(13), torch.randn(1),
                torch.randn(4096, 16, generator=gen)]
-    built = [words_digest(t) for t in tensors]
+    built = [digest_lanes(t, offset) for t in tensors for offset in (0, 3, 8, 1001)]
     monkeypatch.setattr(native, "ext", None)
-    assert [words_digest(t) for t in tensors] == built
+    assert [digest_lanes(t, offset) for t in tensors for offset in (0, 3, 8, 1001)] == built
     ids, grads = torch.arange(8), torch.randn(8, 4, generator=gen)
     base = payload_digest(ids, grads, None)
     flipped = grads.clone()
@@ -394,3 +394,32 @@ def test_the_payload_digest_is_the_same_natively_and_in_numpy(
     assert payload_digest(ids, flipped, None) != base
     assert payload_digest(ids, grads, 0.1) != base
     assert payload_digest(ids, grads, None) == base
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_the_digest_of_the_checks_pass_is_that_of_the_whole_push(
+        kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk by chunk, in the pass that checks them (native scan_push), at any chunk
+    boundary, the digest is the whole push's."""
+    from hybridps import optim
+    from hybridps.push_checks import PayloadDigest, scan_push_max
+
+    previous = optim.kernel_name()
+    optim.set_kernel(kernel)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        ids = torch.arange(3, 3 + 1001, dtype=torch.int64)
+        grads = torch.randn(1001, 7, generator=gen)
+        whole = payload_digest(ids, grads, 0.25)
+        for cuts in ([1001], [1, 1000], [333, 333, 335], [8, 993]):
+            digest, at = PayloadDigest(), 0
+            for n in cuts:
+                bad, _, nonfinite, _ = scan_push_max(ids[at:at + n], grads[at:at + n], 0,
+                                                     2000, digest)
+                assert bad < 0 and nonfinite < 0
+                at += n
+            assert digest.value(0.25) == whole, cuts
+    finally:
+        optim.set_kernel(previous)
+    monkeypatch.setattr(native, "ext", None)  # the numpy lanes: the same numbers
+    assert payload_digest(ids, grads, 0.25) == whole

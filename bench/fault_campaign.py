@@ -57,6 +57,7 @@ from hybridps.checkpoint import (  # noqa: E402
 )
 from hybridps.errors import ShardError  # noqa: E402
 from hybridps.optim import OptimizerSpec  # noqa: E402
+from hybridps.run_secret import read_secret  # noqa: E402
 from ps.partition import TableSpec  # noqa: E402
 from ps.store import Store  # noqa: E402
 
@@ -180,7 +181,7 @@ def _same(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
 
 
 def _server_side(trial: Path, damaged: str, manifest: dict[str, Any],
-                 store: Store, run: str) -> str:
+                 store: Store, run: str, secret: str) -> str:
     """Restore step 14 for every rank from the damaged copy on a store that holds the
     run at step 9: 'refused', 'restored' (the damaged file is not the server's) or a
     failure description."""
@@ -195,7 +196,7 @@ def _server_side(trial: Path, damaged: str, manifest: dict[str, Any],
         incarnation = 1000 + rank
         try:
             store.register(run, rank, int(manifest["world_size"]), incarnation, tables, spec,
-                           restore=(str(trial), 14))
+                           restore=(str(trial), 14), run_secret=secret)
         except ShardError:
             if not _same(before, _snapshot(store, run)):
                 return "MIXED: a refused restore changed the partitions"
@@ -240,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         manifest = read_manifest(newest)
         files = [str(e["file"]) for e in manifest_entries(manifest)] + [MANIFEST]
 
-        # A store holding the run at step 9, as a server would after a crash-restart.
+        # A store holding the run at step 9, as a server would after a crash-restart; the
+        # run's proof is the run secret its workers keep with the checkpoints.
         store = Store(checkpoint_root=work)
+        secret = read_secret(source) or ""
         spec = OptimizerSpec(**manifest["optimizer"])
         run = "faults-campaign"
         for rank in range(int(manifest["world_size"])):
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                 int(t["shards"][rank]["row_end"]))
                       for name, t in manifest["tables"].items()]
             store.register(run, rank, 2, 0, tables, spec,
-                           restore=(str(step_dir(source, 9)), 9))
+                           restore=(str(step_dir(source, 9)), 9), run_secret=secret)
 
         outcomes: Counter[str] = Counter()
         by_kind: Counter[str] = Counter()
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes["worker_wrong"] += 1
             else:
                 outcomes["worker_previous_intact"] += 1
-            server_side = _server_side(trial, rel, manifest, store, run)
+            server_side = _server_side(trial, rel, manifest, store, run, secret)
             outcomes[f"server_{server_side.split(':')[0].lower()}"] += 1
             if server_side not in ("refused", "restored"):
                 failures.append(f"trial {i} {rel} {how}: server {server_side}")

@@ -1,9 +1,12 @@
 """The fuzzer's messages (bench/fuzz_proto.py): valid requests of fuzz partitions, and
 their field-level and byte-level mutations, from one random.Random.
 
-`Generator.item()` gives (method, serialized requests, the pushes of a Sync call);
-`learn` and `answered` feed back what the server accepted (a Register's partition, a
-push's step), so later messages reach past the first checks.
+`Generator.item()` gives (method, serialized requests, the pushes of a Sync call, the
+call's metadata); `learn` and `answered` feed back what the server accepted (a
+Register's partition and its secret, a push's step), so later messages reach past the
+first checks. The metadata carries the partition's secret (hybridps/partition_secret.py)
+most of the time, and sometimes none or a wrong one; a Register carries its fuzz run's
+run secret (hybridps/run_secret.py), whose checkpoint directory the fuzzer claimed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from hybridps import wire
+from hybridps.partition_secret import partition_metadata, run_secret_metadata
 from hybridps.v1 import admin_pb2, shard_pb2
+
+Metadata = tuple[tuple[str, str], ...]
 
 FUZZ_RUNS = [f"fuzz-{i}" for i in range(16)]
 TABLES = ("a", "b")
@@ -40,6 +46,7 @@ class Shape:
                  incarnation: int = 0) -> None:
         self.run, self.rank, self.world, self.rows, self.dim = run, rank, world, rows, dim
         self.incarnation = incarnation
+        self.secret = ""  # the partition secret its Register answered
         self.next = dict.fromkeys(TABLES, 0)  # table -> the next step to push
         number = int(run.rsplit("-", 1)[-1]) if run.rsplit("-", 1)[-1].isdigit() else 0
         self.optimizer = ("ADAM", "ADAMW", "SGD")[number % 3]
@@ -59,11 +66,43 @@ class Shape:
 class Generator:
     """Messages from one seed: (method, request bytes), a Sync call's list of them."""
 
-    def __init__(self, rng: random.Random, checkpoint_dirs: list[str]) -> None:
+    def __init__(self, rng: random.Random, checkpoint_dirs: list[str],
+                 run_secrets: dict[str, str] | None = None,
+                 run_dirs: dict[str, str] | None = None) -> None:
+        """`checkpoint_dirs`: directories any message may name; `run_secrets` and
+        `run_dirs`: each fuzz run's secret and the directory claimed with it."""
         self.rng = rng
         self.shapes: dict[tuple[str, int], Shape] = {}
         self.lock = threading.Lock()
         self.checkpoint_dirs = checkpoint_dirs
+        self.run_secrets = run_secrets or {}
+        self.run_dirs = run_dirs or {}
+
+    # -- credentials ---------------------------------------------------------------------
+    def credentials(self, s: Shape) -> Metadata:
+        """The partition's secret (85%), none (10%) or a wrong one (5%)."""
+        what = self.rng.random()
+        if what < 0.85 and s.secret:
+            return partition_metadata(s.run, s.rank, s.secret)
+        if what < 0.95:
+            return ()
+        return partition_metadata(s.run, s.rank, self.rng.choice(["0" * 32, "x", s.secret]))
+
+    def register_credentials(self, s: Shape) -> Metadata:
+        """The run secret (90%) and the partition's secret when known (70%)."""
+        out: Metadata = ()
+        if self.rng.random() < 0.9:
+            out += run_secret_metadata(self.run_secrets.get(s.run, ""))
+        if s.secret and self.rng.random() < 0.7:
+            out += partition_metadata(s.run, s.rank, s.secret)
+        return out
+
+    def directory(self, s: Shape, step: int) -> str:
+        """A checkpoint directory: mostly a step of the run's own claimed directory."""
+        own = self.run_dirs.get(s.run)
+        if own and self.rng.random() < 0.7:
+            return f"{own}/step-{max(step, 0):010d}"
+        return self.rng.choice(self.checkpoint_dirs)
 
     # -- valid messages ------------------------------------------------------------------
     def shape(self) -> Shape:
@@ -76,8 +115,8 @@ class Generator:
         return Shape(run, self.rng.randrange(world), world, 16 * (1 + number % 8),
                      4 * (1 + number % 4))
 
-    def register(self) -> shard_pb2.RegisterRequest:
-        s = self.shape()
+    def register(self, s: Shape | None = None) -> shard_pb2.RegisterRequest:
+        s = s or self.shape()
         lo, hi = s.table_range()
         request = shard_pb2.RegisterRequest(
             run_id=s.run, rank=s.rank, world_size=s.world,
@@ -90,23 +129,30 @@ class Generator:
         if s.bf16:
             request.row_dtype = shard_pb2.BFLOAT16
         if self.rng.random() < 0.05:
-            request.restore.directory = self.rng.choice(self.checkpoint_dirs)
-            request.restore.step = self.rng.randrange(-1, 200)
+            step = self.rng.randrange(-1, 200)
+            request.restore.directory = self.directory(s, step)
+            request.restore.step = step
         return request
 
-    def push(self, sent: list[tuple[Shape, str, int]] | None = None) -> shard_pb2.SyncRequest:
-        """A push of a fuzz partition at its next step (counting the earlier pushes of the
-        same call, `sent`, which this one joins); the step advances when it is answered."""
-        s = self.shape()
+    def push(self, sent: list[tuple[Shape, str, int]] | None = None,
+             s: Shape | None = None) -> shard_pb2.SyncRequest:
+        """A push of a fuzz partition (`s`, else any) at its next step (counting the
+        earlier pushes of the same call, `sent`, which this one joins); the step advances
+        when it is answered."""
+        s = s or self.shape()
         lo, hi = s.table_range()
         n = self.rng.randrange(0, max(1, hi - lo) + 1)
         ids = torch.tensor(sorted(self.rng.sample(range(lo, hi), min(n, hi - lo))),
                            dtype=torch.int64)
         grads = torch.randn(len(ids), s.dim,
                             generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
-        table = self.rng.choice(TABLES)
         with self.lock:
-            step = s.next[table] + sum(1 for x, t, _ in sent or [] if x is s and t == table)
+            ahead = {t: s.next[t] + sum(1 for x, u, _ in sent or [] if x is s and u == t)
+                     for t in TABLES}
+        # mostly the table behind: the tables stay at one step, so Checkpoints can succeed
+        table = (min(TABLES, key=ahead.__getitem__) if self.rng.random() < 0.7
+                 else self.rng.choice(TABLES))
+        step = ahead[table]
         if self.rng.random() < 0.1:
             step = self.rng.choice(INTS)
         if sent is not None:
@@ -120,27 +166,27 @@ class Generator:
             return shard_pb2.SyncRequest(batch=shard_pb2.PushBatch(pushes=[push, push]))
         return shard_pb2.SyncRequest(push=push)
 
-    def flush(self) -> shard_pb2.FlushRequest:
-        s = self.shape()
+    def flush(self, s: Shape | None = None) -> shard_pb2.FlushRequest:
+        s = s or self.shape()
         return shard_pb2.FlushRequest(run_id=s.run, rank=self.rng.choice([s.rank, -1]),
                                       step=max(0, s.next_step - self.rng.randrange(3)),
                                       timeout_s=self.rng.choice([0.001, 0.01, 0.05]))
 
-    def checkpoint(self) -> shard_pb2.CheckpointRequest:
-        s = self.shape()
+    def checkpoint(self, s: Shape | None = None) -> shard_pb2.CheckpointRequest:
+        s = s or self.shape()
         return shard_pb2.CheckpointRequest(
             run_id=s.run, step=max(0, s.next_step - 1),
-            directory=self.rng.choice(self.checkpoint_dirs),
-            ranks=self.rng.choice([[], [s.rank]]), timeout_s=0.01)
+            directory=self.directory(s, s.next_step - 1),
+            ranks=[s.rank] if self.rng.random() < 0.7 else [], timeout_s=0.01)
 
-    def finish(self) -> shard_pb2.FinishRequest:
-        s = self.shape()
+    def finish(self, s: Shape | None = None) -> shard_pb2.FinishRequest:
+        s = s or self.shape()
         return shard_pb2.FinishRequest(run_id=s.run, rank=s.rank, incarnation=s.incarnation,
                                        last_step=max(s.next.values()) - 1,
                                        aborted=self.rng.random() < 0.5, reason="fuzz")
 
-    def seed_rows(self) -> shard_pb2.SeedRowsRequest:
-        s = self.shape()
+    def seed_rows(self, s: Shape | None = None) -> shard_pb2.SeedRowsRequest:
+        s = s or self.shape()
         lo, hi = s.table_range()
         request = shard_pb2.SeedRowsRequest(run_id=s.run, rank=s.rank,
                                             incarnation=s.incarnation,
@@ -235,31 +281,41 @@ class Generator:
         return bytes(data)
 
     # -- one item ------------------------------------------------------------------------
-    def item(self) -> tuple[str, list[bytes], list[tuple[Shape, str, int]]]:
-        """(method, requests, the pushes of a Sync call): one request, or 1-4 for Sync."""
+    def item(self) -> tuple[str, list[bytes], list[tuple[Shape, str, int]], Metadata]:
+        """(method, requests, the pushes of a Sync call, the call's metadata): one
+        request, or 1-4 for Sync."""
         rng = self.rng
         if rng.random() < 0.15:
             method = rng.choice(["Register", "SeedRows", "Flush", "Checkpoint", "Finish",
                                  "GetShardStats", "Sync"])
             count = rng.randrange(1, 3) if method == "Sync" else 1
-            return method, [rng.randbytes(rng.randrange(0, 200)) for _ in range(count)], []
+            return (method, [rng.randbytes(rng.randrange(0, 200)) for _ in range(count)], [],
+                    self.credentials(self.shape()))
         method = rng.choices(["Register", "Sync", "Flush", "Checkpoint", "Finish", "SeedRows",
                               "GetShardStats"], weights=[20, 40, 10, 8, 6, 6, 10])[0]
-        if method == "Sync":  # valid pushes first (applied and answered), then maybe not
-            sent: list[tuple[Shape, str, int]] = []
-            valid = [self.push(sent).SerializeToString() for _ in range(rng.randrange(0, 4))]
-            return method, [*valid, self.mutate(self.push(sent))], sent
-        build: dict[str, Callable[[], Message]] = {
-            "Register": self.register, "Flush": self.flush, "Checkpoint": self.checkpoint,
-            "Finish": self.finish, "SeedRows": self.seed_rows, "GetShardStats": self.stats}
-        return method, [self.mutate(build[method]())], []
+        s = self.shape()
+        if method == "Sync":  # valid pushes of one partition first (applied and answered),
+            sent: list[tuple[Shape, str, int]] = []  # then maybe not; sometimes another's
+            valid = [self.push(sent, s).SerializeToString() for _ in range(rng.randrange(0, 4))]
+            last = self.push(sent, s if rng.random() < 0.9 else None)
+            return method, [*valid, self.mutate(last)], sent, self.credentials(s)
+        if method == "GetShardStats":
+            return method, [self.mutate(self.stats())], [], ()
+        if method == "Register":
+            return (method, [self.mutate(self.register(s))], [],
+                    self.register_credentials(s))
+        build: dict[str, Callable[[Shape], Message]] = {
+            "Flush": self.flush, "Checkpoint": self.checkpoint, "Finish": self.finish,
+            "SeedRows": self.seed_rows}
+        return method, [self.mutate(build[method](s))], [], self.credentials(s)
 
-    def answered(self, sent: list[tuple[Shape, str, int]], reply: bytes) -> None:
-        """A SyncResponse: the push it answers is applied, its partition's next step on."""
+    def answered(self, sent: list[tuple[Shape, str, int]], reply: bytes) -> tuple[int, int]:
+        """A SyncResponse: the push it answers is applied, its partition's next step on.
+        Returns (pushes answered as applied, answered as duplicates)."""
         try:
             response = shard_pb2.SyncResponse.FromString(reply)
         except Exception:
-            return
+            return 0, 0
         updates = (list(response.batch.updates) if response.HasField("batch")
                    else [response.update])
         with self.lock:
@@ -267,6 +323,8 @@ class Generator:
                 for shape, table, step in sent:
                     if (table, step) == (update.table, update.step) and step < 2**40:
                         shape.next[table] = max(shape.next[table], step + 1)
+        duplicates = sum(1 for u in updates if u.duplicate)
+        return len(updates) - duplicates, duplicates
 
     def learn(self, method: str, request: bytes, reply: bytes) -> None:
         """A Register that succeeded: its partition can be pushed to at its next step."""
@@ -283,6 +341,7 @@ class Generator:
         with self.lock:
             shape = Shape(req.run_id, req.rank, req.world_size, int(spec.num_rows),
                           int(spec.dim), int(req.incarnation))
+            shape.secret = rep.partition_secret
             for t in rep.tables:
                 if t.name in shape.next:
                     shape.next[t.name] = int(t.last_step) + 1

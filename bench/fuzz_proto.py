@@ -13,9 +13,14 @@ Messages (plain Python generation from --seed, no hypothesis: fast enough for 10
   type (integer limits, NaN, inf, -0.0, traversal paths, long or non-ASCII strings,
   unknown enum numbers), a field cleared, a repeated entry removed or duplicated, or,
   on the serialized bytes, bits flipped, a truncation, bytes inserted or deleted.
-Unary requests go one per call, Sync requests 1-4 per stream. The fuzz partitions use
-their own run ids (a pool of 16, so the state they allocate stays bounded); the healthy
-runs' ids are never used (guessing them is the token's business, docs/deploy.md).
+Unary requests go one per call, Sync requests 1-4 per stream (one partition's pushes,
+sometimes another's mixed in). The fuzz partitions use their own run ids (a pool of 16,
+so the state they allocate stays bounded); the healthy runs' ids are never used
+(guessing them is the token's business, docs/deploy.md). Calls carry what a client
+holds: the partition secret its Register answered (most of the time; sometimes none or a
+wrong one), and a Register its fuzz run's run secret, whose checkpoint directory the
+fuzzer claimed, so pushes, checkpoints and restores get past the secret checks (the
+pushes applied are counted: a campaign that applies none fails).
 
 Meanwhile healthy runs (torchrun, 2 ranks, the shared-memory arena, checkpoints) train back to
 back on the same server until the fuzz is over; each must equal the same run on a server
@@ -52,10 +57,11 @@ from campaign_tools import (
     state_differences,
     worker_cmd,
 )
-from fuzz_messages import Generator
+from fuzz_messages import FUZZ_RUNS, Generator
 
 from hybridps.admin import health_status
 from hybridps.channel_options import channel_options
+from hybridps.run_secret import claim_directory
 
 BAD_CODES = ("INTERNAL", "UNKNOWN")
 CALL_TIMEOUT_S = 2.0  # a Flush or Checkpoint asked to wait 1e300 s ends here
@@ -69,7 +75,8 @@ class Fuzzer:
     """Sends the generator's messages on one channel from `threads` threads; counts."""
 
     def __init__(self, address: str, messages: int, seed: int, threads: int,
-                 checkpoint_dirs: list[str]) -> None:
+                 checkpoint_dirs: list[str], run_secrets: dict[str, str],
+                 run_dirs: dict[str, str]) -> None:
         self.channel = grpc.insecure_channel(address, options=channel_options())
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.unary = {
@@ -83,12 +90,14 @@ class Fuzzer:
                                                request_serializer=_raw,
                                                response_deserializer=_raw)
         self.messages = messages
-        self.generators = [Generator(random.Random(seed * 1000 + i), checkpoint_dirs)
-                           for i in range(threads)]
+        self.generators = [Generator(random.Random(seed * 1000 + i), checkpoint_dirs,
+                                     run_secrets, run_dirs) for i in range(threads)]
         self.lock = threading.Lock()
         self.sent = 0
         self.calls = 0
         self.answers = 0  # SyncResponses received
+        self.applied = 0  # pushes answered as applied (not duplicates)
+        self.duplicates = 0
         self.codes: Counter[str] = Counter()
         self.by_method: Counter[str] = Counter()
         self.seconds: dict[str, float] = defaultdict(float)  # per method, over calls
@@ -117,7 +126,7 @@ class Fuzzer:
     def _loop(self, gen: Generator) -> None:
         while True:
             try:
-                method, requests, sent = gen.item()
+                method, requests, sent, metadata = gen.item()
             except Exception as exc:  # the generator's own bug: counted as a failure
                 with self.lock:
                     self.generator_errors.append(f"{type(exc).__name__}: {exc}")
@@ -128,12 +137,16 @@ class Fuzzer:
             t0 = time.perf_counter()
             try:
                 if method == "Sync":
-                    for response in self.sync(iter(requests), timeout=CALL_TIMEOUT_S):
-                        gen.answered(sent, response)
+                    for response in self.sync(iter(requests), timeout=CALL_TIMEOUT_S,
+                                              metadata=metadata):
+                        applied, duplicates = gen.answered(sent, response)
                         with self.lock:
                             self.answers += 1
+                            self.applied += applied
+                            self.duplicates += duplicates
                 else:
-                    reply = self.unary[method](requests[0], timeout=CALL_TIMEOUT_S)
+                    reply = self.unary[method](requests[0], timeout=CALL_TIMEOUT_S,
+                                               metadata=metadata)
                     gen.learn(method, requests[0], reply)
             except grpc.RpcError as exc:
                 code = exc.code().name if exc.code() is not None else "UNKNOWN"
@@ -193,9 +206,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     server = PsProcess(work / "ps", "--checkpoint-root", str(work), *SERVER_FLAGS)
-    checkpoint_dirs = [f"fuzz/c{i}" for i in range(6)] + [
-        "healthy-solo/step-0000000049", "../outside", "/", "", "fuzz/../../x"]
-    fuzzer = Fuzzer(server.address, args.messages, args.seed, args.threads, checkpoint_dirs)
+    # Each fuzz run's secret and the directory claimed with it (hybridps/run_secret.py),
+    # as the worker's rank 0 claims its --checkpoint-dir.
+    secrets_rng = random.Random(args.seed)
+    run_secrets = {run: secrets_rng.randbytes(32).hex() for run in FUZZ_RUNS}
+    run_dirs = {run: f"fuzz-runs/{run}" for run in FUZZ_RUNS}
+    for run, directory in run_dirs.items():
+        claim_directory(work / directory, prefer=run_secrets[run])
+    checkpoint_dirs = [f"fuzz/c{i}" for i in range(3)] + [
+        f"fuzz-runs/{run}/step-0000000003" for run in FUZZ_RUNS[:3]] + [
+        "healthy-solo/step-0000000049", "healthy-solo", "../outside", "/", "",
+        "fuzz/../../x", "fuzz-runs"]
+    fuzzer = Fuzzer(server.address, args.messages, args.seed, args.threads, checkpoint_dirs,
+                    run_secrets, run_dirs)
     fuzz_thread = threading.Thread(target=fuzzer.run, daemon=True)
     healthy: list[dict[str, Any]] = []
     fuzz_start = time.perf_counter()
@@ -249,9 +272,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"{fuzzer.generator_errors[0]}")
     if fuzzer.sent < args.messages:
         failures.append(f"only {fuzzer.sent} of {args.messages} messages were sent")
+    if fuzzer.applied == 0:
+        failures.append("no fuzz push was applied: the push path was not reached")
     elapsed = time.perf_counter() - started
     figures = {"messages": fuzzer.sent, "calls": fuzzer.calls, "seed": args.seed,
-               "sync_answers": fuzzer.answers,
+               "sync_answers": fuzzer.answers, "pushes_applied": fuzzer.applied,
+               "pushes_duplicate": fuzzer.duplicates,
                "threads": args.threads, "codes": dict(fuzzer.codes),
                "by_method": dict(sorted(fuzzer.by_method.items())),
                "seconds_by_method": {k: round(v, 1) for k, v in fuzzer.seconds.items()},
@@ -260,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                "seconds": round(elapsed, 1), "failures": failures, "load": load_line()}
     codes = ", ".join(f"{c} {n}" for c, n in fuzzer.codes.most_common())
     print(f"  {fuzzer.sent} messages in {fuzzer.calls} calls in {fuzz_s:.0f}s "
-          f"({fuzzer.sent / max(fuzz_s, 1e-9):.0f} messages/s), {fuzzer.answers} push "
-          f"answers received; statuses of the calls by code: {codes}")
+          f"({fuzzer.sent / max(fuzz_s, 1e-9):.0f} messages/s), {fuzzer.answers} Sync "
+          f"answers received: {fuzzer.applied} pushes applied, {fuzzer.duplicates} answered "
+          f"as duplicates; statuses of the calls by code: {codes}")
     methods: dict[str, Counter[str]] = {}
     for key, count in fuzzer.by_method.items():
         method, code = key.split(" ")

@@ -43,7 +43,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -114,6 +114,13 @@ def save_torch(path: str | Path, obj: Any) -> dict[str, Any]:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
+# Writes one file of a checkpoint: (path relative to the checkpoint directory, write(f)) ->
+# {bytes, crc32}. Default: atomic_write under the directory's path; the shard server
+# passes one that walks from a directory descriptor without following links
+# (ps/checkpoint_dirs.py).
+Writer = Callable[[str, Callable[[BinaryIO], Any]], dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """One saved row range of one table: [row_start, row_end) in `file` (relative)."""
@@ -135,9 +142,11 @@ def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, ra
                num_rows: int, dim: int, row_start: int, row_end: int,
                tensors: Mapping[str, torch.Tensor | None],
                meta: Mapping[str, Any] | None = None,
-               widths: Mapping[str, int] | None = None) -> ShardInfo:
-    """Write one row-range shard file (temp + rename) and describe it. Each tensor is
-    [rows, dim], or [rows, widths[name]] for a name in `widths`."""
+               widths: Mapping[str, int] | None = None,
+               writer: Writer | None = None) -> ShardInfo:
+    """Write one row-range shard file (temp + rename, through `writer` when given) and
+    describe it. Each tensor is [rows, dim], or [rows, widths[name]] for a name in
+    `widths`."""
     held = row_end - row_start
     out: dict[str, torch.Tensor | None] = {}
     for name, t in tensors.items():
@@ -153,7 +162,10 @@ def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, ra
     payload = {"format": SHARD_FORMAT, "kind": kind, "table": table, "rank": rank,
                "num_rows": num_rows, "dim": dim, "row_start": row_start, "row_end": row_end,
                "tensors": out, "meta": dict(meta or {})}
-    info = save_torch(Path(directory) / relpath, payload)
+    if writer is None:
+        info = save_torch(Path(directory) / relpath, payload)
+    else:
+        info = writer(relpath, lambda f: torch.save(payload, f))
     return ShardInfo(table, rank, row_start, row_end, relpath, info["bytes"], info["crc32"])
 
 
@@ -593,7 +605,8 @@ def _widths(optimizer: Mapping[str, Any], dim: int) -> dict[str, int]:
 
 def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: int, dim: int,
                      row_start: int, row_end: int, state: OptimState,
-                     optimizer: Mapping[str, Any], incarnation: int = 0) -> ShardInfo:
+                     optimizer: Mapping[str, Any], incarnation: int = 0,
+                     writer: Writer | None = None) -> ShardInfo:
     """`optimizer`: dataclasses.asdict of the OptimizerSpec, recorded in the file (a
     restore refuses the state of another optimizer)."""
     return save_shard(directory, optim_file(table, rank), kind="optim", table=table, rank=rank,
@@ -601,7 +614,7 @@ def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: 
                       tensors={**state.state, "master": state.master},
                       meta={"adam_step": state.adam_step, "last_step": state.last_step,
                             "incarnation": incarnation, "optimizer": dict(optimizer)},
-                      widths=_widths(optimizer, dim))
+                      widths=_widths(optimizer, dim), writer=writer)
 
 
 def refuse_other_optimizer(where: str, saved: Mapping[str, Any] | None,

@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridps.checkpoint import Manifest, ShardInfo, load_rows, save_torch, verify_shards
+from hybridps.checkpoint import (
+    Manifest,
+    ShardInfo,
+    Writer,
+    load_rows,
+    save_torch,
+    verify_shards,
+)
 from hybridps.dynamic import owner_of_ids
 from hybridps.errors import CorruptCheckpoint
 from hybridps.paged_rows import PagedOut, PagedRows, concat_paged, paged_from_dict
@@ -45,8 +52,10 @@ def paged_file(table: str, rank: int) -> str:
 
 
 def _info(directory: Path, rel: str, table: str, rank: int, start: int, end: int,
-          payload: Mapping[str, Any]) -> ShardInfo:
-    saved = save_torch(directory / rel, dict(payload))
+          payload: Mapping[str, Any], writer: Writer | None = None) -> ShardInfo:
+    body = dict(payload)
+    saved = (save_torch(directory / rel, body) if writer is None
+             else writer(rel, lambda f: torch.save(body, f)))
     return ShardInfo(table, rank, start, end, rel, saved["bytes"], saved["crc32"])
 
 
@@ -69,9 +78,11 @@ def save_ids(directory: str | Path, *, table: str, rank: int, start: int, end: i
 
 
 def save_paged(directory: str | Path, *, table: str, rank: int, start: int, end: int,
-               store: PagedRows, step: int) -> ShardInfo:
+               store: PagedRows, step: int, writer: Writer | None = None) -> ShardInfo:
+    """A dynamic table's paged-out rows (through `writer` when given: the shard server's,
+    ps/checkpoint_dirs.py)."""
     return _info(Path(directory), paged_file(table, rank), table, rank, start, end,
-                 {**store.state_dict(), "step": step})
+                 {**store.state_dict(), "step": step}, writer)
 
 
 def _load(directory: Path, info: ShardInfo, what: str) -> dict[str, Any]:

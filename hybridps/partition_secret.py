@@ -7,6 +7,10 @@ also names the partition it is bound to (`hybridps-partition: <run_id>/<rank>`):
 server checks the secret when the stream opens and every push on it against that
 binding. Run ids are letters, digits, `_`, `.` and `-` (hybridps/names.py), so `/`
 separates unambiguously.
+
+A Register also carries the run secret (hybridps/run_secret.py) in RUN_SECRET_HEADER: the
+proof that it belongs to the job that owns the partition's state and checkpoints; a
+resume from a directory of another run secret carries that one in RESTORE_SECRET_HEADER.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Sequence
 
 SECRET_HEADER = "hybridps-partition-secret"
 PARTITION_HEADER = "hybridps-partition"
+RUN_SECRET_HEADER = "hybridps-run-secret"
+RESTORE_SECRET_HEADER = "hybridps-restore-secret"
 
 
 def partition_metadata(run_id: str, rank: int, secret: str) -> tuple[tuple[str, str], ...]:
@@ -22,6 +28,18 @@ def partition_metadata(run_id: str, rank: int, secret: str) -> tuple[tuple[str, 
     if not secret:
         return ()
     return ((PARTITION_HEADER, f"{run_id}/{rank}"), (SECRET_HEADER, secret))
+
+
+def run_secret_metadata(run_secret: str, restore_secret: str = ""
+                        ) -> tuple[tuple[str, str], ...]:
+    """The metadata of a Register carrying the run secret (and the restore's, if another)."""
+    out = ((RUN_SECRET_HEADER, run_secret),) if run_secret else ()
+    return out + (((RESTORE_SECRET_HEADER, restore_secret),) if restore_secret else ())
+
+
+def given_run_secrets(metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[str, str]:
+    """(run secret, restore secret) a Register carries ('' each when absent)."""
+    return _value(metadata, RUN_SECRET_HEADER), _value(metadata, RESTORE_SECRET_HEADER)
 
 
 def _value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str:

@@ -10,8 +10,9 @@
     python -m ps.admin drop-run --ps HOST:PORT --run RUN   # free a run now (admin token)
 
 Every subcommand takes the TLS flags (--tls, --tls-ca, --tls-cert, --tls-key,
---tls-server-name); stats and shutdown send a token (--auth-token-file or env
-HYBRIDPS_AUTH_TOKEN; shutdown: --admin-token-file or HYBRIDPS_ADMIN_TOKEN).
+--tls-server-name); stats and shutdown send a token (stats: --auth-token-file or env
+HYBRIDPS_AUTH_TOKEN, else the admin token; shutdown and drop-run: --admin-token-file or
+HYBRIDPS_ADMIN_TOKEN).
 Health is open on every server and sends no token.
 
 The calls and the report live in hybridps/admin.py (the worker prints the stats too).
@@ -97,8 +98,20 @@ class StatsConfig(ClientConfig):
         "help": f"refresh every SEC seconds until Ctrl-C (--watch alone: {DEFAULT_WATCH_S:g}; "
                 "0: print once)", "metavar": "SEC"})
     auth_token_file: str = field(default="", metadata={
-        "help": "file with the token (else env HYBRIDPS_AUTH_TOKEN; the admin token works "
-                "too)"})
+        "help": "file with the token (else env HYBRIDPS_AUTH_TOKEN; without either, the "
+                "admin token)"})
+    admin_token_file: str = field(default="", metadata={
+        "help": "file with the admin token, which reads stats too (else env "
+                "HYBRIDPS_ADMIN_TOKEN; used when no auth token is given)"})
+
+    def stats_security(self) -> ClientSecurity:
+        """The auth token (--auth-token-file, else HYBRIDPS_AUTH_TOKEN), else the admin
+        token (--admin-token-file, else HYBRIDPS_ADMIN_TOKEN): GetShardStats takes either
+        (ps/auth.py), and a server may have only the admin token."""
+        security = self.security(self.auth_token_file, AUTH_TOKEN_ENV)
+        if self.auth_token_file or (security.token and not self.admin_token_file):
+            return security
+        return self.security(self.admin_token_file, ADMIN_TOKEN_ENV)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -170,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = from_namespace(cls, ns)
         if isinstance(config, StatsConfig):
-            security = config.security(config.auth_token_file, AUTH_TOKEN_ENV)
+            security = config.stats_security()
         elif isinstance(config, (ShutdownConfig, DropRunConfig)):
             security = config.security(config.admin_token_file, ADMIN_TOKEN_ENV)
         else:

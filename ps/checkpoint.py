@@ -17,6 +17,7 @@ from hybridps.checkpoint import (
     Manifest,
     OptimState,
     ShardInfo,
+    Writer,
     load_optim_state,
     save_optim_state,
     verify_shards,
@@ -32,8 +33,10 @@ def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     return None if t is None else t[lo:hi]
 
 
-def save_partition(part: Partition, directory: str | Path, step: int) -> list[ShardInfo]:
-    """Write every table of a partition whose last applied step is exactly `step`.
+def save_partition(part: Partition, directory: str | Path, step: int,
+                   writer: Writer | None = None) -> list[ShardInfo]:
+    """Write every table of a partition whose last applied step is exactly `step`
+    (through `writer`: ps/checkpoint_dirs.py; None: by path).
 
     The caller holds `part.lock` (no push applies while the files are written).
     """
@@ -50,11 +53,11 @@ def save_partition(part: Partition, directory: str | Path, step: int) -> list[Sh
                 dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
                 state=OptimState({n: x[p.lo:p.hi] for n, x in t.state.items()},
                                  t.adam_step, t.last_step, _rows(t.master, p.lo, p.hi)),
-                optimizer=opt, incarnation=part.incarnation))
+                optimizer=opt, incarnation=part.incarnation, writer=writer))
         if t.paging is not None:  # a dynamic table's paged-out rows
             out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
                                   start=t.spec.row_start, end=t.spec.row_end,
-                                  store=t.paging.store, step=step))
+                                  store=t.paging.store, step=step, writer=writer))
     return out
 
 

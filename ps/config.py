@@ -112,6 +112,12 @@ class ServerConfig:
         "once no rank of it has had a Sync stream open nor registered again for this long: "
         "longer than torchrun's restart time, so `torchrun --max-restarts` can bring the "
         "ranks back (they register again and the run goes on)", LIFECYCLE, "SEC")
+    unused_registration_timeout_s: float = _s(
+        600.0, "free a run none of whose ranks has opened a Sync stream this long after its "
+        "last Register, SeedRows, Flush or Checkpoint (a client that registers and never "
+        "trains holds no memory for ever; longer than a slow rank's set-up); logged "
+        "`registration_expired`, and not a run's end for --exit-after-run (0: never)",
+        LIFECYCLE, "SEC")
     finished_run_retention_s: float = _s(
         600.0, "free the partitions of a run this long after it is over (finished, aborted "
         "or abandoned; stats count the runs freed); `python -m ps.admin drop-run` frees one "
@@ -121,11 +127,18 @@ class ServerConfig:
         0, "host bytes all partitions' optimizer state and master rows may hold; a Register "
         "beyond it is refused (RESOURCE_EXHAUSTED) with nothing allocated (0: 3/4 of the "
         "host's memory or cgroup limit)", RESOURCES, "BYTES")
+    max_run_state_bytes: int = _s(
+        0, "host bytes one run's partitions may hold on this server, within "
+        "--max-state-bytes; a Register beyond it is refused (RESOURCE_EXHAUSTED) with nothing "
+        "allocated (0: no limit of its own)", RESOURCES, "BYTES")
     checkpoint_root: str = _s(
         "checkpoints", "the directory (relative: to the server's working directory) inside "
         "which the server writes and restores checkpoints; a Checkpoint or restore naming a "
         "directory that resolves outside it (.., symbolic links) is refused "
-        "(PERMISSION_DENIED). Workers' --checkpoint-dir must be inside it", RESOURCES, "DIR")
+        "(PERMISSION_DENIED). Workers' --checkpoint-dir must be inside it, created and "
+        "claimed by the run (docs/deploy.md, \"Run secrets\"): the server writes only into "
+        "a run's own directory, follows no link inside the root and never writes over a "
+        "complete checkpoint", RESOURCES, "DIR")
     # --- security -----------------------------------------------------------------------
     auth_token_file: str = _s(
         "", "file with the shared token every RPC must carry (else env HYBRIDPS_AUTH_TOKEN; "
@@ -191,13 +204,16 @@ class ServerConfig:
         if self.keepalive_time_ms <= 0 or self.keepalive_timeout_ms <= 0:
             raise ValueError("--keepalive-time-ms and --keepalive-timeout-ms must be > 0")
         for name in ("run_idle_timeout_s", "abort_grace_s", "finished_run_retention_s",
-                     "exit_after_run_delay_s"):
+                     "exit_after_run_delay_s", "unused_registration_timeout_s"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 0 and finite")
         if self.max_state_bytes < 0:
             raise ValueError(f"--max-state-bytes {self.max_state_bytes} must be >= 0 "
                              "(0: derived from the host's memory)")
+        if self.max_run_state_bytes < 0:
+            raise ValueError(f"--max-run-state-bytes {self.max_run_state_bytes} must be >= 0 "
+                             "(0: no limit of its own)")
         if not self.checkpoint_root:
             raise ValueError("--checkpoint-root must not be empty")
         if self.generate_auth_token and not self.auth_token_file:

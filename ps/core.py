@@ -9,6 +9,7 @@ is notified after every applied push.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -100,10 +101,14 @@ class ShardCore:
                        optimizer: OptimizerSpec | Mapping[str, Any],
                        restore: tuple[str, int] | None = None,
                        row_dtype: torch.dtype = torch.float32,
-                       secret: str = "") -> tuple[list[RegisteredTable], str]:
+                       secret: str = "", *, run_secret: str = "", restore_secret: str = "",
+                       checkpoint_dir: str = "") -> tuple[list[RegisteredTable], str]:
         """Store.register_partition: (tables, the partition's secret)."""
-        return await self._run(self.store.register_partition, run_id, rank, world_size,
-                               incarnation, tables, optimizer, restore, row_dtype, secret)
+        register = functools.partial(self.store.register_partition, run_secret=run_secret,
+                                     restore_secret=restore_secret,
+                                     checkpoint_dir=checkpoint_dir)
+        return await self._run(register, run_id, rank, world_size, incarnation, tables,
+                               optimizer, restore, row_dtype, secret)
 
     async def seed_rows(self, run_id: str, rank: int, incarnation: int, table: str,
                         row_start: int, rows_ND: torch.Tensor) -> tuple[int, int]:

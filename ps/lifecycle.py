@@ -17,6 +17,10 @@ open Sync streams and their Finish calls. A run is over when
   `idle_timeout_s`, and nobody finished (e.g. the worker was SIGKILLed).
 A Register of a rank (a restarted process) makes its run live again: its
 Finish is forgotten and the run is no longer over.
+A run none of whose ranks ever opened a Sync stream is not over by any of these
+rules: it is *unused* once it had no Register, SeedRows, Flush or Checkpoint for
+--unused-registration-timeout-s (`unused`); the server then frees it (ps/maintenance.py)
+without calling it over, so --exit-after-run does not stop for it.
 The server uses this for --exit-after-run (it stops gracefully after the first
 run that is over, which is how a `docker compose up` of one job ends) and to
 free the partitions of runs that have been over for --finished-run-retention-s
@@ -60,6 +64,8 @@ class RunStatus:
     over: str = ""  # why the run is over ('' while it is not)
     over_at: float | None = None
     last_event: float = 0.0  # the newest Register or Finish of any rank
+    # the newest Register, SeedRows, Flush or Checkpoint of any rank (the unused rule)
+    last_activity: float = 0.0
 
     @property
     def state(self) -> str:
@@ -101,7 +107,14 @@ class RunTracker:
             run, status = self._rank(run_id, rank)
             status.finished = status.aborted = False
             run.over, run.over_at = "", None
-            run.last_event = self._clock()
+            run.last_event = run.last_activity = self._clock()
+
+    def activity(self, run_id: str) -> None:
+        """A SeedRows, Flush or Checkpoint of a registered run: it is being set up or used."""
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is not None:
+                run.last_activity = self._clock()
 
     def stream_opened(self, run_id: str, rank: int) -> None:
         with self._lock:
@@ -147,6 +160,15 @@ class RunTracker:
                     over.append((run_id, run.over))
         for run_id, why in over:
             self._notify(run_id, why)
+
+    def unused(self, timeout_s: float) -> list[tuple[str, float]]:
+        """(run id, seconds idle) of every run that is not over, never had a Sync stream,
+        and had no activity for `timeout_s` (its registrations hold memory unused)."""
+        now = self._clock()
+        with self._lock:
+            return [(rid, now - run.last_activity) for rid, run in self._runs.items()
+                    if not run.over and not run.ever_streamed
+                    and now - run.last_activity >= timeout_s]
 
     def recheck(self, run_id: str) -> None:
         """Re-apply the rules (the aborted rule waits `abort_grace_s`; call after it)."""

@@ -1,28 +1,19 @@
 """What a shard server will do for a request, whoever sends it (transport-free, no grpc).
 
-- `CheckpointRoot`: the one directory tree the server writes checkpoints into and
-  restores them from (--checkpoint-root). A request names a directory inside it
-  (relative to it, or absolute); one that resolves outside it, through `..` or a
-  symbolic link, is PermissionDenied. The check resolves the path when the request
-  arrives: a process that can create symbolic links inside the root can still redirect
-  a later write, so the root must be writable only by the server's user and the
-  workers it serves.
-  A directory the file system will not take (a name too long, a path through a file,
-  a full or read-only disk) is a refusal naming it (`write_refusal`), not an internal
-  error.
-- `StateBudget`: the host bytes all partitions may hold (--max-state-bytes). A Register
-  reserves its bytes before allocating anything; one that would exceed the budget is
-  ResourceExhausted naming the sizes, with nothing allocated.
+- `StateBudget`: the host bytes all partitions may hold (--max-state-bytes), and those
+  of one run (--max-run-state-bytes). A Register reserves its bytes before allocating
+  anything; one that would exceed either is ResourceExhausted naming the sizes, with
+  nothing allocated.
+- Checkpoint directories: ps/checkpoint_dirs.py.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from pathlib import Path
 
-from hybridps.errors import InvalidArgument, PermissionDenied, ResourceExhausted, ShardError
+from hybridps.errors import ResourceExhausted
 
 # Default --max-state-bytes: this share of the host's memory (or of the cgroup's limit,
 # when lower). The rest is for the answer caches, messages in flight and, on a CPU
@@ -58,18 +49,26 @@ def gib(n: int) -> str:
 
 
 class StateBudget:
-    """Thread-safe bytes reservation against a limit (0: unlimited)."""
+    """Thread-safe bytes reservation against a limit for all runs and one for each run
+    (0: unlimited)."""
 
-    def __init__(self, limit_bytes: int = 0) -> None:
+    def __init__(self, limit_bytes: int = 0, run_limit_bytes: int = 0) -> None:
         if limit_bytes < 0:
             raise ValueError(f"max_state_bytes={limit_bytes} must be >= 0 (0: no limit)")
+        if run_limit_bytes < 0:
+            raise ValueError(f"max_run_state_bytes={run_limit_bytes} must be >= 0 (0: no "
+                             "limit of its own)")
         self.limit_bytes = limit_bytes
+        self.run_limit_bytes = run_limit_bytes
         self._lock = threading.Lock()
         self._reserved = 0
+        self._reserved_by_run: dict[str, int] = {}
 
-    def reserve(self, nbytes: int, in_use: int, what: str, freed: int = 0) -> None:
-        """Reserve `nbytes` on top of `in_use` (held by partitions now), of which `freed`
-        will be released by this same request; ResourceExhausted when over the limit."""
+    def reserve(self, nbytes: int, in_use: int, what: str, freed: int = 0, *,
+                run_id: str = "", run_in_use: int = 0) -> None:
+        """Reserve `nbytes` on top of `in_use` (held by partitions now; `run_in_use` of
+        them by run `run_id`), of which `freed` (all of `run_id`) will be released by this
+        same request; ResourceExhausted when over a limit."""
         with self._lock:
             used = in_use + self._reserved - freed
             if self.limit_bytes and used + nbytes > self.limit_bytes:
@@ -77,45 +76,20 @@ class StateBudget:
                     f"{what}: needs {gib(nbytes)} of optimizer state; {gib(max(used, 0))} "
                     f"are in use of the server's limit of {gib(self.limit_bytes)} "
                     "(--max-state-bytes); nothing was allocated")
+            run_used = run_in_use + self._reserved_by_run.get(run_id, 0) - freed
+            if self.run_limit_bytes and run_used + nbytes > self.run_limit_bytes:
+                raise ResourceExhausted(
+                    f"{what}: needs {gib(nbytes)} of optimizer state; run {run_id!r} holds "
+                    f"{gib(max(run_used, 0))} of its limit of {gib(self.run_limit_bytes)} "
+                    "(--max-run-state-bytes); nothing was allocated")
             self._reserved += nbytes
+            self._reserved_by_run[run_id] = self._reserved_by_run.get(run_id, 0) + nbytes
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, run_id: str = "") -> None:
         with self._lock:
             self._reserved -= nbytes
-
-
-class CheckpointRoot:
-    """Resolves requested checkpoint directories inside one root (None: anywhere, for
-    in-process use; the server always has a root)."""
-
-    def __init__(self, root: str | Path | None) -> None:
-        self.root = None if root is None else Path(os.path.realpath(root))
-
-    def resolve(self, directory: str, what: str) -> Path:
-        if not directory:
-            raise InvalidArgument(f"{what}: the checkpoint directory must not be empty")
-        if "\x00" in directory:
-            raise InvalidArgument(f"{what}: checkpoint directory {directory!r} contains NUL")
-        if self.root is None:
-            return Path(directory)
-        asked = Path(directory)
-        resolved = Path(os.path.realpath(self.root / asked))  # absolute `asked` wins
-        if resolved != self.root and self.root not in resolved.parents:
-            raise PermissionDenied(
-                f"{what}: checkpoint directory {directory!r} resolves to {str(resolved)!r}, "
-                f"outside this server's --checkpoint-root {str(self.root)!r}; checkpoints "
-                "are written and read only inside it")
-        return resolved
-
-
-def write_refusal(exc: OSError, directory: Path, what: str) -> ShardError:
-    """The refusal of a checkpoint write the file system failed: the request's fault
-    (a name too long, a path through a file: InvalidArgument), no room
-    (ResourceExhausted) or no right (PermissionDenied); the message names the directory."""
-    text = f"{what}: cannot write into checkpoint directory {str(directory)!r}: " + (
-        exc.strerror or str(exc))
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE):
-        return ResourceExhausted(text)
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return PermissionDenied(text)
-    return InvalidArgument(text)
+            left = self._reserved_by_run.get(run_id, 0) - nbytes
+            if left > 0:
+                self._reserved_by_run[run_id] = left
+            else:
+                self._reserved_by_run.pop(run_id, None)

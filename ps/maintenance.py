@@ -4,6 +4,10 @@
   abandoned: ps/lifecycle.py) for --finished-run-retention-s loses its partitions and
   shared-memory arenas (`RunReaper`); `python -m ps.admin drop-run` does the same at
   once. Both are counted in GetShardStats (runs_freed, partitions_freed).
+- Free unused registrations: a run that registered but never opened a Sync stream, with
+  no Register, SeedRows, Flush or Checkpoint for --unused-registration-timeout-s, is
+  freed the same way (logged `registration_expired`). It is not over: --exit-after-run
+  does not stop for it, and a rank that comes later registers it again.
 - Sweep leaked arenas: a rank whose Register failed (server down, refused) may leave its
   arena file `hybridps-<pid>-r<rank>-<random>.arena` in /dev/shm (an accepted arena's
   file is unlinked at once: the mapping lives on). `sweep_dead_arenas` removes such
@@ -152,12 +156,13 @@ class RunReaper:
 
     def __init__(self, store: Store, tracker: RunTracker, retention_s: float,
                  release_arena: Callable[[str, int, str], None] | None = None,
-                 idle_timeout_s: float = 0.0) -> None:
+                 idle_timeout_s: float = 0.0, unused_timeout_s: float = 0.0) -> None:
         self.store = store
         self.tracker = tracker
         self.retention_s = retention_s
         self.release_arena = release_arena
         self.idle_timeout_s = idle_timeout_s
+        self.unused_timeout_s = unused_timeout_s
 
     def drop(self, run_id: str, why: str) -> tuple[int, int]:
         """Free every partition (and arena) of `run_id`: (partitions, state bytes) freed."""
@@ -170,10 +175,18 @@ class RunReaper:
         return freed
 
     def tick(self) -> None:
-        """Re-apply the run rules, then free the runs over for longer than the retention."""
+        """Re-apply the run rules, then free the runs over for longer than the retention
+        and the unused registrations."""
         self.tracker.recheck_all()
         if self.idle_timeout_s > 0:
             self.tracker.check_idle(self.idle_timeout_s)
+        if self.unused_timeout_s > 0:
+            for run_id, idle in self.tracker.unused(self.unused_timeout_s):
+                partitions, freed = self.drop(
+                    run_id, f"registered without a Sync stream, unused for {idle:.0f}s "
+                    f"(--unused-registration-timeout-s {self.unused_timeout_s:g})")
+                log.info(kv("registration_expired", run=run_id, partitions=partitions,
+                            state_bytes=freed, idle_s=f"{idle:.0f}"))
         for run_id in self.tracker.expired(self.retention_s):
             self.drop(run_id, f"over for {self.retention_s:g}s (--finished-run-retention-s)")
 

@@ -46,7 +46,7 @@ from hybridps.errors import (
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
 from hybridps.optim_kinds import state_floats_per_row
-from hybridps.push_checks import mark_rows_, scan_push_max
+from hybridps.push_checks import PayloadDigest, mark_rows_, scan_push_max
 from hybridps.state_alloc import STATE_OFFSETS, alloc_row_state, alloc_state
 from ps.overflow import OverflowBound
 from ps.paging import PagedTable
@@ -287,9 +287,11 @@ class TableState:
 
     # -- validation (no state change) ------------------------------------------------
 
-    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str) -> float:
+    def check_rows(self, ids: torch.Tensor, grads: torch.Tensor, what: str,
+                   digest: PayloadDigest | None = None) -> float:
         """Raise if ids/grads are not a valid (part of a) coalesced push for this table;
-        returns the largest |gradient| (for `apply`'s overflow bound)."""
+        returns the largest |gradient| (for `apply`'s overflow bound). The chunk is added
+        to `digest` in the same pass (the push's payload digest, ps/session.py)."""
         spec = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidArgument(
@@ -310,9 +312,11 @@ class TableState:
                 f"{what}: grads have {grads.shape[0]} rows for {n} ids; they must match"
             )
         if n == 0:
+            if digest is not None:
+                digest.add(ids, grads)
             return 0.0
         bad, increasing, nonfinite, grad_max = scan_push_max(ids, grads, spec.row_start,
-                                                             spec.row_end)
+                                                             spec.row_end, digest)
         if bad >= 0:
             bad_id = int(ids[bad])
             extra = " (int64 max)" if bad_id == INT64_MAX else ""
@@ -368,13 +372,13 @@ class TableState:
 
     def apply(self, step: int, ids: torch.Tensor, grads: torch.Tensor,
               sink: AnswerSink | None = None, grad_max: float = math.inf,
-              lr: float | None = None) -> Answer:
+              lr: float | None = None, digest: tuple[object, ...] = ()) -> Answer:
         """Apply a validated push that is the next step; returns (and saves) the answer,
         written into `sink` too (PushChunk.sink). `grad_max`: the largest |gradient|
         (check_rows); a push whose update could overflow float32 is applied checked and
         refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound).
         `lr`: the push's own learning rate (Push.lr, checked by optimizer_with_lr), else
-        the registered one."""
+        the registered one. `digest`: the push's payload digest, kept with its answer."""
         local = ids - self.spec.row_start if self.spec.row_start else ids
         count = self.adam_step + 1
         out = sink.out if sink is not None and self.master is None else None
@@ -416,7 +420,7 @@ class TableState:
             # do to fp32 rows); the rank gets the new rows rounded once to its row dtype.
             new_rows = self.master.index_select(0, local).to(self.row_dtype)
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
-                            decay=0.0, rows=True)
+                            decay=0.0, rows=True, digest=digest)
         else:
             # A delta the kernel wrote into the sink stays there, and the cache only
             # borrows it (no [U, dim] copy a push): the cache is read for a re-sent push
@@ -424,7 +428,7 @@ class TableState:
             # it has not reused.
             in_sink = out is not None and (n == 0 or delta.data_ptr() == out.data_ptr())
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=delta,
-                            decay=float(decay), borrowed=in_sink)
+                            decay=float(decay), borrowed=in_sink, digest=digest)
         if sink is not None and not answer.borrowed:
             sink.write(answer.delta)
         self.answers[step] = answer
@@ -441,7 +445,7 @@ class Partition:
                  answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic,
-                 row_dtype: torch.dtype = torch.float32) -> None:
+                 row_dtype: torch.dtype = torch.float32, run_digest: str = "") -> None:
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -455,6 +459,13 @@ class Partition:
         # incarnation holds a secret that no longer opens anything; the same one for a
         # re-Register of the same process (a reconnect), which carries it.
         self.secret = secrets.token_hex(SECRET_BYTES)
+        # The sha256 of the run secret its Register proved ('' when it carried none,
+        # hybridps/run_secret.py): what a takeover, and the owner file of a checkpoint
+        # directory it writes into, must match (ps/partition_auth.py, ps/checkpoint_dirs.py).
+        self.run_digest = run_digest
+        # Refusals of calls for this partition that name no table (a wrong secret, a
+        # refused takeover); per-table ones are in TableState.refusals.
+        self.refusals: collections.Counter[str] = collections.Counter()
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
             t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,

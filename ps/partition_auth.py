@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hybridps.errors import InvalidArgument, NotRegistered, WrongSecret
 from hybridps.names import describe_problem
+from hybridps.run_secret import digests_match
 from ps.partition import Partition
 
 
@@ -50,10 +51,17 @@ class PartitionAuth:
     def partitions(self) -> list[Partition]:
         raise NotImplementedError
 
-    def _check_takeover(self, held: Partition, secret: str, restore: bool, what: str) -> bool:
+    def _check_takeover(self, held: Partition, secret: str, digest: str,
+                        restore_step: int | None, what: str) -> bool:
         """May this Register replace or take over `held`? False: the caller holds its
-        secret; True: a takeover (no secret, nothing in use, and a checkpoint restored
-        or nothing pushed yet); WrongSecret otherwise, with nothing changed."""
+        secret; True: a takeover; WrongSecret otherwise, with nothing changed.
+
+        A takeover needs no Sync connection bound to the partition, and either nothing
+        pushed yet (nothing to lose: a process restarted before its first step) or a
+        checkpoint restored (`restore_step`) with proof that the caller is the same job:
+        the run secret the partition was registered with (`digest`, its sha256). A
+        partition registered without a run secret (an older client) has no such proof to
+        give: it may be restored by anyone, but never moved back to an older step."""
         if secret and held.secret_matches(secret):
             return False
         pushed = max((t.last_step for t in held.tables.values()), default=-1)
@@ -66,24 +74,47 @@ class PartitionAuth:
                 f"(incarnation {held.incarnation}) and {connections} Sync connection(s) use "
                 f"it; a Register with {why} may not take it over (stop the process that "
                 "holds it, or use a fresh --run-id)")
-        if not restore and pushed >= 0:
+        if pushed < 0:
+            return True
+        if restore_step is None:
             raise WrongSecret(
                 f"{what}: run {held.run_id!r} rank {held.rank} is registered on this server "
                 f"with optimizer state through step {pushed}; a Register with {why} may "
                 "take it over only by restoring a checkpoint (--resume), or use a fresh "
                 "--run-id")
+        if held.run_digest and not digests_match(held.run_digest, digest):
+            raise WrongSecret(
+                f"{what}: run {held.run_id!r} rank {held.rank} holds optimizer state through "
+                f"step {pushed}; a Register with {why} takes it over only with the run's "
+                f"secret, and this one carries {'another' if digest else 'none'} (the run "
+                "secret is kept in the run's checkpoint directory: resume from the run's "
+                "own checkpoints, or use a fresh --run-id)")
+        if not held.run_digest and restore_step < pushed:
+            raise WrongSecret(
+                f"{what}: run {held.run_id!r} rank {held.rank} holds optimizer state through "
+                f"step {pushed}, registered without a run secret; a Register with {why} may "
+                f"not move it back to step {restore_step} (use a fresh --run-id)")
         return True
 
-    def _check_unused(self, run_id: str, rank: int, world_size: int, what: str) -> None:
-        """A restore drops the run's partitions of another world size: none may be in use."""
+    def _check_unused(self, run_id: str, rank: int, world_size: int, digest: str,
+                      what: str) -> None:
+        """A restore drops the run's partitions of another world size: none may be in use,
+        and every one with state must be of the caller's run secret (the same job)."""
         with self._lock:
-            busy = sorted(key[1] for key, p in self._partitions.items()
-                          if key[0] == run_id and key[1] != rank
-                          and p.world_size != world_size and self._bound[key])
+            others = [(key[1], p) for key, p in self._partitions.items()
+                      if key[0] == run_id and key[1] != rank and p.world_size != world_size]
+            busy = sorted(r for r, _ in others if self._bound[(run_id, r)])
         if busy:
             raise WrongSecret(
                 f"{what}: restoring at world size {world_size} would drop ranks {busy} of the "
                 "run (registered at another world size), which Sync connections still use")
+        foreign = sorted(r for r, p in others if p.run_digest
+                         and not digests_match(p.run_digest, digest)
+                         and any(t.last_step >= 0 for t in p.tables.values()))
+        if foreign:
+            raise WrongSecret(
+                f"{what}: restoring at world size {world_size} would drop ranks {foreign} of "
+                "the run, which hold state of another run secret (not this job's)")
 
     # -- the partition secret (checked for every call after Register) --------------------
 
@@ -179,7 +210,8 @@ class PartitionAuth:
             else:
                 self.check_run_secret(run_id, ranks, given, what)
         except (WrongSecret, NotRegistered, InvalidArgument) as exc:
-            self.record_refusal(exc.reason, run_id, ranks[0] if len(ranks) == 1 else None)
+            one = len(ranks) == 1 and ranks[0] >= 0
+            self.record_refusal(exc.reason, run_id, ranks[0] if one else None)
             raise
 
     def record_refusal(self, reason: str, run_id: str = "", rank: int | None = None,

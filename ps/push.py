@@ -85,6 +85,9 @@ class Answer:
     # region), which the rank reuses once it has this answer: valid for a re-sent push
     # (the rank did not get the answer, so it has not reused the region), not after.
     borrowed: bool = field(default=False, compare=False)
+    # The digest of the push's payload (hybridps/push_checks.py payload_digest): a re-sent
+    # step gets this answer only if it carries the same payload (ps/session.py).
+    digest: tuple[object, ...] = field(default=(), compare=False)
 
     def as_duplicate(self) -> Answer:
         return dataclasses.replace(self, duplicate=True)

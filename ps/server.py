@@ -177,7 +177,8 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                   answer_cache_steps=config.answer_cache_steps,
                   rate_window_s=config.rate_window_s,
                   checkpoint_root=config.checkpoint_root,
-                  max_state_bytes=config.max_state_bytes or default_max_state_bytes())
+                  max_state_bytes=config.max_state_bytes or default_max_state_bytes(),
+                  max_run_state_bytes=config.max_run_state_bytes)
     set_log_fields(server=store.server_id)
     core = ShardCore(store, update_threads=config.update_threads,
                      kernel_threads=config.kernel_threads,
@@ -211,7 +212,7 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                           shm_arenas=ArenaRegistry() if config.shm else None)
     reaper = RunReaper(store, tracker, config.finished_run_retention_s,
                        shard.shm_arenas.release if shard.shm_arenas is not None else None,
-                       config.run_idle_timeout_s)
+                       config.run_idle_timeout_s, config.unused_registration_timeout_s)
     add_shard_service(shard, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(core, stop_request.set, reaper), server)

@@ -6,6 +6,7 @@ member tables, one row each, like separate tables (`_per_member`)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
     rows: list[PartitionStatsRow] = []
     for p in parts:
         opt = optimizer_description(p.optimizer)
+        first = len(rows)
         for name, t in p.tables.items():
             s = t.spec
             row = PartitionStatsRow(
@@ -98,6 +100,9 @@ def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
                 run_state=states.get(p.run_id, ""), **_dynamic_fields(t),
             )
             rows.extend(_per_member(row, t) if s.members else [row])
+        if p.refusals and len(rows) > first:  # those of no table: on its first row
+            merged = collections.Counter(rows[first].refusals) + p.refusals
+            rows[first] = dataclasses.replace(rows[first], refusals=dict(merged))
     return rows
 
 

@@ -17,7 +17,12 @@ import grpc
 
 from hybridps import wire
 from hybridps.errors import InvalidArgument, NotFound, WrongSecret
-from hybridps.partition_secret import PARTITION_HEADER, given_partition, given_secret
+from hybridps.partition_secret import (
+    PARTITION_HEADER,
+    given_partition,
+    given_run_secrets,
+    given_secret,
+)
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.arena_server import ArenaRegistry
 from ps.core import MAX_WAIT_S, ShardCore
@@ -176,10 +181,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             restore = ((request.restore.directory, request.restore.step)
                        if request.HasField("restore") else None)
             row_dtype = row_dtype_arg(request)
+            run_secret, restore_secret = given_run_secrets(
+                context.invocation_metadata())  # type: ignore[arg-type]
             tables, secret = await self.core.register(
                 request.run_id, request.rank, request.world_size, request.incarnation,
                 table_specs(request), optimizer_args(request.optimizer), restore, row_dtype,
-                call_secret(context))
+                call_secret(context), run_secret=run_secret, restore_secret=restore_secret,
+                checkpoint_dir=request.checkpoint_dir)
         except Exception as exc:
             await abort_with(context, "Register", exc, run=request.run_id, rank=request.rank)
             raise  # unreachable: abort raises
@@ -272,6 +280,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             await abort_with(context, "SeedRows", exc, run=request.run_id, rank=request.rank,
                              table=request.table)
             raise
+        self.tracker.activity(request.run_id)
         return shard_pb2.SeedRowsResponse(rows_seeded=seeded, rows_held=held)
 
     async def Flush(self, request: shard_pb2.FlushRequest,
@@ -286,6 +295,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             await abort_with(context, "Flush", exc, run=request.run_id, rank=request.rank,
                              step=request.step)
             raise
+        self.tracker.activity(request.run_id)
         response = shard_pb2.FlushResponse()
         for r in applied:
             response.applied.add(rank=r.rank, table=r.table, last_step=r.last_step)
@@ -303,6 +313,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             await abort_with(context, "Checkpoint", exc, run=request.run_id,
                              step=request.step, directory=request.directory)
             raise
+        self.tracker.activity(request.run_id)
         response = shard_pb2.CheckpointResponse()
         for rank, info in saved:
             response.files.add(rank=rank, table=info.table, row_start=info.row_start,

@@ -1,5 +1,10 @@
 """One Sync stream's view of the Store (transport-free, no grpc): chunk assembly,
-exactly-once application, queue-depth accounting. See ps/store.py."""
+exactly-once application, queue-depth accounting. See ps/store.py.
+
+Exactly-once: a push of a step already applied gets the answer saved for it, if it
+carries the same payload (its digest, hybridps/push_checks.py, computed in the pass that
+checks each chunk, is kept with the answer); a re-sent step with another payload is a
+client's bug, refused (Conflict) naming the step."""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from hybridps.errors import InvalidArgument, ShardError
+from hybridps.errors import Conflict, InvalidArgument, ShardError
+from hybridps.push_checks import PayloadDigest
 from ps.partition import Partition, TableState
 from ps.push import Answer, PushChunk, check_push_lr, first_duplicate
 
@@ -48,6 +54,8 @@ class _Pending:
     grads: list[torch.Tensor] = field(default_factory=list)
     grad_max: float = 0.0  # the largest |gradient| of the chunks so far
     lr: float | None = None  # Push.lr of chunk 0 (None: the registered lr)
+    # the payload digest, chunk by chunk (TableState.check_rows adds each)
+    digest: PayloadDigest = field(default_factory=PayloadDigest)
     tickets: list[TableKey] = field(default_factory=list)  # queue_depth entries it holds
 
     @property
@@ -158,7 +166,8 @@ class SyncSession:
                 "chunk of a push carries the push's lr"
             )
         pending.grad_max = max(pending.grad_max,
-                               pending.table.check_rows(chunk.ids, chunk.grads, what))
+                               pending.table.check_rows(chunk.ids, chunk.grads, what,
+                                                        pending.digest))
         pending.ids.append(chunk.ids)
         pending.grads.append(chunk.grads)
         if pending.next_chunk < n:
@@ -175,6 +184,7 @@ class SyncSession:
                     f"{pending.what}: id {dup} appears in more than one chunk; pushes must "
                     "be coalesced (each id once)"
                 )
+        digest = pending.digest.value(pending.lr)
         with pending.part.lock:
             _, table = self._store.resolve(chunk.run_id, chunk.rank, chunk.incarnation,
                                            chunk.table, pending.what)
@@ -182,7 +192,12 @@ class SyncSession:
             sink = chunk.sink if n == 1 else None
             if saved is None:
                 answer = table.apply(chunk.step, ids, grads, sink, pending.grad_max,
-                                     pending.lr)
+                                     pending.lr, digest)
+            elif saved.digest != digest:
+                raise Conflict(
+                    f"{pending.what}: step {chunk.step} was applied with another payload "
+                    "(ids, gradients or lr differ: its digest does not match); a re-sent "
+                    "push must be the one sent before: refused, nothing changed")
             elif sink is not None:
                 sink.write(saved.delta)
                 answer = saved

@@ -40,7 +40,9 @@ from hybridps.errors import (
 )
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
-from ps.limits import CheckpointRoot, StateBudget, write_refusal
+from hybridps.run_secret import secret_digest
+from ps.checkpoint_dirs import CheckpointRoot, write_refusal
+from ps.limits import StateBudget
 from ps.paging import PageCall, PageResult
 from ps.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
@@ -91,9 +93,10 @@ class Store(PartitionAuth):
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic,
                  checkpoint_root: str | Path | None = None,
-                 max_state_bytes: int = 0) -> None:
-        """`checkpoint_root`: checkpoints only inside it (None: anywhere; ps/limits.py);
-        `max_state_bytes`: the bytes all partitions may hold (0: no limit)."""
+                 max_state_bytes: int = 0, max_run_state_bytes: int = 0) -> None:
+        """`checkpoint_root`: checkpoints only inside it (None: anywhere;
+        ps/checkpoint_dirs.py); `max_state_bytes`: the bytes all partitions may hold,
+        `max_run_state_bytes` those of one run (0: no limit)."""
         if answer_cache_steps < 1:
             raise ValueError(f"answer_cache_steps={answer_cache_steps} must be >= 1")
         self.server_id = server_id or default_server_id()
@@ -108,7 +111,7 @@ class Store(PartitionAuth):
         # (run_id, rank) -> Sync connections bound to it (a partition in use: see `bind`)
         self._bound: collections.Counter[tuple[str, int]] = collections.Counter()
         self.checkpoint_root = CheckpointRoot(checkpoint_root)
-        self.budget = StateBudget(max_state_bytes)
+        self.budget = StateBudget(max_state_bytes, max_run_state_bytes)
         self.runs_freed = 0
         self.partitions_freed = 0
         # run_id -> its state for the stats; the server sets it to its RunTracker's view
@@ -162,13 +165,21 @@ class Store(PartitionAuth):
 
     def record_refusal(self, reason: str, run_id: str = "", rank: int | None = None,
                        table: str = "") -> None:
-        """Count a refused request globally and, when one owns it, on its (run, rank, table)."""
+        """Count a refused request globally and on what owns it: its (run, rank, table);
+        a request that names no table, on its (run, rank), or (naming several ranks) on
+        the run's first rank. A table that does not exist owns nothing."""
         with self._lock:
             self._refusals[reason] += 1
+            if rank is None and not table:
+                ranks = sorted(r for (run, r) in self._partitions if run == run_id)
+                rank = ranks[0] if ranks else None
             part = self._partitions.get((run_id, rank)) if rank is not None else None
-            state = part.tables.get(table) if part is not None else None
-            if state is not None:
-                state.refusals[reason] += 1
+            if part is None:
+                return
+            if not table:
+                part.refusals[reason] += 1
+            elif table in part.tables:
+                part.tables[table].refusals[reason] += 1
 
     def _queue_add(self, key: TableKey, n: int) -> None:
         with self._lock:
@@ -183,42 +194,53 @@ class Store(PartitionAuth):
                  optimizer: OptimizerSpec | Mapping[str, Any],
                  restore: tuple[str, int] | None = None,
                  row_dtype: torch.dtype = torch.float32,
-                 secret: str = "") -> list[RegisteredTable]:
+                 secret: str = "", *, run_secret: str = "", restore_secret: str = "",
+                 checkpoint_dir: str = "") -> list[RegisteredTable]:
         """`register_partition` without the secret it answers."""
         return self.register_partition(run_id, rank, world_size, incarnation, tables,
-                                       optimizer, restore, row_dtype, secret)[0]
+                                       optimizer, restore, row_dtype, secret,
+                                       run_secret=run_secret, restore_secret=restore_secret,
+                                       checkpoint_dir=checkpoint_dir)[0]
 
     def register_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
                            tables: Sequence[TableSpec],
                            optimizer: OptimizerSpec | Mapping[str, Any],
                            restore: tuple[str, int] | None = None,
                            row_dtype: torch.dtype = torch.float32,
-                           secret: str = "") -> tuple[list[RegisteredTable], str]:
+                           secret: str = "", *, run_secret: str = "",
+                           restore_secret: str = "", checkpoint_dir: str = ""
+                           ) -> tuple[list[RegisteredTable], str]:
         """Register a partition; `restore` = (checkpoint directory, step) loads its state.
         Returns its tables and its secret, which every later call for it must carry.
 
         `row_dtype` other than float32: the partition keeps fp32 master rows (seeded by
         `seed_rows`, or loaded with `restore`) and answers new rows (ps/partition.py).
-        `secret`: the one the caller holds ('' if none). Who may register a partition this
-        server holds (the takeover rule, `_check_takeover`): a caller with its secret; or,
-        when no Sync connection is bound to it, one that restores a checkpoint or finds it
-        without any push applied (a process restarted before its first step). A partition
-        created or taken over gets a new secret, and so does a newer incarnation.
+        `secret`: the partition secret the caller holds ('' if none). `run_secret`: the
+        run's (hybridps/run_secret.py), kept as its sha256 with the partition: it proves
+        a takeover of a partition with state (`_check_takeover`) and must own the
+        directories the run checkpoints into; `restore_secret` may own the restored one
+        instead. `checkpoint_dir`: the run's checkpoint directory, checked now (inside
+        --checkpoint-root, claimed by the run secret) so a bad one fails before training.
+        A partition created or taken over gets a new secret, and so does a newer
+        incarnation.
         """
+        digest = secret_digest(run_secret)
         try:
             if restore is not None:
                 return self._register_restore(run_id, rank, world_size, incarnation,
                                               list(tables), optimizer, restore, row_dtype,
-                                              secret)
+                                              secret, digest, secret_digest(restore_secret),
+                                              checkpoint_dir)
             return self._register(run_id, rank, world_size, incarnation, list(tables),
-                                  optimizer, row_dtype, secret)
+                                  optimizer, row_dtype, secret, digest, checkpoint_dir)
         except ShardError as exc:
-            self.record_refusal(exc.reason)
+            self.record_refusal(exc.reason, run_id, rank)
             raise
 
     def _validate(self, run_id: str, rank: int, world_size: int, incarnation: int,
                   tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
-                  row_dtype: torch.dtype) -> tuple[str, OptimizerSpec]:
+                  row_dtype: torch.dtype, digest: str = "", checkpoint_dir: str = ""
+                  ) -> tuple[str, OptimizerSpec]:
         """Check a Register's arguments (nothing is allocated); (what, optimizer spec)."""
         check_run_id(run_id, "register")
         what = f"register run={run_id!r} rank={rank}"
@@ -240,38 +262,42 @@ class Store(PartitionAuth):
             seen.add(name)
         spec_opt = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(
             **dict(optimizer))
+        if checkpoint_dir:  # --checkpoint-dir: refused now, not at the first checkpoint
+            self.checkpoint_root.check_run_directory(checkpoint_dir, digest, what)
         return what, spec_opt
-
-    def _state_bytes_in_use(self) -> int:
-        return sum(p.state_bytes for p in self.partitions())
 
     def _new_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
                        tables: list[TableSpec], optimizer: OptimizerSpec,
-                       row_dtype: torch.dtype, what: str, freed: int = 0) -> Partition:
-        """Allocate a partition within --max-state-bytes (`freed`: bytes of partitions this
-        request replaces); ResourceExhausted with nothing allocated when it does not fit."""
+                       row_dtype: torch.dtype, what: str, freed: int = 0,
+                       run_digest: str = "") -> Partition:
+        """Allocate a partition within --max-state-bytes and --max-run-state-bytes
+        (`freed`: bytes of the run's partitions this request replaces); ResourceExhausted
+        with nothing allocated when it does not fit."""
         needed = sum(t.state_bytes(optimizer.kind, row_dtype != torch.float32)
                      for t in tables)
-        self.budget.reserve(needed, self._state_bytes_in_use(), what, freed)
+        parts = self.partitions()
+        self.budget.reserve(needed, sum(p.state_bytes for p in parts), what, freed,
+                            run_id=run_id,
+                            run_in_use=sum(p.state_bytes for p in parts if p.run_id == run_id))
         try:
             return Partition(run_id, rank, world_size, incarnation, tables, optimizer,
                              answer_cache_steps=self.answer_cache_steps,
                              rate_window_s=self.rate_window_s, clock=self._clock,
-                             row_dtype=row_dtype)
+                             row_dtype=row_dtype, run_digest=run_digest)
         finally:
-            self.budget.release(needed)  # from here on the partition itself counts
+            self.budget.release(needed, run_id)  # from here on the partition itself counts
 
     def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
                   tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
-                  row_dtype: torch.dtype, secret: str
+                  row_dtype: torch.dtype, secret: str, digest: str, checkpoint_dir: str
                   ) -> tuple[list[RegisteredTable], str]:
         what, spec_opt = self._validate(run_id, rank, world_size, incarnation, tables,
-                                        optimizer, row_dtype)
+                                        optimizer, row_dtype, digest, checkpoint_dir)
         existing = self.partition(run_id, rank)
         if existing is None:
             self._check_run_consistency(run_id, rank, world_size, tables, what)
             fresh = self._new_partition(run_id, rank, world_size, incarnation, tables,
-                                        spec_opt, row_dtype, what)
+                                        spec_opt, row_dtype, what, run_digest=digest)
             with self._lock:
                 existing = self._partitions.get((run_id, rank))
                 if existing is None:  # nobody registered it while we allocated
@@ -294,9 +320,11 @@ class Store(PartitionAuth):
                     f"{what}: incarnation {incarnation} is older than the registered "
                     f"incarnation {existing.incarnation}"
                 )
-            takeover = self._check_takeover(existing, secret, False, what)
+            takeover = self._check_takeover(existing, secret, digest, None, what)
             previous = existing.incarnation
             existing.incarnation = incarnation
+            if takeover:  # nothing pushed yet: the partition is the new process's run's
+                existing.run_digest = digest
             if takeover or incarnation > previous:
                 existing.new_secret()
             handed_out = existing.secret
@@ -310,7 +338,8 @@ class Store(PartitionAuth):
     def _register_restore(self, run_id: str, rank: int, world_size: int, incarnation: int,
                           tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
                           restore: tuple[str, int], row_dtype: torch.dtype,
-                          secret: str) -> tuple[list[RegisteredTable], str]:
+                          secret: str, digest: str, restore_digest: str,
+                          checkpoint_dir: str) -> tuple[list[RegisteredTable], str]:
         """Register from a checkpoint: a fresh partition loaded for this rank's ranges.
 
         It replaces the rank's partition if one is held (the run restarts from the
@@ -319,26 +348,29 @@ class Store(PartitionAuth):
         checked against the manifest first: a damaged checkpoint (CorruptCheckpoint,
         naming the file) or any other refusal leaves every partition as it was. The
         rank's own partition is replaced only under the takeover rule; another rank's
-        (of the previous world size) only when no Sync connection uses it.
+        (of the previous world size) only when no Sync connection uses it and it is of
+        the same run secret. The checkpoint must be in a directory claimed by the
+        caller's run secret (`digest`) or restore secret (ps/checkpoint_dirs.py).
         """
         from ps.checkpoint import check_restore, restore_partition
 
         directory, step = restore
         started = time.perf_counter()
         what, spec_opt = self._validate(run_id, rank, world_size, incarnation, tables,
-                                        optimizer, row_dtype)
+                                        optimizer, row_dtype, digest, checkpoint_dir)
         if not directory or step < 0:
             raise InvalidArgument(f"{what}: restore needs a checkpoint directory and a step "
                                   f">= 0 (got {directory!r}, {step})")
-        path = self.checkpoint_root.resolve(directory, f"{what} restore")
+        path = self.checkpoint_root.check_restore(directory, [digest, restore_digest],
+                                                  f"{what} restore")
         held = self.partition(run_id, rank)
         if held is not None and incarnation < held.incarnation:
             raise StaleIncarnation(
                 f"{what}: incarnation {incarnation} is older than the registered "
                 f"incarnation {held.incarnation}")
         if held is not None:
-            self._check_takeover(held, secret, True, what)
-        self._check_unused(run_id, rank, world_size, what)
+            self._check_takeover(held, secret, digest, step, what)
+        self._check_unused(run_id, rank, world_size, digest, what)
         checked = held  # the partition the takeover rule allowed to replace
         check_restore(tables, spec_opt, row_dtype != torch.float32, path, step)
 
@@ -352,7 +384,7 @@ class Store(PartitionAuth):
                   and p.world_size == world_size]
         self._check_consistency(others, rank, world_size, tables, what)
         part = self._new_partition(run_id, rank, world_size, incarnation, tables, spec_opt,
-                                   row_dtype, what, freed)
+                                   row_dtype, what, freed, run_digest=digest)
         with part.lock:
             restore_partition(part, path, step, checked=True)
         with self._lock:
@@ -409,27 +441,32 @@ class Store(PartitionAuth):
 
     def checkpoint(self, run_id: str, ranks: Sequence[int], step: int,
                    directory: str) -> list[tuple[int, Any]]:
-        """Save the partitions of `ranks` (all of the run when empty) at exactly `step`."""
+        """Save the partitions of `ranks` (all of the run when empty) at exactly `step`,
+        into a step directory of a run directory their run secret claimed
+        (ps/checkpoint_dirs.py)."""
         from ps.checkpoint import save_partition
 
+        what = f"checkpoint run={run_id!r}"
         try:
             check_run_id(run_id, "checkpoint")
-            path = self.checkpoint_root.resolve(directory, f"checkpoint run={run_id!r}")
             parts = [p for p in self.partitions()
                      if p.run_id == run_id and (not ranks or p.rank in ranks)]
             missing = set(ranks) - {p.rank for p in parts}
             if not parts or missing:
+                self.checkpoint_root.resolve(directory, what)  # a bad directory first
                 raise NotRegistered(f"checkpoint: run {run_id!r}: rank(s) "
                                     f"{sorted(missing) or 'any'} not registered on this server")
             started = time.perf_counter()
             out: list[tuple[int, Any]] = []
-            for part in sorted(parts, key=lambda p: p.rank):
-                with part.lock:
-                    try:
-                        out.extend((part.rank, info)
-                                   for info in save_partition(part, path, step))
-                    except OSError as exc:  # e.g. a name too long: the request's fault
-                        raise write_refusal(exc, path, f"checkpoint run={run_id!r}") from exc
+            with self.checkpoint_root.step_writer(
+                    directory, [p.run_digest for p in parts], what) as (path, writer):
+                for part in sorted(parts, key=lambda p: p.rank):
+                    with part.lock:
+                        try:
+                            out.extend((part.rank, info)
+                                       for info in save_partition(part, path, step, writer))
+                        except OSError as exc:  # e.g. a name too long: the request's fault
+                            raise write_refusal(exc, path, what) from exc
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
                         step=step, directory=path, files=len(out),
                         seconds=f"{time.perf_counter() - started:.3f}"))
@@ -450,7 +487,8 @@ class Store(PartitionAuth):
             limit = self.budget.limit_bytes
 
             def over_budget() -> int:
-                return self._state_bytes_in_use() - limit if limit > 0 else 0
+                in_use = sum(p.state_bytes for p in self.partitions())
+                return in_use - limit if limit > 0 else 0
 
             with part.lock:
                 result, repeat = state.paging.page(state, call, what, over_budget)

@@ -11,7 +11,11 @@ import torch
 
 from hybridps import wire
 from hybridps.channel_options import channel_options
-from hybridps.partition_secret import SECRET_HEADER, partition_metadata
+from hybridps.partition_secret import (
+    SECRET_HEADER,
+    partition_metadata,
+    run_secret_metadata,
+)
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 
 ADAM = shard_pb2.OptimizerConfig(kind=shard_pb2.OptimizerConfig.ADAM, lr=0.05, beta1=0.9,
@@ -110,10 +114,13 @@ def table(name: str, num_rows: int, dim: int, row_start: int, row_end: int
 def register(stub: shard_pb2_grpc.ShardServiceStub, run_id: str,
              tables: Sequence[shard_pb2.TableSpec], *, rank: int = 0, world_size: int = 1,
              incarnation: int = 0,
-             optimizer: shard_pb2.OptimizerConfig = ADAM) -> shard_pb2.RegisterResponse:
+             optimizer: shard_pb2.OptimizerConfig = ADAM, run_secret: str = "",
+             checkpoint_dir: str = "") -> shard_pb2.RegisterResponse:
+    """A Register; `run_secret` (hybridps/run_secret.py) travels in its metadata."""
     return stub.Register(shard_pb2.RegisterRequest(
         run_id=run_id, rank=rank, world_size=world_size, incarnation=incarnation,
-        tables=list(tables), optimizer=optimizer), timeout=30)
+        tables=list(tables), optimizer=optimizer, checkpoint_dir=checkpoint_dir), timeout=30,
+        metadata=run_secret_metadata(run_secret))
 
 
 def push_messages(run_id: str, step: int, table_name: str, ids: torch.Tensor,

@@ -163,3 +163,6 @@ def test_fuzz_campaign_2000_messages(tmp_path: Path) -> None:
     assert figures["server_alive"] and figures["health"] == "SERVING"
     assert figures["healthy_runs"] and all(h["bitwise_equal"] for h in figures["healthy_runs"])
     assert figures["codes"].get("OK", 0) > 0, "nothing the fuzzer sent was accepted"
+    # Issue 31: without the partition secrets every Sync call was PERMISSION_DENIED
+    assert figures["pushes_applied"] > 0, proc.stdout
+    assert figures["by_method"].get("Sync OK", 0) > 0, proc.stdout

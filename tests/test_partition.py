@@ -198,9 +198,14 @@ def test_duplicate_push_returns_the_saved_answer_and_changes_nothing() -> None:
     assert first is not None and second is not None
     before = state(store)
     for step, original in ((0, first), (1, second)):
-        replay = feed(store, push(step, [10, 11] if step == 0 else [11, 12], seed=99))
+        ids = [10, 11] if step == 0 else [11, 12]
+        replay = feed(store, push(step, ids))  # the same payload, re-sent
         assert replay is not None and replay.duplicate
         assert_same_answer(replay, original)
+        # Another payload for an applied step is a client's bug (issue 31: it got the
+        # saved answer unchecked): refused by the payload digest, naming the step.
+        with pytest.raises(Conflict, match=f"step {step} was applied with another payload"):
+            feed(store, push(step, ids, seed=99))
     assert_same_state(before, state(store))
     # A newer incarnation of the rank (with the partition's secret: issue 23) replaying an
     # applied step gets the saved answer.

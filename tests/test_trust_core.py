@@ -23,6 +23,7 @@ from hybridps.errors import (
     ResourceExhausted,
     WrongSecret,
 )
+from hybridps.run_secret import claim_directory
 from ps.core import ShardCore
 from ps.lifecycle import RunTracker
 from ps.maintenance import RunReaper, sweep_dead_arenas
@@ -66,9 +67,12 @@ def test_a_push_naming_a_bad_table_is_invalid_not_unknown() -> None:
 
 # -- the checkpoint root ----------------------------------------------------------------
 
+SECRET = "5e" * 32  # the run secret of RUN (hybridps/run_secret.py)
+
+
 def _trained(tmp_path: Path, **kwargs: object) -> Store:
     store = Store(checkpoint_root=tmp_path / "root", **kwargs)  # type: ignore[arg-type]
-    store.register(RUN, 1, 2, 0, [EMB, SMALL], ADAM)
+    store.register(RUN, 1, 2, 0, [EMB, SMALL], ADAM, run_secret=SECRET)
     for step in range(3):
         feed(store, push(step, [11, 15]))
         feed(store, push(step, [0, 2], table="small", dim=2))
@@ -82,6 +86,8 @@ def test_checkpoints_only_inside_the_root(tmp_path: Path) -> None:
     outside.mkdir()
     (root).mkdir()
     (root / "link").symlink_to(outside)
+    for claimed in ("run-a", "abs"):  # the run's workers claim their directories
+        claim_directory(root / claimed, prefer=SECRET)
     for directory in (str(outside), "../outside", "link/step-0000000002", str(root / "link"),
                       "/etc", str(root) + "/../outside"):
         with pytest.raises(PermissionDenied, match="outside this server's --checkpoint-root"):
@@ -106,8 +112,9 @@ def saved(tmp_path: Path) -> tuple[Store, Path]:
     root = tmp_path / "root"
     store = Store(checkpoint_root=root)
     emb0, small0 = TableSpec("emb", 20, DIM, 0, 10), TableSpec("small", 5, 2, 3, 5)
-    store.register(RUN, 0, 2, 0, [emb0, small0], ADAM)
-    store.register(RUN, 1, 2, 0, [EMB, SMALL], ADAM)
+    store.register(RUN, 0, 2, 0, [emb0, small0], ADAM, run_secret=SECRET)
+    store.register(RUN, 1, 2, 0, [EMB, SMALL], ADAM, run_secret=SECRET)
+    claim_directory(root / "ck", prefer=SECRET)
     for step in range(3):
         for rank, ids, small in ((0, [1, 4], [3]), (1, [11, 15], [0, 2])):
             feed(store, push(step, ids, rank=rank))
@@ -132,7 +139,8 @@ def saved(tmp_path: Path) -> tuple[Store, Path]:
 
 def test_an_intact_checkpoint_restores(saved: tuple[Store, Path]) -> None:
     store, directory = saved
-    tables = store.register(RUN, 1, 2, 1, [EMB, SMALL], ADAM, restore=(str(directory), 2))
+    tables = store.register(RUN, 1, 2, 1, [EMB, SMALL], ADAM, restore=(str(directory), 2),
+                       run_secret=SECRET)
     assert {t.name: t.last_step for t in tables} == {"emb": 2, "small": 2}
 
 
@@ -165,7 +173,8 @@ def test_a_damaged_optim_file_is_refused_and_nothing_changes(
     before = state(store)
     incarnation = store.partition(RUN, 1).incarnation  # type: ignore[union-attr]
     with pytest.raises(CorruptCheckpoint, match=str(victim)):
-        store.register(RUN, 1, 2, 5, [EMB, SMALL], ADAM, restore=(str(directory), 2))
+        store.register(RUN, 1, 2, 5, [EMB, SMALL], ADAM, restore=(str(directory), 2),
+                       run_secret=SECRET)
     assert_same_state(before, state(store))
     assert store.partition(RUN, 1).incarnation == incarnation  # type: ignore[union-attr]
     assert store.stats().refusals.get("corrupt_checkpoint") == 1
@@ -179,7 +188,8 @@ def test_a_damaged_file_of_another_rank_read_for_a_reshard_is_refused(
     flip_tensor_bytes(directory / optim_file("emb", 1))
     whole = [TableSpec("emb", 20, DIM, 0, 20), TableSpec("small", 5, 2, 0, 5)]
     with pytest.raises(CorruptCheckpoint, match=r"emb\.r00001\.pt"):
-        store.register(RUN, 0, 1, 7, whole, ADAM, restore=(str(directory), 2))
+        store.register(RUN, 0, 1, 7, whole, ADAM, restore=(str(directory), 2),
+                       run_secret=SECRET)
     assert {p.rank for p in store.partitions()} == {0, 1}  # nothing dropped
 
 
@@ -189,7 +199,8 @@ def test_a_damaged_manifest_is_refused(saved: tuple[Store, Path]) -> None:
     text = manifest.read_text()
     manifest.write_text(text.replace('"row_end": 10', '"row_end": 11', 1))  # still JSON
     with pytest.raises(CorruptCheckpoint, match="checksum"):
-        store.register(RUN, 1, 2, 5, [EMB, SMALL], ADAM, restore=(str(directory), 2))
+        store.register(RUN, 1, 2, 5, [EMB, SMALL], ADAM, restore=(str(directory), 2),
+                       run_secret=SECRET)
 
 
 # -- the state budget and impossible shapes --------------------------------------------

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from hybridps.checkpoint import optim_file, step_dir, write_manifest
+from hybridps.partition_secret import run_secret_metadata
+from hybridps.run_secret import claim_directory
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
 from tests.grpc_helpers import ADAM, open_channel, push_messages, register, shard_stub, table
 from tests.helpers import REPO, PsServer, start_ps_server
@@ -91,8 +93,15 @@ def test_bad_names_over_the_wire(server: PsServer) -> None:
             assert "../" in (info.value.details() or "")
 
 
-def _trained_run(stub: Any, run: str) -> None:
-    register(stub, run, [table("emb", 10, 4, 0, 10)])
+SECRET = "5e" * 32  # the run secret of the runs below (hybridps/run_secret.py)
+
+
+def _trained_run(stub: Any, run: str, claim: Path | None = None) -> None:
+    """Two steps of `run`; `claim`: its checkpoint directory, claimed with SECRET as the
+    run's workers do."""
+    if claim is not None:
+        claim_directory(claim, prefer=SECRET)
+    register(stub, run, [table("emb", 10, 4, 0, 10)], run_secret=SECRET)
     for step in range(2):
         list(stub.Sync(iter(push_messages(run, step, "emb", torch.tensor([1, 7]),
                                           torch.ones(2, 4))), timeout=30))
@@ -102,7 +111,7 @@ def test_checkpoint_outside_the_root_is_permission_denied(server: PsServer,
                                                           tmp_path: Path) -> None:
     with open_channel(server.address) as ch:
         stub = shard_stub(ch)
-        _trained_run(stub, "root-run")
+        _trained_run(stub, "root-run", _root(server) / "root-run")
         for directory in (str(tmp_path / "elsewhere"), "../escape", "/tmp"):
             with pytest.raises(grpc.RpcError) as info:
                 stub.Checkpoint(shard_pb2.CheckpointRequest(run_id="root-run", step=1,
@@ -121,10 +130,10 @@ def test_checkpoint_directory_the_file_system_refuses_is_invalid_argument(
     (OSError: File name too long); so was a path through a regular file."""
     with open_channel(server.address) as ch:
         stub = shard_stub(ch)
-        _trained_run(stub, "fs-run")
+        _trained_run(stub, "fs-run", _root(server) / "fs-run")
         a_file = _root(server) / "fs-run-file"
         a_file.write_text("not a directory")
-        for directory in ("x" * 300, "fs-run-file/sub"):
+        for directory in ("fs-run/" + "x" * 300, "fs-run-file/sub"):
             with pytest.raises(grpc.RpcError) as info:
                 stub.Checkpoint(shard_pb2.CheckpointRequest(run_id="fs-run", step=1,
                                                             directory=directory), timeout=30)
@@ -141,7 +150,7 @@ def test_restore_of_a_damaged_checkpoint_is_data_loss_naming_the_file(
         server: PsServer) -> None:
     with open_channel(server.address) as ch:
         stub = shard_stub(ch)
-        _trained_run(stub, "damaged")
+        _trained_run(stub, "damaged", _root(server) / "damaged")
         directory = step_dir(_root(server) / "damaged", 1)
         reply = stub.Checkpoint(shard_pb2.CheckpointRequest(run_id="damaged", step=1,
                                                             directory=str(directory)),
@@ -158,7 +167,7 @@ def test_restore_of_a_damaged_checkpoint_is_data_loss_naming_the_file(
             tables=[table("emb", 10, 4, 0, 10)], optimizer=ADAM,
             restore=shard_pb2.RestoreFrom(directory=str(directory), step=1))
         with pytest.raises(grpc.RpcError) as info:
-            stub.Register(request, timeout=30)
+            stub.Register(request, timeout=30, metadata=run_secret_metadata(SECRET))
         assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value
         assert str(victim) in (info.value.details() or "")
         stats = admin_pb2_grpc.AdminServiceStub(ch).GetShardStats(

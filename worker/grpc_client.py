@@ -36,7 +36,7 @@ import grpc
 
 from hybridps.channel_options import channel_options
 from hybridps.logs import kv
-from hybridps.partition_secret import partition_metadata
+from hybridps.partition_secret import partition_metadata, run_secret_metadata
 from hybridps.security import ClientSecurity, open_aio_channel, open_channel
 from hybridps.v1 import shard_pb2_grpc
 from worker.sync_messages import InlinePush, Outgoing
@@ -86,10 +86,16 @@ class ShardRpc:
                                         daemon=True)
         # (run_id, rank, secret) of the partition, from the latest Register's answer
         self._partition: tuple[str, int, str] | None = None
+        # Register's proof of the job (hybridps/run_secret.py): run and restore secrets
+        self._run_proof: tuple[tuple[str, str], ...] = ()
 
     def bind_partition(self, run_id: str, rank: int, secret: str) -> None:
         """Every later call carries this partition's secret (Register answered it)."""
         self._partition = (run_id, rank, secret)
+
+    def set_run_secret(self, run_secret: str, restore_secret: str = "") -> None:
+        """Every Register carries the run secret (and the restore's, when another)."""
+        self._run_proof = run_secret_metadata(run_secret, restore_secret)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -97,6 +103,10 @@ class ShardRpc:
         secret (and the partition it belongs to, which binds a Sync stream)."""
         own = partition_metadata(*self._partition) if self._partition is not None else ()
         return tuple(self.security.metadata) + own
+
+    def metadata_for(self, method: str) -> tuple[tuple[str, str], ...]:
+        """`metadata`, and for a Register the run's proof too."""
+        return self.metadata + (self._run_proof if method == "Register" else ())
 
     @property
     def running(self) -> bool:
@@ -120,7 +130,7 @@ class ShardRpc:
             assert stub is not None
             return await getattr(stub, method)(request, timeout=timeout_s,
                                                wait_for_ready=wait_for_ready,
-                                               metadata=self.metadata)
+                                               metadata=self.metadata_for(method))
 
         return self.run(invoke, timeout_s + LOOP_SLACK_S, f"{method} on {self.address}")
 
@@ -134,7 +144,7 @@ class ShardRpc:
             with open_channel(self.address, channel_options(), self.security) as channel:
                 stub = shard_pb2_grpc.ShardServiceStub(channel)
                 return getattr(stub, method)(request, timeout=timeout_s,
-                                             metadata=self.metadata)
+                                             metadata=self.metadata_for(method))
         except grpc.RpcError as exc:
             raise rpc_error(exc) from None
 

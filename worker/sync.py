@@ -109,7 +109,8 @@ class ShardClient(UpdateSource):
                  members: Mapping[str, Sequence[Member]] | None = None,
                  wire_dtype: torch.dtype = torch.float32,
                  shm: str = "off", shm_bytes: int = 64 << 20,
-                 rpc: ShardRpc | None = None) -> None:
+                 rpc: ShardRpc | None = None, run_secret: str = "",
+                 restore_secret: str = "", checkpoint_dir: str = "") -> None:
         super().__init__([t.name for t in tables], timeout_s)
         if wire_dtype not in WIRE_DTYPES.values():
             raise ValueError(f"wire dtype {wire_dtype} is not one of "
@@ -137,6 +138,11 @@ class ShardClient(UpdateSource):
                                    row_dtype if row_dtype != torch.float32 else wire_dtype)
         self.rpc = rpc or ShardRpc(address, self.security,
                                    max(max_chunk_bytes * 2, 64 * 1024 * 1024))
+        # The job's proof (worker/run_claim.py), carried by every Register, and the run's
+        # checkpoint directory, which the server checks at the first Register.
+        if run_secret:
+            self.rpc.set_run_secret(run_secret, restore_secret)
+        self.checkpoint_dir = checkpoint_dir
         self.server_id = ""
         self.state = "starting"
         self.last_error = ""
@@ -485,8 +491,10 @@ class ShardClient(UpdateSource):
 
     def _refusal_text(self, exc: TransportError) -> str:
         step = self.ledger.oldest_step()
+        step = self.newest_pushed if step is None else step
+        when = f"around step {step}" if step >= 0 else "before its first step"
         text = (f"rank {self.rank}: shard server {self.address} refused run {self.run_id!r} "
-                f"(around step {self.newest_pushed if step is None else step}): {exc.text}")
+                f"({when}): {exc.text}")
         if self.wire_dtype == torch.float16 and "non-finite" in text:
             text += (" (--wire-dtype fp16: gradients beyond +-65504 become inf on the wire; "
                      "use bf16 or fp32)")
@@ -511,6 +519,7 @@ class ShardClient(UpdateSource):
             row_dtype=wire.wire_dtype(self.row_dtype))  # type: ignore[arg-type]
         if first and self.restore is not None:
             request.restore.directory, request.restore.step = self.restore
+        request.checkpoint_dir = self.checkpoint_dir
         offer = self.placement.offer(first)
         if offer is not None:
             request.shm.CopyFrom(offer)

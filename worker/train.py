@@ -50,6 +50,7 @@ from worker.embedding import ROW_DTYPES, ShardedEmbedding
 from worker.lifecycle import stop_agreed
 from worker.parallel import DistContext, build_dense_parallel, check_dense_parallel
 from worker.pipeline import InputPipeline
+from worker.run_claim import claim_run
 from worker.staleness import RowPredictor
 from worker.sync import WIRE_DTYPES, ShardClient
 from worker.tasks import build_task
@@ -167,6 +168,10 @@ class Trainer:
         resume = self.checkpointer.resume_target()  # (directory, step) or None
         self.source: UpdateSource
         sync = cfg.sync
+        # The run secret kept with the checkpoints: the job's proof to its servers
+        proof = claim_run(str(self.checkpointer.root or ""),
+                          None if resume is None else resume[0], ctx.rank, ctx.world_size,
+                          claim_resume=not sync.local_optimizer)
         if sync.local_optimizer:
             self.source = LocalSparseOptimizer(self.embedding, spec, sync.ps_timeout)
         else:
@@ -186,7 +191,9 @@ class Trainer:
                 wire_dtype=WIRE_DTYPES[sync.wire_dtype], **node,
                 restore=None if resume is None else (str(resume[0]), resume[1]),
                 security=cfg.security.client_security(), row_dtype=self.embedding.row_dtype,
-                initial_rows=self.embedding.initial_row_blocks)
+                initial_rows=self.embedding.initial_row_blocks, run_secret=proof.secret,
+                restore_secret=proof.restore_secret,
+                checkpoint_dir=str(self.checkpointer.root or ""))
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
         self.embedding.set_pager(self.source)  # dynamic tables page rows out to it
         predictor = (RowPredictor(self.embedding, sync.staleness)

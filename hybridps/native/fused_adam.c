@@ -623,6 +623,83 @@ static PyObject *py_triad(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A push's payload digest (the answer cache compares a re-sent push with the one applied,
+ * hybridps/push_checks.py PayloadDigest): 16 lanes of 32 bits. The 32-bit word at
+ * position p (counted over the whole push, so chunks add up) goes to lane j = p mod 8:
+ * s[j] += word and t[j] += (p / 8) * word, mod 2^32. A changed word changes s; two words
+ * swapped change t. Per block of 8 words it is Fletcher's pair of sums (adds only, as
+ * fast as a plain sum), t rebuilt from them at the end. */
+#define DIGEST_LANES 8
+
+static inline void digest_word(uint32_t *s, uint32_t *t, const uint32_t *w, int64_t i,
+                               int64_t p) {
+    uint32_t word;
+    memcpy(&word, w + i, sizeof word);
+    s[p & (DIGEST_LANES - 1)] += word;
+    t[p & (DIGEST_LANES - 1)] += (uint32_t)(p >> 3) * word;
+}
+
+/* s, t += the lanes of the words w[0:n] at positions offset.. */
+MULTIVERSION static void digest_at(const uint32_t *w, int64_t n, int64_t offset, uint32_t *s,
+                                   uint32_t *t) {
+    int64_t i = 0;
+    for (; i < n && ((offset + i) & (DIGEST_LANES - 1)); i++)
+        digest_word(s, t, w, i, offset + i);
+    const int64_t blocks = (n - i) / DIGEST_LANES;
+    const uint32_t *v = w + i;
+    uint32_t s1[DIGEST_LANES] = {0}, s2[DIGEST_LANES] = {0};
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < DIGEST_LANES; j++) {
+            uint32_t word;
+            memcpy(&word, v + DIGEST_LANES * b + j, sizeof word);
+            s1[j] += word;
+            s2[j] += s1[j]; /* sum over blocks m of (blocks - m) * word_m */
+        }
+    const uint32_t first = (uint32_t)((offset + i) >> 3), nb = (uint32_t)blocks;
+    for (int j = 0; j < DIGEST_LANES; j++) {
+        s[j] += s1[j];
+        t[j] += first * s1[j] + nb * s1[j] - s2[j]; /* sum of (first + m) * word_m */
+    }
+    for (i += DIGEST_LANES * blocks; i < n; i++) digest_word(s, t, w, i, offset + i);
+}
+
+static PyObject *lanes_tuple(const uint32_t *s, const uint32_t *t) {
+    PyObject *out = PyTuple_New(2 * DIGEST_LANES);
+    if (!out) return NULL;
+    for (int j = 0; j < 2 * DIGEST_LANES; j++) {
+        PyObject *x = PyLong_FromUnsignedLong(j < DIGEST_LANES ? s[j] : t[j - DIGEST_LANES]);
+        if (!x) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, j, x);
+    }
+    return out;
+}
+
+PyDoc_STRVAR(digest_doc,
+             "digest(ptr, n_bytes, offset=0)\n--\n\n"
+             "16-tuple s[0..7] + t[0..7]: the 32-bit word at position p = offset + i of the\n"
+             "n_bytes at ptr (a multiple of 4) adds to s[p % 8] and (p // 8) * word to\n"
+             "t[p % 8], mod 2^32.");
+
+static PyObject *py_digest(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long ptr;
+    long long n_bytes, offset = 0;
+    if (!PyArg_ParseTuple(args, "KL|L", &ptr, &n_bytes, &offset)) return NULL;
+    if (n_bytes < 0 || n_bytes % 4 || offset < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "digest: n_bytes must be a multiple of 4 and offset >= 0");
+        return NULL;
+    }
+    uint32_t sums[DIGEST_LANES] = {0}, weighted[DIGEST_LANES] = {0};
+    Py_BEGIN_ALLOW_THREADS
+    digest_at(PTR(const uint32_t *, ptr), n_bytes / 4, offset, sums, weighted);
+    Py_END_ALLOW_THREADS
+    return lanes_tuple(sums, weighted);
+}
+
 /* ---------------------------------------------------------- push checks */
 
 /* One pass over a push's ids and one over its gradients, with no allocation (the torch
@@ -654,7 +731,9 @@ MULTIVERSION static int64_t first_nonfinite(const float *g, int64_t n) {
  * needs SSE4.1 and ran 5x slower than this in the baseline clone). Those bits are >=
  * 0x7f80 exactly when the exponent is all ones (inf, NaN); the bound is the float whose
  * top bits are the max + 1 (at most 2^-7 above the true max). */
-MULTIVERSION static int64_t first_nonfinite_max(const float *g, int64_t n, float *bound) {
+MULTIVERSION static int64_t first_nonfinite_max(const float *g, int64_t n, float *bound,
+                                                uint32_t *sums, uint32_t *weighted,
+                                                int64_t offset) {
     const int64_t block = 4096;
     uint32_t mx = 0;
     for (int64_t lo = 0; lo < n; lo += block) {
@@ -670,6 +749,10 @@ MULTIVERSION static int64_t first_nonfinite_max(const float *g, int64_t n, float
             for (int64_t i = lo; i < hi; i++)
                 if (nonfinite_bit(g, i)) return i;
         mx = (uint32_t)bm > mx ? (uint32_t)bm : mx;
+        /* the payload digest of the block just read (in L1): no second pass over g */
+        if (sums)
+            digest_at((const uint32_t *)(const void *)(g + lo), hi - lo, offset + lo, sums,
+                      weighted);
     }
     const uint32_t up = (mx + 1u) << 16;
     memcpy(bound, &up, sizeof *bound);
@@ -677,24 +760,33 @@ MULTIVERSION static int64_t first_nonfinite_max(const float *g, int64_t n, float
 }
 
 PyDoc_STRVAR(scan_push_doc,
-             "scan_push(ids, n_ids, lo, hi, g, n_elems, want_max=0)\n--\n\n"
+             "scan_push(ids, n_ids, lo, hi, g, n_elems, want_max=0, id_offset=-1, g_offset=-1)\n"
+             "--\n\n"
              "Checks of one push, allocation-free: (first position of an id outside [lo, hi)\n"
              "or -1, whether the ids strictly increase, first non-finite element of the\n"
              "float32 gradients g[:n_elems] or -1). After a bad id the other two are not\n"
              "computed (False, -1). want_max: a 4th item, an upper bound of |g| at most\n"
-             "2^-7 above the largest (a float; 0.0 when not computed).");
+             "2^-7 above the largest (a float; 0.0 when not computed). id_offset and\n"
+             "g_offset >= 0 (with want_max): a 5th and 6th item, the digest lanes (see\n"
+             "digest) of the ids' and the gradients' 32-bit words at those word positions,\n"
+             "computed in the same pass (meaningless when a check failed).");
 
 static PyObject *py_scan_push(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long pids, pg;
     long long n_ids, lo, hi, n_elems;
     int want_max = 0;
-    if (!PyArg_ParseTuple(args, "KLLLKL|i", &pids, &n_ids, &lo, &hi, &pg, &n_elems, &want_max))
+    long long id_offset = -1, g_offset = -1;
+    if (!PyArg_ParseTuple(args, "KLLLKL|iLL", &pids, &n_ids, &lo, &hi, &pg, &n_elems,
+                          &want_max, &id_offset, &g_offset))
         return NULL;
+    const int want_digest = want_max && id_offset >= 0 && g_offset >= 0;
     const int64_t *ids = PTR(const int64_t *, pids);
     int64_t bad = -1, nonfinite = -1;
     int increasing = 1;
     float bound = 0.0f;
+    uint32_t id_s[DIGEST_LANES] = {0}, id_t[DIGEST_LANES] = {0};
+    uint32_t g_s[DIGEST_LANES] = {0}, g_t[DIGEST_LANES] = {0};
     Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < n_ids; i++) {
         if (ids[i] < lo || ids[i] >= hi) {
@@ -703,11 +795,24 @@ static PyObject *py_scan_push(PyObject *self, PyObject *args) {
         }
         if (i && ids[i] <= ids[i - 1]) increasing = 0;
     }
+    if (want_digest && bad < 0)
+        digest_at((const uint32_t *)(const void *)ids, 2 * n_ids, id_offset, id_s, id_t);
     if (bad < 0 && n_elems > 0)
-        nonfinite = want_max ? first_nonfinite_max(PTR(const float *, pg), n_elems, &bound)
+        nonfinite = want_max ? first_nonfinite_max(PTR(const float *, pg), n_elems, &bound,
+                                                   want_digest ? g_s : NULL, g_t, g_offset)
                              : first_nonfinite(PTR(const float *, pg), n_elems);
     Py_END_ALLOW_THREADS
     if (bad >= 0) increasing = 0;
+    if (want_digest) {
+        PyObject *a = lanes_tuple(id_s, id_t), *b = lanes_tuple(g_s, g_t);
+        if (!a || !b) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            return NULL;
+        }
+        return Py_BuildValue("(LOLdNN)", (long long)bad, increasing ? Py_True : Py_False,
+                             (long long)nonfinite, (double)bound, a, b);
+    }
     if (want_max)
         return Py_BuildValue("(LOLd)", (long long)bad, increasing ? Py_True : Py_False,
                              (long long)nonfinite, (double)bound);
@@ -781,6 +886,7 @@ static PyMethodDef methods[] = {
     {"advise_hugepages", py_advise_hugepages, METH_VARARGS, advise_hugepages_doc},
     {"scan_push", py_scan_push, METH_VARARGS, scan_push_doc},
     {"mark_rows", py_mark_rows, METH_VARARGS, mark_rows_doc},
+    {"digest", py_digest, METH_VARARGS, digest_doc},
     {"build_info", py_build_info, METH_NOARGS, "Build options (threads, prefetch, chunking)."},
     {NULL, NULL, 0, NULL},
 };
@@ -790,7 +896,7 @@ static struct PyModuleDef moduledef = {
     "_fused_adam",
     "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad; the\n"
     "Adagrad family and partial-rowwise Adam from row_optim.c) and the\n"
-    "server's allocation-free push checks (scan_push, mark_rows).",
+    "server's allocation-free push checks (scan_push, mark_rows, digest).",
     -1,
     methods,
     NULL,

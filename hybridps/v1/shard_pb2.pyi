@@ -99,7 +99,7 @@ class TableMember(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore", "row_dtype", "shm")
+    __slots__ = ("run_id", "rank", "world_size", "incarnation", "tables", "optimizer", "restore", "row_dtype", "shm", "checkpoint_dir")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class RegisterRequest(_message.Message):
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     world_size: int
@@ -118,7 +119,8 @@ class RegisterRequest(_message.Message):
     restore: RestoreFrom
     row_dtype: DType
     shm: SharedMemoryArena
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., restore: _Optional[_Union[RestoreFrom, _Mapping]] = ..., row_dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ...) -> None: ...
+    checkpoint_dir: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., restore: _Optional[_Union[RestoreFrom, _Mapping]] = ..., row_dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryArena(_message.Message):
     __slots__ = ("path", "size", "nonce")

@@ -266,6 +266,9 @@ class Store(PartitionAuth):
             self.checkpoint_root.check_run_directory(checkpoint_dir, digest, what)
         return what, spec_opt
 
+    def _state_bytes_in_use(self) -> int:
+        return sum(p.state_bytes for p in self.partitions())
+
     def _new_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
                        tables: list[TableSpec], optimizer: OptimizerSpec,
                        row_dtype: torch.dtype, what: str, freed: int = 0,
@@ -487,8 +490,7 @@ class Store(PartitionAuth):
             limit = self.budget.limit_bytes
 
             def over_budget() -> int:
-                in_use = sum(p.state_bytes for p in self.partitions())
-                return in_use - limit if limit > 0 else 0
+                return self._state_bytes_in_use() - limit if limit > 0 else 0
 
             with part.lock:
                 result, repeat = state.paging.page(state, call, what, over_budget)

@@ -8,6 +8,7 @@ ShardClient (worker/sync.py) and SyncLedger (worker/sync_ledger.py) run unchange
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -335,6 +336,32 @@ def test_server_down_past_the_deadline_is_unavailable() -> None:
     finally:
         c.close()
     assert rpc.registers > 2, "re-Register was retried with backoff"
+
+
+def test_a_stop_signal_cuts_the_reconnect_wait_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told to stop (SIGTERM) while the server is unreachable: ServerUnavailable after
+    STOP_RECONNECT_S, not --ps-timeout (torchrun would SIGKILL the rank first)."""
+    import worker.sync as sync_module
+    from worker.lifecycle import STOP
+
+    monkeypatch.setattr(sync_module, "STOP_RECONNECT_S", 0.3)
+    rpc = FakeRpc(FakeShard(), break_at(("receive", 1)),
+                  register_fail=lambda n: (TransportRetryable("UNAVAILABLE", "connection refused")
+                                           if n > 1 else None))
+    c = client(rpc, timeout_s=60.0)
+    c.start()
+    STOP.request("SIGTERM")
+    try:
+        c.push(0, steps(1)[0])
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match=r"told to stop \(SIGTERM\) while shard "
+                                                    r"server fake:1 is unreachable .*connection "
+                                                    r"refused.*2 pushes unanswered from step 0"):
+            c.take(0)
+        assert time.monotonic() - start < 10.0
+    finally:
+        STOP.clear()
+        c.close()
 
 
 def test_reregister_that_finds_the_state_lost_is_refused() -> None:

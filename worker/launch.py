@@ -61,7 +61,22 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-PEER_GRACE_S = 5.0  # report_error: how long rank != 0 waits for rank 0's line
+PEER_GRACE_S = 5.0  # report_error: the longest rank != 0 waits for rank 0's line
+
+
+def _wait_for_rank0_record(own_error_file: str, grace_s: float) -> None:
+    """Until rank 0's error file exists (rank 0 prints its line, then writes the file) or
+    `grace_s` passed. torchrun gives each local rank <attempt dir>/<local rank>/error.json:
+    on rank 0's node the file sits beside ours; elsewhere the full grace is waited."""
+    own = Path(own_error_file)
+    rank0 = own.parent.parent / "0" / own.name
+    local = os.environ.get("LOCAL_RANK", "")
+    same_node = int(os.environ.get("GROUP_RANK", "0") or 0) == 0 and local not in ("", "0")
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if same_node and rank0.exists():
+            return
+        time.sleep(0.05)
 
 
 def report_error(line: str) -> None:
@@ -84,7 +99,7 @@ def report_error(line: str) -> None:
     if _rank() != 0 and not os.environ.get(LAUNCHER_DIR_ENV):
         # Bare torchrun stops every rank when the first one exits: give rank 0, which meets
         # the same error (the same flags and data), time to print it before we do.
-        time.sleep(PEER_GRACE_S)
+        _wait_for_rank0_record(path, PEER_GRACE_S)
 
 
 def note_stop(step: int, steps: int, flushed: bool, reason: str) -> None:

@@ -54,6 +54,7 @@ from worker.device_copy import PushOutbox
 from worker.embedding import TableConfig
 from worker.groups import Member
 from worker.grpc_client import ShardRpc
+from worker.lifecycle import STOP
 from worker.sync_ledger import Pending, SyncLedger
 from worker.sync_messages import (
     InlinePush,
@@ -88,6 +89,7 @@ log = logging.getLogger("worker.sync")
 
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 2.0
+STOP_RECONNECT_S = 5.0  # after a stop signal: torchrun kills at 30 s, docker at 10 s
 # --wire-dtype values (worker/config.py validates the flag against these names).
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -469,11 +471,26 @@ class ShardClient(UpdateSource):
         return self._broken_since
 
     def _reregister(self, broken_since: float) -> None:
-        """Backoff + re-Register until it works, or ServerUnavailable past the deadline."""
+        """Backoff + re-Register until it works, or ServerUnavailable past the deadline:
+        --ps-timeout, or STOP_RECONNECT_S once the rank was told to stop (SIGTERM: the
+        launcher's kill follows; waiting for a restarted server is no use then)."""
         self.state = "reconnecting"
         delay = BACKOFF_START_S
+        stop_deadline: float | None = None
         while True:
             left = broken_since + self.timeout_s - time.monotonic()
+            if STOP.requested:
+                if stop_deadline is None:
+                    stop_deadline = time.monotonic() + STOP_RECONNECT_S
+                if stop_deadline - time.monotonic() <= 0:
+                    first = self.ledger.oldest_step()
+                    raise ServerUnavailable(
+                        f"rank {self.rank}: told to stop ({STOP.reason}) while shard server "
+                        f"{self.address} is unreachable (last error: {self.last_error}); "
+                        f"{len(self.ledger)} pushes unanswered"
+                        + (f" from step {first}" if first is not None else "")
+                        + ": resume from the last checkpoint (--resume)")
+                left = min(left, stop_deadline - time.monotonic())
             if left <= 0:
                 first = self.ledger.oldest_step()
                 raise ServerUnavailable(

@@ -108,7 +108,7 @@ def test_a_two_rank_kge_run_stops_in_time_and_writes_its_results(tmp_path: Path)
     graph = tmp_path / "graph"
     write_hierarchy(graph, 400, seed=2)
     results = tmp_path / "run.json"
-    minutes = 1.5
+    minutes = 0.75
     started = time.perf_counter()
     proc = run(["--task", "kge", "--data-dir", str(graph), "--training", "1vsall",
                 "--model", "complex", "--dim", "16", "--epochs", "100000", "--lr", "0.01",

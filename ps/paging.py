@@ -138,7 +138,8 @@ class PagedTable:
     def page(self, state: TableState, call: PageCall, what: str,
              over_budget: Callable[[], int]) -> tuple[PageResult, bool]:
         """Apply a call (module doc); (its result, whether it repeats the last one).
-        `over_budget()`: the bytes the server holds beyond --max-state-bytes (<= 0: none)."""
+        `over_budget()`: the bytes held beyond --max-state-bytes or the run's
+        --max-run-state-bytes (<= 0: none)."""
         if call.peek:
             found, rows = self.store.peek(call.in_ids)
             n = int(found.sum())

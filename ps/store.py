@@ -487,10 +487,16 @@ class Store(PartitionAuth):
             part, state = self.resolve(run_id, rank, incarnation, table, what)
             if state.paging is None:
                 raise InvalidArgument(f"{what}: table {table!r} is not dynamic")
-            limit = self.budget.limit_bytes
+            limit, run_limit = self.budget.limit_bytes, self.budget.run_limit_bytes
 
             def over_budget() -> int:
-                return self._state_bytes_in_use() - limit if limit > 0 else 0
+                """Bytes beyond --max-state-bytes or this run's --max-run-state-bytes,
+                whichever is further over: paging never lets one run past its cap."""
+                parts = self.partitions()
+                server = sum(p.state_bytes for p in parts) - limit if limit > 0 else 0
+                run = (sum(p.state_bytes for p in parts if p.run_id == run_id) - run_limit
+                       if run_limit > 0 else 0)
+                return max(server, run)
 
             with part.lock:
                 result, repeat = state.paging.page(state, call, what, over_budget)

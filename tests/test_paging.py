@@ -21,8 +21,8 @@ DIM = 3
 SPEC = OptimizerSpec(kind="adam", lr=0.1)
 
 
-def _store(max_state_bytes: int = 0) -> Store:
-    store = Store(max_state_bytes=max_state_bytes)
+def _store(max_state_bytes: int = 0, max_run_state_bytes: int = 0) -> Store:
+    store = Store(max_state_bytes=max_state_bytes, max_run_state_bytes=max_run_state_bytes)
     store.register("r", 0, 2, 1, [TableSpec("u", 8, DIM, 0, 4, dynamic=True),
                                   TableSpec("s", 8, DIM, 0, 4)], SPEC)
     return store
@@ -95,6 +95,22 @@ def test_over_the_memory_budget_the_oldest_rows_are_dropped() -> None:
     assert dropped.size and 13 in kept and 10 in set(dropped.tolist())  # oldest first
     assert set(result.dropped.tolist()) <= set(dropped.tolist())
     assert store._state_bytes_in_use() <= store.budget.limit_bytes
+
+
+def test_paging_keeps_a_run_within_its_own_state_cap() -> None:
+    """--max-run-state-bytes holds for paged rows too: the server's budget is ample, the
+    run's cap has room for about two paged rows, so the oldest are dropped."""
+    held = _store().partition("r", 0)
+    assert held is not None
+    store = _store(max_run_state_bytes=held.state_bytes + 2 * 100)
+    for seq, (ident, slot) in enumerate([(10, 0), (11, 1), (12, 2), (13, 3)], start=1):
+        store.page("r", 0, 1, "u", _call(seq, seq, [ident], [slot], [], []))
+    table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
+    assert table.paging is not None
+    dropped, _ = table.paging.store.tombstones()
+    assert 10 in set(dropped.tolist()) and 13 in set(table.paging.store.entries().ids.tolist())
+    run_bytes = sum(p.state_bytes for p in store.partitions() if p.run_id == "r")
+    assert run_bytes <= store.budget.run_limit_bytes
 
 
 def test_prometheus_shows_dynamic_tables() -> None:

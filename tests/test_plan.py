@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +186,26 @@ def test_main_plan_needs_no_server_and_the_module_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_kge_1vsall_plan_pushes_every_owned_entity_row(tmp_path: Path) -> None:
+    """KGE 1vsAll scores every entity: each rank pushes all its entity rows every step,
+    far more than its batch's lookups; the plan sizes the wire and the answer cache by it."""
+    from worker.tasks.kge_hierarchy import write_hierarchy
+
+    graph = tmp_path / "graph"
+    write_hierarchy(graph, 2000, seed=1)
+    plans = {}
+    for training in ("1vsall", "negsample"):
+        cfg = parse_config(TrainConfig, ["--task", "kge", "--data-dir", str(graph),
+                                         "--training", training, "--batch-size", "16",
+                                         "--neg-ratio", "4", "--plan"],
+                           defaults=task_defaults)
+        plans[training] = plan_for_config(cfg, world_size=2, ranks_per_node=2, detect=False)
+    full = plans["1vsall"]
+    entity = next(t for t in full.tables if t.pushed_per_step is not None)
+    assert full.touched_per_step(entity) == full.rows_per_rank(entity) > 16 * 3
+    sampled = plans["negsample"]
+    negsample_entity = next(t for t in sampled.tables if t.name == entity.name)
+    assert sampled.touched_per_step(negsample_entity) < full.touched_per_step(entity)
+    assert full.wire_bytes_per_rank_step[0] > sampled.wire_bytes_per_rank_step[0]

@@ -78,6 +78,9 @@ class TableShape:
     num_rows: int
     dim: int
     lookups_per_sample: float = 1.0
+    # rows one rank pushes a step when the task says (Task.rows_pushed_per_step: KGE's
+    # 1vsAll and KvsAll score every entity, so every owned row); None: from the lookups
+    pushed_per_step: int | None = None
 
 
 @dataclass
@@ -104,7 +107,10 @@ class Plan:
         return math.ceil(t.num_rows / self.world_size)
 
     def touched_per_step(self, t: TableShape) -> int:
-        """Rows one rank pushes per step, at most: its share of the global batch's lookups."""
+        """Rows one rank pushes per step, at most: what the task says, else its share of
+        the global batch's lookups."""
+        if t.pushed_per_step is not None:
+            return min(self.rows_per_rank(t), t.pushed_per_step)
         return min(self.rows_per_rank(t), math.ceil(self.batch_size * t.lookups_per_sample))
 
     def state_floats(self, t: TableShape) -> int:
@@ -259,8 +265,11 @@ def format_plan(plan: Plan) -> str:
 
 # -- from a worker config --------------------------------------------------------------
 
-def table_shapes(cfg: TrainConfig, notes: list[str]) -> list[TableShape]:
-    """The task's tables without building it, when it can say them (`plan_tables`)."""
+def table_shapes(cfg: TrainConfig, notes: list[str], world_size: int = 1
+                 ) -> list[TableShape]:
+    """The task's tables without building it, when it can say them (`plan_tables`); else
+    those of the built task, with the rows it says one rank pushes a step at
+    `world_size`."""
     from worker.tasks import build_task, task_class
 
     cls = task_class(cfg.run.task)
@@ -268,9 +277,13 @@ def table_shapes(cfg: TrainConfig, notes: list[str]) -> list[TableShape]:
     if plan_tables is not None:
         return [TableShape(t.name, t.num_rows, t.dim, float(lookups))
                 for t, lookups in plan_tables(cfg)]
+    task = build_task(cfg)
+    pushed = task.rows_pushed_per_step(world_size) or {}
     notes.append(f"task {cfg.run.task!r} has no plan_tables(): it was built to read its tables "
-                 "(its data loaded); 1 lookup per sample assumed")
-    return [TableShape(t.name, t.num_rows, t.dim) for t in build_task(cfg).tables()]
+                 "(its data loaded); " + ("the rows it pushes a step are its own figure"
+                                          if pushed else "1 lookup per sample assumed"))
+    return [TableShape(t.name, t.num_rows, t.dim, pushed_per_step=pushed.get(t.name))
+            for t in task.tables()]
 
 
 def detect_host_memory() -> int | None:
@@ -312,7 +325,7 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
     per_node = ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", "0") or 0) or world
     local = local_rank if local_rank is not None else int(env.get("LOCAL_RANK", "0") or 0)
     notes: list[str] = []
-    plan = Plan(table_shapes(cfg, notes), world, per_node, cfg.run.batch_size,
+    plan = Plan(table_shapes(cfg, notes, world), world, per_node, cfg.run.batch_size,
                 cfg.optim.optimizer, cfg.sync.staleness, cfg.sync.local_optimizer, notes=notes,
                 row_bytes=2 if cfg.optim.row_dtype == "bf16" else FLOAT_BYTES)
     if detect:

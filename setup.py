@@ -75,6 +75,7 @@ setup(
         Extension(
             "hybridps.native._pooled_bags",
             sources=["hybridps/native/pooled_bags.c"],
+            depends=["hybridps/native/kernels.h"],
             optional=True,  # no compiler: hybridps.pooled_bags falls back to torch
         ),
     ],

@@ -2,7 +2,8 @@
  * What the native row kernels share (hybridps/native/fused_adam.c, row_optim.c): the
  * compiler macros, the software prefetch of random rows, the id check, the non-finite
  * flag, and the thread pool that fused_adam.c runs (hp_run_parallel). fused_adam.c's
- * comment says why each is as it is.
+ * comment says why each is as it is. The pooled-bags extension (pooled_bags.c) uses the
+ * compiler macros only; it is built apart and calls nothing declared here.
  */
 #ifndef HYBRIDPS_NATIVE_KERNELS_H
 #define HYBRIDPS_NATIVE_KERNELS_H
@@ -120,11 +121,6 @@ static inline int64_t first_bad_id(const int64_t *ids, int64_t n_ids, int64_t n_
  * it in *bad once per chunk. With a snapshot (the old state of each row, stored in the
  * same pass), the caller puts every row back when *bad is set: a push whose update
  * would be non-finite changes nothing. */
-/* Non-finite results: each kernel ORs "exponent all ones" of every new m, v and delta
- * element into a per-chunk flag (branch-free: the loops still vectorize) and publishes
- * it in *bad once per chunk. With a snapshot (sm, sv: [n_ids, dim], the old m and v of
- * each row, stored in the same pass), the caller puts every row back when *bad is set:
- * a push whose update would be non-finite changes nothing (py_adam / py_adamw). */
 static inline uint32_t nonfinite_f(float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);

@@ -25,34 +25,15 @@
  * 1-3 ms of work, on ranks that run one torch thread each. Where the time goes and what
  * was tried: docs/performance-log.md, "Issue 33".
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "kernels.h" /* Python.h, RESTRICT, MULTIVERSION and CLONES, PTR */
 
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
-#define RESTRICT __restrict__
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3) /* read, into L1 */
 #else
 #define PREFETCH(p) ((void)0)
-#define RESTRICT
 #endif
-
-/* setup.py defines HYBRIDPS_TARGET_CLONES where the compiler and libc support function
- * multiversioning: the loops also get an AVX2 build, chosen at load time by the CPU's
- * feature flags (not its model: "arch=haswell" is never chosen on AMD cores). No FMA in
- * it, and contraction is off: the same results in both builds. */
-#if defined(HYBRIDPS_TARGET_CLONES)
-#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#define CLONES "avx2,default"
-#else
-#define MULTIVERSION
-#define CLONES "default"
-#endif
-
-#define PTR(type, addr) ((type)(uintptr_t)(addr))
 
 #if !defined(__STDC_NO_ATOMICS__) && !defined(_MSC_VER)
 #define HAVE_ATOMICS 1

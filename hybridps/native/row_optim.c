@@ -52,24 +52,26 @@ static ALWAYS_INLINE uint32_t any_nonfinite(const float *RESTRICT x, int64_t n) 
     return any;
 }
 
-/* ------------------------------------------------------------------ adagrad */
-
+/* The two Adagrad kernels share their arguments: a sum of squares s of one float per
+ * element (adagrad: [n_rows, dim]) or per row (rowwise_adagrad: [n_rows]). */
 typedef struct {
     float *s, *d;
     const float *g;
     const int64_t *ids;
     int64_t dim;
-    float nlr, eps; /* -lr, eps */
-    float *ss;      /* snapshot of the old rows [n_ids, dim], or NULL */
+    float lr, eps; /* adagrad: -lr; rowwise_adagrad: lr (as the Python side passes them) */
+    float *ss;     /* snapshot of the old sums [n_ids, dim] or [n_ids], or NULL */
     int *bad;
-} adagrad_job;
+} sum_job;
+
+/* ------------------------------------------------------------------ adagrad */
 
 MULTIVERSION static void adagrad_chunk(const void *job, int64_t lo, int64_t hi) {
-    const adagrad_job *k = (const adagrad_job *)job;
+    const sum_job *k = (const sum_job *)job;
     float *RESTRICT s = k->s;
     const int64_t *RESTRICT ids = k->ids;
     const int64_t dim = k->dim;
-    const float nlr = k->nlr, eps = k->eps;
+    const float nlr = k->lr, eps = k->eps;
     uint32_t any = 0;
     const pf_dist pd = prefetch_dist(dim);
     prefetch_start(s, NULL, ids, lo, hi, pd, dim);
@@ -103,18 +105,8 @@ MULTIVERSION static void adagrad_chunk(const void *job, int64_t lo, int64_t hi) 
 
 /* ---------------------------------------------------------- rowwise adagrad */
 
-typedef struct {
-    float *s, *d; /* s: [n_rows] (one float a row) */
-    const float *g;
-    const int64_t *ids;
-    int64_t dim;
-    float lr, eps;
-    float *ss; /* snapshot of the old sums [n_ids], or NULL */
-    int *bad;
-} rowwise_adagrad_job;
-
 MULTIVERSION static void rowwise_adagrad_chunk(const void *job, int64_t lo, int64_t hi) {
-    const rowwise_adagrad_job *k = (const rowwise_adagrad_job *)job;
+    const sum_job *k = (const sum_job *)job;
     float *RESTRICT s = k->s;
     const int64_t *RESTRICT ids = k->ids;
     const int64_t dim = k->dim;
@@ -213,41 +205,8 @@ PyDoc_STRVAR(adagrad_doc,
              "With a snapshot ss ([n_ids, dim] scratch) a step with a non-finite new sum or\n"
              "delta is undone and True is returned; otherwise False.");
 
-static PyObject *py_adagrad(PyObject *self, PyObject *args) {
-    (void)self;
-    unsigned long long ps, pids, pg, pd, pss = 0;
-    long long n_rows, dim, n_ids;
-    double nlr, eps;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KLLKLKKddi|K", &ps, &n_rows, &dim, &pids, &n_ids, &pg, &pd,
-                          &nlr, &eps, &threads, &pss))
-        return NULL;
-    if (n_ids <= 0 || dim <= 0) Py_RETURN_FALSE;
-    const int64_t *ids = PTR(const int64_t *, pids);
-    const int64_t bad = first_bad_id(ids, n_ids, n_rows);
-    if (bad >= 0) return hp_raise_bad_id(ids, bad, n_rows);
-    int nonfinite = 0;
-    float *ss = pss ? PTR(float *, pss) : NULL;
-    const adagrad_job job = {PTR(float *, ps), PTR(float *, pd), PTR(const float *, pg), ids,
-                             dim, (float)nlr, (float)eps, ss, &nonfinite};
-    Py_BEGIN_ALLOW_THREADS
-    hp_run_parallel(adagrad_chunk, &job, n_ids, dim, threads);
-    if (nonfinite && ss) undo_state(job.s, ids, n_ids, dim, ss);
-    Py_END_ALLOW_THREADS
-    if (nonfinite && ss) Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
-}
-
-PyDoc_STRVAR(rowwise_adagrad_doc,
-             "rowwise_adagrad(s, n_rows, dim, ids, n_ids, g, out, lr, eps, threads, ss=0)\n"
-             "--\n\n"
-             "FBGEMM's EXACT_ROWWISE_ADAGRAD on the unique int64 rows `ids`: s is float32\n"
-             "[n_rows] (one sum a row, in place), g and out float32 [n_ids, dim]. With a\n"
-             "snapshot ss ([n_ids] scratch) a step with a non-finite new sum or delta is\n"
-             "undone and True is returned; otherwise False.");
-
-static PyObject *py_rowwise_adagrad(PyObject *self, PyObject *args) {
-    (void)self;
+/* Either Adagrad kernel: s holds dim floats a row (per_element) or one. */
+static PyObject *run_sum_kernel(PyObject *args, chunk_fn chunk, int per_element) {
     unsigned long long ps, pids, pg, pd, pss = 0;
     long long n_rows, dim, n_ids;
     double lr, eps;
@@ -261,14 +220,32 @@ static PyObject *py_rowwise_adagrad(PyObject *self, PyObject *args) {
     if (bad >= 0) return hp_raise_bad_id(ids, bad, n_rows);
     int nonfinite = 0;
     float *ss = pss ? PTR(float *, pss) : NULL;
-    const rowwise_adagrad_job job = {PTR(float *, ps), PTR(float *, pd), PTR(const float *, pg),
-                                     ids, dim, (float)lr, (float)eps, ss, &nonfinite};
+    const sum_job job = {PTR(float *, ps), PTR(float *, pd), PTR(const float *, pg), ids, dim,
+                         (float)lr, (float)eps, ss, &nonfinite};
     Py_BEGIN_ALLOW_THREADS
-    hp_run_parallel(rowwise_adagrad_chunk, &job, n_ids, dim, threads);
-    if (nonfinite && ss) undo_state(job.s, ids, n_ids, 1, ss);
+    hp_run_parallel(chunk, &job, n_ids, dim, threads);
+    if (nonfinite && ss) undo_state(job.s, ids, n_ids, per_element ? dim : 1, ss);
     Py_END_ALLOW_THREADS
     if (nonfinite && ss) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
+}
+
+static PyObject *py_adagrad(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_sum_kernel(args, adagrad_chunk, 1);
+}
+
+PyDoc_STRVAR(rowwise_adagrad_doc,
+             "rowwise_adagrad(s, n_rows, dim, ids, n_ids, g, out, lr, eps, threads, ss=0)\n"
+             "--\n\n"
+             "FBGEMM's EXACT_ROWWISE_ADAGRAD on the unique int64 rows `ids`: s is float32\n"
+             "[n_rows] (one sum a row, in place), g and out float32 [n_ids, dim]. With a\n"
+             "snapshot ss ([n_ids] scratch) a step with a non-finite new sum or delta is\n"
+             "undone and True is returned; otherwise False.");
+
+static PyObject *py_rowwise_adagrad(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_sum_kernel(args, rowwise_adagrad_chunk, 0);
 }
 
 PyDoc_STRVAR(partial_rowwise_adam_doc,

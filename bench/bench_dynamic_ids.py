@@ -110,6 +110,24 @@ def dense_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(DIM + NUM_DENSE, 32), nn.ReLU(), nn.Linear(32, 1))
 
 
+@torch.no_grad()
+def held_out_auc(forward: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                 stream: Stream) -> float:
+    """AUC of `forward` over the stream's held-out steps (after its training steps)."""
+    logits, labels = [], []
+    first = stream.shape.steps
+    for step in range(first, first + stream.shape.eval_steps):
+        batch = stream.batch(step)
+        logits.append(forward(batch))
+        labels.append(batch["label"])
+    return float(batch_roc_auc(torch.cat(logits), torch.cat(labels)))
+
+
+def median_rate(samples: list[int], seconds: list[float]) -> float:
+    """The median samples/s over the timed chunks."""
+    return statistics.median(n / s for n, s in zip(samples, seconds, strict=True))
+
+
 @dataclass
 class Variant:
     """One table + dense model, trained by the training loop's steps (world size 1)."""
@@ -150,20 +168,12 @@ class Variant:
         self.seconds.append(time.perf_counter() - t0)
         self.samples.append(len(steps) * stream.shape.batch)
 
-    @torch.no_grad()
     def auc(self, stream: Stream) -> float:
-        logits, labels = [], []
-        first = stream.shape.steps
-        for step in range(first, first + stream.shape.eval_steps):
-            batch = stream.batch(step)
-            logits.append(self.forward(batch))
-            labels.append(batch["label"])
-        return float(batch_roc_auc(torch.cat(logits), torch.cat(labels)))
+        return held_out_auc(self.forward, stream)
 
     @property
     def samples_per_s(self) -> float:
-        return statistics.median(n / s for n, s in zip(self.samples, self.seconds,
-                                                       strict=True))
+        return median_rate(self.samples, self.seconds)
 
     @property
     def device_bytes(self) -> int:
@@ -242,21 +252,13 @@ class TorchRecVariant:
                 if key in state:
                     state[key][slots] = 0.0
 
-    @torch.no_grad()
     def auc(self, stream: Stream) -> float:
         self.mcc.eval()
-        logits, labels = [], []
-        first = stream.shape.steps
-        for step in range(first, first + stream.shape.eval_steps):
-            batch = stream.batch(step)
-            logits.append(self.forward(batch))
-            labels.append(batch["label"])
-        return float(batch_roc_auc(torch.cat(logits), torch.cat(labels)))
+        return held_out_auc(self.forward, stream)
 
     @property
     def samples_per_s(self) -> float:
-        return statistics.median(n / s for n, s in zip(self.samples, self.seconds,
-                                                       strict=True))
+        return median_rate(self.samples, self.seconds)
 
     @property
     def device_bytes(self) -> int:

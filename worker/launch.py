@@ -68,14 +68,13 @@ def _wait_for_rank0_record(own_error_file: str, grace_s: float) -> None:
     """Until rank 0's error file exists (rank 0 prints its line, then writes the file) or
     `grace_s` passed. torchrun gives each local rank <attempt dir>/<local rank>/error.json:
     on rank 0's node the file sits beside ours; elsewhere the full grace is waited."""
+    if int(os.environ.get("GROUP_RANK", "0") or 0) != 0:  # not rank 0's node
+        time.sleep(grace_s)
+        return
     own = Path(own_error_file)
     rank0 = own.parent.parent / "0" / own.name
-    local = os.environ.get("LOCAL_RANK", "")
-    same_node = int(os.environ.get("GROUP_RANK", "0") or 0) == 0 and local not in ("", "0")
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if same_node and rank0.exists():
-            return
+    while not rank0.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

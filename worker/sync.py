@@ -449,15 +449,17 @@ class ShardClient(UpdateSource):
         if isinstance(exc, TransportRefused):
             raise ServerRefused(self._refusal_text(exc)) from None
         if isinstance(exc, TransportShutdown):
-            first = self.ledger.oldest_step()
-            unanswered = (f"{len(self.ledger)} pushes unanswered"
-                          + (f" from step {first}" if first is not None else ""))
             raise ServerUnavailable(
                 f"rank {self.rank}: shard server {self.address} is shutting down, and the "
-                f"optimizer state of run {self.run_id!r} goes with it ({unanswered}): "
+                f"optimizer state of run {self.run_id!r} goes with it ({self._unanswered()}): "
                 "stopping now instead of waiting --ps-timeout; restart the server and "
                 "resume from the last checkpoint (--resume; torchrun --max-restarts "
                 "does it)") from None
+
+    def _unanswered(self) -> str:
+        first = self.ledger.oldest_step()
+        return (f"{len(self.ledger)} pushes unanswered"
+                + (f" from step {first}" if first is not None else ""))
 
     def _broken(self, transport: str) -> float:
         """Count and log a broken connection; returns when it broke: the re-Register
@@ -476,28 +478,23 @@ class ShardClient(UpdateSource):
         launcher's kill follows; waiting for a restarted server is no use then)."""
         self.state = "reconnecting"
         delay = BACKOFF_START_S
-        stop_deadline: float | None = None
+        stop_at: float | None = None
         while True:
-            left = broken_since + self.timeout_s - time.monotonic()
-            if STOP.requested:
-                if stop_deadline is None:
-                    stop_deadline = time.monotonic() + STOP_RECONNECT_S
-                if stop_deadline - time.monotonic() <= 0:
-                    first = self.ledger.oldest_step()
-                    raise ServerUnavailable(
-                        f"rank {self.rank}: told to stop ({STOP.reason}) while shard server "
-                        f"{self.address} is unreachable (last error: {self.last_error}); "
-                        f"{len(self.ledger)} pushes unanswered"
-                        + (f" from step {first}" if first is not None else "")
-                        + ": resume from the last checkpoint (--resume)")
-                left = min(left, stop_deadline - time.monotonic())
+            now = time.monotonic()
+            if STOP.requested and stop_at is None:
+                stop_at = now + STOP_RECONNECT_S
+            left = broken_since + self.timeout_s - now
+            if stop_at is not None and stop_at - now < left:
+                left = stop_at - now
+                why, then = (f"told to stop ({STOP.reason}) while shard server "
+                             f"{self.address} is unreachable",
+                             ": resume from the last checkpoint (--resume)")
+            else:
+                why, then = (f"shard server {self.address} unreachable for "
+                             f"{self.timeout_s:g}s", "")
             if left <= 0:
-                first = self.ledger.oldest_step()
-                raise ServerUnavailable(
-                    f"rank {self.rank}: shard server {self.address} unreachable for "
-                    f"{self.timeout_s:g}s (last error: {self.last_error}); "
-                    f"{len(self.ledger)} pushes unanswered"
-                    + (f" from step {first}" if first is not None else ""))
+                raise ServerUnavailable(f"rank {self.rank}: {why} (last error: "
+                                        f"{self.last_error}); {self._unanswered()}{then}")
             time.sleep(min(delay, left))
             delay = min(delay * 2, BACKOFF_MAX_S)
             try:

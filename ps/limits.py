@@ -85,6 +85,13 @@ class StateBudget:
             self._reserved += nbytes
             self._reserved_by_run[run_id] = self._reserved_by_run.get(run_id, 0) + nbytes
 
+    def excess(self, in_use: int, run_in_use: int) -> int:
+        """Bytes held beyond the server's limit or the run's, whichever is further over
+        (<= 0: within both): what a dynamic table's paging must drop (ps/paging.py)."""
+        server = in_use - self.limit_bytes if self.limit_bytes else 0
+        run = run_in_use - self.run_limit_bytes if self.run_limit_bytes else 0
+        return max(server, run)
+
     def release(self, nbytes: int, run_id: str = "") -> None:
         with self._lock:
             self._reserved -= nbytes

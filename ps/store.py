@@ -266,8 +266,10 @@ class Store(PartitionAuth):
             self.checkpoint_root.check_run_directory(checkpoint_dir, digest, what)
         return what, spec_opt
 
-    def _state_bytes_in_use(self) -> int:
-        return sum(p.state_bytes for p in self.partitions())
+    def _state_bytes_in_use(self, run_id: str | None = None) -> int:
+        """Bytes the partitions hold: all of them, or run `run_id`'s."""
+        return sum(p.state_bytes for p in self.partitions()
+                   if run_id is None or p.run_id == run_id)
 
     def _new_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
                        tables: list[TableSpec], optimizer: OptimizerSpec,
@@ -278,10 +280,8 @@ class Store(PartitionAuth):
         with nothing allocated when it does not fit."""
         needed = sum(t.state_bytes(optimizer.kind, row_dtype != torch.float32)
                      for t in tables)
-        parts = self.partitions()
-        self.budget.reserve(needed, sum(p.state_bytes for p in parts), what, freed,
-                            run_id=run_id,
-                            run_in_use=sum(p.state_bytes for p in parts if p.run_id == run_id))
+        self.budget.reserve(needed, self._state_bytes_in_use(), what, freed, run_id=run_id,
+                            run_in_use=self._state_bytes_in_use(run_id))
         try:
             return Partition(run_id, rank, world_size, incarnation, tables, optimizer,
                              answer_cache_steps=self.answer_cache_steps,
@@ -487,16 +487,10 @@ class Store(PartitionAuth):
             part, state = self.resolve(run_id, rank, incarnation, table, what)
             if state.paging is None:
                 raise InvalidArgument(f"{what}: table {table!r} is not dynamic")
-            limit, run_limit = self.budget.limit_bytes, self.budget.run_limit_bytes
 
-            def over_budget() -> int:
-                """Bytes beyond --max-state-bytes or this run's --max-run-state-bytes,
-                whichever is further over: paging never lets one run past its cap."""
-                parts = self.partitions()
-                server = sum(p.state_bytes for p in parts) - limit if limit > 0 else 0
-                run = (sum(p.state_bytes for p in parts if p.run_id == run_id) - run_limit
-                       if run_limit > 0 else 0)
-                return max(server, run)
+            def over_budget() -> int:  # paging keeps the server and the run within limits
+                return self.budget.excess(self._state_bytes_in_use(),
+                                          self._state_bytes_in_use(run_id))
 
             with part.lock:
                 result, repeat = state.paging.page(state, call, what, over_budget)

@@ -118,6 +118,10 @@ def test_a_failure_ends_on_the_recorded_line_or_names_the_rank() -> None:
         "hybridps-run: error: rank 1 exited with code 1 (its output above says why)", 1)
     line, code = launch.failure_line({0: _failure(-9, 3, "Signal 9", "SIGKILL")})
     assert code == 137 and line.startswith("hybridps-run: error: rank 0 was killed by SIGKILL")
+    # rank 1 killed, rank 0 then stopped by torchrun in the same second: rank 1 is named
+    line, code = launch.failure_line({0: _failure(-15, 3, "Signal 15", "SIGTERM"),
+                                      1: _failure(-9, 3, "Signal 9", "SIGKILL")})
+    assert code == 137 and line.startswith("hybridps-run: error: rank 1 was killed by SIGKILL")
 
 
 def test_a_rank_error_is_printed_by_rank_0_only_and_recorded_by_every_rank(

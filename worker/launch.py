@@ -219,7 +219,10 @@ def failure_line(failures: dict[int, Any]) -> tuple[str, int]:
     ours = _recorded(failures)
     if ours is not None:
         return str(ours.message["message"]), max(int(ours.exitcode), 1)
-    rank, first = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    # torchrun SIGTERMs the other ranks once one failed, within the same second (the
+    # timestamps' unit): at a tie, the rank it did not stop itself is the cause.
+    rank, first = min(failures.items(), key=lambda item: (
+        item[1].timestamp, int(item[1].exitcode) == -signal.SIGTERM, item[0]))
     exitcode = int(first.exitcode)
     if exitcode < 0:  # killed by a signal
         return (f"{PROG}: error: rank {rank} was killed by {first.signal_name()} (out of "

@@ -1,5 +1,6 @@
 """Build hook for the optional native kernels: the row kernels (hybridps/native/fused_adam.c,
-row_optim.c) and the owner's pooled-bags kernel (hybridps/native/pooled_bags.c).
+row_optim.c; with them the dynamic tables' id map and initial rows, dynamic.c) and the
+owner's pooled-bags kernel (hybridps/native/pooled_bags.c).
 
 All project metadata lives in pyproject.toml; this file only declares the C
 extensions, which are optional: without a working C compiler `pip install` still
@@ -68,7 +69,8 @@ setup(
     ext_modules=[
         Extension(
             "hybridps.native._fused_adam",
-            sources=["hybridps/native/fused_adam.c", "hybridps/native/row_optim.c"],
+            sources=["hybridps/native/fused_adam.c", "hybridps/native/row_optim.c",
+                     "hybridps/native/dynamic.c"],
             depends=["hybridps/native/kernels.h"],
             optional=True,  # no compiler: install anyway, hybridps.optim falls back to torch
         ),

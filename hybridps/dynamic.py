@@ -119,17 +119,27 @@ def unit_floats(bits: np.ndarray) -> np.ndarray:
 
 
 def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, table_index: int,
-                 init_std: float) -> torch.Tensor:
+                 init_std: float, native: bool | None = None) -> torch.Tensor:
     """[N, dim] float32: N(0, init_std) rows drawn from a hash of (seed, table, id, column)
     (Box-Muller on the CPU in float64), the same for an id whatever its slot, world
-    size or arrival step."""
+    size or arrival step. `native`: the C loop of hybridps/native/dynamic.c (None: where
+    built), the same values; this numpy version is its reference and fallback."""
     import torch
     u = as_u64(ids.reshape(-1))
     n = u.size
     if n == 0:
         return torch.empty(0, dim)
+    salt = (INIT_SALT ^ (seed * 0x100000001B3) ^ (table_index << 48)) % 2**64
+    from hybridps.native import ext
+    if native is None:
+        native = ext is not None and hasattr(ext, "initial_rows")
+    if native:
+        assert ext is not None
+        out = torch.empty(n, dim)
+        ext.initial_rows(u.ctypes.data, n, dim, salt, float(init_std), out.data_ptr())
+        return out
     with np.errstate(over="ignore"):
-        base = salted(u, INIT_SALT ^ (seed * 0x100000001B3) ^ (table_index << 48))
+        base = salted(u, salt)
         cols = np.arange((dim + 1) // 2, dtype=_U64) * _U64(2)
         a = mix64(base[:, None] + cols[None, :] + _U64(1))
         b = mix64(base[:, None] + cols[None, :] + _U64(2))

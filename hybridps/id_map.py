@@ -11,6 +11,11 @@ int64, negative ones included, is a key.
 
 Used by a dynamic table's owner (id -> slot, and the set of its paged-out ids) and by
 the store of paged-out rows (id -> position in its pool), worker and server alike.
+
+With the native extension (hybridps/native/dynamic.c) the probes run one id at a time in
+C over the same arrays, by the same rules; these numpy batch probes are the reference
+and the fallback (`IdMap(native=False)`). The two may put an id on different positions
+(which of two ids reaching one free position takes it), never give it another value.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridps.dynamic import salted
+from hybridps.native import ext as _ext
 
 EMPTY, FULL, GONE = 0, 1, 2
 MAP_SALT = 0x6A09E667F3BCC909
@@ -25,6 +31,7 @@ MAX_LOAD = 0.5
 MIN_SIZE = 16
 WINDOW = 4  # positions probed per round
 _STEPS = np.arange(WINDOW, dtype=np.int64)
+_NATIVE = _ext is not None and hasattr(_ext, "idmap_find")
 
 
 def _size_for(entries: int) -> int:
@@ -38,7 +45,11 @@ def _size_for(entries: int) -> int:
 class IdMap:
     """int64 id -> int64 value (see the module doc)."""
 
-    def __init__(self, expected: int = 0) -> None:
+    def __init__(self, expected: int = 0, *, native: bool | None = None) -> None:
+        """`native`: the C probes (None: where the extension is built; True: required)."""
+        if native and not _NATIVE:
+            raise RuntimeError("IdMap(native=True): the native extension is not built")
+        self.native = _NATIVE if native is None else native
         self._alloc(_size_for(expected))
 
     def _alloc(self, size: int) -> None:
@@ -62,8 +73,22 @@ class IdMap:
         return (salted(ids.view(np.uint64), MAP_SALT) >> np.uint64(64 - self.bits)).astype(
             np.int64)
 
+    def _native_find(self, ids: np.ndarray, positions: bool) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty(ids.size, dtype=np.int64)
+        if ids.size == 0 or self.count == 0:
+            out.fill(-1)
+            return out
+        assert _ext is not None
+        _ext.idmap_find(self.keys.ctypes.data, self.values.ctypes.data,
+                        self.state.ctypes.data, self.size, MAP_SALT, ids.ctypes.data,
+                        ids.size, out.ctypes.data, positions)
+        return out
+
     def _locate(self, ids: np.ndarray) -> np.ndarray:
         """The position of each id, -1 where absent."""
+        if self.native:
+            return self._native_find(ids, True)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         out = np.full(ids.size, -1, dtype=np.int64)
         if ids.size == 0 or self.count == 0:
@@ -86,6 +111,8 @@ class IdMap:
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The value of each id, -1 where absent (values are >= 0 by convention)."""
+        if self.native:
+            return self._native_find(ids, False)
         pos = self._locate(ids)
         out = np.full(pos.size, -1, dtype=np.int64)
         hit = pos >= 0
@@ -109,6 +136,13 @@ class IdMap:
         self._place(ids, values)
 
     def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
+        if self.native:
+            assert _ext is not None
+            self.gone -= _ext.idmap_place(self.keys.ctypes.data, self.values.ctypes.data,
+                                          self.state.ctypes.data, self.size, MAP_SALT,
+                                          ids.ctypes.data, values.ctypes.data, ids.size)
+            self.count += ids.size
+            return
         mask = self.size - 1
         idx = np.arange(ids.size)
         pos = self._home(ids)
@@ -147,6 +181,17 @@ class IdMap:
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         """Remove the ids that are present (distinct); returns which were."""
+        if self.native:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            hit_u8 = np.zeros(ids.size, dtype=np.uint8)
+            if ids.size and self.count:
+                assert _ext is not None
+                removed = _ext.idmap_remove(self.keys.ctypes.data, self.state.ctypes.data,
+                                            self.size, MAP_SALT, ids.ctypes.data, ids.size,
+                                            hit_u8.ctypes.data)
+                self.count -= removed
+                self.gone += removed
+            return hit_u8.view(bool)
         pos = self._locate(ids)
         hit = pos >= 0
         at = pos[hit]

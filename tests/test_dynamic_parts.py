@@ -22,9 +22,11 @@ from hybridps.checkpoint import (
 )
 from hybridps.dynamic import DynamicSpec, initial_rows, owner_of_ids
 from hybridps.dynamic_files import restore_plan, save_ids, save_paged
+from hybridps.id_map import _NATIVE as ID_MAP_NATIVE
 from hybridps.id_map import IdMap
 from hybridps.paged_rows import PagedOut, PagedRows
 from worker.admission import Admission, CountMinSketch
+from worker.dynamic_ids import _first_seen_unique
 from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.task_options import parse_tables
@@ -61,11 +63,61 @@ def test_initial_rows_depend_on_the_id_only() -> None:
     assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 0.5) < 0.01
 
 
-def test_id_map_matches_a_dict_through_inserts_and_removals() -> None:
+@pytest.mark.skipif(not ID_MAP_NATIVE, reason="the native extension is not built")
+@pytest.mark.parametrize("dim", [1, 7, 16, 129])
+def test_the_native_initial_rows_are_the_numpy_ones_bitwise(dim: int) -> None:
+    ids = torch.from_numpy(_raw_ids(np.random.default_rng(dim), 30_000 // dim + 5))
+    for seed, table_index, std in ((0, 0, 0.05), (2**40 + 1, 7, 1.0)):
+        kw = {"seed": seed, "table_index": table_index, "init_std": std}
+        assert torch.equal(initial_rows(ids, dim, **kw, native=True),
+                           initial_rows(ids, dim, **kw, native=False))
+
+
+@pytest.mark.skipif(not ID_MAP_NATIVE, reason="the native extension is not built")
+def test_the_native_first_seen_unique_is_the_sorting_one() -> None:
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 100, 5000):
+        for high in (3, 1000, 2**62):
+            ids = torch.from_numpy(rng.integers(-high, high, n, dtype=np.int64))
+            got = _first_seen_unique(ids, native=True)
+            want = _first_seen_unique(ids, native=False)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert torch.equal(got[0][got[1]], ids)
+
+
+@pytest.mark.skipif(not ID_MAP_NATIVE, reason="the native extension is not built")
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_the_native_victims_are_the_numpy_ones(eviction: str) -> None:
+    """Random slot states with many ties in seen and freq, pinned slots (some -1), counts
+    above and below the evictable, narrow and wide ranges of steps (the native version
+    counts or sorts by the range): the same slots in the same order."""
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n = int(rng.integers(1, 300))
+        seen = rng.integers(-1, 20 if trial % 2 else 10**6, n).astype(np.int64)
+        freq = rng.integers(0, 5, n).astype(np.int64)
+        local = rng.integers(-1, n, int(rng.integers(0, n + 1))).astype(np.int64)
+        count = int(rng.integers(1, n + 3))
+        applied = int(rng.integers(-1, 22)) if trial % 2 else int(rng.integers(-1, 10**6))
+        got = []
+        for native in (False, True):
+            table = SlotTable("t", DynamicSpec(eviction=eviction), 0, n, seed=0,
+                              table_index=0, native=native)
+            table.seen, table.freq = seen.copy(), freq.copy()
+            got.append(table._victims(count, local, applied))
+        assert np.array_equal(got[0], got[1])
+
+
+ID_MAP_KINDS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not ID_MAP_NATIVE, reason="the native extension is not built"))]
+
+
+@pytest.mark.parametrize("native", ID_MAP_KINDS, ids=["numpy", "native"])
+def test_id_map_matches_a_dict_through_inserts_and_removals(native: bool) -> None:
     rng = np.random.default_rng(0)
     ids = _raw_ids(rng, 5000)
     ref: dict[int, int] = {}
-    m = IdMap()
+    m = IdMap(native=native)
     for lo in range(0, ids.size, 700):  # batches, with rebuilds as it grows
         batch = ids[lo:lo + 700]
         m.insert(batch, np.arange(lo, lo + batch.size))
@@ -82,6 +134,38 @@ def test_id_map_matches_a_dict_through_inserts_and_removals() -> None:
     assert dict(zip(keys.tolist(), values.tolist(), strict=True)) == ref
     with pytest.raises(ValueError, match="distinct and absent"):
         m.insert(keys[:1], np.zeros(1, dtype=np.int64))
+
+
+@pytest.mark.skipif(not ID_MAP_NATIVE, reason="the native extension is not built")
+def test_the_native_id_map_answers_as_the_numpy_one_on_the_same_operations() -> None:
+    """Clustered homes (ids that collide in a small table), tombstones reused, rebuilds:
+    every find, remove and count agrees, and each map's bookkeeping matches its arrays;
+    only the positions (so which tombstones are reused) may differ (module doc of
+    hybridps/id_map.py)."""
+    rng = np.random.default_rng(7)
+    maps = [IdMap(native=False), IdMap(native=True)]
+    live: set[int] = set()
+    pool = _raw_ids(rng, 3000)
+    for round_ in range(60):
+        absent = np.array([i for i in rng.choice(pool, 80, replace=False).tolist()
+                           if i not in live], dtype=np.int64)
+        values = rng.integers(0, 1 << 40, size=absent.size)
+        for m in maps:
+            m.insert(absent, values, check=round_ % 2 == 0)
+        live.update(absent.tolist())
+        gone = rng.choice(pool, 60, replace=False)  # some present, some not
+        hits = [m.remove(gone) for m in maps]
+        assert np.array_equal(hits[0], hits[1])
+        live.difference_update(gone[hits[0]].tolist())
+        query = np.concatenate([rng.choice(pool, 200), _raw_ids(rng, 20)])
+        finds = [m.find(query) for m in maps]
+        assert np.array_equal(finds[0], finds[1])
+        assert np.array_equal(maps[0].contains(query), maps[1].contains(query))
+        for m in maps:
+            assert len(m) == len(live) == int((m.state == 1).sum())
+            assert m.gone == int((m.state == 2).sum())
+    items = [dict(zip(*(a.tolist() for a in m.items()), strict=True)) for m in maps]
+    assert items[0] == items[1] and set(items[0]) == live
 
 
 def _entry(ids: list[int], dim: int = 3) -> PagedOut:

@@ -35,7 +35,7 @@ from hybridps.cli import ConfigError
 from hybridps.dynamic import DynamicSpec, check_capacity, initial_rows, owner_of_ids
 from hybridps.paged_rows import PagedOut
 from worker.comm import BlockCap, exchange, exchange_blocks
-from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
+from worker.dynamic_slots import NATIVE, PageAnswer, PageRequest, SlotTable, _ext
 
 PAGED = -2  # an evaluation's code for an id whose row comes from the paged store
 
@@ -382,11 +382,21 @@ def check_dynamic_tables(tables: Sequence[Any], world_size: int, row_dtype: str)
                               "fp32 rows; use --row-dtype fp32")
 
 
-def _first_seen_unique(ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_seen_unique(ids_N: torch.Tensor, native: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(distinct ids in the order of their first occurrence, inverse: ids_N ==
-    uniq[inverse])."""
+    uniq[inverse]); `native`: hybridps/native/dynamic.c's hash pass (None: where built),
+    the same answer as the sort here."""
     if ids_N.numel() == 0:
         return ids_N.clone(), torch.empty(0, dtype=torch.int64)
+    if NATIVE if native is None else native:
+        assert _ext is not None
+        ids_N = ids_N.contiguous()
+        uniq_N = torch.empty_like(ids_N)
+        inverse_N = torch.empty_like(ids_N)
+        count = _ext.first_seen_unique(ids_N.data_ptr(), ids_N.numel(), uniq_N.data_ptr(),
+                                       inverse_N.data_ptr())
+        return uniq_N[:count].clone(), inverse_N
     sorted_U, inverse_N = torch.unique(ids_N, sorted=True, return_inverse=True)
     first_U = torch.full((sorted_U.numel(),), ids_N.numel(), dtype=torch.int64)
     first_U.scatter_reduce_(0, inverse_N, torch.arange(ids_N.numel()), reduce="amin")

@@ -30,10 +30,12 @@ import numpy as np
 
 from hybridps.dynamic import DynamicSpec
 from hybridps.id_map import IdMap
+from hybridps.native import ext as _ext
 from worker.admission import Admission
 
 SLOTS_FORMAT = "hybridps-dynamic-slots-v1"
 LFU_FREQ_CAP = (1 << 31) - 1
+NATIVE = _ext is not None and hasattr(_ext, "victims")
 
 
 @dataclass
@@ -104,8 +106,11 @@ class SlotTable:
     """The slots [start, start + n) of one dynamic table on its owner (module doc)."""
 
     def __init__(self, name: str, spec: DynamicSpec, start: int, n: int, *, seed: int,
-                 table_index: int) -> None:
+                 table_index: int, native: bool | None = None) -> None:
+        """`native`: the victims chosen by hybridps/native/dynamic.c (None: where built),
+        the same ones as the numpy reference here."""
         self.name, self.spec, self.start, self.n = name, spec, start, n
+        self.native = NATIVE if native is None else native
         self.map = IdMap(n)
         self.paged = IdMap()  # ids in the paged store (value unused)
         self.slot_id = np.zeros(n, dtype=np.int64)
@@ -182,6 +187,14 @@ class SlotTable:
         return request, placed
 
     def _victims(self, count: int, local: np.ndarray, applied_through: int) -> np.ndarray:
+        if self.native:
+            assert _ext is not None
+            pinned = np.ascontiguousarray(local[local >= 0])
+            out = np.empty(count, dtype=np.int64)
+            got = _ext.victims(self.seen.ctypes.data, self.freq.ctypes.data, self.n,
+                               applied_through, pinned.ctypes.data, pinned.size,
+                               self.spec.eviction == "lfu", count, out.ctypes.data)
+            return out[:got]
         used = self.seen >= 0
         evictable = used & (self.seen <= applied_through)
         evictable[local[local >= 0]] = False  # looked up this step

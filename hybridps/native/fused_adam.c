@@ -896,7 +896,8 @@ static struct PyModuleDef moduledef = {
     "_fused_adam",
     "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad; the\n"
     "Adagrad family and partial-rowwise Adam from row_optim.c) and the\n"
-    "server's allocation-free push checks (scan_push, mark_rows, digest).",
+    "server's allocation-free push checks (scan_push, mark_rows, digest); the dynamic\n"
+    "tables' id map and initial rows (dynamic.c).",
     -1,
     methods,
     NULL,
@@ -914,7 +915,8 @@ PyMODINIT_FUNC PyInit__fused_adam(void) {
     }
 #endif
     PyObject *module = PyModule_Create(&moduledef);
-    if (module != NULL && PyModule_AddFunctions(module, hp_row_optim_methods) < 0) {
+    if (module != NULL && (PyModule_AddFunctions(module, hp_row_optim_methods) < 0 ||
+                           PyModule_AddFunctions(module, hp_dynamic_methods) < 0)) {
         Py_DECREF(module);
         return NULL;
     }

@@ -143,5 +143,7 @@ PyObject *hp_raise_bad_id(const int64_t *ids, int64_t pos, int64_t n_rows);
 
 /* The functions of row_optim.c, added to the module at import. */
 extern PyMethodDef hp_row_optim_methods[];
+/* ... and those of dynamic.c (the dynamic tables: id map, initial rows). */
+extern PyMethodDef hp_dynamic_methods[];
 
 #endif

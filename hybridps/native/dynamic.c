@@ -1,0 +1,398 @@
+/*
+ * The dynamic tables' per-id work (functions of hybridps.native._fused_adam, added at
+ * import: see kernels.h): the id map's probes and the initial rows of new ids.
+ *
+ * The id map's probes, one id at a time, over the arrays hybridps/id_map.py owns: keys (int64),
+ * values (int64) and a state byte per position (0 empty, 1 full, 2 a removed entry's
+ * tombstone), the size a power of two. The numpy batch probes there are the reference and
+ * the fallback; these loops follow the same rules:
+ *
+ *   home(id)  = splitmix64(id ^ salt) >> (64 - log2(size))
+ *   locate    probe home, home+1, ... (mod size): a full position with the key is found,
+ *             an empty one ends the search (absent); tombstones are stepped over
+ *   place     each id (distinct, absent: the caller says so) takes the first position
+ *             from its home on that is not full
+ *
+ * What differs from the batch version is only which position an id lands on when
+ * several ids of one batch reach the same free position (there: a claim round; here: the
+ * earlier id). No caller depends on where an id sits, only on its value (the map's
+ * tests check both versions against each other on the same operations).
+ *
+ * Why native: a dynamic table's owner probes a few thousand ids a step, each a handful
+ * of numpy calls per probe round in the batch version (docs/performance-log.md).
+ */
+#include "kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+enum { SLOT_EMPTY = 0, SLOT_FULL = 1, SLOT_GONE = 2 };
+
+static ALWAYS_INLINE uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+typedef struct {
+    int64_t *keys;
+    int64_t *values;
+    uint8_t *state;
+    uint64_t mask;
+    int shift;
+    uint64_t salt;
+} map_t;
+
+/* size must be a power of two >= 2 (checked: ValueError otherwise) */
+static int map_init(map_t *m, unsigned long long pkeys, unsigned long long pvalues,
+                    unsigned long long pstate, long long size, unsigned long long salt) {
+    if (size < 2 || (size & (size - 1)) != 0) {
+        PyErr_Format(PyExc_ValueError, "id map size %lld is not a power of two >= 2", size);
+        return -1;
+    }
+    int bits = 0;
+    while ((1ll << bits) < size) bits++;
+    m->keys = PTR(int64_t *, pkeys);
+    m->values = PTR(int64_t *, pvalues);
+    m->state = PTR(uint8_t *, pstate);
+    m->mask = (uint64_t)size - 1;
+    m->shift = 64 - bits;
+    m->salt = (uint64_t)salt;
+    return 0;
+}
+
+static ALWAYS_INLINE uint64_t home(const map_t *m, int64_t id) {
+    return mix64((uint64_t)id ^ m->salt) >> m->shift;
+}
+
+/* the position of id, -1 when absent */
+static ALWAYS_INLINE int64_t locate(const map_t *m, int64_t id) {
+    uint64_t pos = home(m, id);
+    for (uint64_t probes = 0; probes <= m->mask; probes++) {
+        const uint8_t st = m->state[pos];
+        if (st == SLOT_EMPTY) return -1;
+        if (st == SLOT_FULL && m->keys[pos] == id) return (int64_t)pos;
+        pos = (pos + 1) & m->mask;
+    }
+    return -1; /* no empty position at all (the Python side keeps the load at most 1/2) */
+}
+
+PyDoc_STRVAR(idmap_find_doc,
+             "idmap_find(keys, values, state, size, salt, ids, n, out, want_positions)\n--\n\n"
+             "For each of the n int64 ids: out[i] = its value (want_positions 0) or its\n"
+             "position (1), -1 where absent. Returns how many were present.");
+
+static PyObject *py_idmap_find(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pkeys, pvalues, pstate, salt, pids, pout;
+    long long size, n;
+    int want_positions;
+    if (!PyArg_ParseTuple(args, "KKKLKKLKp", &pkeys, &pvalues, &pstate, &size, &salt, &pids,
+                          &n, &pout, &want_positions))
+        return NULL;
+    map_t m;
+    if (map_init(&m, pkeys, pvalues, pstate, size, salt) < 0) return NULL;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    int64_t *out = PTR(int64_t *, pout);
+    int64_t present = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t pos = locate(&m, ids[i]);
+        present += pos >= 0;
+        out[i] = pos < 0 ? -1 : (want_positions ? pos : m.values[pos]);
+    }
+    return PyLong_FromLongLong((long long)present);
+}
+
+PyDoc_STRVAR(idmap_place_doc,
+             "idmap_place(keys, values, state, size, salt, ids, vals, n)\n--\n\n"
+             "Put n distinct ids that are absent (the caller's promise: not checked) with\n"
+             "their values, each on the first position from its home that is not full.\n"
+             "The caller keeps the load low enough that every id finds one. Returns how\n"
+             "many of the positions taken held a tombstone.");
+
+static PyObject *py_idmap_place(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pkeys, pvalues, pstate, salt, pids, pvals;
+    long long size, n;
+    if (!PyArg_ParseTuple(args, "KKKLKKKL", &pkeys, &pvalues, &pstate, &size, &salt, &pids,
+                          &pvals, &n))
+        return NULL;
+    map_t m;
+    if (map_init(&m, pkeys, pvalues, pstate, size, salt) < 0) return NULL;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t *vals = PTR(const int64_t *, pvals);
+    int64_t reused = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t pos = home(&m, ids[i]);
+        uint64_t probes = 0;
+        while (m.state[pos] == SLOT_FULL && probes++ <= m.mask) pos = (pos + 1) & m.mask;
+        if (m.state[pos] == SLOT_FULL) {
+            PyErr_SetString(PyExc_RuntimeError, "id map is full (load kept at most 1/2)");
+            return NULL;
+        }
+        reused += m.state[pos] == SLOT_GONE;
+        m.state[pos] = SLOT_FULL;
+        m.keys[pos] = ids[i];
+        m.values[pos] = vals[i];
+    }
+    return PyLong_FromLongLong((long long)reused);
+}
+
+PyDoc_STRVAR(idmap_remove_doc,
+             "idmap_remove(keys, state, size, salt, ids, n, hit)\n--\n\n"
+             "Remove the present ones of n distinct ids (their positions become tombstones);\n"
+             "hit[i] (a byte) says whether ids[i] was present. Returns how many were.");
+
+static PyObject *py_idmap_remove(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pkeys, pstate, salt, pids, phit;
+    long long size, n;
+    if (!PyArg_ParseTuple(args, "KKLKKLK", &pkeys, &pstate, &size, &salt, &pids, &n, &phit))
+        return NULL;
+    map_t m;
+    if (map_init(&m, pkeys, 0, pstate, size, salt) < 0) return NULL;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    uint8_t *hit = PTR(uint8_t *, phit);
+    int64_t removed = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t pos = locate(&m, ids[i]);
+        hit[i] = pos >= 0;
+        if (pos >= 0) {
+            m.state[pos] = SLOT_GONE;
+            removed++;
+        }
+    }
+    return PyLong_FromLongLong((long long)removed);
+}
+
+/*
+ * Initial rows: hybridps/dynamic.py initial_rows op for op in float64 (its numpy version
+ * is the reference and the fallback): per id, base = splitmix64(id ^ salt); per column
+ * pair c, a = splitmix64(base + 2c + 1), b = splitmix64(base + 2c + 2), u = ((x >> 11) +
+ * 1) / 2^53, radius = sqrt(-2 log u_a), angle = 2 pi u_b; the pair is (radius cos angle,
+ * radius sin angle) * std, rounded to float32. No FMA contraction (setup.py), and libm's
+ * log/cos/sin, whose float64 results agree with numpy's to within an ulp: a difference
+ * could move the float32 rounding only for a value within an ulp of a float32 boundary
+ * (tests/test_dynamic_parts.py compares the two bitwise).
+ */
+PyDoc_STRVAR(initial_rows_doc,
+             "initial_rows(ids, n, dim, salt, std, out)\n--\n\n"
+             "out (float32 [n, dim]) = the initial rows of the n int64 ids (see the comment\n"
+             "above the function in dynamic.c).");
+
+static PyObject *py_initial_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pids, salt, pout;
+    long long n, dim;
+    double std;
+    if (!PyArg_ParseTuple(args, "KLLKdK", &pids, &n, &dim, &salt, &std, &pout)) return NULL;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    float *out = PTR(float *, pout);
+    const double two_pi = 2.0 * 3.141592653589793;
+    const double unit = 1.0 / 9007199254740992.0; /* 2^-53 */
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t base = mix64((uint64_t)ids[i] ^ (uint64_t)salt);
+        float *row = out + i * dim;
+        for (int64_t c = 0; 2 * c < dim; c++) {
+            const uint64_t a = mix64(base + (uint64_t)(2 * c) + 1u);
+            const uint64_t b = mix64(base + (uint64_t)(2 * c) + 2u);
+            const double ua = ((double)(a >> 11) + 1.0) * unit;
+            const double ub = ((double)(b >> 11) + 1.0) * unit;
+            const double radius = sqrt(-2.0 * log(ua));
+            const double angle = two_pi * ub;
+            row[2 * c] = (float)((radius * cos(angle)) * std);
+            if (2 * c + 1 < dim) row[2 * c + 1] = (float)((radius * sin(angle)) * std);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(first_seen_unique_doc,
+             "first_seen_unique(ids, n, uniq, inverse)\n--\n\n"
+             "The distinct values of the n int64 ids in the order of their first occurrence\n"
+             "into uniq, and inverse (int64 [n]) with ids[i] == uniq[inverse[i]]. Returns how\n"
+             "many are distinct.");
+
+static PyObject *py_first_seen_unique(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pids, puniq, pinv;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KLKK", &pids, &n, &puniq, &pinv)) return NULL;
+    const int64_t *ids = PTR(const int64_t *, pids);
+    int64_t *uniq = PTR(int64_t *, puniq);
+    int64_t *inverse = PTR(int64_t *, pinv);
+    int bits = 1;
+    while ((1ll << bits) < 2 * n) bits++;
+    const uint64_t mask = (1ull << bits) - 1;
+    /* position -> 1 + index into uniq (0: empty) */
+    int64_t *index = calloc((size_t)mask + 1, sizeof *index);
+    if (index == NULL) return PyErr_NoMemory();
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        uint64_t pos = mix64((uint64_t)id) >> (64 - bits);
+        while (index[pos] != 0 && uniq[index[pos] - 1] != id) pos = (pos + 1) & mask;
+        if (index[pos] == 0) {
+            uniq[count] = id;
+            index[pos] = ++count;
+        }
+        inverse[i] = index[pos] - 1;
+    }
+    free(index);
+    return PyLong_FromLongLong((long long)count);
+}
+
+/* the eviction order: (key, slot), both ascending; all pairs distinct (slots are) */
+typedef struct {
+    int64_t key;
+    int64_t slot;
+} victim_t;
+
+static ALWAYS_INLINE int victim_less(victim_t a, victim_t b) {
+    return a.key < b.key || (a.key == b.key && a.slot < b.slot);
+}
+
+static int victim_cmp(const void *pa, const void *pb) {
+    const victim_t a = *(const victim_t *)pa, b = *(const victim_t *)pb;
+    return victim_less(a, b) ? -1 : (victim_less(b, a) ? 1 : 0);
+}
+
+/* put the k smallest of v[0, n) first (in any order): quickselect, median-of-three */
+static void select_smallest(victim_t *v, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        victim_t a = v[lo], b = v[mid], c = v[hi];
+        victim_t pivot = victim_less(a, b) ? (victim_less(b, c) ? b : (victim_less(a, c) ? c : a))
+                                           : (victim_less(a, c) ? a : (victim_less(b, c) ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (victim_less(v[i], pivot)) i++;
+            while (victim_less(pivot, v[j])) j--;
+            if (i <= j) {
+                const victim_t t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else return;
+    }
+}
+
+static ALWAYS_INLINE int evictable(const int64_t *seen, const uint8_t *pinned, int64_t s,
+                                    int64_t applied_through) {
+    return !pinned[s] && seen[s] >= 0 && seen[s] <= applied_through;
+}
+
+static ALWAYS_INLINE int64_t victim_key(const int64_t *seen, const int64_t *freq, int64_t s,
+                                        int lfu) {
+    if (!lfu) return seen[s];
+    const int64_t f = freq[s] < 0x7fffffffll ? freq[s] : 0x7fffffffll;
+    return (int64_t)(((uint64_t)f << 32) | (uint64_t)seen[s]);
+}
+
+/* The k smallest (key, slot) when the keys span a short range (LRU's keys are recent
+ * steps): a histogram of key - lo gives the key t of the k-th; then one pass over the
+ * slots in order puts each slot with key < t, and the first ones with key t, at its place
+ * in (key, slot) order. */
+static int by_counting(const int64_t *seen, const int64_t *freq, const uint8_t *pinned,
+                       int64_t n, int64_t applied_through, int lfu, int64_t lo, int64_t range,
+                       int64_t k, int64_t *out) {
+    int64_t *place = calloc((size_t)range, sizeof *place);
+    if (place == NULL) return -1;
+    for (int64_t s = 0; s < n; s++)
+        if (evictable(seen, pinned, s, applied_through)) place[victim_key(seen, freq, s, lfu) - lo]++;
+    int64_t t = 0, below = 0; /* counts -> first place of each key, up to the k-th's key t */
+    for (;; t++) {
+        const int64_t c = place[t];
+        place[t] = below;
+        below += c;
+        if (below >= k) break;
+    }
+    for (int64_t s = 0; s < n; s++) {
+        if (!evictable(seen, pinned, s, applied_through)) continue;
+        const int64_t r = victim_key(seen, freq, s, lfu) - lo;
+        if (r < t || (r == t && place[t] < k)) out[place[r]++] = s;
+    }
+    free(place);
+    return 0;
+}
+
+/* The same by sorting (any range): quickselect, then the k sorted. */
+static int by_sorting(const int64_t *seen, const int64_t *freq, const uint8_t *pinned,
+                      int64_t n, int64_t applied_through, int lfu, int64_t m, int64_t k,
+                      int64_t *out) {
+    victim_t *cand = malloc((size_t)m * sizeof *cand);
+    if (cand == NULL) return -1;
+    int64_t j = 0;
+    for (int64_t s = 0; s < n; s++) {
+        if (!evictable(seen, pinned, s, applied_through)) continue;
+        cand[j].key = victim_key(seen, freq, s, lfu);
+        cand[j++].slot = s;
+    }
+    if (k < m) select_smallest(cand, m, k);
+    qsort(cand, (size_t)k, sizeof *cand, victim_cmp);
+    for (int64_t i = 0; i < k; i++) out[i] = cand[i].slot;
+    free(cand);
+    return 0;
+}
+
+PyDoc_STRVAR(victims_doc,
+             "victims(seen, freq, n, applied_through, pinned, n_pinned, lfu, count, out)\n--\n\n"
+             "The slots a dynamic table evicts (worker/dynamic_slots.py _victims, whose numpy\n"
+             "version is the reference): of the n slots with 0 <= seen <= applied_through and\n"
+             "not among the n_pinned local slots `pinned` (-1 entries ignored), the `count`\n"
+             "smallest by key (lru: seen; lfu: min(freq, 2^31 - 1) << 32 | seen), then slot,\n"
+             "in that order, into out (int64). Returns how many (fewer when fewer qualify).");
+
+static PyObject *py_victims(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pseen, pfreq, ppinned, pout;
+    long long n, applied_through, n_pinned, count;
+    int lfu;
+    if (!PyArg_ParseTuple(args, "KKLLKLpLK", &pseen, &pfreq, &n, &applied_through, &ppinned,
+                          &n_pinned, &lfu, &count, &pout))
+        return NULL;
+    const int64_t *seen = PTR(const int64_t *, pseen);
+    const int64_t *freq = PTR(const int64_t *, pfreq);
+    const int64_t *pins = PTR(const int64_t *, ppinned);
+    int64_t *out = PTR(int64_t *, pout);
+    if (count <= 0 || n <= 0) return PyLong_FromLong(0);
+    uint8_t *pinned = calloc((size_t)n, 1);
+    if (pinned == NULL) return PyErr_NoMemory();
+    for (int64_t i = 0; i < n_pinned; i++)
+        if (pins[i] >= 0 && pins[i] < n) pinned[pins[i]] = 1;
+    int64_t m = 0, lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t s = 0; s < n; s++) {
+        if (!evictable(seen, pinned, s, applied_through)) continue;
+        const int64_t key = victim_key(seen, freq, s, lfu);
+        lo = key < lo ? key : lo;
+        hi = key > hi ? key : hi;
+        m++;
+    }
+    const int64_t k = count < m ? count : m;
+    int failed = 0;
+    if (k > 0) {
+        /* counting when the key range is at most a few times the slots (LRU: steps) */
+        const uint64_t range = (uint64_t)hi - (uint64_t)lo + 1u;
+        failed = range <= (uint64_t)(4 * m + 4096)
+                     ? by_counting(seen, freq, pinned, n, applied_through, lfu, lo,
+                                   (int64_t)range, k, out)
+                     : by_sorting(seen, freq, pinned, n, applied_through, lfu, m, k, out);
+    }
+    free(pinned);
+    if (failed) return PyErr_NoMemory();
+    return PyLong_FromLongLong((long long)k);
+}
+
+PyMethodDef hp_dynamic_methods[] = {
+    {"first_seen_unique", py_first_seen_unique, METH_VARARGS, first_seen_unique_doc},
+    {"victims", py_victims, METH_VARARGS, victims_doc},
+    {"initial_rows", py_initial_rows, METH_VARARGS, initial_rows_doc},
+    {"idmap_find", py_idmap_find, METH_VARARGS, idmap_find_doc},
+    {"idmap_place", py_idmap_place, METH_VARARGS, idmap_place_doc},
+    {"idmap_remove", py_idmap_remove, METH_VARARGS, idmap_remove_doc},
+    {NULL, NULL, 0, NULL},
+};

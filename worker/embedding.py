@@ -406,11 +406,25 @@ class ShardedEmbedding(UnitRows, nn.Module):
         if pool_e:
             rows_UD = torch.cat([a[:n] for a, n in zip(per_owner, req.asked, strict=True)])
         out: list[torch.Tensor] = [answer] * len(plan.names)
+        plain = [(e, inverse_N) for e, inverse_N in zip(rows_e, req.inverse, strict=True)
+                 if plan.offsets[e] is None]
+        if len(plain) > 1:
+            # One gather for every plain entry: its backward is one scatter into a gradient
+            # of rows_UD, where a gather per entry made (and summed) one full-size gradient
+            # per entry. Bitwise the same: each entry's rows are its own (make_requests
+            # dedupes per entry), so no row sums gradients of two entries.
+            both_ND = rows_UD.index_select(0, torch.cat([inv for _, inv in plain]))
+            for (e, _), part in zip(plain, both_ND.split([inv.numel() for _, inv in plain]),
+                                    strict=True):
+                out[e] = part
+        else:
+            for e, inverse_N in plain:
+                out[e] = rows_UD.index_select(0, inverse_N)
         for e, inverse_N in zip(rows_e, req.inverse, strict=True):
             offsets_B, mode = plan.offsets[e], plan.modes[e]
-            out[e] = (rows_UD.index_select(0, inverse_N) if offsets_B is None else
-                      F.embedding_bag(inverse_N, rows_UD, offsets_B.to(self.device),
-                                      mode=str(mode)))
+            if offsets_B is not None:
+                out[e] = F.embedding_bag(inverse_N, rows_UD, offsets_B.to(self.device),
+                                         mode=str(mode))
         at = list(req.asked)
         for e, bags, divisor in zip(pool_e, req.pooled_bags, plan.divisors, strict=True):
             partial = [a[lo:lo + bags] for a, lo in zip(per_owner, at, strict=True)]

@@ -7,7 +7,8 @@ gather the distinct rows, add their weight prediction (worker/staleness.py), sum
 bag (`PoolAtOwner`), and in backward sum each distinct row's bag gradients. `forward`
 and `backward` here do the same in ONE native call each for all the unit's pooled
 entries, with the same float32 results bit for bit (tests/test_pooled_bags.py): the
-torch path stays the reference and the fallback.
+torch path stays the reference and the fallback. `requests` does the requester's side
+of such an entry (which owner gets which ids of which bag) in one call too.
 
 Which path runs: `HYBRIDPS_POOL_KERNEL=auto|native|torch`; unset, it follows
 `HYBRIDPS_KERNEL` (hybridps/optim.py's switch, default auto): auto takes the native
@@ -68,6 +69,29 @@ def fused_for(weight_RD: torch.Tensor) -> bool:
     """Whether the native kernel is in use and takes this block of rows."""
     return (_native is not None and weight_RD.is_cpu and weight_RD.dim() == 2
             and weight_RD.dtype in ROW_DTYPES and weight_RD.is_contiguous())
+
+
+def requests(ids_M: torch.Tensor, offsets_B: torch.Tensor | None, rows: int, world: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The requester's side of one entry pooled at its owners (worker/input_dist.py
+    make_requests, whose torch path is the reference) in one native call: (local_M, the
+    ids' rows at their owners grouped by owner, id order within one; lengths_WB, int64
+    [world * bags]: each owner's share of each bag; per_owner_W). None where the native
+    kernel is not in use or does not take these tensors (not CPU int64, bad offsets):
+    the caller takes the torch path."""
+    ext = _native
+    if (ext is None or offsets_B is None or not (ids_M.is_cpu and offsets_B.is_cpu)
+            or ids_M.dtype != torch.int64 or offsets_B.dtype != torch.int64):
+        return None
+    ids_M, offsets_B = ids_M.contiguous(), offsets_B.contiguous()
+    bags = offsets_B.numel()
+    local_M = torch.empty_like(ids_M)
+    lengths_WB = torch.empty(world * bags, dtype=torch.int64)
+    per_owner_W = torch.empty(world, dtype=torch.int64)
+    if ext.requests(ids_M.data_ptr(), ids_M.numel(), offsets_B.data_ptr(), bags, rows, world,
+                    local_M.data_ptr(), lengths_WB.data_ptr(), per_owner_W.data_ptr()) < 0:
+        return None
+    return local_M, lengths_WB, per_owner_W
 
 
 @dataclass

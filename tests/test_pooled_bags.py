@@ -201,9 +201,42 @@ def test_torch_choice_never_calls_the_extension(monkeypatch: pytest.MonkeyPatch)
 
         monkeypatch.setattr(pooled_bags._ext, "forward", boom)
         monkeypatch.setattr(pooled_bags._ext, "backward", boom)
+        monkeypatch.setattr(pooled_bags._ext, "requests", boom)
     assert not pooled_bags.fused_for(torch.zeros(3, 2))
+    assert pooled_bags.requests(torch.arange(3), torch.tensor([0]), 10, 2) is None
     with pytest.raises(ValueError, match="must be one of"):
         pooled_bags.set_pool_kernel("fastest")
+
+
+@needs_native
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_native_requests_are_the_torch_paths(kernel: None, world: int) -> None:
+    """make_requests (the requester's stage 1) with the pooled entries' requests made
+    natively or by the torch path: the same header, blocks and inverses, for mixes of
+    plain and pooled entries (empty bags, an entry with no bags, tables of several
+    sizes)."""
+    gen = torch.Generator().manual_seed(world)
+    for trial in range(40):
+        num = int(torch.randint(1, 5, (1,), generator=gen))
+        rows_E = [int(torch.randint(world, 5000, (1,), generator=gen)) for _ in range(num)]
+        pooled = [bool(torch.randint(0, 2, (1,), generator=gen)) for _ in range(num)]
+        flat, offsets = [], []
+        for rows, pool in zip(rows_E, pooled, strict=True):
+            bags = 0 if trial % 7 == 0 and pool else int(torch.randint(1, 30, (1,), generator=gen))
+            lengths = torch.randint(0, 6, (bags,), generator=gen)
+            flat.append(torch.randint(0, rows, (int(lengths.sum()),), generator=gen))
+            offsets.append(torch.cumsum(lengths, 0) - lengths if pool else None)
+        args = (flat, rows_E, torch.tensor(rows_E), pooled, offsets, world)
+        pooled_bags.set_pool_kernel("native")
+        got = input_dist.make_requests(*args)
+        pooled_bags.set_pool_kernel("torch")
+        want = input_dist.make_requests(*args)
+        assert torch.equal(got.header_WH, want.header_WH)
+        assert len(got.blocks) == len(want.blocks) == world
+        assert all(torch.equal(a, b) for a, b in zip(got.blocks, want.blocks, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(got.inverse, want.inverse, strict=True))
+        assert (got.rows_from, got.asked, got.pooled_bags) == (
+            want.rows_from, want.asked, want.pooled_bags)
 
 
 def _kernel_in_subprocess(env: dict[str, str]) -> str:

@@ -239,24 +239,35 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
     offsets: each pooled entry's bag offsets (into its ids)."""
     device = rows_tensor_E.device
     sizes = [f.numel() for f in flat]
-    ids_N = torch.cat(list(flat)) if len(flat) > 1 else flat[0]
-    if len(set(rows_E)) == 1:
-        rows_N: torch.Tensor | int = rows_E[0]
-    else:
-        rows_N = torch.repeat_interleave(rows_tensor_E, torch.tensor(sizes, device=device),
-                                         output_size=ids_N.numel())
-    owner_N = owner_of(ids_N, rows_N, world)
-    local_N = ids_N - owner_N * rows_N // world
-    owners, locals_ = (owner_N.split(sizes), local_N.split(sizes)) if len(flat) > 1 else (
-        (owner_N,), (local_N,))
     rows_e = [e for e, p in enumerate(pooled) if not p]
     pool_e = [e for e, p in enumerate(pooled) if p]
+    # a pooled entry's request in one native call where the kernel takes it
+    native = {e: got for e in pool_e if (got := pooled_bags.requests(
+        flat[e], offsets[e], rows_E[e], world)) is not None}
+    torch_e = [e for e in range(len(flat)) if e not in native]  # owners computed here
+    ids_N = torch.cat([flat[e] for e in torch_e]) if len(torch_e) > 1 else (
+        flat[torch_e[0]] if torch_e else flat[0].new_empty(0))
+    torch_rows = [rows_E[e] for e in torch_e]
+    if len(set(torch_rows)) <= 1:
+        rows_N: torch.Tensor | int = torch_rows[0] if torch_rows else 1
+    else:
+        rows_N = torch.repeat_interleave(
+            rows_tensor_E if len(torch_e) == len(flat) else rows_tensor_E[torch_e],
+            torch.tensor([sizes[e] for e in torch_e], device=device),
+            output_size=ids_N.numel())
+    owner_N = owner_of(ids_N, rows_N, world) if torch_e else ids_N
+    local_N = ids_N - owner_N * rows_N // world if torch_e else ids_N
+    split = [sizes[e] for e in torch_e]
+    owners = dict(zip(torch_e, owner_N.split(split) if len(torch_e) > 1 else (owner_N,),
+                      strict=False))
+    locals_ = dict(zip(torch_e, local_N.split(split) if len(torch_e) > 1 else (local_N,),
+                       strict=False))
     columns: list[torch.Tensor] = []  # header columns, W x 1 each
     inverse: list[torch.Tensor] = []
     rows_ids_U = ids_N.new_empty(0)
     if rows_e:
         num = len(rows_e)
-        if num == len(flat):
+        if rows_e == torch_e:
             owner_R, local_R = owner_N, local_N
         else:
             owner_R = torch.cat([owners[e] for e in rows_e])
@@ -280,15 +291,19 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
     for e in pool_e:
         offsets_B = offsets[e]
         assert offsets_B is not None
-        owner_M, local_M, bags = owners[e], locals_[e], offsets_B.numel()
-        lengths_B = torch.diff(offsets_B, append=offsets_B.new_tensor([sizes[e]]))
-        bag_M = torch.repeat_interleave(torch.arange(bags, device=device), lengths_B,
-                                        output_size=sizes[e])
-        order_M = sort_stable(owner_M, world)[1]
-        per_owner = torch.bincount(owner_M, minlength=world)
-        lengths_WB = torch.bincount(owner_M * bags + bag_M, minlength=world * bags)
-        pooled_parts.append((lengths_WB.view(world, bags), local_M.index_select(0, order_M),
-                             bags))
+        bags = offsets_B.numel()
+        if e in native:
+            local_sorted_M, lengths_WB, per_owner = native[e]
+        else:
+            owner_M, local_M = owners[e], locals_[e]
+            lengths_B = torch.diff(offsets_B, append=offsets_B.new_tensor([sizes[e]]))
+            bag_M = torch.repeat_interleave(torch.arange(bags, device=device), lengths_B,
+                                            output_size=sizes[e])
+            order_M = sort_stable(owner_M, world)[1]
+            per_owner = torch.bincount(owner_M, minlength=world)
+            lengths_WB = torch.bincount(owner_M * bags + bag_M, minlength=world * bags)
+            local_sorted_M = local_M.index_select(0, order_M)
+        pooled_parts.append((lengths_WB.view(world, bags), local_sorted_M, bags))
         columns += [per_owner.new_full((world, 1), bags), per_owner.view(world, 1)]
     header_WH = torch.cat(columns, dim=1) if columns else ids_N.new_zeros((world, 0))
     with sync_point("input_dist"):

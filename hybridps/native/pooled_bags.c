@@ -13,6 +13,9 @@
  *  - backward: each distinct row's gradient, the sum of the gradients of the bags its
  *    occurrences fell in, from +0.0, in the order the ids arrived (the torch path's
  *    F.embedding_bag over the bags grouped by row).
+ * The requester's side of such an entry is one call too (`requests`: each id's owner and
+ * row there, the ids grouped by owner with a stable counting sort, each owner's share of
+ * each bag), the integer work of worker/input_dist.py make_requests' torch path.
  * The forward also writes what the backward needs (the distinct rows, where each row's
  * occurrences start, the bag of each occurrence grouped by row), which are the torch
  * path's OwnerPool fields (worker/input_dist.py). Results are bitwise the torch path's:
@@ -428,6 +431,71 @@ static PyObject *py_backward(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(requests_doc,
+             "requests(ids, n, offsets, bags, rows, world, local, lengths_wb, per_owner)\n--\n\n"
+             "The requester's side of one entry pooled at its owners (worker/input_dist.py\n"
+             "make_requests, whose torch path is the reference): the n int64 ids (in [0,\n"
+             "rows): the caller checked) of `bags` bags (offsets: int64, offsets[0] == 0,\n"
+             "non-decreasing, at most n) of a table of `rows` rows sharded row-wise over\n"
+             "`world` ranks. Writes local (int64 [n]: each id's row at its owner, grouped by\n"
+             "owner, in id order within an owner), lengths_wb (int64 [world, bags]: how many\n"
+             "ids of each bag each owner got) and per_owner (int64 [world]). Returns 0, or -1\n"
+             "(nothing meaningful written) when the offsets are not as said.");
+
+static PyObject *py_requests(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pids, poffsets, plocal, plengths, pper;
+    long long n, bags, rows, world;
+    if (!PyArg_ParseTuple(args, "KLKLLLKKK", &pids, &n, &poffsets, &bags, &rows, &world,
+                          &plocal, &plengths, &pper))
+        return NULL;
+    if (n < 0 || bags < 0 || rows <= 0 || world <= 0) {
+        PyErr_Format(PyExc_ValueError, "bad sizes: %lld ids, %lld bags, %lld rows, world %lld",
+                     n, bags, rows, world);
+        return NULL;
+    }
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t *offsets = PTR(const int64_t *, poffsets);
+    int64_t *local = PTR(int64_t *, plocal);
+    int64_t *lengths = PTR(int64_t *, plengths);
+    int64_t *per_owner = PTR(int64_t *, pper);
+    if (bags == 0 ? n != 0 : offsets[0] != 0) return PyLong_FromLong(-1);
+    for (int64_t b = 1; b < bags; b++)
+        if (offsets[b] < offsets[b - 1] || offsets[b] > n) return PyLong_FromLong(-1);
+    int64_t *owner_of_id = malloc((size_t)(n > 0 ? n : 1) * sizeof *owner_of_id);
+    int64_t *next = malloc((size_t)world * sizeof *next);
+    if (owner_of_id == NULL || next == NULL) {
+        free(owner_of_id);
+        free(next);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memset(lengths, 0, (size_t)(world * bags) * sizeof *lengths);
+    memset(per_owner, 0, (size_t)world * sizeof *per_owner);
+    /* owner = ((id + 1) W - 1) // R: the largest r with r R // W <= id (owner_of) */
+    for (int64_t b = 0; b < bags; b++) {
+        const int64_t end = b + 1 < bags ? offsets[b + 1] : n;
+        for (int64_t i = offsets[b]; i < end; i++) {
+            const int64_t r = ((ids[i] + 1) * world - 1) / rows;
+            owner_of_id[i] = r;
+            per_owner[r]++;
+            lengths[r * bags + b]++;
+        }
+    }
+    for (int64_t r = 0, at = 0; r < world; r++) { /* a stable counting sort by owner */
+        next[r] = at;
+        at += per_owner[r];
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = owner_of_id[i];
+        local[next[r]++] = ids[i] - r * rows / world;
+    }
+    Py_END_ALLOW_THREADS
+    free(owner_of_id);
+    free(next);
+    return PyLong_FromLong(0);
+}
+
 static PyObject *py_build_info(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -438,6 +506,7 @@ static PyObject *py_build_info(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"forward", py_forward, METH_VARARGS, forward_doc},
     {"backward", py_backward, METH_VARARGS, backward_doc},
+    {"requests", py_requests, METH_VARARGS, requests_doc},
     {"build_info", py_build_info, METH_NOARGS, "Build options."},
     {NULL, NULL, 0, NULL},
 };

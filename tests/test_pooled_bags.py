@@ -239,6 +239,15 @@ def test_native_requests_are_the_torch_paths(kernel: None, world: int) -> None:
             want.rows_from, want.asked, want.pooled_bags)
 
 
+@needs_native
+def test_native_requests_name_an_id_outside_the_table(kernel: None) -> None:
+    pooled_bags.set_pool_kernel("native")
+    ids = torch.tensor([3, 9, 10, 1])
+    with pytest.raises(ValueError, match="id 10 at position 2 is outside the table's rows"):
+        pooled_bags.requests(ids, torch.tensor([0, 2]), 10, 2)
+    assert pooled_bags.requests(ids, torch.tensor([0, 5]), 10, 2) is None  # offset past n
+
+
 def _kernel_in_subprocess(env: dict[str, str]) -> str:
     clean = {k: v for k, v in os.environ.items()
              if k not in (pooled_bags.KERNEL_ENV, pooled_bags.FALLBACK_ENV)}

@@ -391,7 +391,7 @@ def _first_seen_unique(ids_N: torch.Tensor, native: bool | None = None
     the same answer as the sort here."""
     if ids_N.numel() == 0:
         return ids_N.clone(), torch.empty(0, dtype=torch.int64)
-    if NATIVE_UNIQUE if native is None else native:
+    if (NATIVE_UNIQUE if native is None else native) and ids_N.is_cpu:
         assert _ext is not None
         ids_N = ids_N.contiguous()
         uniq_N = torch.empty_like(ids_N)

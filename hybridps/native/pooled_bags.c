@@ -435,12 +435,13 @@ PyDoc_STRVAR(requests_doc,
              "requests(ids, n, offsets, bags, rows, world, local, lengths_wb, per_owner)\n--\n\n"
              "The requester's side of one entry pooled at its owners (worker/input_dist.py\n"
              "make_requests, whose torch path is the reference): the n int64 ids (in [0,\n"
-             "rows): the caller checked) of `bags` bags (offsets: int64, offsets[0] == 0,\n"
-             "non-decreasing, at most n) of a table of `rows` rows sharded row-wise over\n"
-             "`world` ranks. Writes local (int64 [n]: each id's row at its owner, grouped by\n"
-             "owner, in id order within an owner), lengths_wb (int64 [world, bags]: how many\n"
-             "ids of each bag each owner got) and per_owner (int64 [world]). Returns 0, or -1\n"
-             "(nothing meaningful written) when the offsets are not as said.");
+             "rows), ValueError naming one otherwise) of `bags` bags (offsets: int64,\n"
+             "offsets[0] == 0, non-decreasing, at most n) of a table of `rows` rows sharded\n"
+             "row-wise over `world` ranks. Writes local (int64 [n]: each id's row at its\n"
+             "owner, grouped by owner, in id order within an owner), lengths_wb (int64\n"
+             "[world, bags]: how many ids of each bag each owner got) and per_owner (int64\n"
+             "[world]). Returns 0, or -1 (nothing meaningful written) when the offsets are\n"
+             "not as said.");
 
 static PyObject *py_requests(PyObject *self, PyObject *args) {
     (void)self;
@@ -469,30 +470,42 @@ static PyObject *py_requests(PyObject *self, PyObject *args) {
         free(next);
         return PyErr_NoMemory();
     }
+    int64_t bad = -1; /* the position of an id outside [0, rows): nothing placed then */
     Py_BEGIN_ALLOW_THREADS
     memset(lengths, 0, (size_t)(world * bags) * sizeof *lengths);
     memset(per_owner, 0, (size_t)world * sizeof *per_owner);
     /* owner = ((id + 1) W - 1) // R: the largest r with r R // W <= id (owner_of) */
-    for (int64_t b = 0; b < bags; b++) {
+    for (int64_t b = 0; b < bags && bad < 0; b++) {
         const int64_t end = b + 1 < bags ? offsets[b + 1] : n;
         for (int64_t i = offsets[b]; i < end; i++) {
+            if (ids[i] < 0 || ids[i] >= rows) {
+                bad = i;
+                break;
+            }
             const int64_t r = ((ids[i] + 1) * world - 1) / rows;
             owner_of_id[i] = r;
             per_owner[r]++;
             lengths[r * bags + b]++;
         }
     }
-    for (int64_t r = 0, at = 0; r < world; r++) { /* a stable counting sort by owner */
-        next[r] = at;
-        at += per_owner[r];
-    }
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t r = owner_of_id[i];
-        local[next[r]++] = ids[i] - r * rows / world;
+    if (bad < 0) {
+        for (int64_t r = 0, at = 0; r < world; r++) { /* a stable counting sort by owner */
+            next[r] = at;
+            at += per_owner[r];
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t r = owner_of_id[i];
+            local[next[r]++] = ids[i] - r * rows / world;
+        }
     }
     Py_END_ALLOW_THREADS
     free(owner_of_id);
     free(next);
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "id %lld at position %lld is outside the table's rows "
+                     "[0, %lld)", (long long)ids[bad], (long long)bad, rows);
+        return NULL;
+    }
     return PyLong_FromLong(0);
 }
 

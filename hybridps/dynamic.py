@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 
+from hybridps.native import dynamic as _native
+
 if TYPE_CHECKING:
     import torch
 
@@ -130,13 +132,10 @@ def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, table_index: int,
     if n == 0:
         return torch.empty(0, dim)
     salt = (INIT_SALT ^ (seed * 0x100000001B3) ^ (table_index << 48)) % 2**64
-    from hybridps.native import ext
-    if native is None:
-        native = ext is not None and hasattr(ext, "initial_rows")
-    if native:
-        assert ext is not None
+    if _native is not None if native is None else native:
+        assert _native is not None
         out = torch.empty(n, dim)
-        ext.initial_rows(u.ctypes.data, n, dim, salt, float(init_std), out.data_ptr())
+        _native.initial_rows(u.ctypes.data, n, dim, salt, float(init_std), out.data_ptr())
         return out
     with np.errstate(over="ignore"):
         base = salted(u, salt)

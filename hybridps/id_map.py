@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridps.dynamic import salted
-from hybridps.native import ext as _ext
+from hybridps.native import dynamic as _ext
 
 EMPTY, FULL, GONE = 0, 1, 2
 MAP_SALT = 0x6A09E667F3BCC909
@@ -31,7 +31,7 @@ MAX_LOAD = 0.5
 MIN_SIZE = 16
 WINDOW = 4  # positions probed per round
 _STEPS = np.arange(WINDOW, dtype=np.int64)
-_NATIVE = _ext is not None and hasattr(_ext, "idmap_find")
+_NATIVE = _ext is not None
 
 
 def _size_for(entries: int) -> int:

@@ -33,13 +33,12 @@ import torch.distributed as dist
 
 from hybridps.cli import ConfigError
 from hybridps.dynamic import DynamicSpec, check_capacity, initial_rows, owner_of_ids
-from hybridps.native import ext as _ext
+from hybridps.native import dynamic as _ext
 from hybridps.paged_rows import PagedOut
 from worker.comm import BlockCap, exchange, exchange_blocks
 from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
 
 PAGED = -2  # an evaluation's code for an id whose row comes from the paged store
-NATIVE_UNIQUE = _ext is not None and hasattr(_ext, "first_seen_unique")
 
 Bag = tuple[torch.Tensor, str]
 StaticLookup = Callable[[Sequence[str], Sequence[torch.Tensor], Sequence[Bag | None]],
@@ -391,7 +390,7 @@ def _first_seen_unique(ids_N: torch.Tensor, native: bool | None = None
     the same answer as the sort here."""
     if ids_N.numel() == 0:
         return ids_N.clone(), torch.empty(0, dtype=torch.int64)
-    if (NATIVE_UNIQUE if native is None else native) and ids_N.is_cpu:
+    if (_ext is not None if native is None else native) and ids_N.is_cpu:
         assert _ext is not None
         ids_N = ids_N.contiguous()
         uniq_N = torch.empty_like(ids_N)

@@ -30,12 +30,12 @@ import numpy as np
 
 from hybridps.dynamic import DynamicSpec
 from hybridps.id_map import IdMap
-from hybridps.native import ext as _ext
+from hybridps.native import dynamic as _ext
 from worker.admission import Admission
 
 SLOTS_FORMAT = "hybridps-dynamic-slots-v1"
 LFU_FREQ_CAP = (1 << 31) - 1
-NATIVE = _ext is not None and hasattr(_ext, "victims")
+NATIVE = _ext is not None
 
 
 @dataclass

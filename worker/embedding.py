@@ -408,7 +408,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
         out: list[torch.Tensor] = [answer] * len(plan.names)
         plain = [(e, inverse_N) for e, inverse_N in zip(rows_e, req.inverse, strict=True)
                  if plan.offsets[e] is None]
-        if len(plain) > 1:
+        if plain:
             # One gather for every plain entry: its backward is one scatter into a gradient
             # of rows_UD, where a gather per entry made (and summed) one full-size gradient
             # per entry. Bitwise the same: each entry's rows are its own (make_requests
@@ -417,9 +417,6 @@ class ShardedEmbedding(UnitRows, nn.Module):
             for (e, _), part in zip(plain, both_ND.split([inv.numel() for _, inv in plain]),
                                     strict=True):
                 out[e] = part
-        else:
-            for e, inverse_N in plain:
-                out[e] = rows_UD.index_select(0, inverse_N)
         for e, inverse_N in zip(rows_e, req.inverse, strict=True):
             offsets_B, mode = plan.offsets[e], plan.modes[e]
             if offsets_B is not None:

@@ -245,26 +245,25 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
     native = {e: got for e in pool_e if (got := pooled_bags.requests(
         flat[e], offsets[e], rows_E[e], world)) is not None}
     torch_e = [e for e in range(len(flat)) if e not in native]  # owners computed here
-    ids_N = torch.cat([flat[e] for e in torch_e]) if len(torch_e) > 1 else (
-        flat[torch_e[0]] if torch_e else flat[0].new_empty(0))
-    torch_rows = [rows_E[e] for e in torch_e]
-    if len(set(torch_rows)) <= 1:
-        rows_N: torch.Tensor | int = torch_rows[0] if torch_rows else 1
-    else:
-        rows_N = torch.repeat_interleave(
-            rows_tensor_E if len(torch_e) == len(flat) else rows_tensor_E[torch_e],
-            torch.tensor([sizes[e] for e in torch_e], device=device),
-            output_size=ids_N.numel())
-    owner_N = owner_of(ids_N, rows_N, world) if torch_e else ids_N
-    local_N = ids_N - owner_N * rows_N // world if torch_e else ids_N
-    split = [sizes[e] for e in torch_e]
-    owners = dict(zip(torch_e, owner_N.split(split) if len(torch_e) > 1 else (owner_N,),
-                      strict=False))
-    locals_ = dict(zip(torch_e, local_N.split(split) if len(torch_e) > 1 else (local_N,),
-                       strict=False))
+    owner_N = local_N = flat[0].new_empty(0)
+    owners: dict[int, torch.Tensor] = {}
+    locals_: dict[int, torch.Tensor] = {}
+    if torch_e:
+        ids_N = torch.cat([flat[e] for e in torch_e]) if len(torch_e) > 1 else flat[torch_e[0]]
+        split = [sizes[e] for e in torch_e]
+        if len({rows_E[e] for e in torch_e}) == 1:
+            rows_N: torch.Tensor | int = rows_E[torch_e[0]]
+        else:
+            rows_N = torch.repeat_interleave(
+                rows_tensor_E if len(torch_e) == len(flat) else rows_tensor_E[torch_e],
+                torch.tensor(split, device=device), output_size=ids_N.numel())
+        owner_N = owner_of(ids_N, rows_N, world)
+        local_N = ids_N - owner_N * rows_N // world
+        owners = dict(zip(torch_e, owner_N.split(split), strict=True))
+        locals_ = dict(zip(torch_e, local_N.split(split), strict=True))
     columns: list[torch.Tensor] = []  # header columns, W x 1 each
     inverse: list[torch.Tensor] = []
-    rows_ids_U = ids_N.new_empty(0)
+    rows_ids_U = owner_N.new_empty(0)
     if rows_e:
         num = len(rows_e)
         if rows_e == torch_e:
@@ -305,7 +304,7 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
             local_sorted_M = local_M.index_select(0, order_M)
         pooled_parts.append((lengths_WB.view(world, bags), local_sorted_M, bags))
         columns += [per_owner.new_full((world, 1), bags), per_owner.view(world, 1)]
-    header_WH = torch.cat(columns, dim=1) if columns else ids_N.new_zeros((world, 0))
+    header_WH = torch.cat(columns, dim=1) if columns else owner_N.new_zeros((world, 0))
     with sync_point("input_dist"):
         header = header_WH.tolist()  # the one host sync of stage 1
     num_rows = len(rows_e)

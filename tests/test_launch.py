@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -144,6 +145,44 @@ def test_a_rank_error_is_printed_by_rank_0_only_and_recorded_by_every_rank(
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # said as it happens, restarts ahead
     launch.report_error("hybridps worker: error: restarting")
     assert capsys.readouterr().err == "hybridps worker: error: restarting\n"
+
+
+def test_a_bad_flag_is_said_by_rank_0_and_the_other_ranks_wait_for_its_record(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    # torchrun's layout: <attempt dir>/<local rank>/error.json. Rank 1 meets the bad flag
+    # first; it must not exit (torchrun would then stop rank 0 before it names the value)
+    # until rank 0's record is there, and it prints nothing itself.
+    monkeypatch.delenv(launch.LAUNCHER_DIR_ENV, raising=False)
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    bad = ["--local-optimizer", "--staleness", "-1"]
+    for rank in (0, 1):
+        (tmp_path / str(rank)).mkdir()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(launch.ERROR_FILE_ENV, str(tmp_path / "1" / "error.json"))
+    rank0_record = tmp_path / "0" / "error.json"
+    late = threading.Timer(0.6, rank0_record.write_text, args=("{}",))
+    late.start()
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as failed, launch.flag_errors(1):
+        parse_config(TrainConfig, bad)
+    waited = time.monotonic() - started
+    late.join()
+    assert failed.value.code == 2 and 0.5 < waited < launch.PEER_GRACE_S
+    assert capsys.readouterr() == ("", "")
+    line = json.loads((tmp_path / "1" / "error.json").read_text())["message"]["message"]
+    assert "staleness=-1 must be >= 0" in line
+    rank0_record.unlink()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(launch.ERROR_FILE_ENV, str(rank0_record))
+    with pytest.raises(SystemExit), launch.flag_errors(0):
+        parse_config(TrainConfig, bad)
+    err = capsys.readouterr().err
+    assert err.startswith("usage:") and "staleness=-1 must be >= 0" in err
+    assert "staleness=-1" in json.loads(rank0_record.read_text())["message"]["message"]
+    with launch.flag_errors(0):  # good flags: nothing said, nothing recorded
+        parse_config(TrainConfig, ["--local-optimizer"])
+    assert capsys.readouterr() == ("", "")
 
 
 def test_a_bad_data_dir_gets_one_line_with_the_known_names(tmp_path: Path) -> None:

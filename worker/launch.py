@@ -35,6 +35,7 @@ SignalException traceback and exit code 1.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,31 @@ def _wait_for_rank0_record(own_error_file: str, grace_s: float) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def flag_errors(rank: int) -> Iterator[None]:
+    """Around the parse of the worker's flags: argparse's lines (usage, the bad value) come
+    from rank 0 only, and a bad flag is recorded like any known error, so that under a bare
+    torchrun the other ranks, which meet the same bad flag, wait for rank 0's line before
+    they exit (torchrun stops every rank when the first one exits)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), \
+                contextlib.redirect_stdout(io.StringIO()) if rank != 0 else \
+                contextlib.nullcontext():
+            yield
+    except SystemExit as failed:
+        text = captured.getvalue()
+        if rank == 0:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        lines = text.strip().splitlines()
+        if failed.code not in (0, None) and lines:
+            _record_error(lines[-1])
+        raise
+    if rank == 0:
+        sys.stderr.write(captured.getvalue())
+
+
 def report_error(line: str) -> None:
     """A rank's one error line: recorded in the rank's torchelastic error file (in
     torchelastic's format: a bare torchrun's failure report shows it too) and printed by
@@ -86,10 +112,17 @@ def report_error(line: str) -> None:
     restarts = (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or "0") != "0"
     if _rank() == 0 and (restarts or not os.environ.get(LAUNCHER_DIR_ENV)):
         print(line, file=sys.stderr, flush=True)
+    if os.environ.get(ERROR_FILE_ENV):
+        _record_error(line)
+    elif _rank() != 0 and not os.environ.get(LAUNCHER_DIR_ENV):
+        print(line, file=sys.stderr, flush=True)  # no torchrun to report it
+
+
+def _record_error(line: str) -> None:
+    """`line` in this rank's torchelastic error file; a rank != 0 under a bare torchrun then
+    waits for rank 0's record."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
-        if _rank() != 0 and not os.environ.get(LAUNCHER_DIR_ENV):
-            print(line, file=sys.stderr, flush=True)  # no torchrun to report it
         return
     record = {"message": {"message": line,
                           "extraInfo": {"timestamp": str(int(time.time())), MARK: True}}}

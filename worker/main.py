@@ -24,11 +24,10 @@ flushing and telling the server (worker/lifecycle.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +37,7 @@ if not __package__:  # `torchrun worker/main.py` / `python worker/main.py` from 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
 from worker.config import TrainConfig
-from worker.launch import note_stop, report_error
+from worker.launch import flag_errors, note_stop, report_error
 from worker.task_defaults import TASK_DEFAULTS, task_defaults
 
 if TYPE_CHECKING:
@@ -55,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  {task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
         for task, d in TASK_DEFAULTS.items())
     rank = int(os.environ.get("RANK", "0") or 0)
-    with _quiet_unless(rank == 0):  # a bad flag: rank 0 says it, every rank exits 2
+    with flag_errors(rank):  # a bad flag: rank 0 says it, every rank exits 2
         cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
                            defaults=task_defaults, epilog=epilog)
     setup_logging(cfg.output.log_level, sys.stderr, rank=rank)
@@ -163,17 +162,6 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
             report_error(f"hybridps worker: error: rank {rank}: {problem}")
             return 1
     return None
-
-
-@contextlib.contextmanager
-def _quiet_unless(speak: bool) -> Iterator[None]:
-    """Standard output and error to /dev/null unless `speak` (what every rank would repeat)."""
-    if speak:
-        yield
-        return
-    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), \
-            contextlib.redirect_stdout(null):
-        yield
 
 
 def _cheap_plan(cfg: TrainConfig) -> Plan | None:

@@ -120,6 +120,11 @@ def unit_floats(bits: np.ndarray) -> np.ndarray:
     return ((bits >> _U64(11)).astype(np.float64) + 1.0) * (1.0 / 2**53)
 
 
+def init_salt(seed: int, table_index: int) -> int:
+    """The salt of a table's initial rows (`initial_rows`)."""
+    return (INIT_SALT ^ (seed * 0x100000001B3) ^ (table_index << 48)) % 2**64
+
+
 def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, table_index: int,
                  init_std: float, native: bool | None = None) -> torch.Tensor:
     """[N, dim] float32: N(0, init_std) rows drawn from a hash of (seed, table, id, column)
@@ -131,7 +136,7 @@ def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, table_index: int,
     n = u.size
     if n == 0:
         return torch.empty(0, dim)
-    salt = (INIT_SALT ^ (seed * 0x100000001B3) ^ (table_index << 48)) % 2**64
+    salt = init_salt(seed, table_index)
     if _native is not None if native is None else native:
         assert _native is not None
         out = torch.empty(n, dim)

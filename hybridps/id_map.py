@@ -131,9 +131,19 @@ class IdMap:
             return
         if check and (np.unique(ids).size != ids.size or bool(self.contains(ids).any())):
             raise ValueError("IdMap.insert: ids must be distinct and absent")
-        if self.count + self.gone + ids.size > MAX_LOAD * self.size:
-            self._rebuild(self.count + ids.size)
+        self.reserve(ids.size)
         self._place(ids, values)
+
+    def reserve(self, more: int) -> None:
+        """Room for `more` new entries at most half load (a rebuild drops tombstones)."""
+        if self.count + self.gone + more > MAX_LOAD * self.size:
+            self._rebuild(self.count + more)
+
+    def native_args(self) -> tuple[int, int, int, int, int]:
+        """(keys, values, state, size, salt): the arrays as hybridps/native/id_map.h takes
+        them; a caller that enters or removes entries there adjusts `count` and `gone`."""
+        return (self.keys.ctypes.data, self.values.ctypes.data, self.state.ctypes.data,
+                self.size, MAP_SALT)
 
     def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
         if self.native:

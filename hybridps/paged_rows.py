@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hybridps.id_map import IdMap
+from hybridps.native import dynamic as _ext
 
 PAGED_FORMAT = "hybridps-paged-rows-v1"
 # per id besides its row and state: pool id, last seen, frequency (int64 each) and its
@@ -52,7 +53,11 @@ class PagedOut:
 class PagedRows:
     """Paged-out rows of one table and rank (module doc)."""
 
-    def __init__(self, dim: int, layout: Sequence[tuple[str, int]]) -> None:
+    def __init__(self, dim: int, layout: Sequence[tuple[str, int]], *,
+                 native: bool | None = None) -> None:
+        """`native`: `swap` by hybridps/native/paged_store.c where its tensors allow (None:
+        where built); the torch steps of `swap_reference` otherwise."""
+        self.native = _ext is not None if native is None else native
         self.dim = dim
         self.layout = tuple((str(n), int(w)) for n, w in layout)
         self.index = IdMap()
@@ -86,6 +91,11 @@ class PagedRows:
     def nbytes(self) -> int:
         return len(self) * self.row_bytes
 
+    def reserve(self, more: int) -> None:
+        """Room for `more` new entries: free positions and the index's load."""
+        self._grow(more)
+        self.index.reserve(more)
+
     def _grow(self, need: int) -> None:
         if self.n_free >= need:
             return
@@ -101,8 +111,10 @@ class PagedRows:
         for n in self.state:
             self.state[n][:old] = state[n]
         self.ids[:old], self.seen[:old], self.freq[:old] = ids, seen, freq
-        self.free = np.concatenate([np.arange(new - 1, old - 1, -1, dtype=np.int64), free])
-        self.n_free = self.free.size
+        # the stack keeps room for every position (a release pushes up to `new` of them)
+        self.free[:new - old] = np.arange(new - 1, old - 1, -1, dtype=np.int64)
+        self.free[new - old:new - old + free.size] = free
+        self.n_free = new - old + free.size
 
     def put(self, out: PagedOut) -> None:
         """Store rows that left their slots (ids distinct and absent here)."""
@@ -122,12 +134,12 @@ class PagedRows:
         self.seen[pos] = out.seen.numpy()
         self.freq[pos] = out.freq.numpy()
 
-    def _check(self, out: PagedOut) -> None:
+    def _check(self, out: PagedOut, *, with_state: bool = True) -> None:
         n = out.count
         if tuple(out.rows.shape) != (n, self.dim):
             raise ValueError(f"paged rows: rows of shape {list(out.rows.shape)} are not "
                              f"[{n}, {self.dim}]")
-        for name, width in self.layout:
+        for name, width in self.layout if with_state else ():
             got = out.state.get(name)
             if got is None or tuple(got.shape) != (n, width):
                 raise ValueError(f"paged rows: state {name!r} is "
@@ -148,6 +160,122 @@ class PagedRows:
         got = self._gather(pos[found])
         self._release(ids.numpy()[found], pos[found])
         return torch.from_numpy(found), got
+
+    def swap(self, out: PagedOut, out_rows_R: torch.Tensor, in_ids: torch.Tensor,
+             in_rows_R: torch.Tensor, state: Mapping[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, PagedOut]:
+        """A page call's moves. `out` (its `state` ignored) enters the store with the
+        optimizer state of rows `out_rows_R` of `state` (by name, this store's layout;
+        zeroed there: the rows leave their slots); then the stored entries of `in_ids`
+        leave it, their state onto rows `in_rows_R` of `state` (one per in id, used where
+        found). Returns (found_N, the found entries in order, without their state: it is
+        on its rows). The indices are checked before anything moves (ValueError)."""
+        for what, rows_R, n in (("out", out_rows_R, out.count), ("in", in_rows_R,
+                                                                 int(in_ids.numel()))):
+            if rows_R.numel() != n:
+                raise ValueError(f"paged rows: {rows_R.numel()} {what} rows for {n} ids")
+            for name, t in state.items():
+                if n and not (int(rows_R.min()) >= 0 and int(rows_R.max()) < t.shape[0]):
+                    raise ValueError(f"paged rows: an {what} row is outside the "
+                                     f"{t.shape[0]} rows of state {name!r}")
+        if self._native_for(out, state):
+            return self._swap_native(out, out_rows_R, in_ids, in_rows_R, state)
+        return self.swap_reference(out, out_rows_R, in_ids, in_rows_R, state)
+
+    def swap_reference(self, out: PagedOut, out_rows_R: torch.Tensor, in_ids: torch.Tensor,
+                       in_rows_R: torch.Tensor, state: Mapping[str, torch.Tensor]
+                       ) -> tuple[torch.Tensor, PagedOut]:
+        """`swap` in torch steps (its reference, and the path for state on a device)."""
+        taken = {}
+        for name, t in state.items():
+            at = out_rows_R.to(t.device)
+            taken[name] = t.index_select(0, at).cpu()
+            t.index_fill_(0, at, 0.0)
+        self.put(PagedOut(out.ids, out.rows, taken, out.seen, out.freq))
+        found, got = self.take(in_ids)
+        back_F = in_rows_R[found]
+        for name, t in state.items():
+            t.index_copy_(0, back_F.to(t.device), got.state[name].to(t.device, t.dtype))
+        got.state = {}
+        return found, got
+
+    def _native_for(self, out: PagedOut, state: Mapping[str, torch.Tensor]) -> bool:
+        """Whether every tensor the native moves read or write is CPU fp32, contiguous."""
+        if not self.native or [(n, t.dim() == 2 and t.shape[1]) for n, t in state.items()
+                               ] != [(n, w) for n, w in self.layout]:
+            return False
+        return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                   for t in (out.rows, *state.values()))
+
+    def _swap_native(self, out: PagedOut, out_rows_R: torch.Tensor, in_ids: torch.Tensor,
+                     in_rows_R: torch.Tensor, state: Mapping[str, torch.Tensor]
+                     ) -> tuple[torch.Tensor, PagedOut]:
+        assert _ext is not None
+        n = out.count
+        if n:
+            self._check(out, with_state=False)
+            self.reserve(n)
+            pos = self.free[self.n_free - n:self.n_free][::-1].copy()
+            out_R = out_rows_R.to(torch.int64).contiguous()
+            rows = out.rows.contiguous()
+            self._move(n, [(rows, None, self.rows, pos, False)] + [
+                (t, out_R, self.state[name], pos, True) for name, t in state.items()])
+            ids = out.ids.to(torch.int64).contiguous().numpy()
+            seen = out.seen.to(torch.int64).contiguous().numpy()
+            freq = out.freq.to(torch.int64).contiguous().numpy()
+            reused = _ext.store_put(*self.index.native_args(), pos.ctypes.data,
+                                    self.ids.ctypes.data, self.seen.ctypes.data,
+                                    self.freq.ctypes.data, ids.ctypes.data, seen.ctypes.data,
+                                    freq.ctypes.data, n)
+            self.n_free -= n
+            self.index.count += n
+            self.index.gone -= reused
+        m = int(in_ids.numel())
+        ids_in = in_ids.to(torch.int64).contiguous().numpy()
+        found_u8 = np.zeros(m, dtype=np.uint8)
+        pos_in = np.empty(m, dtype=np.int64)
+        seen_in = np.empty(m, dtype=np.int64)
+        freq_in = np.empty(m, dtype=np.int64)
+        k = 0
+        if m and len(self.index):
+            k = _ext.store_take(*self.index.native_args(), self.free.ctypes.data, self.n_free,
+                                self.seen.ctypes.data, self.freq.ctypes.data,
+                                ids_in.ctypes.data, m, found_u8.ctypes.data,
+                                pos_in.ctypes.data, seen_in.ctypes.data, freq_in.ctypes.data)
+            self.n_free += k
+            self.index.count -= k
+            self.index.gone += k
+        found = torch.from_numpy(found_u8.view(bool))
+        rows_FD = torch.empty(k, self.dim)
+        if k:
+            pos_in = pos_in[:k]
+            back_F = in_rows_R.to(torch.int64).contiguous()[found]
+            self._move(k, [(self.rows, pos_in, rows_FD, None, False)] + [
+                (self.state[name], pos_in, t, back_F, False) for name, t in state.items()])
+        return found, PagedOut(in_ids[found], rows_FD, {}, torch.from_numpy(seen_in[:k]),
+                               torch.from_numpy(freq_in[:k]))
+
+    @staticmethod
+    def _move(n: int, pairs: Sequence[tuple[torch.Tensor, Any, torch.Tensor, Any, bool]]
+              ) -> None:
+        """hybridps/native/paged_store.c move_rows over (src, src rows, dst, dst rows,
+        zero the rows read) per array pair; rows as int64 numpy arrays or tensors, None:
+        row i."""
+        assert _ext is not None
+        keep = []
+        specs = np.zeros((len(pairs), 8), dtype=np.int64)
+        for a, (src, src_at, dst, dst_at, zero) in enumerate(pairs):
+            ptrs = []
+            for at in (src_at, dst_at):
+                if at is None:
+                    ptrs.append(0)
+                    continue
+                arr = at.numpy() if isinstance(at, torch.Tensor) else at
+                keep.append(arr)
+                ptrs.append(arr.ctypes.data)
+            specs[a] = (src.data_ptr(), ptrs[0], src.shape[0], dst.data_ptr(), ptrs[1],
+                        dst.shape[0], src.shape[1], int(zero))
+        _ext.move_rows(specs.ctypes.data, len(pairs), n)
 
     def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(found_N, rows_FD) without removing anything (evaluation reads)."""

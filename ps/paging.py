@@ -4,9 +4,9 @@ A dynamic table (docs/dynamic_ids.md) is registered like a static table of its s
 partition table also keeps the rows paged out of those slots (hybridps/paged_rows.py)
 with their optimizer state. A Page call (PageRequest in shard.proto):
 
-1. takes the optimizer state of `out_slots` (TableState.take_row_state: zeroed there)
-   and stores it with `out_rows` under `out_ids`;
-2. moves the stored state of `in_ids` onto `in_slots` (TableState.put_row_state) and
+1. takes the optimizer state of `out_slots` (zeroed there) and stores it with
+   `out_rows` under `out_ids`;
+2. moves the stored state of `in_ids` onto `in_slots` (both in one `PagedRows.swap`) and
    answers their rows, frequencies and last steps seen (`found` says which it held);
 3. drops the ids unseen for `expire_steps` steps, and, when the server's
    --max-state-bytes is exceeded, the ids seen longest ago: their ids are answered
@@ -61,10 +61,10 @@ class TableState(Protocol):
     @property
     def where(self) -> str: ...
 
-    def take_row_state(self, local_R: torch.Tensor) -> dict[str, torch.Tensor]: ...
-
-    def put_row_state(self, local_R: torch.Tensor, state: dict[str, torch.Tensor]
-                      ) -> None: ...
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The optimizer state of its rows by name ([rows, width] each)."""
+        ...
 
 
 @dataclass
@@ -153,10 +153,8 @@ class PagedTable:
                              f"({self.seq + 1}; last applied {self.seq})")
         self.check(state, call, what)
         start = state.spec.row_start
-        call.out.state = state.take_row_state(call.out_slots - start)
-        self.store.put(call.out)
-        found, got = self.store.take(call.in_ids)
-        state.put_row_state(call.in_slots[found] - start, got.state)
+        found, got = self.store.swap(call.out, call.out_slots - start, call.in_ids,
+                                     call.in_slots - start, state.state)
         dropped = [self.store.expire(call.step, call.expire_steps)]
         excess = over_budget()
         if excess > 0:  # --max-state-bytes: the ids seen longest ago go
@@ -164,7 +162,6 @@ class PagedTable:
                                                   call.step))
         self.page_outs += int(call.out.ids.numel())
         self.page_ins += int(found.sum())
-        got.state = {}  # moved onto the slots; not part of the answer
         result = PageResult(found.to(torch.int64), got, np.concatenate(dropped))
         self.seq, self.last = call.seq, result
         return result, False

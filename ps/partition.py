@@ -231,22 +231,6 @@ class TableState:
         """Host bytes of the rows a dynamic table holds paged out."""
         return 0 if self.paging is None else self.paging.store.nbytes
 
-    # -- a row's optimizer state, by name (a dynamic table's paging, ps/paging.py) ----
-
-    def take_row_state(self, local_R: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The optimizer state of rows `local_R` (owned-row indices) by name, copied out
-        and zeroed here: the rows leave their slots."""
-        out = {}
-        for name, t in self.state.items():
-            out[name] = t.index_select(0, local_R)
-            t.index_fill_(0, local_R, 0.0)
-        return out
-
-    def put_row_state(self, local_R: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        """Set the optimizer state of rows `local_R` (by name, as take_row_state gives)."""
-        for name, t in self.state.items():
-            t.index_copy_(0, local_R, state[name])
-
     @property
     def master_bytes(self) -> int:
         master = self.master

@@ -16,6 +16,7 @@ import torch
 from hybridps.dynamic import DynamicSpec, initial_rows
 from hybridps.optim import OptimizerSpec
 from worker.dynamic_ids import DynamicIds
+from worker.dynamic_slots import NATIVE
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.staleness import RowPredictor
 from worker.updates import LocalSparseOptimizer, StalenessWindow
@@ -121,27 +122,35 @@ def test_with_room_for_every_id_it_trains_like_a_static_table(staleness: int) ->
     assert slots.stats.evictions == 0
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize(("staleness", "eviction"), [(0, "lru"), (2, "lru"), (2, "lfu")])
-def test_eviction_and_page_in_are_bitwise(staleness: int, eviction: str) -> None:
+def test_eviction_and_page_in_are_bitwise(staleness: int, eviction: str, fused: bool) -> None:
     """24 slots for 60 ids: rows and their Adam state go to the paged store and come back;
     every id ends bitwise where a table with room for all of them ends. At K=2 the capacity
     (24 = the distinct ids of 3 steps) has slots reused as soon as the pin rule lets them
     go (LFU would pick the newest ids' slots, pending updates and all): an update computed
-    for a slot never lands on its next id."""
+    for a slot never lands on its next id. Both paths: the fused native step
+    (worker/dynamic_fused.py) and the Python steps it follows."""
+    if fused and not NATIVE:
+        pytest.skip("the native extension is not built")
     data = batches(40, 8)
     small = Run(dynamic_table(24, eviction=eviction), staleness)
     large = Run(dynamic_table(64, eviction=eviction), staleness)
+    small.dynamic.fused = large.dynamic.fused = fused
     reuse_at_edge = 0
     slots = small.dynamic.tables["user"].slots
-    original = slots._victims
+    dynamic = small.dynamic
+    serve = dynamic._serve
 
-    def watch(count: int, local: np.ndarray, applied: int) -> np.ndarray:
+    def watch(name: str, ids_U: np.ndarray, train: bool) -> tuple[np.ndarray, object]:
         nonlocal reuse_at_edge
-        victims = original(count, local, applied)
-        reuse_at_edge += int((slots.seen[victims] == applied).sum())
-        return victims
+        before_id, before_seen = slots.slot_id.copy(), slots.seen.copy()
+        out = serve(name, ids_U, train)
+        reused = (before_seen >= 0) & (slots.slot_id != before_id)
+        reuse_at_edge += int((before_seen[reused] == dynamic.applied_through).sum())
+        return out
 
-    slots._victims = watch  # type: ignore[method-assign]
+    dynamic._serve = watch  # type: ignore[method-assign]
     small.train(data)
     large.train(data)
     stats = slots.stats

@@ -34,8 +34,9 @@ import torch.distributed as dist
 from hybridps.cli import ConfigError
 from hybridps.dynamic import DynamicSpec, check_capacity, initial_rows, owner_of_ids
 from hybridps.native import dynamic as _ext
-from hybridps.paged_rows import PagedOut
+from hybridps.paged_rows import PagedOut, PagedRows
 from worker.comm import BlockCap, exchange, exchange_blocks
+from worker.dynamic_fused import fusable, serve_fused
 from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
 
 PAGED = -2  # an evaluation's code for an id whose row comes from the paged store
@@ -63,6 +64,11 @@ class RowPager(Protocol):
         """(found per id, their stored rows) without moving anything."""
         ...
 
+    def local_store(self, table: str) -> tuple[PagedRows, Mapping[str, torch.Tensor]] | None:
+        """(the store, the optimizer state of the slots by name) when both are in this
+        process (the step may then move rows itself: worker/dynamic_fused.py), else None."""
+        ...
+
 
 @dataclass
 class DynamicTable:
@@ -88,6 +94,7 @@ class DynamicIds:
             self.tables[name] = DynamicTable(name, dim, spec, SlotTable(
                 name, spec, start, end - start, seed=seed, table_index=index), index)
         self.pager: RowPager | None = None
+        self.fused = _ext is not None  # worker/dynamic_fused.py where it can run
         self.step = 0
         self.applied_through = -1
         self._caps: dict[tuple[str, ...], BlockCap] = {}
@@ -189,6 +196,12 @@ class DynamicIds:
         table = self.tables[name]
         slots = table.slots
         if train:
+            fused = self._fused_parts(table)
+            if fused is not None:
+                return serve_fused(slots, *fused, ids_U, self.step, self.applied_through,
+                                   seed=self.seed, table_index=table.table_index,
+                                   init_std=self.init_std,
+                                   expire_steps=table.spec.expire_steps), None
             codes, request = slots.translate(ids_U, self.step, self.applied_through,
                                              self._pager_for(table))
             self._fresh_rows(table, request.new_slots, request.new_ids)
@@ -203,6 +216,19 @@ class DynamicIds:
                 found, rows = self.pager.peek_paged(name, torch.from_numpy(ids_U[paged]))
                 codes[paged[found.numpy()]] = PAGED
         return codes, rows
+
+    def _fused_parts(self, table: DynamicTable) -> tuple[
+            PagedRows, torch.Tensor, Mapping[str, torch.Tensor]] | None:
+        """(store, rows, optimizer state) for worker/dynamic_fused.py's one-call step when
+        the pager's store is in-process and the tensors allow it, else None."""
+        if not self.fused or self.pager is None:
+            return None
+        local = self.pager.local_store(table.name)
+        if local is None:
+            return None
+        store, state = local
+        weight = self.rows_of(table.name).data
+        return (store, weight, state) if fusable(table.slots, store, weight, state) else None
 
     def _pager_for(self, table: DynamicTable) -> Callable[[PageRequest], PageAnswer]:
         def page(req: PageRequest) -> PageAnswer:

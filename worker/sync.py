@@ -344,6 +344,10 @@ class ShardClient(UpdateSource):
         found = wire.decode(response.found, "found").clone().to(torch.bool)
         return found, wire.decode(response.rows, "rows").clone()
 
+    def local_store(self, table: str) -> None:
+        """None: the store is the server's (RowPager)."""
+        return None
+
     def _page_call(self, request: shard_pb2.PageRequest, what: str) -> Any:
         """One Page call, retried on a broken connection within --ps-timeout."""
         deadline = time.monotonic() + self.timeout_s

@@ -357,37 +357,21 @@ class LocalSparseOptimizer(UpdateSource):
 
     # -- dynamic tables: the RowPager of worker/dynamic_ids.py, in-process ----------------
     @torch.no_grad()
-    def take_row_state(self, unit: str, local_R: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The optimizer state of rows `local_R` of a unit's block, by name (copies, fp32 on
-        the CPU), zeroed where it was: the rows leave for the paged store."""
-        out = {}
-        for name, t in self.state[unit].items():
-            at = local_R.to(t.device)
-            out[name] = t.index_select(0, at).cpu()
-            t.index_fill_(0, at, 0.0)
-        return out
-
-    @torch.no_grad()
-    def put_row_state(self, unit: str, local_R: torch.Tensor,
-                      state: dict[str, torch.Tensor]) -> None:
-        """Set the optimizer state of rows `local_R` (state by name, as take_row_state)."""
-        for name, t in self.state[unit].items():
-            t.index_copy_(0, local_R.to(t.device), state[name].to(t.device, t.dtype))
-
     def page(self, table: str, step: int, out: PagedOut, out_slots: torch.Tensor,
              in_ids: torch.Tensor, in_slots: torch.Tensor, expire_steps: int,
              counters: Mapping[str, int] | None = None
              ) -> tuple[torch.Tensor, PagedOut, np.ndarray]:
         start = self.embedding.units[table].start
         store = self.paged[table]
-        out.state = self.take_row_state(table, out_slots - start)
-        store.put(out)
-        found, got = store.take(in_ids)
-        self.put_row_state(table, in_slots[found] - start, got.state)
+        found, got = store.swap(out, out_slots - start, in_ids, in_slots - start,
+                                self.state[table])
         return found, got, store.expire(step, expire_steps)
 
     def peek_paged(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.paged[table].peek(ids)
+
+    def local_store(self, table: str) -> tuple[PagedRows, Mapping[str, torch.Tensor]] | None:
+        return self.paged[table], self.state[table]
 
 
 @dataclass

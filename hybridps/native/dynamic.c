@@ -21,61 +21,12 @@
  * Why native: a dynamic table's owner probes a few thousand ids a step, each a handful
  * of numpy calls per probe round in the batch version (docs/performance-log.md).
  */
+#include "dynamic.h"
+#include "id_map.h"
 #include "kernels.h"
 
 #include <math.h>
 #include <stdlib.h>
-
-enum { SLOT_EMPTY = 0, SLOT_FULL = 1, SLOT_GONE = 2 };
-
-static ALWAYS_INLINE uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-typedef struct {
-    int64_t *keys;
-    int64_t *values;
-    uint8_t *state;
-    uint64_t mask;
-    int shift;
-    uint64_t salt;
-} map_t;
-
-/* size must be a power of two >= 2 (checked: ValueError otherwise) */
-static int map_init(map_t *m, unsigned long long pkeys, unsigned long long pvalues,
-                    unsigned long long pstate, long long size, unsigned long long salt) {
-    if (size < 2 || (size & (size - 1)) != 0) {
-        PyErr_Format(PyExc_ValueError, "id map size %lld is not a power of two >= 2", size);
-        return -1;
-    }
-    int bits = 0;
-    while ((1ll << bits) < size) bits++;
-    m->keys = PTR(int64_t *, pkeys);
-    m->values = PTR(int64_t *, pvalues);
-    m->state = PTR(uint8_t *, pstate);
-    m->mask = (uint64_t)size - 1;
-    m->shift = 64 - bits;
-    m->salt = (uint64_t)salt;
-    return 0;
-}
-
-static ALWAYS_INLINE uint64_t home(const map_t *m, int64_t id) {
-    return mix64((uint64_t)id ^ m->salt) >> m->shift;
-}
-
-/* the position of id, -1 when absent */
-static ALWAYS_INLINE int64_t locate(const map_t *m, int64_t id) {
-    uint64_t pos = home(m, id);
-    for (uint64_t probes = 0; probes <= m->mask; probes++) {
-        const uint8_t st = m->state[pos];
-        if (st == SLOT_EMPTY) return -1;
-        if (st == SLOT_FULL && m->keys[pos] == id) return (int64_t)pos;
-        pos = (pos + 1) & m->mask;
-    }
-    return -1; /* no empty position at all (the Python side keeps the load at most 1/2) */
-}
 
 PyDoc_STRVAR(idmap_find_doc,
              "idmap_find(keys, values, state, size, salt, ids, n, out, want_positions)\n--\n\n"
@@ -123,17 +74,12 @@ static PyObject *py_idmap_place(PyObject *self, PyObject *args) {
     const int64_t *vals = PTR(const int64_t *, pvals);
     int64_t reused = 0;
     for (int64_t i = 0; i < n; i++) {
-        uint64_t pos = home(&m, ids[i]);
-        uint64_t probes = 0;
-        while (m.state[pos] == SLOT_FULL && probes++ <= m.mask) pos = (pos + 1) & m.mask;
-        if (m.state[pos] == SLOT_FULL) {
+        const int got = map_place(&m, ids[i], vals[i]);
+        if (got < 0) {
             PyErr_SetString(PyExc_RuntimeError, "id map is full (load kept at most 1/2)");
             return NULL;
         }
-        reused += m.state[pos] == SLOT_GONE;
-        m.state[pos] = SLOT_FULL;
-        m.keys[pos] = ids[i];
-        m.values[pos] = vals[i];
+        reused += got;
     }
     return PyLong_FromLongLong((long long)reused);
 }
@@ -175,6 +121,22 @@ static PyObject *py_idmap_remove(PyObject *self, PyObject *args) {
  * could move the float32 rounding only for a value within an ulp of a float32 boundary
  * (tests/test_dynamic_parts.py compares the two bitwise).
  */
+void hp_initial_row(int64_t id, int64_t dim, uint64_t salt, double std, float *row) {
+    const double two_pi = 2.0 * 3.141592653589793;
+    const double unit = 1.0 / 9007199254740992.0; /* 2^-53 */
+    const uint64_t base = mix64((uint64_t)id ^ salt);
+    for (int64_t c = 0; 2 * c < dim; c++) {
+        const uint64_t a = mix64(base + (uint64_t)(2 * c) + 1u);
+        const uint64_t b = mix64(base + (uint64_t)(2 * c) + 2u);
+        const double ua = ((double)(a >> 11) + 1.0) * unit;
+        const double ub = ((double)(b >> 11) + 1.0) * unit;
+        const double radius = sqrt(-2.0 * log(ua));
+        const double angle = two_pi * ub;
+        row[2 * c] = (float)((radius * cos(angle)) * std);
+        if (2 * c + 1 < dim) row[2 * c + 1] = (float)((radius * sin(angle)) * std);
+    }
+}
+
 PyDoc_STRVAR(initial_rows_doc,
              "initial_rows(ids, n, dim, salt, std, out)\n--\n\n"
              "out (float32 [n, dim]) = the initial rows of the n int64 ids (see the comment\n"
@@ -188,22 +150,7 @@ static PyObject *py_initial_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KLLKdK", &pids, &n, &dim, &salt, &std, &pout)) return NULL;
     const int64_t *ids = PTR(const int64_t *, pids);
     float *out = PTR(float *, pout);
-    const double two_pi = 2.0 * 3.141592653589793;
-    const double unit = 1.0 / 9007199254740992.0; /* 2^-53 */
-    for (int64_t i = 0; i < n; i++) {
-        const uint64_t base = mix64((uint64_t)ids[i] ^ (uint64_t)salt);
-        float *row = out + i * dim;
-        for (int64_t c = 0; 2 * c < dim; c++) {
-            const uint64_t a = mix64(base + (uint64_t)(2 * c) + 1u);
-            const uint64_t b = mix64(base + (uint64_t)(2 * c) + 2u);
-            const double ua = ((double)(a >> 11) + 1.0) * unit;
-            const double ub = ((double)(b >> 11) + 1.0) * unit;
-            const double radius = sqrt(-2.0 * log(ua));
-            const double angle = two_pi * ub;
-            row[2 * c] = (float)((radius * cos(angle)) * std);
-            if (2 * c + 1 < dim) row[2 * c + 1] = (float)((radius * sin(angle)) * std);
-        }
-    }
+    for (int64_t i = 0; i < n; i++) hp_initial_row(ids[i], dim, (uint64_t)salt, std, out + i * dim);
     Py_RETURN_NONE;
 }
 
@@ -339,6 +286,28 @@ static int by_sorting(const int64_t *seen, const int64_t *freq, const uint8_t *p
     return 0;
 }
 
+int64_t hp_victims(const int64_t *seen, const int64_t *freq, int64_t n, int64_t applied_through,
+                   const uint8_t *pinned, int lfu, int64_t count, int64_t *out) {
+    if (count <= 0 || n <= 0) return 0;
+    int64_t m = 0, lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t s = 0; s < n; s++) {
+        if (!evictable(seen, pinned, s, applied_through)) continue;
+        const int64_t key = victim_key(seen, freq, s, lfu);
+        lo = key < lo ? key : lo;
+        hi = key > hi ? key : hi;
+        m++;
+    }
+    const int64_t k = count < m ? count : m;
+    if (k <= 0) return 0;
+    /* counting when the key range is at most a few times the slots (LRU: steps) */
+    const uint64_t range = (uint64_t)hi - (uint64_t)lo + 1u;
+    const int failed = range <= (uint64_t)(4 * m + 4096)
+                           ? by_counting(seen, freq, pinned, n, applied_through, lfu, lo,
+                                         (int64_t)range, k, out)
+                           : by_sorting(seen, freq, pinned, n, applied_through, lfu, m, k, out);
+    return failed ? -1 : k;
+}
+
 PyDoc_STRVAR(victims_doc,
              "victims(seen, freq, n, applied_through, pinned, n_pinned, lfu, count, out)\n--\n\n"
              "The slots a dynamic table evicts (worker/dynamic_slots.py _victims, whose numpy\n"
@@ -364,26 +333,9 @@ static PyObject *py_victims(PyObject *self, PyObject *args) {
     if (pinned == NULL) return PyErr_NoMemory();
     for (int64_t i = 0; i < n_pinned; i++)
         if (pins[i] >= 0 && pins[i] < n) pinned[pins[i]] = 1;
-    int64_t m = 0, lo = INT64_MAX, hi = INT64_MIN;
-    for (int64_t s = 0; s < n; s++) {
-        if (!evictable(seen, pinned, s, applied_through)) continue;
-        const int64_t key = victim_key(seen, freq, s, lfu);
-        lo = key < lo ? key : lo;
-        hi = key > hi ? key : hi;
-        m++;
-    }
-    const int64_t k = count < m ? count : m;
-    int failed = 0;
-    if (k > 0) {
-        /* counting when the key range is at most a few times the slots (LRU: steps) */
-        const uint64_t range = (uint64_t)hi - (uint64_t)lo + 1u;
-        failed = range <= (uint64_t)(4 * m + 4096)
-                     ? by_counting(seen, freq, pinned, n, applied_through, lfu, lo,
-                                   (int64_t)range, k, out)
-                     : by_sorting(seen, freq, pinned, n, applied_through, lfu, m, k, out);
-    }
+    const int64_t k = hp_victims(seen, freq, n, applied_through, pinned, lfu, count, out);
     free(pinned);
-    if (failed) return PyErr_NoMemory();
+    if (k < 0) return PyErr_NoMemory();
     return PyLong_FromLongLong((long long)k);
 }
 

@@ -1,0 +1,309 @@
+/*
+ * A dynamic table's step at its owner, fused (a function of hybridps.native._fused_adam,
+ * added at import: see kernels.h), for an owner whose paged store is in-process (the
+ * local optimizer): worker/dynamic_slots.py SlotTable.translate, the row moves of
+ * worker/dynamic_ids.py and the store's swap (hybridps/paged_rows.py), in one pass.
+ * Those Python steps are the reference (and the path for a store behind a server); the
+ * tests run both on the same streams and compare every array bitwise
+ * (tests/test_dynamic_fused.py).
+ *
+ * For the U distinct ids of a step, in order:
+ *   1. an id on a slot is a hit; a miss is paged (its id is in the paged set) or new;
+ *      a new id the admission filter refused (refused[i], computed by the caller) or
+ *      that finds no slot gets code -1;
+ *   2. the wanted misses (paged, and admitted new ones, in batch order) take the free
+ *      slots lowest first, then the victims (dynamic.c hp_victims, the hits pinned);
+ *   3. each victim's row and optimizer state go to the store (state zeroed on the slot),
+ *      its id leaves the slot map and enters the paged set;
+ *   4. a paged id's row and state come back from the store onto its slot (freq: the
+ *      stored one + 1); one the store no longer holds gets a fresh row (freq 1);
+ *   5. a new id gets its initial row (dynamic.c hp_initial_row), freq 1;
+ *   6. placed ids enter the slot map; every looked-up slot gets seen = step; a hit's
+ *      freq grows by one (capped at 2^31 - 1).
+ *
+ * The caller reserves room beforehand (the maps at most half full after U more
+ * entries; U free positions in the store) and does the counts' bookkeeping with what
+ * `counts` returns. Optimizer state and rows are float32 and contiguous on the CPU.
+ *
+ * Why fused: at a few hundred ids a step, the Python version's cost is its ~100 small
+ * numpy/torch calls, not the work (docs/performance-log.md).
+ */
+#include "dynamic.h"
+#include "id_map.h"
+#include "kernels.h"
+
+#include <stdlib.h>
+
+#define LFU_FREQ_CAP 0x7fffffffll
+
+enum {
+    C_HITS,
+    C_REFUSED_FILTER,
+    C_REFUSED_CAPACITY,
+    C_EVICTIONS,
+    C_PAGE_INS,
+    C_ADMISSIONS,
+    C_TOOK_FREE,
+    C_SLOT_REUSED,
+    C_PAGED_REUSED,
+    C_PAGED_REMOVED,
+    C_STORE_REUSED,
+    C_STORE_TAKEN,
+    C_COUNTS
+};
+
+enum { MAX_BUFS = 24 }; /* serve_step takes 22 arrays at most */
+
+typedef struct {
+    Py_buffer views[MAX_BUFS];
+    int held;
+} bufs_t;
+
+static void release_all(bufs_t *b) {
+    for (int i = 0; i < b->held; i++) PyBuffer_Release(&b->views[i]);
+    b->held = 0;
+}
+
+/* A writable C-contiguous buffer of `obj` with items of `itemsize` bytes; its item count
+ * into *len. NULL (TypeError/ValueError naming `name`) otherwise. */
+static void *grab(bufs_t *b, PyObject *obj, Py_ssize_t itemsize, const char *name,
+                  int64_t *len) {
+    if (b->held == MAX_BUFS) {
+        PyErr_SetString(PyExc_RuntimeError, "serve_step: too many arrays");
+        return NULL;
+    }
+    Py_buffer *v = &b->views[b->held];
+    if (PyObject_GetBuffer(obj, v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    b->held++;
+    if (v->itemsize != itemsize && !(v->len == 0)) {
+        PyErr_Format(PyExc_ValueError, "serve_step: %s has items of %zd bytes, not %zd", name,
+                     v->itemsize, itemsize);
+        return NULL;
+    }
+    *len = (int64_t)(v->len / itemsize);
+    return v->buf;
+}
+
+static int grab_map(bufs_t *b, PyObject *tuple, uint64_t salt, const char *name, map_t *m) {
+    PyObject *keys, *values, *state;
+    if (!PyArg_ParseTuple(tuple, "OOO", &keys, &values, &state)) return -1;
+    int64_t nk, nv, ns;
+    void *pk = grab(b, keys, 8, name, &nk), *pv = pk ? grab(b, values, 8, name, &nv) : NULL;
+    void *ps = pv ? grab(b, state, 1, name, &ns) : NULL;
+    if (ps == NULL) return -1;
+    if (nk != nv || nk != ns) {
+        PyErr_Format(PyExc_ValueError, "serve_step: %s arrays differ in size", name);
+        return -1;
+    }
+    return map_init(m, (uintptr_t)pk, (uintptr_t)pv, (uintptr_t)ps, (long long)nk, salt);
+}
+
+/* One row array: slot rows, pool rows, width (floats). */
+typedef struct {
+    int64_t slots, pool, width;
+} row_pair;
+
+PyDoc_STRVAR(serve_step_doc,
+             "serve_step(ids, refused, codes, slot_map, paged_set, slot_id, seen, freq, free,\n"
+             "           n_free, store_map, store_free, store_n_free, store_ids, store_seen,\n"
+             "           store_freq, row_pairs, start, step, applied_through, lfu, map_salt,\n"
+             "           init_salt, init_std, counts)\n--\n\n"
+             "One step of a dynamic table at its owner with an in-process store (see the\n"
+             "comment at the top of dynamic_step.c). Maps are (keys, values, state) numpy\n"
+             "arrays; row_pairs: int64 [k, 3] of (slot array pointer, pool array pointer,\n"
+             "width), the rows first, then each optimizer state array. codes (int64 [U]) gets\n"
+             "each id's global slot or -1; counts (int64 [12]) what the caller books.");
+
+static PyObject *py_serve_step(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_ids, *o_refused, *o_codes, *o_slot_map, *o_paged, *o_slot_id, *o_seen,
+        *o_freq, *o_free, *o_store_map, *o_store_free, *o_store_ids, *o_store_seen,
+        *o_store_freq, *o_pairs, *o_counts;
+    long long n_free, store_n_free, start, step, applied_through;
+    int lfu;
+    unsigned long long map_salt, init_salt;
+    double init_std;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOLOOLOOOOLLLpKKdO", &o_ids, &o_refused, &o_codes,
+                          &o_slot_map, &o_paged, &o_slot_id, &o_seen, &o_freq, &o_free,
+                          &n_free, &o_store_map, &o_store_free, &store_n_free, &o_store_ids,
+                          &o_store_seen, &o_store_freq, &o_pairs, &start, &step,
+                          &applied_through, &lfu, &map_salt, &init_salt, &init_std,
+                          &o_counts))
+        return NULL;
+    bufs_t b = {.held = 0};
+    PyObject *result = NULL;
+    int64_t *want = NULL, *victims = NULL, *local = NULL;
+    uint8_t *pinned = NULL;
+    int64_t u, nr = 0, nc, n, n2, n3, nf, nsf, nsi, nss, nsq, np_, ncounts;
+    map_t slot_map, paged, store_map;
+    const int64_t *ids = grab(&b, o_ids, 8, "ids", &u);
+    if (ids == NULL) goto done;
+    const uint8_t *refused = NULL;
+    if (o_refused != Py_None && (refused = grab(&b, o_refused, 1, "refused", &nr)) == NULL)
+        goto done;
+    int64_t *codes = grab(&b, o_codes, 8, "codes", &nc);
+    if (codes == NULL) goto done;
+    if (grab_map(&b, o_slot_map, map_salt, "slot map", &slot_map) < 0) goto done;
+    if (grab_map(&b, o_paged, map_salt, "paged set", &paged) < 0) goto done;
+    int64_t *slot_id = grab(&b, o_slot_id, 8, "slot_id", &n);
+    int64_t *seen = slot_id ? grab(&b, o_seen, 8, "seen", &n2) : NULL;
+    int64_t *freq = seen ? grab(&b, o_freq, 8, "freq", &n3) : NULL;
+    const int64_t *free_slots = freq ? grab(&b, o_free, 8, "free", &nf) : NULL;
+    if (free_slots == NULL) goto done;
+    if (grab_map(&b, o_store_map, map_salt, "store index", &store_map) < 0) goto done;
+    int64_t *store_free = grab(&b, o_store_free, 8, "store free", &nsf);
+    int64_t *store_ids = store_free ? grab(&b, o_store_ids, 8, "store ids", &nsi) : NULL;
+    int64_t *store_seen = store_ids ? grab(&b, o_store_seen, 8, "store seen", &nss) : NULL;
+    int64_t *store_freq = store_seen ? grab(&b, o_store_freq, 8, "store freq", &nsq) : NULL;
+    const row_pair *pairs = store_freq ? grab(&b, o_pairs, 8, "row_pairs", &np_) : NULL;
+    int64_t *counts = pairs ? grab(&b, o_counts, 8, "counts", &ncounts) : NULL;
+    if (counts == NULL) goto done;
+    const int64_t n_pairs = np_ / 3;
+    if ((refused && nr != u) || nc != u || n2 != n || n3 != n || n_free > nf || n_free < 0 ||
+        nsi != nsf || nss != nsf || nsq != nsf || store_n_free < u || store_n_free > nsf ||
+        n_pairs < 1 || ncounts < C_COUNTS) {
+        PyErr_SetString(PyExc_ValueError, "serve_step: inconsistent sizes");
+        goto done;
+    }
+    memset(counts, 0, C_COUNTS * sizeof *counts);
+    const int64_t dim = pairs[0].width;
+
+    want = malloc((size_t)(u ? u : 1) * sizeof *want);
+    local = malloc((size_t)(u ? u : 1) * sizeof *local);
+    pinned = calloc((size_t)(n ? n : 1), 1);
+    if (want == NULL || local == NULL || pinned == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* 1. hits, paged and new ids; the wanted misses in batch order */
+    int64_t n_want = 0;
+    for (int64_t i = 0; i < u; i++) {
+        const int64_t at = locate(&slot_map, ids[i]);
+        local[i] = at < 0 ? -1 : slot_map.values[at];
+        codes[i] = -1;
+        if (local[i] >= 0) {
+            counts[C_HITS]++;
+            pinned[local[i]] = 1;
+            continue;
+        }
+        if (locate(&paged, ids[i]) < 0 && refused && refused[i]) {
+            counts[C_REFUSED_FILTER]++;
+            continue;
+        }
+        want[n_want++] = i;
+    }
+    /* 2. free slots lowest first, then victims */
+    const int64_t took_free = n_want < n_free ? n_want : n_free;
+    int64_t n_out = 0;
+    if (n_want > took_free) {
+        victims = malloc((size_t)(n_want - took_free) * sizeof *victims);
+        if (victims == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        n_out = hp_victims(seen, freq, n, applied_through, pinned, lfu, n_want - took_free,
+                           victims);
+        if (n_out < 0) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    const int64_t placed = took_free + n_out;
+    for (int64_t a = 0; a < n_pairs; a++)
+        if (pairs[a].slots == 0 || pairs[a].pool == 0 || pairs[a].width < 1) {
+            PyErr_SetString(PyExc_ValueError, "serve_step: a row pair without arrays");
+            goto done;
+        }
+    /* 3. victims out: rows and state to the store, the id from the slot map to the paged
+     *    set (before any slot is written: the paged ids below may land on victims) */
+    for (int64_t j = 0; j < n_out; j++) {
+        const int64_t v = victims[j], id = slot_id[v];
+        const int64_t pos = store_free[--store_n_free];
+        const int reused = map_place(&store_map, id, pos);
+        const int reused_set = reused < 0 ? -1 : map_place(&paged, id, 0);
+        if (reused_set < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "serve_step: an id map is full");
+            goto done;
+        }
+        counts[C_STORE_REUSED] += reused;
+        counts[C_PAGED_REUSED] += reused_set;
+        store_ids[pos] = id;
+        store_seen[pos] = seen[v];
+        store_freq[pos] = freq[v];
+        for (int64_t a = 0; a < n_pairs; a++) {
+            float *slot_rows = PTR(float *, pairs[a].slots);
+            float *pool_rows = PTR(float *, pairs[a].pool);
+            const int64_t w = pairs[a].width;
+            memcpy(pool_rows + pos * w, slot_rows + v * w, (size_t)w * sizeof(float));
+            if (a > 0) memset(slot_rows + v * w, 0, (size_t)w * sizeof(float));
+        }
+        const int64_t at = locate(&slot_map, id);
+        if (at >= 0) slot_map.state[at] = SLOT_GONE;
+    }
+    counts[C_EVICTIONS] = n_out;
+    /* 4-6. the placed ids onto their slots */
+    float *weight = PTR(float *, pairs[0].slots);
+    for (int64_t j = 0; j < placed; j++) {
+        const int64_t i = want[j], id = ids[i];
+        const int64_t slot = j < took_free ? free_slots[j] : victims[j - took_free];
+        const int64_t in_set = locate(&paged, id);
+        if (in_set >= 0) {
+            paged.state[in_set] = SLOT_GONE;
+            counts[C_PAGED_REMOVED]++;
+            const int64_t at = locate(&store_map, id);
+            if (at >= 0) {
+                const int64_t pos = store_map.values[at];
+                store_map.state[at] = SLOT_GONE;
+                store_free[store_n_free++] = pos;
+                counts[C_STORE_TAKEN]++;
+                for (int64_t a = 0; a < n_pairs; a++) {
+                    float *slot_rows = PTR(float *, pairs[a].slots);
+                    const float *pool_rows = PTR(const float *, pairs[a].pool);
+                    const int64_t w = pairs[a].width;
+                    memcpy(slot_rows + slot * w, pool_rows + pos * w, (size_t)w * sizeof(float));
+                }
+                const int64_t f = store_freq[pos] + 1;
+                freq[slot] = f < LFU_FREQ_CAP ? f : LFU_FREQ_CAP;
+                counts[C_PAGE_INS]++;
+            } else { /* dropped by the store meanwhile: a fresh row */
+                hp_initial_row(id, dim, (uint64_t)init_salt, init_std, weight + slot * dim);
+                freq[slot] = 1;
+            }
+        } else {
+            hp_initial_row(id, dim, (uint64_t)init_salt, init_std, weight + slot * dim);
+            freq[slot] = 1;
+            counts[C_ADMISSIONS]++;
+        }
+        const int reused = map_place(&slot_map, id, slot);
+        if (reused < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "serve_step: the slot map is full");
+            goto done;
+        }
+        counts[C_SLOT_REUSED] += reused;
+        slot_id[slot] = id;
+        seen[slot] = step;
+        codes[i] = slot + start;
+    }
+    for (int64_t i = 0; i < u; i++) {
+        const int64_t s = local[i];
+        if (s < 0) continue;
+        seen[s] = step;
+        freq[s] = freq[s] + 1 < LFU_FREQ_CAP ? freq[s] + 1 : LFU_FREQ_CAP;
+        codes[i] = s + start;
+    }
+    counts[C_REFUSED_CAPACITY] = n_want - placed;
+    counts[C_TOOK_FREE] = took_free;
+    result = PyLong_FromLongLong((long long)store_n_free);
+done:
+    free(want);
+    free(local);
+    free(pinned);
+    free(victims);
+    release_all(&b);
+    return result;
+}
+
+PyMethodDef hp_dynamic_step_methods[] = {
+    {"serve_step", py_serve_step, METH_VARARGS, serve_step_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,129 @@
+"""The fused native step of a dynamic table (worker/dynamic_fused.py over
+hybridps/native/dynamic_step.c) against the Python steps it follows (SlotTable.translate,
+DynamicIds' row moves, PagedRows.swap): the same stream trained both ways leaves every
+array bitwise the same (rows, optimizer state, slots, maps, paged store, counts), for
+each eviction and admission policy, with expiry, at staleness 0 and 2, and for optimizers
+with and without per-row state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import worker.dynamic_ids as dynamic_ids
+from tests.test_dynamic_train import Run, batches, dynamic_table
+from worker.dynamic_slots import NATIVE
+
+pytestmark = pytest.mark.skipif(not NATIVE, reason="the native extension is not built")
+
+
+def _map_items(m: object) -> dict[int, int]:
+    keys, values = m.items()  # type: ignore[attr-defined]
+    return dict(zip(keys.tolist(), values.tolist(), strict=True))
+
+
+def _assert_same(fused: Run, reference: Run) -> None:
+    name = fused.name
+    assert torch.equal(fused.emb.weights[name].data, reference.emb.weights[name].data)
+    for key, t in fused.source.state[name].items():
+        assert torch.equal(t, reference.source.state[name][key]), key
+    a = fused.dynamic.tables[name].slots
+    b = reference.dynamic.tables[name].slots
+    for field in ("slot_id", "seen", "freq", "free"):
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+    assert a.stats == b.stats
+    assert _map_items(a.map) == _map_items(b.map)
+    assert set(_map_items(a.paged)) == set(_map_items(b.paged))
+    assert a.map.count == b.map.count and a.paged.count == b.paged.count
+    sa, sb = fused.source.paged[name], reference.source.paged[name]
+    assert len(sa) == len(sb) and sa.index.count == len(_map_items(sa.index))
+    ea, eb = sa.entries(), sb.entries()
+    for got, want in ((ea.ids, eb.ids), (ea.rows, eb.rows), (ea.seen, eb.seen),
+                      (ea.freq, eb.freq)):
+        assert torch.equal(got, want)
+    for key in eb.state:
+        assert torch.equal(ea.state[key], eb.state[key]), key
+    assert all(np.array_equal(x, y) for x, y in zip(sa.tombstones(), sb.tombstones(),
+                                                    strict=True))
+    # the store's bookkeeping stays whole: every position is either free or holds an id
+    used = set(_map_items(sa.index).values())
+    free = set(sa.free[:sa.n_free].tolist())
+    assert not used & free and len(used) + len(free) == sa.capacity
+
+
+def _pair(capacity: int, staleness: int, kind: str = "adam", **spec: object
+          ) -> tuple[Run, Run]:
+    fused = Run(dynamic_table(capacity, **spec), staleness, kind)
+    reference = Run(dynamic_table(capacity, **spec), staleness, kind)
+    reference.dynamic.fused = False
+    return fused, reference
+
+
+@pytest.mark.parametrize(("staleness", "spec"), [
+    (0, {"eviction": "lru"}),
+    (2, {"eviction": "lru"}),
+    (2, {"eviction": "lfu"}),
+    (0, {"eviction": "lfu", "expire_steps": 3}),
+    (2, {"eviction": "lru", "expire_steps": 6}),
+    (1, {"admission": "threshold", "threshold": 2, "sketch_width": 64}),
+    (2, {"admission": "probability", "probability": 0.5, "eviction": "lfu"}),
+])
+def test_the_fused_step_is_the_python_steps(staleness: int, spec: dict[str, object],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"fused": 0}
+    serve = dynamic_ids.serve_fused
+
+    def counted(*args: object, **kwargs: object) -> np.ndarray:
+        calls["fused"] += 1
+        return serve(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dynamic_ids, "serve_fused", counted)
+    data = batches(60, 8)
+    fused, reference = _pair(12, staleness, **spec)
+    fused.train(data)
+    assert calls["fused"] == len(data)  # every step took the fused path
+    reference.train(data)
+    assert calls["fused"] == len(data)  # ... and the reference never did
+    stats = fused.dynamic.tables["user"].slots.stats
+    assert stats.evictions > 20 and stats.page_ins > 5
+    if spec.get("expire_steps"):
+        assert stats.dropped_paged > 0
+    if spec.get("admission", "always") != "always":
+        assert stats.refused_filter > 0
+    _assert_same(fused, reference)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "partial_rowwise_adam"])
+def test_the_fused_step_moves_each_optimizers_state(kind: str) -> None:
+    data = batches(40, 8)
+    fused, reference = _pair(12, 2, kind)
+    fused.train(data)
+    reference.train(data)
+    assert fused.dynamic.tables["user"].slots.stats.page_ins > 5
+    _assert_same(fused, reference)
+
+
+def test_capacity_refusals_are_the_same() -> None:
+    """At K=2 with 6 slots for 8 distinct ids a step, the pin rule leaves too few slots:
+    some ids are refused for capacity, on both paths alike."""
+    data = batches(30, 8)
+    fused, reference = _pair(6, 2)
+    fused.train(data)
+    reference.train(data)
+    assert fused.dynamic.tables["user"].slots.stats.refused_capacity > 0
+    _assert_same(fused, reference)
+
+
+def test_rows_elsewhere_take_the_python_steps() -> None:
+    """State that is not fp32 on the CPU (here: float64) is not fusable: the step falls
+    back, with the same result."""
+    from worker.dynamic_fused import fusable
+
+    run = Run(dynamic_table(12), 0)
+    table = run.dynamic.tables["user"]
+    store, state = run.source.local_store("user")  # type: ignore[misc]
+    weight = run.emb.weights["user"].data
+    assert fusable(table.slots, store, weight, state)
+    assert not fusable(table.slots, store, weight.double(), state)
+    assert not fusable(table.slots, store, weight, {k: v[:5] for k, v in state.items()})

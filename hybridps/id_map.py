@@ -1,9 +1,11 @@
 """A hash map from raw int64 ids to int64 values, vectorized over batches (numpy).
 
-Open addressing with linear probing: `keys`, `values` and a `state` byte per position
-(empty, full, or a removed entry's tombstone), the size a power of two kept at most
-half occupied (full + tombstones; a rebuild drops the tombstones). 17 bytes a position:
-34 to 68 bytes an entry. Every operation works
+Open addressing with linear probing over one int64 table [size, 2]: per position a key
+and a value, the value also saying the position's state (>= 0: full, EMPTY, or GONE: a
+removed entry's tombstone), so values are >= 0. The size is a power of two kept at most
+half occupied (full + tombstones; a rebuild drops the tombstones). 16 bytes a position,
+32 to 64 bytes an entry; a probe reads one 16-byte entry (key and value side by side:
+one cache miss, not one per array). Every operation works
 on a whole batch of ids at once: each probe round is a handful of numpy operations over
 the ids still probing, and at this load a round or two places or finds nearly all of
 them. A key's home position is a salted splitmix64 of it (hybridps/dynamic.py), so any
@@ -25,7 +27,7 @@ import numpy as np
 from hybridps.dynamic import salted
 from hybridps.native import dynamic as _ext
 
-EMPTY, FULL, GONE = 0, 1, 2
+EMPTY, GONE = -1, -2  # a position's value when it holds no entry
 MAP_SALT = 0x6A09E667F3BCC909
 MAX_LOAD = 0.5
 MIN_SIZE = 16
@@ -42,6 +44,11 @@ def _size_for(entries: int) -> int:
     return size
 
 
+def _check_values(values: np.ndarray) -> None:
+    if values.size and int(values.min()) < 0:
+        raise ValueError(f"IdMap: value {int(values.min())} is negative (values are >= 0)")
+
+
 class IdMap:
     """int64 id -> int64 value (see the module doc)."""
 
@@ -55,9 +62,10 @@ class IdMap:
     def _alloc(self, size: int) -> None:
         self.size = size
         self.bits = size.bit_length() - 1
-        self.keys = np.zeros(size, dtype=np.int64)
-        self.values = np.zeros(size, dtype=np.int64)
-        self.state = np.zeros(size, dtype=np.uint8)
+        self.table = np.zeros((size, 2), dtype=np.int64)
+        self.table[:, 1] = EMPTY
+        self.keys = self.table[:, 0]    # views of the table's columns
+        self.values = self.table[:, 1]
         self._claim = np.zeros(size, dtype=np.int64)  # _place's scratch
         self.count = 0
         self.gone = 0
@@ -67,7 +75,7 @@ class IdMap:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.state.nbytes
+        return int(self.table.nbytes)
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (salted(ids.view(np.uint64), MAP_SALT) >> np.uint64(64 - self.bits)).astype(
@@ -80,8 +88,7 @@ class IdMap:
             out.fill(-1)
             return out
         assert _ext is not None
-        _ext.idmap_find(self.keys.ctypes.data, self.values.ctypes.data,
-                        self.state.ctypes.data, self.size, MAP_SALT, ids.ctypes.data,
+        _ext.idmap_find(self.table.ctypes.data, self.size, MAP_SALT, ids.ctypes.data,
                         ids.size, out.ctypes.data, positions)
         return out
 
@@ -98,8 +105,8 @@ class IdMap:
         pos = self._home(ids)
         while idx.size:  # WINDOW positions of every id still probing at once
             at = (pos[:, None] + _STEPS) & mask
-            st = self.state[at]
-            hit = (st == FULL) & (self.keys[at] == ids[idx][:, None])
+            st = self.values[at]
+            hit = (st >= 0) & (self.keys[at] == ids[idx][:, None])
             stop = hit | (st == EMPTY)  # found, or an empty position: absent
             first = stop.argmax(axis=1)
             rows = np.arange(idx.size)
@@ -131,6 +138,7 @@ class IdMap:
             return
         if check and (np.unique(ids).size != ids.size or bool(self.contains(ids).any())):
             raise ValueError("IdMap.insert: ids must be distinct and absent")
+        _check_values(values)
         self.reserve(ids.size)
         self._place(ids, values)
 
@@ -139,17 +147,15 @@ class IdMap:
         if self.count + self.gone + more > MAX_LOAD * self.size:
             self._rebuild(self.count + more)
 
-    def native_args(self) -> tuple[int, int, int, int, int]:
-        """(keys, values, state, size, salt): the arrays as hybridps/native/id_map.h takes
-        them; a caller that enters or removes entries there adjusts `count` and `gone`."""
-        return (self.keys.ctypes.data, self.values.ctypes.data, self.state.ctypes.data,
-                self.size, MAP_SALT)
+    def native_args(self) -> tuple[int, int, int]:
+        """(table, size, salt) as hybridps/native/id_map.h takes them; a caller that
+        enters or removes entries there adjusts `count` and `gone`."""
+        return self.table.ctypes.data, self.size, MAP_SALT
 
     def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
         if self.native:
             assert _ext is not None
-            self.gone -= _ext.idmap_place(self.keys.ctypes.data, self.values.ctypes.data,
-                                          self.state.ctypes.data, self.size, MAP_SALT,
+            self.gone -= _ext.idmap_place(self.table.ctypes.data, self.size, MAP_SALT,
                                           ids.ctypes.data, values.ctypes.data, ids.size)
             self.count += ids.size
             return
@@ -160,7 +166,7 @@ class IdMap:
         while idx.size:
             # each id's first free position within WINDOW of where it is (else move on)
             at = (pos[:, None] + _STEPS) & mask
-            open_ = self.state[at] != FULL
+            open_ = self.values[at] < 0
             first = open_.argmax(axis=1)
             rows = np.arange(idx.size)
             has = open_[rows, first]
@@ -171,8 +177,7 @@ class IdMap:
             claim[pos[free]] = idx[free]
             won = free[claim[pos[free]] == idx[free]]
             at = pos[won]
-            self.gone -= int((self.state[at] == GONE).sum())
-            self.state[at] = FULL
+            self.gone -= int((self.values[at] == GONE).sum())
             self.keys[at] = ids[idx[won]]
             self.values[at] = values[idx[won]]
             self.count += won.size
@@ -187,6 +192,7 @@ class IdMap:
         pos = self._locate(ids)
         if bool((pos < 0).any()):
             raise ValueError("IdMap.set_values: an id is absent")
+        _check_values(values)
         self.values[pos] = values
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
@@ -196,23 +202,22 @@ class IdMap:
             hit_u8 = np.zeros(ids.size, dtype=np.uint8)
             if ids.size and self.count:
                 assert _ext is not None
-                removed = _ext.idmap_remove(self.keys.ctypes.data, self.state.ctypes.data,
-                                            self.size, MAP_SALT, ids.ctypes.data, ids.size,
-                                            hit_u8.ctypes.data)
+                removed = _ext.idmap_remove(self.table.ctypes.data, self.size, MAP_SALT,
+                                            ids.ctypes.data, ids.size, hit_u8.ctypes.data)
                 self.count -= removed
                 self.gone += removed
             return hit_u8.view(bool)
         pos = self._locate(ids)
         hit = pos >= 0
         at = pos[hit]
-        self.state[at] = GONE
+        self.values[at] = GONE
         self.count -= at.size
         self.gone += at.size
         return hit
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, values) of every entry, in position order."""
-        full = self.state == FULL
+        full = self.values >= 0
         return self.keys[full].copy(), self.values[full].copy()
 
     def _rebuild(self, entries: int) -> None:

@@ -69,12 +69,13 @@ class PagedRows:
         self.last_expiry = -1
 
     def _alloc(self, capacity: int) -> None:
+        # empty, not zeros: a position is read only after a put wrote it
         self.capacity = capacity
-        self.rows = torch.zeros(capacity, self.dim)
-        self.state = {n: torch.zeros(capacity, w) for n, w in self.layout}
-        self.ids = np.zeros(capacity, dtype=np.int64)
-        self.seen = np.zeros(capacity, dtype=np.int64)
-        self.freq = np.zeros(capacity, dtype=np.int64)
+        self.rows = torch.empty(capacity, self.dim)
+        self.state = {n: torch.empty(capacity, w) for n, w in self.layout}
+        self.ids = np.empty(capacity, dtype=np.int64)
+        self.seen = np.empty(capacity, dtype=np.int64)
+        self.freq = np.empty(capacity, dtype=np.int64)
         # free positions, a stack: the lowest on top (the end), n_free of them
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self.n_free = capacity

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hybridps.dynamic import init_salt
-from hybridps.id_map import MAP_SALT, IdMap
+from hybridps.id_map import MAP_SALT
 from hybridps.native import dynamic as _ext
 from hybridps.paged_rows import PagedRows
 from worker.dynamic_slots import SlotTable
@@ -61,8 +61,8 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
         (t.data_ptr(), store.state[name].data_ptr(), t.shape[1]) for name, t in state.items()],
         dtype=np.int64)
     store_n_free = _ext.serve_step(
-        ids_U, refused, codes, _arrays(slots.map), _arrays(slots.paged), slots.slot_id,
-        slots.seen, slots.freq, slots.free, slots.free.size, _arrays(store.index), store.free,
+        ids_U, refused, codes, slots.map.table, slots.paged.table, slots.slot_id,
+        slots.seen, slots.freq, slots.free, slots.free.size, store.index.table, store.free,
         store.n_free, store.ids, store.seen, store.freq, pairs, slots.start, step,
         applied_through, slots.spec.eviction == "lfu", MAP_SALT,
         init_salt(seed, table_index), float(init_std), counts)
@@ -96,8 +96,6 @@ def _refused(slots: SlotTable, ids_U: np.ndarray, step: int) -> np.ndarray | Non
     return refused
 
 
-def _arrays(m: IdMap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return m.keys, m.values, m.state
 
 
 def _book(slots: SlotTable, store: PagedRows, counts: np.ndarray, store_n_free: int) -> None:

@@ -2,10 +2,11 @@
  * The dynamic tables' per-id work (functions of hybridps.native._fused_adam, added at
  * import: see kernels.h): the id map's probes and the initial rows of new ids.
  *
- * The id map's probes, one id at a time, over the arrays hybridps/id_map.py owns: keys (int64),
- * values (int64) and a state byte per position (0 empty, 1 full, 2 a removed entry's
- * tombstone), the size a power of two. The numpy batch probes there are the reference and
- * the fallback; these loops follow the same rules:
+ * The id map's probes, one id at a time, over the table hybridps/id_map.py owns (int64
+ * [size, 2]: per position a key and a value, the value also the state: >= 0 full, -1
+ * empty, -2 a removed entry's tombstone; id_map.h), the size a power of two. The numpy
+ * batch probes there are the reference and the fallback; these loops follow the same
+ * rules:
  *
  *   home(id)  = splitmix64(id ^ salt) >> (64 - log2(size))
  *   locate    probe home, home+1, ... (mod size): a full position with the key is found,
@@ -29,33 +30,34 @@
 #include <stdlib.h>
 
 PyDoc_STRVAR(idmap_find_doc,
-             "idmap_find(keys, values, state, size, salt, ids, n, out, want_positions)\n--\n\n"
+             "idmap_find(table, size, salt, ids, n, out, want_positions)\n--\n\n"
              "For each of the n int64 ids: out[i] = its value (want_positions 0) or its\n"
              "position (1), -1 where absent. Returns how many were present.");
 
 static PyObject *py_idmap_find(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pkeys, pvalues, pstate, salt, pids, pout;
+    unsigned long long ptable, salt, pids, pout;
     long long size, n;
     int want_positions;
-    if (!PyArg_ParseTuple(args, "KKKLKKLKp", &pkeys, &pvalues, &pstate, &size, &salt, &pids,
-                          &n, &pout, &want_positions))
+    if (!PyArg_ParseTuple(args, "KLKKLKp", &ptable, &size, &salt, &pids, &n, &pout,
+                          &want_positions))
         return NULL;
     map_t m;
-    if (map_init(&m, pkeys, pvalues, pstate, size, salt) < 0) return NULL;
+    if (map_init(&m, ptable, size, salt) < 0) return NULL;
     const int64_t *ids = PTR(const int64_t *, pids);
     int64_t *out = PTR(int64_t *, pout);
     int64_t present = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (i + PROBE_AHEAD < n) map_prefetch(&m, ids[i + PROBE_AHEAD]);
         const int64_t pos = locate(&m, ids[i]);
         present += pos >= 0;
-        out[i] = pos < 0 ? -1 : (want_positions ? pos : m.values[pos]);
+        out[i] = pos < 0 ? -1 : (want_positions ? pos : map_value(&m, pos));
     }
     return PyLong_FromLongLong((long long)present);
 }
 
 PyDoc_STRVAR(idmap_place_doc,
-             "idmap_place(keys, values, state, size, salt, ids, vals, n)\n--\n\n"
+             "idmap_place(table, size, salt, ids, vals, n)\n--\n\n"
              "Put n distinct ids that are absent (the caller's promise: not checked) with\n"
              "their values, each on the first position from its home that is not full.\n"
              "The caller keeps the load low enough that every id finds one. Returns how\n"
@@ -63,17 +65,17 @@ PyDoc_STRVAR(idmap_place_doc,
 
 static PyObject *py_idmap_place(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pkeys, pvalues, pstate, salt, pids, pvals;
+    unsigned long long ptable, salt, pids, pvals;
     long long size, n;
-    if (!PyArg_ParseTuple(args, "KKKLKKKL", &pkeys, &pvalues, &pstate, &size, &salt, &pids,
-                          &pvals, &n))
+    if (!PyArg_ParseTuple(args, "KLKKKL", &ptable, &size, &salt, &pids, &pvals, &n))
         return NULL;
     map_t m;
-    if (map_init(&m, pkeys, pvalues, pstate, size, salt) < 0) return NULL;
+    if (map_init(&m, ptable, size, salt) < 0) return NULL;
     const int64_t *ids = PTR(const int64_t *, pids);
     const int64_t *vals = PTR(const int64_t *, pvals);
     int64_t reused = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (i + PROBE_AHEAD < n) map_prefetch(&m, ids[i + PROBE_AHEAD]);
         const int got = map_place(&m, ids[i], vals[i]);
         if (got < 0) {
             PyErr_SetString(PyExc_RuntimeError, "id map is full (load kept at most 1/2)");
@@ -85,26 +87,27 @@ static PyObject *py_idmap_place(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(idmap_remove_doc,
-             "idmap_remove(keys, state, size, salt, ids, n, hit)\n--\n\n"
+             "idmap_remove(table, size, salt, ids, n, hit)\n--\n\n"
              "Remove the present ones of n distinct ids (their positions become tombstones);\n"
              "hit[i] (a byte) says whether ids[i] was present. Returns how many were.");
 
 static PyObject *py_idmap_remove(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pkeys, pstate, salt, pids, phit;
+    unsigned long long ptable, salt, pids, phit;
     long long size, n;
-    if (!PyArg_ParseTuple(args, "KKLKKLK", &pkeys, &pstate, &size, &salt, &pids, &n, &phit))
+    if (!PyArg_ParseTuple(args, "KLKKLK", &ptable, &size, &salt, &pids, &n, &phit))
         return NULL;
     map_t m;
-    if (map_init(&m, pkeys, 0, pstate, size, salt) < 0) return NULL;
+    if (map_init(&m, ptable, size, salt) < 0) return NULL;
     const int64_t *ids = PTR(const int64_t *, pids);
     uint8_t *hit = PTR(uint8_t *, phit);
     int64_t removed = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (i + PROBE_AHEAD < n) map_prefetch(&m, ids[i + PROBE_AHEAD]);
         const int64_t pos = locate(&m, ids[i]);
         hit[i] = pos >= 0;
         if (pos >= 0) {
-            m.state[pos] = SLOT_GONE;
+            map_remove_at(&m, pos);
             removed++;
         }
     }

@@ -52,7 +52,7 @@ enum {
     C_COUNTS
 };
 
-enum { MAX_BUFS = 24 }; /* serve_step takes 22 arrays at most */
+enum { MAX_BUFS = 16 }; /* serve_step takes 16 arrays at most */
 
 typedef struct {
     Py_buffer views[MAX_BUFS];
@@ -84,18 +84,12 @@ static void *grab(bufs_t *b, PyObject *obj, Py_ssize_t itemsize, const char *nam
     return v->buf;
 }
 
-static int grab_map(bufs_t *b, PyObject *tuple, uint64_t salt, const char *name, map_t *m) {
-    PyObject *keys, *values, *state;
-    if (!PyArg_ParseTuple(tuple, "OOO", &keys, &values, &state)) return -1;
-    int64_t nk, nv, ns;
-    void *pk = grab(b, keys, 8, name, &nk), *pv = pk ? grab(b, values, 8, name, &nv) : NULL;
-    void *ps = pv ? grab(b, state, 1, name, &ns) : NULL;
-    if (ps == NULL) return -1;
-    if (nk != nv || nk != ns) {
-        PyErr_Format(PyExc_ValueError, "serve_step: %s arrays differ in size", name);
-        return -1;
-    }
-    return map_init(m, (uintptr_t)pk, (uintptr_t)pv, (uintptr_t)ps, (long long)nk, salt);
+/* an id map's table: int64 [size, 2] (id_map.h) */
+static int grab_map(bufs_t *b, PyObject *table, uint64_t salt, const char *name, map_t *m) {
+    int64_t items;
+    void *p = grab(b, table, 8, name, &items);
+    if (p == NULL) return -1;
+    return map_init(m, (uintptr_t)p, (long long)(items / 2), salt);
 }
 
 /* One row array: slot rows, pool rows, width (floats). */
@@ -109,8 +103,8 @@ PyDoc_STRVAR(serve_step_doc,
              "           store_freq, row_pairs, start, step, applied_through, lfu, map_salt,\n"
              "           init_salt, init_std, counts)\n--\n\n"
              "One step of a dynamic table at its owner with an in-process store (see the\n"
-             "comment at the top of dynamic_step.c). Maps are (keys, values, state) numpy\n"
-             "arrays; row_pairs: int64 [k, 3] of (slot array pointer, pool array pointer,\n"
+             "comment at the top of dynamic_step.c). Maps are their int64 [size, 2]\n"
+             "tables (id_map.h); row_pairs: int64 [k, 3] of (slot array pointer, pool array pointer,\n"
              "width), the rows first, then each optimizer state array. codes (int64 [U]) gets\n"
              "each id's global slot or -1; counts (int64 [12]) what the caller books.");
 
@@ -178,8 +172,12 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     /* 1. hits, paged and new ids; the wanted misses in batch order */
     int64_t n_want = 0;
     for (int64_t i = 0; i < u; i++) {
+        if (i + PROBE_AHEAD < u) {
+            map_prefetch(&slot_map, ids[i + PROBE_AHEAD]);
+            map_prefetch(&paged, ids[i + PROBE_AHEAD]);
+        }
         const int64_t at = locate(&slot_map, ids[i]);
-        local[i] = at < 0 ? -1 : slot_map.values[at];
+        local[i] = at < 0 ? -1 : map_value(&slot_map, at);
         codes[i] = -1;
         if (local[i] >= 0) {
             counts[C_HITS]++;
@@ -217,6 +215,12 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     /* 3. victims out: rows and state to the store, the id from the slot map to the paged
      *    set (before any slot is written: the paged ids below may land on victims) */
     for (int64_t j = 0; j < n_out; j++) {
+        if (j + PROBE_AHEAD < n_out) {
+            const int64_t ahead = slot_id[victims[j + PROBE_AHEAD]];
+            map_prefetch(&store_map, ahead);
+            map_prefetch(&paged, ahead);
+            map_prefetch(&slot_map, ahead);
+        }
         const int64_t v = victims[j], id = slot_id[v];
         const int64_t pos = store_free[--store_n_free];
         const int reused = map_place(&store_map, id, pos);
@@ -238,22 +242,28 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
             if (a > 0) memset(slot_rows + v * w, 0, (size_t)w * sizeof(float));
         }
         const int64_t at = locate(&slot_map, id);
-        if (at >= 0) slot_map.state[at] = SLOT_GONE;
+        if (at >= 0) map_remove_at(&slot_map, at);
     }
     counts[C_EVICTIONS] = n_out;
     /* 4-6. the placed ids onto their slots */
     float *weight = PTR(float *, pairs[0].slots);
     for (int64_t j = 0; j < placed; j++) {
+        if (j + PROBE_AHEAD < placed) {
+            const int64_t ahead = ids[want[j + PROBE_AHEAD]];
+            map_prefetch(&paged, ahead);
+            map_prefetch(&store_map, ahead);
+            map_prefetch(&slot_map, ahead);
+        }
         const int64_t i = want[j], id = ids[i];
         const int64_t slot = j < took_free ? free_slots[j] : victims[j - took_free];
         const int64_t in_set = locate(&paged, id);
         if (in_set >= 0) {
-            paged.state[in_set] = SLOT_GONE;
+            map_remove_at(&paged, in_set);
             counts[C_PAGED_REMOVED]++;
             const int64_t at = locate(&store_map, id);
             if (at >= 0) {
-                const int64_t pos = store_map.values[at];
-                store_map.state[at] = SLOT_GONE;
+                const int64_t pos = map_value(&store_map, at);
+                map_remove_at(&store_map, at);
                 store_free[store_n_free++] = pos;
                 counts[C_STORE_TAKEN]++;
                 for (int64_t a = 0; a < n_pairs; a++) {

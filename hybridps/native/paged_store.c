@@ -21,8 +21,8 @@
 #include "kernels.h"
 
 PyDoc_STRVAR(store_put_doc,
-             "store_put(keys, values, state, size, salt, pos, pool_ids, pool_seen, pool_freq,\n"
-             "          ids, seen, freq, n)\n--\n\n"
+             "store_put(table, size, salt, pos, pool_ids, pool_seen, pool_freq, ids, seen,\n"
+             "          freq, n)\n--\n\n"
              "Enter n distinct ids that are absent (the caller's promise) at pool positions\n"
              "pos (the caller popped them off its free stack), with their last step seen\n"
              "and frequency. Returns how many of the index positions taken held a\n"
@@ -30,14 +30,13 @@ PyDoc_STRVAR(store_put_doc,
 
 static PyObject *py_store_put(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pkeys, pvalues, pstate, salt, ppos, ppids, ppseen, ppfreq, pids,
-        pseen, pfreq;
+    unsigned long long ptable, salt, ppos, ppids, ppseen, ppfreq, pids, pseen, pfreq;
     long long size, n;
-    if (!PyArg_ParseTuple(args, "KKKLKKKKKKKKL", &pkeys, &pvalues, &pstate, &size, &salt,
-                          &ppos, &ppids, &ppseen, &ppfreq, &pids, &pseen, &pfreq, &n))
+    if (!PyArg_ParseTuple(args, "KLKKKKKKKKL", &ptable, &size, &salt, &ppos, &ppids, &ppseen,
+                          &ppfreq, &pids, &pseen, &pfreq, &n))
         return NULL;
     map_t m;
-    if (map_init(&m, pkeys, pvalues, pstate, size, salt) < 0) return NULL;
+    if (map_init(&m, ptable, size, salt) < 0) return NULL;
     const int64_t *pos = PTR(const int64_t *, ppos);
     int64_t *pool_ids = PTR(int64_t *, ppids), *pool_seen = PTR(int64_t *, ppseen);
     int64_t *pool_freq = PTR(int64_t *, ppfreq);
@@ -59,8 +58,8 @@ static PyObject *py_store_put(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(store_take_doc,
-             "store_take(keys, values, state, size, salt, free, n_free, pool_seen, pool_freq,\n"
-             "           ids, n, found, pos_out, seen_out, freq_out)\n--\n\n"
+             "store_take(table, size, salt, free, n_free, pool_seen, pool_freq, ids, n, found,\n"
+             "           pos_out, seen_out, freq_out)\n--\n\n"
              "For each of n distinct ids: found[i] (a byte) says whether it is in the index.\n"
              "The found ones, in order (k of them), get pos_out/seen_out/freq_out[j] = their\n"
              "position, last step seen and frequency, leave the index, and their positions\n"
@@ -68,15 +67,13 @@ PyDoc_STRVAR(store_take_doc,
 
 static PyObject *py_store_take(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pkeys, pvalues, pstate, salt, pfree, ppseen, ppfreq, pids, pfound,
-        ppos, pseen, pfreq;
+    unsigned long long ptable, salt, pfree, ppseen, ppfreq, pids, pfound, ppos, pseen, pfreq;
     long long size, n_free, n;
-    if (!PyArg_ParseTuple(args, "KKKLKKLKKKLKKKK", &pkeys, &pvalues, &pstate, &size, &salt,
-                          &pfree, &n_free, &ppseen, &ppfreq, &pids, &n, &pfound, &ppos,
-                          &pseen, &pfreq))
+    if (!PyArg_ParseTuple(args, "KLKKLKKKLKKKK", &ptable, &size, &salt, &pfree, &n_free,
+                          &ppseen, &ppfreq, &pids, &n, &pfound, &ppos, &pseen, &pfreq))
         return NULL;
     map_t m;
-    if (map_init(&m, pkeys, pvalues, pstate, size, salt) < 0) return NULL;
+    if (map_init(&m, ptable, size, salt) < 0) return NULL;
     int64_t *free_pos = PTR(int64_t *, pfree);
     const int64_t *pool_seen = PTR(const int64_t *, ppseen);
     const int64_t *pool_freq = PTR(const int64_t *, ppfreq);
@@ -89,8 +86,8 @@ static PyObject *py_store_take(PyObject *self, PyObject *args) {
         const int64_t at = locate(&m, ids[i]);
         found[i] = at >= 0;
         if (at < 0) continue;
-        const int64_t pos = m.values[at];
-        m.state[at] = SLOT_GONE;
+        const int64_t pos = map_value(&m, at);
+        map_remove_at(&m, at);
         pos_out[k] = pos;
         seen_out[k] = pool_seen[pos];
         freq_out[k] = pool_freq[pos];

@@ -127,3 +127,33 @@ def test_rows_elsewhere_take_the_python_steps() -> None:
     assert fusable(table.slots, store, weight, state)
     assert not fusable(table.slots, store, weight.double(), state)
     assert not fusable(table.slots, store, weight, {k: v[:5] for k, v in state.items()})
+
+
+def test_the_lru_queue_compacts_and_rebuilds_without_changing_a_decision() -> None:
+    """400 steps append more records than the queue's first size (it compacts its stale
+    ones), and a run that leaves the fused path for stretches (the queue is rebuilt from
+    the slots when it comes back) decides everything as the Python steps do."""
+    data = batches(400, 8)
+    fused, reference = _pair(12, 1)
+    mixed, _ = _pair(12, 1)
+    fused.train(data)
+    reference.train(data)
+    queue = fused.dynamic.tables["user"].slots.lru
+    assert queue.valid and queue.records.shape[0] >= 1024
+    assert queue.head > 0  # victims came off the head
+    _assert_same(fused, reference)
+    rebuilds = {"n": 0}
+    table = mixed.dynamic.tables["user"].slots
+    ready = table.lru.ready
+
+    def counted(seen: np.ndarray, more: int) -> None:
+        rebuilds["n"] += not table.lru.valid
+        ready(seen, more)
+
+    table.lru.ready = counted  # type: ignore[method-assign]
+    for start in range(0, len(data), 50):
+        mixed.dynamic.fused = (start // 50) % 2 == 0
+        mixed.train_steps(data, range(start, start + 50))
+    mixed.window.drain(len(data) - 1)
+    assert rebuilds["n"] == 4
+    _assert_same(mixed, reference)

@@ -53,7 +53,14 @@ class Run:
 
     def train(self, data: list[torch.Tensor],
               ids_of: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
-        for step, ids in enumerate(data):
+        self.train_steps(data, range(len(data)), ids_of)
+        self.window.drain(len(data) - 1)
+
+    def train_steps(self, data: list[torch.Tensor], steps: range,
+                    ids_of: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
+        """Steps `steps` of `data` (no drain: the caller's next steps follow)."""
+        for step in steps:
+            ids = data[step]
             self.window.before_step(step)
             rows = self.emb.lookup(self.name, ids_of(ids))
             target = torch.sin(ids.double()).float()
@@ -62,7 +69,6 @@ class Run:
             grads = self.emb.pop_grads()
             self.source.push(step, grads)
             self.window.pushed(step, grads)
-        self.window.drain(len(data) - 1)
 
     @property
     def dynamic(self) -> DynamicIds:

@@ -57,15 +57,22 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
     store.reserve(u)
     codes = np.empty(u, dtype=np.int64)
     counts = np.empty(N_COUNTS, dtype=np.int64)
+    lru = slots.lru if slots.spec.eviction == "lru" else None
+    if lru is not None:
+        lru.ready(slots.seen, u)
     pairs = np.array([(weight.data_ptr(), store.rows.data_ptr(), store.dim)] + [
         (t.data_ptr(), store.state[name].data_ptr(), t.shape[1]) for name, t in state.items()],
         dtype=np.int64)
-    store_n_free = _ext.serve_step(
+    store_n_free, head, tail = _ext.serve_step(
         ids_U, refused, codes, slots.map.table, slots.paged.table, slots.slot_id,
         slots.seen, slots.freq, slots.free, slots.free.size, store.index.table, store.free,
         store.n_free, store.ids, store.seen, store.freq, pairs, slots.start, step,
         applied_through, slots.spec.eviction == "lfu", MAP_SALT,
-        init_salt(seed, table_index), float(init_std), counts)
+        init_salt(seed, table_index), float(init_std), counts,
+        None if lru is None else lru.records, 0 if lru is None else lru.head,
+        0 if lru is None else lru.tail)
+    if lru is not None:
+        lru.head, lru.tail = head, tail
     _book(slots, store, counts, store_n_free)
     stats = slots.stats
     stats.lookups += u

@@ -102,6 +102,37 @@ def _k_smallest(keys: np.ndarray, k: int) -> np.ndarray:
     return chosen[np.lexsort((chosen, keys[chosen]))]
 
 
+class LruQueue:
+    """The fused step's LRU order (hybridps/native/dynamic_step.c): (seen, slot) records in
+    that order, [head, tail) of `records`. Each step appends a record for every slot it
+    looked up (sorted by slot); a record is stale once its slot is looked up again, so the
+    live ones are the used slots, each once, and the victims come from the head instead
+    of a scan of every slot. Derived from `seen` alone: rebuilt when not `valid` (the
+    Python steps and a restore do not keep it)."""
+
+    def __init__(self) -> None:
+        self.records = np.empty((0, 2), dtype=np.int64)
+        self.head = self.tail = 0
+        self.valid = False
+
+    def ready(self, seen: np.ndarray, more: int) -> None:
+        """Valid, with room for `more` records after the tail."""
+        if not self.valid:
+            used = np.flatnonzero(seen >= 0)
+            order = np.lexsort((used, seen[used]))
+            self._set(np.stack([seen[used][order], used[order]], axis=1), more)
+            self.valid = True
+        elif self.tail + more > self.records.shape[0]:
+            live = self.records[self.head:self.tail]
+            self._set(live[seen[live[:, 1]] == live[:, 0]], more)
+
+    def _set(self, live: np.ndarray, more: int) -> None:
+        size = max(1024, 2 * (live.shape[0] + more))
+        self.records = np.empty((size, 2), dtype=np.int64)
+        self.records[:live.shape[0]] = live
+        self.head, self.tail = 0, live.shape[0]
+
+
 class SlotTable:
     """The slots [start, start + n) of one dynamic table on its owner (module doc)."""
 
@@ -119,6 +150,7 @@ class SlotTable:
         self.free = np.arange(n, dtype=np.int64)  # sorted
         self.admission = Admission(spec, seed, table_index)
         self.stats = SlotStats()
+        self.lru = LruQueue()
 
     @property
     def occupied(self) -> int:
@@ -143,6 +175,7 @@ class SlotTable:
         """Distinct ids in order (module doc) -> their GLOBAL slots, -1 where refused; and
         what moved (the caller gives `new_slots` their new ids' initial rows)."""
         stats = self.stats
+        self.lru.valid = False  # these steps do not keep the fused step's queue
         local = self.map.find(ids)
         hit = local >= 0
         stats.lookups += ids.size
@@ -254,5 +287,6 @@ class SlotTable:
         self.map = IdMap(self.n)
         self.map.insert(self.slot_id[used], np.flatnonzero(used))
         self.free = np.flatnonzero(~used).astype(np.int64)
+        self.lru.valid = False
         self.paged = IdMap(paged_ids.size)
         self.paged.insert(paged_ids, np.zeros(paged_ids.size, dtype=np.int64))

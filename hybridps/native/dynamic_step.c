@@ -12,7 +12,9 @@
  *      a new id the admission filter refused (refused[i], computed by the caller) or
  *      that finds no slot gets code -1;
  *   2. the wanted misses (paged, and admitted new ones, in batch order) take the free
- *      slots lowest first, then the victims (dynamic.c hp_victims, the hits pinned);
+ *      slots lowest first, then the victims, the hits pinned: LRU's from the head of a
+ *      queue of (seen, slot) records kept in that order (`lru_victims`: a step costs its
+ *      own ids, not a scan of every slot), LFU's by dynamic.c hp_victims;
  *   3. each victim's row and optimizer state go to the store (state zeroed on the slot),
  *      its id leaves the slot map and enters the paged set;
  *   4. a paged id's row and state come back from the store onto its slot (freq: the
@@ -52,7 +54,7 @@ enum {
     C_COUNTS
 };
 
-enum { MAX_BUFS = 16 }; /* serve_step takes 16 arrays at most */
+enum { MAX_BUFS = 17 }; /* serve_step takes 17 arrays at most */
 
 typedef struct {
     Py_buffer views[MAX_BUFS];
@@ -97,36 +99,101 @@ typedef struct {
     int64_t slots, pool, width;
 } row_pair;
 
+/* LRU victims from the queue of (seen, slot) records, in (seen, slot) order: a record is
+ * stale once its slot was looked up again or reassigned (seen[slot] differs); the live
+ * ones are exactly the used slots, each once, so the first `want` live, evictable and
+ * unpinned records are the victims hp_victims would pick. Records taken, stale or pinned
+ * (those get a new record this step) leave the queue's head. */
+static int64_t lru_victims(const int64_t *lru, long long *head, long long tail,
+                           const int64_t *seen, const uint8_t *pinned, int64_t applied_through,
+                           int64_t want, int64_t *out) {
+    int64_t k = 0;
+    long long h = *head;
+    while (k < want && h < tail) {
+        const int64_t rec_seen = lru[2 * h], slot = lru[2 * h + 1];
+        if (seen[slot] != rec_seen) { /* stale */
+            h++;
+            continue;
+        }
+        if (rec_seen > applied_through) break; /* this and every later record: too new */
+        h++;
+        if (!pinned[slot]) out[k++] = slot;
+    }
+    *head = h;
+    return k;
+}
+
+/* Sort k slots (each in [0, n)) ascending: LSD radix, 11 bits a pass, as few passes as
+ * n needs; tmp holds k. (A step's slots are a few hundred to a few thousand: a
+ * comparison sort cost more than the rest of the queue's work.) */
+static void sort_slots(int64_t *slots, int64_t *tmp, int64_t k, int64_t n) {
+    enum { BITS = 11, BUCKETS = 1 << BITS };
+    int64_t count[BUCKETS];
+    for (int shift = 0; shift < 63 && (n - 1) >> shift; shift += BITS) {
+        memset(count, 0, sizeof count);
+        for (int64_t i = 0; i < k; i++) count[(slots[i] >> shift) & (BUCKETS - 1)]++;
+        int64_t at = 0;
+        for (int b = 0; b < BUCKETS; b++) {
+            const int64_t c = count[b];
+            count[b] = at;
+            at += c;
+        }
+        for (int64_t i = 0; i < k; i++) tmp[count[(slots[i] >> shift) & (BUCKETS - 1)]++] = slots[i];
+        memcpy(slots, tmp, (size_t)k * sizeof *slots);
+    }
+}
+
+/* Slot and pool rows of every array pair this far ahead in a loop of row moves. */
+#define ROWS_AHEAD 4
+
+static ALWAYS_INLINE void prefetch_rows(const row_pair *pairs, int64_t n_pairs, int64_t slot,
+                                        int64_t pos) {
+    for (int64_t a = 0; a < n_pairs; a++) {
+        const int64_t w = pairs[a].width;
+        prefetch_row_l1(PTR(const float *, pairs[a].slots) + slot * w, w);
+        prefetch_row_l1(PTR(const float *, pairs[a].pool) + pos * w, w);
+    }
+}
+
+/* the slot of the j-th placed id: the free ones first, then the victims */
+static ALWAYS_INLINE int64_t slot_at(int64_t j, int64_t took_free, const int64_t *free_slots,
+                                     const int64_t *victims) {
+    return j < took_free ? free_slots[j] : victims[j - took_free];
+}
+
 PyDoc_STRVAR(serve_step_doc,
              "serve_step(ids, refused, codes, slot_map, paged_set, slot_id, seen, freq, free,\n"
              "           n_free, store_map, store_free, store_n_free, store_ids, store_seen,\n"
              "           store_freq, row_pairs, start, step, applied_through, lfu, map_salt,\n"
-             "           init_salt, init_std, counts)\n--\n\n"
+             "           init_salt, init_std, counts, lru, lru_head, lru_tail)\n--\n\n"
              "One step of a dynamic table at its owner with an in-process store (see the\n"
              "comment at the top of dynamic_step.c). Maps are their int64 [size, 2]\n"
              "tables (id_map.h); row_pairs: int64 [k, 3] of (slot array pointer, pool array pointer,\n"
              "width), the rows first, then each optimizer state array. codes (int64 [U]) gets\n"
-             "each id's global slot or -1; counts (int64 [12]) what the caller books.");
+             "each id's global slot or -1; counts (int64 [12]) what the caller books. lru:\n"
+             "the LRU queue (int64 [cap, 2] of (seen, slot), records [lru_head, lru_tail),\n"
+             "room for U more) or None (the victims by a scan of every slot). Returns\n"
+             "(store_n_free, lru_head, lru_tail) after the step.");
 
 static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *o_ids, *o_refused, *o_codes, *o_slot_map, *o_paged, *o_slot_id, *o_seen,
         *o_freq, *o_free, *o_store_map, *o_store_free, *o_store_ids, *o_store_seen,
-        *o_store_freq, *o_pairs, *o_counts;
-    long long n_free, store_n_free, start, step, applied_through;
+        *o_store_freq, *o_pairs, *o_counts, *o_lru;
+    long long n_free, store_n_free, start, step, applied_through, lru_head, lru_tail;
     int lfu;
     unsigned long long map_salt, init_salt;
     double init_std;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOLOOLOOOOLLLpKKdO", &o_ids, &o_refused, &o_codes,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOLOOLOOOOLLLpKKdOOLL", &o_ids, &o_refused, &o_codes,
                           &o_slot_map, &o_paged, &o_slot_id, &o_seen, &o_freq, &o_free,
                           &n_free, &o_store_map, &o_store_free, &store_n_free, &o_store_ids,
                           &o_store_seen, &o_store_freq, &o_pairs, &start, &step,
                           &applied_through, &lfu, &map_salt, &init_salt, &init_std,
-                          &o_counts))
+                          &o_counts, &o_lru, &lru_head, &lru_tail))
         return NULL;
     bufs_t b = {.held = 0};
     PyObject *result = NULL;
-    int64_t *want = NULL, *victims = NULL, *local = NULL;
+    int64_t *want = NULL, *victims = NULL, *local = NULL, *touched = NULL;
     uint8_t *pinned = NULL;
     int64_t u, nr = 0, nc, n, n2, n3, nf, nsf, nsi, nss, nsq, np_, ncounts;
     map_t slot_map, paged, store_map;
@@ -152,10 +219,13 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     const row_pair *pairs = store_freq ? grab(&b, o_pairs, 8, "row_pairs", &np_) : NULL;
     int64_t *counts = pairs ? grab(&b, o_counts, 8, "counts", &ncounts) : NULL;
     if (counts == NULL) goto done;
+    int64_t *lru = NULL, n_lru = 0;
+    if (o_lru != Py_None && (lru = grab(&b, o_lru, 8, "lru queue", &n_lru)) == NULL) goto done;
     const int64_t n_pairs = np_ / 3;
     if ((refused && nr != u) || nc != u || n2 != n || n3 != n || n_free > nf || n_free < 0 ||
         nsi != nsf || nss != nsf || nsq != nsf || store_n_free < u || store_n_free > nsf ||
-        n_pairs < 1 || ncounts < C_COUNTS) {
+        n_pairs < 1 || ncounts < C_COUNTS ||
+        (lru && (lru_head < 0 || lru_head > lru_tail || lru_tail + u > n_lru / 2))) {
         PyErr_SetString(PyExc_ValueError, "serve_step: inconsistent sizes");
         goto done;
     }
@@ -164,8 +234,9 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
 
     want = malloc((size_t)(u ? u : 1) * sizeof *want);
     local = malloc((size_t)(u ? u : 1) * sizeof *local);
+    touched = malloc((size_t)(u ? u : 1) * sizeof *touched);
     pinned = calloc((size_t)(n ? n : 1), 1);
-    if (want == NULL || local == NULL || pinned == NULL) {
+    if (want == NULL || local == NULL || touched == NULL || pinned == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -199,8 +270,10 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
             PyErr_NoMemory();
             goto done;
         }
-        n_out = hp_victims(seen, freq, n, applied_through, pinned, lfu, n_want - took_free,
-                           victims);
+        n_out = lru ? lru_victims(lru, &lru_head, lru_tail, seen, pinned, applied_through,
+                                  n_want - took_free, victims)
+                    : hp_victims(seen, freq, n, applied_through, pinned, lfu, n_want - took_free,
+                                 victims);
         if (n_out < 0) {
             PyErr_NoMemory();
             goto done;
@@ -221,6 +294,9 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
             map_prefetch(&paged, ahead);
             map_prefetch(&slot_map, ahead);
         }
+        if (j + ROWS_AHEAD < n_out)
+            prefetch_rows(pairs, n_pairs, victims[j + ROWS_AHEAD],
+                          store_free[store_n_free - 1 - ROWS_AHEAD]);
         const int64_t v = victims[j], id = slot_id[v];
         const int64_t pos = store_free[--store_n_free];
         const int reused = map_place(&store_map, id, pos);
@@ -245,8 +321,10 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         if (at >= 0) map_remove_at(&slot_map, at);
     }
     counts[C_EVICTIONS] = n_out;
-    /* 4-6. the placed ids onto their slots */
-    float *weight = PTR(float *, pairs[0].slots);
+    /* 4-6. the placed ids onto their slots: first the maps (where each row comes from:
+     *    a store position, or -1 for an initial row), then the rows, prefetched ahead
+     *    (no put follows, so the positions taken keep their rows until copied) */
+    int64_t *from = want; /* reused: want[j] is read before from[j] is written */
     for (int64_t j = 0; j < placed; j++) {
         if (j + PROBE_AHEAD < placed) {
             const int64_t ahead = ids[want[j + PROBE_AHEAD]];
@@ -256,34 +334,24 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         }
         const int64_t i = want[j], id = ids[i];
         const int64_t slot = j < took_free ? free_slots[j] : victims[j - took_free];
+        int64_t pos = -1;
         const int64_t in_set = locate(&paged, id);
         if (in_set >= 0) {
             map_remove_at(&paged, in_set);
             counts[C_PAGED_REMOVED]++;
             const int64_t at = locate(&store_map, id);
-            if (at >= 0) {
-                const int64_t pos = map_value(&store_map, at);
+            if (at >= 0) { /* else dropped by the store meanwhile: a fresh row */
+                pos = map_value(&store_map, at);
                 map_remove_at(&store_map, at);
                 store_free[store_n_free++] = pos;
                 counts[C_STORE_TAKEN]++;
-                for (int64_t a = 0; a < n_pairs; a++) {
-                    float *slot_rows = PTR(float *, pairs[a].slots);
-                    const float *pool_rows = PTR(const float *, pairs[a].pool);
-                    const int64_t w = pairs[a].width;
-                    memcpy(slot_rows + slot * w, pool_rows + pos * w, (size_t)w * sizeof(float));
-                }
-                const int64_t f = store_freq[pos] + 1;
-                freq[slot] = f < LFU_FREQ_CAP ? f : LFU_FREQ_CAP;
                 counts[C_PAGE_INS]++;
-            } else { /* dropped by the store meanwhile: a fresh row */
-                hp_initial_row(id, dim, (uint64_t)init_salt, init_std, weight + slot * dim);
-                freq[slot] = 1;
             }
         } else {
-            hp_initial_row(id, dim, (uint64_t)init_salt, init_std, weight + slot * dim);
-            freq[slot] = 1;
             counts[C_ADMISSIONS]++;
         }
+        const int64_t f = pos >= 0 ? store_freq[pos] + 1 : 1;
+        freq[slot] = f < LFU_FREQ_CAP ? f : LFU_FREQ_CAP;
         const int reused = map_place(&slot_map, id, slot);
         if (reused < 0) {
             PyErr_SetString(PyExc_RuntimeError, "serve_step: the slot map is full");
@@ -293,6 +361,25 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         slot_id[slot] = id;
         seen[slot] = step;
         codes[i] = slot + start;
+        from[j] = pos;
+    }
+    float *weight = PTR(float *, pairs[0].slots);
+    for (int64_t j = 0; j < placed; j++) {
+        if (j + ROWS_AHEAD < placed && from[j + ROWS_AHEAD] >= 0)
+            prefetch_rows(pairs, n_pairs, slot_at(j + ROWS_AHEAD, took_free, free_slots, victims),
+                          from[j + ROWS_AHEAD]);
+        const int64_t slot = slot_at(j, took_free, free_slots, victims), pos = from[j];
+        if (pos < 0) {
+            hp_initial_row(slot_id[slot], dim, (uint64_t)init_salt, init_std,
+                           weight + slot * dim);
+            continue;
+        }
+        for (int64_t a = 0; a < n_pairs; a++) {
+            float *slot_rows = PTR(float *, pairs[a].slots);
+            const float *pool_rows = PTR(const float *, pairs[a].pool);
+            const int64_t w = pairs[a].width;
+            memcpy(slot_rows + slot * w, pool_rows + pos * w, (size_t)w * sizeof(float));
+        }
     }
     for (int64_t i = 0; i < u; i++) {
         const int64_t s = local[i];
@@ -303,10 +390,22 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     }
     counts[C_REFUSED_CAPACITY] = n_want - placed;
     counts[C_TOOK_FREE] = took_free;
-    result = PyLong_FromLongLong((long long)store_n_free);
+    if (lru) { /* every slot looked up this step, by slot, at the queue's end */
+        int64_t n_touched = 0;
+        for (int64_t i = 0; i < u; i++)
+            if (codes[i] >= 0) touched[n_touched++] = codes[i] - start;
+        sort_slots(touched, local, n_touched, n); /* local: no longer needed */
+        for (int64_t j = 0; j < n_touched; j++) {
+            lru[2 * lru_tail] = step;
+            lru[2 * lru_tail + 1] = touched[j];
+            lru_tail++;
+        }
+    }
+    result = Py_BuildValue("LLL", (long long)store_n_free, lru_head, lru_tail);
 done:
     free(want);
     free(local);
+    free(touched);
     free(pinned);
     free(victims);
     release_all(&b);

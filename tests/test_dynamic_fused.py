@@ -157,3 +157,18 @@ def test_the_lru_queue_compacts_and_rebuilds_without_changing_a_decision() -> No
     mixed.window.drain(len(data) - 1)
     assert rebuilds["n"] == 4
     _assert_same(mixed, reference)
+
+
+def test_an_in_process_store_holds_the_only_set_of_paged_ids() -> None:
+    """With the local optimizer, the slot table's paged ids are the store's own index
+    (one map of them, not two), through training and a restore of the store."""
+    run = Run(dynamic_table(12), 1)
+    run.train(batches(30, 8))
+    slots = run.dynamic.tables["user"].slots
+    store = run.source.paged["user"]
+    assert slots.paged is store.index and len(store) > 0
+    assert slots.shares_paged_with(store)
+    saved = store.entries()
+    store.load(saved)
+    assert slots.paged is store.index  # the restored store's new index
+    assert sorted(slots.state_dict()["paged_ids"].tolist()) == sorted(saved.ids.tolist())

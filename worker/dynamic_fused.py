@@ -24,15 +24,16 @@ from worker.dynamic_slots import SlotTable
 
 # the counts serve_step returns, in its order (dynamic_step.c)
 (HITS, REFUSED_FILTER, REFUSED_CAPACITY, EVICTIONS, PAGE_INS, ADMISSIONS, TOOK_FREE,
- SLOT_REUSED, PAGED_REUSED, PAGED_REMOVED, STORE_REUSED, STORE_TAKEN) = range(12)
-N_COUNTS = 12
+ SLOT_REUSED, STORE_REUSED) = range(9)
+N_COUNTS = 9
 
 
 def fusable(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
             state: Mapping[str, torch.Tensor]) -> bool:
-    """Whether the fused step can run: the extension built, the rows and the optimizer
-    state fp32 contiguous on the CPU with a row per slot, the store's layout."""
-    if _ext is None or not store.native:
+    """Whether the fused step can run: the extension built, the store's index the slot
+    table's set of paged ids (SlotTable.share_paged), the rows and the optimizer state
+    fp32 contiguous on the CPU with a row per slot, the store's layout."""
+    if _ext is None or not store.native or not slots.shares_paged_with(store):
         return False
     arrays = (weight, *state.values())
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
@@ -53,7 +54,6 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
     ids_U = np.ascontiguousarray(ids_U, dtype=np.int64)
     refused = _refused(slots, ids_U, step)
     slots.map.reserve(u)
-    slots.paged.reserve(u)
     store.reserve(u)
     codes = np.empty(u, dtype=np.int64)
     counts = np.empty(N_COUNTS, dtype=np.int64)
@@ -64,7 +64,7 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
         (t.data_ptr(), store.state[name].data_ptr(), t.shape[1]) for name, t in state.items()],
         dtype=np.int64)
     store_n_free, head, tail = _ext.serve_step(
-        ids_U, refused, codes, slots.map.table, slots.paged.table, slots.slot_id,
+        ids_U, refused, codes, slots.map.table, slots.slot_id,
         slots.seen, slots.freq, slots.free, slots.free.size, store.index.table, store.free,
         store.n_free, store.ids, store.seen, store.freq, pairs, slots.start, step,
         applied_through, slots.spec.eviction == "lfu", MAP_SALT,
@@ -82,11 +82,8 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
     stats.evictions += int(counts[EVICTIONS])
     stats.page_ins += int(counts[PAGE_INS])
     stats.admissions += int(counts[ADMISSIONS])
-    if counts[EVICTIONS] or counts[PAGED_REMOVED]:  # a page call: the store expires
-        dropped = store.expire(step, expire_steps)
-        if dropped.size:
-            slots.paged.remove(dropped)
-            stats.dropped_paged += int(dropped.size)
+    if counts[EVICTIONS] or counts[PAGE_INS]:  # a page call: the store expires
+        stats.dropped_paged += int(store.expire(step, expire_steps).size)
     return codes
 
 
@@ -108,12 +105,10 @@ def _refused(slots: SlotTable, ids_U: np.ndarray, step: int) -> np.ndarray | Non
 def _book(slots: SlotTable, store: PagedRows, counts: np.ndarray, store_n_free: int) -> None:
     """The entry counts of the maps and the free lists after what serve_step moved."""
     evicted, placed = int(counts[EVICTIONS]), int(counts[TOOK_FREE]) + int(counts[EVICTIONS])
-    taken, removed = int(counts[STORE_TAKEN]), int(counts[PAGED_REMOVED])
+    taken = int(counts[PAGE_INS])
     slots.free = slots.free[int(counts[TOOK_FREE]):]
     slots.map.count += placed - evicted
     slots.map.gone += evicted - int(counts[SLOT_REUSED])
-    slots.paged.count += evicted - removed
-    slots.paged.gone += removed - int(counts[PAGED_REUSED])
     store.index.count += evicted - taken
     store.index.gone += taken - int(counts[STORE_REUSED])
     store.n_free = store_n_free

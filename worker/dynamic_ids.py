@@ -99,6 +99,15 @@ class DynamicIds:
         self.applied_through = -1
         self._caps: dict[tuple[str, ...], BlockCap] = {}
 
+    def set_pager(self, pager: RowPager) -> None:
+        """Where evicted rows go; a store in this process also holds the set of paged ids
+        (SlotTable.share_paged: one map of them, not two)."""
+        self.pager = pager
+        for table in self.tables.values():
+            local = pager.local_store(table.name)
+            if local is not None:
+                table.slots.share_paged(local[0])
+
     def begin_step(self, step: int, applied_through: int) -> None:
         """Before the forward of `step`: updates <= applied_through are in the rows."""
         self.step, self.applied_through = step, applied_through

@@ -31,6 +31,7 @@ import numpy as np
 from hybridps.dynamic import DynamicSpec
 from hybridps.id_map import IdMap
 from hybridps.native import dynamic as _ext
+from hybridps.paged_rows import PagedRows
 from worker.admission import Admission
 
 SLOTS_FORMAT = "hybridps-dynamic-slots-v1"
@@ -143,7 +144,8 @@ class SlotTable:
         self.name, self.spec, self.start, self.n = name, spec, start, n
         self.native = NATIVE if native is None else native
         self.map = IdMap(n)
-        self.paged = IdMap()  # ids in the paged store (value unused)
+        self._paged = IdMap()  # ids in the paged store (value unused), when it is remote
+        self._store: PagedRows | None = None  # the in-process store (share_paged)
         self.slot_id = np.zeros(n, dtype=np.int64)
         self.seen = np.full(n, -1, dtype=np.int64)
         self.freq = np.zeros(n, dtype=np.int64)
@@ -153,13 +155,31 @@ class SlotTable:
         self.lru = LruQueue()
 
     @property
+    def paged(self) -> IdMap:
+        """The ids in the paged store: the in-process store's own index when shared
+        (`share_paged`), else this table's set (the store is the shard server's)."""
+        return self._paged if self._store is None else self._store.index
+
+    def shares_paged_with(self, store: PagedRows) -> bool:
+        return self._store is store
+
+    def share_paged(self, store: PagedRows) -> None:
+        """The store is in this process: its index is the set of paged ids (no second
+        map of the same ids); the store adds and removes them as it pages."""
+        if len(self._paged) and set(self._paged.items()[0].tolist()) != set(
+                store.index.items()[0].tolist()):
+            raise ValueError(f"table {self.name!r}: its paged ids are not the store's")
+        self._store = store
+        self._paged = IdMap()
+
+    @property
     def occupied(self) -> int:
         return self.n - int(self.free.size)
 
     @property
     def nbytes(self) -> int:
         """Host bytes of this bookkeeping (the map, the per-slot arrays, the sketch)."""
-        return (self.map.nbytes + self.paged.nbytes + self.slot_id.nbytes + self.seen.nbytes
+        return (self.map.nbytes + self._paged.nbytes + self.slot_id.nbytes + self.seen.nbytes
                 + self.freq.nbytes + self.free.nbytes + self.admission.nbytes)
 
     # -- the step's translation -------------------------------------------------------
@@ -243,16 +263,20 @@ class SlotTable:
 
     def _commit(self, req: PageRequest, answer: PageAnswer, step: int) -> None:
         stats = self.stats
+        own = self._store is None  # else the store's index already changed with it
         if req.out_slots.size:
             self.map.remove(req.out_ids)
-            self.paged.insert(req.out_ids, np.zeros(req.out_ids.size, dtype=np.int64),
-                              check=False)  # they were on slots: not paged
+            if own:
+                self._paged.insert(req.out_ids, np.zeros(req.out_ids.size, dtype=np.int64),
+                                   check=False)  # they were on slots: not paged
             stats.evictions += req.out_slots.size
         if answer.dropped.size:
-            self.paged.remove(answer.dropped)
+            if own:
+                self._paged.remove(answer.dropped)
             stats.dropped_paged += answer.dropped.size
         if req.in_ids.size:
-            self.paged.remove(req.in_ids)
+            if own:
+                self._paged.remove(req.in_ids)
             found = answer.found
             stats.page_ins += int(found.sum())
             self.freq[req.in_slots[~found]] = 1  # dropped meanwhile: a fresh row
@@ -288,5 +312,7 @@ class SlotTable:
         self.map.insert(self.slot_id[used], np.flatnonzero(used))
         self.free = np.flatnonzero(~used).astype(np.int64)
         self.lru.valid = False
-        self.paged = IdMap(paged_ids.size)
-        self.paged.insert(paged_ids, np.zeros(paged_ids.size, dtype=np.int64))
+        if self._store is not None:  # the store restores its own ids
+            return
+        self._paged = IdMap(paged_ids.size)
+        self._paged.insert(paged_ids, np.zeros(paged_ids.size, dtype=np.int64))

@@ -554,7 +554,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
     def set_pager(self, pager: RowPager) -> None:
         """Where dynamic tables page their evicted rows out to (the update source)."""
         if self.dynamic is not None:
-            self.dynamic.pager = pager
+            self.dynamic.set_pager(pager)
 
     def local_block(self, name: str) -> tuple[int, torch.Tensor]:
         """(start, rows_RD): the rows this rank owns, [start, start + R), differentiable.

@@ -8,7 +8,8 @@
  * (tests/test_dynamic_fused.py).
  *
  * For the U distinct ids of a step, in order:
- *   1. an id on a slot is a hit; a miss is paged (its id is in the paged set) or new;
+ *   1. an id on a slot is a hit; a miss is paged (its id is in the store's index, which
+ *      is the slot table's set of paged ids: SlotTable.share_paged) or new;
  *      a new id the admission filter refused (refused[i], computed by the caller) or
  *      that finds no slot gets code -1;
  *   2. the wanted misses (paged, and admitted new ones, in batch order) take the free
@@ -16,9 +17,9 @@
  *      queue of (seen, slot) records kept in that order (`lru_victims`: a step costs its
  *      own ids, not a scan of every slot), LFU's by dynamic.c hp_victims;
  *   3. each victim's row and optimizer state go to the store (state zeroed on the slot),
- *      its id leaves the slot map and enters the paged set;
+ *      its id leaves the slot map and enters the store's index;
  *   4. a paged id's row and state come back from the store onto its slot (freq: the
- *      stored one + 1); one the store no longer holds gets a fresh row (freq 1);
+ *      stored one + 1);
  *   5. a new id gets its initial row (dynamic.c hp_initial_row), freq 1;
  *   6. placed ids enter the slot map; every looked-up slot gets seen = step; a hit's
  *      freq grows by one (capped at 2^31 - 1).
@@ -47,14 +48,11 @@ enum {
     C_ADMISSIONS,
     C_TOOK_FREE,
     C_SLOT_REUSED,
-    C_PAGED_REUSED,
-    C_PAGED_REMOVED,
     C_STORE_REUSED,
-    C_STORE_TAKEN,
     C_COUNTS
 };
 
-enum { MAX_BUFS = 17 }; /* serve_step takes 17 arrays at most */
+enum { MAX_BUFS = 16 }; /* serve_step takes 16 arrays at most */
 
 typedef struct {
     Py_buffer views[MAX_BUFS];
@@ -162,7 +160,7 @@ static ALWAYS_INLINE int64_t slot_at(int64_t j, int64_t took_free, const int64_t
 }
 
 PyDoc_STRVAR(serve_step_doc,
-             "serve_step(ids, refused, codes, slot_map, paged_set, slot_id, seen, freq, free,\n"
+             "serve_step(ids, refused, codes, slot_map, slot_id, seen, freq, free,\n"
              "           n_free, store_map, store_free, store_n_free, store_ids, store_seen,\n"
              "           store_freq, row_pairs, start, step, applied_through, lfu, map_salt,\n"
              "           init_salt, init_std, counts, lru, lru_head, lru_tail)\n--\n\n"
@@ -170,22 +168,22 @@ PyDoc_STRVAR(serve_step_doc,
              "comment at the top of dynamic_step.c). Maps are their int64 [size, 2]\n"
              "tables (id_map.h); row_pairs: int64 [k, 3] of (slot array pointer, pool array pointer,\n"
              "width), the rows first, then each optimizer state array. codes (int64 [U]) gets\n"
-             "each id's global slot or -1; counts (int64 [12]) what the caller books. lru:\n"
+             "each id's global slot or -1; counts (int64 [9]) what the caller books. lru:\n"
              "the LRU queue (int64 [cap, 2] of (seen, slot), records [lru_head, lru_tail),\n"
              "room for U more) or None (the victims by a scan of every slot). Returns\n"
              "(store_n_free, lru_head, lru_tail) after the step.");
 
 static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *o_ids, *o_refused, *o_codes, *o_slot_map, *o_paged, *o_slot_id, *o_seen,
+    PyObject *o_ids, *o_refused, *o_codes, *o_slot_map, *o_slot_id, *o_seen,
         *o_freq, *o_free, *o_store_map, *o_store_free, *o_store_ids, *o_store_seen,
         *o_store_freq, *o_pairs, *o_counts, *o_lru;
     long long n_free, store_n_free, start, step, applied_through, lru_head, lru_tail;
     int lfu;
     unsigned long long map_salt, init_salt;
     double init_std;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOLOOLOOOOLLLpKKdOOLL", &o_ids, &o_refused, &o_codes,
-                          &o_slot_map, &o_paged, &o_slot_id, &o_seen, &o_freq, &o_free,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOLOOLOOOOLLLpKKdOOLL", &o_ids, &o_refused, &o_codes,
+                          &o_slot_map, &o_slot_id, &o_seen, &o_freq, &o_free,
                           &n_free, &o_store_map, &o_store_free, &store_n_free, &o_store_ids,
                           &o_store_seen, &o_store_freq, &o_pairs, &start, &step,
                           &applied_through, &lfu, &map_salt, &init_salt, &init_std,
@@ -196,7 +194,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     int64_t *want = NULL, *victims = NULL, *local = NULL, *touched = NULL;
     uint8_t *pinned = NULL;
     int64_t u, nr = 0, nc, n, n2, n3, nf, nsf, nsi, nss, nsq, np_, ncounts;
-    map_t slot_map, paged, store_map;
+    map_t slot_map, store_map;
     const int64_t *ids = grab(&b, o_ids, 8, "ids", &u);
     if (ids == NULL) goto done;
     const uint8_t *refused = NULL;
@@ -205,7 +203,6 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     int64_t *codes = grab(&b, o_codes, 8, "codes", &nc);
     if (codes == NULL) goto done;
     if (grab_map(&b, o_slot_map, map_salt, "slot map", &slot_map) < 0) goto done;
-    if (grab_map(&b, o_paged, map_salt, "paged set", &paged) < 0) goto done;
     int64_t *slot_id = grab(&b, o_slot_id, 8, "slot_id", &n);
     int64_t *seen = slot_id ? grab(&b, o_seen, 8, "seen", &n2) : NULL;
     int64_t *freq = seen ? grab(&b, o_freq, 8, "freq", &n3) : NULL;
@@ -245,7 +242,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < u; i++) {
         if (i + PROBE_AHEAD < u) {
             map_prefetch(&slot_map, ids[i + PROBE_AHEAD]);
-            map_prefetch(&paged, ids[i + PROBE_AHEAD]);
+            map_prefetch(&store_map, ids[i + PROBE_AHEAD]);
         }
         const int64_t at = locate(&slot_map, ids[i]);
         local[i] = at < 0 ? -1 : map_value(&slot_map, at);
@@ -255,7 +252,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
             pinned[local[i]] = 1;
             continue;
         }
-        if (locate(&paged, ids[i]) < 0 && refused && refused[i]) {
+        if (refused && refused[i] && locate(&store_map, ids[i]) < 0) {
             counts[C_REFUSED_FILTER]++;
             continue;
         }
@@ -285,13 +282,13 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "serve_step: a row pair without arrays");
             goto done;
         }
-    /* 3. victims out: rows and state to the store, the id from the slot map to the paged
-     *    set (before any slot is written: the paged ids below may land on victims) */
+    /* 3. victims out: rows and state to the store, the id from the slot map to the
+     *    store's index (before any slot is written: the paged ids below may land on
+     *    victims) */
     for (int64_t j = 0; j < n_out; j++) {
         if (j + PROBE_AHEAD < n_out) {
             const int64_t ahead = slot_id[victims[j + PROBE_AHEAD]];
             map_prefetch(&store_map, ahead);
-            map_prefetch(&paged, ahead);
             map_prefetch(&slot_map, ahead);
         }
         if (j + ROWS_AHEAD < n_out)
@@ -300,13 +297,11 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         const int64_t v = victims[j], id = slot_id[v];
         const int64_t pos = store_free[--store_n_free];
         const int reused = map_place(&store_map, id, pos);
-        const int reused_set = reused < 0 ? -1 : map_place(&paged, id, 0);
-        if (reused_set < 0) {
-            PyErr_SetString(PyExc_RuntimeError, "serve_step: an id map is full");
+        if (reused < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "serve_step: the store's index is full");
             goto done;
         }
         counts[C_STORE_REUSED] += reused;
-        counts[C_PAGED_REUSED] += reused_set;
         store_ids[pos] = id;
         store_seen[pos] = seen[v];
         store_freq[pos] = freq[v];
@@ -328,25 +323,18 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     for (int64_t j = 0; j < placed; j++) {
         if (j + PROBE_AHEAD < placed) {
             const int64_t ahead = ids[want[j + PROBE_AHEAD]];
-            map_prefetch(&paged, ahead);
             map_prefetch(&store_map, ahead);
             map_prefetch(&slot_map, ahead);
         }
         const int64_t i = want[j], id = ids[i];
         const int64_t slot = j < took_free ? free_slots[j] : victims[j - took_free];
         int64_t pos = -1;
-        const int64_t in_set = locate(&paged, id);
-        if (in_set >= 0) {
-            map_remove_at(&paged, in_set);
-            counts[C_PAGED_REMOVED]++;
-            const int64_t at = locate(&store_map, id);
-            if (at >= 0) { /* else dropped by the store meanwhile: a fresh row */
-                pos = map_value(&store_map, at);
-                map_remove_at(&store_map, at);
-                store_free[store_n_free++] = pos;
-                counts[C_STORE_TAKEN]++;
-                counts[C_PAGE_INS]++;
-            }
+        const int64_t at = locate(&store_map, id);
+        if (at >= 0) {
+            pos = map_value(&store_map, at);
+            map_remove_at(&store_map, at);
+            store_free[store_n_free++] = pos;
+            counts[C_PAGE_INS]++;
         } else {
             counts[C_ADMISSIONS]++;
         }

@@ -100,8 +100,6 @@ def _refused(slots: SlotTable, ids_U: np.ndarray, step: int) -> np.ndarray | Non
     return refused
 
 
-
-
 def _book(slots: SlotTable, store: PagedRows, counts: np.ndarray, store_n_free: int) -> None:
     """The entry counts of the maps and the free lists after what serve_step moved."""
     evicted, placed = int(counts[EVICTIONS]), int(counts[TOOK_FREE]) + int(counts[EVICTIONS])

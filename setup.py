@@ -70,8 +70,7 @@ setup(
         Extension(
             "hybridps.native._fused_adam",
             sources=["hybridps/native/fused_adam.c", "hybridps/native/row_optim.c",
-                     "hybridps/native/dynamic.c", "hybridps/native/paged_store.c",
-                     "hybridps/native/dynamic_step.c"],
+                     "hybridps/native/dynamic.c", "hybridps/native/dynamic_step.c"],
             depends=["hybridps/native/kernels.h", "hybridps/native/id_map.h",
                      "hybridps/native/dynamic.h"],
             optional=True,  # no compiler: install anyway, hybridps.optim falls back to torch

@@ -147,11 +147,6 @@ class IdMap:
         if self.count + self.gone + more > MAX_LOAD * self.size:
             self._rebuild(self.count + more)
 
-    def native_args(self) -> tuple[int, int, int]:
-        """(table, size, salt) as hybridps/native/id_map.h takes them; a caller that
-        enters or removes entries there adjusts `count` and `gone`."""
-        return self.table.ctypes.data, self.size, MAP_SALT
-
     def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
         if self.native:
             assert _ext is not None

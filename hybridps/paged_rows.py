@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from hybridps.id_map import IdMap
-from hybridps.native import dynamic as _ext
 
 PAGED_FORMAT = "hybridps-paged-rows-v1"
 # per id besides its row and state: pool id, last seen, frequency (int64 each) and its
@@ -53,11 +52,7 @@ class PagedOut:
 class PagedRows:
     """Paged-out rows of one table and rank (module doc)."""
 
-    def __init__(self, dim: int, layout: Sequence[tuple[str, int]], *,
-                 native: bool | None = None) -> None:
-        """`native`: `swap` by hybridps/native/paged_store.c where its tensors allow (None:
-        where built); the torch steps of `swap_reference` otherwise."""
-        self.native = _ext is not None if native is None else native
+    def __init__(self, dim: int, layout: Sequence[tuple[str, int]]) -> None:
         self.dim = dim
         self.layout = tuple((str(n), int(w)) for n, w in layout)
         self.index = IdMap()
@@ -135,12 +130,12 @@ class PagedRows:
         self.seen[pos] = out.seen.numpy()
         self.freq[pos] = out.freq.numpy()
 
-    def _check(self, out: PagedOut, *, with_state: bool = True) -> None:
+    def _check(self, out: PagedOut) -> None:
         n = out.count
         if tuple(out.rows.shape) != (n, self.dim):
             raise ValueError(f"paged rows: rows of shape {list(out.rows.shape)} are not "
                              f"[{n}, {self.dim}]")
-        for name, width in self.layout if with_state else ():
+        for name, width in self.layout:
             got = out.state.get(name)
             if got is None or tuple(got.shape) != (n, width):
                 raise ValueError(f"paged rows: state {name!r} is "
@@ -175,18 +170,13 @@ class PagedRows:
                                                                  int(in_ids.numel()))):
             if rows_R.numel() != n:
                 raise ValueError(f"paged rows: {rows_R.numel()} {what} rows for {n} ids")
+            if n == 0:
+                continue
+            lo, hi = int(rows_R.min()), int(rows_R.max())
             for name, t in state.items():
-                if n and not (int(rows_R.min()) >= 0 and int(rows_R.max()) < t.shape[0]):
+                if lo < 0 or hi >= t.shape[0]:
                     raise ValueError(f"paged rows: an {what} row is outside the "
                                      f"{t.shape[0]} rows of state {name!r}")
-        if self._native_for(out, state):
-            return self._swap_native(out, out_rows_R, in_ids, in_rows_R, state)
-        return self.swap_reference(out, out_rows_R, in_ids, in_rows_R, state)
-
-    def swap_reference(self, out: PagedOut, out_rows_R: torch.Tensor, in_ids: torch.Tensor,
-                       in_rows_R: torch.Tensor, state: Mapping[str, torch.Tensor]
-                       ) -> tuple[torch.Tensor, PagedOut]:
-        """`swap` in torch steps (its reference, and the path for state on a device)."""
         taken = {}
         for name, t in state.items():
             at = out_rows_R.to(t.device)
@@ -199,84 +189,6 @@ class PagedRows:
             t.index_copy_(0, back_F.to(t.device), got.state[name].to(t.device, t.dtype))
         got.state = {}
         return found, got
-
-    def _native_for(self, out: PagedOut, state: Mapping[str, torch.Tensor]) -> bool:
-        """Whether every tensor the native moves read or write is CPU fp32, contiguous."""
-        if not self.native or [(n, t.dim() == 2 and t.shape[1]) for n, t in state.items()
-                               ] != [(n, w) for n, w in self.layout]:
-            return False
-        return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                   for t in (out.rows, *state.values()))
-
-    def _swap_native(self, out: PagedOut, out_rows_R: torch.Tensor, in_ids: torch.Tensor,
-                     in_rows_R: torch.Tensor, state: Mapping[str, torch.Tensor]
-                     ) -> tuple[torch.Tensor, PagedOut]:
-        assert _ext is not None
-        n = out.count
-        if n:
-            self._check(out, with_state=False)
-            self.reserve(n)
-            pos = self.free[self.n_free - n:self.n_free][::-1].copy()
-            out_R = out_rows_R.to(torch.int64).contiguous()
-            rows = out.rows.contiguous()
-            self._move(n, [(rows, None, self.rows, pos, False)] + [
-                (t, out_R, self.state[name], pos, True) for name, t in state.items()])
-            ids = out.ids.to(torch.int64).contiguous().numpy()
-            seen = out.seen.to(torch.int64).contiguous().numpy()
-            freq = out.freq.to(torch.int64).contiguous().numpy()
-            reused = _ext.store_put(*self.index.native_args(), pos.ctypes.data,
-                                    self.ids.ctypes.data, self.seen.ctypes.data,
-                                    self.freq.ctypes.data, ids.ctypes.data, seen.ctypes.data,
-                                    freq.ctypes.data, n)
-            self.n_free -= n
-            self.index.count += n
-            self.index.gone -= reused
-        m = int(in_ids.numel())
-        ids_in = in_ids.to(torch.int64).contiguous().numpy()
-        found_u8 = np.zeros(m, dtype=np.uint8)
-        pos_in = np.empty(m, dtype=np.int64)
-        seen_in = np.empty(m, dtype=np.int64)
-        freq_in = np.empty(m, dtype=np.int64)
-        k = 0
-        if m and len(self.index):
-            k = _ext.store_take(*self.index.native_args(), self.free.ctypes.data, self.n_free,
-                                self.seen.ctypes.data, self.freq.ctypes.data,
-                                ids_in.ctypes.data, m, found_u8.ctypes.data,
-                                pos_in.ctypes.data, seen_in.ctypes.data, freq_in.ctypes.data)
-            self.n_free += k
-            self.index.count -= k
-            self.index.gone += k
-        found = torch.from_numpy(found_u8.view(bool))
-        rows_FD = torch.empty(k, self.dim)
-        if k:
-            pos_in = pos_in[:k]
-            back_F = in_rows_R.to(torch.int64).contiguous()[found]
-            self._move(k, [(self.rows, pos_in, rows_FD, None, False)] + [
-                (self.state[name], pos_in, t, back_F, False) for name, t in state.items()])
-        return found, PagedOut(in_ids[found], rows_FD, {}, torch.from_numpy(seen_in[:k]),
-                               torch.from_numpy(freq_in[:k]))
-
-    @staticmethod
-    def _move(n: int, pairs: Sequence[tuple[torch.Tensor, Any, torch.Tensor, Any, bool]]
-              ) -> None:
-        """hybridps/native/paged_store.c move_rows over (src, src rows, dst, dst rows,
-        zero the rows read) per array pair; rows as int64 numpy arrays or tensors, None:
-        row i."""
-        assert _ext is not None
-        keep = []
-        specs = np.zeros((len(pairs), 8), dtype=np.int64)
-        for a, (src, src_at, dst, dst_at, zero) in enumerate(pairs):
-            ptrs = []
-            for at in (src_at, dst_at):
-                if at is None:
-                    ptrs.append(0)
-                    continue
-                arr = at.numpy() if isinstance(at, torch.Tensor) else at
-                keep.append(arr)
-                ptrs.append(arr.ctypes.data)
-            specs[a] = (src.data_ptr(), ptrs[0], src.shape[0], dst.data_ptr(), ptrs[1],
-                        dst.shape[0], src.shape[1], int(zero))
-        _ext.move_rows(specs.ctypes.data, len(pairs), n)
 
     def peek(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(found_N, rows_FD) without removing anything (evaluation reads)."""
@@ -303,7 +215,7 @@ class PagedRows:
         return np.sort(pos)
 
     def expire(self, step: int, expire_steps: int) -> np.ndarray:
-        """Drop the ids last seen before `step - expire_steps` (0: never); returns them.
+        """Drop the ids last seen before `step - expire_steps` (0: never); returns them, by id.
         Scans the store at most every max(1, T // 8) steps: an id goes between T and
         9T/8 steps after it was last seen."""
         if expire_steps <= 0 or step < self.last_expiry + max(1, expire_steps // 8):
@@ -311,6 +223,7 @@ class PagedRows:
         self.last_expiry = step
         pos = self._live_positions()
         old = pos[self.seen[pos] < step - expire_steps]
+        old = old[np.argsort(self.ids[old], kind="stable")]  # by id, not by pool position
         self.expired += old.size
         return self._drop(old, step)
 

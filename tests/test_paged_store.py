@@ -1,6 +1,6 @@
-"""The paged store's swap (hybridps/paged_rows.py): the native moves
-(hybridps/native/paged_store.c) against the torch steps, a store that grows while full,
-and bad indices refused before anything moves."""
+"""The paged store's swap (hybridps/paged_rows.py): random swaps against a model of what
+it holds, a store that grows while full, and bad indices refused before anything
+moves."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from hybridps.native import dynamic as native_dynamic
 from hybridps.paged_rows import PagedOut, PagedRows
 
 DIM = 3
@@ -28,13 +27,10 @@ def _state(rows: int, seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(rows, width, generator=g) for name, width in LAYOUT}
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_store_that_grows_with_positions_taken_gives_them_all_back(native: bool) -> None:
+def test_a_store_that_grows_with_positions_taken_gives_them_all_back() -> None:
     """The free stack keeps room for every position: taking back more entries than were
     free before the pool grew must not overflow it."""
-    if native and native_dynamic is None:
-        pytest.skip("the native extension is not built")
-    store = PagedRows(DIM, LAYOUT, native=native)
+    store = PagedRows(DIM, LAYOUT)
     state = _state(200, 0)
     none = torch.empty(0, dtype=torch.int64)
     store.swap(_out(list(range(20)), 1), torch.arange(20), none, none, state)
@@ -47,20 +43,20 @@ def test_a_store_that_grows_with_positions_taken_gives_them_all_back(native: boo
     assert store.n_free == store.capacity
 
 
-@pytest.mark.skipif(native_dynamic is None, reason="the native extension is not built")
-def test_the_native_swap_is_the_torch_swap() -> None:
-    """200 random swaps (ids going out and coming back, some never stored, growth) on two
-    stores and two copies of the state: the same answers and the same content."""
+def test_random_swaps_keep_what_went_out_and_give_it_back() -> None:
+    """200 random swaps (ids going out and coming back, some never stored, growth): each
+    id comes back with the row, state, step and frequency it left with, and the store
+    holds exactly the ids out at the end."""
     rng = np.random.default_rng(5)
-    stores = [PagedRows(DIM, LAYOUT, native=True), PagedRows(DIM, LAYOUT, native=False)]
-    states = [_state(64, 7), _state(64, 7)]
-    stored: set[int] = set()
+    store = PagedRows(DIM, LAYOUT)
+    state = _state(64, 7)
+    left: dict[int, tuple[torch.Tensor, ...]] = {}  # id -> what it left with
     next_id = -50
     for call in range(200):
         n_out = int(rng.integers(0, 9))
         out_ids = list(range(next_id, next_id + n_out))
         next_id += n_out
-        back = sorted(stored)
+        back = sorted(left)
         pick = rng.choice(len(back), size=min(len(back), int(rng.integers(0, 7))),
                           replace=False) if back else np.empty(0, dtype=np.int64)
         in_list = [back[i] for i in pick] + [10_000 + call]  # the last one was never stored
@@ -68,29 +64,25 @@ def test_the_native_swap_is_the_torch_swap() -> None:
         slots = rng.permutation(64)
         out_rows = torch.from_numpy(slots[:n_out].copy())
         in_rows = torch.from_numpy(slots[n_out:n_out + len(in_list)].copy())
-        answers = [store.swap(_out(out_ids, call), out_rows, in_ids, in_rows, state)
-                   for store, state in zip(stores, states, strict=True)]
-        (fa, ga), (fb, gb) = answers
-        assert torch.equal(fa, fb) and not bool(fa[-1])
-        for x, y in ((ga.ids, gb.ids), (ga.rows, gb.rows), (ga.seen, gb.seen),
-                     (ga.freq, gb.freq)):
-            assert torch.equal(x, y)
-        for name, _ in LAYOUT:
-            assert torch.equal(states[0][name], states[1][name])
-        stored |= set(out_ids)
-        stored -= {int(i) for i in ga.ids}
-    a, b = stores[0].entries(), stores[1].entries()
-    assert a.ids.tolist() == sorted(stored) and torch.equal(a.ids, b.ids)
-    assert torch.equal(a.rows, b.rows) and torch.equal(a.freq, b.freq)
-    for name, _ in LAYOUT:
-        assert torch.equal(a.state[name], b.state[name])
+        out = _out(out_ids, call)
+        for k, ident in enumerate(out_ids):
+            left[ident] = (out.rows[k].clone(), out.seen[k], out.freq[k],
+                           *(state[n][out_rows[k]].clone() for n, _ in LAYOUT))
+        found, got = store.swap(out, out_rows, in_ids, in_rows, state)
+        assert found.tolist() == [True] * (len(in_list) - 1) + [False]
+        for k, ident in enumerate(got.ids.tolist()):
+            row, seen, freq, *moved = left.pop(ident)
+            assert torch.equal(got.rows[k], row)
+            assert int(got.seen[k]) == int(seen) and int(got.freq[k]) == int(freq)
+            for (name, _), want in zip(LAYOUT, moved, strict=True):
+                assert torch.equal(state[name][in_rows[k]], want)
+        for name, _ in LAYOUT:  # the state of rows that went out is zeroed there
+            assert not bool(state[name][out_rows].any())
+    assert store.entries().ids.tolist() == sorted(left)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_row_outside_the_state_is_refused_before_anything_moves(native: bool) -> None:
-    if native and native_dynamic is None:
-        pytest.skip("the native extension is not built")
-    store = PagedRows(DIM, LAYOUT, native=native)
+def test_a_row_outside_the_state_is_refused_before_anything_moves() -> None:
+    store = PagedRows(DIM, LAYOUT)
     state = _state(8, 1)
     before = {k: v.clone() for k, v in state.items()}
     none = torch.empty(0, dtype=torch.int64)

@@ -33,7 +33,7 @@ def fusable(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
     """Whether the fused step can run: the extension built, the store's index the slot
     table's set of paged ids (SlotTable.share_paged), the rows and the optimizer state
     fp32 contiguous on the CPU with a row per slot, the store's layout."""
-    if _ext is None or not store.native or not slots.shares_paged_with(store):
+    if _ext is None or not slots.shares_paged_with(store):
         return False
     arrays = (weight, *state.values())
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()

@@ -1,6 +1,6 @@
 """Optional native (C) row kernels; see fused_adam.c, row_optim.c (the Adagrad family and
 partial-rowwise Adam) and hybridps.optim for the dispatch; dynamic.c for the dynamic
-tables' per-id work and paged_store.c for the paged store's batch moves.
+tables' per-id work and dynamic_step.c for a dynamic table's fused step.
 
 `ext` is the compiled module hybridps.native._fused_adam, or None when it was not built
 (no C compiler at install time) or does not load; `load_error` then says why. `dynamic`
@@ -22,9 +22,9 @@ except ImportError as e:  # not built, or built for another interpreter
     ext = None
     load_error = f"{type(e).__name__}: {e}"
 
-# every function of dynamic.c, paged_store.c and dynamic_step.c, or none (an older
+# every function of dynamic.c and dynamic_step.c, or none (an older
 # build: the fallbacks)
 DYNAMIC_FUNCTIONS = ("idmap_find", "idmap_place", "idmap_remove", "initial_rows", "victims",
-                     "first_seen_unique", "store_put", "store_take", "move_rows", "serve_step")
+                     "first_seen_unique", "serve_step")
 dynamic: ModuleType | None = ext if ext is not None and all(
     hasattr(ext, f) for f in DYNAMIC_FUNCTIONS) else None

@@ -122,8 +122,7 @@ static int64_t lru_victims(const int64_t *lru, long long *head, long long tail,
 }
 
 /* Sort k slots (each in [0, n)) ascending: LSD radix, 11 bits a pass, as few passes as
- * n needs; tmp holds k. (A step's slots are a few hundred to a few thousand: a
- * comparison sort cost more than the rest of the queue's work.) */
+ * n needs (linear in k); tmp holds k. */
 static void sort_slots(int64_t *slots, int64_t *tmp, int64_t k, int64_t n) {
     enum { BITS = 11, BUCKETS = 1 << BITS };
     int64_t count[BUCKETS];
@@ -151,6 +150,13 @@ static ALWAYS_INLINE void prefetch_rows(const row_pair *pairs, int64_t n_pairs, 
         prefetch_row_l1(PTR(const float *, pairs[a].slots) + slot * w, w);
         prefetch_row_l1(PTR(const float *, pairs[a].pool) + pos * w, w);
     }
+}
+
+/* An id's entries in both maps into the cache ahead of its probes. */
+static ALWAYS_INLINE void prefetch_maps(const map_t *store_map, const map_t *slot_map,
+                                        int64_t id) {
+    map_prefetch(store_map, id);
+    map_prefetch(slot_map, id);
 }
 
 /* the slot of the j-th placed id: the free ones first, then the victims */
@@ -191,7 +197,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         return NULL;
     bufs_t b = {.held = 0};
     PyObject *result = NULL;
-    int64_t *want = NULL, *victims = NULL, *local = NULL, *touched = NULL;
+    int64_t *want = NULL, *victims = NULL, *local = NULL;
     uint8_t *pinned = NULL;
     int64_t u, nr = 0, nc, n, n2, n3, nf, nsf, nsi, nss, nsq, np_, ncounts;
     map_t slot_map, store_map;
@@ -231,19 +237,15 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
 
     want = malloc((size_t)(u ? u : 1) * sizeof *want);
     local = malloc((size_t)(u ? u : 1) * sizeof *local);
-    touched = malloc((size_t)(u ? u : 1) * sizeof *touched);
     pinned = calloc((size_t)(n ? n : 1), 1);
-    if (want == NULL || local == NULL || touched == NULL || pinned == NULL) {
+    if (want == NULL || local == NULL || pinned == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     /* 1. hits, paged and new ids; the wanted misses in batch order */
     int64_t n_want = 0;
     for (int64_t i = 0; i < u; i++) {
-        if (i + PROBE_AHEAD < u) {
-            map_prefetch(&slot_map, ids[i + PROBE_AHEAD]);
-            map_prefetch(&store_map, ids[i + PROBE_AHEAD]);
-        }
+        if (i + PROBE_AHEAD < u) prefetch_maps(&store_map, &slot_map, ids[i + PROBE_AHEAD]);
         const int64_t at = locate(&slot_map, ids[i]);
         local[i] = at < 0 ? -1 : map_value(&slot_map, at);
         codes[i] = -1;
@@ -286,11 +288,8 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
      *    store's index (before any slot is written: the paged ids below may land on
      *    victims) */
     for (int64_t j = 0; j < n_out; j++) {
-        if (j + PROBE_AHEAD < n_out) {
-            const int64_t ahead = slot_id[victims[j + PROBE_AHEAD]];
-            map_prefetch(&store_map, ahead);
-            map_prefetch(&slot_map, ahead);
-        }
+        if (j + PROBE_AHEAD < n_out)
+            prefetch_maps(&store_map, &slot_map, slot_id[victims[j + PROBE_AHEAD]]);
         if (j + ROWS_AHEAD < n_out)
             prefetch_rows(pairs, n_pairs, victims[j + ROWS_AHEAD],
                           store_free[store_n_free - 1 - ROWS_AHEAD]);
@@ -321,13 +320,10 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
      *    (no put follows, so the positions taken keep their rows until copied) */
     int64_t *from = want; /* reused: want[j] is read before from[j] is written */
     for (int64_t j = 0; j < placed; j++) {
-        if (j + PROBE_AHEAD < placed) {
-            const int64_t ahead = ids[want[j + PROBE_AHEAD]];
-            map_prefetch(&store_map, ahead);
-            map_prefetch(&slot_map, ahead);
-        }
+        if (j + PROBE_AHEAD < placed)
+            prefetch_maps(&store_map, &slot_map, ids[want[j + PROBE_AHEAD]]);
         const int64_t i = want[j], id = ids[i];
-        const int64_t slot = j < took_free ? free_slots[j] : victims[j - took_free];
+        const int64_t slot = slot_at(j, took_free, free_slots, victims);
         int64_t pos = -1;
         const int64_t at = locate(&store_map, id);
         if (at >= 0) {
@@ -379,10 +375,10 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     counts[C_REFUSED_CAPACITY] = n_want - placed;
     counts[C_TOOK_FREE] = took_free;
     if (lru) { /* every slot looked up this step, by slot, at the queue's end */
-        int64_t n_touched = 0;
+        int64_t *touched = want, n_touched = 0; /* want/from: no longer needed */
         for (int64_t i = 0; i < u; i++)
             if (codes[i] >= 0) touched[n_touched++] = codes[i] - start;
-        sort_slots(touched, local, n_touched, n); /* local: no longer needed */
+        sort_slots(touched, local, n_touched, n); /* local: no longer needed either */
         for (int64_t j = 0; j < n_touched; j++) {
             lru[2 * lru_tail] = step;
             lru[2 * lru_tail + 1] = touched[j];
@@ -393,7 +389,6 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
 done:
     free(want);
     free(local);
-    free(touched);
     free(pinned);
     free(victims);
     release_all(&b);

@@ -917,7 +917,6 @@ PyMODINIT_FUNC PyInit__fused_adam(void) {
     PyObject *module = PyModule_Create(&moduledef);
     if (module != NULL && (PyModule_AddFunctions(module, hp_row_optim_methods) < 0 ||
                            PyModule_AddFunctions(module, hp_dynamic_methods) < 0 ||
-                           PyModule_AddFunctions(module, hp_paged_store_methods) < 0 ||
                            PyModule_AddFunctions(module, hp_dynamic_step_methods) < 0)) {
         Py_DECREF(module);
         return NULL;

@@ -1,6 +1,6 @@
 /*
- * The id map's table and probes, shared by dynamic.c (its find/place/remove calls),
- * paged_store.c (the paged store's index) and dynamic_step.c: see dynamic.c's comment for
+ * The id map's table and probes, shared by dynamic.c (its find/place/remove calls) and
+ * dynamic_step.c (the slot map and the paged store's index): see dynamic.c's comment for
  * the rules. The table is hybridps/id_map.py's: int64 [size, 2], per position its key
  * and its value, the value also saying the position's state (>= 0: full; MAP_EMPTY;
  * MAP_GONE: a removed entry's tombstone). A probe reads one 16-byte entry: one cache

@@ -145,8 +145,6 @@ PyObject *hp_raise_bad_id(const int64_t *ids, int64_t pos, int64_t n_rows);
 extern PyMethodDef hp_row_optim_methods[];
 /* ... and those of dynamic.c (the dynamic tables: id map, initial rows). */
 extern PyMethodDef hp_dynamic_methods[];
-/* ... and those of paged_store.c (the paged store's batch moves). */
-extern PyMethodDef hp_paged_store_methods[];
 /* ... and dynamic_step.c's (a dynamic table's step with an in-process store, fused). */
 extern PyMethodDef hp_dynamic_step_methods[];
 

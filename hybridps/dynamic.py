@@ -120,6 +120,21 @@ def unit_floats(bits: np.ndarray) -> np.ndarray:
     return ((bits >> _U64(11)).astype(np.float64) + 1.0) * (1.0 / 2**53)
 
 
+# The initial rows' generator: a sum of four 16-bit uniforms (Irwin-Hall of 4), centred
+# and scaled to the std. Why not Box-Muller: its log/cos/sin were the largest part of the
+# owner's native step when thousands of ids are new each step, and libm's results match
+# numpy's only within an ulp; a sum of integers scaled by one float64 multiply is the same
+# value in C and numpy by construction (docs/performance-log.md has the figures).
+_IH_CENTRE = 2 * 0xFFFF                            # the sum's mean (four values in [0, 65535])
+_IH_STD = ((65536.0 * 65536.0 - 1.0) / 3.0) ** 0.5  # the sum's std
+
+
+def initial_scale(init_std: float) -> float:
+    """The float64 factor that takes a centred sum of four 16-bit values to std
+    `init_std` (`initial_rows`; the native loop takes it as it is)."""
+    return float(init_std) / _IH_STD
+
+
 def init_salt(seed: int, table_index: int) -> int:
     """The salt of a table's initial rows (`initial_rows`)."""
     return (INIT_SALT ^ (seed * 0x100000001B3) ^ (table_index << 48)) % 2**64
@@ -127,28 +142,29 @@ def init_salt(seed: int, table_index: int) -> int:
 
 def initial_rows(ids: torch.Tensor, dim: int, *, seed: int, table_index: int,
                  init_std: float, native: bool | None = None) -> torch.Tensor:
-    """[N, dim] float32: N(0, init_std) rows drawn from a hash of (seed, table, id, column)
-    (Box-Muller on the CPU in float64), the same for an id whatever its slot, world
-    size or arrival step. `native`: the C loop of hybridps/native/dynamic.c (None: where
-    built), the same values; this numpy version is its reference and fallback."""
+    """[N, dim] float32 rows with mean 0 and std `init_std`, drawn from a hash of (seed,
+    table, id, column), the same for an id whatever its slot, world size or arrival step.
+    Each value is a sum of four 16-bit uniforms (a bell-shaped law bounded at 2 sqrt(3)
+    std, kurtosis 2.7 against a normal's 3), centred and scaled: integer sums and one
+    float64 multiply, so the C loop of hybridps/native/dynamic.c (`native`; None: where
+    built) gives these values bitwise; this numpy version is its reference and fallback."""
     import torch
     u = as_u64(ids.reshape(-1))
     n = u.size
     if n == 0:
         return torch.empty(0, dim)
     salt = init_salt(seed, table_index)
+    scale = initial_scale(init_std)
     if _native is not None if native is None else native:
         assert _native is not None
         out = torch.empty(n, dim)
-        _native.initial_rows(u.ctypes.data, n, dim, salt, float(init_std), out.data_ptr())
+        _native.initial_rows(u.ctypes.data, n, dim, salt, scale, out.data_ptr())
         return out
     with np.errstate(over="ignore"):
         base = salted(u, salt)
-        cols = np.arange((dim + 1) // 2, dtype=_U64) * _U64(2)
-        a = mix64(base[:, None] + cols[None, :] + _U64(1))
-        b = mix64(base[:, None] + cols[None, :] + _U64(2))
-    radius = np.sqrt(-2.0 * np.log(unit_floats(a)))
-    angle = 2.0 * np.pi * unit_floats(b)
-    pairs = np.stack([radius * np.cos(angle), radius * np.sin(angle)], axis=2)
-    rows = pairs.reshape(n, -1)[:, :dim] * init_std
+        bits = mix64(base[:, None] + np.arange(1, dim + 1, dtype=_U64)[None, :])
+    mask = _U64(0xFFFF)
+    total = ((bits & mask) + ((bits >> _U64(16)) & mask) + ((bits >> _U64(32)) & mask)
+             + (bits >> _U64(48))).astype(np.int64)
+    rows = (total - _IH_CENTRE).astype(np.float64) * scale
     return torch.from_numpy(rows.astype(np.float32))

@@ -63,6 +63,20 @@ def test_initial_rows_depend_on_the_id_only() -> None:
     assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 0.5) < 0.01
 
 
+def test_initial_rows_are_a_sum_of_four_uniforms_with_the_std() -> None:
+    """The law the docs state: bounded at 2 sqrt(3) std, kurtosis 2.7 (a normal's: 3),
+    every column alike, no two ids' rows the same."""
+    big = initial_rows(torch.arange(-50_000, 50_000), 8, seed=3, table_index=1,
+                       init_std=0.2).double()
+    assert abs(float(big.mean())) < 0.002
+    assert torch.allclose(big.std(dim=0), torch.full((8,), 0.2, dtype=torch.float64),
+                          rtol=0.01)
+    assert float(big.abs().max()) <= 2 * 3 ** 0.5 * 0.2 * (1 + 1e-6)
+    z = (big - big.mean()) / big.std()
+    assert abs(float((z ** 4).mean()) - 2.7) < 0.03
+    assert torch.unique(big, dim=0).shape[0] == big.shape[0]
+
+
 @pytest.mark.skipif(not ID_MAP_NATIVE, reason="the native extension is not built")
 @pytest.mark.parametrize("dim", [1, 7, 16, 129])
 def test_the_native_initial_rows_are_the_numpy_ones_bitwise(dim: int) -> None:

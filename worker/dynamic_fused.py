@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from hybridps.dynamic import init_salt
+from hybridps.dynamic import init_salt, initial_scale
 from hybridps.id_map import MAP_SALT
 from hybridps.native import dynamic as _ext
 from hybridps.paged_rows import PagedRows
@@ -68,7 +68,7 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
         slots.seen, slots.freq, slots.free, slots.free.size, store.index.table, store.free,
         store.n_free, store.ids, store.seen, store.freq, pairs, slots.start, step,
         applied_through, slots.spec.eviction == "lfu", MAP_SALT,
-        init_salt(seed, table_index), float(init_std), counts,
+        init_salt(seed, table_index), initial_scale(init_std), counts,
         None if lru is None else lru.records, 0 if lru is None else lru.head,
         0 if lru is None else lru.tail)
     if lru is not None:

@@ -26,7 +26,6 @@
 #include "id_map.h"
 #include "kernels.h"
 
-#include <math.h>
 #include <stdlib.h>
 
 PyDoc_STRVAR(idmap_find_doc,
@@ -115,33 +114,24 @@ static PyObject *py_idmap_remove(PyObject *self, PyObject *args) {
 }
 
 /*
- * Initial rows: hybridps/dynamic.py initial_rows op for op in float64 (its numpy version
- * is the reference and the fallback): per id, base = splitmix64(id ^ salt); per column
- * pair c, a = splitmix64(base + 2c + 1), b = splitmix64(base + 2c + 2), u = ((x >> 11) +
- * 1) / 2^53, radius = sqrt(-2 log u_a), angle = 2 pi u_b; the pair is (radius cos angle,
- * radius sin angle) * std, rounded to float32. No FMA contraction (setup.py), and libm's
- * log/cos/sin, whose float64 results agree with numpy's to within an ulp: a difference
- * could move the float32 rounding only for a value within an ulp of a float32 boundary
- * (tests/test_dynamic_parts.py compares the two bitwise).
+ * Initial rows: hybridps/dynamic.py initial_rows op for op (its numpy version is the
+ * reference and the fallback): per id, base = splitmix64(id ^ salt); per column c,
+ * x = splitmix64(base + c + 1), the sum of x's four 16-bit parts, minus their mean
+ * 2 * 65535, times `scale` in float64, rounded to float32. Integer sums and one correctly
+ * rounded multiply: the numpy values bitwise (tests/test_dynamic_parts.py).
  */
-void hp_initial_row(int64_t id, int64_t dim, uint64_t salt, double std, float *row) {
-    const double two_pi = 2.0 * 3.141592653589793;
-    const double unit = 1.0 / 9007199254740992.0; /* 2^-53 */
+void hp_initial_row(int64_t id, int64_t dim, uint64_t salt, double scale, float *row) {
     const uint64_t base = mix64((uint64_t)id ^ salt);
-    for (int64_t c = 0; 2 * c < dim; c++) {
-        const uint64_t a = mix64(base + (uint64_t)(2 * c) + 1u);
-        const uint64_t b = mix64(base + (uint64_t)(2 * c) + 2u);
-        const double ua = ((double)(a >> 11) + 1.0) * unit;
-        const double ub = ((double)(b >> 11) + 1.0) * unit;
-        const double radius = sqrt(-2.0 * log(ua));
-        const double angle = two_pi * ub;
-        row[2 * c] = (float)((radius * cos(angle)) * std);
-        if (2 * c + 1 < dim) row[2 * c + 1] = (float)((radius * sin(angle)) * std);
+    for (int64_t c = 0; c < dim; c++) {
+        const uint64_t x = mix64(base + (uint64_t)c + 1u);
+        const int64_t sum = (int64_t)((x & 0xFFFFu) + ((x >> 16) & 0xFFFFu) +
+                                      ((x >> 32) & 0xFFFFu) + (x >> 48));
+        row[c] = (float)((double)(sum - 2 * 0xFFFF) * scale);
     }
 }
 
 PyDoc_STRVAR(initial_rows_doc,
-             "initial_rows(ids, n, dim, salt, std, out)\n--\n\n"
+             "initial_rows(ids, n, dim, salt, scale, out)\n--\n\n"
              "out (float32 [n, dim]) = the initial rows of the n int64 ids (see the comment\n"
              "above the function in dynamic.c).");
 
@@ -149,11 +139,11 @@ static PyObject *py_initial_rows(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long pids, salt, pout;
     long long n, dim;
-    double std;
-    if (!PyArg_ParseTuple(args, "KLLKdK", &pids, &n, &dim, &salt, &std, &pout)) return NULL;
+    double scale;
+    if (!PyArg_ParseTuple(args, "KLLKdK", &pids, &n, &dim, &salt, &scale, &pout)) return NULL;
     const int64_t *ids = PTR(const int64_t *, pids);
     float *out = PTR(float *, pout);
-    for (int64_t i = 0; i < n; i++) hp_initial_row(ids[i], dim, (uint64_t)salt, std, out + i * dim);
+    for (int64_t i = 0; i < n; i++) hp_initial_row(ids[i], dim, (uint64_t)salt, scale, out + i * dim);
     Py_RETURN_NONE;
 }
 

@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 /* row (float32 [dim]) = the initial row of id (dynamic.c's comment above initial_rows) */
-void hp_initial_row(int64_t id, int64_t dim, uint64_t salt, double std, float *row);
+void hp_initial_row(int64_t id, int64_t dim, uint64_t salt, double scale, float *row);
 
 /* The `count` slots to evict, in eviction order, into out (victims' rules: dynamic.c);
  * pinned: a byte per slot, 1 = looked up this step. Returns how many, -1 out of memory. */

@@ -169,7 +169,7 @@ PyDoc_STRVAR(serve_step_doc,
              "serve_step(ids, refused, codes, slot_map, slot_id, seen, freq, free,\n"
              "           n_free, store_map, store_free, store_n_free, store_ids, store_seen,\n"
              "           store_freq, row_pairs, start, step, applied_through, lfu, map_salt,\n"
-             "           init_salt, init_std, counts, lru, lru_head, lru_tail)\n--\n\n"
+             "           init_salt, init_scale, counts, lru, lru_head, lru_tail)\n--\n\n"
              "One step of a dynamic table at its owner with an in-process store (see the\n"
              "comment at the top of dynamic_step.c). Maps are their int64 [size, 2]\n"
              "tables (id_map.h); row_pairs: int64 [k, 3] of (slot array pointer, pool array pointer,\n"
@@ -187,12 +187,12 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     long long n_free, store_n_free, start, step, applied_through, lru_head, lru_tail;
     int lfu;
     unsigned long long map_salt, init_salt;
-    double init_std;
+    double init_scale;
     if (!PyArg_ParseTuple(args, "OOOOOOOOLOOLOOOOLLLpKKdOOLL", &o_ids, &o_refused, &o_codes,
                           &o_slot_map, &o_slot_id, &o_seen, &o_freq, &o_free,
                           &n_free, &o_store_map, &o_store_free, &store_n_free, &o_store_ids,
                           &o_store_seen, &o_store_freq, &o_pairs, &start, &step,
-                          &applied_through, &lfu, &map_salt, &init_salt, &init_std,
+                          &applied_through, &lfu, &map_salt, &init_salt, &init_scale,
                           &o_counts, &o_lru, &lru_head, &lru_tail))
         return NULL;
     bufs_t b = {.held = 0};
@@ -354,7 +354,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
                           from[j + ROWS_AHEAD]);
         const int64_t slot = slot_at(j, took_free, free_slots, victims), pos = from[j];
         if (pos < 0) {
-            hp_initial_row(slot_id[slot], dim, (uint64_t)init_salt, init_std,
+            hp_initial_row(slot_id[slot], dim, (uint64_t)init_salt, init_scale,
                            weight + slot * dim);
             continue;
         }

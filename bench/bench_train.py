@@ -195,13 +195,13 @@ def _plain_once(name: str, worker_args: list[str], steps: int, threads: int,
 # -- (b), (c) hybridps on 2 ranks ----------------------------------------------------------
 
 def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
-                 directory: Path, nproc: int = WORLD) -> Run:
+                 directory: Path, nproc: int = WORLD, staleness: int = 1) -> Run:
     directory.mkdir(parents=True, exist_ok=True)
     server = Server(directory) if not variant.startswith("local") else None
     sampler = None if server is None else CpuSampler(server.proc.pid)
     try:
         source = ["--local-optimizer"] if server is None else ["--ps", server.address]
-        res = run_worker([*source, "--staleness", "1", "--steps", str(steps),
+        res = run_worker([*source, "--staleness", str(staleness), "--steps", str(steps),
                           "--eval-batches", "1", "--eval-every", "0", "--log-every", "50",
                           *worker_args],
                          directory / f"{name}-{variant}.json",

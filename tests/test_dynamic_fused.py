@@ -33,6 +33,7 @@ def _assert_same(fused: Run, reference: Run) -> None:
     for field in ("slot_id", "seen", "freq", "free"):
         assert np.array_equal(getattr(a, field), getattr(b, field)), field
     assert a.stats == b.stats
+    assert not a.pinned.any()  # the fused step's scratch is left all zero
     assert _map_items(a.map) == _map_items(b.map)
     assert set(_map_items(a.paged)) == set(_map_items(b.paged))
     assert a.map.count == b.map.count and a.paged.count == b.paged.count

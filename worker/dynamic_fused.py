@@ -64,7 +64,7 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
         (t.data_ptr(), store.state[name].data_ptr(), t.shape[1]) for name, t in state.items()],
         dtype=np.int64)
     store_n_free, head, tail = _ext.serve_step(
-        ids_U, refused, codes, slots.map.table, slots.slot_id,
+        ids_U, refused, codes, slots.map.table, slots.slot_id, slots.pinned,
         slots.seen, slots.freq, slots.free, slots.free.size, store.index.table, store.free,
         store.n_free, store.ids, store.seen, store.freq, pairs, slots.start, step,
         applied_through, slots.spec.eviction == "lfu", MAP_SALT,

@@ -150,6 +150,9 @@ class SlotTable:
         self.seen = np.full(n, -1, dtype=np.int64)
         self.freq = np.zeros(n, dtype=np.int64)
         self.free = np.arange(n, dtype=np.int64)  # sorted
+        # the fused step's mark of its hits (no victim among them), all zero between calls:
+        # kept, not allocated a step (a fresh n-byte array a step cost page faults)
+        self.pinned = np.zeros(n, dtype=np.uint8)
         self.admission = Admission(spec, seed, table_index)
         self.stats = SlotStats()
         self.lru = LruQueue()

@@ -52,7 +52,7 @@ enum {
     C_COUNTS
 };
 
-enum { MAX_BUFS = 16 }; /* serve_step takes 16 arrays at most */
+enum { MAX_BUFS = 17 }; /* serve_step takes 17 arrays at most */
 
 typedef struct {
     Py_buffer views[MAX_BUFS];
@@ -166,14 +166,15 @@ static ALWAYS_INLINE int64_t slot_at(int64_t j, int64_t took_free, const int64_t
 }
 
 PyDoc_STRVAR(serve_step_doc,
-             "serve_step(ids, refused, codes, slot_map, slot_id, seen, freq, free,\n"
+             "serve_step(ids, refused, codes, slot_map, slot_id, pinned, seen, freq, free,\n"
              "           n_free, store_map, store_free, store_n_free, store_ids, store_seen,\n"
              "           store_freq, row_pairs, start, step, applied_through, lfu, map_salt,\n"
              "           init_salt, init_scale, counts, lru, lru_head, lru_tail)\n--\n\n"
              "One step of a dynamic table at its owner with an in-process store (see the\n"
              "comment at the top of dynamic_step.c). Maps are their int64 [size, 2]\n"
              "tables (id_map.h); row_pairs: int64 [k, 3] of (slot array pointer, pool array pointer,\n"
-             "width), the rows first, then each optimizer state array. codes (int64 [U]) gets\n"
+             "width), the rows first, then each optimizer state array. pinned: uint8 [slots],\n"
+             "all zero (and left so). codes (int64 [U]) gets\n"
              "each id's global slot or -1; counts (int64 [9]) what the caller books. lru:\n"
              "the LRU queue (int64 [cap, 2] of (seen, slot), records [lru_head, lru_tail),\n"
              "room for U more) or None (the victims by a scan of every slot). Returns\n"
@@ -181,15 +182,15 @@ PyDoc_STRVAR(serve_step_doc,
 
 static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *o_ids, *o_refused, *o_codes, *o_slot_map, *o_slot_id, *o_seen,
+    PyObject *o_ids, *o_refused, *o_codes, *o_slot_map, *o_slot_id, *o_pinned, *o_seen,
         *o_freq, *o_free, *o_store_map, *o_store_free, *o_store_ids, *o_store_seen,
         *o_store_freq, *o_pairs, *o_counts, *o_lru;
     long long n_free, store_n_free, start, step, applied_through, lru_head, lru_tail;
     int lfu;
     unsigned long long map_salt, init_salt;
     double init_scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOLOOLOOOOLLLpKKdOOLL", &o_ids, &o_refused, &o_codes,
-                          &o_slot_map, &o_slot_id, &o_seen, &o_freq, &o_free,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOLOOLOOOOLLLpKKdOOLL", &o_ids, &o_refused, &o_codes,
+                          &o_slot_map, &o_slot_id, &o_pinned, &o_seen, &o_freq, &o_free,
                           &n_free, &o_store_map, &o_store_free, &store_n_free, &o_store_ids,
                           &o_store_seen, &o_store_freq, &o_pairs, &start, &step,
                           &applied_through, &lfu, &map_salt, &init_salt, &init_scale,
@@ -198,8 +199,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     bufs_t b = {.held = 0};
     PyObject *result = NULL;
     int64_t *want = NULL, *victims = NULL, *local = NULL;
-    uint8_t *pinned = NULL;
-    int64_t u, nr = 0, nc, n, n2, n3, nf, nsf, nsi, nss, nsq, np_, ncounts;
+    int64_t u, nr = 0, nc, n, n1, n2, n3, nf, nsf, nsi, nss, nsq, np_, ncounts;
     map_t slot_map, store_map;
     const int64_t *ids = grab(&b, o_ids, 8, "ids", &u);
     if (ids == NULL) goto done;
@@ -210,7 +210,8 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     if (codes == NULL) goto done;
     if (grab_map(&b, o_slot_map, map_salt, "slot map", &slot_map) < 0) goto done;
     int64_t *slot_id = grab(&b, o_slot_id, 8, "slot_id", &n);
-    int64_t *seen = slot_id ? grab(&b, o_seen, 8, "seen", &n2) : NULL;
+    uint8_t *pinned = slot_id ? grab(&b, o_pinned, 1, "pinned", &n1) : NULL;
+    int64_t *seen = pinned ? grab(&b, o_seen, 8, "seen", &n2) : NULL;
     int64_t *freq = seen ? grab(&b, o_freq, 8, "freq", &n3) : NULL;
     const int64_t *free_slots = freq ? grab(&b, o_free, 8, "free", &nf) : NULL;
     if (free_slots == NULL) goto done;
@@ -225,7 +226,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     int64_t *lru = NULL, n_lru = 0;
     if (o_lru != Py_None && (lru = grab(&b, o_lru, 8, "lru queue", &n_lru)) == NULL) goto done;
     const int64_t n_pairs = np_ / 3;
-    if ((refused && nr != u) || nc != u || n2 != n || n3 != n || n_free > nf || n_free < 0 ||
+    if ((refused && nr != u) || nc != u || n1 != n || n2 != n || n3 != n || n_free > nf || n_free < 0 ||
         nsi != nsf || nss != nsf || nsq != nsf || store_n_free < u || store_n_free > nsf ||
         n_pairs < 1 || ncounts < C_COUNTS ||
         (lru && (lru_head < 0 || lru_head > lru_tail || lru_tail + u > n_lru / 2))) {
@@ -237,8 +238,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
 
     want = malloc((size_t)(u ? u : 1) * sizeof *want);
     local = malloc((size_t)(u ? u : 1) * sizeof *local);
-    pinned = calloc((size_t)(n ? n : 1), 1);
-    if (want == NULL || local == NULL || pinned == NULL) {
+    if (want == NULL || local == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -368,6 +368,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < u; i++) {
         const int64_t s = local[i];
         if (s < 0) continue;
+        pinned[s] = 0;
         seen[s] = step;
         freq[s] = freq[s] + 1 < LFU_FREQ_CAP ? freq[s] + 1 : LFU_FREQ_CAP;
         codes[i] = s + start;
@@ -387,9 +388,9 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     }
     result = Py_BuildValue("LLL", (long long)store_n_free, lru_head, lru_tail);
 done:
+    if (result == NULL && pinned != NULL) memset(pinned, 0, (size_t)n1); /* all zero again */
     free(want);
     free(local);
-    free(pinned);
     free(victims);
     release_all(&b);
     return result;

@@ -173,3 +173,30 @@ def test_an_in_process_store_holds_the_only_set_of_paged_ids() -> None:
     store.load(saved)
     assert slots.paged is store.index  # the restored store's new index
     assert sorted(slots.state_dict()["paged_ids"].tolist()) == sorted(saved.ids.tolist())
+
+
+def test_a_bad_array_is_refused_before_anything_moves() -> None:
+    """serve_step checks every array's size before it writes: with a hits-scratch array of
+    the wrong size nothing moves (slots, maps, rows)."""
+    from worker.dynamic_fused import serve_fused
+
+    data = batches(20, 8)
+    run = Run(dynamic_table(12), 0)
+    run.train(data)
+    table = run.dynamic.tables["user"]
+    slots = table.slots
+    store, state = run.source.local_store("user")  # type: ignore[misc]
+    weight = run.emb.weights["user"].data
+    before = (slots.slot_id.copy(), slots.seen.copy(), _map_items(slots.map),
+              _map_items(store.index), weight.clone())
+    good = slots.pinned
+    slots.pinned = np.zeros(slots.n - 1, dtype=np.uint8)
+    with pytest.raises(ValueError, match="inconsistent sizes"):
+        serve_fused(slots, store, weight, state, np.arange(100, 120, dtype=np.int64),
+                    step=20, applied_through=19, seed=0, table_index=0, init_std=0.5,
+                    expire_steps=0)
+    slots.pinned = good
+    assert np.array_equal(before[0], slots.slot_id) and np.array_equal(before[1], slots.seen)
+    assert before[2] == _map_items(slots.map) and before[3] == _map_items(store.index)
+    assert torch.equal(before[4], weight)
+    assert not slots.pinned.any()

@@ -185,7 +185,8 @@ class SyncConfig:
     local_optimizer: bool = setting(
         False, "apply the sparse optimizer in-process (no server)", everyday=True)
     staleness: int = setting(
-        1, "K: before step t, every update of steps <= t-1-K is applied (0 = synchronous)",
+        1, "K: before step t, every update of steps <= t-1-K is applied (0 = synchronous; "
+        "with --local-optimizer K >= 1 overlaps nothing, so 0 is also the faster)",
         "K", everyday=True, at_least=0)
     staleness_compensation: Compensation = setting(
         "predict", "K >= 1: predict (weight prediction: the forward sees each row plus, once "

@@ -140,8 +140,14 @@ static void sort_slots(int64_t *slots, int64_t *tmp, int64_t k, int64_t n) {
     }
 }
 
-/* Slot and pool rows of every array pair this far ahead in a loop of row moves. */
-#define ROWS_AHEAD 4
+/* How far ahead the step's loops fetch into the cache: an id's map entries MAPS_AHEAD
+ * ids ahead, the rows of every array pair ROWS_AHEAD moves ahead, and a victim's slot
+ * entries (slot_id, seen, freq) 2 * MAPS_AHEAD ahead, so that its id is in the cache when
+ * its map entries are fetched (without that, reading the id to fetch its map entries
+ * stalled on a cache miss of its own). Chosen by measurement at a million slots
+ * (docs/performance-log.md). */
+#define MAPS_AHEAD 16
+#define ROWS_AHEAD 16
 
 static ALWAYS_INLINE void prefetch_rows(const row_pair *pairs, int64_t n_pairs, int64_t slot,
                                         int64_t pos) {
@@ -245,7 +251,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     /* 1. hits, paged and new ids; the wanted misses in batch order */
     int64_t n_want = 0;
     for (int64_t i = 0; i < u; i++) {
-        if (i + PROBE_AHEAD < u) prefetch_maps(&store_map, &slot_map, ids[i + PROBE_AHEAD]);
+        if (i + MAPS_AHEAD < u) prefetch_maps(&store_map, &slot_map, ids[i + MAPS_AHEAD]);
         const int64_t at = locate(&slot_map, ids[i]);
         local[i] = at < 0 ? -1 : map_value(&slot_map, at);
         codes[i] = -1;
@@ -288,8 +294,14 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
      *    store's index (before any slot is written: the paged ids below may land on
      *    victims) */
     for (int64_t j = 0; j < n_out; j++) {
-        if (j + PROBE_AHEAD < n_out)
-            prefetch_maps(&store_map, &slot_map, slot_id[victims[j + PROBE_AHEAD]]);
+        if (j + 2 * MAPS_AHEAD < n_out) {
+            const int64_t later = victims[j + 2 * MAPS_AHEAD];
+            PREFETCH_L1(slot_id + later);
+            PREFETCH_L1(seen + later);
+            PREFETCH_L1(freq + later);
+        }
+        if (j + MAPS_AHEAD < n_out)
+            prefetch_maps(&store_map, &slot_map, slot_id[victims[j + MAPS_AHEAD]]);
         if (j + ROWS_AHEAD < n_out)
             prefetch_rows(pairs, n_pairs, victims[j + ROWS_AHEAD],
                           store_free[store_n_free - 1 - ROWS_AHEAD]);
@@ -320,8 +332,8 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
      *    (no put follows, so the positions taken keep their rows until copied) */
     int64_t *from = want; /* reused: want[j] is read before from[j] is written */
     for (int64_t j = 0; j < placed; j++) {
-        if (j + PROBE_AHEAD < placed)
-            prefetch_maps(&store_map, &slot_map, ids[want[j + PROBE_AHEAD]]);
+        if (j + MAPS_AHEAD < placed)
+            prefetch_maps(&store_map, &slot_map, ids[want[j + MAPS_AHEAD]]);
         const int64_t i = want[j], id = ids[i];
         const int64_t slot = slot_at(j, took_free, free_slots, victims);
         int64_t pos = -1;

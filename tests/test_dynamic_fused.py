@@ -200,3 +200,46 @@ def test_a_bad_array_is_refused_before_anything_moves() -> None:
     assert before[2] == _map_items(slots.map) and before[3] == _map_items(store.index)
     assert torch.equal(before[4], weight)
     assert not slots.pinned.any()
+
+
+@pytest.mark.parametrize("more", [3, 700])
+def test_the_lru_queue_compacts_in_place_as_numpy_does(more: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full queue's compaction keeps exactly its live records, in order, natively in
+    place (a bigger array only when the live ones and `more` fill over half of it) as
+    the numpy filter does."""
+    import worker.dynamic_slots as dynamic_slots
+    from worker.dynamic_slots import LruQueue
+
+    rng = np.random.default_rng(more)
+    n, size = 500, 2048
+    in_place = 0
+    for _ in range(5):
+        seen = rng.integers(0, 40, n).astype(np.int64)
+        count = int(rng.integers(size // 2, size - 2))
+        slots = rng.integers(0, n, count)
+        values = np.where(rng.random(count) < 0.4, seen[slots], seen[slots] - 1)
+        head = int(rng.integers(0, 5))
+        need = size - (head + count) + more  # tail + need > size: a compaction
+        queues = {}
+        for name in ("native", "numpy"):
+            q = LruQueue()
+            q.records = np.full((size, 2), -7, dtype=np.int64)
+            q.records[head:head + count, 0] = values
+            q.records[head:head + count, 1] = slots
+            q.head, q.tail, q.valid = head, head + count, True
+            if name == "numpy":
+                monkeypatch.setattr(dynamic_slots, "_ext", None)
+            q.ready(seen, need)
+            monkeypatch.undo()
+            queues[name] = q
+        records = np.stack([values, slots], axis=1)
+        live = records[seen[slots] == values]
+        for q in queues.values():
+            assert np.array_equal(q.records[q.head:q.tail], live)
+            assert q.tail + need <= q.records.shape[0]
+        grew = 2 * (live.shape[0] + need) > size
+        assert (queues["native"].records.shape[0] != size) == grew
+        in_place += not grew
+    assert in_place > 0 if more == 3 else in_place == 0
+    assert dynamic_slots._ext is not None

@@ -124,8 +124,16 @@ class LruQueue:
             self._set(np.stack([seen[used][order], used[order]], axis=1), more)
             self.valid = True
         elif self.tail + more > self.records.shape[0]:
-            live = self.records[self.head:self.tail]
-            self._set(live[seen[live[:, 1]] == live[:, 0]], more)
+            if _ext is None:
+                live = self.records[self.head:self.tail]
+                self._set(live[seen[live[:, 1]] == live[:, 0]], more)
+                return
+            # in place: a new array (and its page faults) only when the live ones and
+            # `more` fill over half of it, which keeps the compactions linear overall
+            kept = _ext.lru_compact(self.records, self.head, self.tail, seen)
+            self.head, self.tail = 0, kept
+            if 2 * (kept + more) > self.records.shape[0]:
+                self._set(self.records[:kept].copy(), more)
 
     def _set(self, live: np.ndarray, more: int) -> None:
         size = max(1024, 2 * (live.shape[0] + more))

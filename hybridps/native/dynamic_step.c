@@ -408,7 +408,48 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(lru_compact_doc,
+             "lru_compact(records, head, tail, seen) -> tail\n--\n\n"
+             "Move the live records of [head, tail) of the LRU queue (int64 [size, 2] of\n"
+             "(seen, slot); live: seen[slot] equals the record's) to its start, in order, in\n"
+             "place; returns their count (worker/dynamic_slots.py LruQueue).");
+
+static PyObject *py_lru_compact(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_records, *o_seen;
+    long long head, tail;
+    if (!PyArg_ParseTuple(args, "OLLO", &o_records, &head, &tail, &o_seen)) return NULL;
+    bufs_t b = {.held = 0};
+    int64_t n_records, n;
+    int64_t *records = grab(&b, o_records, 8, "records", &n_records);
+    const int64_t *seen = records ? grab(&b, o_seen, 8, "seen", &n) : NULL;
+    if (seen == NULL) {
+        release_all(&b);
+        return NULL;
+    }
+    if (head < 0 || head > tail || 2 * tail > n_records) {
+        release_all(&b);
+        PyErr_SetString(PyExc_ValueError, "lru_compact: [head, tail) is not in the queue");
+        return NULL;
+    }
+    int64_t kept = 0;
+    for (int64_t h = head; h < tail; h++) {
+        if (h + 2 * MAPS_AHEAD < tail) {
+            const int64_t later = records[2 * (h + 2 * MAPS_AHEAD) + 1];
+            if (later >= 0 && later < n) PREFETCH_L1(seen + later);
+        }
+        const int64_t rec_seen = records[2 * h], slot = records[2 * h + 1];
+        if (slot < 0 || slot >= n || seen[slot] != rec_seen) continue; /* stale */
+        records[2 * kept] = rec_seen;
+        records[2 * kept + 1] = slot;
+        kept++;
+    }
+    release_all(&b);
+    return PyLong_FromLongLong((long long)kept);
+}
+
 PyMethodDef hp_dynamic_step_methods[] = {
     {"serve_step", py_serve_step, METH_VARARGS, serve_step_doc},
+    {"lru_compact", py_lru_compact, METH_VARARGS, lru_compact_doc},
     {NULL, NULL, 0, NULL},
 };

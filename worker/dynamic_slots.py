@@ -133,7 +133,7 @@ class LruQueue:
             kept = _ext.lru_compact(self.records, self.head, self.tail, seen)
             self.head, self.tail = 0, kept
             if 2 * (kept + more) > self.records.shape[0]:
-                self._set(self.records[:kept].copy(), more)
+                self._set(self.records[:kept], more)  # the view keeps the old array
 
     def _set(self, live: np.ndarray, more: int) -> None:
         size = max(1024, 2 * (live.shape[0] + more))

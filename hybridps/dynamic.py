@@ -121,10 +121,10 @@ def unit_floats(bits: np.ndarray) -> np.ndarray:
 
 
 # The initial rows' generator: a sum of four 16-bit uniforms (Irwin-Hall of 4), centred
-# and scaled to the std. Why not Box-Muller: its log/cos/sin were the largest part of the
-# owner's native step when thousands of ids are new each step, and libm's results match
-# numpy's only within an ulp; a sum of integers scaled by one float64 multiply is the same
-# value in C and numpy by construction (docs/performance-log.md has the figures).
+# and scaled to the std. Not Box-Muller: its log/cos/sin cost more than the rest of a new
+# id's work in the owner's native step, and libm's results match numpy's only within an
+# ulp; a sum of integers scaled by one float64 multiply is the same value in C and numpy
+# by construction (docs/performance-log.md has the figures).
 _IH_CENTRE = 2 * 0xFFFF                            # the sum's mean (four values in [0, 65535])
 _IH_STD = ((65536.0 * 65536.0 - 1.0) / 3.0) ** 0.5  # the sum's std
 

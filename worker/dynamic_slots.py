@@ -159,7 +159,7 @@ class SlotTable:
         self.freq = np.zeros(n, dtype=np.int64)
         self.free = np.arange(n, dtype=np.int64)  # sorted
         # the fused step's mark of its hits (no victim among them), all zero between calls:
-        # kept, not allocated a step (a fresh n-byte array a step cost page faults)
+        # kept, because a fresh n-byte array each step page-faults at a million slots
         self.pinned = np.zeros(n, dtype=np.uint8)
         self.admission = Admission(spec, seed, table_index)
         self.stats = SlotStats()

@@ -216,6 +216,13 @@ class IdMap:
         return self.keys[full].copy(), self.values[full].copy()
 
     def _rebuild(self, entries: int) -> None:
+        if self.native:  # the same placements as _place(*self.items()), without the lists
+            assert _ext is not None
+            old, old_size = self.table, self.size
+            self._alloc(_size_for(entries))
+            self.count = _ext.idmap_rehash(old.ctypes.data, old_size, self.table.ctypes.data,
+                                           self.size, MAP_SALT)
+            return
         keys, values = self.items()
         self._alloc(_size_for(entries))
         self._place(keys, values)

@@ -2,9 +2,10 @@
 
 One store per (table, owning rank): per id its row (fp32 [dim]), the optimizer state of
 that row by name (e.g. Adam's "m" and "v", [dim] each; an optimizer without per-row state
-has none), its frequency and the last step it was seen. Columnar: a pool of rows grown by
-doubling, a free list, and an IdMap id -> pool position, so a batch goes in or out with a
-few tensor ops. `take` removes what it returns: an id is either on a slot or here.
+has none), its frequency and the last step it was seen. Columnar: pools grown by doubling
+(in place: hybridps/growable.py), a free list, and an IdMap id -> pool position, so a
+batch goes in or out with a few tensor ops. `take` removes what it returns: an id is
+either on a slot or here.
 
 Expiry: `expire(step, T)` drops the ids last seen before step - T; `drop_oldest(n)` drops
 the n seen longest ago (a memory budget; ties: the lowest id). Every drop leaves a
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridps.growable import GrowableColumn
 from hybridps.id_map import IdMap
 
 PAGED_FORMAT = "hybridps-paged-rows-v1"
@@ -64,16 +66,26 @@ class PagedRows:
         self.last_expiry = -1
 
     def _alloc(self, capacity: int) -> None:
-        # empty, not zeros: a position is read only after a put wrote it
-        self.capacity = capacity
-        self.rows = torch.empty(capacity, self.dim)
-        self.state = {n: torch.empty(capacity, w) for n, w in self.layout}
-        self.ids = np.empty(capacity, dtype=np.int64)
-        self.seen = np.empty(capacity, dtype=np.int64)
-        self.freq = np.empty(capacity, dtype=np.int64)
+        """Fresh, empty pools of `capacity` positions, all free."""
+        self._columns = {"rows": GrowableColumn(np.float32, self.dim),
+                         **{f"state:{n}": GrowableColumn(np.float32, w) for n, w in self.layout},
+                         "ids": GrowableColumn(np.int64), "seen": GrowableColumn(np.int64),
+                         "freq": GrowableColumn(np.int64), "free": GrowableColumn(np.int64)}
+        self._resize(capacity)
         # free positions, a stack: the lowest on top (the end), n_free of them
-        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self.free[:] = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self.n_free = capacity
+
+    def _resize(self, capacity: int) -> None:
+        """Every pool at `capacity` positions, the first ones kept (in place while the
+        columns' reservations last: hybridps/growable.py). A position's content is
+        unwritten until a put writes it."""
+        self.capacity = capacity
+        col = {name: c.resize(capacity) for name, c in self._columns.items()}
+        self.rows = torch.from_numpy(col["rows"])
+        self.state = {n: torch.from_numpy(col[f"state:{n}"]) for n, _ in self.layout}
+        self.ids, self.seen, self.freq, self.free = col["ids"], col["seen"], col["freq"], col[
+            "free"]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -99,14 +111,8 @@ class PagedRows:
         new = max(16, old * 2)
         while new - len(self.index) < need:
             new *= 2
-        rows, state = self.rows, self.state
-        ids, seen, freq = self.ids, self.seen, self.freq
         free = self.free[:self.n_free].copy()
-        self._alloc(new)
-        self.rows[:old] = rows
-        for n in self.state:
-            self.state[n][:old] = state[n]
-        self.ids[:old], self.seen[:old], self.freq[:old] = ids, seen, freq
+        self._resize(new)
         # the stack keeps room for every position (a release pushes up to `new` of them)
         self.free[:new - old] = np.arange(new - 1, old - 1, -1, dtype=np.int64)
         self.free[new - old:new - old + free.size] = free

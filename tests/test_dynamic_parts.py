@@ -182,6 +182,27 @@ def test_the_native_id_map_answers_as_the_numpy_one_on_the_same_operations() -> 
     assert items[0] == items[1] and set(items[0]) == live
 
 
+@pytest.mark.skipif(not ID_MAP_NATIVE, reason="the native extension is not built")
+@pytest.mark.parametrize("grow", [False, True], ids=["tombstones-dropped", "larger"])
+def test_the_native_rebuild_is_placing_the_listed_entries(grow: bool) -> None:
+    """A rebuild (idmap_rehash) leaves the table, position by position, as placing the
+    entries listed in position order into a fresh table does, tombstones gone."""
+    rng = np.random.default_rng(3)
+    m = IdMap(native=True)
+    ids = _raw_ids(rng, 4000)
+    m.insert(ids, np.arange(ids.size))
+    assert m.remove(ids[::2]).all() and m.gone > 0
+    keys, values = m.items()
+    want = IdMap(native=True)
+    want._alloc(m.size * 2 if grow else m.size)
+    want._place(keys, values)
+    m._rebuild(want.size // 4)
+    assert m.size == want.size and (m.count, m.gone) == (keys.size, 0)
+    assert np.array_equal(m.table, want.table)
+    assert np.array_equal(m.find(ids), np.where(np.arange(ids.size) % 2 == 1,
+                                                np.arange(ids.size), -1))
+
+
 def _entry(ids: list[int], dim: int = 3) -> PagedOut:
     n = len(ids)
     t = torch.tensor(ids, dtype=torch.int64)

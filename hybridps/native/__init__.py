@@ -24,7 +24,7 @@ except ImportError as e:  # not built, or built for another interpreter
 
 # every function of dynamic.c and dynamic_step.c, or none (an older
 # build: the fallbacks)
-DYNAMIC_FUNCTIONS = ("idmap_find", "idmap_place", "idmap_remove", "initial_rows", "victims",
-                     "first_seen_unique", "serve_step", "lru_compact")
+DYNAMIC_FUNCTIONS = ("idmap_find", "idmap_place", "idmap_remove", "idmap_rehash", "initial_rows",
+                     "victims", "first_seen_unique", "serve_step", "lru_compact")
 dynamic: ModuleType | None = ext if ext is not None and all(
     hasattr(ext, f) for f in DYNAMIC_FUNCTIONS) else None

@@ -85,6 +85,37 @@ static PyObject *py_idmap_place(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong((long long)reused);
 }
 
+PyDoc_STRVAR(idmap_rehash_doc,
+             "idmap_rehash(old, old_size, new, new_size, salt)\n--\n\n"
+             "Put every entry of the table old (its full positions, in position order) into\n"
+             "the empty table new, as idmap_place would with the entries listed in that\n"
+             "order, without listing them. Returns how many.");
+
+/* A rebuild (a larger table, or tombstones dropped) reads the old table once in position
+ * order; the homes of its entries are nearly in order too (the top bits of the hash), so
+ * the new table is written nearly in order. */
+static PyObject *py_idmap_rehash(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pold, pnew, salt;
+    long long old_size, new_size;
+    if (!PyArg_ParseTuple(args, "KLKLK", &pold, &old_size, &pnew, &new_size, &salt))
+        return NULL;
+    map_t from, to;
+    if (map_init(&from, pold, old_size, salt) < 0 || map_init(&to, pnew, new_size, salt) < 0)
+        return NULL;
+    int64_t count = 0;
+    for (int64_t pos = 0; pos < old_size; pos++) {
+        const int64_t value = map_value(&from, pos);
+        if (value < 0) continue;
+        if (map_place(&to, from.entry[2 * pos], value) < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "id map is full (load kept at most 1/2)");
+            return NULL;
+        }
+        count++;
+    }
+    return PyLong_FromLongLong((long long)count);
+}
+
 PyDoc_STRVAR(idmap_remove_doc,
              "idmap_remove(table, size, salt, ids, n, hit)\n--\n\n"
              "Remove the present ones of n distinct ids (their positions become tombstones);\n"
@@ -339,5 +370,6 @@ PyMethodDef hp_dynamic_methods[] = {
     {"idmap_find", py_idmap_find, METH_VARARGS, idmap_find_doc},
     {"idmap_place", py_idmap_place, METH_VARARGS, idmap_place_doc},
     {"idmap_remove", py_idmap_remove, METH_VARARGS, idmap_remove_doc},
+    {"idmap_rehash", py_idmap_rehash, METH_VARARGS, idmap_rehash_doc},
     {NULL, NULL, 0, NULL},
 };

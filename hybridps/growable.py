@@ -67,13 +67,15 @@ class GrowableColumn:
         for nbytes in (want, need):
             mapping = _mapped(nbytes)
             if mapping is not None:
-                flat = np.frombuffer(mapping, dtype=self.dtype, count=nbytes // self.dtype.itemsize)
-                return flat.reshape(self._shape(nbytes // self.row_bytes))
+                fit = nbytes // self.row_bytes  # the memory cap need not be a row multiple
+                flat = np.frombuffer(mapping, dtype=self.dtype,
+                                     count=fit * self.row_bytes // self.dtype.itemsize)
+                return flat.reshape(self._shape(fit))
         return self._plain(rows)
 
     def resize(self, rows: int) -> np.ndarray:
-        """The column's first `rows` rows (a view; earlier views stay valid until the next
-        call that copies, when `reserved_rows < rows`)."""
+        """The column's first `rows` rows, a view: views taken before alias the column
+        until a call moves it to a larger base (when `reserved_rows < rows`)."""
         if rows < 0:
             raise ValueError(f"column rows {rows} must be >= 0")
         if rows > self.reserved_rows:

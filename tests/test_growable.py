@@ -41,6 +41,15 @@ def test_small_columns_are_plain_and_a_refused_reservation_falls_back(
         col.resize(-1)
 
 
+def test_a_reservation_capped_by_memory_holds_whole_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    col = GrowableColumn(np.float32, 3)  # 12-byte rows
+    rows = growable.RESERVE_MIN_BYTES // col.row_bytes + 1
+    monkeypatch.setattr(growable, "_memory_bytes", lambda: rows * col.row_bytes * 4 + 5)
+    view = col.resize(rows)
+    assert view.shape == (rows, 3) and col.reserved_rows == rows * 4
+
+
 def test_a_store_past_its_columns_first_reservation_keeps_every_entry(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """PagedRows over columns with a tiny reservation factor: growth moves the pools

@@ -293,6 +293,11 @@ check_build() {
     NOTE="image hybridps:$HYBRIDPS_TAG $((bytes / 1000000)) MB (base $BASE)"
 }
 
+# TEXT PATTERN: whether a line of TEXT has PATTERN. Not `cmd | grep -q` under pipefail:
+# grep -q exits at the first match, and a writer still writing gets SIGPIPE, which fails
+# the pipeline although the line was there.
+has_line() { grep -- "$2" <<<"$1" >/dev/null; }
+
 finished_at() { date -d "$(docker inspect -f '{{.State.FinishedAt}}' "$(container "$1")")" +%s.%N; }
 
 both_exit_0() {  # and how long the server outlived the worker
@@ -309,7 +314,8 @@ check_plain_up() {
     local rc=0
     HYBRIDPS_STEPS=$STEPS compose up || rc=$?
     NOTE="up rc=$rc"
-    both_exit_0 && [[ $rc == 0 ]] && docker logs "$(container worker)" 2>&1 | grep -q "steps $STEPS"
+    both_exit_0 && [[ $rc == 0 ]] \
+        && has_line "$(docker logs "$(container worker)" 2>&1)" "steps $STEPS"
 }
 
 check_exit_code_up() {
@@ -322,7 +328,7 @@ check_exit_code_up() {
 
 wait_for() {  # SERVICE PATTERN SECONDS: until the service's log has the pattern
     for _ in $(seq "$3"); do
-        docker logs "$(container "$1")" 2>&1 | grep -q "$2" && return 0
+        has_line "$(docker logs "$(container "$1")" 2>&1)" "$2" && return 0
         sleep 1
     done
     echo "no '$2' in $1's log after $3 s"
@@ -340,7 +346,7 @@ check_stats_while_running() {
     out=$(compose exec -T worker python -m ps.admin stats --ps "ps:$PORT") || return 1
     echo "$out"
     NOTE="$(echo "$out" | grep -c . ) lines"
-    echo "$out" | grep -q "active"
+    has_line "$out" "active"
 }
 
 check_stop() {

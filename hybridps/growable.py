@@ -7,9 +7,10 @@ its size (`RESERVE_FACTOR` times, at most the machine's memory). The kernel back
 mapping with pages only where it is written, so the reservation costs address space, not
 memory, and growing within it is a longer view of the same memory: nothing is copied
 until a column outgrows its reservation. On Linux the mapping is MAP_NORESERVE, so the
-default overcommit policy does not count it; where the system refuses a reservation
-(strict overcommit), the column takes exactly what it needs and copies when it grows, as
-a plain array does.
+default overcommit policy does not count it. Under strict overcommit
+(vm.overcommit_memory = 2) every mapped byte is charged against the commit limit, so
+there, and wherever a reservation is refused, a column takes exactly what it needs and
+copies when it grows, as a plain array does.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def _memory_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, OSError, ValueError):  # no sysconf: assume no cap of our own
         return 1 << 62
+
+
+def _strict_overcommit() -> bool:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "2"
+    except OSError:  # not Linux, or no procfs
+        return False
+
+
+_STRICT = _strict_overcommit()
 
 
 def _mapped(nbytes: int) -> mmap.mmap | None:
@@ -63,7 +75,7 @@ class GrowableColumn:
         need = rows * self.row_bytes
         if need < RESERVE_MIN_BYTES:
             return self._plain(rows)
-        want = min(need * RESERVE_FACTOR, max(need, _memory_bytes()))
+        want = need if _STRICT else min(need * RESERVE_FACTOR, max(need, _memory_bytes()))
         for nbytes in (want, need):
             mapping = _mapped(nbytes)
             if mapping is not None:

@@ -11,7 +11,9 @@ from hybridps.growable import GrowableColumn
 from hybridps.paged_rows import PagedOut, PagedRows
 
 
-def test_growing_keeps_the_rows_and_moves_only_past_the_reservation() -> None:
+def test_growing_keeps_the_rows_and_moves_only_past_the_reservation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(growable, "_STRICT", False)  # the default overcommit policy
     col = GrowableColumn(np.float32, 16)
     rows = (growable.RESERVE_MIN_BYTES // col.row_bytes) * 2
     first = col.resize(rows)
@@ -33,7 +35,7 @@ def test_small_columns_are_plain_and_a_refused_reservation_falls_back(
     small = col.resize(10)
     small[:] = np.arange(10)
     assert col.reserved_rows == 10  # below RESERVE_MIN_BYTES: an array of its size
-    monkeypatch.setattr(growable, "_mapped", lambda nbytes: None)  # strict overcommit
+    monkeypatch.setattr(growable, "_mapped", lambda nbytes: None)  # every mapping refused
     rows = growable.RESERVE_MIN_BYTES // 8 * 3
     grown = col.resize(rows)
     assert col.reserved_rows == rows and np.array_equal(grown[:10], np.arange(10))
@@ -41,8 +43,21 @@ def test_small_columns_are_plain_and_a_refused_reservation_falls_back(
         col.resize(-1)
 
 
+def test_strict_overcommit_reserves_only_what_is_needed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vm.overcommit_memory = 2 charges every mapped byte: no reservation beyond need."""
+    monkeypatch.setattr(growable, "_STRICT", True)
+    col = GrowableColumn(np.float32, 16)
+    rows = growable.RESERVE_MIN_BYTES // col.row_bytes * 2
+    col.resize(rows)[:] = 1.0
+    assert col.reserved_rows == rows
+    grown = col.resize(rows + 1)
+    assert col.copies == 1 and col.reserved_rows == rows + 1 and bool((grown[:rows] == 1).all())
+
+
 def test_a_reservation_capped_by_memory_holds_whole_rows(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(growable, "_STRICT", False)
     col = GrowableColumn(np.float32, 3)  # 12-byte rows
     rows = growable.RESERVE_MIN_BYTES // col.row_bytes + 1
     monkeypatch.setattr(growable, "_memory_bytes", lambda: rows * col.row_bytes * 4 + 5)

@@ -73,17 +73,14 @@ class GrowableColumn:
 
     def _reserve(self, rows: int) -> np.ndarray:
         need = rows * self.row_bytes
-        if need < RESERVE_MIN_BYTES:
+        mapping = None if need < RESERVE_MIN_BYTES or _STRICT else _mapped(
+            min(need * RESERVE_FACTOR, max(need, _memory_bytes())))
+        if mapping is None:  # exactly what is needed, as a plain array
             return self._plain(rows)
-        want = need if _STRICT else min(need * RESERVE_FACTOR, max(need, _memory_bytes()))
-        for nbytes in (want, need):
-            mapping = _mapped(nbytes)
-            if mapping is not None:
-                fit = nbytes // self.row_bytes  # the memory cap need not be a row multiple
-                flat = np.frombuffer(mapping, dtype=self.dtype,
-                                     count=fit * self.row_bytes // self.dtype.itemsize)
-                return flat.reshape(self._shape(fit))
-        return self._plain(rows)
+        fit = len(mapping) // self.row_bytes  # the memory cap need not be a row multiple
+        flat = np.frombuffer(mapping, dtype=self.dtype,
+                             count=fit * self.row_bytes // self.dtype.itemsize)
+        return flat.reshape(self._shape(fit))
 
     def resize(self, rows: int) -> np.ndarray:
         """The column's first `rows` rows, a view: views taken before alias the column

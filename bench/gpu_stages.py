@@ -341,11 +341,20 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
     from gpu_jobs import train_in_process
     from harness import Server
 
+    from hybridps import optim, pooled_bags
     from worker.device_copy import SYNC_HITS, SYNC_POINTS
     from worker.parallel import destroy_distributed, init_distributed
+    from worker.sync_ops import SyncingOps
 
     device = pick_device(dry_run)
-    rep.set(named_sync_points=SYNC_POINTS, checked=device.type == "cuda")
+    on_cuda = device.type == "cuda"
+    # On the CPU: the calls that would synchronise on CUDA (worker/sync_ops.py), on the
+    # torch kernels a CUDA device runs
+    rep.set(named_sync_points=SYNC_POINTS, checked=on_cuda,
+            watched_by="CUDA's sync debug mode" if on_cuda else "worker/sync_ops.py")
+    if not on_cuda:
+        optim.set_kernel("torch")
+        pooled_bags.set_pool_kernel("torch")
     steps = 10 if dry_run else 60
     size = ["--num-rows", "5000"] if dry_run else []
     ctx = init_distributed(device.type)
@@ -360,7 +369,7 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
             results: dict[str, Any] = {}
             for name, args in runs.items():
                 SYNC_HITS.clear()
-                watch = SyncWatch("warn")
+                watch = SyncWatch("warn") if on_cuda else SyncingOps()
                 res = train_in_process(ctx, [*args, *size], steps, around_train=watch)
                 unnamed_total += sum(s["count"] for s in watch.sites.values())
                 results[name] = {
@@ -379,8 +388,10 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
                     rep.set(error_mode=f"FAILED: {exc}"[:500])
     finally:
         destroy_distributed()
-    if device.type != "cuda":
-        rep.finish(True, None)  # the plumbing ran; the sync debug mode needs CUDA
+    if not on_cuda:  # CUDA's own mode (and its "error" run) needs a GPU
+        rep.finish(unnamed_total == 0, f"{unnamed_total} calls that synchronise on CUDA "
+                   "outside the named sync points (figures.runs.*.unnamed_syncs)"
+                   if unnamed_total else None)
         return
     torch.cuda.synchronize()
     bad = unnamed_total > 0 or rep.figures.get("error_mode") != "ran clean"

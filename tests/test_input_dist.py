@@ -58,7 +58,7 @@ def test_transpose_blocks_reorders_like_a_loop() -> None:
             x += blocks[(a, b)]
             pos += n
     expected = [v for b in range(3) for a in range(2) for v in blocks[(a, b)]]
-    got = torch.tensor(x).index_select(0, transpose_blocks(counts))
+    got = torch.tensor(x).index_select(0, transpose_blocks(counts, len(x)))
     assert got.tolist() == expected
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker.device_copy import sync_point
+from worker.device_copy import sync_point, to_device
 
 # Wall seconds spent inside all_to_all_single since the last reset, by direction.
 COMM_SECONDS: dict[str, float] = {"forward": 0.0, "backward": 0.0}
@@ -93,7 +93,7 @@ def exchange_blocks(header_WH: torch.Tensor, blocks: list[torch.Tensor], cap: Bl
     fit = cap.elements
     slot = 2 + width + fit
     send_WS = header_WH.new_empty((world, slot))
-    send_WS[:, 0] = torch.tensor(lengths, dtype=torch.int64)
+    send_WS[:, 0] = to_device(torch.tensor(lengths, dtype=torch.int64), send_WS.device)
     send_WS[:, 1] = max(lengths)
     send_WS[:, 2:2 + width] = header_WH
     for r, block in enumerate(blocks):

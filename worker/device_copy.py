@@ -22,6 +22,7 @@ every unnamed place it finds (tests/test_device_copy.py lists the named ones).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ SYNC_POINTS: dict[str, str] = {
     "check_ids": "worker/embedding.py: every id of a lookup inside its table (one host read "
                  "of the bounds a lookup), so a bad id fails with one line naming it",
     "input_dist": "worker/embedding.py, world size > 1: the sizes of the ids' all_to_all "
-                  "come from the ids (worker/input_dist.py, worker/comm.py)",
+                  "come from the ids (their dedupe and the counts per owner in "
+                  "worker/input_dist.py make_requests, the sizes received in worker/comm.py)",
     "pop_grads": "worker/embedding_rows.py: the coalesced row gradients; how many rows a "
                  "push carries depends on the ids",
     "push_grads_ready": "worker/sync.py: a push whose update is due now (--staleness 0, a "
@@ -53,7 +55,8 @@ SYNC_HITS: collections.Counter[str] = collections.Counter()
 
 _lock = threading.Lock()
 _debug_mode = 0  # torch.cuda sync debug mode while sync_debug() is on: 1 warn, 2 error
-_inside = 0      # sync points entered and not left (any thread) while debugging
+_watchers = 0    # sync_debug() or watch_sync_points() blocks open: sync points are counted
+_inside = 0      # sync points entered and not left (any thread) while watched
 
 
 class sync_point:
@@ -72,19 +75,39 @@ class sync_point:
     def __enter__(self) -> None:
         global _inside
         SYNC_HITS[self.name] += 1
-        if _debug_mode:
+        if _watchers:
             with _lock:
                 _inside += 1
-                if _inside == 1:
+                if _inside == 1 and _debug_mode:
                     torch.cuda.set_sync_debug_mode(0)
 
     def __exit__(self, *exc: object) -> None:
         global _inside
-        if _debug_mode:
+        if _watchers:
             with _lock:
                 _inside -= 1
-                if _inside == 0:
+                if _inside == 0 and _debug_mode:
                     torch.cuda.set_sync_debug_mode(_debug_mode)
+
+
+def inside_sync_point() -> bool:
+    """Whether a named sync point is open, inside a `watch_sync_points` (or `sync_debug`)
+    block: what a watcher of synchronising calls must let pass."""
+    return _inside > 0
+
+
+@contextlib.contextmanager
+def watch_sync_points() -> Iterator[None]:
+    """Count the sync points entered and left for the block (`inside_sync_point`); a
+    watcher that is not CUDA's own (worker/sync_ops.py) opens one around the loop."""
+    global _watchers
+    with _lock:
+        _watchers += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _watchers -= 1
 
 
 class sync_debug:
@@ -100,18 +123,22 @@ class sync_debug:
         self._before = 0
 
     def __enter__(self) -> None:
-        global _debug_mode
+        global _debug_mode, _watchers
         if not torch.cuda.is_available():
             return
         self._before = torch.cuda.get_sync_debug_mode()
-        _debug_mode = self.mode
+        with _lock:
+            _watchers += 1
+            _debug_mode = self.mode
         torch.cuda.set_sync_debug_mode(self.mode)
 
     def __exit__(self, *exc: object) -> None:
-        global _debug_mode
+        global _debug_mode, _watchers
         if not torch.cuda.is_available():
             return
-        _debug_mode = 0
+        with _lock:
+            _watchers -= 1
+            _debug_mode = 0
         torch.cuda.set_sync_debug_mode(self._before)
 
 

@@ -286,9 +286,10 @@ class ShardedEmbedding(UnitRows, nn.Module):
         pg = group or self.group
         direction = "forward" if timed else None
         on_device = [None if o is None else o.to(self.device) for o in offsets]
-        plan.pooled = self._pooled_entries(plan, on_device, pg, direction)
-        requests = make_requests(flat, rows_E, rows_tensor_E, plan.pooled, on_device,
-                                 self.world_size)
+        with sync_point("input_dist"):  # what each rank asks of each: sizes from the ids
+            plan.pooled = self._pooled_entries(plan, on_device, pg, direction)
+            requests = make_requests(flat, rows_E, rows_tensor_E, plan.pooled, on_device,
+                                     self.world_size)
         cap = self._caps.setdefault((id(pg), plan.names, plan.pooled), BlockCap())
         header, data, _ = exchange_blocks(requests.header_WH, requests.blocks, cap, pg,
                                           direction)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridps import pooled_bags
-from worker.device_copy import sync_point
+from worker.device_copy import to_device
 
 ID_BITS = 40  # table rows below 2**40 (the routing key packs a local id into fewer bits)
 ID_MASK = (1 << ID_BITS) - 1
@@ -54,14 +54,14 @@ def owner_of(ids_N: torch.Tensor, num_rows: int | torch.Tensor, world_size: int
     return ((ids_N + 1) * world_size - 1) // num_rows
 
 
-def transpose_blocks(counts_AB: torch.Tensor) -> torch.Tensor:
+def transpose_blocks(counts_AB: torch.Tensor, total: int) -> torch.Tensor:
     """index with out = x.index_select(0, index): x holds blocks (a, b) a-major (block (a, b)
-    has counts_AB[a, b] elements), out holds the same blocks b-major."""
+    has counts_AB[a, b] elements, `total` in all: known on the host, so none is read from
+    the device), out holds the same blocks b-major."""
     flat = counts_AB.reshape(-1)
     start_AB = (torch.cumsum(flat, 0) - flat).view(counts_AB.shape)
     counts_BA = counts_AB.t().reshape(-1)
     start_BA = torch.cumsum(counts_BA, 0) - counts_BA
-    total = int(flat.sum())
     shift = start_AB.t().reshape(-1) - start_BA
     return (torch.arange(total, device=counts_AB.device)
             + torch.repeat_interleave(shift, counts_BA, output_size=total))
@@ -256,7 +256,7 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
         else:
             rows_N = torch.repeat_interleave(
                 rows_tensor_E if len(torch_e) == len(flat) else rows_tensor_E[torch_e],
-                torch.tensor(split, device=device), output_size=ids_N.numel())
+                to_device(torch.tensor(split), device), output_size=ids_N.numel())
         owner_N = owner_of(ids_N, rows_N, world)
         local_N = ids_N - owner_N * rows_N // world
         owners = dict(zip(torch_e, owner_N.split(split), strict=True))
@@ -276,10 +276,9 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
         shift = max(-(-rows_E[e] // world) for e in rows_e).bit_length()
         keys_R = owner_R * num
         if num > 1:
+            sizes_T = to_device(torch.tensor([sizes[e] for e in rows_e]), device)
             keys_R = keys_R + torch.repeat_interleave(
-                torch.arange(num, device=device), torch.tensor([sizes[e] for e in rows_e],
-                                                               device=device),
-                output_size=owner_R.numel())
+                torch.arange(num, device=device), sizes_T, output_size=owner_R.numel())
         unique_U, inverse_R = unique_inverse((keys_R << shift) | local_R,
                                              (world * num) << shift)
         counts_WT = torch.bincount(unique_U >> shift, minlength=world * num).view(world, num)
@@ -305,8 +304,7 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
         pooled_parts.append((lengths_WB.view(world, bags), local_sorted_M, bags))
         columns += [per_owner.new_full((world, 1), bags), per_owner.view(world, 1)]
     header_WH = torch.cat(columns, dim=1) if columns else owner_N.new_zeros((world, 0))
-    with sync_point("input_dist"):
-        header = header_WH.tolist()  # the one host sync of stage 1
+    header = header_WH.tolist()  # inside the caller's sync point "input_dist"
     num_rows = len(rows_e)
     asked = [sum(h[:num_rows]) for h in header]
     rows_parts = rows_ids_U.split(asked)
@@ -354,7 +352,8 @@ def owner_work(header: list[list[int]], data: torch.Tensor, num_rows: int,
     out = [h[:num_rows] + [h[num_rows + 2 * i] for i in range(num_pooled)] for h in header]
     columns = num_rows + 2 * num_pooled
     if columns > 1:  # requester-major -> entry-major, one gather
-        data = data.index_select(0, transpose_blocks(torch.tensor(inp, device=device)))
+        data = data.index_select(0, transpose_blocks(to_device(torch.tensor(inp), device),
+                                                     sum(map(sum, inp))))
     parts = data.split([sum(col) for col in zip(*inp, strict=True)]) if columns else []
     bags = [(parts[num_rows + 2 * i + 1], parts[num_rows + 2 * i]) for i in range(num_pooled)]
     pools: list[OwnerPool | None] = [
@@ -362,7 +361,8 @@ def owner_work(header: list[list[int]], data: torch.Tensor, num_rows: int,
         for (ids_M, lengths_B), owned in zip(bags, pooled_rows, strict=True)]
     restore = None
     if num_rows + num_pooled > 1:
-        restore = transpose_blocks(torch.tensor(out, device=device).t().contiguous())
+        restore = transpose_blocks(to_device(torch.tensor(out), device).t().contiguous(),
+                                   sum(map(sum, out)))
     return OwnerWork(list(parts[:num_rows]), bags, pools, [sum(o) for o in out], restore)
 
 

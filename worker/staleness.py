@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from hybridps.row_deltas import add_offsets_
+from worker.device_copy import to_device
 from worker.embedding import ShardedEmbedding
 from worker.groups import join_ids
 
@@ -115,8 +116,10 @@ class RowPredictor:
             for name, u in embedding.units.items()}
         self.prediction = RowPrediction()
         self.refreshes = 0
-        self.predicted_rows = 0  # rows with a prediction in the newest refresh (stats)
-        self.predicted_row_steps = 0  # summed over refreshes
+        # rows with a prediction in the newest refresh, and summed over refreshes (stats; a
+        # tensor on the rows' device, read once by `describe`)
+        self.predicted_rows: torch.Tensor | int = 0
+        self.predicted_row_steps: torch.Tensor | int = 0
 
     # -- hooks ----------------------------------------------------------------------------
     def pushed_step(self, step: int, grads: Grads) -> None:
@@ -129,26 +132,32 @@ class RowPredictor:
     def rows_before(self, name: str, ids_U: torch.Tensor) -> torch.Tensor:
         """The stored rows an update is about to change (fp32)."""
         emb = self.embedding
-        local_U = ids_U.to(emb.device, torch.int64) - emb.units[name].start
+        local_U = to_device(ids_U, emb.device).to(torch.int64) - emb.units[name].start
         return emb.weights[name].data.index_select(0, local_U).float()
 
     @torch.no_grad()
     def applied(self, name: str, ids_U: torch.Tensor, before_UD: torch.Tensor) -> None:
         """An update of unit `name` is in the rows (`before_UD`: the rows it changed, as
         they were): see `measured`."""
-        ids_U = ids_U.to(self.embedding.device, torch.int64)
         self.measured(name, ids_U, self.rows_before(name, ids_U) - before_UD)
 
     @torch.no_grad()
     def measured(self, name: str, ids_U: torch.Tensor, delta_UD: torch.Tensor) -> None:
         """An update of unit `name` is in the rows and changed rows ids_U by delta_UD (new -
         old, fp32): these effective updates replace the unit's deltas (updates are applied
-        in step order, so this is the newest step)."""
-        ids_U = ids_U.to(self.embedding.device, torch.int64)
-        if ids_U.numel() > 1 and not bool((ids_U[1:] > ids_U[:-1]).all()):
-            ids_U, order_U = torch.sort(ids_U)  # pushes are coalesced (sorted): rare
-            delta_UD = delta_UD.index_select(0, order_U)
-        self.deltas[name] = (ids_U, delta_UD)
+        in step order, so this is the newest step). Ids on the host (a server's answer)
+        are checked for order there, ids on a CUDA device sorted there: no value of the
+        device is read on the host (worker/device_copy.py)."""
+        if ids_U.numel() > 1:
+            if ids_U.is_cpu:
+                host_N = ids_U.numpy()
+                if not (host_N[1:] > host_N[:-1]).all():  # pushes are coalesced: rare
+                    ids_U, order_U = torch.sort(ids_U)
+                    delta_UD = delta_UD.index_select(0, to_device(order_U, delta_UD.device))
+            else:
+                ids_U, order_U = torch.sort(ids_U)
+                delta_UD = delta_UD.index_select(0, order_U)
+        self.deltas[name] = (to_device(ids_U, self.embedding.device).to(torch.int64), delta_UD)
 
     def refresh(self, applied_through: int) -> None:
         """Before a forward: the updates <= `applied_through` are in the rows; predict the
@@ -165,23 +174,22 @@ class RowPredictor:
             pending = [self.pushed[s][name] for s in pending_steps]
             rows_N = torch.cat(pending) if len(pending) > 1 else pending[0]
             pos_N = torch.searchsorted(ids_L, rows_N).clamp_(max=ids_L.numel() - 1)
-            pos_H = pos_N[ids_L.index_select(0, pos_N) == rows_N]
-            if pos_H.numel() == 0:
-                continue
-            if len(pending) == 1:  # K=1: each row once, positions sorted and distinct
-                have_P, offset_PD = pos_H, delta_LD.index_select(0, pos_H)
+            hit_N = ids_L.index_select(0, pos_N) == rows_N
+            # No compaction to the rows that have a prediction: its size would be read on
+            # the host. A row without one gets an offset of exactly 0.
+            if len(pending) == 1:  # K=1: each row once, sorted and distinct
+                keys_P = rows_N
+                offset_PD = torch.where(hit_N.unsqueeze(1), delta_LD.index_select(0, pos_N),
+                                        0.0)
             else:
                 # A row appears at most once per step: its prediction is (pending steps that
                 # pushed it) x its delta, with no summation order to depend on.
-                count_L = torch.bincount(pos_H, minlength=ids_L.numel())
-                have_P = torch.nonzero(count_L).squeeze(1)
-                count_P1 = count_L.index_select(0, have_P).unsqueeze(1).to(delta_LD.dtype)
-                offset_PD = delta_LD.index_select(0, have_P) * count_P1
-            local_P = ids_L.index_select(0, have_P) - self.embedding.units[name].start
-            offsets[name] = (local_P, offset_PD)
-            self.predicted_rows += int(local_P.numel())
+                count_L = torch.zeros_like(ids_L).index_add_(0, pos_N, hit_N.to(torch.int64))
+                keys_P, offset_PD = ids_L, delta_LD * count_L.unsqueeze(1).to(delta_LD.dtype)
+            offsets[name] = (keys_P - self.embedding.units[name].start, offset_PD)
+            self.predicted_rows = self.predicted_rows + hit_N.sum()
         self.refreshes += 1
-        self.predicted_row_steps += self.predicted_rows
+        self.predicted_row_steps = self.predicted_row_steps + self.predicted_rows
         self.prediction.tables = offsets
         self.embedding.row_offsets = self.prediction if offsets else None
 
@@ -193,7 +201,7 @@ class RowPredictor:
     def describe(self) -> dict[str, Any]:
         """For --results: how many of this rank's rows a forward saw predicted, on average."""
         return {"method": "predict",
-                "predicted_rows_mean": self.predicted_row_steps / max(self.refreshes, 1)}
+                "predicted_rows_mean": int(self.predicted_row_steps) / max(self.refreshes, 1)}
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Every place the training loop may wait for the device, by name. A new one is a decision:
 # add it here and to SYNC_POINTS, with why.
-NAMED = {"check_ids", "input_dist", "pop_grads", "push_grads_ready", "update_ids",
-         "log_loss", "stop_flag", "evaluate", "checkpoint"}
+NAMED = {"check_ids", "input_dist", "dynamic_ids", "pop_grads", "push_grads_ready",
+         "update_ids", "log_loss", "stop_flag", "evaluate", "checkpoint"}
 
 
 def used_sync_points() -> dict[str, list[str]]:

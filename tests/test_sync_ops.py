@@ -52,6 +52,16 @@ def test_a_read_is_noted_where_it_is_made_and_not_inside_a_sync_point() -> None:
     assert all(entry["count"] == 1 for entry in sites.values())
 
 
+def test_a_copy_to_the_host_is_noted() -> None:
+    ids = torch.arange(6)
+    with SyncingOps() as watch:
+        ids.tolist()
+        ids.cpu()
+        ids.numpy()  # a CPU tensor's own memory: no copy on any device
+    ops = sorted(op for entry in watch.sites.values() for op in entry["ops"])
+    assert ops == ["Tensor.cpu", "Tensor.tolist"], ops
+
+
 def test_the_host_side_step_count_of_torch_optimizers_is_not_noted() -> None:
     weight = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.Adam([weight], lr=0.1)
@@ -79,8 +89,8 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
 
 
 def _watched_run(ctx: DistContext, **settings: Any) -> dict[str, Any]:
-    cfg = TrainConfig.of(num_rows=2000, batch_size=64, steps=8, dim=8, progress=False,
-                         eval_batches=1, log_every=4, **settings)
+    cfg = TrainConfig.of(**{"num_rows": 2000, "batch_size": 64, "steps": 8, "dim": 8,
+                            "progress": False, "eval_batches": 1, "log_every": 4, **settings})
     trainer = Trainer(cfg, ctx)
     try:
         with SyncingOps() as watch:
@@ -97,6 +107,11 @@ LOOPS = {
     "local K=1 bf16 rows": {"local_optimizer": True, "staleness": 1, "row_dtype": "bf16"},
     "local K=1 dlrm": {"local_optimizer": True, "staleness": 1, "task": "dlrm"},
     "local K=1 tables": {"local_optimizer": True, "staleness": 1, "task": "tables"},
+    "local K=1 pipeline": {"local_optimizer": True, "staleness": 1, "pipeline": True},
+    "local K=2 dynamic ids": {  # refusals, evictions, page-ins, bags
+        "local_optimizer": True, "staleness": 2, "task": "tables", "num_rows": 300,
+        "batch_size": 32, "tables": "user:40:dynamic:lfu:expire=6,ad:30:3:dynamic:threshold=2,"
+                                    "s:50"},
 }
 
 
@@ -126,7 +141,8 @@ def _two_rank_scenario(ctx: DistContext, loop: str) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("loop", ["local K=1 predict", "local K=1 dlrm"])
+@pytest.mark.parametrize("loop", ["local K=1 predict", "local K=1 dlrm",
+                                  "local K=2 dynamic ids"])
 def test_two_ranks_read_no_device_value_outside_the_named_sync_points(loop: str) -> None:
     """World size 2: the ids' all_to_all sizes (input_dist) are the one more named place;
     a multi-GPU run's other syncs would show here first."""

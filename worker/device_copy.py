@@ -37,6 +37,8 @@ SYNC_POINTS: dict[str, str] = {
     "input_dist": "worker/embedding.py, world size > 1: the sizes of the ids' all_to_all "
                   "come from the ids (their dedupe and the counts per owner in "
                   "worker/input_dist.py make_requests, the sizes received in worker/comm.py)",
+    "dynamic_ids": "worker/dynamic_ids.py: a dynamic table's id -> slot maps are on the "
+                   "host, so its lookups' ids come back from the device",
     "pop_grads": "worker/embedding_rows.py: the coalesced row gradients; how many rows a "
                  "push carries depends on the ids",
     "push_grads_ready": "worker/sync.py: a push whose update is due now (--staleness 0, a "

@@ -36,6 +36,7 @@ from hybridps.dynamic import DynamicSpec, check_capacity, initial_rows, owner_of
 from hybridps.native import dynamic as _ext
 from hybridps.paged_rows import PagedOut, PagedRows
 from worker.comm import BlockCap, exchange, exchange_blocks
+from worker.device_copy import sync_point, to_device
 from worker.dynamic_fused import fusable, serve_fused
 from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
 
@@ -118,53 +119,55 @@ class DynamicIds:
         """ShardedEmbedding.lookup_many with dynamic tables among `names` (module doc)."""
         train = torch.is_grad_enabled()
         dyn = [e for e, n in enumerate(names) if n in self.tables]
-        flat = [ids[e].reshape(-1).to(torch.int64).cpu() for e in dyn]
-        codes, paged_rows = self._translate([names[e] for e in dyn], flat, train)
+        with sync_point("dynamic_ids"):  # the id -> slot maps are on the host
+            flat = [ids[e].reshape(-1).to(torch.int64).cpu() for e in dyn]
+            codes, paged_rows = self._translate([names[e] for e in dyn], flat, train)
         call_ids = list(ids)
         call_bags = list(bags)
-        keep: dict[int, torch.Tensor] = {}
+        keep: dict[int, np.ndarray] = {}
         for e, code_N in zip(dyn, codes, strict=True):
-            code_N = code_N.to(self.device)
-            if bool((code_N >= 0).all()):  # the common case: exactly the static path
-                call_ids[e] = code_N.view(ids[e].shape)
+            host_N = code_N.numpy()  # on the host: its reads wait for no device
+            if (host_N >= 0).all():  # the common case: exactly the static path
+                call_ids[e] = to_device(code_N, self.device).view(ids[e].shape)
                 continue
-            kept = code_N >= 0
-            keep[e] = kept
-            call_ids[e] = code_N[kept]
+            kept_N = host_N >= 0
+            keep[e] = kept_N
+            call_ids[e] = to_device(torch.from_numpy(host_N[kept_N]), self.device)
             bag = bags[e]
-            if bag is not None:
-                offsets_B = bag[0].to(self.device)
-                before = torch.cat([torch.cumsum(kept, 0) - kept.long(),
-                                    kept.sum().view(1)])
-                call_bags[e] = (before.index_select(0, offsets_B), "sum")
+            if bag is not None:  # each bag's start among the kept ids
+                before_N1 = np.concatenate([np.cumsum(kept_N) - kept_N, [kept_N.sum()]])
+                call_bags[e] = (to_device(torch.from_numpy(before_N1), self.device)
+                                .index_select(0, bag[0].to(self.device)), "sum")
         out = static(names, call_ids, call_bags)
         for pos, e in enumerate(dyn):
             if e not in keep:
                 continue
-            out[e] = self._fill(out[e], codes[pos].to(self.device), keep[e], ids[e],
-                                bags[e], paged_rows[pos])
+            out[e] = self._fill(out[e], codes[pos].numpy(), keep[e], ids[e], bags[e],
+                                paged_rows[pos])
         return out
 
-    def _fill(self, got: torch.Tensor, code_N: torch.Tensor, kept_N: torch.Tensor,
+    def _fill(self, got: torch.Tensor, code_N: np.ndarray, kept_N: np.ndarray,
               ids: torch.Tensor, bag: Bag | None, paged_PD: torch.Tensor | None
               ) -> torch.Tensor:
-        """The entry's result with zeros for refused ids (and stored rows for paged ones)."""
-        n = code_N.numel()
-        where_K = torch.nonzero(kept_N).squeeze(1)
-        paged_P = torch.nonzero(code_N == PAGED).squeeze(1)
+        """The entry's result with zeros for refused ids (and stored rows for paged ones);
+        `code_N` and `kept_N` on the host."""
+        n = code_N.size
+        where_K = to_device(torch.from_numpy(np.flatnonzero(kept_N)), self.device)
+        paged = np.flatnonzero(code_N == PAGED)
+        paged_P = to_device(torch.from_numpy(paged), self.device)
         if bag is None:
             rows_ND = got.new_zeros((n, got.shape[-1])).index_copy(
                 0, where_K, got.reshape(-1, got.shape[-1]))
-            if paged_PD is not None and paged_P.numel():
+            if paged_PD is not None and paged.size:
                 rows_ND = rows_ND.index_copy(0, paged_P, paged_PD.to(rows_ND))
             return rows_ND.view(*ids.shape, got.shape[-1])
         offsets_B, mode = bag[0].to(self.device), bag[1]
         bags_BD = got
-        if paged_PD is not None and paged_P.numel():
+        if paged_PD is not None and paged.size:
             bag_P = torch.searchsorted(offsets_B, paged_P, right=True) - 1
             bags_BD = bags_BD.index_add(0, bag_P, paged_PD.to(bags_BD))
         if mode == "mean":
-            lengths_B = torch.diff(offsets_B, append=offsets_B.new_tensor([n]))
+            lengths_B = torch.diff(offsets_B, append=offsets_B.new_full((1,), n))
             bags_BD = bags_BD / lengths_B.clamp(min=1).to(bags_BD.dtype).unsqueeze(1)
         return bags_BD
 

@@ -302,7 +302,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
         for e, pooled in enumerate(plan.pooled):
             offsets_B = on_device[e]
             if pooled and modes[e] == "mean" and offsets_B is not None:
-                lengths_B = torch.diff(offsets_B, append=offsets_B.new_tensor([flat[e].numel()]))
+                lengths_B = torch.diff(offsets_B, append=offsets_B.new_full((1,), flat[e].numel()))
                 plan.divisors.append(lengths_B.clamp(min=1).to(self.output_dtype).unsqueeze(1))
             elif pooled:
                 plan.divisors.append(None)

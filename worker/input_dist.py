@@ -132,7 +132,7 @@ def unique_runs(values_N: torch.Tensor, bound: int
     rank_N = torch.cumsum(first_N, 0) - 1
     inverse_N = torch.empty_like(values_N).index_copy_(0, order_N, rank_N)
     runs_U = torch.diff(torch.nonzero(first_N).flatten(),
-                        append=sorted_N.new_tensor([sorted_N.numel()]))
+                        append=sorted_N.new_full((1,), sorted_N.numel()))
     return uniq_U, inverse_N, order_N, runs_U
 
 
@@ -294,7 +294,7 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
             local_sorted_M, lengths_WB, per_owner = native[e]
         else:
             owner_M, local_M = owners[e], locals_[e]
-            lengths_B = torch.diff(offsets_B, append=offsets_B.new_tensor([sizes[e]]))
+            lengths_B = torch.diff(offsets_B, append=offsets_B.new_full((1,), sizes[e]))
             bag_M = torch.repeat_interleave(torch.arange(bags, device=device), lengths_B,
                                             output_size=sizes[e])
             order_M = sort_stable(owner_M, world)[1]

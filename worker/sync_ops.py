@@ -4,12 +4,13 @@ a CUDA device, seen on any device.
 CUDA's own mode (`worker/device_copy.py` sync_debug) needs a GPU, so a loop that reads a
 device value on the host passes every CPU test and first shows on a GPU. Most such reads
 are aten calls whose CUDA kernel must hand a value or a size to the host: `.item()`,
-`bool(t)`, indexing with a mask, `nonzero`, `unique`, `bincount`. `SyncingOps` is a torch
-dispatch mode that notes each of them made outside a named sync point, with the place in
-this repository that asked for it, so the test suite finds them on the CPU
+`bool(t)`, indexing with a mask, `nonzero`, `unique`, `bincount`; the rest are copies to
+the host, `.tolist()` and `.cpu()`. `SyncingOps` (a torch dispatch mode, with a torch
+function mode for the copies) notes each of them made outside a named sync point, with
+the place in this repository that asked for it, so the test suite finds them on the CPU
 (tests/test_sync_ops.py). What it cannot see: a copy from pageable host memory to the
-device (on the CPU there is no device to copy to), which CUDA's mode still catches on a
-GPU (`bench/gpu_check.py`, stage sync_debug).
+device (`torch.tensor(list, device=...)`; on the CPU there is no device to copy to),
+which CUDA's mode still catches on a GPU (`bench/gpu_check.py`, stage sync_debug).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from worker.device_copy import inside_sync_point, watch_sync_points
@@ -38,7 +40,7 @@ HOST_SIDE = {
 
 # Frames of the dispatch itself, not of the code that made the call.
 _DISPATCH_FRAMES = ("worker/sync_ops.py", "torch/utils/_python_dispatch.py", "torch/_compile.py",
-                    "torch/_dynamo/")
+                    "torch/_dynamo/", "torch/overrides.py")
 
 # Calls whose CUDA kernel hands a value or an output size to the host, whatever the inputs.
 ALWAYS_SYNC = frozenset({
@@ -69,6 +71,25 @@ def syncs_on_cuda(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return False
 
 
+# Tensor methods that copy a device tensor to the host, seen before dispatch (on the CPU
+# `.tolist()` and `.cpu()` of a CPU tensor reach no aten call).
+TO_HOST = frozenset({torch.Tensor.tolist, torch.Tensor.cpu})
+
+
+class _ToHost(TorchFunctionMode):
+    """`.tolist()` and `.cpu()` of a tensor, noted by the SyncingOps that holds this."""
+
+    def __init__(self, note: Any) -> None:
+        super().__init__()
+        self._note = note
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func in TO_HOST and not inside_sync_point():
+            self._note(f"Tensor.{func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
 class SyncingOps(TorchDispatchMode):
     """Notes every aten call of the block, on this thread (and the autograd engine's on its
     behalf), that would synchronise on CUDA outside a named sync point: `sites` maps the
@@ -79,13 +100,16 @@ class SyncingOps(TorchDispatchMode):
         super().__init__()
         self.sites: dict[str, dict[str, Any]] = {}
         self._watch = watch_sync_points()
+        self._to_host = _ToHost(self._note)
 
     def __enter__(self) -> SyncingOps:
         self._watch.__enter__()
+        self._to_host.__enter__()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._to_host.__exit__(*exc)
         self._watch.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),

@@ -336,6 +336,12 @@ class SyncWatch:
         entry["count"] += 1
 
 
+# dynamic tables (evictions, page-ins, refusals, expiry) with the rows on the device
+DYNAMIC_JOB = ["--local-optimizer", "--staleness", "1", "--task", "tables", "--num-rows", "300",
+               "--batch-size", "32",
+               "--tables", "user:40:dynamic:lfu:expire=6,ad:30:3:dynamic:threshold=2,s:50"]
+
+
 def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
     import torch
     from gpu_jobs import train_in_process
@@ -365,12 +371,14 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
             runs = {"server K=1": [*ps, "--staleness", "1"],
                     "server K=0": [*ps, "--staleness", "0"],
                     "server bf16 K=1": [*ps, "--staleness", "1", "--row-dtype", "bf16"],
-                    "local-optimizer K=0": ["--local-optimizer", "--staleness", "0"]}
+                    "local-optimizer K=0": ["--local-optimizer", "--staleness", "0"],
+                    "dynamic ids K=1": DYNAMIC_JOB}
             results: dict[str, Any] = {}
             for name, args in runs.items():
                 SYNC_HITS.clear()
                 watch = SyncWatch("warn") if on_cuda else SyncingOps()
-                res = train_in_process(ctx, [*args, *size], steps, around_train=watch)
+                sized = args if args is DYNAMIC_JOB else [*args, *size]
+                res = train_in_process(ctx, sized, steps, around_train=watch)
                 unnamed_total += sum(s["count"] for s in watch.sites.values())
                 results[name] = {
                     "steps": res["steps"],

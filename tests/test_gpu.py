@@ -9,7 +9,9 @@ One worker rank (`python -m worker.main --device cuda`) and a real shard server:
 (c) a checkpoint written on the device resumes on the CPU, and one written on the CPU
     resumes on the device, both equal to the uninterrupted run on the device;
 (d) `python -m worker.export` of a checkpoint written on the device rebuilds the model on
-    the CPU: the rows and dense weights of the run, bitwise.
+    the CPU: the rows and dense weights of the run, bitwise;
+(e) dynamic tables with their rows on the device make every id decision (admissions,
+    evictions, page-ins, expiry) as on the CPU, and train to the same losses.
 Tolerances: the server's Adam (C, on the host) and torch.optim.SparseAdam on the device
 round differently, and the device sums duplicate ids in another order; Adam amplifies
 that for rows whose gradients are ~0. The bugs these tests catch (a lost or doubled
@@ -195,3 +197,36 @@ def test_export_of_a_device_checkpoint(straight: dict[str, Path], tmp_path: Path
         assert torch.equal(exported[f"embedding.tables.{name}.weight"], rows), name
     for key, value in dump["dense"].items():
         assert torch.equal(exported[f"dense.{key}"], value), key
+
+
+DYNAMIC = ["--local-optimizer", "--task", "tables", "--num-rows", "300", "--batch-size", "32",
+           "--tables", "user:40:dynamic:lfu:expire=6,ad:30:3:dynamic:threshold=2,s:50",
+           "--staleness", "1", "--steps", str(STEPS)]
+# what a dynamic table decides from the ids alone (the same on any device)
+DYNAMIC_COUNTS = ("lookups", "hits", "admissions", "refused_filter", "refused_capacity",
+                  "evictions", "page_ins", "dropped_paged", "occupied", "paged")
+
+
+@pytest.mark.timeout(300)
+def test_dynamic_tables_on_the_device_decide_and_train_as_on_the_cpu(
+        device: str, tmp_path: Path) -> None:
+    """Dynamic tables with rows on the device (the id -> slot maps and the paged store on
+    the host), at K=1 with evictions, page-ins, refusals and expiry: every count the ids
+    decide equals the CPU run's, and the losses agree."""
+    import json
+
+    results = {}
+    for where in (device, "cpu"):
+        out = tmp_path / f"{where}.json"
+        run_worker([*DYNAMIC, "--results", str(out)], where)
+        results[where] = json.loads(out.read_text())
+    got, want = results[device], results["cpu"]
+    assert set(got["dynamic"]) == {"user", "ad"}
+    for table, counts in want["dynamic"].items():
+        assert counts["evictions"] > 0 and counts["page_ins"] > 0, (table, counts)
+        for key in DYNAMIC_COUNTS:
+            assert got["dynamic"][table][key] == counts[key], (table, key)
+    got_loss = [loss for _, loss in got["loss_curve"]]
+    want_loss = [loss for _, loss in want["loss_curve"]]
+    torch.testing.assert_close(torch.tensor(got_loss), torch.tensor(want_loss), rtol=1e-3,
+                               atol=1e-4)

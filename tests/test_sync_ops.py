@@ -62,6 +62,18 @@ def test_a_copy_to_the_host_is_noted() -> None:
     assert ops == ["Tensor.cpu", "Tensor.tolist"], ops
 
 
+def test_host_data_made_straight_on_a_device_is_noted() -> None:
+    ids = torch.arange(6)
+    with SyncingOps() as watch:
+        torch.tensor([1, 2])  # on the host: a pinned copy can follow (device_copy.to_device)
+        ids.new_tensor([3], device="cpu")
+        torch.tensor([1, 2], device=ids.device)  # on CUDA: a blocking copy
+        ids.new_tensor([3])  # ids' device
+        ids.new_full((1,), 3)  # a fill on the device: no copy
+    ops = sorted(op for entry in watch.sites.values() for op in entry["ops"])
+    assert ops == ["Tensor.new_tensor to a device", "torch.tensor to a device"], ops
+
+
 def test_the_host_side_step_count_of_torch_optimizers_is_not_noted() -> None:
     weight = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.Adam([weight], lr=0.1)

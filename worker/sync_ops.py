@@ -4,13 +4,15 @@ a CUDA device, seen on any device.
 CUDA's own mode (`worker/device_copy.py` sync_debug) needs a GPU, so a loop that reads a
 device value on the host passes every CPU test and first shows on a GPU. Most such reads
 are aten calls whose CUDA kernel must hand a value or a size to the host: `.item()`,
-`bool(t)`, indexing with a mask, `nonzero`, `unique`, `bincount`; the rest are copies to
-the host, `.tolist()` and `.cpu()`. `SyncingOps` (a torch dispatch mode, with a torch
-function mode for the copies) notes each of them made outside a named sync point, with
-the place in this repository that asked for it, so the test suite finds them on the CPU
-(tests/test_sync_ops.py). What it cannot see: a copy from pageable host memory to the
-device (`torch.tensor(list, device=...)`; on the CPU there is no device to copy to),
-which CUDA's mode still catches on a GPU (`bench/gpu_check.py`, stage sync_debug).
+`bool(t)`, indexing with a mask, `nonzero`, `unique`, `bincount`; the rest are copies:
+to the host (`.tolist()`, `.cpu()`) and of host data straight to a device
+(`torch.tensor(list, device=...)`, `t.new_tensor(list)`: blocking copies from pageable
+memory). `SyncingOps` (a torch dispatch mode, with a torch function mode for the copies)
+notes each of them made outside a named sync point, with the place in this repository
+that asked for it, so the test suite finds them on the CPU (tests/test_sync_ops.py).
+What it cannot see: `.to(device)` of a host tensor that is not pinned (on the CPU there
+is no device to copy to), which CUDA's mode still catches on a GPU (`bench/gpu_check.py`,
+stage sync_debug).
 """
 
 from __future__ import annotations
@@ -76,6 +78,21 @@ def syncs_on_cuda(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
 TO_HOST = frozenset({torch.Tensor.tolist, torch.Tensor.cpu})
 
 
+# Tensors made from host data (a list, a number) straight on a device: on CUDA a blocking
+# copy from pageable memory (`worker.device_copy.to_device` copies through pinned memory).
+FROM_HOST_DATA = frozenset({torch.tensor, torch.Tensor.new_tensor})
+
+
+def _on_a_device(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `torch.tensor(data, device=...)` / `t.new_tensor(data)` would land on a
+    device: a `device` given (torch.tensor), or `t`'s own (new_tensor) unless given as the
+    CPU. On the CPU every device is the host, so the call is noted for what it would do."""
+    device = kwargs.get("device")
+    if func is torch.tensor:
+        return device is not None
+    return device is None or torch.device(device).type != "cpu"
+
+
 class _ToHost(TorchFunctionMode):
     """`.tolist()` and `.cpu()` of a tensor, noted by the SyncingOps that holds this."""
 
@@ -85,9 +102,14 @@ class _ToHost(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if func in TO_HOST and not inside_sync_point():
-            self._note(f"Tensor.{func.__name__}")
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if not inside_sync_point():
+            if func in TO_HOST:
+                self._note(f"Tensor.{func.__name__}")
+            elif func in FROM_HOST_DATA and _on_a_device(func, args, kwargs):
+                self._note(f"{'torch.tensor' if func is torch.tensor else 'Tensor.new_tensor'}"
+                           " to a device")
+        return func(*args, **kwargs)
 
 
 class SyncingOps(TorchDispatchMode):

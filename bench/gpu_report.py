@@ -178,6 +178,7 @@ def markdown(data: dict[str, Any]) -> str:
                              "count"], [[s, n] for s, n in sorted(sites.items(),
                                                                 key=lambda x: -x[1])])
         lines += [f"error mode: {f.get('error_mode', '-')}", ""]
+        lines += [f"run {n} FAILED: {r['error']}" for n, r in f["runs"].items() if "error" in r]
     e = _fig(stages, "nccl")
     if e:
         group = e.get("group", {})

@@ -1,8 +1,7 @@
 """The training loop asks the host for no device value outside the named sync points,
 checked on the CPU (worker/sync_ops.py): the calls that synchronise on CUDA, seen by a
-dispatch mode, on the torch kernels a CUDA device runs. The GPU check (bench/gpu_check.py,
-stage sync_debug) found weight prediction reading device values three times a step; this
-test finds what it found, without a GPU."""
+dispatch mode, on the torch kernels a CUDA device runs: what CUDA's own sync debug mode
+(bench/gpu_check.py, stage sync_debug) would find, without a GPU."""
 
 from __future__ import annotations
 

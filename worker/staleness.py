@@ -116,9 +116,8 @@ class RowPredictor:
             for name, u in embedding.units.items()}
         self.prediction = RowPrediction()
         self.refreshes = 0
-        # rows with a prediction in the newest refresh, and summed over refreshes (stats; a
-        # tensor on the rows' device, read once by `describe`)
-        self.predicted_rows: torch.Tensor | int = 0
+        # rows with a prediction, summed over refreshes (stats; a tensor on the rows'
+        # device, read once by `describe`)
         self.predicted_row_steps: torch.Tensor | int = 0
 
     # -- hooks ----------------------------------------------------------------------------
@@ -165,7 +164,6 @@ class RowPredictor:
         for step in [s for s in self.pushed if s <= applied_through]:
             del self.pushed[step]
         offsets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.predicted_rows = 0
         pending_steps = sorted(self.pushed)
         for name in self.embedding.units:
             ids_L, delta_LD = self.deltas[name]
@@ -187,9 +185,8 @@ class RowPredictor:
                 count_L = torch.zeros_like(ids_L).index_add_(0, pos_N, hit_N.to(torch.int64))
                 keys_P, offset_PD = ids_L, delta_LD * count_L.unsqueeze(1).to(delta_LD.dtype)
             offsets[name] = (keys_P - self.embedding.units[name].start, offset_PD)
-            self.predicted_rows = self.predicted_rows + hit_N.sum()
+            self.predicted_row_steps = self.predicted_row_steps + hit_N.sum()
         self.refreshes += 1
-        self.predicted_row_steps = self.predicted_row_steps + self.predicted_rows
         self.prediction.tables = offsets
         self.embedding.row_offsets = self.prediction if offsets else None
 

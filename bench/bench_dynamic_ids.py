@@ -15,7 +15,11 @@ Compared, trained side by side on the same batches (interleaved chunks of steps,
 variant's samples/s the median over chunks), in one process (world size 1, the
 in-process optimizer: --local-optimizer's path, staleness 0):
 - dynamic: capacity C = (ids seen) / 10 (--quick: / 5), LRU, admit always; evicted
-  rows page out with their Adam state (host memory) and come back bitwise;
+  rows page out with their Adam state (host memory) and come back bitwise; the loop
+  prefetches (ShardedEmbedding.prefetch): step t+1's ids are translated to slots on a
+  helper thread while step t's backward, optimizer and update run
+  (worker/dynamic_prefetch.py);
+- dynamic_inline: the same table translating each step's ids at its lookup (no prefetch);
 - modulo (a): a static table of the same C rows, fed raw id % C (collisions);
 - full (b): a static table with a row for every item of the stream (no collisions);
 - torchrec (c): TorchRec's ManagedCollisionCollection (MCH, LRU) remapping raw ids to C
@@ -135,6 +139,7 @@ class Variant:
     name: str
     table: TableConfig
     ids_of: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    prefetch: bool = False
     emb: ShardedEmbedding = field(init=False)
     seconds: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
@@ -154,16 +159,23 @@ class Variant:
 
     def train(self, stream: Stream, steps: range) -> None:
         t0 = time.perf_counter()
+        batch = stream.batch(steps[0])
         for step in steps:
-            batch = stream.batch(step)
             self.window.before_step(step)
-            loss = nn.functional.binary_cross_entropy_with_logits(self.forward(batch),
-                                                                  batch["label"])
+            logits = self.forward(batch)
+            # every variant makes the next batch here; within a chunk only, so that no
+            # prefetch runs while another variant is timed
+            following = stream.batch(step + 1) if step + 1 < steps.stop else None
+            if following is not None and self.prefetch:
+                self.emb.prefetch(step + 1, [self.table.name], [self.ids_of(following)])
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, batch["label"])
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
             grads = self.emb.pop_grads()
             self.source.push(step, grads)
+            if following is not None:
+                batch = following
         self.window.catch_up(steps[-1])
         self.seconds.append(time.perf_counter() - t0)
         self.samples.append(len(steps) * stream.shape.batch)
@@ -288,6 +300,8 @@ def main() -> int:
         f"(universe {shape.universe}); dynamic capacity {capacity}")
     variants: list[Any] = [
         Variant("dynamic", TableConfig("ids", capacity, DIM, DynamicSpec()),
+                lambda b: b["raw"], prefetch=True),
+        Variant("dynamic_inline", TableConfig("ids", capacity, DIM, DynamicSpec()),
                 lambda b: b["raw"]),
         Variant("modulo", TableConfig("ids", capacity, DIM),
                 lambda b: torch.remainder(b["raw"], capacity)),
@@ -317,6 +331,8 @@ def main() -> int:
         "host_bytes_dynamic_map": stats["host_bytes"],
         "paged_rows_dynamic": stats["paged"],
         "samples_per_s_dynamic": by["dynamic"].samples_per_s,
+        "samples_per_s_dynamic_inline": by["dynamic_inline"].samples_per_s,
+        "auc_dynamic_inline": auc["dynamic_inline"],
         "samples_per_s_static_same_capacity": by["modulo"].samples_per_s,
         "samples_per_s_full": by["full"].samples_per_s,
         "dynamic_stats": stats, "torchrec": torchrec_state,

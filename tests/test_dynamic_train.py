@@ -15,7 +15,7 @@ import torch
 
 from hybridps.dynamic import DynamicSpec, initial_rows
 from hybridps.optim import OptimizerSpec
-from worker.dynamic_ids import DynamicIds
+from worker.dynamic_ids import DynamicIds, Expiry
 from worker.dynamic_slots import NATIVE
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.staleness import RowPredictor
@@ -148,12 +148,13 @@ def test_eviction_and_page_in_are_bitwise(staleness: int, eviction: str, fused: 
     dynamic = small.dynamic
     serve = dynamic._serve
 
-    def watch(name: str, ids_U: np.ndarray, train: bool) -> tuple[np.ndarray, object]:
+    def watch(name: str, ids_U: np.ndarray, train: bool, at: tuple[int, int],
+              expire_later: Expiry | None = None) -> tuple[np.ndarray, torch.Tensor | None]:
         nonlocal reuse_at_edge
         before_id, before_seen = slots.slot_id.copy(), slots.seen.copy()
-        out = serve(name, ids_U, train)
+        out = serve(name, ids_U, train, at, expire_later)
         reused = (before_seen >= 0) & (slots.slot_id != before_id)
-        reuse_at_edge += int((before_seen[reused] == dynamic.applied_through).sum())
+        reuse_at_edge += int((before_seen[reused] == at[1]).sum())
         return out
 
     dynamic._serve = watch  # type: ignore[method-assign]

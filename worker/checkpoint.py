@@ -373,10 +373,9 @@ class Checkpointer:
         dynamic = self.t.embedding.dynamic
         if dynamic is None or name not in dynamic.tables:
             return {}
-        slots = dynamic.tables[name].slots
         start, end = self.t.embedding.ranges[name]
         return {"ids": save_ids(directory, table=name, rank=self.rank, start=start, end=end,
-                                state=slots.state_dict(), step=step)}
+                                state=dynamic.slot_state(name), step=step)}
 
     def _barrier(self) -> None:
         if self.world > 1:

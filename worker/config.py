@@ -112,7 +112,9 @@ class RunConfig:
     pipeline: bool = setting(
         False, "make the next batch and exchange its ids (input dist) on a second thread "
         "while this step computes; the row lookup still waits for the staleness window (same "
-        "results; measurements: docs/performance-log.md)")
+        "results; measurements: docs/performance-log.md); dynamic tables: also translate the "
+        "next step's raw ids to slots meanwhile, with one more step's slots pinned "
+        "(docs/dynamic_ids.md)")
     pool_at: PoolAt = setting(
         "auto", "where a pooled (bag) lookup is summed: owner (each owner sums its rows' part "
         "of every bag and the B x D partial sums travel) | requester (the distinct rows "

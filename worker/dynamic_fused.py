@@ -11,7 +11,7 @@ filter's decisions (its sketch and hashes), the counts, and the store's expiry.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -46,9 +46,12 @@ def fusable(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
 def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
                 state: Mapping[str, torch.Tensor], ids_U: np.ndarray, step: int,
                 applied_through: int, *, seed: int, table_index: int, init_std: float,
-                expire_steps: int) -> np.ndarray:
+                expire_steps: int, expire_later: list[Callable[[], None]] | None = None
+                ) -> np.ndarray:
     """Codes of the distinct ids `ids_U` (a global slot, -1: refused), every move done
-    (module doc; the caller checked `fusable`)."""
+    (module doc; the caller checked `fusable`). The store's expiry, due after a step that
+    paged, runs here or, given `expire_later`, is appended to it (a prefetched step's runs
+    at its lookup, so that nothing before that step sees it: worker/dynamic_prefetch.py)."""
     assert _ext is not None
     u = int(ids_U.size)
     ids_U = np.ascontiguousarray(ids_U, dtype=np.int64)
@@ -83,7 +86,13 @@ def serve_fused(slots: SlotTable, store: PagedRows, weight: torch.Tensor,
     stats.page_ins += int(counts[PAGE_INS])
     stats.admissions += int(counts[ADMISSIONS])
     if counts[EVICTIONS] or counts[PAGE_INS]:  # a page call: the store expires
-        stats.dropped_paged += int(store.expire(step, expire_steps).size)
+        def expire() -> None:
+            stats.dropped_paged += int(store.expire(step, expire_steps).size)
+
+        if expire_later is None:
+            expire()
+        else:
+            expire_later.append(expire)
     return codes
 
 

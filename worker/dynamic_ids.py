@@ -38,6 +38,7 @@ from hybridps.paged_rows import PagedOut, PagedRows
 from worker.comm import BlockCap, exchange, exchange_blocks
 from worker.device_copy import sync_point, to_device
 from worker.dynamic_fused import fusable, serve_fused
+from worker.dynamic_prefetch import Prefetcher
 from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
 
 PAGED = -2  # an evaluation's code for an id whose row comes from the paged store
@@ -45,6 +46,8 @@ PAGED = -2  # an evaluation's code for an id whose row comes from the paged stor
 Bag = tuple[torch.Tensor, str]
 StaticLookup = Callable[[Sequence[str], Sequence[torch.Tensor], Sequence[Bag | None]],
                         list[torch.Tensor]]
+Translated = tuple[list[torch.Tensor], list[torch.Tensor | None]]
+Expiry = list[Callable[[], None]]  # a prefetched step's store expiry, run at its lookup
 
 
 class RowPager(Protocol):
@@ -98,6 +101,10 @@ class DynamicIds:
         self.fused = _ext is not None  # worker/dynamic_fused.py where it can run
         self.step = 0
         self.applied_through = -1
+        # 1 once ids are prefetched: a step's translation also pins the previous step's
+        # slots (worker/dynamic_prefetch.py), ahead or not
+        self.pin_lag = 0
+        self.prefetched: Prefetcher[tuple[Translated, Expiry]] = Prefetcher()
         self._caps: dict[tuple[str, ...], BlockCap] = {}
 
     def set_pager(self, pager: RowPager) -> None:
@@ -113,6 +120,37 @@ class DynamicIds:
         """Before the forward of `step`: updates <= applied_through are in the rows."""
         self.step, self.applied_through = step, applied_through
 
+    def expect_prefetch(self) -> None:
+        """From now on a step's translation pins the previous step's slots too, as a
+        prefetched one must (worker/dynamic_prefetch.py); `prefetch` sets it at its first
+        call, a loop that prefetches from its second step on sets it before the first."""
+        self.pin_lag = 1
+
+    def prefetch(self, step: int, names: Sequence[str], ids: Sequence[torch.Tensor]) -> None:
+        """Start translating, on a helper thread, the ids that the first lookup of dynamic
+        tables at `step` = this step + 1 will pass (worker/dynamic_prefetch.py); call it
+        after this step's last lookup. Where no helper thread can (world size > 1, rows on
+        a device, the store on a server), the step translates at its lookup as before."""
+        if step != self.step + 1:
+            raise ValueError(f"prefetch(step={step}): the next step is {self.step + 1}")
+        dyn = [e for e, n in enumerate(names) if n in self.tables]
+        if not dyn:
+            raise ValueError(f"prefetch: none of {list(names)} is a dynamic table")
+        self.expect_prefetch()
+        dyn_names = [names[e] for e in dyn]
+        if self.world_size > 1 or any(self._fused_parts(self.tables[n]) is None
+                                      for n in dyn_names):
+            return  # (its collectives and the pager's calls belong to the training thread)
+        flat = [ids[e].reshape(-1).to(torch.int64).cpu().clone() for e in dyn]
+        # the slots of this step and later stay pinned: applied_through is this step's
+        at = (step, self.applied_through)
+
+        def work() -> tuple[Translated, Expiry]:
+            expiry: Expiry = []
+            return self._translate(dyn_names, flat, True, at, expiry), expiry
+
+        self.prefetched.submit(step, dyn_names, flat, work)
+
     # -- the lookup ---------------------------------------------------------------------
     def lookup_many(self, names: Sequence[str], ids: Sequence[torch.Tensor],
                     bags: Sequence[Bag | None], static: StaticLookup) -> list[torch.Tensor]:
@@ -121,7 +159,19 @@ class DynamicIds:
         dyn = [e for e, n in enumerate(names) if n in self.tables]
         with sync_point("dynamic_ids"):  # the id -> slot maps are on the host
             flat = [ids[e].reshape(-1).to(torch.int64).cpu() for e in dyn]
-            codes, paged_rows = self._translate([names[e] for e in dyn], flat, train)
+            dyn_names = [names[e] for e in dyn]
+            ahead = None
+            if train:
+                ahead = self.prefetched.take(self.step, dyn_names, flat)
+            else:  # an evaluation reads the maps: not while a prefetch writes them
+                self.prefetched.wait()
+            if ahead is not None:
+                (codes, paged_rows), expiry = ahead
+                for expire in expiry:
+                    expire()
+            else:
+                codes, paged_rows = self._translate(
+                    dyn_names, flat, train, (self.step, self.applied_through - self.pin_lag))
         call_ids = list(ids)
         call_bags = list(bags)
         keep: dict[int, np.ndarray] = {}
@@ -172,22 +222,23 @@ class DynamicIds:
         return bags_BD
 
     # -- ids -> slots ---------------------------------------------------------------------
-    def _translate(self, names: list[str], flat: list[torch.Tensor], train: bool
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def _translate(self, names: list[str], flat: list[torch.Tensor], train: bool,
+                   at: tuple[int, int], expire_later: Expiry | None = None) -> Translated:
         """Per entry: a code per id (a global slot, -1 zeros, PAGED) and, in evaluation, the
-        stored rows of its PAGED ids (in order)."""
+        stored rows of its PAGED ids (in order). `at`: (step, evict only slots seen at or
+        before this step); `expire_later`: serve_fused's."""
         uniq, inverse = [], []
         for ids_N in flat:
             u_U, inv_N = _first_seen_unique(ids_N)
             uniq.append(u_U)
             inverse.append(inv_N)
         if self.world_size == 1:
-            answers = [self._serve(n, u.numpy(), train) for n, u in zip(names, uniq,
-                                                                         strict=True)]
+            answers = [self._serve(n, u.numpy(), train, at, expire_later)
+                       for n, u in zip(names, uniq, strict=True)]
             codes_U = [torch.from_numpy(a[0]) for a in answers]
             rows_U = [a[1] for a in answers]
         else:
-            codes_U, rows_U = self._exchange(names, uniq, train)
+            codes_U, rows_U = self._exchange(names, uniq, train, at)
         codes: list[torch.Tensor] = []
         paged: list[torch.Tensor | None] = []
         for c_U, inv_N, r in zip(codes_U, inverse, rows_U, strict=True):
@@ -201,24 +252,31 @@ class DynamicIds:
             paged.append(r.index_select(0, rank_U.index_select(0, inv_N)[code_N == PAGED]))
         return codes, paged
 
-    def _serve(self, name: str, ids_U: np.ndarray, train: bool
-               ) -> tuple[np.ndarray, torch.Tensor | None]:
+    def _serve(self, name: str, ids_U: np.ndarray, train: bool, at: tuple[int, int],
+               expire_later: Expiry | None = None) -> tuple[np.ndarray, torch.Tensor | None]:
         """At the owner: the codes of distinct ids (in order) and, evaluating, the stored
         rows of the PAGED ones."""
         table = self.tables[name]
         slots = table.slots
         if train:
+            step, evict_through = at
             fused = self._fused_parts(table)
             if fused is not None:
-                return serve_fused(slots, *fused, ids_U, self.step, self.applied_through,
+                return serve_fused(slots, *fused, ids_U, step, evict_through,
                                    seed=self.seed, table_index=table.table_index,
                                    init_std=self.init_std,
-                                   expire_steps=table.spec.expire_steps), None
-            codes, request = slots.translate(ids_U, self.step, self.applied_through,
-                                             self._pager_for(table))
+                                   expire_steps=table.spec.expire_steps,
+                                   expire_later=expire_later), None
+            codes, request = slots.translate(ids_U, step, evict_through,
+                                             self._pager_for(table, step))
             self._fresh_rows(table, request.new_slots, request.new_ids)
             return codes, None
         local = slots.find(ids_U)
+        ahead = self.prefetched.pending_step
+        if ahead is not None:  # ids new at the prefetched step read zeros, as before it
+            on = np.flatnonzero(local >= 0)
+            fresh = on[(slots.seen[local[on]] == ahead) & (slots.freq[local[on]] == 1)]
+            local[fresh] = -1
         codes = np.where(local >= 0, local + slots.start, -1)
         missing = np.flatnonzero(local < 0)
         rows = None
@@ -242,7 +300,8 @@ class DynamicIds:
         weight = self.rows_of(table.name).data
         return (store, weight, state) if fusable(table.slots, store, weight, state) else None
 
-    def _pager_for(self, table: DynamicTable) -> Callable[[PageRequest], PageAnswer]:
+    def _pager_for(self, table: DynamicTable, step: int
+                   ) -> Callable[[PageRequest], PageAnswer]:
         def page(req: PageRequest) -> PageAnswer:
             if self.pager is None:
                 raise RuntimeError(f"dynamic table {table.name!r}: no pager to evict to")
@@ -253,7 +312,7 @@ class DynamicIds:
                            weight.data.index_select(0, out_local).float().cpu(), {},
                            torch.from_numpy(req.out_seen), torch.from_numpy(req.out_freq))
             found, got, dropped = self.pager.page(
-                table.name, self.step, out, torch.from_numpy(req.out_slots + start),
+                table.name, step, out, torch.from_numpy(req.out_slots + start),
                 torch.from_numpy(req.in_ids), torch.from_numpy(req.in_slots + start),
                 table.spec.expire_steps, self.counters(table))
             found_np = found.numpy().astype(bool)
@@ -274,8 +333,8 @@ class DynamicIds:
             weight.data.index_copy_(0, torch.from_numpy(local).to(self.device),
                                     rows.to(weight.device, weight.dtype))
 
-    def _exchange(self, names: list[str], uniq: list[torch.Tensor], train: bool
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def _exchange(self, names: list[str], uniq: list[torch.Tensor], train: bool,
+                  at: tuple[int, int]) -> Translated:
         """World size > 1: each entry's distinct ids to their owners (one exchange of all
         entries), the codes back (and, evaluating, the stored rows of PAGED ids)."""
         world = self.world_size
@@ -297,7 +356,7 @@ class DynamicIds:
             pieces = [got[s].split(header[s])[e] for s in range(world)]
             ids_M = torch.cat(pieces)
             u_U, inv_M = _first_seen_unique(ids_M)
-            codes_U, rows = self._serve(name, u_U.numpy(), train)
+            codes_U, rows = self._serve(name, u_U.numpy(), train, at)
             codes_M = torch.from_numpy(codes_U).index_select(0, inv_M)
             for s, part in enumerate(codes_M.split([p.numel() for p in pieces])):
                 reply_parts[s].append(part)
@@ -357,6 +416,16 @@ class DynamicIds:
             out.append(rows_U[c == PAGED])
         return out
 
+    def slot_state(self, name: str) -> dict[str, Any]:
+        """A checkpoint's state of table `name`'s slots; not while a prefetched step's
+        translation is pending (it has taken slots for a step not trained yet: the
+        trainer prefetches no step that follows a checkpoint)."""
+        pending = self.prefetched.pending_step
+        if pending is not None:
+            raise RuntimeError(f"dynamic table {name!r}: step {pending}'s ids are prefetched; "
+                               "save a checkpoint before prefetching or after that step")
+        return self.tables[name].slots.state_dict()
+
     # -- stats --------------------------------------------------------------------------
     @staticmethod
     def counters(table: DynamicTable) -> dict[str, int]:
@@ -387,6 +456,7 @@ class DynamicIds:
         at the end of training, so the server's stats are current."""
         if self.pager is None:
             return
+        self.prefetched.wait()
         empty = torch.empty(0, dtype=torch.int64)
         for table in self.tables.values():
             self.pager.page(table.name, self.step, PagedOut(
@@ -395,6 +465,7 @@ class DynamicIds:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per table, this rank's counters (summed over ranks by the caller)."""
+        self.prefetched.wait()
         out = {}
         for name, t in self.tables.items():
             s = t.slots.stats.as_dict()

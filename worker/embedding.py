@@ -499,8 +499,6 @@ class ShardedEmbedding(UnitRows, nn.Module):
     def _plan_for(self, names: Sequence[str], ids: Sequence[torch.Tensor],
                   bags: Sequence[Bag | None]) -> InputDist:
         offsets = tuple(None if b is None else b[0] for b in bags)
-        if self.recording is not None:
-            self.recording.append((tuple(names), tuple(ids), tuple(bags)))
         plan = (self._staged.pop(_plan_key(names, ids, offsets), None) if self._staged
                 else None)
         if (plan is not None and all(a is b for a, b in zip(plan.ids, ids, strict=True))
@@ -534,6 +532,8 @@ class ShardedEmbedding(UnitRows, nn.Module):
         for t, bag in enumerate(entries):
             if bag is not None:
                 _check_bag(ids[t], bag[0], bag[1])
+        if self.recording is not None:  # worker/pipeline.py (a dynamic table: its raw ids)
+            self.recording.append((tuple(names), tuple(ids), tuple(entries)))
         if self.dynamic is not None and any(n in self.dynamic.tables for n in names):
             # stage 0: raw ids -> slots; the slots then go the static way
             return self.dynamic.lookup_many(names, ids, entries, self._lookup_static)
@@ -545,6 +545,15 @@ class ShardedEmbedding(UnitRows, nn.Module):
         out = self.fetch(plan)
         return [rows if bag is not None else rows.reshape(*ids_N.shape, rows.shape[-1])
                 for rows, ids_N, bag in zip(out, ids, entries, strict=True)]
+
+    def prefetch(self, step: int, names: Sequence[str], ids: Sequence[torch.Tensor]) -> None:
+        """Hand over the ids that the first lookup of dynamic tables at `step` (the next
+        one) will pass, after this step's last lookup: their translation to slots runs
+        while this step finishes (worker/dynamic_prefetch.py). Tables that are not dynamic
+        need none."""
+        if self.dynamic is None:
+            raise ValueError(f"prefetch: no dynamic table among {list(names)}")
+        self.dynamic.prefetch(step, names, ids)
 
     def begin_step(self, step: int, applied_through: int) -> None:
         """Before the forward of `step` (the staleness window): the updates of steps <=

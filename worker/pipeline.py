@@ -18,6 +18,12 @@ offsets matter: a bag pooled at its owner sends the bag lengths with the ids). I
 one is not a batch field (the task derived it), input dist stays on the training
 thread and only the batch itself is made ahead.
 
+With dynamic tables (docs/dynamic_ids.md) the pipeline also prefetches: after step t's
+forward, `after_forward` hands batch t+1's ids of its first lookup of dynamic tables to
+the embedding, whose translation to slots (admission, eviction, paging) then runs while
+step t finishes (worker/dynamic_prefetch.py); their input dist stays in the step, as it
+needs the slots. The pin rule then holds one step more, from the first step on.
+
 Off by default: with one CPU core per rank the thread's own work (making the batch,
 routing) competes with the step for that core and the GIL, and only waits are hidden;
 bench/bench_train.py measured 0.95-0.98x on a quiet 2-core machine and up to 1.46x on a
@@ -62,6 +68,7 @@ class Prepared:
     step: int
     batch: Batch
     plans: list[InputDist]
+    dynamic_ids: list[torch.Tensor]  # host ids of the first lookup of dynamic tables
     data_s: float   # making the batch + host-to-device copy (on the pipeline thread)
     dist_s: float   # input dist (on the pipeline thread)
 
@@ -118,6 +125,10 @@ class InputPipeline:
         if enabled and world_size > 1:
             self.group = dist.new_group(backend=backend)  # collective: every rank, same order
         self.plan: LookupPlan | None = None  # None until learned; [] = nothing to pre-dist
+        # the first lookup of dynamic tables in the plan: its names and id fields
+        self.prefetch_plan: tuple[tuple[str, ...], tuple[FieldRef, ...]] | None = None
+        if enabled and embedding.dynamic is not None:
+            embedding.dynamic.expect_prefetch()  # the same pin rule from the first step
         self.dist_ahead = False  # the plan covers every lookup: input dist runs ahead
         self._worker: _DaemonWorker | None = None
         self._pending: dict[int, concurrent.futures.Future[Prepared]] = {}
@@ -155,6 +166,18 @@ class InputPipeline:
             self._submit(step + 1)
         return batch
 
+    def after_forward(self, step: int, prefetch: bool = True) -> None:
+        """After the step's last lookup: the next step's ids of dynamic tables go to the
+        embedding to be translated while this step finishes (module doc); `prefetch`
+        False (a checkpoint follows this step): the next step translates at its lookup."""
+        future = self._pending.get(step + 1)
+        if self.prefetch_plan is None or future is None or not prefetch:
+            return
+        t0 = time.perf_counter()
+        prepared = future.result()  # re-raises the pipeline thread's error
+        self.overlapped["waited"] += time.perf_counter() - t0
+        self.embedding.prefetch(step + 1, self.prefetch_plan[0], prepared.dynamic_ids)
+
     def step_done(self, step: int) -> None:
         """After the step's backward: drop unused staged dists; learn the plan once."""
         self.unused_plans += self.embedding.unstage()
@@ -178,7 +201,10 @@ class InputPipeline:
             self.plan.append((names, tuple(r for r in refs if r is not None),
                               tuple(None if b is None or b[0] is None else (b[0], b[1])
                                     for b in bag_refs)))
-        self.dist_ahead = bool(self.plan)
+        dynamic = [(names, refs) for names, refs, _ in self.plan
+                   if any(self._is_dynamic(n) for n in names)]
+        self.prefetch_plan = dynamic[0] if dynamic else None
+        self.dist_ahead = len(dynamic) < len(self.plan)  # a lookup of static tables only
         self._current = None
         self._submit(step + 1)
 
@@ -197,6 +223,9 @@ class InputPipeline:
             self._worker.stop(join=wait)
             self._worker = None
 
+    def _is_dynamic(self, name: str) -> bool:
+        return self.embedding.tables[name].dynamic is not None
+
     # -- pipeline thread --------------------------------------------------------------
     def _submit(self, step: int) -> None:
         if step >= self.end_step or step in self._pending:
@@ -213,18 +242,23 @@ class InputPipeline:
         return self._prepare_on_stream(step, t0)
 
     def _prepare_on_stream(self, step: int, t0: float) -> Prepared:
-        batch = self.task.batch(step, self.rank, self.world_size).to(self.device)
+        host = self.task.batch(step, self.rank, self.world_size)
+        dynamic_ids = ([] if self.prefetch_plan is None else
+                       [get_field(host, r).cpu() for r in self.prefetch_plan[1]])
+        batch = host.to(self.device)
         t1 = time.perf_counter()
         plans = []
         if self.dist_ahead and self.plan:
             with torch.no_grad():
                 for names, refs, bag_refs in self.plan:
+                    if any(self._is_dynamic(n) for n in names):
+                        continue  # its input dist needs the slots: in the step
                     ids = [get_field(batch, r) for r in refs]
                     bags = [None if b is None else (get_field(batch, b[0]), b[1])
                             for b in bag_refs]
                     plans.append(self.embedding.input_dist(names, ids, group=self.group,
                                                            timed=False, bags=bags))
-        return Prepared(step, batch, plans, t1 - t0, time.perf_counter() - t1)
+        return Prepared(step, batch, plans, dynamic_ids, t1 - t0, time.perf_counter() - t1)
 
 
 class _DaemonWorker:

@@ -149,11 +149,6 @@ class Trainer:
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
             row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
             group_tables=cfg.run.group_tables)
-        if self.embedding.dynamic is not None and cfg.run.pipeline:
-            raise ConfigError("pipeline=true: dynamic tables "
-                              f"({', '.join(self.embedding.dynamic.tables)}) translate their "
-                              "ids at the step, which --pipeline would run ahead; use "
-                              "--pipeline false")
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping): worker/parallel.py
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
@@ -258,6 +253,8 @@ class Trainer:
             batch = self.inputs.take(step)  # made (and input-dist'ed) ahead with --pipeline
             t2 = time.perf_counter()
             loss = task.loss(model, batch)  # mean over this rank's B samples
+            # --pipeline: step+1's dynamic ids translated meanwhile (not into a checkpoint)
+            self.inputs.after_forward(step, prefetch=not self.checkpointer.due(step))
             self.source.poll()  # the last push, if its gradients reached the host by now
             t3 = time.perf_counter()
             self.dense_parallel.backward(loss)  # dense grads: FSDP/DDP average them across ranks
@@ -468,6 +465,8 @@ class Trainer:
             "pipeline": {"enabled": self.cfg.run.pipeline,
                          "input_dist_ahead": self.inputs.dist_ahead,
                          "unused_plans": self.inputs.unused_plans,
+                         "prefetched_lookups": (0 if self.embedding.dynamic is None else
+                                                self.embedding.dynamic.prefetched.taken),
                          "overlapped_s_per_step": {k: v / max(self.steps, 1) for k, v in
                                                    self.inputs.overlapped.items()}},
         }

@@ -104,14 +104,21 @@ static PyObject *py_idmap_rehash(PyObject *self, PyObject *args) {
     if (map_init(&from, pold, old_size, salt) < 0 || map_init(&to, pnew, new_size, salt) < 0)
         return NULL;
     int64_t count = 0;
+    int full = 0;
+    Py_BEGIN_ALLOW_THREADS /* a prefetch's rebuild may take a while: the step goes on */
     for (int64_t pos = 0; pos < old_size; pos++) {
         const int64_t value = map_value(&from, pos);
         if (value < 0) continue;
         if (map_place(&to, from.entry[2 * pos], value) < 0) {
-            PyErr_SetString(PyExc_RuntimeError, "id map is full (load kept at most 1/2)");
-            return NULL;
+            full = 1;
+            break;
         }
         count++;
+    }
+    Py_END_ALLOW_THREADS
+    if (full) {
+        PyErr_SetString(PyExc_RuntimeError, "id map is full (load kept at most 1/2)");
+        return NULL;
     }
     return PyLong_FromLongLong((long long)count);
 }
@@ -199,6 +206,7 @@ static PyObject *py_first_seen_unique(PyObject *self, PyObject *args) {
     int64_t *index = calloc((size_t)mask + 1, sizeof *index);
     if (index == NULL) return PyErr_NoMemory();
     int64_t count = 0;
+    Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < n; i++) {
         const int64_t id = ids[i];
         uint64_t pos = mix64((uint64_t)id) >> (64 - bits);
@@ -209,6 +217,7 @@ static PyObject *py_first_seen_unique(PyObject *self, PyObject *args) {
         }
         inverse[i] = index[pos] - 1;
     }
+    Py_END_ALLOW_THREADS
     free(index);
     return PyLong_FromLongLong((long long)count);
 }

@@ -239,14 +239,25 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "serve_step: inconsistent sizes");
         goto done;
     }
+    /* The work runs without the GIL (a background thread may translate the next step's
+     * ids meanwhile: the caller keeps every array above untouched until it returns);
+     * a failure is raised once the GIL is back. */
+    PyObject *fail_type = NULL;
+    const char *fail_msg = NULL;
+#define FAIL(type, msg)    \
+    do {                   \
+        fail_type = (type); \
+        fail_msg = (msg);  \
+        goto released;     \
+    } while (0)
+    Py_BEGIN_ALLOW_THREADS
     memset(counts, 0, C_COUNTS * sizeof *counts);
     const int64_t dim = pairs[0].width;
 
     want = malloc((size_t)(u ? u : 1) * sizeof *want);
     local = malloc((size_t)(u ? u : 1) * sizeof *local);
     if (want == NULL || local == NULL) {
-        PyErr_NoMemory();
-        goto done;
+        FAIL(PyExc_MemoryError, "serve_step: out of memory");
     }
     /* 1. hits, paged and new ids; the wanted misses in batch order */
     int64_t n_want = 0;
@@ -272,23 +283,20 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
     if (n_want > took_free) {
         victims = malloc((size_t)(n_want - took_free) * sizeof *victims);
         if (victims == NULL) {
-            PyErr_NoMemory();
-            goto done;
+            FAIL(PyExc_MemoryError, "serve_step: out of memory");
         }
         n_out = lru ? lru_victims(lru, &lru_head, lru_tail, seen, pinned, applied_through,
                                   n_want - took_free, victims)
                     : hp_victims(seen, freq, n, applied_through, pinned, lfu, n_want - took_free,
                                  victims);
         if (n_out < 0) {
-            PyErr_NoMemory();
-            goto done;
+            FAIL(PyExc_MemoryError, "serve_step: out of memory");
         }
     }
     const int64_t placed = took_free + n_out;
     for (int64_t a = 0; a < n_pairs; a++)
         if (pairs[a].slots == 0 || pairs[a].pool == 0 || pairs[a].width < 1) {
-            PyErr_SetString(PyExc_ValueError, "serve_step: a row pair without arrays");
-            goto done;
+            FAIL(PyExc_ValueError, "serve_step: a row pair without arrays");
         }
     /* 3. victims out: rows and state to the store, the id from the slot map to the
      *    store's index (before any slot is written: the paged ids below may land on
@@ -309,8 +317,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         const int64_t pos = store_free[--store_n_free];
         const int reused = map_place(&store_map, id, pos);
         if (reused < 0) {
-            PyErr_SetString(PyExc_RuntimeError, "serve_step: the store's index is full");
-            goto done;
+            FAIL(PyExc_RuntimeError, "serve_step: the store's index is full");
         }
         counts[C_STORE_REUSED] += reused;
         store_ids[pos] = id;
@@ -350,8 +357,7 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
         freq[slot] = f < LFU_FREQ_CAP ? f : LFU_FREQ_CAP;
         const int reused = map_place(&slot_map, id, slot);
         if (reused < 0) {
-            PyErr_SetString(PyExc_RuntimeError, "serve_step: the slot map is full");
-            goto done;
+            FAIL(PyExc_RuntimeError, "serve_step: the slot map is full");
         }
         counts[C_SLOT_REUSED] += reused;
         slot_id[slot] = id;
@@ -397,6 +403,13 @@ static PyObject *py_serve_step(PyObject *self, PyObject *args) {
             lru[2 * lru_tail + 1] = touched[j];
             lru_tail++;
         }
+    }
+released:;
+    Py_END_ALLOW_THREADS
+#undef FAIL
+    if (fail_type != NULL) {
+        PyErr_SetString(fail_type, fail_msg);
+        goto done;
     }
     result = Py_BuildValue("LLL", (long long)store_n_free, lru_head, lru_tail);
 done:

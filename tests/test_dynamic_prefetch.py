@@ -30,20 +30,10 @@ from worker.train import Trainer
 class PrefetchRun(Run):
     """Run's loop, handing step t+1's ids over after step t's lookup."""
 
-    def train_steps(self, data: list[torch.Tensor], steps: range,
-                    ids_of: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
-        for step in steps:
-            ids = data[step]
-            self.window.before_step(step)
-            rows = self.emb.lookup(self.name, ids_of(ids))
-            if step + 1 < len(data):
-                self.emb.prefetch(step + 1, [self.name], [ids_of(data[step + 1])])
-            target = torch.sin(ids.double()).float()
-            loss = ((rows @ self.w - target) ** 2).mean()
-            loss.backward()
-            grads = self.emb.pop_grads()
-            self.source.push(step, grads)
-            self.window.pushed(step, grads)
+    def after_lookup(self, step: int, data: list[torch.Tensor],
+                     ids_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if step + 1 < len(data):
+            self.emb.prefetch(step + 1, [self.name], [ids_of(data[step + 1])])
 
 
 @pytest.mark.parametrize(("staleness", "spec", "fused"), [
@@ -156,36 +146,41 @@ def test_prefetch_needs_the_next_step_and_one_at_a_time() -> None:
         run.emb.prefetch(3, [run.name], [data[3]])
 
 
-@needs_native
-def test_a_lookup_of_other_ids_than_the_prefetched_ones_is_an_error() -> None:
+def _step_2_with_3_prefetched() -> tuple[PrefetchRun, list[torch.Tensor], torch.Tensor]:
+    """A run at step 2, after its lookup, with step 3's ids prefetched: (run, data, the
+    step's rows)."""
     run = _prefetching_run()
     data = batches(5, 12, seed=2)
     run.window.before_step(2)
     rows = run.emb.lookup(run.name, data[2])
     run.emb.prefetch(3, [run.name], [data[3]])
-    with pytest.raises(RuntimeError, match="step 2: a lookup of dynamic tables after step 3"):
-        run.emb.lookup(run.name, data[2])
+    return run, data, rows
+
+
+def _finish_step_2(run: PrefetchRun, rows: torch.Tensor) -> None:
     rows.sum().backward()
     run.source.push(2, run.emb.pop_grads())
     run.window.before_step(3)
+
+
+@needs_native
+def test_a_lookup_of_other_ids_than_the_prefetched_ones_is_an_error() -> None:
+    run, data, rows = _step_2_with_3_prefetched()
+    with pytest.raises(RuntimeError, match="step 2: a lookup of dynamic tables after step 3"):
+        run.emb.lookup(run.name, data[2])
+    _finish_step_2(run, rows)
     with pytest.raises(RuntimeError, match="step 3: the first dynamic lookup"):
         run.emb.lookup(run.name, data[4])
 
 
 @needs_native
 def test_no_checkpoint_of_the_slots_while_a_prefetch_is_pending() -> None:
-    run = _prefetching_run()
-    data = batches(5, 12, seed=2)
-    run.window.before_step(2)
-    rows = run.emb.lookup(run.name, data[2])
-    run.emb.prefetch(3, [run.name], [data[3]])
+    run, data, rows = _step_2_with_3_prefetched()
     with pytest.raises(RuntimeError, match="step 3's ids are prefetched"):
         run.dynamic.slot_state(run.name)
     with torch.no_grad():  # an evaluation waits for the translation, then reads
         assert run.emb.lookup(run.name, data[3]).shape == (data[3].numel(), DIM)
-    rows.sum().backward()
-    run.source.push(2, run.emb.pop_grads())
-    run.window.before_step(3)
+    _finish_step_2(run, rows)
     run.emb.lookup(run.name, data[3])
     assert run.dynamic.slot_state(run.name)["slot_id"].shape == (30,)
 

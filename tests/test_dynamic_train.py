@@ -63,12 +63,17 @@ class Run:
             ids = data[step]
             self.window.before_step(step)
             rows = self.emb.lookup(self.name, ids_of(ids))
+            self.after_lookup(step, data, ids_of)
             target = torch.sin(ids.double()).float()
             loss = ((rows @ self.w - target) ** 2).mean()
             loss.backward()
             grads = self.emb.pop_grads()
             self.source.push(step, grads)
             self.window.pushed(step, grads)
+
+    def after_lookup(self, step: int, data: list[torch.Tensor],
+                     ids_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Between a step's lookup and its backward (tests/test_dynamic_prefetch.py)."""
 
     @property
     def dynamic(self) -> DynamicIds:

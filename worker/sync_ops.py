@@ -93,8 +93,9 @@ def _on_a_device(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bo
     return device is None or torch.device(device).type != "cpu"
 
 
-class _ToHost(TorchFunctionMode):
-    """`.tolist()` and `.cpu()` of a tensor, noted by the SyncingOps that holds this."""
+class _HostCopies(TorchFunctionMode):
+    """Copies to the host (`.tolist()`, `.cpu()`) and of host data straight to a device
+    (`torch.tensor(..., device=)`, `new_tensor`), noted by the SyncingOps that holds this."""
 
     def __init__(self, note: Any) -> None:
         super().__init__()
@@ -122,16 +123,16 @@ class SyncingOps(TorchDispatchMode):
         super().__init__()
         self.sites: dict[str, dict[str, Any]] = {}
         self._watch = watch_sync_points()
-        self._to_host = _ToHost(self._note)
+        self._copies = _HostCopies(self._note)
 
     def __enter__(self) -> SyncingOps:
         self._watch.__enter__()
-        self._to_host.__enter__()
+        self._copies.__enter__()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self._to_host.__exit__(*exc)
+        self._copies.__exit__(*exc)
         self._watch.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),

@@ -120,3 +120,21 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
     finally:
         if unit:
             _running_unit_test.clear()
+
+
+# -- the order files go out to pytest-xdist's workers -----------------------------------------
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On pytest-xdist's workers (scripts/test.sh, `--dist loadfile`), the files expected
+    to take longest go out first and the unit-test files last, so the run does not end
+    with one worker in a long file while the others idle. The cost guessed per test: a
+    slow one 30, another end-to-end one 5, a unit test 0.1 (seconds, roughly as measured
+    in docs/testing.md). A file's own tests keep their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    cost: dict[Path, float] = {}
+    for item in items:
+        guess = (30.0 if item.get_closest_marker("slow") else
+                 5.0 if item.get_closest_marker("e2e") else 0.1)
+        cost[item.path] = cost.get(item.path, 0.0) + guess
+    items.sort(key=lambda item: -cost[item.path])  # stable: in-file order kept

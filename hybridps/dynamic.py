@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 
+from hybridps.cli import ConfigError
 from hybridps.native import dynamic as _native
 
 if TYPE_CHECKING:
@@ -55,21 +56,28 @@ class DynamicSpec:
         self.check("dynamic table")
 
     def check(self, what: str) -> None:
-        """ValueError naming the bad value."""
+        """ConfigError (a ValueError) naming the bad value: the worker reports it as one line,
+        from a custom Task's tables too."""
         if self.eviction not in EVICTIONS:
-            raise ValueError(f"{what}: unknown eviction policy {self.eviction!r} (one of "
-                             f"{', '.join(EVICTIONS)})")
+            raise ConfigError(f"{what}: unknown eviction policy {self.eviction!r} (one of "
+                              f"{', '.join(EVICTIONS)})")
         if self.admission not in ADMISSIONS:
-            raise ValueError(f"{what}: unknown admission policy {self.admission!r} (one of "
-                             f"{', '.join(ADMISSIONS)})")
+            raise ConfigError(f"{what}: unknown admission policy {self.admission!r} (one of "
+                              f"{', '.join(ADMISSIONS)})")
+        for name in ("threshold", "expire_steps", "sketch_width", "probability"):
+            value = getattr(self, name)
+            number = (int,) if name != "probability" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, number):
+                raise ConfigError(f"{what}: {name}={value!r} is not "
+                                  f"{'an int' if name != 'probability' else 'a number'}")
         if self.threshold < 1:
-            raise ValueError(f"{what}: threshold={self.threshold} must be >= 1")
+            raise ConfigError(f"{what}: threshold={self.threshold} must be >= 1")
         if not 0.0 < self.probability <= 1.0:
-            raise ValueError(f"{what}: probability={self.probability} must be in (0, 1]")
+            raise ConfigError(f"{what}: probability={self.probability} must be in (0, 1]")
         if self.expire_steps < 0:
-            raise ValueError(f"{what}: expire={self.expire_steps} must be >= 0 (0: never)")
+            raise ConfigError(f"{what}: expire={self.expire_steps} must be >= 0 (0: never)")
         if self.sketch_width < 1:
-            raise ValueError(f"{what}: sketch_width={self.sketch_width} must be >= 1")
+            raise ConfigError(f"{what}: sketch_width={self.sketch_width} must be >= 1")
 
     def describe(self) -> str:
         admit = {"always": "always", "threshold": f"threshold={self.threshold}",

@@ -3,6 +3,8 @@ store, admission filters, the slot table's eviction rules, and bad specs."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -351,6 +353,61 @@ def test_bad_specs_name_the_value() -> None:
         ShardedEmbedding([TableConfig("user", 1, 4, DynamicSpec())], rank=0, world_size=2)
     assert parse_tables("u:10:dynamic:lfu:probability=0.5:expire=7,s:4")[0][3] == DynamicSpec(
         eviction="lfu", admission="probability", probability=0.5, expire_steps=7)
+
+
+@pytest.mark.parametrize(("options", "policy", "both"), [
+    ("lru:lfu", "eviction", "(lru, lfu)"),
+    ("lfu:lfu", "eviction", "(lfu, lfu)"),
+    ("threshold=2:probability=0.5", "admission", "(threshold=2, probability=0.5)"),
+    ("always:threshold=3", "admission", "(always, threshold=3)"),
+    ("expire=3:lru:expire=4", "expire", "(expire=3, expire=4)"),
+])
+def test_a_policy_given_twice_is_refused_naming_both(options: str, policy: str,
+                                                     both: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(
+            f"dynamic spec {options!r}: {policy} given twice {both}")):
+        parse_tables(f"user:10:dynamic:{options}")
+
+
+def test_one_option_per_policy_in_any_order_is_accepted() -> None:
+    want = DynamicSpec(eviction="lfu", admission="threshold", threshold=3, expire_steps=5)
+    for options in ("lfu:threshold=3:expire=5", "expire=5:threshold=3:lfu"):
+        assert parse_tables(f"u:10:dynamic:{options}")[0][3] == want
+    assert parse_tables("u:10:dynamic:always:lru")[0][3] == DynamicSpec()
+    assert parse_tables("u:10:dynamic:probability=0.25")[0][3] == DynamicSpec(
+        admission="probability", probability=0.25)
+
+
+def test_a_bad_table_config_or_spec_is_a_config_error_naming_the_value() -> None:
+    """ConfigError: the worker reports it as one line (worker/main.py), also when a custom
+    Task's tables() builds it (worker.tasks.task_tables names the task)."""
+    from hybridps.cli import ConfigError
+    from worker.tasks import task_tables
+
+    bad: list[tuple[Callable[[], object], str]] = [
+        (lambda: TableConfig("user", 0, 4), "table 'user': num_rows=0 must be >= 1"),
+        (lambda: TableConfig("user", 10, 0), "table 'user': dim=0 must be >= 1"),
+        (lambda: TableConfig("user", 1e6, 4), "table 'user': num_rows=1000000.0 is not an int"),
+        (lambda: TableConfig("2x", 10, 4), "table name '2x' must be a Python identifier"),
+        (lambda: TableConfig("user", 10, 4, "lru"), "dynamic='lru' is not a DynamicSpec"),
+        (lambda: DynamicSpec(eviction="mru"), "unknown eviction policy 'mru'"),
+        (lambda: DynamicSpec(threshold="2"), "threshold='2' is not an int"),
+        (lambda: DynamicSpec(probability=0.0), "probability=0.0 must be in (0, 1]"),
+    ]
+    for make, message in bad:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            make()
+    assert TableConfig("user", np.int64(10), 4).num_rows == 10
+
+    class BadTables:
+        name = "bad_tables"
+
+        def tables(self) -> list[TableConfig]:
+            return [TableConfig("user", -5, 4)]
+
+    with pytest.raises(ConfigError, match=re.escape(
+            "task 'bad_tables': tables(): table 'user': num_rows=-5 must be >= 1")):
+        task_tables(BadTables())  # type: ignore[arg-type]
 
 
 def test_checkpoint_files_reshard_every_id_to_its_new_owner(tmp_path: Path) -> None:

@@ -122,6 +122,7 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
     before torch is set up and anything is allocated (worker/preflight.py).
 
     Returns the exit code when the worker must stop here (--plan, or a problem)."""
+    from hybridps.cli import ConfigError
     from hybridps.security import SecurityError
     from worker.plan import PlanError, format_plan, plan_for_config
     from worker.preflight import connect_window_s, data_problem, server_problem
@@ -143,7 +144,7 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
         return 2
     try:
         plan: Plan | None = plan_for_config(cfg) if cfg.sizing.plan else _cheap_plan(cfg)
-    except PlanError as exc:
+    except (PlanError, ConfigError) as exc:  # ConfigError: a task's bad TableConfig
         report_error(f"hybridps worker: error: {exc}")
         return 2
     if cfg.sizing.plan and plan is not None:

@@ -270,7 +270,7 @@ def table_shapes(cfg: TrainConfig, notes: list[str], world_size: int = 1
     """The task's tables without building it, when it can say them (`plan_tables`); else
     those of the built task, with the rows it says one rank pushes a step at
     `world_size`."""
-    from worker.tasks import build_task, task_class
+    from worker.tasks import build_task, task_class, task_tables
 
     cls = task_class(cfg.run.task)
     plan_tables = getattr(cls, "plan_tables", None)
@@ -283,7 +283,7 @@ def table_shapes(cfg: TrainConfig, notes: list[str], world_size: int = 1
                  "(its data loaded); " + ("the rows it pushes a step are its own figure"
                                           if pushed else "1 lookup per sample assumed"))
     return [TableShape(t.name, t.num_rows, t.dim, pushed_per_step=pushed.get(t.name))
-            for t in task.tables()]
+            for t in task_tables(task)]
 
 
 def detect_host_memory() -> int | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridps.cli import ConfigError
 from hybridps.dynamic import DynamicSpec
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.input_dist import owner_of, unique_inverse
@@ -34,15 +35,24 @@ class TableConfig:
     dynamic: DynamicSpec | None = None
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier():
-            raise ValueError(f"table name {self.name!r} must be a Python identifier")
+        """ConfigError (a ValueError) naming the bad value: the worker reports it as one
+        line, also when a custom Task's tables() builds it."""
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ConfigError(f"table name {self.name!r} must be a Python identifier")
+        for field in ("num_rows", "dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ConfigError(f"table {self.name!r}: {field}={value!r} is not an int")
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicSpec):
+            raise ConfigError(f"table {self.name!r}: dynamic={self.dynamic!r} is not a "
+                              "DynamicSpec")
         if self.num_rows < 1:
             if self.dynamic is not None:
-                raise ValueError(f"table {self.name!r}: dynamic capacity {self.num_rows} "
-                                 "must be >= 1")
-            raise ValueError(f"table {self.name!r}: num_rows={self.num_rows} must be >= 1")
+                raise ConfigError(f"table {self.name!r}: dynamic capacity {self.num_rows} "
+                                  "must be >= 1")
+            raise ConfigError(f"table {self.name!r}: num_rows={self.num_rows} must be >= 1")
         if self.dim < 1:
-            raise ValueError(f"table {self.name!r}: dim={self.dim} must be >= 1")
+            raise ConfigError(f"table {self.name!r}: dim={self.dim} must be >= 1")
 
 
 def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:

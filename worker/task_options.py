@@ -29,7 +29,8 @@ def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
 def parse_tables(spec: str) -> list[tuple[str, int, int, DynamicSpec | None]]:
     """--tables 'NAME:ROWS[:POOL][:dynamic[:OPTION...]],...' -> [(name, rows, pool, dynamic
     spec or None)]; ValueError naming the entry. Options of a dynamic table
-    (docs/dynamic_ids.md): lru | lfu, always | threshold=N | probability=P, expire=T."""
+    (docs/dynamic_ids.md), each policy at most once: lru | lfu, always | threshold=N |
+    probability=P, expire=T."""
     out: list[tuple[str, int, int, DynamicSpec | None]] = []
     for entry in spec.replace(" ", "").split(","):
         parts = entry.split(":")
@@ -60,8 +61,15 @@ def _dynamic_spec(spec: str, entry: str, name: str, capacity: int,
     if capacity < 1:
         raise ValueError(f"{where}: table {name!r}: dynamic capacity {capacity} must be >= 1")
     fields: dict[str, Any] = {}
+    given: dict[str, str] = {}  # policy -> the option that set it: each may be given once
     for option in options:
         key, _, value = option.partition("=")
+        policy = ("eviction" if key in EVICTIONS else "admission"
+                  if key in ("always", "threshold", "probability") else key)
+        if policy in given:
+            raise ValueError(f"{where}: dynamic spec {':'.join(options)!r}: {policy} given "
+                             f"twice ({given[policy]}, {option})")
+        given[policy] = option
         try:
             if key in EVICTIONS and not value:
                 fields["eviction"] = key

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib
 
+from hybridps.cli import ConfigError
 from worker.config import TrainConfig
-from worker.tasks.base import Batch, HybridModel, Task
+from worker.tasks.base import Batch, HybridModel, TableConfig, Task
 
-__all__ = ["TASKS", "Batch", "HybridModel", "Task", "build_task", "task_class"]
+__all__ = ["TASKS", "Batch", "HybridModel", "Task", "build_task", "task_class", "task_tables"]
 
 TASKS: dict[str, str] = {
     "synthetic": "worker.tasks.synthetic:SyntheticTask",
@@ -39,4 +40,19 @@ def task_class(name: str) -> type[Task]:
 
 
 def build_task(cfg: TrainConfig) -> Task:
-    return task_class(cfg.run.task)(cfg)
+    """The task of --task; a bad TableConfig or DynamicSpec its constructor builds is a
+    ConfigError naming the task (the worker reports it as one line)."""
+    cls = task_class(cfg.run.task)
+    try:
+        return cls(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"task {cfg.run.task!r}: {exc}") from None
+
+
+def task_tables(task: Task) -> list[TableConfig]:
+    """task.tables(); a bad TableConfig or DynamicSpec in them is a ConfigError naming the
+    task (the worker reports it as one line, not a traceback)."""
+    try:
+        return task.tables()
+    except ConfigError as exc:
+        raise ConfigError(f"task {task.name!r}: tables(): {exc}") from None

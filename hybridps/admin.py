@@ -11,7 +11,6 @@ run): no torch import.
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hybridps.channel_options import channel_options
 from hybridps.security import ClientSecurity, open_channel
 from hybridps.v1 import admin_pb2, admin_pb2_grpc
+from hybridps.wrap import wrap_fields
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -219,9 +219,9 @@ def _fitted_table(columns: Sequence[str], rows: Sequence[Sequence[str]], width: 
 
 
 def _wrapped(text: str, width: int) -> list[str]:
-    """A header line, wrapped to `width` at its spaces (continuations indented)."""
-    return textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=True,
-                         break_on_hyphens=False) or [text]
+    """A header line, wrapped to `width` between its fields, never inside a word
+    (continuations indented)."""
+    return wrap_fields(text, width)
 
 
 def _refusals_cell(counts: Mapping[str, int]) -> str:

@@ -15,6 +15,7 @@ briefly and fails when README.md's block no longer matches what the console prin
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -101,8 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_log:
         output = Path(args.from_log).read_text()
     else:
+        # a pipe's summary, one line per item: no COLUMNS to wrap it to
+        env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
         proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_default_job.sh")],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True, check=False)
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                              check=False)
         if proc.returncode != 0:
             print(f"the default job failed (exit {proc.returncode})", file=sys.stderr)
             return 1

@@ -17,11 +17,20 @@ import sys
 import termios
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.helpers import REPO
-from worker.console import bar_postfix, checkpoint_lines, human_bytes
+from worker.console import (
+    bar_layout,
+    bar_postfix,
+    checkpoint_lines,
+    end_bar,
+    human_bytes,
+    optimizer_line,
+    run_extent,
+)
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) (?P<logger>\S+) "
@@ -131,6 +140,14 @@ def test_an_80_column_terminal_gets_a_bar_that_fits_and_the_rest_as_a_log_line(
     progress = [line for line in screen_lines(output) if "event=progress step=49 " in line]
     assert len(progress) == 1, output[-3000:]
     assert " sps=" in progress[0] and " waits=" in progress[0], progress[0]
+    # the summary and the shard server's stats are cut between fields to fit
+    screen = screen_lines(output)
+    start = next(i for i, line in enumerate(screen) if line.startswith("hybridps worker: "))
+    report = [line for line in screen[start:] if line.strip() and not LINE.match(line)]
+    assert any(line.startswith("optimizer adam lr ") for line in report), report
+    assert any(line.startswith("run ") for line in report), report  # the stats table
+    assert all(len(line.rstrip()) <= 80 for line in report), [
+        line for line in report if len(line.rstrip()) > 80]
 
 
 @pytest.mark.e2e
@@ -159,3 +176,48 @@ def test_bar_fields_and_checkpoint_summary_lines() -> None:
     assert lines[-1].startswith("  ... 2 more")
     assert checkpoint_lines([]) == []
     assert [human_bytes(n) for n in (5, 2048, 5 << 30)] == ["5 B", "2.0 KiB", "5.0 GiB"]
+
+
+def test_the_summary_says_how_far_training_went() -> None:
+    """`steps N` counts the steps; a step named is numbered from 0, as in the log lines,
+    the checkpoints and the results JSON."""
+    done = {"steps": 1000, "last_step": 999, "hooks": None}
+    assert run_extent(done) == "steps 1000"
+    assert run_extent({"steps": 1000}) == "steps 1000"  # results without last_step
+    early: dict[str, Any] = {"steps": 4100, "last_step": 573,
+                             "hooks": {"stopped_early": True, "best_step": 409,
+                                       "restored_best": True}}
+    assert run_extent(early) == ("stopped early after step 573 (574 of 4100 steps; "
+                                 "best step 409, restored)")
+    kept_last = {**early, "hooks": {**early["hooks"], "restored_best": False}}
+    assert run_extent(kept_last).endswith("(574 of 4100 steps; best step 409)")
+    budget = {"steps": 4100, "last_step": 573, "hooks": None}  # a time budget, SIGTERM
+    assert run_extent(budget) == "stopped after step 573 (574 of 4100 steps)"
+
+
+def test_the_summary_names_the_optimizers() -> None:
+    res = {"optimizer": {"rows": {"kind": "adam", "lr": 0.01, "weight_decay": 0.0},
+                         "dense": {"kind": "adam", "lr": 0.003, "weight_decay": 0.0}}}
+    assert optimizer_line(res) == "optimizer adam lr 0.01  dense adam lr 0.003"
+    decayed = {"optimizer": {"rows": {"kind": "adamw", "lr": 0.1, "weight_decay": 1e-05},
+                             "dense": {"kind": "adamw", "lr": 0.1, "weight_decay": 1e-05}}}
+    assert optimizer_line(decayed).startswith("optimizer adamw lr 0.1 weight_decay 1e-05  ")
+
+
+def test_a_stopped_run_ends_its_bar_full_saying_why() -> None:
+    import io
+
+    from tqdm import tqdm
+
+    sink = io.StringIO()
+    bar = tqdm(total=4100, desc="train", file=sink, ncols=80, mininterval=0,
+               bar_format=bar_layout()["bar_format"])
+    bar.update(574)
+    bar.set_postfix_str("loss=0.5000, valid_mrr=0.8000, sps=1234")
+    end_bar(bar, "stopped early", 4100)
+    bar.close()
+    last = sink.getvalue().split("\r")[-1].strip()
+    assert last.startswith("train (stopped early; 4100 planned): 100%|"), last
+    assert "| 574/574 " in last and len(last) <= 80, last
+    off = tqdm(total=10, disable=True)
+    end_bar(off, "stopped early", 10)  # --progress false: nothing to end

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from hybridps.admin import DEFAULT_WIDTH, RUN_COLUMNS, format_shard_stats
 from hybridps.v1 import admin_pb2
+from hybridps.wrap import wrap_fields
 from worker import console
 from worker.console import bar_layout, bar_postfix, fit_fields, postfix_text, show_progress
 
@@ -162,3 +163,61 @@ def test_stats_default_width_is_100_and_wide_says_a_shared_optimizer_once() -> N
     header = next(line for line in format_shard_stats(mixed, wide=True).splitlines()
                   if line.startswith("run "))
     assert header.split()[-1] == "optimizer"
+
+
+# -- the summary and the stats header: cut between fields, never inside a word --------------
+
+SUMMARY = [
+    "hybridps worker: task=synthetic mode=server world=2 device=cpu run_id=" + RUN_IDS[0],
+    "stopped early after step 573 (574 of 4100 steps; best step 409, restored)  loss "
+    "0.6745 -> 0.5344  samples/s 19705  train 26.0s  wall 27.9s",
+    "step time (ms, rank 0): apply 1.2  data 2.0  forward 7.6  a2a 4.9  backward 5.7  "
+    "optimizer 2.3  push 1.0  log 0.3  eval 0.4",
+    "dense: parallel fsdp  mesh [2]  compile False  wrapped True  precision fp32  "
+    "embedding_grad_scale 0.5  clip_grad_norm 0.0  reshard_after_forward True",
+    "  step 99: ck/" + "x" * 90 + "  1.2 KiB  0.01s",
+]
+
+
+def _words(lines: list[str]) -> list[str]:
+    return " ".join(lines).split()
+
+
+@pytest.mark.parametrize("width", [40, 80, 100])
+def test_summary_lines_are_cut_between_fields(width: int) -> None:
+    for line in SUMMARY:
+        parts = wrap_fields(line, width)
+        assert _words(parts) == line.split(), parts  # every word whole, in order
+        assert all(len(p) <= width or " " not in p.strip() for p in parts), parts
+        if len(line) <= width:
+            assert parts == [line]
+        else:
+            lead = line[:len(line) - len(line.lstrip())]
+            assert all(p.startswith(lead + "  ") for p in parts[1:]), parts
+    dense = wrap_fields(SUMMARY[3], 80)
+    # a field (`name value`) stays on one line: a line ends where a field does
+    assert all(f"{p.strip()}  " in SUMMARY[3] + "  " for p in dense), dense
+    assert wrap_fields(SUMMARY[1], None) == [SUMMARY[1]]  # a file or a pipe: as it is
+
+
+def test_the_summary_width_is_the_terminals(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    assert console.summary_width() == 80
+    monkeypatch.delenv("COLUMNS")
+    assert console.summary_width() is None  # pytest's captured stdout: not a terminal
+    assert console.wrap_summary(SUMMARY[:2], None) == "\n".join(SUMMARY[:2])
+
+
+def test_the_stats_header_wraps_between_fields_never_inside_a_word() -> None:
+    stats = _stats(refusals={f"reason_number_{i}": i for i in range(8)})
+    stats.server_id = "a-rather-long-host-name.example.org-4711-ab12cd34ef56"
+    for width in (80, 40):
+        lines = format_shard_stats(stats, width=width).splitlines()
+        header = lines[:lines.index(next(x for x in lines if x.startswith("run ")))]
+        assert all(len(line) <= width or " " not in line.strip() for line in lines), lines
+        assert any(line.strip() == stats.server_id or f"server {stats.server_id}" in line
+                   for line in header), header  # the id whole, not cut at the width
+        for field in ("uptime 34h17m", "partitions 32", "rows updated 987654321098"):
+            assert any(field in line for line in header), header
+        refusals = " ".join(line.strip() for line in header)
+        assert all(f"reason_number_{i}={i}" in refusals for i in range(8))

@@ -84,3 +84,24 @@ def test_metrics_take_a_shipped_sets_name_as_data_dir_does() -> None:
         link_prediction_metrics(model, "umsl", "test")
     with pytest.raises(ValueError, match="split='tset'"):
         link_prediction_metrics(model, "umls", "tset")
+
+
+def test_the_export_line_names_the_step_of_the_rows_exported(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --dump-state of a run that restored its best model (step 409 of a 4100-step plan)
+    exports step 409's rows and says so; a dump without the step is of the last step."""
+    from worker.export import main
+
+    tables = {"entity": torch.zeros(3, 4)}
+    best = tmp_path / "best.pt"
+    torch.save({"tables": tables, "dense": {}, "steps": 4100, "step": 409, "best": True}, best)
+    assert main(["--state", str(best), "--out", str(tmp_path / "a.pt")]) == 0
+    assert capsys.readouterr().out.startswith("exported step 409 (best): 1 tensors")
+    last = tmp_path / "last.pt"
+    torch.save({"tables": tables, "dense": {}, "steps": 20, "step": 19, "best": False}, last)
+    assert main(["--state", str(last), "--out", str(tmp_path / "b.pt")]) == 0
+    assert capsys.readouterr().out.startswith("exported step 19: 1 tensors")
+    older = tmp_path / "older.pt"
+    torch.save({"tables": tables, "dense": {}, "steps": 20}, older)
+    assert main(["--state", str(older), "--out", str(tmp_path / "c.pt")]) == 0
+    assert capsys.readouterr().out.startswith("exported step 19: 1 tensors")

@@ -6,8 +6,10 @@ and end to end: with a schedule, 2 ranks on a shard server equal 2 ranks with
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,6 +20,7 @@ from tests.test_checkpoint import assert_states, run
 from tests.test_kge_task import write_graph
 from worker.config import TrainConfig
 from worker.kge_options import KGEOptions
+from worker.parallel import DistContext, destroy_distributed, init_distributed
 from worker.task_defaults import config_with_task_defaults
 from worker.tasks.kge_schedule import KGEHooks, auto_eval_every
 
@@ -167,3 +170,64 @@ def test_schedule_server_equals_local_optimizer_bitwise(server: PsServer,
     assert res["hooks"]["evaluations"] == len(res["eval_curve"]) == 4
     assert res["hooks"]["best_valid_mrr"] == max(m["valid_mrr"] for _, m in res["eval_curve"])
     assert res["eval_time_s"] > 0 and res["eval_fraction"] > 0
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
+    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = init_distributed("cpu")
+    try:
+        yield ctx
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.timeout(120)
+def test_an_early_stop_is_told_with_one_step_numbering(
+        world_of_one: DistContext, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Early stopping with the best model restored, in one process: the bar ends full at
+    the stop, saying so; the summary names the step it stopped after, the best step and the
+    optimizer, in lines that fit 80 columns; the plot's best step and the export's step are
+    that same best step (numbered from 0, as the logs and checkpoints number steps)."""
+    from worker.export import main as export_main
+    from worker.plot import build_figure, end_step
+    from worker.train import Trainer
+
+    monkeypatch.setenv("COLUMNS", "80")
+    graph = write_graph(tmp_path / "graph")
+    dump, results = tmp_path / "run.pt", tmp_path / "run.json"
+    cfg = config_with_task_defaults(
+        task="kge", data_dir=str(graph), model="distmult", dim=8, training="1vsall",
+        local_optimizer=True, staleness=0, batch_size=16, epochs=12, lr=0.1, dense_lr=0.1,
+        eval_every=0, eval_every_epochs=1, early_stop_patience=2, log_every=2,
+        progress=True, dump_state=str(dump), results=str(results))
+    trainer = Trainer(cfg, world_of_one)
+    try:
+        trainer.train()
+        res = trainer.report()
+    finally:
+        trainer.close()
+    out = capsys.readouterr()
+    assert res is not None
+    steps, last, hooks_ = res["steps"], res["last_step"], res["hooks"]
+    best = hooks_["best_step"]
+    assert hooks_["stopped_early"] and hooks_["restored_best"], hooks_
+    assert 0 <= best < last < steps - 1
+    bar = out.err.replace("\r", "\n").splitlines()
+    assert any(line.startswith(f"train (stopped early; {steps} planned): 100%|")
+               and f"| {last + 1}/{last + 1} " in line for line in bar), bar[-3:]
+    summary = out.out.split("wrote ")[0].splitlines()
+    assert (f"stopped early after step {last} ({last + 1} of {steps} steps; best step "
+            f"{best}, restored)") in summary, summary
+    assert f"steps {steps}" not in out.out
+    assert "optimizer adam lr 0.1  dense adam lr 0.1" in summary
+    assert all(len(line) <= 80 for line in summary), [line for line in summary
+                                                      if len(line) > 80]
+    star = f"best valid mrr {hooks_['best_valid_mrr']:.4f} at step {best}: restored at the end"
+    lines = {line.get_label(): line for line in build_figure(res).axes[1].get_lines()}
+    assert np.asarray(lines[star].get_xdata()).tolist() == [best] and end_step(res) == last
+    assert export_main(["--state", str(dump), "--kge-results", str(results),
+                        "--out", str(tmp_path / "model.pt")]) == 0
+    assert capsys.readouterr().out.startswith(f"exported step {best} (best): distmult ")

@@ -44,8 +44,8 @@ def test_synthetic_figure_has_curves_reference_lines_and_plain_linear_axes() -> 
         assert labels and all("e" not in t and "×" not in t for t in labels), labels
     loss = lines_by_label(loss_ax)
     assert set(loss) == {"train loss", "held-out loss", "planted model loss 0.4822"}
-    assert list(loss["train loss"].get_xdata())[:2] == [10, 20]  # steps counted from 1
-    assert list(loss["held-out loss"].get_xdata()) == [100, 200, 300]
+    assert list(loss["train loss"].get_xdata())[:2] == [9, 19]  # from 0, as the logs
+    assert list(loss["held-out loss"].get_xdata()) == [99, 199, 299]
     assert list(loss["held-out loss"].get_ydata()) == [0.60, 0.57, 0.55]
     assert set(loss["planted model loss 0.4822"].get_ydata()) == {0.4822}  # horizontal
     assert loss_ax.get_ylabel() == "loss"
@@ -67,13 +67,13 @@ def test_kge_plots_mrr_and_no_loss_reference() -> None:
     assert set(lines_by_label(loss_ax)) == {"train loss"}
     metric = lines_by_label(metric_ax)
     assert set(metric) == {"valid mrr", "test mrr"}
-    assert list(metric["test mrr"].get_xdata()) == [60]  # the final evaluation only
+    assert list(metric["test mrr"].get_xdata()) == [59]  # the final evaluation only
     assert metric_ax.get_ylabel() == "MRR"
 
 
 def test_a_restored_best_model_is_marked_and_not_joined_to_the_curve() -> None:
-    """--keep-best: the final evaluation is of the model of step 72, restored after step
-    200: a star marks the best evaluation, the final metrics are separate markers at the
+    """--keep-best: the final evaluation is of the model of step 71, restored after step
+    199: a star marks the best evaluation, the final metrics are separate markers at the
     end, and the training curve ends with the last step's own (lower) valid MRR."""
     curve = [[35, {"valid_mrr": 0.70}], [71, {"valid_mrr": 0.837}], [107, {"valid_mrr": 0.78}],
              [199, {"valid_mrr": 0.67}]]
@@ -82,20 +82,20 @@ def test_a_restored_best_model_is_marked_and_not_joined_to_the_curve() -> None:
            "eval": {"valid_mrr": 0.837, "test_mrr": 0.83},
            "hooks": {"restored_best": True, "best_valid_mrr": 0.837, "best_step": 71}}
     metric = lines_by_label(build_figure(res).axes[1])
-    star = metric["best valid mrr 0.8370 at step 72: restored at the end"]
-    assert (list(star.get_xdata()), list(star.get_ydata())) == ([72], [0.837])
+    star = metric["best valid mrr 0.8370 at step 71: restored at the end"]
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([71], [0.837])
     assert star.get_marker() == "*"
     assert list(metric["valid mrr"].get_ydata()) == [0.70, 0.837, 0.78, 0.67]
-    final = metric["valid mrr, final: the best model (step 72) restored"]
-    assert (list(final.get_xdata()), list(final.get_ydata())) == ([200], [0.837])
+    final = metric["valid mrr, final: the best model (step 71) restored"]
+    assert (list(final.get_xdata()), list(final.get_ydata())) == ([199], [0.837])
     assert final.get_linestyle() == "None"
-    test_final = metric["test mrr, final: the best model (step 72) restored"]
-    assert list(test_final.get_xdata()) == [200]
+    test_final = metric["test mrr, final: the best model (step 71) restored"]
+    assert list(test_final.get_xdata()) == [199]
     # without a restore the final evaluation joins the curve at the step training ended
     plain = {**res, "hooks": {"restored_best": False}, "eval": {"valid_mrr": 0.67}}
     metric = lines_by_label(build_figure(plain).axes[1])
     assert set(metric) == {"valid mrr"}
-    assert list(metric["valid mrr"].get_xdata()) == [36, 72, 108, 200]
+    assert list(metric["valid mrr"].get_xdata()) == [35, 71, 107, 199]
 
 
 def test_a_task_without_metrics_gets_one_panel() -> None:

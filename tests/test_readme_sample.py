@@ -4,6 +4,7 @@ the documented commands write stays out of git (.gitignore)."""
 from __future__ import annotations
 
 import fnmatch
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,13 +59,15 @@ def test_the_block_is_the_runs_summary_with_relative_paths(tmp_path: Path) -> No
 def test_readme_sample_output_matches_what_the_console_prints(tmp_path: Path) -> None:
     """The default job of scripts/run_default_job.sh, 20 steps instead of 1000."""
     server = start_ps_server(tmp_path / "ps")
+    # the sample is a pipe's output, one line per item: no COLUMNS to wrap the summary to
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     try:
         results = tmp_path / "runs" / "default" / "results.json"
         proc = subprocess.run(
             [sys.executable, "-m", "worker.launch", "--standalone", "--nproc_per_node", "2",
              MAIN, "--ps", server.address, "--results", str(results), "--steps", "20",
-             "--progress", "false"], cwd=REPO, capture_output=True, text=True, timeout=360,
-            check=False)
+             "--progress", "false"], cwd=REPO, env=env, capture_output=True, text=True,
+            timeout=360, check=False)
     finally:
         server.terminate()
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,7 +11,12 @@ Log records written while the bar is on screen go through tqdm.write (tqdm's
 logging_redirect_tqdm): the bar is cleared, the line printed, the bar redrawn, so a log
 line never lands inside the bar. Other processes (other ranks, a shard server sharing
 the terminal) cannot be coordinated that way; the worker's `--log-level auto` keeps them
-quiet on a terminal (hybridps/logs.py).
+quiet on a terminal (hybridps/logs.py). A run that stops before its planned steps (early
+stopping, a time budget, SIGTERM) ends its bar at the step it stopped after, saying why.
+
+Steps are numbered from 0 everywhere a step is named (log lines, checkpoints, the results
+JSON, the summary, the plot, the export): `steps 1000` counts them, steps 0..999. The
+summary's lines are cut between fields to fit the terminal (hybridps/wrap.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from tqdm.utils import disp_len
 
 from hybridps.logs import kv
+from hybridps.wrap import wrap_report
 
 BAR_KEYS = ("loss", "sps", "stale", "lag", "waits")
 RUN_KEYS = ("sps", "stale", "lag", "waits")
@@ -120,6 +127,71 @@ def show_progress(bar: tqdm, fields: Mapping[str, str], *, step: int, update: in
         bar.set_postfix_str(postfix_text(shown), refresh=False)
     if left and update % PROGRESS_LINE_EVERY == 0:
         log.info(kv("progress", step=step, **left))
+
+
+def end_bar(bar: tqdm, reason: str, planned: int) -> None:
+    """Training stopped before its `planned` steps: the bar ends full at the step it
+    stopped after, its description saying why, instead of standing at a fraction."""
+    if bar.disable:
+        return
+    bar.total = bar.n
+    bar.set_description_str(f"train ({reason}; {planned} planned)", refresh=False)
+    fields = dict(f.split("=", 1) for f in (bar.postfix or "").split(", ") if "=" in f)
+    shown, _ = fit_fields(bar, fields, terminal_columns(bar))
+    bar.set_postfix_str(postfix_text(shown), refresh=False)
+    bar.refresh()
+
+
+def summary_width() -> int | None:
+    """The width the summary is wrapped to: COLUMNS when set, else the terminal's when
+    standard output is one; None (no wrapping) for a file or a pipe, one line per item."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else None
+    except (OSError, ValueError):  # no file descriptor (a captured stdout)
+        return None
+
+
+def wrap_summary(lines: Sequence[str], width: int | None) -> str:
+    """The summary's lines cut between fields to fit `width` (None: as they are)."""
+    return "\n".join(wrap_report(list(lines), width))
+
+
+def run_extent(res: Mapping[str, Any]) -> str:
+    """How far training went: `steps N` when every planned step ran, else the step it
+    stopped after (from 0, as the logs and checkpoints number them) and why; an early stop
+    names the best evaluated step (restored: the model reported and exported is its)."""
+    planned = int(res["steps"])
+    last = res.get("last_step")
+    if last is None or int(last) + 1 >= planned or int(last) < 0:
+        return f"steps {planned}"
+    last = int(last)
+    hooks = res.get("hooks") or {}
+    ran = f"{last + 1} of {planned} steps"
+    if not hooks.get("stopped_early"):
+        return f"stopped after step {last} ({ran})"
+    best = hooks.get("best_step")
+    if best is None or int(best) < 0:
+        return f"stopped early after step {last} ({ran})"
+    restored = ", restored" if hooks.get("restored_best") else ""
+    return f"stopped early after step {last} ({ran}; best step {best}{restored})"
+
+
+def optimizer_line(res: Mapping[str, Any]) -> str:
+    """The optimizers: the rows' (kind, lr, weight decay when set) and the dense part's."""
+    opt = res.get("optimizer") or {}
+
+    def one(o: Mapping[str, Any]) -> str:
+        decay = float(o.get("weight_decay") or 0.0)
+        return f"{o['kind']} lr {float(o['lr']):g}" + (f" weight_decay {decay:g}" if decay
+                                                       else "")
+
+    parts = [f"optimizer {one(opt['rows'])}"] if "rows" in opt else []
+    if "dense" in opt:
+        parts.append(f"dense {one(opt['dense'])}")
+    return "  ".join(parts)
 
 
 def directory_bytes(path: Path) -> int:

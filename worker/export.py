@@ -25,7 +25,9 @@ relation names, that worker/tasks/kge_export.py's KGEModel loads and scores with
     python -m worker.export --state run.pt --kge-results run.json --out model.pt
 
 `--state` takes the run's --dump-state file (the final model: with --keep-best, the best
-on valid) instead of a checkpoint.
+on valid) instead of a checkpoint. The line printed names the step whose rows were exported
+(from 0, as the run's summary and checkpoints number them): `exported step 409 (best)` when
+the run ended by restoring its best evaluated model.
 """
 
 from __future__ import annotations
@@ -88,12 +90,25 @@ def export_state_dict(checkpoint: str | Path, delta_since: int | None = None
     return out, manifest.step
 
 
-def state_dict_of_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
-    """The same plain state_dict from a --dump-state file ({"tables", "dense", "steps"})."""
+def state_dict_of_dump(path: str | Path) -> tuple[dict[str, torch.Tensor], int, bool]:
+    """The same plain state_dict from a --dump-state file ({"tables", "dense", "step"}),
+    the step its model is of and whether that is the best evaluated one (dump_step)."""
     blob = torch.load(path, map_location="cpu", weights_only=True)
     out = {f"{EMBEDDING_PREFIX}{name}.weight": t for name, t in blob["tables"].items()}
     out.update({f"{DENSE_PREFIX}{key}": t for key, t in blob["dense"].items()})
-    return out, int(blob["steps"]) - 1
+    return (out, *dump_step(blob))
+
+
+def dump_step(blob: dict[str, object]) -> tuple[int, bool]:
+    """(the step whose model a --dump-state file holds, whether it is the best evaluated one
+    restored): its "step" and "best", or in a file without them, the last planned step."""
+    if "step" in blob:
+        return int(str(blob["step"])), bool(blob.get("best"))
+    return int(str(blob["steps"])) - 1, False
+
+
+def step_text(step: int, best: bool) -> str:
+    return f"step {step} (best)" if best else f"step {step}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,15 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.delta_since is not None:
                 raise ValueError("--delta-since reads a checkpoint (--checkpoint), not "
                                  "--state")
-            state, step = state_dict_of_dump(args.state)
+            state, step, best = state_dict_of_dump(args.state)
         else:
             state, step = export_state_dict(args.checkpoint, args.delta_since)
+            best = False  # a checkpoint holds the rows of its step
         if args.kge_results:
             from worker.tasks.kge_export import payload_from_run
 
             payload = payload_from_run(state, args.kge_results)
             save_torch(args.out, payload)
-            print(f"exported step {step}: {payload['model']} with "
+            print(f"exported {step_text(step, best)}: {payload['model']} with "
                   f"{payload['entity'].shape[0]} entities and {payload['num_relations']} "
                   f"relations -> {args.out}")
             return 0
@@ -134,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     save_torch(args.out, state)
     total = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"exported step {step}: {len(state)} tensors, {total / 2**20:.1f} MiB -> {args.out}")
+    print(f"exported {step_text(step, best)}: {len(state)} tensors, "
+          f"{total / 2**20:.1f} MiB -> {args.out}")
     return 0
 
 

@@ -12,8 +12,10 @@ its metric over the evaluations (AUC for synthetic, tables and dlrm, MRR for kge
 the planted model's AUC as a line. When training ended by restoring the best evaluated model
 (kge's --keep-best: results["hooks"]["restored_best"]), the final evaluation is of that
 model, not of the last step's: it is drawn as separate "final" markers, not joined to the
-curve, and the best evaluation is marked with a star saying it was restored. matplotlib
-with the Agg backend (no display), imported only when a plot is made.
+curve, and the best evaluation is marked with a star saying it was restored. Steps are
+numbered from 0 on the axis and in the labels, as in the run's log lines, checkpoints, results
+JSON and summary (a point at step s: after step s). matplotlib with the Agg backend (no
+display), imported only when a plot is made.
 """
 
 from __future__ import annotations
@@ -49,30 +51,30 @@ def metric_keys(results: Mapping[str, Any]) -> list[str]:
 
 
 def end_step(results: Mapping[str, Any]) -> int:
-    """The 1-based step training ended at: the last step run (an early stop, a time
-    budget) or, in older results without it, the planned steps."""
+    """The step training ended after: the last step run (an early stop, a time budget)
+    or, in older results without it, the last planned step."""
     last = results.get("last_step")
-    return int(last) + 1 if last is not None else int(results.get("steps") or 0)
+    return int(last) if last is not None else int(results.get("steps") or 0) - 1
 
 
 def restored_best(results: Mapping[str, Any]) -> tuple[int, float] | None:
-    """(1-based step, valid MRR) of the best evaluation when training ended by restoring
-    it (the final evaluation is then of that model), else None."""
+    """(step, valid MRR) of the best evaluation when training ended by restoring it (the
+    final evaluation is then of that model), else None."""
     hooks = results.get("hooks") or {}
     if not hooks.get("restored_best") or hooks.get("best_valid_mrr") is None:
         return None
-    return int(hooks["best_step"]) + 1, float(hooks["best_valid_mrr"])
+    return int(hooks["best_step"]), float(hooks["best_valid_mrr"])
 
 
 def _eval_points(results: Mapping[str, Any], *, with_final: bool = True
                  ) -> list[tuple[int, Mapping[str, float]]]:
-    """(1-based step, metrics) of every evaluation: the --eval-every points, then the final
-    one (merged into the last point when that is the final step: the same model). Without
+    """(step, metrics) of every evaluation: the --eval-every points, then the final one
+    (merged into the last point when that is the final step: the same model). Without
     `with_final`, the evaluations during training only."""
-    points = [(int(s) + 1, m) for s, m in results.get("eval_curve") or []]
+    points = [(int(s), m) for s, m in results.get("eval_curve") or []]
     final = results.get("eval") or {}
     steps = end_step(results)
-    if final and steps and with_final:
+    if final and steps >= 0 and with_final:
         if points and points[-1][0] == steps:
             points[-1] = (steps, {**points[-1][1], **final})
         elif not points or points[-1][0] < steps:
@@ -121,7 +123,7 @@ def _plain_axis(ax: Axes) -> None:
 def _loss_panel(ax: Axes, results: Mapping[str, Any]) -> None:
     loss = results.get("loss_curve") or []
     if loss:
-        ax.plot([int(s) + 1 for s, _ in loss], [v for _, v in loss], color=TRAIN_COLOR,
+        ax.plot([int(s) for s, _ in loss], [v for _, v in loss], color=TRAIN_COLOR,
                 linewidth=1.2, label="train loss")
     key = next((k for k in LOSS_KEYS if any(k in m for _, m in _eval_points(results))), None)
     if key is not None:

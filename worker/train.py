@@ -41,8 +41,13 @@ from worker.console import (
     bar_layout,
     bar_postfix,
     checkpoint_lines,
+    end_bar,
+    optimizer_line,
     route_logs_around,
+    run_extent,
     show_progress,
+    summary_width,
+    wrap_summary,
 )
 from worker.device_copy import sync_point
 from worker.dynamic_ids import check_dynamic_tables
@@ -283,6 +288,7 @@ class Trainer:
             window_loss += loss.detach()
             window_steps += 1
             stop = evaluated = False
+            reason = "stopped early"  # by the hooks (patience, a collapse)
             if ((out.eval_every and ((step + 1) % out.eval_every == 0 or step + 1 == self.steps))
                     or (self.hooks is not None and self.hooks.eval_due(step))):
                 t_eval = time.perf_counter()
@@ -314,13 +320,15 @@ class Trainer:
                     and self.budget.should_stop(step, t["eval"], self.evaluations, ctx)):
                 if self.hooks is not None and not evaluated:  # the best among every step's
                     self._evaluate_in_training(step)
-                stop = True
+                stop, reason = True, "time budget"
             if self.checkpointer.due(step):
                 with sync_point("checkpoint"):
                     self.checkpointer.save(step)
             bar.update(1)
             if stop or stop_agreed(step, out.log_every, ctx):  # SIGTERM: worker/lifecycle.py
                 self.last_step = step
+                if step + 1 < self.steps:
+                    end_bar(bar, reason if stop else "stopped", self.steps)
                 break
         self.inputs.close()  # what is in flight is the same on every rank
         self.window.drain(self.last_step)  # the final rows include every update
@@ -390,21 +398,27 @@ class Trainer:
         return {k: float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
 
     def dump_state(self, path: str) -> None:
-        """Full tables + full dense state_dict to `path` on rank 0 (collective)."""
+        """Full tables + full dense state_dict to `path` on rank 0 (collective), with the
+        step whose model it is: the last step run, or the best evaluated one restored."""
         tables = self.embedding.gather_full(dst=0)
         dense = get_model_state_dict(
             self.model.dense, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
             assert tables is not None
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            hooks = self.hooks.describe() if self.hooks is not None else {}
+            best = bool(hooks.get("restored_best"))
+            step = int(str(hooks["best_step"])) if best else self.last_step
             torch.save({"tables": tables, "dense": dense, "steps": self.steps,
+                        "step": step, "best": best,
                         "world_size": self.ctx.world_size, "run_id": self.run_id}, path)
 
-    def server_stats(self) -> tuple[dict[str, Any] | None, str]:
-        """This node's shard server stats for the run (rank 0; (None, '') without a server)."""
+    def server_stats(self, width: int | None = None) -> tuple[dict[str, Any] | None, str]:
+        """This node's shard server stats for the run (rank 0; (None, '') without a server),
+        the table fitted to `width` columns (None: its default, 100)."""
         if self.cfg.sync.local_optimizer:
             return None, ""
-        from hybridps.admin import format_shard_stats, get_shard_stats, message_dict
+        from hybridps.admin import DEFAULT_WIDTH, format_shard_stats, get_shard_stats, message_dict
 
         try:
             stats = get_shard_stats(self.cfg.sync.ps_address, timeout=self.cfg.sync.ps_timeout,
@@ -413,7 +427,7 @@ class Trainer:
                                               if isinstance(self.source, ShardClient) else None))
         except Exception as exc:  # stats are a report, not a reason to fail the run
             return None, f"(shard stats unavailable: {exc})"
-        return message_dict(stats), format_shard_stats(stats)
+        return message_dict(stats), format_shard_stats(stats, width=width or DEFAULT_WIDTH)
 
     def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
                 wall_s: float) -> dict[str, Any]:
@@ -429,6 +443,11 @@ class Trainer:
             "device": str(self.ctx.device),
             "backend": self.ctx.backend,
             "mode": "local-optimizer" if self.cfg.sync.local_optimizer else "server",
+            "optimizer": {"rows": {"kind": self.cfg.optim.optimizer, "lr": self.cfg.optim.lr,
+                                   "weight_decay": self.cfg.optim.weight_decay},
+                          "dense": {"kind": self.cfg.optim.dense_kind,
+                                    "lr": self.cfg.optim.dense_lr,
+                                    "weight_decay": self.cfg.optim.weight_decay}},
             "steps": self.steps,
             "samples": samples,
             "first_loss": self.loss_curve[0][1] if self.loss_curve else None,
@@ -471,16 +490,19 @@ class Trainer:
                                                    self.inputs.overlapped.items()}},
         }
 
-    def summary(self, res: dict[str, Any]) -> str:
+    def summary(self, res: dict[str, Any], width: int | None = None) -> str:
+        """The end-of-run summary, its lines cut between fields to fit `width` columns
+        (None: one line per item)."""
         st = res["staleness"]
         ev = res["eval"]
         parts = [
             f"hybridps worker: task={self.task.name} mode={res['mode']} world={res['world_size']}"
             f" device={res['device']} run_id={res['run_id']}",
-            f"steps {res['steps']}  loss {_num(res['first_loss']):.4f} -> "
+            f"{run_extent(res)}  loss {_num(res['first_loss']):.4f} -> "
             f"{_num(res['final_loss']):.4f}"
             f"  samples/s {res['samples_per_s']:.0f}  train {res['train_time_s']:.1f}s"
             f"  wall {res['wall_time_s']:.1f}s",
+            optimizer_line(res),
             f"staleness K={st['k']}: applied mean {st['applied_mean']:.2f} max "
             f"{st['applied_max']}; arrival lag mean {st['arrival_lag_mean']:.2f} max "
             f"{st['arrival_lag_max']}; waited {st['waits']} steps ({st['wait_s']:.2f}s)",
@@ -495,8 +517,9 @@ class Trainer:
             parts.append("schedule: " + "  ".join(f"{k} {v}" for k, v in res["hooks"].items()))
         budget = res["time_budget"]
         if budget and budget["stopped_at_step"] is not None:
+            stopped = int(budget["stopped_at_step"])
             parts.append(f"time budget {budget['minutes']:g} min: training stopped after step "
-                         f"{budget['stopped_at_step']} of {res['steps']}, "
+                         f"{stopped} ({stopped + 1} of {res['steps']} steps), "
                          f"{budget['reserved_s']:.0f}s kept for the final evaluation and "
                          "the results")
         if ev:
@@ -510,7 +533,7 @@ class Trainer:
                          f" {sync['push_chunks']} chunks)  updates {sync['updates']}  "
                          f"reconnects {sync['reconnects']}  duplicates {sync['duplicates']}")
         parts += checkpoint_lines(res["checkpoint"]["written"])
-        return "\n".join(parts)
+        return wrap_summary(parts, width)
 
     def report(self) -> dict[str, Any] | None:
         """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
@@ -529,11 +552,12 @@ class Trainer:
             dist.barrier()  # every rank's pushes are applied before rank 0 reads the stats
         if not self.is_main:
             return None
-        server, table = self.server_stats()
+        width = summary_width()  # the terminal's: lines cut between fields to fit
+        server, table = self.server_stats(width)
         res = self.results(eval_metrics, server, time.perf_counter() - self.created_at)
         if dynamic:
             res["dynamic"] = dynamic
-        print(self.summary(res), flush=True)
+        print(self.summary(res, width), flush=True)
         if table:
             print("shard server stats (this node):\n" + table, flush=True)
         if out.results:
@@ -543,7 +567,8 @@ class Trainer:
 
             files = [save_loss_curve(res, plot_path(out.results))]
             files += self.task.save_artifacts(out.results)
-            print("wrote " + "  ".join([out.results, *files]), flush=True)
+            print(wrap_summary(["wrote " + "  ".join([out.results, *files])], width),
+                  flush=True)
         return res
 
     def close(self) -> None:

@@ -17,8 +17,11 @@ each partition, and compares it with the owner file of a directory before it wri
 checkpoint into it or restores one from it, and before it lets a Register take over a
 partition that has state (ps/partition_auth.py). Writing the owner file is what claims
 the directory: only a user who may write there can, so the server never writes into a
-directory its client could not. The owner file holds a digest, not the secret, so a
-server of another user can read it. docs/deploy.md, "Run secrets", has the rules.
+directory its client could not. The claim counts only when the directory and its owner
+file are of one user: in a directory anybody may add files to (a shared root, mode
+1777) an owner file proves no right to the directories of others in it. The owner file
+holds a digest, not the secret, so a server of another user can read it.
+docs/deploy.md, "Run secrets", has the rules.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def claim_directory(directory: str | os.PathLike[str], prefer: str | None = None
     path = Path(directory)
     try:
         path.mkdir(parents=True, exist_ok=True)
+        _check_claimable(path)
         secret = read_secret(path)
         if secret is None:
             chosen = prefer or new_secret()
@@ -159,6 +163,28 @@ def claim_directory(directory: str | os.PathLike[str], prefer: str | None = None
             f"checkpoint directory {str(path)!r} belongs to another run: its {OWNER_FILE} "
             f"does not match the secret in its {SECRET_FILE}; use another --checkpoint-dir")
     return secret
+
+
+def _check_claimable(path: Path) -> None:
+    """RunClaimError, before anything is written, when the servers would take no claim
+    of `path` by this user: it is another user's directory with no owner file of that
+    user's in it (module doc)."""
+    dir_uid = os.stat(path, follow_symlinks=False).st_uid
+    try:
+        owner_uid: int | None = os.stat(path / OWNER_FILE, follow_symlinks=False).st_uid
+    except FileNotFoundError:
+        owner_uid = None
+    if owner_uid is None and dir_uid != os.geteuid():
+        raise RunClaimError(
+            f"checkpoint directory {str(path)!r} belongs to uid {dir_uid}, not to this "
+            f"user (uid {os.geteuid()}): a run claims only a directory of its own user "
+            "(the shard servers take no other claim); name a directory of your own, e.g. "
+            "a new one inside it")
+    if owner_uid is not None and owner_uid != dir_uid:
+        raise RunClaimError(
+            f"checkpoint directory {str(path)!r} belongs to uid {dir_uid} but its "
+            f"{OWNER_FILE} to uid {owner_uid}, so it is claimed by no run (the shard "
+            "servers would refuse it); use a directory of your own")
 
 
 def _warn_if_readable_by_others(path: Path) -> None:

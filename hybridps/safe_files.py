@@ -83,6 +83,14 @@ def exists_at(dir_fd: int, name: str) -> bool:
 def read_file_at(dir_fd: int, name: str, limit: int) -> bytes | None:
     """The bytes of regular file `name` in the directory (None when there is none); a
     link is LinkRefused, anything else or a file over `limit` bytes an OSError."""
+    found = read_file_stat_at(dir_fd, name, limit)
+    return None if found is None else found[0]
+
+
+def read_file_stat_at(dir_fd: int, name: str, limit: int
+                      ) -> tuple[bytes, os.stat_result] | None:
+    """`read_file_at` with the status of the very file read (its owner, say), taken
+    from the open descriptor so that a file swapped in meanwhile cannot lend its own."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -95,7 +103,7 @@ def read_file_at(dir_fd: int, name: str, limit: int) -> bytes | None:
             raise OSError(errno.EINVAL, "not a regular file", name)
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", name)
-        return f.read(limit + 1)
+        return f.read(limit + 1), st
 
 
 def _crc32(f: BinaryIO) -> str:

@@ -15,6 +15,13 @@ The rules (docs/deploy.md, "Checkpoint root" and "Run secrets"):
   into a directory its client could not; below it, it creates the step directory and
   its optim/ with its own umask. A restore reads only from a step directory of a run
   directory claimed by the caller's run secret (or the restore secret it carries).
+- A claim is the owner file of the run directory itself, never of one above it, and it
+  counts only when the same user owns the file and the directory. Creating a file in a
+  directory does not give a right to the directories already in it: in a shared root
+  (mode 1777) anybody can add an owner file, but not write into another user's run
+  directory there, so an owner file in a directory its writer does not own claims
+  nothing. Below the run directory every directory the server writes into belongs to
+  the run's user (that owner) or to the server (made by it for the run).
 - Never over a complete checkpoint: a step directory with a manifest.json is refused.
 - Files are written under a temporary name and renamed into place.
 - A directory the file system will not take (a name too long, a path through a file, a
@@ -54,7 +61,7 @@ from hybridps.safe_files import (
     exists_at,
     open_dir,
     open_path,
-    read_file_at,
+    read_file_stat_at,
 )
 
 
@@ -122,26 +129,35 @@ class CheckpointRoot:
         except OSError as exc:
             raise write_refusal(exc, path, what) from exc
 
-    def _check_owner(self, dir_fd: int, path: Path, digests: Sequence[str], what: str) -> None:
-        """The owner file in the directory names one of `digests`; PermissionDenied
-        otherwise."""
+    def _check_owner(self, dir_fd: int, path: Path, digests: Sequence[str], what: str) -> int:
+        """The owner file in the directory itself names one of `digests` and is of the
+        directory's own user (module doc); PermissionDenied otherwise. Returns that
+        user's uid: the run's."""
         try:
-            data = read_file_at(dir_fd, OWNER_FILE, MAX_OWNER_BYTES)
-            owner = None if data is None else parse_owner(data, str(path / OWNER_FILE))
+            found = read_file_stat_at(dir_fd, OWNER_FILE, MAX_OWNER_BYTES)
+            owner = None if found is None else parse_owner(found[0], str(path / OWNER_FILE))
+            dir_uid = os.fstat(dir_fd).st_uid
         except (OSError, RunClaimError) as exc:
             text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise PermissionDenied(f"{what}: cannot read the owner file of checkpoint "
                                    f"directory {str(path)!r}: {text}") from None
-        if owner is None:
+        if owner is None or found is None:
             raise PermissionDenied(
                 f"{what}: checkpoint directory {str(path)!r} is claimed by no run (no "
                 f"{OWNER_FILE}); the server writes and restores only in a directory the "
                 "run's workers claimed with the run's secret (--checkpoint-dir)")
+        if found[1].st_uid != dir_uid:
+            raise PermissionDenied(
+                f"{what}: checkpoint directory {str(path)!r} is claimed by no run: its "
+                f"{OWNER_FILE} belongs to uid {found[1].st_uid}, the directory to uid "
+                f"{dir_uid}; a run claims only a directory its own user owns (its workers "
+                "create it: --checkpoint-dir), never a shared one above its run directories")
         if not digests or not any(digests_match(owner, d) for d in digests):
             raise PermissionDenied(
                 f"{what}: checkpoint directory {str(path)!r} belongs to another run (its "
                 f"{OWNER_FILE} does not name the run secret this request proves); a run "
                 "writes and restores only its own checkpoints")
+        return dir_uid
 
     def check_run_directory(self, directory: str, digest: str, what: str) -> Path:
         """A Register's --checkpoint-dir: inside the root, no link on its way, claimed by
@@ -198,14 +214,21 @@ class CheckpointRoot:
                 raise PermissionDenied(
                     f"{what}: the run registered without a run secret (metadata "
                     "hybridps-run-secret), so it owns no checkpoint directory to write into")
+            run_uid = -1
             for digest in set(digests):
-                self._check_owner(fd, run_dir, [digest], what)
-            self._check_not_complete(fd, path, what)
+                run_uid = self._check_owner(fd, run_dir, [digest], what)
+            ours = RunDirectories(run_dir, run_uid, what)
+            self._check_not_complete(fd, path, ours, what)
             step = path.name
 
             def write(rel: str, fn: Callable[[BinaryIO], Any]) -> dict[str, Any]:
+                *dirs, name = f"{step}/{rel}".split("/")
                 try:
-                    return atomic_write_at(fd, f"{step}/{rel}", fn)
+                    inner = ours.open_below(fd, dirs)
+                    try:
+                        return atomic_write_at(inner, name, fn)
+                    finally:
+                        os.close(inner)
                 except LinkRefused:
                     raise PermissionDenied(
                         f"{what}: {str(path / rel)!r} passes through a symbolic link; the "
@@ -218,7 +241,8 @@ class CheckpointRoot:
             os.close(fd)
 
     @staticmethod
-    def _check_not_complete(run_fd: int, path: Path, what: str) -> None:
+    def _check_not_complete(run_fd: int, path: Path, ours: RunDirectories,
+                            what: str) -> None:
         try:
             step_fd = open_dir(run_fd, path.name)
         except FileNotFoundError:
@@ -230,9 +254,47 @@ class CheckpointRoot:
         except OSError as exc:
             raise write_refusal(exc, path, what) from exc
         try:
+            ours.check(step_fd, path)
             if exists_at(step_fd, MANIFEST):
                 raise Conflict(f"{what}: {str(path)!r} is a complete checkpoint (it has "
                                f"{MANIFEST}); the server never writes over one (the worker "
                                "removes the manifest before it saves a step again)")
         finally:
             os.close(step_fd)
+
+
+class RunDirectories:
+    """The directories below a claimed run directory the server may write into: those of
+    the run's user (`run_uid`, the owner of the run directory and its owner file) and
+    those of the server itself (made by it for the run). Another user's directory there
+    (one moved in, or made in a run directory others may write) is refused."""
+
+    def __init__(self, run_dir: Path, run_uid: int, what: str) -> None:
+        self.run_dir, self.run_uid, self.what = run_dir, run_uid, what
+        self.server_uid = os.geteuid()
+
+    def check(self, dir_fd: int, path: Path) -> None:
+        uid = os.fstat(dir_fd).st_uid
+        if uid not in (self.run_uid, self.server_uid):
+            raise PermissionDenied(
+                f"{self.what}: checkpoint directory {str(path)!r} belongs to uid {uid}, "
+                f"neither to the run's user (uid {self.run_uid}, the owner of its run "
+                f"directory {str(self.run_dir)!r}) nor to this server (uid "
+                f"{self.server_uid}); the server writes only into the run's own directories")
+
+    def open_below(self, run_fd: int, parts: Sequence[str]) -> int:
+        """The descriptor of run_dir/parts[0]/.../parts[-1], each created when missing,
+        opened without links and checked (`check`); the caller closes it."""
+        fd = os.dup(run_fd)
+        path = self.run_dir
+        try:
+            for part in parts:
+                inner = open_dir(fd, part, create=True)
+                os.close(fd)
+                fd = inner
+                path = path / part
+                self.check(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd

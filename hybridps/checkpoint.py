@@ -40,6 +40,7 @@ import json
 import os
 import re
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,8 +111,37 @@ def atomic_write(path: str | Path, write: Any) -> dict[str, Any]:
     return {"bytes": size, "crc32": crc}
 
 
+def owning_tensors(obj: Any) -> Any:
+    """`obj` (dicts, lists and tuples of tensors and plain values) with every tensor that
+    views a larger storage replaced by a compact copy of its own elements.
+
+    torch.save writes the whole storage behind a tensor: a few ids viewing the shared-
+    memory arena (worker/arena_client.py) or a table viewing its group's block would carry
+    all of it into the file."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.device.type == "meta":
+            return obj
+        if (obj.storage_offset() == 0 and obj.is_contiguous()
+                and obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()):
+            return obj
+        return obj.clone(memory_format=torch.contiguous_format)
+    if isinstance(obj, dict):
+        items = {k: owning_tensors(v) for k, v in obj.items()}
+        return type(obj)(items) if isinstance(obj, OrderedDict) else items
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(owning_tensors(v) for v in obj)
+    if isinstance(obj, list):
+        return [owning_tensors(v) for v in obj]
+    return obj
+
+
+def torch_save(obj: Any, f: BinaryIO) -> None:
+    """torch.save of `obj` holding only the tensors' own data (`owning_tensors`)."""
+    torch.save(owning_tensors(obj), f)
+
+
 def save_torch(path: str | Path, obj: Any) -> dict[str, Any]:
-    return atomic_write(path, lambda f: torch.save(obj, f))
+    return atomic_write(path, lambda f: torch_save(obj, f))
 
 
 # Writes one file of a checkpoint: (path relative to the checkpoint directory, write(f)) ->
@@ -165,7 +195,7 @@ def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, ra
     if writer is None:
         info = save_torch(Path(directory) / relpath, payload)
     else:
-        info = writer(relpath, lambda f: torch.save(payload, f))
+        info = writer(relpath, lambda f: torch_save(payload, f))
     return ShardInfo(table, rank, row_start, row_end, relpath, info["bytes"], info["crc32"])
 
 

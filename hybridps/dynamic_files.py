@@ -33,6 +33,7 @@ from hybridps.checkpoint import (
     Writer,
     load_rows,
     save_torch,
+    torch_save,
     verify_shards,
 )
 from hybridps.dynamic import owner_of_ids
@@ -55,7 +56,7 @@ def _info(directory: Path, rel: str, table: str, rank: int, start: int, end: int
           payload: Mapping[str, Any], writer: Writer | None = None) -> ShardInfo:
     body = dict(payload)
     saved = (save_torch(directory / rel, body) if writer is None
-             else writer(rel, lambda f: torch.save(body, f)))
+             else writer(rel, lambda f: torch_save(body, f)))
     return ShardInfo(table, rank, start, end, rel, saved["bytes"], saved["crc32"])
 
 

@@ -82,7 +82,8 @@ def describe_layout(kind: str) -> str:
 class OptimizerSpec:
     """A sparse optimizer and its hyperparameters (those a kind does not read are ignored:
     betas outside USES_BETAS, eps outside USES_EPS). Checkpoints record it
-    (`dataclasses.asdict`); a run resumes only with the same one."""
+    (`dataclasses.asdict`); a run resumes only with the same one, but for lr and
+    weight_decay (worker/checkpoint.py `resume_changes`)."""
 
     kind: str = "adam"
     lr: float = 1e-3

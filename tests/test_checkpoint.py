@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,8 +34,10 @@ from hybridps.checkpoint import (
     ShardInfo,
     complete_checkpoints,
     load_rows,
+    owning_tensors,
     read_shard,
     save_shard,
+    save_torch,
     step_dir,
     write_manifest,
 )
@@ -169,6 +173,26 @@ def test_server_partitions_restore_at_another_world_size(tmp_path: Path) -> None
     with pytest.raises(Conflict, match="not 1"):
         Store().register("run", 0, 1, 0, [TableSpec("t", 10, 4, 0, 10)], opt,
                          restore=(str(tmp_path), 1))
+
+
+def test_saved_tensors_hold_only_their_own_data(tmp_path: Path) -> None:
+    """A tensor viewing a big storage (the shared-memory arena, a group's block) is saved
+    as its own elements: torch.save alone writes the whole storage behind a view."""
+    big = torch.arange(1 << 20, dtype=torch.int64)  # 8 MiB
+    small: dict[str, Any] = {"ids": big[100:164], "rows": torch.randn(64, 16)[:, 8:], "n": 3,
+             "nested": [big[:4], (big[8:12],)], "owned": torch.ones(5)}
+    kept = owning_tensors(small)
+    assert kept["owned"] is small["owned"] and kept["n"] == 3
+    assert isinstance(kept["nested"][1], tuple)
+    for got, want in [(kept["ids"], small["ids"]), (kept["rows"], small["rows"]),
+                      (kept["nested"][0], big[:4]), (kept["nested"][1][0], big[8:12])]:
+        assert torch.equal(got, want)
+        assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+    info = save_torch(tmp_path / "small.pt", small)
+    assert info["bytes"] < 64 * 1024
+    back = torch.load(tmp_path / "small.pt", weights_only=True)
+    assert torch.equal(back["ids"], big[100:164]) and torch.equal(back["rows"], small["rows"])
+    assert small["ids"].untyped_storage().nbytes() == big.numel() * 8  # the input unchanged
 
 
 def test_fault_point_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -359,6 +383,31 @@ def test_checkpoints_do_not_change_a_stale_run(server: PsServer, tmp_path: Path)
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_pending_files_hold_only_the_pending_updates(server: PsServer, tmp_path: Path
+                                                     ) -> None:
+    """--staleness 2 with the shared-memory arena (the default on the server's node): the
+    pending file holds the updates, their rows and the predictions, not the 64 MiB arena
+    their ids view; no file of the checkpoint is larger than its data."""
+    run(["--ps", server.address, "--run-id", "pending-size", "--staleness", "2",
+         "--steps", "6", "--checkpoint-every", "3", "--checkpoint-dir", str(tmp_path / "ck"),
+         "--results", str(tmp_path / "r.json")], nproc=1)
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["sync"]["shm"] == "on" and results["sync"]["shm_pushes"] > 0
+    assert results["config"]["staleness_compensation"] == "predict"
+    for step in (2, 5):
+        directory = step_dir(tmp_path / "ck", step)
+        manifest = json.loads((directory / "manifest.json").read_text())
+        (entry,) = manifest["pending"]["files"]
+        payload = torch.load(directory / entry["file"], weights_only=True)
+        assert payload["updates"] and payload["prediction"]["deltas"]
+        assert entry["bytes"] < 1 << 20, f"{entry['file']}: {entry['bytes']} bytes"
+        sizes = {str(f.relative_to(directory)): f.stat().st_size
+                 for f in directory.rglob("*") if f.is_file()}
+        assert sum(sizes.values()) < 4 << 20, sizes
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Path) -> None:
     from worker.config import TrainConfig
@@ -483,3 +532,74 @@ def test_export_reads_pre_dcp_checkpoints(runs: dict[str, Path], tmp_path: Path)
     assert any(key.startswith("dense.") for key in old_state)
     for key, value in new_state.items():
         assert torch.equal(old_state[key], value), key
+
+
+def test_resume_may_change_only_the_learning_rates_and_weight_decay() -> None:
+    from worker.checkpoint import ResumeError, resume_changes
+
+    adamw = dataclasses.asdict(OptimizerSpec(kind="adamw", lr=0.02))
+    dense = {"kind": "adamw", "lr": 3e-3, "weight_decay": 0.0}
+    assert resume_changes("ck", adamw, adamw, dense, dense) == []
+    lower = {**adamw, "lr": 0.005, "weight_decay": 0.01}
+    assert resume_changes("ck", adamw, lower, dense,
+                          {**dense, "lr": 1e-3, "weight_decay": 0.01}) == [
+        "lr 0.02 -> 0.005", "weight_decay 0 -> 0.01", "dense_lr 0.003 -> 0.001"]
+    assert resume_changes("ck", {}, lower, None, dense) == []  # recorded by neither
+    for other in ({**adamw, "kind": "adam"}, {**adamw, "beta2": 0.99}, {**adamw, "eps": 1e-6}):
+        with pytest.raises(ResumeError, match=r"was saved with optimizer adamw\(lr=0.02.*"
+                           r"only lr and weight_decay may change on resume"):
+            resume_changes("ck", adamw, other, dense, dense)
+    with pytest.raises(ResumeError, match="dense part was saved with optimizer adamw, this run "
+                       "has sgd: resume with --dense-optimizer adamw"):
+        resume_changes("ck", adamw, adamw, dense, {**dense, "kind": "sgd"})
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_resume_with_lower_learning_rates(server: PsServer, tmp_path: Path) -> None:
+    """A resume may lower --lr and --dense-lr: it says so in one line, the server and the
+    dense optimizer use the new rates from the first resumed step (equal, bitwise, to a
+    resume from a checkpoint that recorded them), and later checkpoints record them; another
+    optimizer kind is still refused."""
+    ps = ["--ps", server.address]
+    adamw = ["--optimizer", "adamw"]
+    run([*ps, *adamw, "--run-id", "lr-first", "--steps", "10", "--checkpoint-every", "10",
+         "--checkpoint-dir", str(tmp_path / "ck")])
+    start = step_dir(tmp_path / "ck", 9)
+    lower = [*adamw, "--lr", "0.005", "--dense-lr", "0.001", "--weight-decay", "0.01"]
+    changed = run([*ps, *lower, "--run-id", "lr-lower", "--steps", "20",
+                   "--resume-from", str(start), "--checkpoint-every", "10",
+                   "--checkpoint-dir", str(tmp_path / "ck_lower"),
+                   "--dump-state", str(tmp_path / "lower.pt")])
+    lines = [line for line in changed.stderr.splitlines() if "resume: " in line]
+    assert len(lines) == 1, changed.stderr[-3000:]
+    assert lines[0].endswith("resume: lr 0.02 -> 0.005, weight_decay 0 -> 0.01, "
+                             "dense_lr 0.003 -> 0.001"), lines[0]
+    later = json.loads((step_dir(tmp_path / "ck_lower", 19) / "manifest.json").read_text())
+    assert (later["optimizer"]["lr"], later["optimizer"]["weight_decay"]) == (0.005, 0.01)
+    assert later["dense"]["optimizer"] == {"kind": "adamw", "lr": 0.001, "weight_decay": 0.01}
+    meta = read_shard(step_dir(tmp_path / "ck_lower", 19) / "optim/user.r00000.pt")["meta"]
+    assert meta["optimizer"]["lr"] == 0.005
+    from worker.checkpoint_dense import read_dense_full
+    dense = read_dense_full(step_dir(tmp_path / "ck_lower", 19), later["dense"])
+    assert {(g["lr"], g["weight_decay"]) for g in dense["optim"]["param_groups"]} == {
+        (0.001, 0.01)}  # the dense optimizer ran at the new rates, not the restored ones
+    run([*ps, *adamw, "--run-id", "lr-same", "--steps", "20", "--resume-from", str(start),
+         "--dump-state", str(tmp_path / "same.pt")])
+    with pytest.raises(AssertionError, match="differs"):
+        assert_states(tmp_path / "same.pt", tmp_path / "lower.pt", exact=True)
+    # The reference: the same checkpoint, recording the new settings as its own.
+    manifest = json.loads((start / "manifest.json").read_text())
+    manifest["optimizer"].update(lr=0.005, weight_decay=0.01)
+    manifest["dense"]["optimizer"].update(lr=0.001, weight_decay=0.01)
+    write_manifest(start, {k: v for k, v in manifest.items() if k not in ("format", "checksum")})
+    ref = run([*ps, *lower, "--run-id", "lr-ref", "--steps", "20", "--resume-from", str(start),
+               "--dump-state", str(tmp_path / "ref.pt")])
+    assert "resume: " not in ref.stderr
+    assert_states(tmp_path / "ref.pt", tmp_path / "lower.pt", exact=True)
+    refused = run([*ps, "--optimizer", "adam", "--run-id", "lr-adam", "--steps", "20",
+                   "--resume-from", str(start)], expect=2)
+    errors = [line for line in refused.stderr.splitlines() if "hybridps worker: error:" in line]
+    assert errors and "this run has adam(lr=0.02" in errors[0], refused.stderr[-2000:]
+    assert "only lr and weight_decay may change on resume" in errors[0]

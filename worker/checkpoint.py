@@ -42,7 +42,11 @@ the range it owns now (hybridps/checkpoint.py load_rows), so the world size may
 differ; the server loads the optimizer state the same way (Register with
 `restore`), and sets last_step = s so no update is applied twice; the data
 position is the step (tasks make batches from (seed, step)); training
-continues at step s+1.
+continues at step s+1. The optimizers must be the ones the checkpoint was saved with
+(kind, betas, eps: what the saved state means), but for their learning rates and weight
+decay (`resume_changes`): rank 0 says what changed, the server takes the new values from
+Register, the dense optimizer gets them after its state is loaded, and later checkpoints
+record them.
 
 A run with checkpoints therefore equals a run without them, for every --staleness K,
 and a resumed run equals both (bitwise at the same world size). Resuming with another
@@ -201,15 +205,14 @@ class Checkpointer:
 
     def _check_optimizer(self, directory: str, manifest: Manifest) -> None:
         """ResumeError, one line naming both, unless the checkpoint was saved with this
-        run's sparse optimizer and hyperparameters (another's state does not carry over:
-        adam's m, v are not rowwise Adagrad's sums)."""
-        saved = manifest.optimizer
-        running = dataclasses.asdict(self.t.sparse_spec)
-        if not saved or saved == running:
-            return
-        raise ResumeError(f"checkpoint {directory} was saved with optimizer "
-                          f"{describe_saved(saved)}, this run has {describe_saved(running)}: "
-                          "resume with the optimizer and settings it was saved with")
+        run's sparse and dense optimizers (`resume_changes`); rank 0 says which learning
+        rates and weight decay this run changes."""
+        changes = resume_changes(directory, manifest.optimizer,
+                                 dataclasses.asdict(self.t.sparse_spec),
+                                 (manifest.dense or {}).get("optimizer"),
+                                 dense_optimizer_record(self.cfg))
+        if changes and self.rank == 0:
+            log.info("rank 0: resume: %s", ", ".join(changes))
 
     def _verify_together(self, directory: Path) -> str | None:
         """Collective: every rank checks its share of the checkpoint's files; None when all
@@ -281,7 +284,7 @@ class Checkpointer:
                     t.num_rows, t.dim, tuple(g[name] for g in gathered),
                     {} if t.dynamic is None else {"dynamic": dataclasses.asdict(t.dynamic)})
                     for name, t in tables.items()},
-                dense=dense_info,
+                dense={**dense_info, "optimizer": dense_optimizer_record(self.cfg)},
                 pending=PendingEntry(tr.window.staleness, tr.window.applied_through,
                                      tuple(pendings)))
             fault_point(self.rank, step, "manifest")
@@ -423,6 +426,9 @@ class Checkpointer:
         tr.source.restore_from(directory, step)  # the update source's own optimizer state
         restore_dense(self.t.model.dense, self.t.dense_opt, self.t.dense_parallel.scaler,
                       directory, manifest.dense or {}, self.cfg.dense.loss_scale_init)
+        for group in self.t.dense_opt.param_groups:  # this run's, not the saved ones
+            group["lr"] = self.cfg.optim.dense_lr
+            group["weight_decay"] = self.cfg.optim.weight_decay
         self.resumed_step = step
         self.restore_s = time.perf_counter() - t0
         log.info("rank %d: resumed from %s (step %d, saved by world %d) in %.2fs", self.rank,
@@ -509,6 +515,49 @@ class Checkpointer:
             log.info("rank %d: checkpoint %s was saved without --staleness-compensation "
                      "predict: predictions start again once updates are applied", self.rank,
                      directory)
+
+
+# What a resume may change: how far each step moves, not what the saved state means. The
+# kind fixes the state's layout (adam's m, v are not rowwise Adagrad's sums); betas and eps
+# fix what m and v are (averages at those rates, bias-corrected by the saved step count).
+RESUME_MAY_CHANGE = ("lr", "weight_decay")
+
+
+def dense_optimizer_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The dense optimizer as the manifest records it (`dense.optimizer`)."""
+    o = cfg.optim
+    return {"kind": o.dense_kind, "lr": o.dense_lr, "weight_decay": o.weight_decay}
+
+
+def resume_changes(directory: str, saved: dict[str, Any] | None, running: dict[str, Any],
+                   saved_dense: Any, running_dense: dict[str, Any]) -> list[str]:
+    """The settings a resume changes ("lr 0.02 -> 0.005", ...): only RESUME_MAY_CHANGE, of
+    the sparse optimizer (`saved`, `running`: asdict of OptimizerSpec) and of the dense one
+    (`dense_optimizer_record`; None: a checkpoint that did not record it). ResumeError, one
+    line naming both, when anything else differs."""
+    changes: list[str] = []
+    if saved:
+        fixed = {k: v for k, v in running.items() if k not in RESUME_MAY_CHANGE}
+        if {k: saved.get(k) for k in fixed} != fixed:
+            raise ResumeError(
+                f"checkpoint {directory} was saved with optimizer {describe_saved(saved)}, "
+                f"this run has {describe_saved(running)}: resume with the optimizer it was "
+                f"saved with (only {' and '.join(RESUME_MAY_CHANGE)} may change on resume)")
+        changes += [f"{k} {saved.get(k, 0.0):g} -> {running[k]:g}" for k in RESUME_MAY_CHANGE
+                    if saved.get(k, 0.0) != running[k]]
+    if isinstance(saved_dense, dict):
+        if saved_dense.get("kind") != running_dense["kind"]:
+            raise ResumeError(
+                f"checkpoint {directory}: its dense part was saved with optimizer "
+                f"{saved_dense.get('kind')}, this run has {running_dense['kind']}: resume with "
+                f"--dense-optimizer {saved_dense.get('kind')} (one optimizer's state does not "
+                "carry over to another)")
+        for key, name in (("lr", "dense_lr"), ("weight_decay", "weight_decay")):
+            before = saved_dense.get(key, running_dense[key])
+            change = f"{name} {before:g} -> {running_dense[key]:g}"
+            if before != running_dense[key] and change not in changes:
+                changes.append(change)
+    return changes
 
 
 def _file_entry(info: ShardInfo) -> FileEntry:

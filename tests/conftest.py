@@ -24,6 +24,10 @@ from tests.helpers import PsServer, start_ps_server
 # machine with a small /dev/shm (a container's default is 64 MB) holds every arena the
 # tests have at once; the workers the tests start read it as --same-node-mb.
 os.environ.setdefault("HYBRIDPS_SAME_NODE_MB", "8")
+# The console wraps its reports to COLUMNS when set: the tests (and the programs they
+# start) run as off a terminal, whatever the runner's environment carries, unless a test
+# sets a width itself.
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -118,7 +118,9 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, method: str, code: grpc.St
                        reason="auth", peer=context.peer(), error=message))
         await context.abort(code, message)
 
-    kwargs = {"request_deserializer": handler.request_deserializer,
+    # the request is never decoded: bytes that are not the method's message are refused
+    # with (code, message) too, not answered UNKNOWN with a traceback in the log
+    kwargs = {"request_deserializer": None,
               "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)

@@ -166,3 +166,20 @@ def test_fuzz_campaign_2000_messages(tmp_path: Path) -> None:
     # Issue 31: without the partition secrets every Sync call was PERMISSION_DENIED
     assert figures["pushes_applied"] > 0, proc.stdout
     assert figures["by_method"].get("Sync OK", 0) > 0, proc.stdout
+
+
+def test_refused_admin_calls_with_undecodable_bytes_are_refused_cleanly(
+        channel: grpc.Channel) -> None:
+    """Found by bench/fuzz_proto.py: a call the auth interceptor refuses (Shutdown and
+    DropRun on a server without an admin token) whose bytes are no message was answered
+    UNKNOWN with a DecodeError traceback in the server log: the refusing handler decoded
+    the request it never needs."""
+    for name in ("Shutdown", "DropRun"):
+        call = channel.unary_unary(f"/hybridps.v1.AdminService/{name}",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as refused:
+            call(b"\xff\xff\xff", timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, (
+            name, refused.value.code(), refused.value.details())
+

@@ -4,15 +4,22 @@ healthy 2-rank runs train on the same server.
     python bench/fuzz_proto.py                     # 100,000 messages
     python bench/fuzz_proto.py --messages 2000     # tests/test_fuzz_proto.py
     python bench/fuzz_proto.py --seed 5 --json runs/fuzz.json
+    python bench/fuzz_proto.py --messages 600 --without-healthy-runs   # seconds
 
 Messages (plain Python generation from --seed, no hypothesis: fast enough for 10^5):
 - random bytes, sent as the request of a random method;
-- valid RegisterRequest / SyncRequest (inline pushes of registered fuzz partitions, at
+- valid RegisterRequest (every optimizer kind of hybridps/optim_kinds.py, static and
+  dynamic tables) / SyncRequest (inline pushes of registered fuzz partitions, at
   their next step) / FlushRequest / CheckpointRequest / FinishRequest / SeedRowsRequest /
-  ShardStatsRequest messages, then 0-3 mutations: a field set to an edge value of its
+  PageRequest (dynamic tables' ids paged out and in, at the partition's next seq, and
+  peeks) / ShardStatsRequest / DropRunRequest (with the admin token) / ShutdownRequest
+  (never with it) messages, then 0-3 mutations: a field set to an edge value of its
   type (integer limits, NaN, inf, -0.0, traversal paths, long or non-ASCII strings,
   unknown enum numbers), a field cleared, a repeated entry removed or duplicated, or,
-  on the serialized bytes, bits flipped, a truncation, bytes inserted or deleted.
+  on the serialized bytes, bits flipped, a truncation, bytes inserted or deleted; a Page
+  call also one targeted mutation (a wrong partition or table, slots out of range,
+  repeated ids, wrong shapes or dtypes, shapes claiming 2^40 elements, 50,000 ids,
+  non-finite rows, a seq out of order, truncated bytes).
 Unary requests go one per call, Sync requests 1-4 per stream (one partition's pushes,
 sometimes another's mixed in). The fuzz partitions use their own run ids (a pool of 16,
 so the state they allocate stays bounded); the healthy runs' ids are never used
@@ -27,7 +34,12 @@ back on the same server until the fuzz is over; each must equal the same run on 
 of its own, bitwise (rows and dense weights, and the server's m, v, steps in the final
 checkpoint). Every call's status is counted by code and printed. Exit code 0 only with
 zero INTERNAL and zero UNKNOWN statuses, the server alive and SERVING at the end with
-no internal error in its log, and every healthy run bitwise equal to the solo one.
+no internal error in its log, every healthy run bitwise equal to the solo one, valid
+calls of every optimizer kind (Register, Sync, Page, peek, Flush, GetShardStats) still
+answered right after the barrage, and full coverage: every RPC of the proto services
+sent, and each optimizer kind and table mode registered and pushed to, and Page calls
+applied (fuzz_messages.required_coverage). --without-healthy-runs: the fuzz and these
+checks alone, in seconds (tests/test_fuzz_proto.py).
 """
 
 from __future__ import annotations
@@ -57,17 +69,20 @@ from campaign_tools import (
     state_differences,
     worker_cmd,
 )
-from fuzz_messages import FUZZ_RUNS, Generator
+from fuzz_after import valid_calls_problems
+from fuzz_messages import FUZZ_RUNS, SERVICES, Generator, coverage_gaps
 
 from hybridps.admin import health_status
 from hybridps.channel_options import channel_options
+from hybridps.optim_kinds import KINDS
 from hybridps.run_secret import claim_directory
 
 BAD_CODES = ("INTERNAL", "UNKNOWN")
 CALL_TIMEOUT_S = 2.0  # a Flush or Checkpoint asked to wait 1e300 s ends here
 # A Flush or Checkpoint of a step not applied yet waits its timeout_s (0: the server's
 # default): short ones keep the fuzz moving (the healthy runs send their own timeout).
-SERVER_FLAGS = ["--max-state-bytes", str(1 << 30), "--flush-timeout-s", "0.1"]
+SERVER_FLAGS = ["--max-state-bytes", str(1 << 30), "--flush-timeout-s", "0.1",
+                "--stats-without-token"]
 HEALTHY_STEPS = 150
 
 
@@ -76,22 +91,25 @@ class Fuzzer:
 
     def __init__(self, address: str, messages: int, seed: int, threads: int,
                  checkpoint_dirs: list[str], run_secrets: dict[str, str],
-                 run_dirs: dict[str, str]) -> None:
+                 run_dirs: dict[str, str], admin_token: str) -> None:
         self.channel = grpc.insecure_channel(address, options=channel_options())
         grpc.channel_ready_future(self.channel).result(timeout=30)
+        # every unary RPC of the services, raw bytes both ways (Sync: the stream)
         self.unary = {
-            name: self.channel.unary_unary(f"/hybridps.v1.{svc}/{name}",
-                                           request_serializer=_raw,
-                                           response_deserializer=_raw)
-            for svc, name in (("ShardService", "Register"), ("ShardService", "SeedRows"),
-                              ("ShardService", "Flush"), ("ShardService", "Checkpoint"),
-                              ("ShardService", "Finish"), ("AdminService", "GetShardStats"))}
+            m.name: self.channel.unary_unary(f"/{svc.full_name}/{m.name}",
+                                             request_serializer=_raw,
+                                             response_deserializer=_raw)
+            for svc in SERVICES for m in svc.methods if not m.client_streaming}
         self.sync = self.channel.stream_stream("/hybridps.v1.ShardService/Sync",
                                                request_serializer=_raw,
                                                response_deserializer=_raw)
         self.messages = messages
+        # the warm-up: each kind with static tables, then with a dynamic one (spread over
+        # the threads, so that no two race for one partition)
+        warm = FUZZ_RUNS[:2 * len(KINDS)]
         self.generators = [Generator(random.Random(seed * 1000 + i), checkpoint_dirs,
-                                     run_secrets, run_dirs) for i in range(threads)]
+                                     run_secrets, run_dirs, admin_token, warm[i::threads])
+                           for i in range(threads)]
         self.lock = threading.Lock()
         self.sent = 0
         self.calls = 0
@@ -100,10 +118,13 @@ class Fuzzer:
         self.duplicates = 0
         self.codes: Counter[str] = Counter()
         self.by_method: Counter[str] = Counter()
+        self.covered_sent: Counter[str] = Counter()  # built calls by coverage label
+        self.covered_ok: Counter[str] = Counter()  # of those, answered OK
         self.seconds: dict[str, float] = defaultdict(float)  # per method, over calls
         self.bad: list[str] = []
         self.generator_errors: list[str] = []
         self.done = threading.Event()
+        self.ended = 0.0  # perf_counter() when the last message went
 
     def run(self) -> None:
         threads = [threading.Thread(target=self._loop, args=(g,), daemon=True)
@@ -112,6 +133,7 @@ class Fuzzer:
             t.start()
         for t in threads:
             t.join()
+        self.ended = time.perf_counter()
         self.done.set()
         self.channel.close()
 
@@ -126,10 +148,14 @@ class Fuzzer:
     def _loop(self, gen: Generator) -> None:
         while True:
             try:
-                method, requests, sent, metadata = gen.item()
+                method, requests, sent, metadata, built = gen.item()
+                labels = gen.labels(method, requests) if built else []
             except Exception as exc:  # the generator's own bug: counted as a failure
                 with self.lock:
-                    self.generator_errors.append(f"{type(exc).__name__}: {exc}")
+                    if len(self.generator_errors) < 50:
+                        self.generator_errors.append(f"{type(exc).__name__}: {exc}")
+                if not self._take(1):
+                    return
                 continue
             if not self._take(len(requests)):
                 return
@@ -151,11 +177,15 @@ class Fuzzer:
             except grpc.RpcError as exc:
                 code = exc.code().name if exc.code() is not None else "UNKNOWN"
                 details = exc.details() or ""
+                gen.refused(method, requests[0], details)
             took = time.perf_counter() - t0
             with self.lock:
                 self.seconds[method] += took
                 self.codes[code] += 1
                 self.by_method[f"{method} {code}"] += 1
+                self.covered_sent.update(labels)
+                if code == "OK":
+                    self.covered_ok.update(labels)
                 if code in BAD_CODES and len(self.bad) < 50:
                     self.bad.append(f"{method} {code}: {details[:300]} (request "
                                     f"{requests[0][:60].hex()})")
@@ -188,24 +218,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=23)
     parser.add_argument("--dir", default="", help="work directory (default: a temp dir)")
     parser.add_argument("--json", default="", help="write the figures here")
+    parser.add_argument("--without-healthy-runs", action="store_true",
+                        help="only the fuzz and the checks after it (no torchrun runs)")
     args = parser.parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="hybridps-fuzz-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     failures: list[str] = []
-    print(f"fuzz: {args.messages} messages, seed {args.seed}, {args.threads} threads, beside "
-          f"healthy {HEALTHY_STEPS}-step runs; {load_line()}", flush=True)
+    beside = ("alone" if args.without_healthy_runs
+              else f"beside healthy {HEALTHY_STEPS}-step runs")
+    print(f"fuzz: {args.messages} messages, seed {args.seed}, {args.threads} threads, "
+          f"{beside}; {load_line()}", flush=True)
 
-    solo_server = PsProcess(work / "ps-solo", "--checkpoint-root", str(work), *SERVER_FLAGS)
-    try:
-        rc, solo_ck, solo_dump, err = _healthy(solo_server.address, "healthy-solo", work)
-    finally:
-        solo_server.stop()
-    if rc != 0:
-        print(f"the solo run failed ({rc}):\n{err}", file=sys.stderr)
-        return 1
+    if not args.without_healthy_runs:
+        solo_server = PsProcess(work / "ps-solo", "--checkpoint-root", str(work),
+                                *SERVER_FLAGS)
+        try:
+            rc, solo_ck, solo_dump, err = _healthy(solo_server.address, "healthy-solo", work)
+        finally:
+            solo_server.stop()
+        if rc != 0:
+            print(f"the solo run failed ({rc}):\n{err}", file=sys.stderr)
+            return 1
 
-    server = PsProcess(work / "ps", "--checkpoint-root", str(work), *SERVER_FLAGS)
+    # DropRun reaches the servicer with the admin token; Shutdown never carries it
+    admin_token = random.Random(args.seed).randbytes(24).hex()
+    token_file = work / "admin.token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(admin_token + "\n")
+    server = PsProcess(work / "ps", "--checkpoint-root", str(work), *SERVER_FLAGS,
+                       "--admin-token-file", str(token_file))
     # Each fuzz run's secret and the directory claimed with it (hybridps/run_secret.py),
     # as the worker's rank 0 claims its --checkpoint-dir.
     secrets_rng = random.Random(args.seed)
@@ -218,14 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         "healthy-solo/step-0000000049", "healthy-solo", "../outside", "/", "",
         "fuzz/../../x", "fuzz-runs"]
     fuzzer = Fuzzer(server.address, args.messages, args.seed, args.threads, checkpoint_dirs,
-                    run_secrets, run_dirs)
+                    run_secrets, run_dirs, admin_token)
     fuzz_thread = threading.Thread(target=fuzzer.run, daemon=True)
     healthy: list[dict[str, Any]] = []
     fuzz_start = time.perf_counter()
     fuzz_thread.start()
+    after: list[str] = []
     try:
         n = 0
-        while not fuzzer.done.is_set() or n == 0:
+        while not args.without_healthy_runs and (not fuzzer.done.is_set() or n == 0):
             n += 1
             run_id = f"healthy-{n}"
             t0 = time.perf_counter()
@@ -248,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             if not server.alive():
                 break
         fuzz_thread.join()
+        if server.alive():  # valid calls still work after the barrage
+            after = valid_calls_problems(server.address)
     finally:
-        fuzz_s = time.perf_counter() - fuzz_start
+        fuzz_s = (fuzzer.ended or time.perf_counter()) - fuzz_start
         alive = server.alive()
         try:
             health = health_status(server.address, timeout=10) if alive else "DEAD"
@@ -274,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"only {fuzzer.sent} of {args.messages} messages were sent")
     if fuzzer.applied == 0:
         failures.append("no fuzz push was applied: the push path was not reached")
+    gaps = coverage_gaps(fuzzer.covered_sent, fuzzer.covered_ok)
+    failures += [f"coverage: {gap}" for gap in gaps]
+    failures += [f"after the fuzz: {problem}" for problem in after]
     elapsed = time.perf_counter() - started
     figures = {"messages": fuzzer.sent, "calls": fuzzer.calls, "seed": args.seed,
                "sync_answers": fuzzer.answers, "pushes_applied": fuzzer.applied,
@@ -282,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                "by_method": dict(sorted(fuzzer.by_method.items())),
                "seconds_by_method": {k: round(v, 1) for k, v in fuzzer.seconds.items()},
                "bad_examples": fuzzer.bad, "healthy_runs": healthy,
+               "coverage": {"sent": dict(sorted(fuzzer.covered_sent.items())),
+                            "ok": dict(sorted(fuzzer.covered_ok.items())), "gaps": gaps},
+               "after_fuzz_problems": after, "generator_errors": fuzzer.generator_errors,
                "server_alive": alive, "health": health, "fuzz_seconds": round(fuzz_s, 1),
                "seconds": round(elapsed, 1), "failures": failures, "load": load_line()}
     codes = ", ".join(f"{c} {n}" for c, n in fuzzer.codes.most_common())
@@ -297,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         mean_ms = 1e3 * fuzzer.seconds[method] / max(1, sum(counts.values()))
         print(f"    {method:13s} " + ", ".join(f"{c} {n}" for c, n in counts.most_common())
               + f" (mean {mean_ms:.1f} ms a call)")
+    print(f"  coverage: {len(fuzzer.covered_ok)} of {len(fuzzer.covered_sent)} labels "
+          f"answered OK at least once; gaps: {'; '.join(gaps) or 'none'}")
+    print(f"  valid calls after the fuzz: {'; '.join(after) or 'all answered right'}")
     equal = sum(1 for h in healthy if h.get("bitwise_equal"))
     print(f"  INTERNAL/UNKNOWN: {bad}; server alive: {alive}, health {health}; healthy runs "
           f"bitwise equal to the solo run: {equal}/{len(healthy)}")

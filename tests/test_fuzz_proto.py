@@ -3,10 +3,16 @@ healthy run trains alongside. Every answer is OK or a clear status (never INTERN
 UNKNOWN), the server keeps serving, and the healthy run's answers are bitwise those of
 the same pushes on a server of its own (an in-process Store).
 
-This runs a few hundred messages of every unary kind plus raw bytes, in about a minute;
-`test_fuzz_campaign_2000_messages` runs bench/fuzz_proto.py with 2,000 messages (field
-mutations of valid messages of every kind, Sync streams included, and raw bytes) beside
-a real 2-rank training run, which must end bitwise equal to the same run alone. The
+This runs a few hundred messages of every unary kind (Page, every optimizer kind,
+dynamic tables) plus raw bytes, in about a minute;
+`test_short_fuzz_covers_every_rpc_kind_and_table_mode` runs bench/fuzz_proto.py alone
+for seconds and checks its coverage (every RPC of the proto services, every optimizer
+kind of hybridps/optim_kinds.py registered and pushed to, static and dynamic tables,
+Page calls applied and peeks) and that the server survives it (no INTERNAL/UNKNOWN,
+SERVING, valid calls of every kind answered right after);
+`test_fuzz_campaign_2000_messages` runs it with 2,000 messages (field mutations of valid
+messages of every kind, Sync streams included, and raw bytes) beside a real 2-rank
+training run, which must end bitwise equal to the same run alone. The
 100,000-message campaign is `python bench/fuzz_proto.py` (figures: docs/reliability.md).
 """
 
@@ -27,6 +33,7 @@ from hypothesis import strategies as st
 
 from hybridps import wire
 from hybridps.optim import OptimizerSpec
+from hybridps.optim_kinds import KINDS
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.partition import PushChunk, TableSpec
 from ps.store import Store
@@ -71,9 +78,14 @@ tensors = st.builds(
     lambda dtype, shape, n: shard_pb2.Tensor(dtype=dtype, shape=shape, data=bytes(n)),
     st.integers(0, 12), st.lists(st.integers(-2, 2**40), max_size=3), st.integers(0, 256))
 specs = st.builds(shard_pb2.TableSpec, name=NAMES, num_rows=INT64, dim=INT64,
-                  row_start=INT64, row_end=INT64)
-optimizers = st.builds(shard_pb2.OptimizerConfig, kind=st.integers(0, 5), lr=FLOATS,
-                       beta1=FLOATS, beta2=FLOATS, eps=FLOATS, weight_decay=FLOATS)
+                  row_start=INT64, row_end=INT64, dynamic=st.booleans())
+KIND_NUMBERS = shard_pb2.OptimizerConfig.Kind.values()
+# every kind of the proto's enum, and one number past it
+optimizers = st.builds(shard_pb2.OptimizerConfig, kind=st.integers(0, max(KIND_NUMBERS) + 1),
+                       lr=FLOATS, beta1=FLOATS, beta2=FLOATS, eps=FLOATS,
+                       weight_decay=FLOATS)
+id_tensors = st.one_of(st.builds(lambda v: wire.encode(torch.tensor(v, dtype=torch.int64)),
+                                 st.lists(INT64, max_size=6)), tensors)
 requests = st.one_of(
     st.tuples(st.just("Register"), st.builds(
         shard_pb2.RegisterRequest, run_id=RUNS, rank=INT32, world_size=INT32,
@@ -92,6 +104,11 @@ requests = st.one_of(
     st.tuples(st.just("SeedRows"), st.builds(shard_pb2.SeedRowsRequest, run_id=RUNS,
                                              rank=INT32, incarnation=INT64, table=NAMES,
                                              row_start=INT64, rows=tensors)),
+    st.tuples(st.just("Page"), st.builds(
+        shard_pb2.PageRequest, run_id=RUNS, rank=INT32, incarnation=INT64, table=NAMES,
+        step=INT64, seq=INT64, expire_steps=INT64, out_ids=id_tensors, out_slots=id_tensors,
+        out_rows=tensors, out_seen=id_tensors, out_freq=id_tensors, in_ids=id_tensors,
+        in_slots=id_tensors, peek=st.booleans())),
     st.tuples(st.just("GetShardStats"), st.builds(admin_pb2.ShardStatsRequest, run_id=NAMES)),
     st.tuples(st.just("raw"), st.binary(max_size=200)),
 )
@@ -120,7 +137,7 @@ def test_fuzzed_messages_beside_a_healthy_run(channel: grpc.Channel) -> None:
                                      request_serializer=lambda b: b,
                                      response_deserializer=lambda b: b)
            for svc, name in (("ShardService", "Register"), ("ShardService", "Flush"),
-                             ("AdminService", "GetShardStats"))}
+                             ("ShardService", "Page"), ("AdminService", "GetShardStats"))}
 
     @settings(max_examples=400, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -147,6 +164,43 @@ def test_fuzzed_messages_beside_a_healthy_run(channel: grpc.Channel) -> None:
     stats = admin.GetShardStats(admin_pb2.ShardStatsRequest(run_id=HEALTHY), timeout=10)
     assert [p.last_step for p in stats.partitions] == [39]
     assert wire is not None  # the helpers encode with it
+
+
+@pytest.mark.timeout(300)
+def test_short_fuzz_covers_every_rpc_kind_and_table_mode(tmp_path: Path) -> None:
+    """Issue 44 item 10: the fuzzer reaches Page, dynamic tables and every optimizer kind,
+    and fails on a kind or an RPC it never exercised; the server survives its barrage."""
+    out = tmp_path / "fuzz.json"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "fuzz_proto.py"), "--messages",
+                           "800", "--seed", "11", "--without-healthy-runs",
+                           "--dir", str(tmp_path / "work"), "--json", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert figures["failures"] == [] and figures["generator_errors"] == [], proc.stdout
+    # survival: clean statuses only, the server SERVING, valid calls right after
+    assert not set(figures["codes"]) & {"INTERNAL", "UNKNOWN"}, proc.stdout
+    assert figures["server_alive"] and figures["health"] == "SERVING"
+    assert figures["after_fuzz_problems"] == [], figures["after_fuzz_problems"]
+    # coverage, against the registry and the proto here (not the fuzzer's own list)
+    sent, ok = figures["coverage"]["sent"], figures["coverage"]["ok"]
+    methods = [m.name for pb, svc in ((shard_pb2, "ShardService"), (admin_pb2, "AdminService"))
+               for m in pb.DESCRIPTOR.services_by_name[svc].methods]
+    assert "Page" in methods and len(methods) >= 10
+    assert not [m for m in methods if not sent.get(f"rpc {m}")], sent
+    for rpc in ("Register", "Sync", "Page"):
+        assert ok.get(f"rpc {rpc}"), (rpc, ok)
+    kinds = set(KINDS) | {shard_pb2.OptimizerConfig.Kind.Name(n).lower()
+                          for n in KIND_NUMBERS if n}
+    assert {"adagrad", "rowwise_adagrad", "partial_rowwise_adam"} <= kinds
+    assert not [k for k in kinds if not ok.get(f"register {k}") or not ok.get(f"push {k}")], ok
+    for label in ("register table static", "register table dynamic", "push table dynamic",
+                  "page move", "page peek"):
+        assert ok.get(label), (label, ok)
+    # Page calls got past the first checks to the paging core's own refusals
+    assert figures["by_method"].get("Page INVALID_ARGUMENT", 0) > 0, figures["by_method"]
+    assert figures["by_method"].get("Page OK", 0) >= 10, figures["by_method"]
 
 
 @pytest.mark.timeout(900)

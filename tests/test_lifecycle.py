@@ -9,7 +9,9 @@
   sends Finish(aborted), exits 143; the server holds exactly that step;
 - server SIGTERM under a training run (the Sync stream, with the arena or inline): every
   rank learns at once that the server is shutting down and exits 1 with one line saying
-  so, instead of re-registering for the whole --ps-timeout.
+  so, instead of re-registering for the whole --ps-timeout; a dynamic-table run too,
+  whose ranks meet the stop in a Page call (a refused connection after the server said
+  it stops is that stop, not a reason to retry).
 """
 
 from __future__ import annotations
@@ -315,20 +317,15 @@ def test_worker_sigterm_finishes_the_step_flushes_and_exits(tmp_path: Path) -> N
         server.terminate()
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("same_node", ["auto", "off"])  # the stream with the arena, inline
-def test_server_sigterm_stops_the_ranks_at_once_with_a_clear_line(tmp_path: Path,
-                                                                   same_node: str) -> None:
-    """The default --ps-timeout (60 s): the ranks must not spend it re-registering with a
-    server that said it is going away with their optimizer state."""
+def sigterm_server_mid_run(tmp_path: Path, run_id: str, *args: str) -> tuple[int, float, str]:
+    """A 2-rank run on a real server (--grace-s 5) until every partition applied step 20,
+    then SIGTERM to the server: (the ranks' exit code, seconds they took, their log)."""
     server: PsServer = start_ps_server(tmp_path, "--grace-s", "5")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", MAIN, "--ps", server.address,
-           "--run-id", f"server-term-{same_node}", "--num-rows", "2000", "--batch-size", "32",
-           "--dim", "8", "--steps", "100000", "--log-every", "5", "--progress", "false",
-           "--same-node", same_node, "--log-level", "info"]
+           "--run-id", run_id, "--batch-size", "32", "--dim", "8", "--steps", "100000",
+           "--log-every", "5", "--progress", "false", "--log-level", "info", *args]
     log_path = tmp_path / "w.log"
     try:
         with open(log_path, "w") as log:
@@ -337,8 +334,7 @@ def test_server_sigterm_stops_the_ranks_at_once_with_a_clear_line(tmp_path: Path
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                stats = get_shard_stats(server.address, run_id=f"server-term-{same_node}",
-                                        timeout=5)
+                stats = get_shard_stats(server.address, run_id=run_id, timeout=5)
                 if stats.partitions and min(p.last_step for p in stats.partitions) >= 20:
                     break
             except grpc.RpcError:
@@ -349,24 +345,81 @@ def test_server_sigterm_stops_the_ranks_at_once_with_a_clear_line(tmp_path: Path
         server.proc.send_signal(signal.SIGTERM)
         returncode = proc.wait(120)
         elapsed = time.monotonic() - start
-        text = log_path.read_text()
         assert server.proc.wait(10) == 0, server.stderr()
-        assert returncode != 0, text[-4000:]
-        # The first rank to fail says why (rank 0 on the console, any rank in torchrun's
-        # failure report); torchrun then SIGTERMs the other, which may stop on that signal
-        # instead of reaching its own line.
-        lines = [line for line in text.splitlines() if "hybridps worker: error" in line]
-        assert lines, text[-6000:]
-        for line in lines:
-            assert "is shutting down" in line, line
-        assert "unreachable for" not in text, text[-6000:]
-        assert ("event=shm " in text) == (same_node == "auto"), "not that same-node mode"
-        assert elapsed < 30.0, f"the ranks took {elapsed:.0f}s to stop\n{text[-4000:]}"
+        return returncode, elapsed, log_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         server.terminate()
+
+
+def assert_stopped_at_once(returncode: int, elapsed: float, text: str, limit_s: float) -> None:
+    """Every rank's error line says the server is shutting down, none waited for it."""
+    assert returncode != 0, text[-4000:]
+    # The first rank to fail says why (rank 0 on the console, any rank in torchrun's
+    # failure report); torchrun then SIGTERMs the other, which may stop on that signal
+    # instead of reaching its own line.
+    lines = [line for line in text.splitlines() if "hybridps worker: error" in line]
+    assert lines, text[-6000:]
+    for line in lines:
+        assert "is shutting down" in line, line
+    assert "unreachable for" not in text, text[-6000:]
+    assert elapsed < limit_s, f"the ranks took {elapsed:.0f}s to stop\n{text[-4000:]}"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("same_node", ["auto", "off"])  # the stream with the arena, inline
+def test_server_sigterm_stops_the_ranks_at_once_with_a_clear_line(tmp_path: Path,
+                                                                   same_node: str) -> None:
+    """The default --ps-timeout (60 s): the ranks must not spend it re-registering with a
+    server that said it is going away with their optimizer state."""
+    returncode, elapsed, text = sigterm_server_mid_run(
+        tmp_path, f"server-term-{same_node}", "--num-rows", "2000", "--same-node", same_node)
+    assert ("event=shm " in text) == (same_node == "auto"), "not that same-node mode"
+    assert_stopped_at_once(returncode, elapsed, text, 30.0)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_server_sigterm_stops_a_dynamic_table_run_at_once(tmp_path: Path) -> None:
+    """Dynamic tables call Page at most steps (evictions, page-ins): a Page call that meets
+    the stopping server, or the gone one, fails at once with the same line as the Sync
+    stream does, well inside --ps-timeout."""
+    returncode, elapsed, text = sigterm_server_mid_run(
+        tmp_path, "server-term-dynamic", "--task", "tables", "--num-rows", "300",
+        "--tables", "user:40:dynamic:lfu:expire=6,ad:30:3:dynamic:threshold=2,s:50",
+        "--staleness", "1", "--ps-timeout", "60")
+    assert_stopped_at_once(returncode, elapsed, text, 20.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_fails_after_the_server_said_it_stops_is_the_shutdown() -> None:
+    """A refused connection is retryable, until the rank was told the server is stopping
+    (its Sync stream ended so): then it is that shutdown, not a reason to wait."""
+    import socket
+
+    from hybridps.errors import SHUTTING_DOWN
+    from hybridps.security import ClientSecurity
+    from worker.grpc_client import ShardRpc
+    from worker.transport import TransportRetryable, TransportShutdown
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rpc = ShardRpc(f"127.0.0.1:{port}", ClientSecurity(), 1 << 20)
+    rpc.start()
+    try:
+        request = shard_pb2.PageRequest(run_id="r", rank=0, table="t", seq=1)
+        with pytest.raises(TransportRetryable) as before:
+            rpc.call("Page", request, 5.0)
+        rpc.stopping_seen(TransportShutdown("UNAVAILABLE", SHUTTING_DOWN))
+        with pytest.raises(TransportShutdown, match="server shutting down") as after:
+            rpc.call("Page", request, 5.0)
+        assert before.value.code in after.value.details  # what the call met, kept
+    finally:
+        rpc.close()
 
 
 @pytest.mark.e2e

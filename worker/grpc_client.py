@@ -6,7 +6,11 @@ calls (Register, SeedRows, Flush, Checkpoint, Finish) by `call`, which the calli
 thread waits on with a deadline, and the Sync stream by `open_stream`. `metadata` is
 the one place a call's credentials are attached: the auth token, and, once a Register
 answered it, the partition's secret (hybridps/partition_secret.py). Errors are
-TransportErrors (worker/transport.py), never grpc's.
+TransportErrors (worker/transport.py), never grpc's. Once the server said it is shutting
+down (its Sync stream ended so, or a call did), a later call that fails to reach it fails
+as that TransportShutdown: the Sync stream learns it first, but a rank may be in a unary
+call (a dynamic table's Page) when the server goes, and the refused connections that
+follow would otherwise be retried for the whole --ps-timeout.
 
 Why a thread with its own loop: grpc.aio needs a running loop, and the training thread
 must never run one (it would have to stop in the middle of a step to let it run). No
@@ -45,6 +49,7 @@ from worker.transport import (
     SyncTransport,
     TransportError,
     TransportRetryable,
+    TransportShutdown,
     decode_response,
     transport_error,
 )
@@ -88,6 +93,19 @@ class ShardRpc:
         self._partition: tuple[str, int, str] | None = None
         # Register's proof of the job (hybridps/run_secret.py): run and restore secrets
         self._run_proof: tuple[tuple[str, str], ...] = ()
+        # What the server said when it said it is shutting down (set from either thread)
+        self.server_stopping: TransportShutdown | None = None
+
+    def stopping_seen(self, exc: TransportError) -> TransportError:
+        """`exc`, remembered when it says the server is shutting down; a retryable failure
+        after that is the shutdown it follows (the server is gone, not restarting)."""
+        if isinstance(exc, TransportShutdown):
+            self.server_stopping = exc
+            return exc
+        said = self.server_stopping
+        if said is not None and isinstance(exc, TransportRetryable):
+            return TransportShutdown(said.code, f"{said.details} (then {exc.text})")
+        return exc
 
     def bind_partition(self, run_id: str, rank: int, secret: str) -> None:
         """Every later call carries this partition's secret (Register answered it)."""
@@ -146,11 +164,17 @@ class ShardRpc:
                 return getattr(stub, method)(request, timeout=timeout_s,
                                              metadata=self.metadata_for(method))
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise self.stopping_seen(rpc_error(exc)) from None
 
     def run(self, make: Callable[[], Awaitable[T]], timeout_s: float, what: str) -> T:
         """Run a coroutine on the loop and wait for its result (the one way the calling
         thread waits on the loop)."""
+        try:
+            return self._run(make, timeout_s, what)
+        except TransportError as exc:
+            raise self.stopping_seen(exc) from None
+
+    def _run(self, make: Callable[[], Awaitable[T]], timeout_s: float, what: str) -> T:
         loop = self._loop
         if not self.running or loop is None:
             raise TransportRetryable("UNAVAILABLE", f"{what}: the gRPC loop is not running")
@@ -318,6 +342,8 @@ class GrpcStreamTransport(SyncTransport):
             error = TransportRetryable("CANCELLED", "the Sync stream was closed")
         except Exception as exc:
             error = TransportRetryable("UNKNOWN", f"{type(exc).__name__}: {exc}")
+        if isinstance(error, TransportShutdown):  # the unary calls learn it too
+            self._rpc.stopping_seen(error)
         with self._cond:
             self._error = error
             self._cond.notify()

@@ -356,6 +356,8 @@ class ShardClient(UpdateSource):
             try:
                 return self.rpc.call("Page", request, self.timeout_s)
             except TransportError as exc:
+                if isinstance(exc, TransportShutdown):  # the stream's line: stop at once
+                    self._note(exc)
                 left = deadline - time.monotonic()
                 if not isinstance(exc, TransportRetryable) or left <= 0:
                     kind = ServerTimeout if exc.code == "DEADLINE_EXCEEDED" else ServerRefused

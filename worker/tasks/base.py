@@ -15,9 +15,9 @@ Contract:
   rank, world_size)` is slice `rank` of it (the default slices; override
   only to avoid generating what the rank drops).
 - `loss(model, batch)` returns the MEAN loss over the batch's samples. It
-  reads embeddings only through `model.embedding.lookup(...)` /
-  `lookup_bag(...)` and must issue the same lookups in the same order on
-  every rank (they are collectives).
+  reads embeddings only through `model.lookups` (`lookup`, `lookup_bag`,
+  `lookup_many`, `local_block`: EmbeddingLookups below) and must issue the
+  same lookups in the same order on every rank (they are collectives).
 - optional: `eval_batch(index, rank, world_size)` (held-out data, None when
   there is none), `evaluate(model, batch)` (metrics as mean-over-batch
   scalar tensors), `steps_per_epoch(world_size)` (finite data),
@@ -49,7 +49,7 @@ __all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task", "T
 
 
 class EmbeddingLookups(Protocol):
-    """What a task may call on `model.embedding` (sharded or the reference's)."""
+    """What a task may call on `model.lookups` (sharded or the reference's tables)."""
 
     def lookup(self, name: str, ids_N: torch.Tensor) -> torch.Tensor: ...
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A command block is a fenced block marked bash or sh; unmarked blocks show output.
-COMMAND_BLOCK = re.compile(r"^( *)```(?:bash|sh)\n(.*?)^\1```", re.S | re.M)
+# tests/test_doc_blocks.py checks and runs them.
+from tests.doc_blocks import COMMAND_BLOCK, PAGES, ROOT, blocks, commands
+
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # What cannot be pasted: elided arguments, optional-argument brackets, placeholders.
 PLACEHOLDER = re.compile(r"(?<![\w.])\.\.\.(?![\w.])|\[--|\bHOST:PORT\b|<[A-Z][A-Z_]*>")
@@ -70,3 +70,46 @@ def test_the_checks_catch_what_they_should() -> None:
         "torchrun ... --resume"]
     assert PLACEHOLDER.search("python -m ps.admin stats --ps HOST:PORT")
     assert not PLACEHOLDER.search("torchrun worker/main.py --ps 127.0.0.1:50051")
+
+
+# the multi-node page launches on several nodes with torchrun's own rendezvous flags
+PLAIN_TORCHRUN_PAGES = {"deploy.md"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_ranks_are_launched_with_hybridps_run(page: Path) -> None:
+    if page.name in PLAIN_TORCHRUN_PAGES:
+        return
+    plain = [f"{block.where}: {cmd.text[:70]}" for block in blocks(page)
+             for cmd in commands(block.text) if "torchrun" in cmd.argv[:3]]
+    assert not plain, "plain torchrun where hybridps-run gives one line:\n" + "\n".join(plain)
+
+
+def test_the_custom_model_page_names_the_real_task_api() -> None:
+    import inspect
+
+    from worker import export
+    from worker.tasks import base
+
+    page = (ROOT / "docs" / "custom_model.md").read_text()
+    for doc in (page, base.__doc__ or ""):
+        assert "model.lookups" in doc and "model.embedding.lookup" not in doc
+    for method in ("lookup", "lookup_bag", "lookup_many", "local_block"):
+        assert f"`{method}`" in page and hasattr(base.EmbeddingLookups, method), method
+    for hook in ("eval_batch", "evaluate"):
+        signature = f"def {hook}{inspect.signature(getattr(base.Task, hook))}"
+        assert signature.replace("'", "") in page, signature
+    for prefix in (export.EMBEDDING_PREFIX, export.DYNAMIC_PREFIX, export.DENSE_PREFIX):
+        assert f"`{prefix}" in page, prefix
+    assert "--init-std" in page
+
+
+def test_the_custom_model_pages_export_keys_are_its_models() -> None:
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "custom_model.md").read_text(),
+                      flags=re.S)[0]
+    namespace: dict[str, object] = {}
+    exec(compile(code, "my_model.py", "exec"), namespace)
+    towers = namespace["Towers"](8)  # type: ignore[operator]
+    page = (ROOT / "docs" / "custom_model.md").read_text()
+    named = re.findall(r"`dense\.([\w.]+)`", page)
+    assert named and all(key in towers.state_dict() for key in named), named

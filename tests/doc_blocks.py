@@ -201,24 +201,37 @@ def flags_of(key: str) -> frozenset[str]:
         sys.path.insert(0, str(ROOT))
     words = key.split()
     out = io.StringIO()
-    saved = sys.argv
+    saved, saved_path = sys.argv, list(sys.path)
     sys.argv = [words[0], *words[1:], "--help"]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
             if key.endswith(".py"):  # a script's directory is sys.path[0]
                 sys.path.insert(0, str((ROOT / key).parent))
-                try:
-                    runpy.run_path(str(ROOT / key), run_name="__main__")
-                finally:
-                    sys.path.remove(str((ROOT / key).parent))
+                runpy.run_path(str(ROOT / key), run_name="__main__")
             else:
                 runpy.run_module(words[0], run_name="__main__", alter_sys=False)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise RuntimeError(f"{key} --help exited {stop.code}") from None
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved, saved_path
     return frozenset(re.findall(r"(?<![\w-])--[a-zA-Z][\w-]*", out.getvalue()))
+
+
+def worker_refusal(args: Sequence[str]) -> str | None:
+    """The worker's own one-line refusal of these flags' values (its parser, in this
+    process: parsing imports no torch), or None."""
+    from hybridps.cli import parse_config
+    from worker.config import TrainConfig
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parse_config(TrainConfig, [a.replace("SUBST", README_PORT) for a in args])
+    except SystemExit:
+        lines = err.getvalue().strip().splitlines()
+        return lines[-1].split("error: ", 1)[-1] if lines else "exit 2"
+    return None
 
 
 def _flag_values(args: Sequence[str]) -> Iterator[tuple[str, str | None]]:
@@ -291,6 +304,11 @@ def static_problems(page_blocks: Sequence[Block], readme_log: str | None = "ps.l
                       and not (ROOT / value).exists() and not _made(value, made)):
                     problems.append(f"{say}: reads {value}, which is neither in the "
                                     "repository nor made by an earlier block")
+            if prog.key == "worker.main" and not any(n not in known for n, _ in
+                                                      _flag_values(prog.args)):
+                refused = worker_refusal(prog.args)
+                if refused:
+                    problems.append(f"{say}: the worker refuses it: {refused}")
             if prog.key == "worker.tasks.kge_hierarchy" and prog.args:
                 made.add(prog.args[0])
             if _is_server(prog):

@@ -166,9 +166,12 @@ def test_the_static_check_finds_what_a_pasting_user_meets() -> None:
     assert _problems("python -m worker.plan --world-size 2 --no-such-flag 1") == [
         "`python -m worker.plan --world-size 2 --no-such-flag 1`: worker.plan has no flag "
         "--no-such-flag"]
-    assert _problems("hybridps-run --standalone --nprocs 2 worker/main.py --steps 1") == [
-        "`hybridps-run --standalone --nprocs 2 worker/main.py --steps 1`: torchrun has no "
-        "flag --nprocs"]
+    launch = "hybridps-run --standalone --nprocs 2 worker/main.py --local-optimizer"
+    assert _problems(launch) == [f"`{launch}`: torchrun has no flag --nprocs"]
+    assert _problems("python worker/main.py --local-optimizer --optimizer adamm") == [
+        "`python worker/main.py --local-optimizer --optimizer adamm`: the worker refuses it: "
+        "optimizer='adamm' is not one of adam, adamw, sgd, adagrad, "
+        "rowwise_adagrad, partial_rowwise_adam"]
     assert _problems("python -m worker.no_such_module") == [
         "`python -m worker.no_such_module`: no module or script 'worker.no_such_module'"]
     assert _problems("python -m ps.admin stats --ps 127.0.0.1:50051 --wide") == []

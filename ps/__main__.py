@@ -4,7 +4,8 @@
 
 Every flag can also come from the environment as HYBRIDPS_<FLAG> (e.g.
 HYBRIDPS_MAX_MESSAGE_BYTES); see `python -m ps --help` and docs/flags.md. The flags are
-checked before torch and grpc are imported, so a bad one fails at once (one line, exit 2).
+checked before torch and grpc are imported, so a bad one fails at once (one line, exit 2),
+and so does a --checkpoint-root that is not a directory (ps/config.py ensure_checkpoint_root).
 Once serving, prints exactly one line `hybridps-ps listening on HOST:PORT` to stdout.
 Logs go to stderr, one `server=ID event=... key=value` line per event (--log-level).
 """
@@ -20,7 +21,10 @@ from collections.abc import Sequence
 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
-from ps.config import ServerConfig  # torch-free: the flags are checked before heavy imports
+from ps.config import (  # torch-free: the flags are checked before heavy imports
+    ServerConfig,
+    ensure_checkpoint_root,
+)
 
 log = logging.getLogger("ps")
 
@@ -50,6 +54,10 @@ def use_batch_scheduling() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(ServerConfig, argv, prog="python -m ps",
                           description="hybridps shard server: sparse optimizer state on CPU")
+    problem = ensure_checkpoint_root(config.checkpoint_root)
+    if problem is not None:
+        print(f"python -m ps: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     setup_logging(config.log_level_number, sys.stderr)
     if config.sched_batch and use_batch_scheduling():
         log.info(kv("sched", policy="batch"))

@@ -3,12 +3,14 @@
 Setting `foo_bar` is the flag `--foo-bar` and the variable `HYBRIDPS_FOO_BAR`
 (hybridps/cli.py); docs/flags.md lists them, generated from this class. The config is
 flat (ps/server.py reads `config.port`, ...); `group=` gives each setting its heading in
---help and the docs. Checks live in __post_init__ (ValueError naming the value).
+--help and the docs. Checks live in __post_init__ (ValueError naming the value);
+`ensure_checkpoint_root` checks the file system, before the server binds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -133,7 +135,9 @@ class ServerConfig:
         "allocated (0: no limit of its own)", RESOURCES, "BYTES")
     checkpoint_root: str = _s(
         "checkpoints", "the directory (relative: to the server's working directory) inside "
-        "which the server writes and restores checkpoints; a Checkpoint or restore naming a "
+        "which the server writes and restores checkpoints (missing: created at start when "
+        "its parent directory exists; else, or when it is not a directory, the server does "
+        "not start); a Checkpoint or restore naming a "
         "directory that resolves outside it (.., symbolic links) is refused "
         "(PERMISSION_DENIED). Workers' --checkpoint-dir must be inside it, created and "
         "claimed by the run (docs/deploy.md, \"Run secrets\"): the server writes only into "
@@ -226,3 +230,25 @@ class ServerConfig:
     @property
     def log_level_number(self) -> int:
         return int(getattr(logging, self.log_level.upper()))
+
+
+def ensure_checkpoint_root(root: str) -> str | None:
+    """Make --checkpoint-root an existing directory: None when it is one, or was created
+    now (a missing root whose parent is a directory: `checkpoints` of a fresh working
+    directory, a fresh volume's /data/checkpoints); else the one line that says why the
+    server cannot start with it (it is a file, or neither it nor its parent exists)."""
+    if os.path.isdir(root):
+        return None
+    if os.path.lexists(root):
+        return (f"--checkpoint-root {root!r} is not a directory: give the directory the "
+                "server writes checkpoints into")
+    parent = os.path.dirname(os.path.abspath(root))
+    if not os.path.isdir(parent):
+        return (f"--checkpoint-root {root!r} does not exist, nor does its parent directory "
+                f"{parent!r}: create it (mkdir -p) or give an existing directory")
+    try:
+        os.mkdir(root)
+    except OSError as exc:
+        return (f"--checkpoint-root {root!r} does not exist and cannot be created "
+                f"({exc.strerror or exc}): create it or give an existing directory")
+    return None

@@ -3,8 +3,10 @@
 Unit: worker/connect.py's retry window (a fake clock). End to end (issue 25 item 2,
 issue 23 item 3): `python -m worker.launch` (torchrun) with 2 ranks against an address
 where nothing listens, a host name that does not resolve, and a server that refuses the
-Register (a token it was not given): each ends within a bound, with the rank's one error
-line last (no torchrun traceback), and no shared-memory arena left in /dev/shm.
+Register (a --max-state-bytes too small for the run): each ends within a bound, with the
+rank's one error line last (no torchrun traceback), and no shared-memory arena left in
+/dev/shm. The launcher's pre-check names a server that wants a token the worker lacks (or
+has wrong), and an address that answers HTTP/1 (issue 44 item 7), before any rank starts.
 """
 
 from __future__ import annotations
@@ -197,18 +199,72 @@ def test_an_unreachable_server_fails_fast_with_one_line_last(kind: str) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_refused_register_leaves_no_arena(tmp_path: Path) -> None:
-    """A server that refuses the Register (it wants a token): the arena offered with it
-    is removed too, and the refusal is the last line."""
-    token = tmp_path / "token"
-    token.write_text("connect-test-token-0123456789abcdef\n")
-    token.chmod(0o600)
+    """A server that refuses the Register (its --max-state-bytes cannot hold the run: no
+    pre-check can know): the arena offered with it is removed too, and the refusal is the
+    last line."""
     before = _our_arenas()
-    with start_ps_server(tmp_path, "--auth-token-file", str(token)) as server:
+    with start_ps_server(tmp_path, "--max-state-bytes", "1000") as server:
         proc, seconds = _launch(server.address)
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert seconds < FAIL_WITHIN_S, f"took {seconds:.1f}s\n{proc.stderr[-4000:]}"
     last = _last_line(proc.stderr)
     assert last.startswith("hybridps worker: error: rank "), proc.stderr[-4000:]
-    assert f"shard server {server.address} refused" in last and "UNAUTHENTICATED" in last
+    assert f"shard server {server.address} refused" in last and "RESOURCE_EXHAUSTED" in last
     assert "Traceback" not in proc.stderr
     _assert_no_arena_left(before)
+
+
+# The launcher's pre-check (worker/preflight.py) names these before any rank starts; 30 s
+# is the launcher's own start and one health and reflection call on a loaded 2-core box.
+PRECHECK_WITHIN_S = 30.0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("worker_token", ["none", "wrong"])
+def test_a_token_the_server_does_not_take_is_named_before_any_rank_starts(
+        worker_token: str, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("connect-test-token-0123456789abcdef\n")
+    token.chmod(0o600)
+    flags: list[str] = []
+    if worker_token == "wrong":
+        other = tmp_path / "other"
+        other.write_text("not-the-servers-token-0123456789ab\n")
+        other.chmod(0o600)
+        flags = ["--auth-token-file", str(other)]
+    with start_ps_server(tmp_path, "--auth-token-file", str(token)) as server:
+        proc, seconds = _launch(server.address, *flags)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert seconds < PRECHECK_WITHIN_S, f"took {seconds:.1f}s\n{proc.stderr[-4000:]}"
+    says = ("wants an auth token and this worker has none" if worker_token == "none"
+            else "refused this worker's auth token (not the server's)")
+    assert _last_line(proc.stderr) == (
+        f"hybridps-run: error: shard server {server.address} {says}: give "
+        + ("it the server's token with --auth-token-file PATH" if worker_token == "none"
+           else "the server's token file with --auth-token-file")
+        + " (or HYBRIDPS_AUTH_TOKEN)"), proc.stderr[-4000:]
+    assert "rank" not in proc.stderr and "Traceback" not in proc.stderr  # no rank started
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_an_http_port_is_named_as_not_a_shard_server(tmp_path: Path) -> None:
+    web = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind",
+                            "127.0.0.1", "--directory", str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert web.stdout is not None
+        banner = web.stdout.readline()  # "Serving HTTP on 127.0.0.1 port N (http://...) ..."
+        port = int(banner.split(" port ")[1].split()[0])
+        address = f"127.0.0.1:{port}"
+        proc, seconds = _launch(address)
+    finally:
+        web.kill()
+        web.wait()
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert seconds < PRECHECK_WITHIN_S, f"took {seconds:.1f}s\n{proc.stderr[-4000:]}"
+    last = _last_line(proc.stderr)
+    assert last.startswith(f"hybridps-run: error: {address} is not a hybridps shard server: "
+                           "it answers HTTP/1, not gRPC"), proc.stderr[-4000:]
+    assert "Failed parsing HTTP/2" not in proc.stderr and "Traceback" not in proc.stderr

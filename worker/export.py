@@ -42,6 +42,7 @@ import torch
 from hybridps.checkpoint import Manifest, load_rows, save_torch
 from hybridps.dynamic_files import live_rows
 from hybridps.errors import ShardError
+from worker.output_paths import file_problem
 
 EMBEDDING_PREFIX = "embedding.tables."
 DYNAMIC_PREFIX = "embedding.dynamic."
@@ -127,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "tombstones for the ids dropped after it (docs/dynamic_ids.md)")
     parser.add_argument("--out", required=True, metavar="PATH", help="output .pt file")
     args = parser.parse_args(argv)
+    found = file_problem("--out", args.out, example="model.pt")
+    if found is not None:  # before the checkpoint is read
+        print(f"worker.export: error: {found}", file=sys.stderr)
+        return 2
     try:
         if args.state:
             if args.delta_since is not None:

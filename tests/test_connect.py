@@ -268,3 +268,29 @@ def test_an_http_port_is_named_as_not_a_shard_server(tmp_path: Path) -> None:
     assert last.startswith(f"hybridps-run: error: {address} is not a hybridps shard server: "
                            "it answers HTTP/1, not gRPC"), proc.stderr[-4000:]
     assert "Failed parsing HTTP/2" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_grpc_server_without_the_shard_service_is_named() -> None:
+    """A gRPC server that answers health and reflection but is no shard server."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from hybridps.security import ClientSecurity
+    from worker.preflight import server_problem
+
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
+    reflection.enable_server_reflection(["grpc.health.v1.Health", reflection.SERVICE_NAME],
+                                        other)
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        line = server_problem(f"127.0.0.1:{port}", ClientSecurity(), 5.0)
+    finally:
+        other.stop(None)
+    assert line == (f"127.0.0.1:{port} is not a hybridps shard server: its gRPC services are "
+                    "grpc.health.v1.Health, grpc.reflection.v1alpha.ServerReflection; point "
+                    "--ps at a shard server (python -m ps)")

@@ -415,7 +415,7 @@ class Generator:
         elif what == 4:  # extreme and negative raw ids (valid ids: raw ids are any int64)
             extreme = rng.choice([-1, -(2**63), 2**63 - 1, 0])
             if rng.random() < 0.5:
-                one_out(rng.randrange(max(1, hi)) if hi > lo else lo, extreme)
+                one_out(rng.randrange(lo, hi) if hi > lo else lo, extreme)
             else:
                 put("in_ids", torch.tensor([extreme], dtype=i64))
                 put("in_slots", torch.tensor([lo], dtype=i64))

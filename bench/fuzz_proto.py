@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -152,9 +153,8 @@ class Fuzzer:
                 labels = gen.labels(method, requests) if built else []
             except Exception as exc:  # the generator's own bug: counted as a failure
                 with self.lock:
-                    if len(self.generator_errors) < 50:
-                        self.generator_errors.append(f"{type(exc).__name__}: {exc}")
-                if not self._take(1):
+                    self.generator_errors.append(f"{type(exc).__name__}: {exc}")
+                if not self._take(1):  # counted as a message, so a broken generator ends
                     return
                 continue
             if not self._take(len(requests)):
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     # DropRun reaches the servicer with the admin token; Shutdown never carries it
-    admin_token = random.Random(args.seed).randbytes(24).hex()
+    admin_token = secrets.token_hex(24)
     token_file = work / "admin.token"
     token_file.touch(mode=0o600)
     token_file.write_text(admin_token + "\n")
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                "bad_examples": fuzzer.bad, "healthy_runs": healthy,
                "coverage": {"sent": dict(sorted(fuzzer.covered_sent.items())),
                             "ok": dict(sorted(fuzzer.covered_ok.items())), "gaps": gaps},
-               "after_fuzz_problems": after, "generator_errors": fuzzer.generator_errors,
+               "after_fuzz_problems": after,
+               "generator_errors": fuzzer.generator_errors[:50],
                "server_alive": alive, "health": health, "fuzz_seconds": round(fuzz_s, 1),
                "seconds": round(elapsed, 1), "failures": failures, "load": load_line()}
     codes = ", ".join(f"{c} {n}" for c, n in fuzzer.codes.most_common())

@@ -16,6 +16,7 @@ import re
 import runpy
 import shlex
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,7 +210,9 @@ def flags_of(key: str) -> frozenset[str]:
                 sys.path.insert(0, str((ROOT / key).parent))
                 runpy.run_path(str(ROOT / key), run_name="__main__")
             else:
-                runpy.run_module(words[0], run_name="__main__", alter_sys=False)
+                with warnings.catch_warnings():  # a module this process imported already
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    runpy.run_module(words[0], run_name="__main__", alter_sys=False)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise RuntimeError(f"{key} --help exited {stop.code}") from None

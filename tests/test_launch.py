@@ -5,8 +5,9 @@ bare torchrun, one copy of a known error.
 Unit: the worker's arguments found among torchrun's, the stop and failure lines, the data
 directory's line, a rank's error reported once, a misspelled flag's suggestion.
 End to end (real processes): a misspelled flag, `--task kge` without data, a bad
-`--data-dir`, a wrong `--ps`, a SIGTERM stop of a training run (exit 0), and the same errors
-under a bare torchrun.
+`--data-dir`, a wrong `--ps`, a SIGTERM stop of a training run (exit 0), a double Ctrl-C (cut
+short, exit 130) and a Ctrl-C after the last line (its exit code stays), and the same errors
+under a bare torchrun. An error file is written whole or not at all (unit).
 """
 
 from __future__ import annotations
@@ -100,6 +101,90 @@ def test_a_clean_stop_exits_0_unless_told_and_an_unclean_one_says_so(
     unflushed = [notes[0], {**notes[1], "flushed": False}]
     line, code = launch.stop_line(signal.SIGTERM, unflushed, 2)
     assert code == 143 and "could not flush" in line
+
+
+def test_after_a_second_signal_the_line_says_which_ranks_flushed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(launch.STOP_EXIT_ENV, raising=False)
+    rank0 = {"rank": 0, "step": 41, "steps": 1000, "flushed": True, "reason": "SIGINT"}
+    line, code = launch.stop_line(signal.SIGINT, [rank0], 2, signal.SIGINT, [0, 1])
+    assert code == 130
+    assert line == ("hybridps-run: stopped by SIGINT, cut short by a second SIGINT: rank 0 "
+                    "finished step 41 and flushed; rank 1 stopped at once, without flushing "
+                    "(--resume goes on from the last checkpoint)")
+    line, code = launch.stop_line(signal.SIGINT, [], 2, signal.SIGINT, [0, 1])
+    assert code == 130 and "flushed" not in line.replace("without flushing", "")
+    assert "ranks 0, 1 stopped at once, without flushing" in line
+    line, _ = launch.stop_line(signal.SIGTERM, [{**rank0, "flushed": False}], 3,
+                               signal.SIGINT, [0])
+    assert "rank 0 could not flush" in line and "2 of 3 ranks had not started" in line
+    # every rank had flushed when the second came: that is what the line says, and exit 0
+    both = [rank0, {**rank0, "rank": 1}]
+    line, code = launch.stop_line(signal.SIGINT, both, 2, signal.SIGINT, [0, 1])
+    assert code == 0 and "every rank finished the step, flushed its updates" in line
+
+
+def test_a_second_stop_signal_kills_the_ranks_not_stopped_yet(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    # torchrun's process context installs this name as its signal handler: a torch that
+    # renamed it would leave a double Ctrl-C waiting 30 s again
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)
+    signals = launch.StopSignals(str(tmp_path))
+    assert signals.install() and api._terminate_process_handler is signals
+    for rank, pid in ((0, 4242), (1, 4343)):
+        (tmp_path / f"started-{rank}.json").write_text(json.dumps({"rank": rank, "pid": pid}))
+    (tmp_path / "stopped-0.json").write_text(json.dumps(
+        {"rank": 0, "step": 3, "steps": 9, "flushed": True, "reason": "SIGINT"}))
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    with pytest.raises(SignalException) as first:
+        signals(signal.SIGINT, None)  # the first: torchrun's agent stops the ranks
+    assert first.value.sigval == signal.SIGINT and killed == []
+    signals(signal.SIGTERM, None)  # the second: no exception, the rank still running dies
+    assert killed == [(4343, signal.SIGKILL)]
+    assert signals.second == signal.SIGTERM and sorted(signals.started) == [0, 1]
+
+
+def test_an_error_file_is_never_seen_half_written(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    # torchrun, or a rank waiting for rank 0's record, reads the file as soon as it exists:
+    # an empty or partial one crashed torchrun with a JSONDecodeError
+    monkeypatch.delenv(launch.LAUNCHER_DIR_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    target = tmp_path / "error.json"
+    monkeypatch.setenv(launch.ERROR_FILE_ENV, str(target))
+    seen: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                text = target.read_text()
+            except FileNotFoundError:
+                continue
+            try:
+                json.loads(text)
+            except ValueError:
+                seen.append(text)
+
+    reader = threading.Thread(target=read)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the reader runs between any two steps of the writer
+    reader.start()
+    try:
+        for i in range(400):
+            launch.report_error(f"hybridps worker: error: boom {i} " + "x" * 2000)
+            if i % 2:
+                target.unlink()  # a file created afresh, and one replaced
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(switch)
+    assert seen == [], f"{len(seen)} partial reads, e.g. {seen[0][:80]!r}"
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["error.json"])  # no temporary left
 
 
 def _failure(exitcode: int, timestamp: int, message: object, sig: str = "") -> SimpleNamespace:
@@ -278,6 +363,70 @@ def test_sigterm_stops_cleanly_exits_0_and_says_so_last(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         server.terminate()
+
+
+def _training(cmd: list[str], err: Path) -> subprocess.Popen[bytes]:
+    """`cmd` started, once rank 0 is training (its stderr in `err`)."""
+    with open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=fe)
+    deadline = time.monotonic() + 150
+    while "event=ready" not in err.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+        time.sleep(0.3)
+    return proc
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_second_ctrl_c_stops_at_once_and_the_line_says_no_rank_flushed(
+        tmp_path: Path) -> None:
+    # --log-every far away: the ranks' clean stop waits for a step that never comes in time
+    cmd = [*LAUNCH, MAIN, "--local-optimizer", "--num-rows", "2000", "--batch-size", "32",
+           "--dim", "8", "--steps", "100000", "--log-every", "100000", "--progress", "false"]
+    err = tmp_path / "w.err"
+    proc = _training(cmd, err)
+    try:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the terminal signals the launcher only
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        code = proc.wait(60)
+        text = err.read_text()
+        assert time.monotonic() - second < 15, text[-3000:]  # not torchrun's 30 s wait
+        assert code == 130, text[-4000:]
+        assert _last_line(text) == (
+            "hybridps-run: stopped by SIGINT, cut short by a second SIGINT: ranks 0, 1 "
+            "stopped at once, without flushing (--resume goes on from the last checkpoint)")
+        _assert_quiet(text)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_after_the_last_line_keeps_the_exit_code_it_tells(tmp_path: Path) -> None:
+    cmd = [*LAUNCH, MAIN, "--local-optimizer", "--num-rows", "2000", "--batch-size", "32",
+           "--dim", "8", "--steps", "100000", "--log-every", "5", "--progress", "false"]
+    err = tmp_path / "w.err"
+    proc = _training(cmd, err)
+    try:
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while "hybridps-run: stopped" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)  # the second Ctrl-C, as the launcher exits
+        code = proc.wait(60)
+        text = err.read_text()
+        assert _last_line(text).startswith("hybridps-run: stopped by SIGINT after step "), text
+        assert code == 0, text[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # -- end to end: a bare torchrun ------------------------------------------------------------

@@ -21,6 +21,13 @@ What it adds:
   or the stop came before training started) it exits 128 + the signal (130 for SIGINT,
   143 for SIGTERM). A scheduler that must tell a run stopped early from a finished one
   sets HYBRIDPS_STOP_EXIT_CODE=signal: a clean stop then exits 128 + the signal too.
+- **A second stop signal (a double Ctrl-C) stops at once**: the launcher kills the ranks
+  that have not noted their stop yet (each noted its pid at start: `note_start`), and its
+  last line says which ranks flushed and which were cut short (exit 128 + the first
+  signal). Once torchrun returned, further signals are ignored: the exit code is the one
+  the last line tells.
+- **Ranks end when the launcher dies** (`kill -9`): see worker/launcher_watch.py; the
+  launcher gives them its pid (HYBRIDPS_LAUNCHER_PID).
 - torchrun's own log lines about the ranks' processes (its OMP_NUM_THREADS banner: the
   launcher sets OMP_NUM_THREADS=1 itself when unset and more than one rank runs, as
   torchrun would; closing signals; exit codes) are left out, unless LOGLEVEL is set
@@ -51,6 +58,7 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torchrun sets it for each rank
 MARK = "hybridps_error"  # in the record's extraInfo: a line of ours, not a traceback
 LAUNCHER_DIR_ENV = "HYBRIDPS_LAUNCHER_DIR"  # set by the launcher: ranks leave notes there
 STOP_EXIT_ENV = "HYBRIDPS_STOP_EXIT_CODE"  # "signal": a clean stop exits 128 + the signal
+LAUNCHER_PID_ENV = "HYBRIDPS_LAUNCHER_PID"  # set by the launcher: the ranks' parent
 PROG = "hybridps-run"
 WORKER_MAIN = Path(__file__).resolve().with_name("main.py")
 # torchrun's loggers whose lines the launcher's last line replaces (the rendezvous's stay)
@@ -127,11 +135,37 @@ def _record_error(line: str) -> None:
     record = {"message": {"message": line,
                           "extraInfo": {"timestamp": str(int(time.time())), MARK: True}}}
     with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps(record))
+        write_whole(Path(path), json.dumps(record))
     if _rank() != 0 and not os.environ.get(LAUNCHER_DIR_ENV):
         # Bare torchrun stops every rank when the first one exits: give rank 0, which meets
         # the same error (the same flags and data), time to print it before we do.
         _wait_for_rank0_record(path, PEER_GRACE_S)
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` as the file `path`, written under a temporary name in the same directory and
+    renamed into place: a reader (a rank waiting for rank 0's record, torchrun reading a
+    failed rank's, the launcher reading the notes) finds no file or the whole one, never
+    an empty or half-written one, even when the writer is killed mid-write."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def note_start() -> None:
+    """A rank tells the launcher its pid, so that a second stop signal can end it at once
+    (no-op without a launcher)."""
+    folder = os.environ.get(LAUNCHER_DIR_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            write_whole(Path(folder, f"started-{_rank()}.json"),
+                        json.dumps({"rank": _rank(), "pid": os.getpid()}))
 
 
 def note_stop(step: int, steps: int, flushed: bool, reason: str) -> None:
@@ -142,7 +176,7 @@ def note_stop(step: int, steps: int, flushed: bool, reason: str) -> None:
     note = {"rank": _rank(), "step": step, "steps": steps, "flushed": flushed,
             "reason": reason}
     with contextlib.suppress(OSError):
-        Path(folder, f"stopped-{_rank()}.json").write_text(json.dumps(note))
+        write_whole(Path(folder, f"stopped-{_rank()}.json"), json.dumps(note))
 
 
 def _recorded(failures: dict[int, Any]) -> Any | None:
@@ -221,16 +255,24 @@ def _local_world_size(torchrun_argv: Sequence[str]) -> int:
     return 1
 
 
-def stop_line(sig: signal.Signals, notes: list[dict[str, Any]], expected: int) -> tuple[str, int]:
-    """The last line and the exit code after a stop signal, from the ranks' notes."""
+def stop_line(sig: signal.Signals, notes: list[dict[str, Any]], expected: int,
+              second: signal.Signals | None = None, started: Sequence[int] = ()
+              ) -> tuple[str, int]:
+    """The last line and the exit code after a stop signal, from the ranks' notes.
+
+    `second`: a second stop signal came (the launcher then killed the ranks of `started`,
+    those that noted a start, that had not noted their stop): the line says which ranks
+    flushed and which were cut short."""
     code = 128 + int(sig)
     clean = len(notes) >= expected and all(n.get("flushed") for n in notes)
-    if clean:
+    if clean:  # every rank flushed before any second signal could cut it short
         step = max(int(n["step"]) for n in notes)
         steps = max(int(n.get("steps", 0)) for n in notes)
         line = (f"{PROG}: stopped by {sig.name} after step {step} of {steps}: every rank "
                 "finished the step, flushed its updates and told the server")
         return line, code if os.environ.get(STOP_EXIT_ENV) == "signal" else 0
+    if second is not None:
+        return _cut_short_line(sig, second, notes, expected, started), code
     missing = expected - len(notes)
     why = (f"{missing} of {expected} ranks did not report a clean stop (stopped before "
            "training started, or killed)" if missing > 0 else
@@ -238,12 +280,93 @@ def stop_line(sig: signal.Signals, notes: list[dict[str, Any]], expected: int) -
     return f"{PROG}: stopped by {sig.name}: {why}", code
 
 
-def _read_notes(folder: str) -> list[dict[str, Any]]:
-    notes = []
-    for path in sorted(Path(folder).glob("stopped-*.json")):
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def _cut_short_line(sig: signal.Signals, second: signal.Signals,
+                    notes: list[dict[str, Any]], expected: int, started: Sequence[int]) -> str:
+    flushed = [n for n in notes if n.get("flushed")]
+    failed = sorted(int(n["rank"]) for n in notes if not n.get("flushed"))
+    noted = {int(n["rank"]) for n in notes}
+    cut = sorted(set(started) - noted)
+    unknown = expected - len(noted | set(started))
+    parts = []
+    if flushed:
+        step = max(int(n["step"]) for n in flushed)
+        parts.append(f"{_ranks(sorted(int(n['rank']) for n in flushed))} finished step "
+                     f"{step} and flushed")
+    if failed:
+        parts.append(f"{_ranks(failed)} could not flush (see its line above)")
+    if cut:
+        parts.append(f"{_ranks(cut)} stopped at once, without flushing")
+    if unknown > 0:
+        parts.append(f"{unknown} of {expected} ranks had not started training")
+    return (f"{PROG}: stopped by {sig.name}, cut short by a second {second.name}: "
+            + "; ".join(parts) + " (--resume goes on from the last checkpoint)")
+
+
+def _read_json(folder: str, pattern: str) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(Path(folder).glob(pattern)):
         with contextlib.suppress(OSError, ValueError):
-            notes.append(json.loads(path.read_text()))
-    return notes
+            found.append(json.loads(path.read_text()))
+    return found
+
+
+def _read_notes(folder: str) -> list[dict[str, Any]]:
+    return _read_json(folder, "stopped-*.json")
+
+
+class StopSignals:
+    """torchrun's handler of its stop signals (SIGTERM, SIGINT, SIGHUP, SIGQUIT), counting
+    them. The first raises SignalException as torchrun's own does: its agent forwards the
+    signal to the ranks, which stop cleanly, and waits for them. A second one kills the
+    ranks that noted a start (`note_start`) and no stop yet: the user asked twice, and a
+    rank stopping cleanly could take the agent's whole 30 s."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.first: signal.Signals | None = None
+        self.second: signal.Signals | None = None
+        self.started: list[int] = []  # the ranks that had noted a start at the second
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sig = signal.Signals(signum)
+        if self.first is None:
+            self.first = sig
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        if self.second is None:
+            self.second = sig
+        stopped = {int(n["rank"]) for n in _read_notes(self.folder)}
+        for note in _read_json(self.folder, "started-*.json"):
+            rank = int(note["rank"])
+            if rank not in self.started:
+                self.started.append(rank)
+            if rank not in stopped:
+                with contextlib.suppress(OSError):
+                    os.kill(int(note["pid"]), signal.SIGKILL)
+
+    def install(self) -> bool:
+        """In place of torchrun's handler, which its process context installs when it
+        starts the ranks; False when this torch names it otherwise (its own stays)."""
+        from torch.distributed.elastic.multiprocessing import api
+
+        if not callable(getattr(api, "_terminate_process_handler", None)):
+            return False
+        api._terminate_process_handler = self  # type: ignore[assignment]
+        return True
+
+
+def _ignore_stop_signals() -> None:
+    """After torchrun returned: the last line is said, nothing may change the exit code
+    (a Python handler would be reset to the default at the interpreter's exit, and a
+    late Ctrl-C there killed the launcher with 130 after a line that said exit 0)."""
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def failure_line(failures: dict[int, Any]) -> tuple[str, int]:
@@ -283,14 +406,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
     with tempfile.TemporaryDirectory(prefix="hybridps-launch-") as scratch:
         os.environ[LAUNCHER_DIR_ENV] = scratch
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        signals = StopSignals(scratch)
+        signals.install()
         if not os.environ.get(ERROR_FILE_ENV):
             # torchrun copies the failed rank's record into its own error file, and logs an
             # error when it has none; the ranks get files of their own from torchrun.
             os.environ[ERROR_FILE_ENV] = os.path.join(scratch, "error.json")
         try:
-            torchrun_main(args)
+            try:
+                torchrun_main(args)
+            finally:
+                _ignore_stop_signals()
         except SignalException as exc:
-            line, code = stop_line(exc.sigval, _read_notes(scratch), local_world)
+            line, code = stop_line(exc.sigval, _read_notes(scratch), local_world,
+                                   signals.second, signals.started)
             print(line, file=sys.stderr, flush=True)
             return code
         except ChildFailedError as exc:

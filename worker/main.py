@@ -37,7 +37,8 @@ if not __package__:  # `torchrun worker/main.py` / `python worker/main.py` from 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
 from worker.config import TrainConfig
-from worker.launch import flag_errors, note_stop, report_error
+from worker.launch import flag_errors, note_start, note_stop, report_error
+from worker.launcher_watch import watch_launcher
 from worker.task_defaults import TASK_DEFAULTS, task_defaults
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  {task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
         for task, d in TASK_DEFAULTS.items())
     rank = int(os.environ.get("RANK", "0") or 0)
+    watch_launcher()  # end with the launcher, even one killed -9 (worker/launcher_watch.py)
+    note_start()  # a second stop signal to the launcher ends this rank at once
     with flag_errors(rank):  # a bad flag: rank 0 says it, every rank exits 2
         cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
                            defaults=task_defaults, epilog=epilog)

@@ -2,8 +2,9 @@
 server then takes a `--resume` of the run.
 
 Unit: who is watched, the watch's stop and its exit after the grace.
-End to end (real processes): `kill -9` of `hybridps-run` during a 2-rank run: both ranks
-are gone within seconds, and a `--resume` of the run is accepted by the same server.
+End to end (real processes): `kill -9` of `hybridps-run` (and of a bare torchrun's agent)
+during a 2-rank run: both ranks are gone within seconds, and a `--resume` of the run is
+accepted by the same server.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from worker import launch, launcher_watch
 from worker.launcher_watch import LauncherWatch
 
 MAIN = str(REPO / "worker" / "main.py")
+LAUNCH = [sys.executable, "-m", "worker.launch"]  # hybridps-run
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # its agent is the ranks' parent
 GONE_WITHIN_S = 15.0  # launcher_watch.GONE_GRACE_S, and a loaded machine's slack
 
 
@@ -91,7 +94,9 @@ def _running(pid: int) -> bool:
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks in /proc")
-def test_kill_9_of_the_launcher_ends_its_ranks_and_the_run_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", [LAUNCH, [TORCHRUN]], ids=["hybridps-run", "torchrun"])
+def test_kill_9_of_the_launcher_ends_its_ranks_and_the_run_resumes(
+        launcher: list[str], tmp_path: Path) -> None:
     server = start_ps_server(tmp_path)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("HYBRIDPS_") or k in ("HYBRIDPS_CHECKPOINT_ROOT",
@@ -99,8 +104,8 @@ def test_kill_9_of_the_launcher_ends_its_ranks_and_the_run_resumes(tmp_path: Pat
     env.pop("LOGLEVEL", None)
     env["PYTHONUNBUFFERED"] = "1"
     checkpoints = tmp_path / "ck"
-    run = [sys.executable, "-m", "worker.launch", "--standalone", "--nproc_per_node", "2", MAIN,
-           "--ps", server.address, "--run-id", "launcher-killed", "--num-rows", "2000",
+    run = [*launcher, "--standalone", "--nproc_per_node", "2", MAIN, "--ps", server.address,
+           "--run-id", "launcher-killed", "--num-rows", "2000",
            "--batch-size", "32", "--dim", "8", "--log-every", "5", "--progress", "false",
            "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"]
     err = tmp_path / "w.err"

@@ -14,7 +14,8 @@ with the numbers (exit 1); `--plan` prints the plan and exits.
 Before torch is set up, the data directory and the shard server are checked too
 (worker/preflight.py): a bad --data-dir or a server that does not answer is one line.
 A known error is printed by rank 0 only (every rank records it for torchrun's report, and
-`hybridps-run` prints it last: worker/launch.py).
+`hybridps-run` prints it last: worker/launch.py). A rank that a launcher started ends within
+seconds of the launcher's death, even a `kill -9` (worker/launcher_watch.py).
 
 Exit codes: 0 trained to the end (or resumed at the run's last step: nothing to
 do); 1 error (the server, a plan that cannot fit); 2 bad flags or data, or no intact

@@ -44,14 +44,6 @@ NOT_RUN_HERE = {
      "minutes"): "10 minutes; tests/test_soak.py runs the short one",
     ("reliability.md", "python bench/fuzz_proto.py --threads 4     # 100,000 messages"):
         "minutes; tests/test_fuzz_proto.py runs the short one",
-    ("usage.md", "python -m ps --port 50051                            # loopback only, "
-     "no token needed"): "servers in the foreground",
-    ("usage.md", "hybridps-run --standalone --nproc_per_node 2 worker/main.py --ps "
-     "127.0.0.1:50051 \\"): "training runs",
-    ("usage.md", "python -m ps --port 50051 > ps.log 2>&1 &"): "training runs",
-    ("usage.md", "python -m ps.admin stats --ps 127.0.0.1:50051            # one row per run: "
-     "state, steps, rates"): "needs the README's server; --watch runs until Ctrl-C",
-    ("usage.md", "grpcurl -plaintext 127.0.0.1:50051 list"): "grpcurl is no dependency",
 }
 _DEPLOY = ("python -m ps --host 0.0.0.0 --port 50051 --auth-token-file /etc/hybridps/token "
            "--tls-cert /etc/hybridps/server.pem --tls-key /etc/hybridps/server.key")
@@ -63,14 +55,6 @@ NOT_FIXED_HERE = {
      "use --port 0 --port-file FILE"),
     ("deploy.md", f"`{_DEPLOY}`: a server in the background with its log on the terminal: "
      "redirect it to a file"),
-    # docs/usage.md is another change's page today (issue 44): to fix there
-    ("usage.md", "`python -m ps --port 50051`: starts a server on 50051, the port of the "
-     "README's server: use --port 0 --port-file FILE"),
-    ("usage.md", "`python -m ps --host 0.0.0.0 --port 50051 --auth-token-file ps.token "
-     "--generate-auth-token true`: starts a server on 50051, the port of the README's "
-     "server: use --port 0 --port-file FILE"),
-    ("usage.md", "`python -m ps --port 50051`: writes ps.log, the README's server's log: "
-     "name another"),
 }
 
 

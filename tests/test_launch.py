@@ -468,3 +468,17 @@ def test_grpc_is_imported_lazily_by_the_preflight() -> None:
                          text=True, timeout=60, check=True).stdout.split()
     assert out == ["False", "False"]
     assert grpc is not None
+
+
+def test_a_ctrl_c_before_any_rank_started_ends_on_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the launcher still checks the flags and the server (before torchrun
+    takes the signals over): one line and 130, not Python's interrupt traceback."""
+    def interrupted(worker_argv: list[str]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "preflight", interrupted)
+    code = launch.main(["--standalone", "--nproc_per_node", "2", "worker/main.py",
+                        "--local-optimizer"])
+    assert code == 130
+    assert capsys.readouterr().err == "hybridps-run: interrupted before any rank started\n"

@@ -388,7 +388,14 @@ def failure_line(failures: dict[int, Any]) -> tuple[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _launch(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's handlers took the signal over
+        print(f"{PROG}: interrupted before any rank started", file=sys.stderr, flush=True)
+        return 130
+
+
+def _launch(args: list[str]) -> int:
     worker_argv = split_worker_args(args)
     if worker_argv is not None:
         found = preflight(worker_argv)

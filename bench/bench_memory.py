@@ -12,7 +12,7 @@ Every hybridps figure is measured from the tensors themselves (numel x element_s
 of what is allocated), not computed from a formula:
   - "hybridps fp32 rows" / "hybridps bf16 rows": the rows of a ShardedEmbedding built
     with that row dtype (worker/embedding.py), on the device; the shard server's state
-    for the same rows from a real ps.store.Store partition registered with that row
+    for the same rows from a real ps.core.store.Store partition registered with that row
     dtype: m + v (+ a 1-byte touched flag per row) and, for bf16, the fp32 master rows;
   - "device Adam (--local-optimizer)": the same ShardedEmbedding plus the
     LocalSparseOptimizer's m and v (and fp32 master with bf16 rows) next to the rows:
@@ -38,8 +38,8 @@ import torch
 from harness import bench_parser, machine, write_json  # bench/ is sys.path[0]
 
 from hybridps.optim import OptimizerSpec
-from ps.partition import TableSpec
-from ps.store import Store
+from ps.core.partition import TableSpec
+from ps.core.store import Store
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.updates import LocalSparseOptimizer
 

@@ -41,11 +41,11 @@ from bench_wire import Server  # noqa: E402  (bench/ is sys.path[0] when run as 
 from hybridps.optim import OptimizerSpec  # noqa: E402
 from hybridps.partition_secret import partition_metadata  # noqa: E402
 from hybridps.v1 import shard_pb2, shard_pb2_grpc  # noqa: E402
-from ps.arena_server import ArenaRegistry, ResolvedShmPush  # noqa: E402
-from ps.core import ShardCore  # noqa: E402
-from ps.partition import TableSpec  # noqa: E402
-from ps.store import Store  # noqa: E402
-from ps.sync_codec import batch_message, decode_request, request_chunks, shm_update  # noqa: E402
+from ps.core.partition import TableSpec  # noqa: E402
+from ps.core.shard_core import ShardCore  # noqa: E402
+from ps.core.store import Store  # noqa: E402
+from ps.edge.arena_server import ArenaRegistry, ResolvedShmPush  # noqa: E402
+from ps.edge.sync_codec import batch_message, decode_request, request_chunks, shm_update  # noqa: E402
 from worker.arena_client import ClientArena, ShmSlot, place, region_bytes  # noqa: E402
 from worker.sync_messages import optimizer_message  # noqa: E402
 

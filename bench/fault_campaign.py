@@ -58,8 +58,8 @@ from hybridps.checkpoint import (  # noqa: E402
 from hybridps.errors import ShardError  # noqa: E402
 from hybridps.optim import OptimizerSpec  # noqa: E402
 from hybridps.run_secret import read_secret  # noqa: E402
-from ps.partition import TableSpec  # noqa: E402
-from ps.store import Store  # noqa: E402
+from ps.core.partition import TableSpec  # noqa: E402
+from ps.core.store import Store  # noqa: E402
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 MAIN = str(ROOT / "worker" / "main.py")

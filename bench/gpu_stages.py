@@ -40,7 +40,7 @@ MODULES = {
     "pytest": ("pytest", True), "pytest_timeout": ("pytest-timeout", True),
 }
 # what must import once the packages are there (the generated code checks its runtime)
-PROJECT_IMPORTS = ("hybridps.v1.shard_pb2", "hybridps.v1.shard_pb2_grpc", "ps.server",
+PROJECT_IMPORTS = ("hybridps.v1.shard_pb2", "hybridps.v1.shard_pb2_grpc", "ps.edge.server",
                    "worker.train")
 SYNC_MESSAGE = "synchronizing CUDA operation"
 DRY_RUN_TESTS = "staleness0 or bf16 or export"

@@ -147,7 +147,7 @@ def save_torch(path: str | Path, obj: Any) -> dict[str, Any]:
 # Writes one file of a checkpoint: (path relative to the checkpoint directory, write(f)) ->
 # {bytes, crc32}. Default: atomic_write under the directory's path; the shard server
 # passes one that walks from a directory descriptor without following links
-# (ps/checkpoint_dirs.py).
+# (ps/core/checkpoint_dirs.py).
 Writer = Callable[[str, Callable[[BinaryIO], Any]], dict[str, Any]]
 
 

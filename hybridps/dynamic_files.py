@@ -81,7 +81,7 @@ def save_ids(directory: str | Path, *, table: str, rank: int, start: int, end: i
 def save_paged(directory: str | Path, *, table: str, rank: int, start: int, end: int,
                store: PagedRows, step: int, writer: Writer | None = None) -> ShardInfo:
     """A dynamic table's paged-out rows (through `writer` when given: the shard server's,
-    ps/checkpoint_dirs.py)."""
+    ps/core/checkpoint_dirs.py)."""
     return _info(Path(directory), paged_file(table, rank), table, rank, start, end,
                  {**store.state_dict(), "step": step}, writer)
 

@@ -2,7 +2,7 @@
 flag parsing and `--plan` read it without importing torch).
 
 A state layout is a tuple of (name, width): width PER_ELEMENT ("D") is one float32 per
-element of the row, 1 is one float32 per row. The shard server (ps/partition.py), the
+element of the row, 1 is one float32 per row. The shard server (ps/core/partition.py), the
 in-process `--local-optimizer` (worker/updates.py), checkpoints (hybridps/checkpoint.py)
 and every byte count (`--max-state-bytes`, stats, `--plan`) hold and count state by these
 names, so an optimizer is added here and in hybridps/optim.py, nowhere else. The names

@@ -12,7 +12,7 @@ the n seen longest ago (a memory budget; ties: the lowest id). Every drop leaves
 tombstone (id, step) for the delta export (worker/export.py --delta-since); tombstones
 are kept for the run (16 bytes each).
 
-Both sides hold one: the shard server (ps/partition.py, the node's store) and the
+Both sides hold one: the shard server (ps/core/partition.py, the node's store) and the
 worker's --local-optimizer (in-process). `state_dict`/`load_state_dict` are the
 checkpoint's `paged/<table>.r<rank>.pt` payload (worker/dynamic_checkpoint.py).
 """

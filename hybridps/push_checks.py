@@ -125,7 +125,7 @@ class PayloadDigest:
     """The digest of one push's payload (ids, gradients, its own lr), built chunk by chunk
     (`add`, or in the same pass as the checks: `scan_push_max`'s `digest`): kept with the
     push's cached answer, so a re-sent step gets that answer only if it carries the same
-    payload (ps/session.py). A checksum against client bugs, not a cryptographic hash:
+    payload (ps/core/session.py). A checksum against client bugs, not a cryptographic hash:
     the partition secret keeps others from pushing at all."""
 
     def __init__(self) -> None:

@@ -15,7 +15,7 @@ directory (another run id, another world size), read the same secret there. Regi
 carries it in its metadata (RUN_SECRET_HEADER); the server keeps only its sha256 with
 each partition, and compares it with the owner file of a directory before it writes a
 checkpoint into it or restores one from it, and before it lets a Register take over a
-partition that has state (ps/partition_auth.py). Writing the owner file is what claims
+partition that has state (ps/core/partition_auth.py). Writing the owner file is what claims
 the directory: only a user who may write there can, so the server never writes into a
 directory its client could not. The claim counts only when the directory and its owner
 file are of one user: in a directory anybody may add files to (a shared root, mode

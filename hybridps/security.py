@@ -1,7 +1,7 @@
 """Shared-token auth and TLS for every connection to a shard server (no torch import).
 
 Tokens. The server checks the metadata `authorization: Bearer <token>` on every
-RPC (ps/auth.py). A token comes from a file (`--auth-token-file`, first line,
+RPC (ps/edge/auth.py). A token comes from a file (`--auth-token-file`, first line,
 surrounding whitespace stripped) or, without one, from the environment
 (HYBRIDPS_AUTH_TOKEN for workers and stats; HYBRIDPS_ADMIN_TOKEN for admin
 calls that change state). There is deliberately no flag that takes the token

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level_number, sys.stderr)
     if config.sched_batch and use_batch_scheduling():
         log.info(kv("sched", policy="batch"))
-    from ps.server import serve  # imports torch and grpc: after argument parsing
+    from ps.edge.server import serve  # imports torch and grpc: after argument parsing
 
     try:
         import uvloop

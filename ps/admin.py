@@ -107,7 +107,7 @@ class StatsConfig(ClientConfig):
     def stats_security(self) -> ClientSecurity:
         """The auth token (--auth-token-file, else HYBRIDPS_AUTH_TOKEN), else the admin
         token (--admin-token-file, else HYBRIDPS_ADMIN_TOKEN): GetShardStats takes either
-        (ps/auth.py), and a server may have only the admin token."""
+        (ps/edge/auth.py), and a server may have only the admin token."""
         security = self.security(self.auth_token_file, AUTH_TOKEN_ENV)
         if self.auth_token_file or (security.token and not self.admin_token_file):
             return security

@@ -2,7 +2,7 @@
 
 Setting `foo_bar` is the flag `--foo-bar` and the variable `HYBRIDPS_FOO_BAR`
 (hybridps/cli.py); docs/flags.md lists them, generated from this class. The config is
-flat (ps/server.py reads `config.port`, ...); `group=` gives each setting its heading in
+flat (ps/edge/server.py reads `config.port`, ...); `group=` gives each setting its heading in
 --help and the docs. Checks live in __post_init__ (ValueError naming the value);
 `ensure_checkpoint_root` checks the file system, before the server binds.
 """
@@ -22,12 +22,12 @@ from hybridps.channel_options import (
 )
 from hybridps.cli import setting
 from hybridps.logs import LOG_LEVELS
-from ps.lifecycle import DEFAULT_ABORT_GRACE_S  # torch-free
+from ps.core.lifecycle import DEFAULT_ABORT_GRACE_S  # torch-free
 
 MIN_MESSAGE_BYTES = 4096
 MAX_KERNEL_THREADS = 64  # the native pool's limit (MAX_WORKERS + the caller)
-# The defaults of ps/core.py and ps/partition.py (tests/test_config.py checks they agree):
-# written out here because importing those modules imports torch.
+# The defaults of ps/core/shard_core.py and ps/core/partition.py (tests/test_config.py
+# checks they agree): written out here because importing those modules imports torch.
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
@@ -77,7 +77,7 @@ class ServerConfig:
     shm_sweep: bool = _s(
         True, "with --shm: at start and every minute remove leaked arena files in /dev/shm "
         "(hybridps-*.arena of this user, older than a minute, that no process has open or "
-        "mapped, in any container: ps/maintenance.py)", SAME_NODE)
+        "mapped, in any container: ps/core/maintenance.py)", SAME_NODE)
     # --- updates and the sync protocol --------------------------------------------------
     max_message_bytes: int = _s(
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received; larger "
@@ -172,7 +172,7 @@ class ServerConfig:
                               "SEC")
     metrics_port: int = _s(
         -1, "serve Prometheus metrics at http://HOST:PORT/metrics on the --host address "
-        "(ps/metrics.py; no token, no TLS): -1 off, 0 a free port (printed and logged)", LOGS,
+        "(ps/edge/metrics.py; no token, no TLS): -1 off, 0 a free port (printed and logged)", LOGS,
         "PORT")
 
     def __post_init__(self) -> None:

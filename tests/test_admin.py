@@ -25,7 +25,7 @@ from hybridps.admin import (
 )
 from hybridps.v1 import admin_pb2, shard_pb2
 from ps.admin import format_shard_stats, get_shard_stats
-from ps.lifecycle import RunTracker
+from ps.core.lifecycle import RunTracker
 from tests.grpc_helpers import open_channel, push_messages, register, shard_stub, sync, table
 from tests.helpers import REPO, start_ps_server
 

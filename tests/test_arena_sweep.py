@@ -3,7 +3,7 @@
 
 There the pid in an arena's name means nothing to the server, so `alive` is replaced by a
 function that says every creator is gone: only the kernel's answer (does any process have
-the file open or mapped? ps/maintenance.py) keeps a live rank's arena. The older rules
+the file open or mapped? ps/core/maintenance.py) keeps a live rank's arena. The older rules
 (pid, age, owner, links) are tests/test_trust_core.py's.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ps import maintenance
-from ps.maintenance import in_use, sweep_dead_arenas
+from ps.core.maintenance import in_use, sweep_dead_arenas
 
 OLD = time.time() + 3600  # "now" an hour later: every file is old enough
 FOREIGN = 4_000_000  # a pid from another namespace: nothing here says whether it lives
@@ -125,7 +125,7 @@ def test_the_arenas_the_server_maps_are_never_swept(shm_dir: Path,
 
 def test_registry_names_the_paths_it_maps(shm_dir: Path) -> None:
     from hybridps import arena_layout as layout
-    from ps.arena_server import ArenaRegistry
+    from ps.edge.arena_server import ArenaRegistry
 
     size = layout.MIN_ARENA_BYTES
     nonce = os.urandom(layout.NONCE_BYTES)

@@ -44,9 +44,9 @@ from hybridps.checkpoint import (
 from hybridps.errors import Conflict, InvalidArgument
 from hybridps.optim import OptimizerSpec
 from hybridps.run_secret import OWNER_FILE, SECRET_FILE
-from ps.checkpoint import save_partition
-from ps.partition import PushChunk, TableSpec
-from ps.store import Store
+from ps.core.checkpoint import save_partition
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
 from tests.helpers import PsServer, start_ps_server
 from worker.faults import FAULT_ENV, FAULT_EXIT_CODE, fault_point
 

@@ -332,8 +332,8 @@ def test_choice_lists_agree_with_their_users() -> None:
     """One list per choice (the Literal); the torch-side maps must cover exactly it."""
     from typing import get_args
 
-    import ps.core
-    import ps.partition
+    import ps.core.partition
+    import ps.core.shard_core
     from ps import config as ps_config
     from worker.config import RowDtype, WireDtype
     from worker.embedding import ROW_DTYPES
@@ -344,6 +344,6 @@ def test_choice_lists_agree_with_their_users() -> None:
     assert set(get_args(WireDtype)) == set(WIRE_DTYPES)
     assert set(get_args(RowDtype)) == set(ROW_DTYPES)
     assert set(KGE_MODELS) == set(_MODELS)
-    assert ps_config.DEFAULT_FLUSH_TIMEOUT_S == ps.core.DEFAULT_FLUSH_TIMEOUT_S
-    assert ps_config.DEFAULT_ANSWER_CACHE_STEPS == ps.partition.DEFAULT_ANSWER_CACHE_STEPS
-    assert ps_config.DEFAULT_RATE_WINDOW_S == ps.partition.DEFAULT_RATE_WINDOW_S
+    assert ps_config.DEFAULT_FLUSH_TIMEOUT_S == ps.core.shard_core.DEFAULT_FLUSH_TIMEOUT_S
+    assert ps_config.DEFAULT_ANSWER_CACHE_STEPS == ps.core.partition.DEFAULT_ANSWER_CACHE_STEPS
+    assert ps_config.DEFAULT_RATE_WINDOW_S == ps.core.partition.DEFAULT_RATE_WINDOW_S

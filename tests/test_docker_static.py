@@ -480,7 +480,7 @@ def test_compose_exit_codes_are_the_workers(name: str) -> None:
     spec = compose_specs()[name]
     ps, worker = spec["services"]["ps"], spec["services"]["worker"]
     assert "pid" not in worker and "pid" not in ps
-    assert worker["ipc"] == "service:ps"  # the shared-memory pushes (ps/maintenance.py)
+    assert worker["ipc"] == "service:ps"  # the shared-memory pushes (ps/core/maintenance.py)
     assert worker["command"][:3] == ["python", "-m", "worker.launch"]
     from ps.config import ServerConfig
 

@@ -35,8 +35,8 @@ from hybridps import wire
 from hybridps.optim import OptimizerSpec
 from hybridps.optim_kinds import KINDS
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
-from ps.partition import PushChunk, TableSpec
-from ps.store import Store
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
 from tests.grpc_helpers import ADAM, assemble, open_channel, push_messages, register, table
 from tests.helpers import PsServer, start_ps_server
 

@@ -6,7 +6,7 @@ the results of separate tables, and checkpoints stay per table.
     the requester, auto) tables of two widths, --staleness 0 and 1 (with prediction);
 (b) checkpoints: written grouped at world size 2, resumed grouped and ungrouped at world
     sizes 2 (bitwise) and 1; written ungrouped, resumed grouped; the files are per table;
-(c) the server checks the members it is told (ps/table_members.py): a bad one is refused
+(c) the server checks the members it is told (ps/core/table_members.py): a bad one is refused
     with INVALID_ARGUMENT naming the value, and nothing is registered.
 """
 
@@ -24,9 +24,9 @@ import torch
 from hybridps.checkpoint import read_shard, step_dir
 from hybridps.errors import InvalidArgument
 from hybridps.optim import OptimizerSpec
-from ps.partition import TableSpec
-from ps.store import Store
-from ps.table_members import MemberSpec
+from ps.core.partition import TableSpec
+from ps.core.store import Store
+from ps.core.table_members import MemberSpec
 from tests.helpers import PsServer, start_ps_server
 from tests.test_checkpoint import assert_states
 from worker.groups import plan_units

@@ -16,8 +16,8 @@ import torch
 from hybridps import optim
 from hybridps.errors import InvalidArgument
 from hybridps.optim import OptimizerSpec, apply_update_
-from ps.partition import PushChunk, TableSpec
-from ps.store import Store
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
 
 ROWS, DIM, RUN = 30, 5, "run-lr"
 SCHEDULE = [0.1, 0.2, 0.3, 0.05, 0.05, 0.01, 0.4, 0.0, 0.02, 0.1]  # warm-up, plateau cuts, ...

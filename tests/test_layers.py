@@ -7,6 +7,8 @@ functions and under TYPE_CHECKING), so a lazy import cannot hide a wrong edge.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,93 @@ def test_the_cycle_check_sees_type_checking_imports() -> None:
     assert "worker.embedding" in graph["worker.checkpoint"]  # a TYPE_CHECKING import
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- inside the server: ps/core (transport-free) <- ps/edge (grpc) <- ps's entry points ----
+
+# what a transport-free module must not reach: gRPC and its services, the generated
+# messages and protobuf (a message belongs to the edge that converts it)
+TRANSPORT = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "hybridps.v1")
+ENTRY = ("ps.__main__", "ps.admin", "ps.config")
+# room -> the modules of ps it must never import (prefixes)
+PS_ROOMS = {"ps.core": ("ps.edge", *ENTRY), "ps.edge": ("ps.__main__", "ps.admin")}
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """The dotted names every absolute import of the file names (`from a.b import c`:
+    a.b and a.b.c), at any depth of the file."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def reached(start: str, graph: dict[str, set[str]], imports: dict[str, set[str]],
+            forbidden: tuple[str, ...]) -> list[str]:
+    """'a -> b -> c imports X' for each forbidden X that `start` reaches through the
+    project modules it imports, directly or through others (the transitive closure)."""
+    paths = {start: [start]}
+    queue = [start]
+    found: list[str] = []
+    while queue:
+        module = queue.pop(0)
+        found += [f"{' -> '.join(paths[module])} imports {name}"
+                  for name in sorted(imports.get(module, ())) if _within(name, forbidden)]
+        for nxt in sorted(graph.get(module, ())):
+            if nxt not in paths:
+                paths[nxt] = [*paths[module], nxt]
+                queue.append(nxt)
+    return found
+
+
+def _ps_core_modules() -> list[str]:
+    return [_module_name(p) for p in _modules("ps") if _module_name(p).startswith("ps.core")]
+
+
+def test_ps_core_reaches_no_transport() -> None:
+    graph = import_graph()
+    imports = {_module_name(p): _absolute_imports(p)
+               for package in PACKAGES for p in _modules(package)}
+    core = _ps_core_modules()
+    assert "ps.core.store" in core and "ps.core.shard_core" in core
+    wrong = [line for module in core for line in reached(module, graph, imports, TRANSPORT)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_ps_rooms_point_one_way() -> None:
+    graph = import_graph()
+    wrong = [f"{module} imports {target}" for module, targets in graph.items()
+             for room, banned in PS_ROOMS.items() if _within(module, (room,))
+             for target in sorted(targets) if _within(target, banned)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_closure_check_sees_an_import_through_another_module() -> None:
+    graph = {"ps.core.a": {"hybridps.b"}, "hybridps.b": {"hybridps.c"}, "hybridps.c": set()}
+    imports = {"ps.core.a": {"torch"}, "hybridps.c": {"grpc", "grpc.aio"}}
+    assert reached("ps.core.a", graph, imports, TRANSPORT) == [
+        "ps.core.a -> hybridps.b -> hybridps.c imports grpc",
+        "ps.core.a -> hybridps.b -> hybridps.c imports grpc.aio"]
+    assert reached("ps.core.a", graph, {"hybridps.c": {"grpcio_tools"}}, TRANSPORT) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_importing_ps_core_loads_no_transport() -> None:
+    """What the static scan cannot see (a third-party package that imports grpc): import
+    every core module in a fresh interpreter and look at what got loaded."""
+    code = ("import importlib, sys\n"
+            f"for m in {_ps_core_modules()!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if any(m == p or m.startswith(p + '.') "
+            f"for p in {TRANSPORT!r})))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from ps.admin import get_shard_stats
-from ps.lifecycle import RunTracker
+from ps.core.lifecycle import RunTracker
 from tests.grpc_helpers import open_channel, push_messages, register, shard_stub, table
 from tests.helpers import REPO, PsServer, start_ps_server
 

@@ -24,7 +24,7 @@ import hybridps.push_checks as push_checks
 import hybridps.state_alloc as state_alloc
 from hybridps import native
 from hybridps.optim import OptimizerSpec
-from ps.partition import TableSpec, TableState
+from ps.core.partition import TableSpec, TableState
 from worker.embedding import ShardedEmbedding, TableConfig, init_rows
 
 needs_native = pytest.mark.skipif(

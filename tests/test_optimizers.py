@@ -30,9 +30,9 @@ from hybridps.errors import Conflict, InvalidArgument, NonFiniteUpdate, Resource
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
 from hybridps.optim_kinds import KINDS, STATE_LAYOUTS, state_bytes_per_element
 from hybridps.state_alloc import alloc_row_state
-from ps.partition import PushChunk, TableSpec
-from ps.store import Store
-from ps.sync_codec import optimizer_args
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
+from ps.edge.sync_codec import optimizer_args
 from worker.config import Optimizer, TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig
 from worker.plan import Plan, TableShape, format_plan

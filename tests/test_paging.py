@@ -1,4 +1,4 @@
-"""A dynamic table's Page calls on the server (ps/paging.py through ps/store.py): rows and
+"""A dynamic table's Page calls on the server (ps/core/paging.py through ps/core/store.py): rows and
 their Adam state out of and into slots, exactly once, refusals that change nothing, the
 memory budget, and the stats (GetShardStats' rows, Prometheus)."""
 
@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry
 from hybridps.errors import OutOfOrder, RowOutOfRange
 from hybridps.optim import OptimizerSpec
 from hybridps.paged_rows import PagedOut
-from ps.metrics import LatencyRecorder, StoreCollector
-from ps.paging import PageCall
-from ps.partition import TableSpec
-from ps.store import Store
+from ps.core.paging import PageCall
+from ps.core.partition import TableSpec
+from ps.core.store import Store
+from ps.edge.metrics import LatencyRecorder, StoreCollector
 
 DIM = 3
 SPEC = OptimizerSpec(kind="adam", lr=0.1)

@@ -26,9 +26,9 @@ from hybridps.errors import (
     StaleIncarnation,
 )
 from hybridps.optim import OptimizerSpec, apply_rows_
-from ps.core import ShardCore
-from ps.partition import Answer, PushChunk, TableSpec
-from ps.store import Store
+from ps.core.partition import Answer, PushChunk, TableSpec
+from ps.core.shard_core import ShardCore
+from ps.core.store import Store
 
 RUN = "run-a"
 DIM = 4
@@ -535,19 +535,19 @@ def test_flush_waits_for_the_step_and_times_out_naming_who_is_behind() -> None:
 
 
 def _record_feed_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The name of the thread of every ps.core._feed_float32 call, as they happen."""
+    """The name of the thread of every ps.core.shard_core._feed_float32 call, as they happen."""
     import threading
 
-    import ps.core
+    import ps.core.shard_core
 
     threads: list[str] = []
-    feed = ps.core._feed_float32
+    feed = ps.core.shard_core._feed_float32
 
     def spy(session: Any, chunk: PushChunk) -> Any:
         threads.append(threading.current_thread().name)
         return feed(session, chunk)
 
-    monkeypatch.setattr(ps.core, "_feed_float32", spy)
+    monkeypatch.setattr(ps.core.shard_core, "_feed_float32", spy)
     return threads
 
 
@@ -558,9 +558,9 @@ def test_small_pushes_apply_on_the_loop_and_large_ones_in_the_pool_alike(
     paths give the answers of the Store fed directly."""
     import threading
 
-    import ps.core
+    import ps.core.shard_core
 
-    monkeypatch.setattr(ps.core, "INLINE_FEED_ELEMENTS", inline_elements)
+    monkeypatch.setattr(ps.core.shard_core, "INLINE_FEED_ELEMENTS", inline_elements)
     threads = _record_feed_threads(monkeypatch)
     pushes = [push(step, [10, 12 + step, 19]) for step in range(3)]
 

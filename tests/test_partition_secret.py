@@ -27,8 +27,8 @@ from hybridps.admin import get_shard_stats
 from hybridps.errors import WrongSecret
 from hybridps.partition_secret import partition_metadata
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
-from ps.partition import PushChunk, TableSpec
-from ps.store import Store
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
 from tests.grpc_helpers import (
     ADAM,
     open_channel,

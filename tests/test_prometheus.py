@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridps.admin import get_shard_stats
 from ps.config import ServerConfig
-from ps.metrics import LatencyRecorder
+from ps.edge.metrics import LatencyRecorder
 from tests.grpc_helpers import open_channel, push_messages, register, shard_stub, sync, table
 from tests.helpers import REPO, start_ps_server
 

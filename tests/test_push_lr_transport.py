@@ -16,9 +16,9 @@ import torch
 from hybridps.errors import InvalidArgument
 from hybridps.optim import OptimizerSpec, apply_rows_torch_
 from hybridps.v1 import shard_pb2
-from ps.partition import PushChunk, TableSpec
-from ps.store import Store
-from ps.sync_codec import decode_request, request_chunks
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
+from ps.edge.sync_codec import decode_request, request_chunks
 from tests.helpers import start_ps_server
 from tests.test_sync import FakeRpc, FakeShard, break_at, client, steps
 from worker.arena_client import ArenaPlacement

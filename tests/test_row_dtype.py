@@ -32,8 +32,8 @@ from hybridps.errors import Conflict, InvalidArgument, NotSeeded
 from hybridps.optim import OptimizerSpec
 from hybridps.v1 import shard_pb2
 from ps.admin import get_shard_stats
-from ps.partition import PushChunk, TableSpec
-from ps.store import Store
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
 from tests.helpers import PsServer
 from worker.config import TrainConfig
 from worker.embedding import ShardedEmbedding, TableConfig, init_rows

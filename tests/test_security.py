@@ -24,7 +24,7 @@ from hybridps.partition_secret import partition_metadata
 from hybridps.security import ClientSecurity, SecurityError, client_security, open_channel
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.admin import get_shard_stats, health_status
-from ps.auth import AuthPolicy
+from ps.edge.auth import AuthPolicy
 from tests.certs import Pki, make_pki
 from tests.grpc_helpers import ADAM, push_messages, table
 from tests.helpers import REPO, start_ps_server

@@ -25,9 +25,9 @@ from hybridps import wire
 from hybridps.errors import FlushTimeout, NotFound, OutOfOrder, RowOutOfRange
 from hybridps.optim import OptimizerSpec
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
-from ps.partition import PushChunk, TableSpec
-from ps.status import status_for
-from ps.store import Store
+from ps.core.partition import PushChunk, TableSpec
+from ps.core.store import Store
+from ps.edge.status import status_for
 from tests.grpc_helpers import (
     assemble,
     open_channel,

@@ -1,5 +1,5 @@
 """The same-node shared-memory data plane of the Sync stream (worker/arena_client.py,
-ps/arena_server.py).
+ps/edge/arena_server.py).
 
 Every test that runs the feature checks that it was used (the client's shm counters,
 the server's log), so a silent fallback to inline tensors fails them.
@@ -18,8 +18,8 @@ import torch
 from hybridps import arena_layout as layout
 from hybridps.cli import parse_config
 from hybridps.errors import AnswerEvicted, BadShmReference, StaleShmEpoch
-from ps.arena_server import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
 from ps.config import ServerConfig
+from ps.edge.arena_server import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
 from tests.helpers import start_ps_server
 from tests.test_wire_fast import SPEC, _client, _push_all, _reference_deltas, _run, _steps
 from worker.arena_client import ClientArena, RingAllocator, place
@@ -182,8 +182,8 @@ def test_answer_cache_borrows_deltas_written_into_the_sink() -> None:
     """The kernel writes the delta into the rank's region and the cache keeps a view of
     it (no copy): a re-sent push - one the rank got no answer for, so its region still
     holds the delta - is answered from it, by reference or inline."""
-    from ps.partition import PushChunk, TableSpec
-    from ps.store import Store
+    from ps.core.partition import PushChunk, TableSpec
+    from ps.core.store import Store
 
     store = Store(answer_cache_steps=2)
     store.register("r", 0, 1, 1, [TableSpec("t", 100, 4, 0, 100)], SPEC)

@@ -24,11 +24,11 @@ from hybridps.errors import (
     WrongSecret,
 )
 from hybridps.run_secret import claim_directory
-from ps.core import ShardCore
-from ps.lifecycle import RunTracker
-from ps.maintenance import RunReaper, sweep_dead_arenas
-from ps.partition import TableSpec
-from ps.store import Store
+from ps.core.lifecycle import RunTracker
+from ps.core.maintenance import RunReaper, sweep_dead_arenas
+from ps.core.partition import TableSpec
+from ps.core.shard_core import ShardCore
+from ps.core.store import Store
 from tests.test_partition import ADAM, DIM, EMB, RUN, SMALL, assert_same_state, feed, push, state
 
 # -- names ------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def test_bad_run_ids_and_table_names_are_refused_naming_them(name: str) -> None:
         store.register(RUN, 0, 1, 0, [TableSpec(name, 20, DIM, 0, 20)], ADAM)
     assert repr(name)[:40] in str(info.value)
     assert store.partitions() == []
-    from ps.lifecycle import check_finish
+    from ps.core.lifecycle import check_finish
 
     for call in (lambda: feed(store, push(0, [1], run=name)),
                  lambda: store.flush_status(name, 0, 0),

@@ -37,10 +37,10 @@ from hybridps.run_secret import (
     read_secret,
     secret_digest,
 )
-from ps.lifecycle import RunTracker
-from ps.maintenance import RunReaper
-from ps.partition import TableSpec
-from ps.store import Store
+from ps.core.lifecycle import RunTracker
+from ps.core.maintenance import RunReaper
+from ps.core.partition import TableSpec
+from ps.core.store import Store
 from tests.test_partition import ADAM, DIM, EMB, RUN, SMALL, feed, push
 
 VICTIM, INTRUDER = "1a" * 32, "2b" * 32  # run secrets

@@ -1,5 +1,5 @@
 """A shared checkpoint root (mode 1777): another user may add files to it, but gains no
-right to the run directories of others in it (ps/checkpoint_dirs.py, "A claim").
+right to the run directories of others in it (ps/core/checkpoint_dirs.py, "A claim").
 
 An owner file counts only when the same user owns it and its directory, and it claims
 that directory alone, never one below it that is another's; below a claimed run
@@ -30,7 +30,7 @@ from hybridps.run_secret import (
     secret_digest,
 )
 from hybridps.v1 import shard_pb2
-from ps.store import Store
+from ps.core.store import Store
 from tests.grpc_helpers import open_channel, push_messages, register, shard_stub, table
 from tests.helpers import start_ps_server
 from tests.other_user import nobody, run_as

@@ -25,7 +25,7 @@ from hybridps.errors import (
     StaleShmEpoch,
     WrongSecret,
 )
-from ps.store import kv
+from ps.core.store import kv
 
 log = logging.getLogger("ps.service")
 

@@ -1,5 +1,5 @@
 """Upper bounds that prove a push cannot overflow float32 state (transport-free): see
-OverflowBound; ps/partition.py keeps one per table."""
+OverflowBound; ps/core/partition.py keeps one per table."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ optimizer in fp32 here, and answered as the new rows rounded to the row dtype
 (Answer.rows): the rank's rows are always the master rounded to bf16.
 
 Everything in this module is synchronous and holds no locks of its own; the
-Store (ps/store.py) serialises access to one partition with `Partition.lock`.
+Store (ps/core/store.py) serialises access to one partition with `Partition.lock`.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
 from hybridps.optim_kinds import state_floats_per_row
 from hybridps.push_checks import PayloadDigest, mark_rows_, scan_push_max
 from hybridps.state_alloc import STATE_OFFSETS, alloc_row_state, alloc_state
-from ps.overflow import OverflowBound
-from ps.paging import PagedTable
-from ps.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
-from ps.push import PushChunk as PushChunk  # re-exported: the core's input, next to TableSpec
-from ps.table_members import MemberSpec, check_members
+from ps.core.overflow import OverflowBound
+from ps.core.paging import PagedTable
+from ps.core.push import Answer, AnswerSink, first_duplicate, optimizer_with_lr
+from ps.core.push import PushChunk as PushChunk  # re-exported: the core's input, next to TableSpec
+from ps.core.table_members import MemberSpec, check_members
 
 DEFAULT_ANSWER_CACHE_STEPS = 8
 DEFAULT_RATE_WINDOW_S = 10.0
@@ -77,7 +77,7 @@ def check_row_dtype(row_dtype: torch.dtype, what: str) -> None:
 @dataclass(frozen=True)
 class TableSpec:
     """The rows [row_start, row_end) of a num_rows x dim table that one rank owns; a group
-    of tables when `members` is not empty (ps/table_members.py)."""
+    of tables when `members` is not empty (ps/core/table_members.py)."""
 
     name: str
     num_rows: int
@@ -85,7 +85,7 @@ class TableSpec:
     row_start: int
     row_end: int
     members: tuple[MemberSpec, ...] = ()
-    dynamic: bool = False  # slots of raw ids, with rows paged out (ps/paging.py)
+    dynamic: bool = False  # slots of raw ids, with rows paged out (ps/core/paging.py)
 
     @property
     def rows_held(self) -> int:
@@ -194,7 +194,7 @@ class TableState:
         self.pushes_applied = 0
         self.rows_updated = 0
         self.distinct_touched = 0
-        # a group (ps/table_members.py): rows updated per member, for the per-table stats
+        # a group (ps/core/table_members.py): rows updated per member, for the per-table stats
         self.member_rows_updated = [0] * len(spec.members)
         self._member_bounds = torch.tensor([m.offset for m in spec.members[1:]],
                                            dtype=torch.int64)
@@ -275,7 +275,7 @@ class TableState:
                    digest: PayloadDigest | None = None) -> float:
         """Raise if ids/grads are not a valid (part of a) coalesced push for this table;
         returns the largest |gradient| (for `apply`'s overflow bound). The chunk is added
-        to `digest` in the same pass (the push's payload digest, ps/session.py)."""
+        to `digest` in the same pass (the push's payload digest, ps/core/session.py)."""
         spec = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidArgument(
@@ -438,14 +438,15 @@ class Partition:
         self.row_dtype = row_dtype
         self.lock = threading.Lock()
         # Handed to the registering process only (Register's answer); every later call for
-        # this partition must carry it (ps/partition_auth.py). A new one when the partition
+        # this partition must carry it (ps/core/partition_auth.py). A new one when the partition
         # is taken over or a newer incarnation registers, so a process of an older
         # incarnation holds a secret that no longer opens anything; the same one for a
         # re-Register of the same process (a reconnect), which carries it.
         self.secret = secrets.token_hex(SECRET_BYTES)
         # The sha256 of the run secret its Register proved ('' when it carried none,
         # hybridps/run_secret.py): what a takeover, and the owner file of a checkpoint
-        # directory it writes into, must match (ps/partition_auth.py, ps/checkpoint_dirs.py).
+        # directory it writes into, must match (ps/core/partition_auth.py,
+        # ps/core/checkpoint_dirs.py).
         self.run_digest = run_digest
         # Refusals of calls for this partition that name no table (a wrong secret, a
         # refused takeover); per-table ones are in TableState.refusals.

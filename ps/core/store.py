@@ -4,13 +4,13 @@
 `Partition.lock`, so different partitions update in parallel threads (torch
 releases the GIL) while one partition's pushes apply one at a time, in order.
 
-`SyncSession` (ps/session.py) is one Sync stream's view: it checks each incoming
+`SyncSession` (ps/core/session.py) is one Sync stream's view: it checks each incoming
 chunk as it arrives, buffers the chunks of a push, and applies the whole push
 atomically when its last chunk arrives. Every method raises a hybridps.errors.ShardError whose
 message names the offending value; a refused push leaves the state untouched
 (only the refusal counters move).
 
-`ShardCore` (ps/core.py) wraps this for asyncio.
+`ShardCore` (ps/core/shard_core.py) wraps this for asyncio.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from hybridps.errors import (
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
 from hybridps.run_secret import secret_digest
-from ps.checkpoint_dirs import CheckpointRoot, write_refusal
-from ps.limits import StateBudget
-from ps.paging import PageCall, PageResult
-from ps.partition import (
+from ps.core.checkpoint_dirs import CheckpointRoot, write_refusal
+from ps.core.limits import StateBudget
+from ps.core.paging import PageCall, PageResult
+from ps.core.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
     ROW_DTYPES,
@@ -54,10 +54,10 @@ from ps.partition import (
     check_row_dtype,
     optimizer_description,
 )
-from ps.partition_auth import PartitionAuth, check_run_id
-from ps.server_stats import ServerStats, partition_rows
-from ps.session import SyncSession, TableKey
-from ps.table_members import file_names
+from ps.core.partition_auth import PartitionAuth, check_run_id
+from ps.core.server_stats import ServerStats, partition_rows
+from ps.core.session import SyncSession, TableKey
+from ps.core.table_members import file_names
 
 log = logging.getLogger("ps.store")
 
@@ -95,7 +95,7 @@ class Store(PartitionAuth):
                  checkpoint_root: str | Path | None = None,
                  max_state_bytes: int = 0, max_run_state_bytes: int = 0) -> None:
         """`checkpoint_root`: checkpoints only inside it (None: anywhere;
-        ps/checkpoint_dirs.py); `max_state_bytes`: the bytes all partitions may hold,
+        ps/core/checkpoint_dirs.py); `max_state_bytes`: the bytes all partitions may hold,
         `max_run_state_bytes` those of one run (0: no limit)."""
         if answer_cache_steps < 1:
             raise ValueError(f"answer_cache_steps={answer_cache_steps} must be >= 1")
@@ -115,10 +115,10 @@ class Store(PartitionAuth):
         self.runs_freed = 0
         self.partitions_freed = 0
         # run_id -> its state for the stats; the server sets it to its RunTracker's view
-        # (ps/lifecycle.py), which follows Sync streams and Finish calls.
+        # (ps/core/lifecycle.py), which follows Sync streams and Finish calls.
         self.run_state: Callable[[str], str] = lambda run_id: ""
         # (run_id, rank, table, seconds) of every answered push, from its first chunk's
-        # arrival to its answer (ps/metrics.py's latency histogram); None: not measured.
+        # arrival to its answer (ps/edge/metrics.py's latency histogram); None: not measured.
         self.push_observer: Callable[[str, int, str, float], None] | None = None
 
     # -- lookups ---------------------------------------------------------------------
@@ -214,7 +214,7 @@ class Store(PartitionAuth):
         Returns its tables and its secret, which every later call for it must carry.
 
         `row_dtype` other than float32: the partition keeps fp32 master rows (seeded by
-        `seed_rows`, or loaded with `restore`) and answers new rows (ps/partition.py).
+        `seed_rows`, or loaded with `restore`) and answers new rows (ps/core/partition.py).
         `secret`: the partition secret the caller holds ('' if none). `run_secret`: the
         run's (hybridps/run_secret.py), kept as its sha256 with the partition: it proves
         a takeover of a partition with state (`_check_takeover`) and must own the
@@ -353,9 +353,9 @@ class Store(PartitionAuth):
         rank's own partition is replaced only under the takeover rule; another rank's
         (of the previous world size) only when no Sync connection uses it and it is of
         the same run secret. The checkpoint must be in a directory claimed by the
-        caller's run secret (`digest`) or restore secret (ps/checkpoint_dirs.py).
+        caller's run secret (`digest`) or restore secret (ps/core/checkpoint_dirs.py).
         """
-        from ps.checkpoint import check_restore, restore_partition
+        from ps.core.checkpoint import check_restore, restore_partition
 
         directory, step = restore
         started = time.perf_counter()
@@ -446,8 +446,8 @@ class Store(PartitionAuth):
                    directory: str) -> list[tuple[int, Any]]:
         """Save the partitions of `ranks` (all of the run when empty) at exactly `step`,
         into a step directory of a run directory their run secret claimed
-        (ps/checkpoint_dirs.py)."""
-        from ps.checkpoint import save_partition
+        (ps/core/checkpoint_dirs.py)."""
+        from ps.core.checkpoint import save_partition
 
         what = f"checkpoint run={run_id!r}"
         try:
@@ -480,7 +480,7 @@ class Store(PartitionAuth):
 
     def page(self, run_id: str, rank: int, incarnation: int, table: str,
              call: PageCall) -> PageResult:
-        """A dynamic table's Page call (ps/paging.py), under the partition's lock."""
+        """A dynamic table's Page call (ps/core/paging.py), under the partition's lock."""
         what = (f"page run={run_id!r} rank={rank} table={table!r} step={call.step} "
                 f"seq={call.seq}")
         try:

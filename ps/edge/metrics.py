@@ -40,7 +40,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from ps.store import Store, kv
+from ps.core.store import Store, kv
 
 log = logging.getLogger("ps.metrics")
 

@@ -1,5 +1,5 @@
 """One Sync stream's view of the Store (transport-free, no grpc): chunk assembly,
-exactly-once application, queue-depth accounting. See ps/store.py.
+exactly-once application, queue-depth accounting. See ps/core/store.py.
 
 Exactly-once: a push of a step already applied gets the answer saved for it, if it
 carries the same payload (its digest, hybridps/push_checks.py, computed in the pass that
@@ -20,14 +20,14 @@ import torch
 
 from hybridps.errors import Conflict, InvalidArgument, ShardError
 from hybridps.push_checks import PayloadDigest
-from ps.partition import Partition, TableState
-from ps.push import Answer, PushChunk, check_push_lr, first_duplicate
+from ps.core.partition import Partition, TableState
+from ps.core.push import Answer, PushChunk, check_push_lr, first_duplicate
 
 TableKey = tuple[str, int, str]  # (run_id, rank, table)
 
 
 class Store(Protocol):
-    """What a session needs of ps.store.Store (a protocol: no import cycle)."""
+    """What a session needs of ps.core.store.Store (a protocol: no import cycle)."""
 
     def resolve(self, run_id: str, rank: int, incarnation: int, table: str,
                 what: str) -> tuple[Partition, TableState]: ...
@@ -37,7 +37,7 @@ class Store(Protocol):
 
     def _queue_add(self, key: TableKey, n: int) -> None: ...
 
-    # (run_id, rank, table, seconds) of every answered push (ps/metrics.py), or None
+    # (run_id, rank, table, seconds) of every answered push (ps/edge/metrics.py), or None
     push_observer: Callable[[str, int, str, float], None] | None
 
 

@@ -1,4 +1,4 @@
-"""One Sync stream (its gRPC plumbing: ps/service.py): decode each message, feed its
+"""One Sync stream (its gRPC plumbing: ps/edge/service.py): decode each message, feed its
 chunks to the core in order, and encode the answers; no transport here."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from hybridps.errors import (
     WrongSecret,
 )
 from hybridps.v1 import shard_pb2
-from ps.arena_server import ArenaRegistry, ResolvedShmPush
-from ps.core import ShardCore
-from ps.lifecycle import RunTracker
-from ps.partition_auth import Binding
-from ps.push import PushChunk
-from ps.status import refusal_reason
-from ps.store import kv
-from ps.sync_codec import (
+from ps.core.lifecycle import RunTracker
+from ps.core.partition_auth import Binding
+from ps.core.push import PushChunk
+from ps.core.shard_core import ShardCore
+from ps.core.store import kv
+from ps.edge.arena_server import ArenaRegistry, ResolvedShmPush
+from ps.edge.status import refusal_reason
+from ps.edge.sync_codec import (
     WirePushChunk,
     batch_message,
     encode_answer,
@@ -40,7 +40,7 @@ MIN_ANSWER_MESSAGE_BYTES = 1 << 20
 
 
 class StreamHost(Protocol):
-    """What a stream needs of the servicer that runs it (ps/service.py ShardServicer)."""
+    """What a stream needs of the servicer that runs it (ps/edge/service.py ShardServicer)."""
 
     core: ShardCore
     shm_arenas: ArenaRegistry | None

@@ -4,7 +4,7 @@
   of one run (--max-run-state-bytes). A Register reserves its bytes before allocating
   anything; one that would exceed either is ResourceExhausted naming the sizes, with
   nothing allocated.
-- Checkpoint directories: ps/checkpoint_dirs.py.
+- Checkpoint directories: ps/core/checkpoint_dirs.py.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class StateBudget:
 
     def excess(self, in_use: int, run_in_use: int) -> int:
         """Bytes held beyond the server's limit or the run's, whichever is further over
-        (<= 0: within both): what a dynamic table's paging must drop (ps/paging.py)."""
+        (<= 0: within both): what a dynamic table's paging must drop (ps/core/paging.py)."""
         server = in_use - self.limit_bytes if self.limit_bytes else 0
         run = run_in_use - self.run_limit_bytes if self.run_limit_bytes else 0
         return max(server, run)

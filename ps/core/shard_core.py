@@ -21,11 +21,11 @@ import torch
 from hybridps import optim
 from hybridps.errors import FlushTimeout, InvalidArgument, ShardError
 from hybridps.optim import OptimizerSpec
-from ps.paging import PageCall, PageResult
-from ps.partition import TableSpec
-from ps.push import Answer, PushChunk
-from ps.server_stats import ServerStats
-from ps.store import RankStep, RegisteredTable, Store, SyncSession, kv
+from ps.core.paging import PageCall, PageResult
+from ps.core.partition import TableSpec
+from ps.core.push import Answer, PushChunk
+from ps.core.server_stats import ServerStats
+from ps.core.store import RankStep, RegisteredTable, Store, SyncSession, kv
 
 log = logging.getLogger("ps.core")
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """A push as the shard server's core sees it (transport-free: no grpc here): one decoded
 Push message (`PushChunk`), the answer to a push (`Answer`), where a transport wants the
 answer written (`AnswerSink`), and the checks of a push's own values that do not need its
-table (ps/partition.py checks the rest against the table)."""
+table (ps/core/partition.py checks the rest against the table)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class Answer:
     # (the rank did not get the answer, so it has not reused the region), not after.
     borrowed: bool = field(default=False, compare=False)
     # The digest of the push's payload (hybridps/push_checks.py payload_digest): a re-sent
-    # step gets this answer only if it carries the same payload (ps/session.py).
+    # step gets this answer only if it carries the same payload (ps/core/session.py).
     digest: tuple[object, ...] = field(default=(), compare=False)
 
     def as_duplicate(self) -> Answer:

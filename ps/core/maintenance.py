@@ -1,7 +1,7 @@
 """What a long-lived shard server does besides answering calls (transport-free, no grpc).
 
 - Free finished runs: a run that has been over (finished, aborted past its grace,
-  abandoned: ps/lifecycle.py) for --finished-run-retention-s loses its partitions and
+  abandoned: ps/core/lifecycle.py) for --finished-run-retention-s loses its partitions and
   shared-memory arenas (`RunReaper`); `python -m ps.admin drop-run` does the same at
   once. Both are counted in GetShardStats (runs_freed, partitions_freed).
 - Free unused registrations: a run that registered but never opened a Sync stream, with
@@ -42,8 +42,8 @@ from collections.abc import Callable, Collection
 
 from hybridps.arena_layout import SHM_DIR
 from hybridps.logs import kv
-from ps.lifecycle import RunTracker
-from ps.store import Store
+from ps.core.lifecycle import RunTracker
+from ps.core.store import Store
 
 log = logging.getLogger("ps.maintenance")
 

@@ -19,7 +19,7 @@ A Register of a rank (a restarted process) makes its run live again: its
 Finish is forgotten and the run is no longer over.
 A run none of whose ranks ever opened a Sync stream is not over by any of these
 rules: it is *unused* once it had no Register, SeedRows, Flush or Checkpoint for
---unused-registration-timeout-s (`unused`); the server then frees it (ps/maintenance.py)
+--unused-registration-timeout-s (`unused`); the server then frees it (ps/core/maintenance.py)
 without calling it over, so --exit-after-run does not stop for it.
 The server uses this for --exit-after-run (it stops gracefully after the first
 run that is over, which is how a `docker compose up` of one job ends) and to
@@ -39,7 +39,7 @@ from hybridps.errors import Conflict, InvalidArgument, NotRegistered, StaleIncar
 from hybridps.names import describe_problem
 
 if TYPE_CHECKING:
-    from ps.store import Store
+    from ps.core.store import Store
 
 # torchrun's restart: the agent notices the failure, SIGTERMs the other ranks (up to 30 s
 # before SIGKILL), meets the rendezvous again and starts new processes, which import

@@ -3,10 +3,10 @@
 Requests become the core's arguments (`PushChunk`s, table specs, optimizer arguments),
 answers become messages. The Sync stream's messages go through hybridps/wire.py's
 copy-free framing: a received push's tensors view the message bytes (or, for a
-shared-memory push, the rank's arena: ps/arena_server.py), an inline answer is copied
+shared-memory push, the rank's arena: ps/edge/arena_server.py), an inline answer is copied
 once into the outgoing bytes. Every malformed message is a `wire.WireError` (or a
 `BadShmReference` / `StaleShmEpoch` for a bad reference into the arena) naming the
-value; the servicers map those to status codes (ps/service.py `status_for`).
+value; the servicers map those to status codes (ps/edge/service.py `status_for`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from hybridps import wire
 from hybridps.errors import BadShmReference, InvalidArgument
 from hybridps.paged_rows import PagedOut
 from hybridps.v1 import admin_pb2, shard_pb2
-from ps.arena_server import ArenaRegistry, ResolvedShmPush, ShmRef, resolve
-from ps.maintenance import RunReaper
-from ps.paging import PageCall, PageResult
-from ps.partition import TableSpec
-from ps.push import Answer, PushChunk
-from ps.server_stats import ServerStats
-from ps.store import Store
-from ps.table_members import MemberSpec
+from ps.core.maintenance import RunReaper
+from ps.core.paging import PageCall, PageResult
+from ps.core.partition import TableSpec
+from ps.core.push import Answer, PushChunk
+from ps.core.server_stats import ServerStats
+from ps.core.store import Store
+from ps.core.table_members import MemberSpec
+from ps.edge.arena_server import ArenaRegistry, ResolvedShmPush, ShmRef, resolve
 
 # Tensor fields of the Sync messages, from the outer message down (wire.TensorPath).
 PUSH_TENSORS = (("push", "chunk", "ids"), ("push", "chunk", "grads"))

@@ -1,7 +1,7 @@
 """Who may speak for a partition: its secret, the Sync connections bound to it, and who
 may register (take over) a partition this server holds. Transport-free, no grpc.
 
-`Store` (ps/store.py) inherits these; the servicers call them before anything changes:
+`Store` (ps/core/store.py) inherits these; the servicers call them before anything changes:
 every call after Register carries the partition's secret (hybridps/partition_secret.py
 says where), compared in constant time (Partition.secret_matches). The rules are in
 docs/deploy.md, "Partition secrets".
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hybridps.errors import InvalidArgument, NotRegistered, WrongSecret
 from hybridps.names import describe_problem
 from hybridps.run_secret import digests_match
-from ps.partition import Partition
+from ps.core.partition import Partition
 
 
 def check_run_id(run_id: str, what: str) -> None:

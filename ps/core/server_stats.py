@@ -1,7 +1,7 @@
 """The server's stats snapshot (GetShardStats, the Prometheus metrics, the worker's summary):
 one row per (run, rank, table) and the server's totals. Transport-free, no grpc.
 
-A group of tables registered as one partition table (ps/table_members.py) shows as its
+A group of tables registered as one partition table (ps/core/table_members.py) shows as its
 member tables, one row each, like separate tables (`_per_member`)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ps.partition import ROW_DTYPES, Partition, TableState, optimizer_description
-from ps.session import TableKey
-from ps.table_members import pieces
+from ps.core.partition import ROW_DTYPES, Partition, TableState, optimizer_description
+from ps.core.session import TableKey
+from ps.core.table_members import pieces
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class PartitionStatsRow:
     master_bytes: int = 0  # fp32 master rows (row dtype bf16), not counted in state_bytes
     row_dtype: str = "fp32"
     run_state: str = ""  # active | finished | aborted | abandoned (Store.run_state); '' unknown
-    # a dynamic table (docs/dynamic_ids.md; ps/paging.py): the rank's counters as of its last
+    # a dynamic table (docs/dynamic_ids.md; ps/core/paging.py): the rank's counters as of its last
     # Page call, and this partition's paged-out rows
     dynamic: bool = False
     dynamic_capacity: int = 0
@@ -122,7 +122,7 @@ def _dynamic_fields(t: TableState) -> dict[str, Any]:
 
 
 def _per_member(row: PartitionStatsRow, t: TableState) -> list[PartitionStatsRow]:
-    """A group's row as one row per member table (ps/table_members.py), so the stats read
+    """A group's row as one row per member table (ps/core/table_members.py), so the stats read
     like those of separate tables: each member's global rows, its share of the state
     bytes (the same per row), the rows updated in it; the group's pushes, steps, queue and
     refusals (every member is pushed with the group); its rate split by rows updated."""

@@ -234,7 +234,7 @@ class ArenaRegistry:
         return True, "", arena.epoch
 
     def paths(self) -> list[str]:
-        """The files of the arenas mapped now (ps/maintenance.py never sweeps these)."""
+        """The files of the arenas mapped now (ps/core/maintenance.py never sweeps these)."""
         with self._lock:
             return [arena.path for arena in self._arenas.values()]
 
@@ -261,7 +261,7 @@ class ArenaRegistry:
 @dataclass
 class ResolvedShmPush:
     """A shared-memory push resolved: the tensors the core reads, and the answer region
-    as the core's AnswerSink (ps/partition.py)."""
+    as the core's AnswerSink (ps/core/partition.py)."""
 
     arena: ServerArena
     epoch: int

@@ -1,6 +1,6 @@
 """A server partition's optimizer state to and from a checkpoint (format: hybridps.checkpoint).
 
-The files are per table: a group (ps/table_members.py) is written as its member tables,
+The files are per table: a group (ps/core/table_members.py) is written as its member tables,
 each file holding the member's slice of the group's optimizer state and master rows and the
 group's step count (every member of a group is pushed with it, every step), and read
 back into those slices."""
@@ -25,8 +25,8 @@ from hybridps.checkpoint import (
 from hybridps.dynamic_files import restore_plan, save_paged
 from hybridps.errors import Conflict
 from hybridps.optim import OptimizerSpec
-from ps.partition import Partition, TableSpec, TableState
-from ps.table_members import pieces
+from ps.core.partition import Partition, TableSpec, TableState
+from ps.core.table_members import pieces
 
 
 def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
@@ -36,7 +36,7 @@ def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
 def save_partition(part: Partition, directory: str | Path, step: int,
                    writer: Writer | None = None) -> list[ShardInfo]:
     """Write every table of a partition whose last applied step is exactly `step`
-    (through `writer`: ps/checkpoint_dirs.py; None: by path).
+    (through `writer`: ps/core/checkpoint_dirs.py; None: by path).
 
     The caller holds `part.lock` (no push applies while the files are written).
     """

@@ -10,7 +10,7 @@ back into the group's block. So checkpoints re-shard across world sizes and load
 whether the run that wrote them grouped its tables or not.
 
 Transport-free (no grpc): errors are hybridps.errors, mapped to status codes in one place
-(ps/status.py).
+(ps/edge/status.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class MemberSpec:
 
 
 class TableSpec(Protocol):
-    """ps/partition.py's TableSpec, as this module reads it (no import cycle)."""
+    """ps/core/partition.py's TableSpec, as this module reads it (no import cycle)."""
 
     @property
     def name(self) -> str: ...

@@ -2,7 +2,7 @@
 
 Services: hybridps.v1.ShardService, hybridps.v1.AdminService, grpc.health.v1
 (SERVING once up, NOT_SERVING on shutdown) and, unless switched off, server
-reflection. Every call passes the token check of ps/auth.py; TLS / mutual TLS
+reflection. Every call passes the token check of ps/edge/auth.py; TLS / mutual TLS
 when given a certificate (hybridps/security.py).
 
 Graceful stop, on SIGTERM/SIGINT, an admin Shutdown, or (--exit-after-run)
@@ -44,18 +44,18 @@ from hybridps.security import (
     server_credentials,
 )
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
-from ps.arena_server import ArenaRegistry
-from ps.auth import AuthInterceptor, AuthPolicy
 from ps.config import ServerConfig
-from ps.core import ShardCore
-from ps.lifecycle import RunTracker
-from ps.limits import default_max_state_bytes
-from ps.maintenance import RunReaper, maintain
-from ps.service import AdminServicer, ShardServicer, add_shard_service
-from ps.store import Store, kv
+from ps.core.lifecycle import RunTracker
+from ps.core.limits import default_max_state_bytes
+from ps.core.maintenance import RunReaper, maintain
+from ps.core.shard_core import ShardCore
+from ps.core.store import Store, kv
+from ps.edge.arena_server import ArenaRegistry
+from ps.edge.auth import AuthInterceptor, AuthPolicy
+from ps.edge.service import AdminServicer, ShardServicer, add_shard_service
 
 if TYPE_CHECKING:
-    from ps.metrics import MetricsServer
+    from ps.edge.metrics import MetricsServer
 
 log = logging.getLogger("ps.server")
 
@@ -114,7 +114,7 @@ class RunningServer:
     port: int
     shard: ShardServicer
     stop_request: StopRequest
-    metrics: MetricsServer | None = None  # --metrics-port (ps/metrics.py)
+    metrics: MetricsServer | None = None  # --metrics-port (ps/edge/metrics.py)
     maintenance: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float) -> None:
@@ -253,10 +253,10 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
 
 
 def _start_metrics(config: ServerConfig, store: Store, core: ShardCore) -> MetricsServer | None:
-    """--metrics-port: the Prometheus endpoint (ps/metrics.py), before the server starts."""
+    """--metrics-port: the Prometheus endpoint (ps/edge/metrics.py), before the server starts."""
     if config.metrics_port < 0:
         return None
-    from ps.metrics import MetricsServer
+    from ps.edge.metrics import MetricsServer
 
     try:
         return MetricsServer(store, config.host, config.metrics_port)

@@ -53,7 +53,7 @@ class SlotRange(Protocol):
 
 
 class TableState(Protocol):
-    """What a Page call needs of ps/partition.py's TableState."""
+    """What a Page call needs of ps/core/partition.py's TableState."""
 
     @property
     def spec(self) -> SlotRange: ...
@@ -69,7 +69,7 @@ class TableState(Protocol):
 
 @dataclass
 class PageCall:
-    """A decoded PageRequest (ps/sync_codec.py)."""
+    """A decoded PageRequest (ps/edge/sync_codec.py)."""
 
     step: int
     seq: int

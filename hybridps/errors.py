@@ -92,6 +92,12 @@ class PermissionDenied(ShardError):
     reason = "permission_denied"
 
 
+class Unauthenticated(ShardError):
+    """A call without the token its method needs, or with a wrong one (ps/edge/auth.py)."""
+
+    reason = "unauthenticated"
+
+
 class WrongSecret(ShardError):
     """A call for a partition that does not carry the secret its Register handed out."""
 
@@ -123,3 +129,20 @@ class StaleShmEpoch(ShardError):
     outlived a re-Register (the rank reconnected). Retryable: the rank re-registers."""
 
     reason = "stale_shm_epoch"
+
+
+class ShuttingDown(ShardError):
+    """The server is draining (SIGTERM, an admin Shutdown): its Sync streams end with
+    SHUTTING_DOWN, which a client reads as "stop now" (is_shutting_down)."""
+
+    reason = "shutting_down"
+
+    def __init__(self, message: str = SHUTTING_DOWN) -> None:
+        super().__init__(message)
+
+
+class Unimplemented(ShardError):
+    """A call this server was started without (e.g. Shutdown where it cannot be stopped
+    remotely)."""
+
+    reason = "unimplemented"

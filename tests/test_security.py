@@ -20,11 +20,13 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from hybridps.channel_options import channel_options
+from hybridps.errors import ShardError
 from hybridps.partition_secret import partition_metadata
 from hybridps.security import ClientSecurity, SecurityError, client_security, open_channel
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2, shard_pb2_grpc
 from ps.admin import get_shard_stats, health_status
 from ps.edge.auth import AuthPolicy
+from ps.edge.status import status_for
 from tests.certs import Pki, make_pki
 from tests.grpc_helpers import ADAM, push_messages, table
 from tests.helpers import REPO, start_ps_server
@@ -56,22 +58,26 @@ def admin_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 # -- the policy alone -----------------------------------------------------------------
 
+def refused_code(refusal: ShardError | None) -> grpc.StatusCode | None:
+    """The status a policy's refusal ends the call with (None: allowed)."""
+    return None if refusal is None else status_for(refusal)[0]
+
+
 def test_policy_table() -> None:
     p = AuthPolicy(TOKEN, ADMIN)
     shard, stats = "/hybridps.v1.ShardService/Register", "/hybridps.v1.AdminService/GetShardStats"
     stop, health = "/hybridps.v1.AdminService/Shutdown", "/grpc.health.v1.Health/Check"
     assert p.check(health, "") is None
     assert p.check(shard, TOKEN) is None
-    assert p.check(shard, "")[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
-    assert p.check(shard, ADMIN)[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
+    assert refused_code(p.check(shard, "")) == grpc.StatusCode.UNAUTHENTICATED
+    assert refused_code(p.check(shard, ADMIN)) == grpc.StatusCode.UNAUTHENTICATED
     assert p.check(stats, TOKEN) is None and p.check(stats, ADMIN) is None
-    assert p.check(stats, "x" * 20)[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
-    assert p.check(stop, TOKEN)[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
+    assert refused_code(p.check(stats, "x" * 20)) == grpc.StatusCode.UNAUTHENTICATED
+    assert refused_code(p.check(stop, TOKEN)) == grpc.StatusCode.UNAUTHENTICATED
     assert p.check(stop, ADMIN) is None
     assert AuthPolicy(TOKEN, "", stats_without_token=True).check(stats, "") is None
     assert AuthPolicy().check(shard, "") is None  # no token configured: open
-    denied = AuthPolicy(TOKEN).check(stop, TOKEN)
-    assert denied is not None and denied[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert refused_code(AuthPolicy(TOKEN).check(stop, TOKEN)) == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_short_or_missing_token_files_are_refused(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from hybridps import wire
+from hybridps import errors, wire
 from hybridps.errors import FlushTimeout, NotFound, OutOfOrder, RowOutOfRange
 from hybridps.optim import OptimizerSpec
 from hybridps.v1 import admin_pb2, admin_pb2_grpc, shard_pb2
@@ -369,6 +369,18 @@ def test_status_mapping() -> None:
     assert status_for(FlushTimeout("x"))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
     code, message = status_for(KeyError("boom"))
     assert code == grpc.StatusCode.INTERNAL and "KeyError" in message
+    assert status_for(errors.Unauthenticated("x"))[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert status_for(errors.Unimplemented("x"))[0] == grpc.StatusCode.UNIMPLEMENTED
+    code, message = status_for(errors.ShuttingDown())
+    assert errors.is_shutting_down(code.name, message)
+
+
+def test_every_core_error_has_a_status() -> None:
+    """Each error of the core maps to its own code, not INTERNAL (the catch-all for bugs)."""
+    kinds = [c for c in vars(errors).values() if isinstance(c, type)
+             and issubclass(c, errors.ShardError) and c is not errors.ShardError]
+    unmapped = [c.__name__ for c in kinds if status_for(c())[0] == grpc.StatusCode.INTERNAL]
+    assert len(kinds) > 15 and not unmapped, unmapped
 
 
 # -- process behaviour -------------------------------------------------------------------

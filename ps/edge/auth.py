@@ -28,8 +28,10 @@ from typing import Any
 
 import grpc
 
+from hybridps.errors import InvalidArgument, PermissionDenied, ShardError, Unauthenticated
 from hybridps.logs import kv
 from hybridps.security import bearer_token, token_matches
+from ps.edge.status import abort_status, status_for
 
 log = logging.getLogger("ps.auth")
 
@@ -48,32 +50,31 @@ class AuthPolicy:
     admin_token: str = ""  # admin token ('' = Shutdown disabled)
     stats_without_token: bool = False
 
-    def check(self, method: str, given: str) -> tuple[grpc.StatusCode, str] | None:
-        """None when `given` may call `method`, else the (code, message) to refuse with."""
+    def check(self, method: str, given: str) -> ShardError | None:
+        """None when `given` may call `method`, else the error to refuse with."""
         if method.startswith(HEALTH_PREFIX):
             return None
         if method in ADMIN_ONLY_METHODS:
             if not self.admin_token:
                 name = method.rsplit("/", 1)[-1]
-                return (grpc.StatusCode.PERMISSION_DENIED,
-                        f"{name} is disabled: the server was started without an admin token "
-                        "(--admin-token-file or HYBRIDPS_ADMIN_TOKEN)")
+                return PermissionDenied(
+                    f"{name} is disabled: the server was started without an admin token "
+                    "(--admin-token-file or HYBRIDPS_ADMIN_TOKEN)")
             if given and token_matches(given, self.admin_token):
                 return None
-            return grpc.StatusCode.UNAUTHENTICATED, _missing_or_wrong(given, "admin token")
+            return Unauthenticated(_missing_or_wrong(given, "admin token"))
         if method == STATS_METHOD:
             if self.stats_without_token or not (self.token or self.admin_token):
                 return None
             if given and any(token_matches(given, t) for t in (self.token, self.admin_token)
                              if t):
                 return None
-            return (grpc.StatusCode.UNAUTHENTICATED,
-                    _missing_or_wrong(given, "token (auth or admin)"))
+            return Unauthenticated(_missing_or_wrong(given, "token (auth or admin)"))
         if not self.token:
             return None
         if given and token_matches(given, self.token):
             return None
-        return grpc.StatusCode.UNAUTHENTICATED, _missing_or_wrong(given, "auth token")
+        return Unauthenticated(_missing_or_wrong(given, "auth token"))
 
 
 def _missing_or_wrong(given: str, what: str) -> str:
@@ -102,24 +103,24 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if refusal is None:
             return _decoding_guarded(handler, method)
-        code, message = refusal
-        reason = "unauthenticated" if code == grpc.StatusCode.UNAUTHENTICATED else "denied"
+        reason = "unauthenticated" if isinstance(refusal, Unauthenticated) else "denied"
         if self.on_refused is not None:
             self.on_refused(reason)
-        return _refusing_handler(handler, method, code, message)
+        return _refusing_handler(handler, method, refusal)
 
 
-def _refusing_handler(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
-                      message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only aborts with (code, message)."""
+def _refusing_handler(handler: grpc.RpcMethodHandler, method: str,
+                      refusal: ShardError) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only aborts with `refusal`'s status."""
+    code, message = status_for(refusal)
 
     async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
         log.warning(kv("refused", rpc=method.rsplit("/", 1)[-1], code=code.name,
                        reason="auth", peer=context.peer(), error=message))
-        await context.abort(code, message)
+        await abort_status(context, refusal)
 
     # the request is never decoded: bytes that are not the method's message are refused
-    # with (code, message) too, not answered UNKNOWN with a traceback in the log
+    # with that status too, not answered UNKNOWN with a traceback in the log
     kwargs = {"request_deserializer": None,
               "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
@@ -159,7 +160,7 @@ def _decoding_guarded(handler: grpc.RpcMethodHandler,
             message = f"{name}: the request is not a valid {name} message ({request.error})"
             log.warning(kv("refused", rpc=name, code="INVALID_ARGUMENT", reason="undecodable",
                            peer=context.peer(), error=message))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            await abort_status(context, InvalidArgument(message))
         return await inner(request, context)
 
     return grpc.unary_unary_rpc_method_handler(

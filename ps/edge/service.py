@@ -16,7 +16,13 @@ from typing import Any
 import grpc
 
 from hybridps import wire
-from hybridps.errors import InvalidArgument, NotFound, WrongSecret
+from hybridps.errors import (
+    InvalidArgument,
+    NotFound,
+    ShuttingDown,
+    Unimplemented,
+    WrongSecret,
+)
 from hybridps.partition_secret import (
     PARTITION_HEADER,
     given_partition,
@@ -30,7 +36,7 @@ from ps.core.push import PushChunk
 from ps.core.shard_core import MAX_WAIT_S, ShardCore
 from ps.core.store import check_run_id, kv
 from ps.edge.arena_server import ArenaRegistry
-from ps.edge.status import SHUTTING_DOWN, abort_with
+from ps.edge.status import abort_status, abort_with
 from ps.edge.sync_codec import (
     add_run_stats,
     decode_request,
@@ -237,7 +243,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if item is None:
                     return
                 if isinstance(item, _Stop):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+                    await abort_status(context, ShuttingDown())
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, PushChunk)
@@ -393,11 +399,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                        context: grpc.aio.ServicerContext) -> admin_pb2.ShutdownResponse:
         """Reached only with the admin token (ps/edge/auth.py); the stop begins after the answer."""
         if self.request_stop is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot be stopped "
-                                "remotely")
+            await abort_status(context, Unimplemented("this server cannot be stopped remotely"))
         if not request.grace_s >= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"grace_s={request.grace_s} must be >= 0")
+            await abort_status(context, InvalidArgument(f"grace_s={request.grace_s} must be >= 0"))
         assert self.request_stop is not None
         reason = f"admin Shutdown from {context.peer()}" + (
             f": {clip_text(request.reason)}" if request.reason else "")

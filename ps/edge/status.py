@@ -9,7 +9,6 @@ import grpc
 
 from hybridps import wire
 from hybridps.errors import (
-    SHUTTING_DOWN,
     AnswerEvicted,
     Conflict,
     CorruptCheckpoint,
@@ -21,15 +20,18 @@ from hybridps.errors import (
     PermissionDenied,
     ResourceExhausted,
     ShardError,
+    ShuttingDown,
     StaleIncarnation,
     StaleShmEpoch,
+    Unauthenticated,
+    Unimplemented,
     WrongSecret,
 )
 from ps.core.store import kv
 
 log = logging.getLogger("ps.service")
 
-__all__ = ["SHUTTING_DOWN", "Abortable", "abort_with", "refusal_reason", "status_for"]
+__all__ = ["Abortable", "abort_status", "abort_with", "refusal_reason", "status_for"]
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -50,6 +52,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
     elif isinstance(exc, (PermissionDenied, WrongSecret)):
         code = grpc.StatusCode.PERMISSION_DENIED
+    elif isinstance(exc, Unauthenticated):
+        code = grpc.StatusCode.UNAUTHENTICATED
+    elif isinstance(exc, ShuttingDown):
+        code = grpc.StatusCode.UNAVAILABLE
+    elif isinstance(exc, Unimplemented):
+        code = grpc.StatusCode.UNIMPLEMENTED
     elif isinstance(exc, CorruptCheckpoint):
         code = grpc.StatusCode.DATA_LOSS
     else:
@@ -71,6 +79,11 @@ class Abortable(Protocol):
 
     async def abort(self, code: grpc.StatusCode, details: str = "",
                     trailing_metadata: Any = ()) -> Any: ...
+
+
+async def abort_status(context: Abortable, exc: BaseException) -> None:
+    """End the call with the mapped status, unlogged (raises AbortError)."""
+    await context.abort(*status_for(exc))
 
 
 async def abort_with(context: Abortable, rpc: str, exc: BaseException,

@@ -541,26 +541,6 @@ class Manifest:
                                     f"{table!r} lists no {kind} file") from None
 
 
-def manifest_shards(manifest: Mapping[str, Any], table: str, key: str) -> list[ShardInfo]:
-    """The `key` ("rows" or "optim") shards of `table` listed in a manifest."""
-    entry = manifest["tables"].get(table)
-    if entry is None:
-        raise NotFound(f"checkpoint of step {manifest.get('step')} has no table {table!r} "
-                       f"(tables: {sorted(manifest['tables'])})")
-    out = []
-    try:
-        for s in entry["shards"]:
-            f = s[key]
-            out.append(ShardInfo(table, int(s["rank"]), int(s["row_start"]),
-                                 int(s["row_end"]), str(f["file"]), int(f.get("bytes", 0)),
-                                 str(f.get("crc32", ""))))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpoint(f"checkpoint of step {manifest.get('step')}: the manifest's "
-                                f"{key} entries of table {table!r} are malformed "
-                                f"({type(exc).__name__}: {exc})") from None
-    return out
-
-
 def manifest_entries(manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """Every file entry ({file, bytes, crc32}) a manifest lists, in a fixed order."""
     entries: list[Mapping[str, Any]] = []
@@ -600,11 +580,6 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if m and (child / MANIFEST).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 # -- sparse optimizer state (server partitions and --local-optimizer) ----------------------

@@ -312,8 +312,3 @@ def concat_paged(parts: Sequence[PagedOut], dim: int,
     return PagedOut(torch.cat([p.ids for p in parts]), torch.cat([p.rows for p in parts]),
                     {n: torch.cat([p.state[n] for p in parts]) for n, _ in layout},
                     torch.cat([p.seen for p in parts]), torch.cat([p.freq for p in parts]))
-
-
-def select_paged(p: PagedOut, mask: torch.Tensor) -> PagedOut:
-    return PagedOut(p.ids[mask], p.rows[mask], {n: t[mask] for n, t in p.state.items()},
-                    p.seen[mask], p.freq[mask])

@@ -219,3 +219,20 @@ def test_importing_ps_core_loads_no_transport() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def status_code_uses(paths: list[Path]) -> list[str]:
+    """file:line of every `StatusCode` named in `paths`."""
+    return [f"{path.relative_to(ROOT)}:{node.lineno}" for path in paths
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Attribute) and node.attr == "StatusCode"]
+
+
+def test_status_codes_come_from_one_place() -> None:
+    """The servicers and the interceptor end calls with status_for's code: only
+    ps/edge/status.py names a grpc.StatusCode (the client side, ps/admin.py, reads them)."""
+    server = [p for p in _modules("ps") if p.parent.name in ("core", "edge")]
+    status = ROOT / "ps" / "edge" / "status.py"
+    assert status in server and status_code_uses([status])
+    wrong = status_code_uses([p for p in server if p != status])
+    assert not wrong, "a status code outside ps/edge/status.py:\n" + "\n".join(wrong)

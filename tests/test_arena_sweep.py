@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ps import maintenance
+from ps.core import maintenance
 from ps.core.maintenance import in_use, sweep_dead_arenas
 
 OLD = time.time() + 3600  # "now" an hour later: every file is old enough

@@ -1,4 +1,5 @@
-"""The one mapping from the core's exceptions to gRPC status codes, for every servicer."""
+"""The one mapping from the core's exceptions to gRPC status codes, for every servicer and
+the auth interceptor: no other module of ps/core or ps/edge names a status code."""
 
 from __future__ import annotations
 

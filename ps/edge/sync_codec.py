@@ -6,7 +6,7 @@ copy-free framing: a received push's tensors view the message bytes (or, for a
 shared-memory push, the rank's arena: ps/edge/arena_server.py), an inline answer is copied
 once into the outgoing bytes. Every malformed message is a `wire.WireError` (or a
 `BadShmReference` / `StaleShmEpoch` for a bad reference into the arena) naming the
-value; the servicers map those to status codes (ps/edge/service.py `status_for`).
+value; the servicers map those to status codes (ps/edge/status.py `status_for`).
 """
 
 from __future__ import annotations

@@ -187,12 +187,6 @@ def _recorded(failures: dict[int, Any]) -> Any | None:
     return min(ours, key=lambda f: f.timestamp) if ours else None
 
 
-def recorded_line(failures: dict[int, Any]) -> str | None:
-    """The earliest line a failed rank recorded (`report_error`), or None."""
-    first = _recorded(failures)
-    return None if first is None else str(first.message["message"])
-
-
 def split_worker_args(argv: Sequence[str]) -> list[str] | None:
     """The worker's flags when the training script is worker/main.py (as a path, or
     `-m worker.main`), else None."""

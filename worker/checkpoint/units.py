@@ -17,12 +17,6 @@ from worker.embedding.sharded import ShardedEmbedding
 from worker.updates.source import RowUpdate
 
 
-def table_slice(emb: ShardedEmbedding, table: str) -> tuple[str, slice]:
-    """(its unit, the rows of the unit's block that are table `table`'s)."""
-    unit, member = emb.unit_of[table]
-    return unit.name, slice(member.offset, member.offset + member.rows)
-
-
 def split_updates(emb: ShardedEmbedding, updates: Sequence[RowUpdate]) -> list[dict[str, Any]]:
     """Pending updates per unit -> per table (global row ids; every table of an update's
     unit gets an entry, an empty one too), CPU copies, as the pending file holds them."""

@@ -317,11 +317,6 @@ class TailIndex:
         cols = self.tails[first + np.arange(total, dtype=np.int64)] - start
         return rows, cols
 
-    def block_coo(
-        self, heads: np.ndarray, rels: np.ndarray, start: int = 0, end: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        return self.block_coo_by_pair(self.lookup(heads, rels), start, end)
-
     def block_mask_by_pair(
         self, pair_idx: np.ndarray, start: int = 0, end: int | None = None
     ) -> np.ndarray:

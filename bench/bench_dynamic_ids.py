@@ -49,7 +49,8 @@ from torch import nn
 
 from hybridps.dynamic import DynamicSpec
 from hybridps.optim import OptimizerSpec
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.tasks.metrics import batch_roc_auc
 from worker.tasks.synthetic import zipf_ranks
 from worker.tasks.tables import planted_value, raw_ids

@@ -40,7 +40,8 @@ from harness import bench_parser, machine, write_json  # bench/ is sys.path[0]
 from hybridps.optim import OptimizerSpec
 from ps.partition import TableSpec
 from ps.store import Store
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.updates.source import LocalSparseOptimizer
 
 DEVICE_ADAM_BYTES_PER_ELEM = 12  # fp32 rows + m + v

@@ -171,7 +171,7 @@ def wire_rates(address: str, rows: int, dim: int, batches: list[int], seconds: f
                window: int, max_chunk_bytes: int, wire_dtype: str, shm: bool = False
                ) -> dict[int, tuple[float, float, int]]:
     """{batch: (rows/s, bytes/s out+back, steps)} through one ShardClient stream."""
-    from worker.embedding.sharded import TableConfig
+    from worker.embedding.rows import TableConfig
     from worker.sync.arena import region_bytes
     from worker.sync.client import WIRE_DTYPES, ShardClient
 

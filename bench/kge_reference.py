@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from worker.embedding.sharded import init_rows
+from worker.embedding.rows import init_rows
 from worker.tasks.kge.data import TailIndex, epoch_batches, eval_queries, load_kg_dataset
 from worker.tasks.kge.models import KGEScorer, build_model, init_entity_rows
 from worker.tasks.metrics import block_rank_counts, ranking_metrics, ranks_from_counts

@@ -160,7 +160,7 @@ def test_pipes_keep_every_ranks_info_lines(tmp_path: Path, ps_server: str) -> No
     assert re.search(r"INFO worker rank=1 event=start ", proc.stderr)
     assert re.search(r"INFO worker\.rendezvous rank=1 ", proc.stderr)
     assert re.search(r"INFO worker\.sync rank=0 event=finished ", proc.stderr)
-    assert proc.stderr.count("INFO worker.checkpoint.checkpointer rank=0 checkpoint step") == 3
+    assert proc.stderr.count("INFO worker.checkpoint rank=0 checkpoint step") == 3
 
 
 def test_bar_fields_and_checkpoint_summary_lines() -> None:

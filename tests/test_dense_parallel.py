@@ -36,7 +36,8 @@ from worker.dense.parallel import (
     hsdp_mesh_shape,
     mixed_precision_policy,
 )
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.runtime.dist import destroy_distributed, init_distributed
 from worker.train.reference import ReferenceResult, train_reference
 

@@ -54,7 +54,8 @@ def tsv_config(path: Path, **extra: Any) -> Any:
 
 def _criteo_on_ranks(ctx: Any, tsv: str, out_dir: str) -> None:
     """Child (each rank): fused lookup check, then train on the TSV file and evaluate."""
-    from worker.embedding.sharded import ShardedEmbedding, TableConfig
+    from worker.embedding.rows import TableConfig
+    from worker.embedding.sharded import ShardedEmbedding
     from worker.train.trainer import Trainer
 
     tables = [TableConfig(f"t{j}", n, 4) for j, n in enumerate([5, 40, 2, 17])]

@@ -31,7 +31,8 @@ from worker.config.task_options import parse_tables
 from worker.embedding.dynamic.admission import Admission, CountMinSketch
 from worker.embedding.dynamic.ids import _first_seen_unique
 from worker.embedding.dynamic.slots import PageAnswer, PageRequest, SlotTable
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 
 INT64 = np.iinfo(np.int64)
 

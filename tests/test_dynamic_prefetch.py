@@ -22,7 +22,8 @@ from tests.test_dynamic_train import DIM, POOL, Run, batches, dynamic_table
 from tests.test_worker_e2e import small_config
 from worker.config.train_config import TrainConfig
 from worker.embedding.dynamic.slots import NATIVE, SlotTable
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.runtime.dist import DistContext
 from worker.train.trainer import Trainer
 

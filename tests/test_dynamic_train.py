@@ -17,7 +17,8 @@ from hybridps.dynamic import DynamicSpec, initial_rows
 from hybridps.optim import OptimizerSpec
 from worker.embedding.dynamic.ids import DynamicIds, Expiry
 from worker.embedding.dynamic.slots import NATIVE
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.updates.source import LocalSparseOptimizer, StalenessWindow
 from worker.updates.staleness import RowPredictor
 

@@ -18,14 +18,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from worker.embedding import sharded as emb_mod
-from worker.embedding.sharded import (
-    ShardedEmbedding,
-    TableConfig,
-    init_rows,
-    owner_of,
-    route,
-    row_range,
-)
+from worker.embedding.input_dist import owner_of
+from worker.embedding.rows import TableConfig, init_rows, route, row_range
+from worker.embedding.sharded import ShardedEmbedding
 from worker.tasks.base import Batch
 
 WORLD = 2

@@ -35,7 +35,8 @@ from ps.store import Store
 from ps.sync_codec import optimizer_args
 from worker.config.task_defaults import TASK_DEFAULTS, task_defaults
 from worker.config.train_config import Optimizer, TrainConfig
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.plan import Plan, TableShape, format_plan
 from worker.sync.messages import optimizer_message
 from worker.updates.source import LocalSparseOptimizer

@@ -30,8 +30,8 @@ from hybridps.row_deltas import add_offsets_
 from tests.spawn_helpers import run_ranks
 from tests.test_worker_e2e import MAIN, REPO, TORCHRUN
 from worker.embedding.input_dist import OwnerPool, PoolAtOwner, PoolUnitAtOwner
-from worker.embedding.rows import coalesce_grads
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig, coalesce_grads
+from worker.embedding.sharded import ShardedEmbedding
 from worker.runtime.dist import DistContext
 from worker.updates.staleness import RowPrediction
 

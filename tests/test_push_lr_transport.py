@@ -21,7 +21,7 @@ from ps.store import Store
 from ps.sync_codec import decode_request, request_chunks
 from tests.helpers import start_ps_server
 from tests.test_sync import FakeRpc, FakeShard, break_at, client, steps
-from worker.embedding.sharded import TableConfig
+from worker.embedding.rows import TableConfig
 from worker.sync.arena import ArenaPlacement
 from worker.sync.client import ShardClient
 from worker.sync.ledger import SyncLedger

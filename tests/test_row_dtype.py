@@ -36,7 +36,8 @@ from ps.partition import PushChunk, TableSpec
 from ps.store import Store
 from tests.helpers import PsServer
 from worker.config.train_config import TrainConfig
-from worker.embedding.sharded import ShardedEmbedding, TableConfig, init_rows
+from worker.embedding.rows import TableConfig, init_rows
+from worker.embedding.sharded import ShardedEmbedding
 from worker.sync.client import ShardClient, SyncError
 from worker.updates.source import LocalSparseOptimizer
 

@@ -23,7 +23,7 @@ from ps.config import ServerConfig
 from tests.helpers import start_ps_server
 from tests.test_wire_fast import SPEC, _client, _push_all, _reference_deltas, _run, _steps
 from worker.config.train_config import TrainConfig
-from worker.embedding.sharded import TableConfig
+from worker.embedding.rows import TableConfig
 from worker.sync.arena import ClientArena, RingAllocator, place
 from worker.sync.client import ServerRefused, ShardClient
 

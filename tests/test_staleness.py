@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from hybridps.cli import parse_config
 from worker.config.train_config import TrainConfig
-from worker.embedding.sharded import ShardedEmbedding, TableConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.updates.source import Grads, RowUpdate, StalenessWindow, UpdateSource
 from worker.updates.staleness import RowPredictor
 

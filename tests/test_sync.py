@@ -18,7 +18,7 @@ import torch
 from hybridps import wire
 from hybridps.optim import OptimizerSpec
 from hybridps.v1 import shard_pb2
-from worker.embedding.sharded import TableConfig
+from worker.embedding.rows import TableConfig
 from worker.sync.arena import ArenaPlacement
 from worker.sync.client import ServerRefused, ServerUnavailable, ShardClient
 from worker.sync.ledger import SyncLedger

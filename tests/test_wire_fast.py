@@ -31,7 +31,7 @@ from hybridps.v1 import shard_pb2
 from ps.config import ServerConfig
 from tests.helpers import start_ps_server
 from worker.config.train_config import TrainConfig
-from worker.embedding.sharded import TableConfig
+from worker.embedding.rows import TableConfig
 from worker.sync.client import WIRE_DTYPES, RowUpdate, ShardClient
 from worker.sync.messages import PUSH_GRADS, PUSH_IDS
 

@@ -48,7 +48,7 @@ from hybridps.paged_rows import PagedOut
 from hybridps.security import ClientSecurity
 from hybridps.v1 import shard_pb2
 from worker.embedding.groups import Member
-from worker.embedding.sharded import TableConfig
+from worker.embedding.rows import TableConfig
 from worker.runtime import faults
 from worker.runtime.device_copy import PushOutbox
 from worker.runtime.lifecycle import STOP

@@ -21,7 +21,7 @@ from hybridps.optim import OptimizerSpec
 from hybridps.optim_kinds import KINDS
 from hybridps.v1 import shard_pb2
 from worker.embedding.groups import Member
-from worker.embedding.sharded import TableConfig
+from worker.embedding.rows import TableConfig
 from worker.sync.arena import PlacedShmPush, ShmSlot
 
 # OptimizerSpec.kind -> the name of its OptimizerConfig.Kind (ps/sync_codec.py maps it back;

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from worker.config.train_config import TrainConfig
-from worker.embedding.sharded import TableConfig
+from worker.embedding.rows import TableConfig
 
 __all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task", "TrainHooks",
            "build_dense_seeded"]

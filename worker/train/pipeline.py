@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from hybridps.logs import kv
-from worker.embedding.sharded import InputDist, ShardedEmbedding
+from worker.embedding.input_dist import InputDist
+from worker.embedding.sharded import ShardedEmbedding
 from worker.tasks.base import Batch, Task
 
 log = logging.getLogger("worker.pipeline")

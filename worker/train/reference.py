@@ -30,7 +30,8 @@ from torch import nn
 
 from hybridps.optim import OptimizerSpec, apply_update_torch_, step_rows_torch_state_
 from worker.config.train_config import TrainConfig
-from worker.embedding.sharded import POOLING_MODES, TableConfig, init_rows
+from worker.embedding.rows import TableConfig, init_rows
+from worker.embedding.sharded import POOLING_MODES
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, build_dense_seeded
 from worker.train.trainer import (

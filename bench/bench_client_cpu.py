@@ -34,8 +34,8 @@ def child(root: Path, mode: str, steps: int) -> dict[str, float | str]:
     import torch
 
     from hybridps.optim import OptimizerSpec
-    from worker.embedding import TableConfig
-    from worker.sync import ShardClient
+    from worker.embedding.rows import TableConfig
+    from worker.sync.client import ShardClient
 
     torch.set_num_threads(1)  # like a torchrun rank (OMP_NUM_THREADS=1)
 

@@ -18,7 +18,7 @@ in-process optimizer: --local-optimizer's path, staleness 0):
   rows page out with their Adam state (host memory) and come back bitwise; the loop
   prefetches (ShardedEmbedding.prefetch): step t+1's ids are translated to slots on a
   helper thread while step t's backward, optimizer and update run
-  (worker/dynamic_prefetch.py);
+  (worker/embedding/dynamic/prefetch.py);
 - dynamic_inline: the same table translating each step's ids at its lookup (no prefetch);
 - modulo (a): a static table of the same C rows, fed raw id % C (collisions);
 - full (b): a static table with a row for every item of the stream (no collisions);
@@ -49,11 +49,12 @@ from torch import nn
 
 from hybridps.dynamic import DynamicSpec
 from hybridps.optim import OptimizerSpec
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.metrics import batch_roc_auc
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
+from worker.tasks.metrics import batch_roc_auc
 from worker.tasks.synthetic import zipf_ranks
 from worker.tasks.tables import planted_value, raw_ids
-from worker.updates import LocalSparseOptimizer, StalenessWindow
+from worker.updates.source import LocalSparseOptimizer, StalenessWindow
 
 NUM_DENSE = 4
 DIM = 16

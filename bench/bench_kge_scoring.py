@@ -3,7 +3,7 @@
 A rank scores the Q query vectors of the global batch against the E entity rows it owns, in
 forward (S = q @ block^T) and backward (grad q = G @ block, grad block = G^T @ q): three
 matmuls of 2 * Q * E * D flops each. This prints the achieved GFLOP/s of the whole loss's
-forward + backward (worker/tasks/kge_scoring.py) and of the three bare matmuls, and their ratio;
+forward + backward (worker/tasks/kge/scoring.py) and of the three bare matmuls, and their ratio;
 plus the pre-fusion formulation (a dense multi-hot target and F.binary_cross_entropy_with_logits
 through autograd) for comparison.
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from worker.tasks.kge_scoring import block_loss
+from worker.tasks.kge.scoring import block_loss
 
 
 def _time(fn: Callable[[], object]) -> float:

@@ -11,7 +11,7 @@ element: fp32 rows + m + v).
 Every hybridps figure is measured from the tensors themselves (numel x element_size
 of what is allocated), not computed from a formula:
   - "hybridps fp32 rows" / "hybridps bf16 rows": the rows of a ShardedEmbedding built
-    with that row dtype (worker/embedding.py), on the device; the shard server's state
+    with that row dtype (worker/embedding/sharded.py), on the device; the shard server's state
     for the same rows from a real ps.core.store.Store partition registered with that row
     dtype: m + v (+ a 1-byte touched flag per row) and, for bf16, the fp32 master rows;
   - "device Adam (--local-optimizer)": the same ShardedEmbedding plus the
@@ -40,8 +40,9 @@ from harness import bench_parser, machine, write_json  # bench/ is sys.path[0]
 from hybridps.optim import OptimizerSpec
 from ps.core.partition import TableSpec
 from ps.core.store import Store
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.updates import LocalSparseOptimizer
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
+from worker.updates.source import LocalSparseOptimizer
 
 DEVICE_ADAM_BYTES_PER_ELEM = 12  # fp32 rows + m + v
 GOAL = {"fp32": 4.0, "bf16": 2.0}  # device bytes per element

@@ -34,10 +34,10 @@ from harness import bench_parser, log, write_json
 
 from hybridps import pooled_bags
 from hybridps.pooled_bags import BagsAtOwner
-from worker.input_dist import OwnerPool, PoolAtOwner, PoolUnitAtOwner
-from worker.rows import coalesce_grads
-from worker.staleness import RowPrediction
+from worker.embedding.input_dist import OwnerPool, PoolAtOwner, PoolUnitAtOwner
+from worker.embedding.rows import coalesce_grads
 from worker.tasks.synthetic import Scatter, zipf_ranks
+from worker.updates.staleness import RowPrediction
 
 TABLE_ROWS, DIM, BATCH, POOL, WORLD = 1_000_000, 64, 1024, 20, 2
 OWNED = TABLE_ROWS // WORLD  # rank 0's rows: [0, OWNED)

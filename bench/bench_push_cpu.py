@@ -46,8 +46,8 @@ from ps.core.shard_core import ShardCore  # noqa: E402
 from ps.core.store import Store  # noqa: E402
 from ps.edge.arena_server import ArenaRegistry, ResolvedShmPush  # noqa: E402
 from ps.edge.sync_codec import batch_message, decode_request, request_chunks, shm_update  # noqa: E402
-from worker.arena_client import ClientArena, ShmSlot, place, region_bytes  # noqa: E402
-from worker.sync_messages import optimizer_message  # noqa: E402
+from worker.sync.arena import ClientArena, ShmSlot, place, region_bytes  # noqa: E402
+from worker.sync.messages import optimizer_message  # noqa: E402
 
 TABLE_ROWS = 250_000
 POOL = 32  # distinct (ids, grads) pushes cycled through

@@ -62,9 +62,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridps.cli import parse_config
-from worker.config import TrainConfig
-from worker.embedding import TableConfig, init_rows
-from worker.task_defaults import task_defaults
+from worker.config.task_defaults import task_defaults
+from worker.config.train_config import TrainConfig
+from worker.embedding.rows import TableConfig, init_rows
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, build_dense_seeded
 

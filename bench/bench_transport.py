@@ -34,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 JOB = ["--task", "tables", "--tables", "t0:1000000:20", "--dim", "64", "--batch-size", "1024",
        "--staleness", "1"]
-# The worker flags of each variant (the same-node flags of worker/config.py).
+# The worker flags of each variant (the same-node flags of worker/config/train_config.py).
 VARIANTS: dict[str, list[str]] = {
     "shm": ["--same-node", "require"],
     "inline": ["--same-node", "off"],

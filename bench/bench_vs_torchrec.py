@@ -124,8 +124,8 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from hybridps.cli import parse_config
-    from worker.config import TrainConfig
-    from worker.task_defaults import task_defaults
+    from worker.config.task_defaults import task_defaults
+    from worker.config.train_config import TrainConfig
     from worker.tasks.base import Batch
     from worker.tasks.tables import TablesTask
 

@@ -12,7 +12,7 @@ Side by side in one run, for each dim (64, 128) and batch of unique rows (4k, 16
       server's kernel thread count, with the same validation the server does per push
       (range, duplicates, finiteness) left out: the kernel alone, the bar to reach;
   (b) wire: push -> update through a real Sync stream against a real `python -m ps`
-      (started on port 0), with the real client (worker/sync.py ShardClient: chunking,
+      (started on port 0), with the real client (worker/sync/client.py ShardClient: chunking,
       the wire codec, the gRPC stream's loop thread; one torch thread, like a torchrun
       rank), keeping --window pushes in flight; rows/s =
       rows answered / wall time. --transport shm: the same-node shared-memory data
@@ -171,9 +171,9 @@ def wire_rates(address: str, rows: int, dim: int, batches: list[int], seconds: f
                window: int, max_chunk_bytes: int, wire_dtype: str, shm: bool = False
                ) -> dict[int, tuple[float, float, int]]:
     """{batch: (rows/s, bytes/s out+back, steps)} through one ShardClient stream."""
-    from worker.arena_client import region_bytes
-    from worker.embedding import TableConfig
-    from worker.sync import WIRE_DTYPES, ShardClient
+    from worker.embedding.rows import TableConfig
+    from worker.sync.arena import region_bytes
+    from worker.sync.client import WIRE_DTYPES, ShardClient
 
     kwargs: dict[str, Any] = {"wire_dtype": WIRE_DTYPES[wire_dtype]}
     if shm:  # room for every push in flight (window + the one being made + the taken)

@@ -3,7 +3,7 @@ model with its rows AND Adam state on the GPU, and the largest table a GPU budge
 
 b. `default_job`: hybridps (one rank, this process, a shard server on this machine) at
    --staleness 0, 1, 2 with fp32 rows and at 1 with bf16 rows, next to the plain loop with
-   everything on the GPU (worker/reference.py's LocalEmbedding, i.e. nn.Embedding /
+   everything on the GPU (worker/train/reference.py's LocalEmbedding, i.e. nn.Embedding /
    F.embedding_bag with sparse=True, + torch.optim.SparseAdam, the same dense model and
    Adam, the same batches). Samples/s; the time the step waited for updates; GPU bytes
    per embedding element = (torch.cuda.max_memory_allocated - the dense part) / the
@@ -14,7 +14,7 @@ c. `table_budget`: per design, the most rows of width D whose training step runs
    fixed GPU budget (torch.cuda.set_per_process_memory_fraction; OutOfMemoryError = does
    not fit), found by bisection: hybridps keeps the rows (fp32 or bf16) on the GPU and its
    step sends the gradients to the host and applies an update from it
-   (worker/device_copy.py); the plain design keeps rows, m and v (SparseAdam). On the
+   (worker/runtime/device_copy.py); the plain design keeps rows, m and v (SparseAdam). On the
    CPU (dry run) a table "fits" when its rows and state take at most the budget.
 """
 
@@ -37,8 +37,8 @@ BASELINE = "sparse_adam (rows + Adam on the GPU)"
 
 def parse_cfg(args: Sequence[str], steps: int, device: torch.device) -> Any:
     from hybridps.cli import parse_config
-    from worker.config import TrainConfig
-    from worker.task_defaults import task_defaults
+    from worker.config.task_defaults import task_defaults
+    from worker.config.train_config import TrainConfig
 
     return parse_config(TrainConfig, [*args, "--steps", str(steps), "--progress", "false",
                                       "--eval-batches", "1", "--log-every", "50",
@@ -86,9 +86,9 @@ class GpuMemory:
 
 def train_in_process(ctx: Any, args: Sequence[str], steps: int,
                      around_train: Any = None) -> dict[str, Any]:
-    """worker/train.py's Trainer on `ctx` (a world of one), `around_train` (a context
+    """worker/train/trainer.py's Trainer on `ctx` (a world of one), `around_train` (a context
     manager) around its loop; what a run reports, with the GPU memory it took."""
-    from worker.train import Trainer
+    from worker.train.trainer import Trainer
 
     cfg = parse_cfg(args, steps, ctx.device)
     memory = GpuMemory(ctx.device)
@@ -119,10 +119,10 @@ def resident_loop(device: torch.device, args: Sequence[str], steps: int,
                   random_rows: bool = False) -> dict[str, Any]:
     """The same model with rows AND Adam state on the device: SparseAdam on the rows, the
     worker's dense optimizer, this rank's batches of the task, its loss logged as often."""
-    from worker.reference import LocalEmbedding
     from worker.tasks import build_task
     from worker.tasks.base import HybridModel, build_dense_seeded
-    from worker.train import make_dense_optimizer
+    from worker.train.reference import LocalEmbedding
+    from worker.train.trainer import make_dense_optimizer
 
     cfg = parse_cfg(["--local-optimizer", *args], steps, device)
     task = build_task(cfg)
@@ -168,7 +168,7 @@ def resident_loop(device: torch.device, args: Sequence[str], steps: int,
 def stage_default_job(rep: StageReport, dry_run: bool, work: Path) -> None:
     from harness import Server
 
-    from worker.parallel import destroy_distributed, init_distributed
+    from worker.runtime.dist import destroy_distributed, init_distributed
 
     device = pick_device(dry_run)
     steps, repeats = (10, 1) if dry_run else (300, 3)  # 3: a median, not the lower of 2
@@ -265,7 +265,7 @@ def one_design_step(design: str, rows: int, dim: int, device: torch.device) -> N
     sparse_adam its m and v), a lookup of IDS_PER_STEP ids, the sparse gradient and, for
     hybridps, the gradients' copy to the host and an update back."""
     from hybridps.optim import apply_update_
-    from worker.device_copy import grads_to_host, to_device
+    from worker.runtime.device_copy import grads_to_host, to_device
 
     dtype, _ = DESIGNS[design]
     weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype, device=device).normal_())

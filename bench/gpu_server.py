@@ -37,7 +37,7 @@ SAMPLED_STEPS = 6
 def job_pushes(args: list[str], steps: int) -> tuple[list[Any], dict[str, tuple[int, int]]]:
     """The pushes of the job's first `steps` steps on one rank (CPU forward/backward of the
     real model), and each unit's (rows, dim)."""
-    from worker.embedding import ShardedEmbedding
+    from worker.embedding.sharded import ShardedEmbedding
     from worker.tasks import build_task
     from worker.tasks.base import HybridModel, build_dense_seeded
 

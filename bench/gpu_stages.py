@@ -5,7 +5,7 @@
 writes DIR/STAGE.json ({"ok", "error", "figures"}) as it goes. Stages: prepare (the python,
 its packages, the native kernel built in place), pytest_gpu (tests/test_gpu.py),
 default_job and table_budget (bench/gpu_jobs.py), server_threads (bench/gpu_server.py),
-nccl (a one-rank NCCL group through worker/parallel.py's init_distributed, and the
+nccl (a one-rank NCCL group through worker/runtime/dist.py's init_distributed, and the
 default job through torchrun) and sync_debug (the loop under CUDA's sync debug mode).
 """
 
@@ -41,7 +41,7 @@ MODULES = {
 }
 # what must import once the packages are there (the generated code checks its runtime)
 PROJECT_IMPORTS = ("hybridps.v1.shard_pb2", "hybridps.v1.shard_pb2_grpc", "ps.edge.server",
-                   "worker.train")
+                   "worker.train.trainer")
 SYNC_MESSAGE = "synchronizing CUDA operation"
 DRY_RUN_TESTS = "staleness0 or bf16 or export"
 
@@ -239,13 +239,13 @@ def stage_nccl(rep: StageReport, dry_run: bool, work: Path) -> None:
 
 
 def stage_nccl_rank(rep: StageReport, dry_run: bool, work: Path) -> None:
-    """One torchrun rank: worker/parallel.py's init_distributed, then each collective the
+    """One torchrun rank: worker/runtime/dist.py's init_distributed, then each collective the
     worker uses, on the device."""
     import torch
     import torch.distributed as dist
 
-    from worker.comm import BlockCap, exchange_blocks
-    from worker.parallel import destroy_distributed, init_distributed
+    from worker.embedding.comm import BlockCap, exchange_blocks
+    from worker.runtime.dist import destroy_distributed, init_distributed
 
     device = pick_device(dry_run)
     t = Timer()
@@ -308,7 +308,7 @@ class SyncWatch:
         self._catch = warnings.catch_warnings()
 
     def __enter__(self) -> SyncWatch:
-        from worker.device_copy import sync_debug
+        from worker.runtime.device_copy import sync_debug
 
         self._debug = sync_debug(self.mode)
         self._catch.__enter__()
@@ -348,16 +348,16 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
     from harness import Server
 
     from hybridps import optim, pooled_bags
-    from worker.device_copy import SYNC_HITS, SYNC_POINTS
-    from worker.parallel import destroy_distributed, init_distributed
-    from worker.sync_ops import SyncingOps
+    from worker.runtime.cpu_sync_debug import SyncingOps
+    from worker.runtime.device_copy import SYNC_HITS, SYNC_POINTS
+    from worker.runtime.dist import destroy_distributed, init_distributed
 
     device = pick_device(dry_run)
     on_cuda = device.type == "cuda"
-    # On the CPU: the calls that would synchronise on CUDA (worker/sync_ops.py), on the
-    # torch kernels a CUDA device runs
+    # On the CPU: the calls that would synchronise on CUDA
+    # (worker/runtime/cpu_sync_debug.py), on the torch kernels a CUDA device runs
     rep.set(named_sync_points=SYNC_POINTS, checked=on_cuda,
-            watched_by="CUDA's sync debug mode" if on_cuda else "worker/sync_ops.py")
+            watched_by="CUDA's sync debug mode" if on_cuda else "worker/runtime/cpu_sync_debug.py")
     if not on_cuda:
         optim.set_kernel("torch")
         pooled_bags.set_pool_kernel("torch")
@@ -411,7 +411,7 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
         torch.cuda.synchronize()
         if not unnamed_total and rep.figures.get("error_mode") != "ran clean":
             errors.append(f"error mode: {rep.figures.get('error_mode', 'not run')}")
-    # on the CPU: the watcher of worker/sync_ops.py (CUDA's "error" run needs a GPU)
+    # on the CPU: the watcher of worker/runtime/cpu_sync_debug.py (CUDA's "error" run needs a GPU)
     rep.finish(not errors, "; ".join(errors) or None)
 
 
@@ -460,6 +460,6 @@ def _server() -> Any:
 
 
 if __name__ == "__main__":
-    from worker.lifecycle import exit_process
+    from worker.runtime.lifecycle import exit_process
 
     exit_process(main())

@@ -12,7 +12,7 @@ bench/kge_reference.py and
 writes everything to <out>/kge_quality.json. A variant is STALENESS:ROW_LR[:COMPENSATION]
 (the entity rows' Adam lr, relations always use lr 0.1; --staleness-compensation none |
 predict, default none): the default runs --staleness 0, and --staleness 1 without and with
-weight prediction (worker/staleness.py), all at dicee's lr 0.1 (a one-step-stale Adam step
+weight prediction (worker/updates/staleness.py), all at dicee's lr 0.1 (a one-step-stale Adam step
 of 0.1 on every row, every step, overshoots: see the report). With several seeds the table
 shows the mean test MRR over seeds (per-seed values are in the JSON). A variant passes when
 its mean test MRR is >= the dicee figure (rerun on CPU) - 0.01.
@@ -34,7 +34,7 @@ from typing import Any, get_args
 from harness import REPO, Server, child_env, run_worker  # bench/ is sys.path[0]
 
 from hybridps.datasets import shipped_dataset
-from worker.config import Compensation
+from worker.config.train_config import Compensation
 
 TOLERANCE = 0.01
 COMPENSATIONS: tuple[str, ...] = get_args(Compensation)  # --staleness-compensation

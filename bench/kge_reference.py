@@ -4,7 +4,7 @@ Same setting as dicee's defaults used for the figures in hybridps/data/README.md
 the distinct (h, r) pairs of train + reciprocal triples, BCE-with-logits against multi-hot tails,
 Adam (lr 0.1) over all parameters, N(0, 1) init, no dropout/normalisation. Evaluation is
 filtered (train + valid + test), both directions via reciprocal relations, computed block-wise
-with worker.metrics exactly like the sharded trainer will (``--eval-blocks`` entity blocks).
+with worker.tasks.metrics exactly like the sharded trainer will (``--eval-blocks`` entity blocks).
 
     python bench/kge_reference.py --data umls --model distmult --dim 32
     python bench/kge_reference.py --data umls --model keci --dim 32 --p 0 --q 1
@@ -20,10 +20,10 @@ import time
 import numpy as np
 import torch
 
-from worker.embedding import init_rows
-from worker.metrics import block_rank_counts, ranking_metrics, ranks_from_counts
-from worker.tasks.kge_data import TailIndex, epoch_batches, eval_queries, load_kg_dataset
-from worker.tasks.kge_models import KGEScorer, build_model, init_entity_rows
+from worker.embedding.rows import init_rows
+from worker.tasks.kge.data import TailIndex, epoch_batches, eval_queries, load_kg_dataset
+from worker.tasks.kge.models import KGEScorer, build_model, init_entity_rows
+from worker.tasks.metrics import block_rank_counts, ranking_metrics, ranks_from_counts
 
 
 @torch.no_grad()
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--entity-init", choices=("torch", "hybridps"), default="torch",
                     help="torch: N(0,1) from the global stream (dicee); hybridps: the sharded "
-                         "table's rows (worker.embedding.init_rows), so a seed gives both "
+                         "table's rows (worker.embedding.sharded.init_rows), so a seed gives both "
                          "trainers the same start (a paired comparison)")
     args = ap.parse_args()
 

@@ -5,7 +5,7 @@ cut every few steps and its ranks killed now and then; the server's RSS must not
     python bench/soak.py --minutes 0.5 --json x   # tests/test_soak.py (a generous bound)
 
 A 2-rank run (staleness 1, checkpoints every --checkpoint-every steps, --resume) under
-`torchrun --max-restarts`, with HYBRIDPS_FAULT_CUT=EVERY (worker/faults.py): every rank
+`torchrun --max-restarts`, with HYBRIDPS_FAULT_CUT=EVERY (worker/runtime/faults.py): every rank
 breaks its Sync connection (cancels its gRPC Sync stream) right after the push of
 every EVERY-th step, so the server sees a stream end mid-run and the ranks re-register,
 reconnect and re-send, hundreds of times a minute.

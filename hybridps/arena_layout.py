@@ -1,6 +1,6 @@
 """The shared-memory arena of the Sync stream's same-node data plane: layout only.
 
-A worker rank creates the arena (worker/arena_client.py), a file under /dev/shm that
+A worker rank creates the arena (worker/sync/arena.py), a file under /dev/shm that
 the shard server on its node maps (ps/edge/arena_server.py) when it accepts it at Register.
 Pushes then carry (offset, length) references into it instead of inline tensors, and the server
 writes each answer into a region the push names. Both sides agree on this module.

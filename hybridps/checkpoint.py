@@ -15,7 +15,7 @@ A checkpoint of step s is one directory (`<checkpoint-dir>/step-<s:010d>/`):
                              the worker itself under --local-optimizer: same
                              format)
     dense/                   the dense part + its optimizer, a torch.distributed.checkpoint
-                             (DCP) directory written by every rank (worker/checkpoint.py);
+                             (DCP) directory written by every rank (worker/checkpoint/);
                              older checkpoints: dense.pt, full state dicts
 
 Every shard file is a `torch.save` dict: {"format", "kind", "table", "num_rows",
@@ -31,7 +31,7 @@ every file is checked against the manifest's size and crc32 before a byte of it 
 used (`verify_entry`; `load_rows` does it for each file it reads). A file that is
 missing, of another size or crc32, truncated or unreadable raises CorruptCheckpoint
 naming it (the server answers DATA_LOSS; a resuming worker falls back to the previous
-checkpoint, worker/checkpoint.py).
+checkpoint, worker/checkpoint/checkpointer.py).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def owning_tensors(obj: Any) -> Any:
     views a larger storage replaced by a compact copy of its own elements.
 
     torch.save writes the whole storage behind a tensor: a few ids viewing the shared-
-    memory arena (worker/arena_client.py) or a table viewing its group's block would carry
+    memory arena (worker/sync/arena.py) or a table viewing its group's block would carry
     all of it into the file."""
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.device.type == "meta":
@@ -431,7 +431,7 @@ class ManifestTable:
 
 @dataclass(frozen=True)
 class PendingEntry:
-    """The workers' pending updates (worker/checkpoint.py): the staleness, the newest step
+    """The workers' pending updates (worker/checkpoint/): the staleness, the newest step
     in the rows, and one file per rank."""
 
     staleness: int
@@ -551,7 +551,7 @@ def manifest_entries(manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         if "dense" in manifest:  # DCP files, or one dense.pt in older checkpoints
             dense = manifest["dense"]
             entries.extend(dense.get("files", [dense]))
-        if "pending" in manifest:  # the workers' pending updates (worker/checkpoint.py)
+        if "pending" in manifest:  # the workers' pending updates (worker/checkpoint/)
             entries.extend(manifest["pending"]["files"])
     except (KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpoint(f"checkpoint of step {manifest.get('step')}: malformed "

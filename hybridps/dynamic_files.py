@@ -73,7 +73,7 @@ def _as_torch(obj: Any) -> Any:
 
 def save_ids(directory: str | Path, *, table: str, rank: int, start: int, end: int,
              state: Mapping[str, Any], step: int) -> ShardInfo:
-    """The worker's slot map of rows [start, end) (worker/dynamic_slots.py state_dict)."""
+    """The worker's slot map of rows [start, end) (worker/embedding/dynamic/slots.py state_dict)."""
     return _info(Path(directory), ids_file(table, rank), table, rank, start, end,
                  _as_torch({**state, "ids_format": IDS_FORMAT, "step": step}))
 

@@ -3,7 +3,7 @@ flag parsing and `--plan` read it without importing torch).
 
 A state layout is a tuple of (name, width): width PER_ELEMENT ("D") is one float32 per
 element of the row, 1 is one float32 per row. The shard server (ps/core/partition.py), the
-in-process `--local-optimizer` (worker/updates.py), checkpoints (hybridps/checkpoint.py)
+in-process `--local-optimizer` (worker/updates/source.py), checkpoints (hybridps/checkpoint.py)
 and every byte count (`--max-state-bytes`, stats, `--plan`) hold and count state by these
 names, so an optimizer is added here and in hybridps/optim.py, nowhere else. The names
 are the names of the tensors in checkpoint files: adam's m and v are those of
@@ -83,7 +83,7 @@ class OptimizerSpec:
     """A sparse optimizer and its hyperparameters (those a kind does not read are ignored:
     betas outside USES_BETAS, eps outside USES_EPS). Checkpoints record it
     (`dataclasses.asdict`); a run resumes only with the same one, but for lr and
-    weight_decay (worker/checkpoint.py `resume_changes`)."""
+    weight_decay (worker/checkpoint/checkpointer.py `resume_changes`)."""
 
     kind: str = "adam"
     lr: float = 1e-3

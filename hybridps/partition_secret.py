@@ -2,7 +2,7 @@
 
 Register answers a partition's secret (RegisterResponse.partition_secret); every later
 call for that (run, rank) carries it in its metadata, next to the auth token (the worker
-attaches both in one place: worker/grpc_client.py ShardRpc.metadata). The Sync stream
+attaches both in one place: worker/sync/grpc_client.py ShardRpc.metadata). The Sync stream
 also names the partition it is bound to (`hybridps-partition: <run_id>/<rank>`): the
 server checks the secret when the stream opens and every push on it against that
 binding. Run ids are letters, digits, `_`, `.` and `-` (hybridps/names.py), so `/`

@@ -1,9 +1,9 @@
 """The owner's fused kernel for bags pooled at the owner (hybridps/native/pooled_bags.c).
 
-When a requester sends an owner its part of every bag (worker/input_dist.py, "pooled at
-the owner"), the owner's work for a unit (worker/groups.py: a block of rows holding one
+When a requester sends an owner its part of every bag (worker/embedding/input_dist.py, "pooled at
+the owner"), the owner's work for a unit (worker/embedding/groups.py: a block of rows holding one
 or more tables) is, in the torch path: dedupe the ids it received (`OwnerPool.build`),
-gather the distinct rows, add their weight prediction (worker/staleness.py), sum each
+gather the distinct rows, add their weight prediction (worker/updates/staleness.py), sum each
 bag (`PoolAtOwner`), and in backward sum each distinct row's bag gradients. `forward`
 and `backward` here do the same in ONE native call each for all the unit's pooled
 entries, with the same float32 results bit for bit (tests/test_pooled_bags.py): the
@@ -73,7 +73,7 @@ def fused_for(weight_RD: torch.Tensor) -> bool:
 
 def requests(ids_M: torch.Tensor, offsets_B: torch.Tensor | None, rows: int, world: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The requester's side of one entry pooled at its owners (worker/input_dist.py
+    """The requester's side of one entry pooled at its owners (worker/embedding/input_dist.py
     make_requests, whose torch path is the reference) in one native call: (local_M, the
     ids' rows at their owners grouped by owner, id order within one; lengths_WB, int64
     [world * bags]: each owner's share of each bag; per_owner_W). None where the native

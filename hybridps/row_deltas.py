@@ -1,4 +1,4 @@
-"""Row kernels of the staleness window's weight prediction (worker/staleness.py).
+"""Row kernels of the staleness window's weight prediction (worker/updates/staleness.py).
 
 Two operations the prediction does every step, each one pass over the rows with the
 native kernels (hybridps/native/fused_adam.c) and the same float32 results as the torch

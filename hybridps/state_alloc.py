@@ -15,7 +15,7 @@ HUGEPAGE_MIN_BYTES = 4 << 20
 HUGEPAGE_BYTES = 2 << 20
 # Where each array a row kernel reads at the same row sits past a 2 MiB boundary
 # (alloc_state's `offset`): m, v and the master row of one id fall in different L1 sets.
-# "rows": a CPU rank's own embedding rows (worker/embedding.py); the other names are those
+# "rows": a CPU rank's own embedding rows (worker/embedding/sharded.py); the other names are those
 # of the optimizers' state (hybridps/optim_kinds.py STATE_LAYOUTS).
 STATE_OFFSETS = {"m": 0, "v": 2048, "sum": 2560, "master": 1024, "rows": 3072}
 

@@ -125,7 +125,7 @@ def chunk_bounds(num_rows: int, rows_in_chunk: int) -> Iterator[tuple[int, int]]
 # any order) with one copy to build the outgoing bytes and none to read the incoming
 # ones: decoded tensors view the received buffer (read-only: callers that keep a
 # tensor beyond the message or write to it must clone). The Sync stream uses them on
-# both sides (ps/edge/sync_codec.py; worker/sync_messages.py, worker/transport.py); every
+# both sides (ps/edge/sync_codec.py; worker/sync/messages.py, worker/sync/transport.py); every
 # other RPC and every other client keeps the generated code, which reads these
 # messages like any other.
 

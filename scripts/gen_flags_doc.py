@@ -19,8 +19,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from hybridps.cli import EVERYDAY, Setting, format_choices, sections, settings  # noqa: E402
 from ps.config import ServerConfig  # noqa: E402
-from worker.config import TrainConfig  # noqa: E402
-from worker.task_defaults import TASK_DEFAULTS  # noqa: E402
+from worker.config.task_defaults import TASK_DEFAULTS  # noqa: E402
+from worker.config.train_config import TrainConfig  # noqa: E402
 
 OUT = ROOT / "docs" / "flags.md"
 
@@ -41,15 +41,15 @@ torch is imported, with one error line naming it (exit code 2).
 
 **How to add a flag.** Add a field to the section it belongs to, with
 `setting(default, "help", "METAVAR")` (hybridps/cli.py): worker settings live in
-worker/config.py (run, sync, same-node, security, checkpoints, logging, memory plan),
-worker/dense_options.py (dense part) and worker/task_options.py (one section per task;
+worker/config/train_config.py (run, sync, same-node, security, checkpoints, logging, memory plan),
+worker/config/dense_options.py (dense part) and worker/config/task_options.py (one section per task;
 a new task's own settings go in a new section there, added to `TrainConfig`); the
 server's in ps/config.py. Give choices as a `Literal[...]` type (the one list of them)
 and a lower bound as `at_least=N`: the section's `__post_init__` calls `check_settings`
 first; put any other check after it, raising ValueError that names the value (a check
 that spans sections goes in `TrainConfig.__post_init__`). Read it as
 `cfg.<section>.<name>`. Then run `python scripts/gen_flags_doc.py` and commit
-docs/flags.md. A flag that goes away is listed in worker/config.py's `REMOVED_FLAGS`
+docs/flags.md. A flag that goes away is listed in worker/config/train_config.py's `REMOVED_FLAGS`
 with what to use instead, so that using it stops with that message rather than
 "unrecognized arguments".
 """
@@ -87,7 +87,8 @@ def _by_heading(cls: type) -> dict[str, list[Setting]]:
 
 def worker_part() -> list[str]:
     found = settings(TrainConfig)
-    lines = ["## Worker: `torchrun ... worker/main.py` (`TrainConfig`, worker/config.py)", "",
+    lines = ["## Worker: `torchrun ... worker/main.py` (`TrainConfig`, "
+             "worker/config/train_config.py)", "",
              f"{len(found)} settings. The {EVERYDAY} (listed first by `--help`): "
              + ", ".join(f"`{s.flag}`" for s in found if s.everyday) + ".", ""]
     where = {attr: cls for attr, cls in sections(TrainConfig)}
@@ -101,7 +102,7 @@ def worker_part() -> list[str]:
                   f"{doc}", "", *_table(groups[heading]), ""]
     lines += ["### Task defaults", "",
               "Used when neither the flag nor the variable is given "
-              "(worker/task_defaults.py):", "",
+              "(worker/config/task_defaults.py):", "",
               "| task | defaults |", "|---|---|"]
     for task, values in TASK_DEFAULTS.items():
         lines.append(f"| `{task}` | " + ", ".join(

@@ -225,7 +225,7 @@ def worker_refusal(args: Sequence[str]) -> str | None:
     """The worker's own one-line refusal of these flags' values (its parser, in this
     process: parsing imports no torch), or None."""
     from hybridps.cli import parse_config
-    from worker.config import TrainConfig
+    from worker.config.train_config import TrainConfig
 
     err = io.StringIO()
     try:
@@ -312,7 +312,7 @@ def static_problems(page_blocks: Sequence[Block], readme_log: str | None = "ps.l
                 refused = worker_refusal(prog.args)
                 if refused:
                     problems.append(f"{say}: the worker refuses it: {refused}")
-            if prog.key == "worker.tasks.kge_hierarchy" and prog.args:
+            if prog.key == "worker.tasks.kge.hierarchy" and prog.args:
                 made.add(prog.args[0])
             if _is_server(prog):
                 port = dict(_flag_values(prog.args)).get("--port")

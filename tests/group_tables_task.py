@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.config import TrainConfig
+from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig
 from worker.tasks.tables import NUM_DENSE, TablesTask, table_specs
 

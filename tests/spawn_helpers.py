@@ -31,11 +31,11 @@ def _child(rank: int, world: int, port: int, target: str, args: tuple[Any, ...])
     import torch
 
     torch.set_num_threads(1)
-    from worker.parallel import destroy_distributed, init_distributed
+    from worker.runtime.dist import destroy_distributed, init_distributed
 
     module, _, name = target.partition(":")
     fn = getattr(importlib.import_module(module), name)
-    from worker.lifecycle import exit_process
+    from worker.runtime.lifecycle import exit_process
 
     ctx = init_distributed("cpu", timeout_s=120.0)
     try:

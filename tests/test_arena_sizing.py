@@ -1,4 +1,4 @@
-"""The same-node arena sized from the run's own pushes (worker/arena_client.py size_arena,
+"""The same-node arena sized from the run's own pushes (worker/sync/arena.py size_arena,
 Task.rows_pushed_per_step): K+3 steps of them, at least 64 MiB, within /dev/shm's room; an
 explicit --same-node-mb that holds fewer steps warns with the size that would. End to end:
 KGE 1vsAll pushes every owned row every step, and with pushes of ~18 MB a rank the old
@@ -18,11 +18,11 @@ import torch
 from hybridps import arena_layout as layout
 from tests.helpers import PsServer
 from tests.test_checkpoint import run
-from worker import arena_client
-from worker.arena_client import AUTO_MIN_BYTES, arena_bytes_needed, region_bytes, size_arena
-from worker.task_defaults import config_with_task_defaults
-from worker.tasks.kge import KGETask
-from worker.tasks.kge_hierarchy import write_hierarchy
+from worker.config.task_defaults import config_with_task_defaults
+from worker.sync import arena as arena_client
+from worker.sync.arena import AUTO_MIN_BYTES, arena_bytes_needed, region_bytes, size_arena
+from worker.tasks.kge.hierarchy import write_hierarchy
+from worker.tasks.kge.task import KGETask
 
 MIB = 1 << 20
 

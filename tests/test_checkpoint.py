@@ -48,7 +48,7 @@ from ps.core.checkpoint import save_partition
 from ps.core.partition import PushChunk, TableSpec
 from ps.core.store import Store
 from tests.helpers import PsServer, start_ps_server
-from worker.faults import FAULT_ENV, FAULT_EXIT_CODE, fault_point
+from worker.runtime.faults import FAULT_ENV, FAULT_EXIT_CODE, fault_point
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
@@ -410,10 +410,10 @@ def test_pending_files_hold_only_the_pending_updates(server: PsServer, tmp_path:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Path) -> None:
-    from worker.config import TrainConfig
-    from worker.reference import LocalEmbedding
+    from worker.config.train_config import TrainConfig
     from worker.tasks import build_task
     from worker.tasks.base import HybridModel, build_dense_seeded
+    from worker.train.reference import LocalEmbedding
 
     out = tmp_path / "model.pt"
     proc = subprocess.run([sys.executable, "-m", "worker.export", "--checkpoint",
@@ -447,7 +447,7 @@ def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Pa
 
 def test_checkpoint_flags_validate() -> None:
     from hybridps.cli import parse_config
-    from worker.config import TrainConfig
+    from worker.config.train_config import TrainConfig
 
     env = {"HYBRIDPS_LOCAL_OPTIMIZER": "1"}
     cfg = parse_config(TrainConfig, ["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "5",
@@ -535,7 +535,7 @@ def test_export_reads_pre_dcp_checkpoints(runs: dict[str, Path], tmp_path: Path)
 
 
 def test_resume_may_change_only_the_learning_rates_and_weight_decay() -> None:
-    from worker.checkpoint import ResumeError, resume_changes
+    from worker.checkpoint.checkpointer import ResumeError, resume_changes
 
     adamw = dataclasses.asdict(OptimizerSpec(kind="adamw", lr=0.02))
     dense = {"kind": "adamw", "lr": 3e-3, "weight_decay": 0.0}
@@ -581,7 +581,7 @@ def test_resume_with_lower_learning_rates(server: PsServer, tmp_path: Path) -> N
     assert later["dense"]["optimizer"] == {"kind": "adamw", "lr": 0.001, "weight_decay": 0.01}
     meta = read_shard(step_dir(tmp_path / "ck_lower", 19) / "optim/user.r00000.pt")["meta"]
     assert meta["optimizer"]["lr"] == 0.005
-    from worker.checkpoint_dense import read_dense_full
+    from worker.checkpoint.dense import read_dense_full
     dense = read_dense_full(step_dir(tmp_path / "ck_lower", 19), later["dense"])
     assert {(g["lr"], g["weight_decay"]) for g in dense["optim"]["param_groups"]} == {
         (0.001, 0.01)}  # the dense optimizer ran at the new rates, not the restored ones

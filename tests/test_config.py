@@ -19,7 +19,7 @@ from hybridps.cli import (
     setting,
     settings,
 )
-from worker.config import TrainConfig, parse_host_port
+from worker.config.train_config import TrainConfig, parse_host_port
 
 SAMPLES: dict[str, tuple[str, object]] = {
     "ps": ("10.0.0.1:5000", "10.0.0.1:5000"),
@@ -92,7 +92,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "model": ("keci", "keci"),
     "training": ("negsample", "negsample"),
     "neg_ratio": ("4", 4),
-    # --task kge trainer (worker/kge_options.py)
+    # --task kge trainer (worker/config/kge_options.py)
     "preset": ("fb15k237-complex", "fb15k237-complex"),
     "loss": ("ce", "ce"),
     "label_smoothing": ("0.1", 0.1),
@@ -198,7 +198,7 @@ def test_direct_construction_validates() -> None:
 
 @pytest.mark.e2e
 def test_config_module_does_not_import_torch() -> None:
-    code = "import sys, worker.config; sys.exit('torch' in sys.modules)"
+    code = "import sys, worker.config.train_config; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -256,7 +256,7 @@ def test_removed_variable_names_its_replacement() -> None:
 @pytest.mark.parametrize(("same_node", "shm"), [
     ("auto", "auto"), ("off", "off"), ("require", "on")])
 def test_same_node_maps_to_the_client_arguments(same_node: str, shm: str) -> None:
-    from worker.config import SHM_MODES
+    from worker.config.train_config import SHM_MODES
 
     args = TrainConfig.of(ps="h:1", same_node=same_node, same_node_mb=3).node.client_args()
     assert args == {"shm": shm, "shm_bytes": 3 << 20}
@@ -335,11 +335,11 @@ def test_choice_lists_agree_with_their_users() -> None:
     import ps.core.partition
     import ps.core.shard_core
     from ps import config as ps_config
-    from worker.config import RowDtype, WireDtype
-    from worker.embedding import ROW_DTYPES
-    from worker.sync import WIRE_DTYPES
-    from worker.task_options import KGE_MODELS
-    from worker.tasks.kge_models import _MODELS
+    from worker.config.task_options import KGE_MODELS
+    from worker.config.train_config import RowDtype, WireDtype
+    from worker.embedding.sharded import ROW_DTYPES
+    from worker.sync.client import WIRE_DTYPES
+    from worker.tasks.kge.models import _MODELS
 
     assert set(get_args(WireDtype)) == set(WIRE_DTYPES)
     assert set(get_args(RowDtype)) == set(ROW_DTYPES)

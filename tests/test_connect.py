@@ -1,6 +1,6 @@
 """A worker that cannot reach its shard server fails fast, says why last, leaves nothing.
 
-Unit: worker/connect.py's retry window (a fake clock). End to end (issue 25 item 2,
+Unit: worker/sync/connect.py's retry window (a fake clock). End to end (issue 25 item 2,
 issue 23 item 3): `python -m worker.launch` (torchrun) with 2 ranks against an address
 where nothing listens, a host name that does not resolve, and a server that refuses the
 Register (a --max-state-bytes too small for the run): each ends within a bound, with the
@@ -24,9 +24,9 @@ import pytest
 
 from hybridps.arena_layout import SHM_DIR
 from tests.helpers import start_ps_server
-from worker.connect import FIRST_CONNECT_S, call_until_connected, connect_window_s
-from worker.transport import TransportRefused, TransportRetryable
-from worker.updates import ServerUnavailable
+from worker.sync.connect import FIRST_CONNECT_S, call_until_connected, connect_window_s
+from worker.sync.transport import TransportRefused, TransportRetryable
+from worker.updates.source import ServerUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
@@ -188,7 +188,7 @@ def test_an_unreachable_server_fails_fast_with_one_line_last(kind: str) -> None:
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert seconds < FAIL_WITHIN_S, f"took {seconds:.1f}s\n{proc.stderr[-4000:]}"
     last = _last_line(proc.stderr)
-    # the launcher checks the server before it starts any rank (worker/preflight.py)
+    # the launcher checks the server before it starts any rank (worker/config/preflight.py)
     assert last.startswith("hybridps-run: error: "), proc.stderr[-4000:]
     assert f"could not register with shard server {address} within 5s " in last
     assert hint in last, last
@@ -214,7 +214,7 @@ def test_a_refused_register_leaves_no_arena(tmp_path: Path) -> None:
     _assert_no_arena_left(before)
 
 
-# The launcher's pre-check (worker/preflight.py) names these before any rank starts; 30 s
+# The launcher's pre-check (worker/config/preflight.py) names these before any rank starts; 30 s
 # is the launcher's own start and one health and reflection call on a loaded 2-core box.
 PRECHECK_WITHIN_S = 30.0
 
@@ -279,7 +279,7 @@ def test_a_grpc_server_without_the_shard_service_is_named() -> None:
     from grpc_reflection.v1alpha import reflection
 
     from hybridps.security import ClientSecurity
-    from worker.preflight import server_problem
+    from worker.config.preflight import server_problem
 
     other = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)

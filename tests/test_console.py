@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import REPO
-from worker.console import (
+from worker.report.console import (
     bar_layout,
     bar_postfix,
     checkpoint_lines,

@@ -1,4 +1,4 @@
-"""The console fits the terminal: rank 0's progress bar (worker/console.py) and
+"""The console fits the terminal: rank 0's progress bar (worker/report/console.py) and
 `ps.admin stats` (hybridps/admin.py) at 80, 100 and 160 columns, with the fields or
 columns left out said elsewhere (the `progress` log line; a last line naming them)."""
 
@@ -13,8 +13,8 @@ from tqdm import tqdm
 from hybridps.admin import DEFAULT_WIDTH, RUN_COLUMNS, format_shard_stats
 from hybridps.v1 import admin_pb2
 from hybridps.wrap import wrap_fields
-from worker import console
-from worker.console import bar_layout, bar_postfix, fit_fields, postfix_text, show_progress
+from worker.report import console
+from worker.report.console import bar_layout, bar_postfix, fit_fields, postfix_text, show_progress
 
 CTR_EVALS = {"accuracy": 0.7417, "auc": 0.8137, "loss": 0.5232, "planted_auc": 0.848,
              "planted_loss": 0.4822}  # in the task's order

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.metrics import roc_auc
-from worker.tasks import criteo
-from worker.tasks.criteo import CriteoFormatError, criteo_row, iter_criteo_batches
-from worker.tasks.ctr_batch import NUM_DENSE, NUM_SPARSE, CTRBatch
-from worker.tasks.ctr_synthetic import SyntheticCTR
+from worker.tasks.ctr import criteo
+from worker.tasks.ctr.batch import NUM_DENSE, NUM_SPARSE, CTRBatch
+from worker.tasks.ctr.criteo import CriteoFormatError, criteo_row, iter_criteo_batches
+from worker.tasks.ctr.synthetic import SyntheticCTR
+from worker.tasks.metrics import roc_auc
 
 TABLES = [2, 3, 10, 1000] + [97] * (NUM_SPARSE - 4)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hybridps.datasets import DATA_ROOT, resolve_data_dir, shipped_dataset, shipped_names
-from worker.config import TrainConfig
-from worker.tasks.kge_data import load_kg_dataset
+from worker.config.train_config import TrainConfig
+from worker.tasks.kge.data import load_kg_dataset
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,8 +1,9 @@
-"""--dense-parallel fsdp|hsdp|ddp, --compile, --clip-grad-norm, --precision (worker/parallel.py).
+"""--dense-parallel fsdp|hsdp|ddp, --compile, --clip-grad-norm, --precision
+(worker/dense/parallel.py).
 
 Every equivalence test trains the synthetic task (small tables, 12 steps) with
 torchrun at --staleness 0 and compares the dumped tables and dense weights
-with worker/reference.py (one process, global-mean loss) like
+with worker/train/reference.py (one process, global-mean loss) like
 tests/test_worker_e2e.py: fsdp (local optimizer and a real shard server),
 hsdp on 4 CPU ranks as 2 nodes x 2, ddp with mean and with sum reduction
 (the sum reference trains world_size x the global mean loss), torch.compile
@@ -28,17 +29,17 @@ import torch
 from torch import nn
 
 from tests.test_worker_e2e import MAIN, REPO, ROWS_ATOL, run_worker
-from worker.config import TrainConfig
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.parallel import (
+from worker.config.train_config import TrainConfig
+from worker.dense.parallel import (
     DenseParallelError,
     build_dense_parallel,
-    destroy_distributed,
     hsdp_mesh_shape,
-    init_distributed,
     mixed_precision_policy,
 )
-from worker.reference import ReferenceResult, train_reference
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
+from worker.runtime.dist import destroy_distributed, init_distributed
+from worker.train.reference import ReferenceResult, train_reference
 
 STEPS = 12
 SMALL = ["--num-rows", "2000", "--batch-size", "32", "--steps", str(STEPS), "--dim", "8",
@@ -341,7 +342,7 @@ def test_root_keeps_its_gathered_parameters_for_backward(tmp_path: Path,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from worker.parallel import apply_fsdp
+    from worker.dense.parallel import apply_fsdp
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
                             world_size=1)

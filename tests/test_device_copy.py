@@ -1,4 +1,4 @@
-"""worker/device_copy.py: the named places where the loop waits for the device, and the
+"""worker/runtime/device_copy.py: the named places where the loop waits for the device, and the
 pushes that wait in an outbox until their gradients reached the host (a GPU's copies are
 stood in for by events the test completes; the CUDA run itself is bench/gpu_check.py's
 sync_debug stage and tests/test_gpu.py)."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.test_sync import FakeRpc, FakeShard, client, never, steps
-from worker import device_copy
-from worker.device_copy import (
+from worker.runtime import device_copy
+from worker.runtime.device_copy import (
     SYNC_HITS,
     SYNC_POINTS,
     HostGrads,

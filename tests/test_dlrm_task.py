@@ -18,13 +18,13 @@ import torch
 
 from tests.helpers import start_ps_server
 from tests.spawn_helpers import run_ranks
-from worker.metrics import log_loss, roc_auc
-from worker.reference import LocalEmbedding
-from worker.task_defaults import config_with_task_defaults
+from worker.config.task_defaults import config_with_task_defaults
 from worker.tasks.base import HybridModel, build_dense_seeded
-from worker.tasks.ctr_batch import NUM_DENSE, NUM_SPARSE
-from worker.tasks.ctr_synthetic import SyntheticCTR
-from worker.tasks.dlrm import HOLDOUT_EVERY, DLRMTask, parse_table_rows
+from worker.tasks.ctr.batch import NUM_DENSE, NUM_SPARSE
+from worker.tasks.ctr.dlrm import HOLDOUT_EVERY, DLRMTask, parse_table_rows
+from worker.tasks.ctr.synthetic import SyntheticCTR
+from worker.tasks.metrics import log_loss, roc_auc
+from worker.train.reference import LocalEmbedding
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -54,8 +54,9 @@ def tsv_config(path: Path, **extra: Any) -> Any:
 
 def _criteo_on_ranks(ctx: Any, tsv: str, out_dir: str) -> None:
     """Child (each rank): fused lookup check, then train on the TSV file and evaluate."""
-    from worker.embedding import ShardedEmbedding, TableConfig
-    from worker.train import Trainer
+    from worker.embedding.rows import TableConfig
+    from worker.embedding.sharded import ShardedEmbedding
+    from worker.train.trainer import Trainer
 
     tables = [TableConfig(f"t{j}", n, 4) for j, n in enumerate([5, 40, 2, 17])]
     results = []

@@ -47,7 +47,7 @@ DOCKERIGNORE = REPO / ".dockerignore"
 PYTHONS = re.compile(r"^(?:/opt/venv/bin/)?python(?:3(?:\.\d+)?)?$")
 SEPARATORS = {"&&", "||", ";", "|", "(", ")", "&"}
 SHELL_WORDS = {"if", "then", "else", "elif", "fi", "do", "done", "!", "exec"}
-# Variables read directly, not through a setting (hybridps/security.py, worker/faults.py).
+# Variables read directly, not through a setting (hybridps/security.py, worker/runtime/faults.py).
 EXTRA_ENV = {AUTH_TOKEN_ENV, ADMIN_TOKEN_ENV, STOP_EXIT_ENV}  # read outside the configs
 
 
@@ -205,8 +205,8 @@ def check_program(argv: list[str], env: dict[str, str], where: str) -> None:
     arguments and HYBRIDPS_* variables."""
     from ps.admin import COMMANDS
     from ps.config import ServerConfig
-    from worker.config import TrainConfig
-    from worker.task_defaults import task_defaults
+    from worker.config.task_defaults import task_defaults
+    from worker.config.train_config import TrainConfig
 
     def worker_script(script: str, args: list[str]) -> None:
         assert (REPO / script).is_file(), f"{where}: script {script} does not exist"

@@ -1,4 +1,4 @@
-"""The fused native step of a dynamic table (worker/dynamic_fused.py over
+"""The fused native step of a dynamic table (worker/embedding/dynamic/fused.py over
 hybridps/native/dynamic_step.c) against the Python steps it follows (SlotTable.translate,
 DynamicIds' row moves, PagedRows.swap): the same stream trained both ways leaves every
 array bitwise the same (rows, optimizer state, slots, maps, paged store, counts), for
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import worker.dynamic_ids as dynamic_ids
+import worker.embedding.dynamic.ids as dynamic_ids
 from tests.test_dynamic_train import Run, batches, dynamic_table
-from worker.dynamic_slots import NATIVE
+from worker.embedding.dynamic.slots import NATIVE
 
 pytestmark = pytest.mark.skipif(not NATIVE, reason="the native extension is not built")
 
@@ -119,7 +119,7 @@ def test_capacity_refusals_are_the_same() -> None:
 def test_rows_elsewhere_take_the_python_steps() -> None:
     """State that is not fp32 on the CPU (here: float64) is not fusable: the step falls
     back, with the same result."""
-    from worker.dynamic_fused import fusable
+    from worker.embedding.dynamic.fused import fusable
 
     run = Run(dynamic_table(12), 0)
     table = run.dynamic.tables["user"]
@@ -178,7 +178,7 @@ def test_an_in_process_store_holds_the_only_set_of_paged_ids() -> None:
 def test_a_bad_array_is_refused_before_anything_moves() -> None:
     """serve_step checks every array's size before it writes: with a hits-scratch array of
     the wrong size nothing moves (slots, maps, rows)."""
-    from worker.dynamic_fused import serve_fused
+    from worker.embedding.dynamic.fused import serve_fused
 
     data = batches(20, 8)
     run = Run(dynamic_table(12), 0)
@@ -208,8 +208,8 @@ def test_the_lru_queue_compacts_in_place_as_numpy_does(more: int,
     """A full queue's compaction keeps exactly its live records, in order, natively in
     place (a bigger array only when the live ones and `more` fill over half of it) as
     the numpy filter does."""
-    import worker.dynamic_slots as dynamic_slots
-    from worker.dynamic_slots import LruQueue
+    import worker.embedding.dynamic.slots as dynamic_slots
+    from worker.embedding.dynamic.slots import LruQueue
 
     rng = np.random.default_rng(more)
     n, size = 500, 2048

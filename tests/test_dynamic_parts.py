@@ -27,11 +27,12 @@ from hybridps.dynamic_files import restore_plan, save_ids, save_paged
 from hybridps.id_map import _NATIVE as ID_MAP_NATIVE
 from hybridps.id_map import GONE, IdMap
 from hybridps.paged_rows import PagedOut, PagedRows
-from worker.admission import Admission, CountMinSketch
-from worker.dynamic_ids import _first_seen_unique
-from worker.dynamic_slots import PageAnswer, PageRequest, SlotTable
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.task_options import parse_tables
+from worker.config.task_options import parse_tables
+from worker.embedding.dynamic.admission import Admission, CountMinSketch
+from worker.embedding.dynamic.ids import _first_seen_unique
+from worker.embedding.dynamic.slots import PageAnswer, PageRequest, SlotTable
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 
 INT64 = np.iinfo(np.int64)
 

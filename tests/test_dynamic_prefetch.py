@@ -1,4 +1,4 @@
-"""Prefetching a dynamic table's next ids (worker/dynamic_prefetch.py): the translation of
+"""Prefetching a dynamic table's next ids (worker/embedding/dynamic/prefetch.py): the translation of
 step t+1 that ran on the helper thread during step t leaves every array bitwise as the
 same loop translating at each lookup under the same pin rule (pin_lag 1), for each
 eviction policy, with admission filters and expiry, at staleness 0, 1 and 2, on the
@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-import worker.dynamic_ids as dynamic_ids
+import worker.embedding.dynamic.ids as dynamic_ids
 from tests.spawn_helpers import run_ranks
 from tests.test_dynamic_fused import _assert_same
 from tests.test_dynamic_train import DIM, POOL, Run, batches, dynamic_table
 from tests.test_worker_e2e import small_config
-from worker.config import TrainConfig
-from worker.dynamic_slots import NATIVE, SlotTable
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.parallel import DistContext
-from worker.train import Trainer
+from worker.config.train_config import TrainConfig
+from worker.embedding.dynamic.slots import NATIVE, SlotTable
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
+from worker.runtime.dist import DistContext
+from worker.train.trainer import Trainer
 
 
 class PrefetchRun(Run):
@@ -191,7 +192,7 @@ def test_prefetch_without_dynamic_tables_is_an_error() -> None:
         emb.prefetch(1, ["t"], [torch.arange(3)])
 
 
-# -- the trainer's --pipeline (worker/pipeline.py after_forward) --------------------------
+# -- the trainer's --pipeline (worker/train/pipeline.py after_forward) --------------------------
 TRAINER_TABLES = "user:40:dynamic:lfu:expire=6,ad:30:3:dynamic:threshold=2,s:50"
 
 

@@ -1,7 +1,7 @@
 """Dynamic tables trained in one process (--local-optimizer's kernels, the staleness window,
 the weight prediction): equal to a static table, paging bitwise, and the pin rule at K=2.
 
-The loop is the training loop's (worker/train.py) written small: before_step, lookup,
+The loop is the training loop's (worker/train/trainer.py) written small: before_step, lookup,
 backward, pop_grads, push, pushed; drain at the end.
 """
 
@@ -15,11 +15,12 @@ import torch
 
 from hybridps.dynamic import DynamicSpec, initial_rows
 from hybridps.optim import OptimizerSpec
-from worker.dynamic_ids import DynamicIds, Expiry
-from worker.dynamic_slots import NATIVE
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.staleness import RowPredictor
-from worker.updates import LocalSparseOptimizer, StalenessWindow
+from worker.embedding.dynamic.ids import DynamicIds, Expiry
+from worker.embedding.dynamic.slots import NATIVE
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
+from worker.updates.source import LocalSparseOptimizer, StalenessWindow
+from worker.updates.staleness import RowPredictor
 
 DIM = 4
 SEED = 3
@@ -141,7 +142,7 @@ def test_eviction_and_page_in_are_bitwise(staleness: int, eviction: str, fused: 
     (24 = the distinct ids of 3 steps) has slots reused as soon as the pin rule lets them
     go (LFU would pick the newest ids' slots, pending updates and all): an update computed
     for a slot never lands on its next id. Both paths: the fused native step
-    (worker/dynamic_fused.py) and the Python steps it follows."""
+    (worker/embedding/dynamic/fused.py) and the Python steps it follows."""
     if fused and not NATIVE:
         pytest.skip("the native extension is not built")
     data = batches(40, 8)

@@ -17,15 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from worker import embedding as emb_mod
-from worker.embedding import (
-    ShardedEmbedding,
-    TableConfig,
-    init_rows,
-    owner_of,
-    route,
-    row_range,
-)
+from worker.embedding import sharded as emb_mod
+from worker.embedding.input_dist import owner_of
+from worker.embedding.rows import TableConfig, init_rows, route, row_range
+from worker.embedding.sharded import ShardedEmbedding
 from worker.tasks.base import Batch
 
 WORLD = 2
@@ -222,7 +217,7 @@ def _spawned(rank: int, store: str, out_dir: str, fused: bool, pool_at: str = "a
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-    from worker.lifecycle import exit_process
+    from worker.runtime.lifecycle import exit_process
 
     exit_process(0)  # as worker/main.py does: no teardown abort after a clean finish
 
@@ -316,7 +311,7 @@ def _pooling_choice(rank: int, store: str, out_dir: str) -> None:
         torch.save(dict(emb._pool_choice), Path(out_dir) / f"choice{rank}.pt")
     finally:
         dist.destroy_process_group()
-    from worker.lifecycle import exit_process
+    from worker.runtime.lifecycle import exit_process
 
     exit_process(0)
 
@@ -376,7 +371,7 @@ def test_range_check_of_many_tables_names_the_table() -> None:
 
 
 def test_pool_at_rejects_an_unknown_place() -> None:
-    from worker.config import TrainConfig
+    from worker.config.train_config import TrainConfig
 
     with pytest.raises(ValueError, match="pool_at='nowhere' is not one of auto, owner"):
         TrainConfig.of(local_optimizer=True, pool_at="nowhere")

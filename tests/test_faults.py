@@ -1,11 +1,12 @@
-"""worker/faults.py: the fault points a test or a failure campaign can trigger (no processes)."""
+"""worker/runtime/faults.py: the fault points a test or a failure campaign can trigger (no
+processes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker import faults
-from worker.faults import FAULT_ENV, KILL_ENV, Fault
+from worker.runtime import faults
+from worker.runtime.faults import FAULT_ENV, KILL_ENV, Fault
 
 
 def test_both_variables_parse_into_faults_at_their_points() -> None:

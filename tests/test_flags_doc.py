@@ -30,7 +30,7 @@ def test_committed_flags_doc_is_up_to_date() -> None:
 def test_the_doc_lists_every_flag_with_its_variable() -> None:
     from hybridps.cli import settings
     from ps.config import ServerConfig
-    from worker.config import TrainConfig
+    from worker.config.train_config import TrainConfig
 
     text = _render()
     for cls in (TrainConfig, ServerConfig):

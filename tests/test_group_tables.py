@@ -1,5 +1,5 @@
-"""--group-tables: a rank's tables of one width as one unit (worker/groups.py) give exactly
-the results of separate tables, and checkpoints stay per table.
+"""--group-tables: a rank's tables of one width as one unit (worker/embedding/groups.py) give
+exactly the results of separate tables, and checkpoints stay per table.
 
 (a) end to end, 2 gloo ranks + a real shard server: grouping on and off give bitwise equal
     rows, dense weights and losses, with one-hot and multi-hot (pooled at the owner, at
@@ -29,8 +29,8 @@ from ps.core.store import Store
 from ps.core.table_members import MemberSpec
 from tests.helpers import PsServer, start_ps_server
 from tests.test_checkpoint import assert_states
-from worker.groups import plan_units
-from worker.rows import TableConfig
+from worker.embedding.groups import plan_units
+from worker.embedding.rows import TableConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
@@ -237,7 +237,7 @@ def test_one_block_and_one_gradient_per_width() -> None:
     """World size 1: the tables of one width are one weight, looked up with one gather and
     popped as one gradient in unit row ids; rows, gradients and whole tables equal the
     separate tables'."""
-    from worker.embedding import ShardedEmbedding
+    from worker.embedding.sharded import ShardedEmbedding
 
     tables = [TableConfig("a", 10, 4), TableConfig("b", 7, 4), TableConfig("w", 5, 8)]
     grouped = ShardedEmbedding(tables, seed=3, group_tables=True)

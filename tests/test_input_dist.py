@@ -1,4 +1,5 @@
-"""The input dist's parts (worker/input_dist.py, worker/comm.py exchange_blocks).
+"""The input dist's parts (worker/embedding/input_dist.py, worker/embedding/comm.py
+exchange_blocks).
 
 - the numpy sort behind dedupe and coalesce gives torch.unique's / torch.sort's results,
   on both of its paths (packed keys, and torch when the key does not fit 63 bits);
@@ -18,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.spawn_helpers import run_ranks
-from worker.comm import BlockCap, exchange_blocks
-from worker.input_dist import (
+from worker.embedding.comm import BlockCap, exchange_blocks
+from worker.embedding.input_dist import (
     OwnerPool,
     PoolAtOwner,
     sort_stable,
@@ -27,7 +28,7 @@ from worker.input_dist import (
     unique_inverse,
     unique_runs,
 )
-from worker.parallel import DistContext
+from worker.runtime.dist import DistContext
 
 
 @pytest.mark.parametrize("bound", [7, 100_000, 1 << 62], ids=["tiny", "ids", "torch-path"])

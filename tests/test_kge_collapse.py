@@ -1,4 +1,4 @@
-"""A KGE run collapsing to uniform scores (worker/tasks/kge_collapse.py): why (N3 at a weight
+"""A KGE run collapsing to uniform scores (worker/tasks/kge/collapse.py): why (N3 at a weight
 >= 1/3 makes the all-zero model the optimum of ComplEx's objective), when it is called
 collapsed, and a real run forced to collapse that stops after its second epoch with one line
 saying what to change, while the same run at the preset's weight does not."""
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_checkpoint import run
-from worker.kge_options import KGEOptions
-from worker.tasks.kge_collapse import (
+from worker.config.kge_options import KGEOptions
+from worker.tasks.kge.collapse import (
     CollapseCheck,
     chance_mrr,
     effective_n3_weight,
@@ -23,9 +23,9 @@ from worker.tasks.kge_collapse import (
     what_to_change,
     zero_model_is_optimal,
 )
-from worker.tasks.kge_hierarchy import write_hierarchy
-from worker.tasks.kge_models import build_model
-from worker.tasks.kge_schedule import KGEHooks
+from worker.tasks.kge.hierarchy import write_hierarchy
+from worker.tasks.kge.models import build_model
+from worker.tasks.kge.schedule import KGEHooks
 
 
 def test_chance_mrr_is_the_harmonic_mean_rank() -> None:
@@ -59,7 +59,7 @@ def test_the_zero_model_is_optimal_from_an_n3_weight_of_one_third() -> None:
 
 def _fit(weight: float, steps: int = 120) -> tuple[float, float]:
     """Full-batch Adam on the exact 1vsAll objective (softmax CE + per-occurrence N3, as
-    worker/tasks/kge.py) of a small random graph, from a good start: (loss, mean |row|)."""
+    worker/tasks/kge/task.py) of a small random graph, from a good start: (loss, mean |row|)."""
     gen = torch.Generator().manual_seed(0)
     entities, relations, dim = 30, 3, 16
     triples = torch.randint(0, entities, (200, 3), generator=gen)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hybridps.datasets import shipped_dataset
-from worker.tasks.kge_data import (
+from worker.tasks.kge.data import (
     TailIndex,
     add_reciprocal,
     epoch_batches,

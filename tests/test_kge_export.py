@@ -13,7 +13,7 @@ import torch
 
 from tests.test_checkpoint import REPO, run
 from tests.test_kge_task import write_graph
-from worker.tasks.kge_export import KGEModel, export_payload, link_prediction_metrics
+from worker.tasks.kge.export import KGEModel, export_payload, link_prediction_metrics
 
 
 @pytest.mark.e2e
@@ -73,7 +73,7 @@ def _random_export(entity_to_id: dict[str, int], relation_to_id: dict[str, int])
 
 def test_metrics_take_a_shipped_sets_name_as_data_dir_does() -> None:
     from hybridps.datasets import shipped_dataset
-    from worker.tasks.kge_data import load_kg_dataset
+    from worker.tasks.kge.data import load_kg_dataset
 
     ds = load_kg_dataset("umls")  # the name --data-dir umls takes
     model = _random_export(ds.entity_to_id, ds.relation_to_id)

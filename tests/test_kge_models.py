@@ -5,7 +5,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from worker.tasks.kge_models import (
+from worker.tasks.kge.models import (
     ComplEx,
     DistMult,
     Keci,

@@ -126,8 +126,9 @@ def test_push_with_a_bad_lr_is_refused_and_changes_nothing(bad: float) -> None:
 
 
 def test_local_optimizer_follows_the_push_lr_like_the_server() -> None:
-    from worker.embedding import ShardedEmbedding, TableConfig
-    from worker.updates import LocalSparseOptimizer
+    from worker.embedding.rows import TableConfig
+    from worker.embedding.sharded import ShardedEmbedding
+    from worker.updates.source import LocalSparseOptimizer
 
     emb = ShardedEmbedding([TableConfig("emb", ROWS, DIM)], rank=0, world_size=1, group=None,
                            device=torch.device("cpu"), seed=0, init_std=1.0)

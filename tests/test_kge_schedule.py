@@ -1,4 +1,4 @@
-"""The KGE trainer's controls (worker/tasks/kge_schedule.py, worker/kge_options.py):
+"""The KGE trainer's controls (worker/tasks/kge/schedule.py, worker/config/kge_options.py):
 warm-up and reduce-on-plateau lr, evaluation by epochs, early stopping, the best model kept;
 and end to end: with a schedule, 2 ranks on a shard server equal 2 ranks with
 --local-optimizer bitwise (the lr reaches the server with each push, Push.lr)."""
@@ -18,11 +18,11 @@ from hybridps.cli import parse_config
 from tests.helpers import PsServer
 from tests.test_checkpoint import assert_states, run
 from tests.test_kge_task import write_graph
-from worker.config import TrainConfig
-from worker.kge_options import KGEOptions
-from worker.parallel import DistContext, destroy_distributed, init_distributed
-from worker.task_defaults import config_with_task_defaults
-from worker.tasks.kge_schedule import KGEHooks, auto_eval_every
+from worker.config.kge_options import KGEOptions
+from worker.config.task_defaults import config_with_task_defaults
+from worker.config.train_config import TrainConfig
+from worker.runtime.dist import DistContext, destroy_distributed, init_distributed
+from worker.tasks.kge.schedule import KGEHooks, auto_eval_every
 
 
 def hooks(options: KGEOptions, model: nn.Module | None = None, *, per_epoch: int = 10,
@@ -121,7 +121,7 @@ def test_bad_kge_settings_fail_fast_naming_the_value(argv: list[str], named: str
 
 
 def test_preset_fills_defaults_and_flags_win() -> None:
-    from worker.task_defaults import task_defaults
+    from worker.config.task_defaults import task_defaults
 
     d = task_defaults({"preset": "fb15k237-complex"})
     assert d["task"] == "kge" and d["model"] == "complex" and d["reg"] == "n3"
@@ -192,8 +192,8 @@ def test_an_early_stop_is_told_with_one_step_numbering(
     optimizer, in lines that fit 80 columns; the plot's best step and the export's step are
     that same best step (numbered from 0, as the logs and checkpoints number steps)."""
     from worker.export import main as export_main
-    from worker.plot import build_figure, end_step
-    from worker.train import Trainer
+    from worker.report.plot import build_figure, end_step
+    from worker.train.trainer import Trainer
 
     monkeypatch.setenv("COLUMNS", "80")
     graph = write_graph(tmp_path / "graph")

@@ -1,4 +1,4 @@
-"""The fused block losses (worker/tasks/kge_scoring.py) against plain autograd formulas."""
+"""The fused block losses (worker/tasks/kge/scoring.py) against plain autograd formulas."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.tasks.kge_scoring import block_loss
+from worker.tasks.kge.scoring import block_loss
 
 
 def _case(seed: int = 0, q: int = 7, e: int = 11, d: int = 5):

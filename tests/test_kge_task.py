@@ -24,11 +24,11 @@ import torch
 from hybridps.datasets import shipped_dataset
 from tests.helpers import start_ps_server
 from tests.spawn_helpers import run_ranks
-from worker.reference import LocalEmbedding, train_reference
-from worker.task_defaults import config_with_task_defaults
+from worker.config.task_defaults import config_with_task_defaults
 from worker.tasks.base import HybridModel, build_dense_seeded
-from worker.tasks.kge import KGETask, id_maps_dir
-from worker.tasks.kge_data import load_kg_dataset
+from worker.tasks.kge.data import load_kg_dataset
+from worker.tasks.kge.task import KGETask, id_maps_dir
+from worker.train.reference import LocalEmbedding, train_reference
 
 REPO = Path(__file__).resolve().parents[1]
 UMLS = shipped_dataset("umls")  # hybridps/data/umls
@@ -78,7 +78,7 @@ def scenario_config(data_dir: Path, name: str, **extra: Any) -> Any:
 
 def _train_on_ranks(ctx: Any, data_dir: str, out_dir: str) -> None:
     """Child (each rank): train every scenario with the real Trainer, dump, evaluate."""
-    from worker.train import Trainer
+    from worker.train.trainer import Trainer
 
     for name in SCENARIOS:
         cfg = scenario_config(Path(data_dir), name)

@@ -1,5 +1,5 @@
 """`hybridps-run` (worker/launch.py): every ending's last line is ours, with the right exit
-code and no traceback; the checks before any rank starts (worker/preflight.py); under a
+code and no traceback; the checks before any rank starts (worker/config/preflight.py); under a
 bare torchrun, one copy of a known error.
 
 Unit: the worker's arguments found among torchrun's, the stop and failure lines, the data
@@ -32,8 +32,8 @@ from hybridps.datasets import data_dir_problem
 from hybridps.security import ClientSecurity
 from tests.helpers import REPO, start_ps_server
 from worker import launch
-from worker.config import TrainConfig
-from worker.preflight import data_problem, server_problem
+from worker.config.preflight import data_problem, server_problem
+from worker.config.train_config import TrainConfig
 
 MAIN = str(REPO / "worker" / "main.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -462,7 +462,7 @@ def test_every_rank_exits_with_the_code_of_a_bad_flag() -> None:
 @pytest.mark.e2e
 def test_grpc_is_imported_lazily_by_the_preflight() -> None:
     # the launcher's checks must not pay for torch; grpc comes only with a server to check
-    code = ("import sys; import worker.launch, worker.preflight; "
+    code = ("import sys; import worker.launch, worker.config.preflight; "
             "print('torch' in sys.modules, 'grpc' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()

@@ -1,4 +1,4 @@
-"""A rank ends within seconds of its launcher's death (worker/launcher_watch.py), and the
+"""A rank ends within seconds of its launcher's death (worker/runtime/launcher_watch.py), and the
 server then takes a `--resume` of the run.
 
 Unit: who is watched, the watch's stop and its exit after the grace.
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, start_ps_server
-from worker import launch, launcher_watch
-from worker.launcher_watch import LauncherWatch
+from worker.runtime import launcher_watch
+from worker.runtime.launcher_watch import LauncherWatch
 
 MAIN = str(REPO / "worker" / "main.py")
 LAUNCH = [sys.executable, "-m", "worker.launch"]  # hybridps-run
@@ -32,12 +32,12 @@ GONE_WITHIN_S = 15.0  # launcher_watch.GONE_GRACE_S, and a loaded machine's slac
 # -- unit ---------------------------------------------------------------------------------
 
 def test_only_a_rank_a_launcher_started_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(launch.LAUNCHER_PID_ENV, raising=False)
+    monkeypatch.delenv(launcher_watch.LAUNCHER_PID_ENV, raising=False)
     monkeypatch.delenv(launcher_watch.AGENT_ENV, raising=False)
     assert launcher_watch.launcher_pid() is None  # `python -m worker.main` from a shell
     monkeypatch.setenv(launcher_watch.AGENT_ENV, "0")  # a bare torchrun's rank
     assert launcher_watch.launcher_pid() == os.getppid()
-    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, "4242")  # hybridps-run's
+    monkeypatch.setenv(launcher_watch.LAUNCHER_PID_ENV, "4242")  # hybridps-run's
     assert launcher_watch.launcher_pid() == 4242
 
 

@@ -45,7 +45,8 @@ def test_no_import_against_the_layers(package: str) -> None:
 
 def test_the_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
-    source.write_text("def f():\n    from ps.core import ShardCore\n    import worker.train\n")
+    source.write_text(
+        "def f():\n    from ps.core import ShardCore\n    import worker.train.trainer\n")
     assert _imported(source) == [(2, "ps"), (3, "worker")]
 
 
@@ -126,7 +127,8 @@ def test_no_import_cycles() -> None:
 
 def test_the_cycle_check_sees_type_checking_imports() -> None:
     graph = import_graph()
-    assert "worker.embedding" in graph["worker.checkpoint"]  # a TYPE_CHECKING import
+    # a TYPE_CHECKING import
+    assert "worker.embedding.sharded" in graph["worker.checkpoint.checkpointer"]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
@@ -236,3 +238,56 @@ def test_status_codes_come_from_one_place() -> None:
     assert status in server and status_code_uses([status])
     wrong = status_code_uses([p for p in server if p != status])
     assert not wrong, "a status code outside ps/edge/status.py:\n" + "\n".join(wrong)
+
+
+# worker's rooms in the order of the data flow (docs/architecture.md): a room imports only
+# rooms before it; the commands at worker's top (main, launch, export, plan) import any room
+# and no room imports them.
+WORKER_ROOMS = ("config", "runtime", "embedding", "dense", "tasks", "updates", "sync", "report",
+                "checkpoint", "train")
+WORKER_COMMANDS = {"worker.main", "worker.launch", "worker.export", "worker.plan"}
+
+
+def worker_room(module: str) -> str:
+    """The room of a worker module ("" for worker's top: the package and its commands)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in WORKER_ROOMS else ""
+
+
+def room_order_problems(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, targets in sorted(graph.items()):
+        if not module.startswith("worker."):
+            continue
+        room = worker_room(module)
+        for target in sorted(t for t in targets if t.startswith("worker.")):
+            to = worker_room(target)
+            if room and not to:
+                problems.append(f"{module} (room {room}) imports {target}, a command")
+            elif room and to != room and WORKER_ROOMS.index(to) > WORKER_ROOMS.index(room):
+                problems.append(f"{module} (room {room}) imports {target} of the later room {to}")
+    return problems
+
+
+def test_worker_rooms_import_only_rooms_before_them() -> None:
+    problems = room_order_problems(import_graph())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_room_check_sees_a_back_edge_and_an_import_of_a_command() -> None:
+    assert room_order_problems({"worker.tasks.base": {"worker.embedding.sharded"}}) == []
+    assert room_order_problems({"worker.embedding.sharded": {"worker.train.trainer"}}) == [
+        "worker.embedding.sharded (room embedding) imports worker.train.trainer of the later room "
+        "train"]
+    assert room_order_problems({"worker.sync.client": {"worker.launch"}}) == [
+        "worker.sync.client (room sync) imports worker.launch, a command"]
+
+
+def test_worker_top_is_its_commands_and_its_rooms() -> None:
+    top = {p.stem for p in (ROOT / "worker").glob("*.py")}
+    assert top == {"__init__"} | {c.rpartition(".")[2] for c in WORKER_COMMANDS}
+    rooms = {p.parent.name for p in (ROOT / "worker").glob("*/__init__.py")}
+    assert rooms == set(WORKER_ROOMS)
+    for room in WORKER_ROOMS:  # each room says what it holds and what it may import
+        doc = ast.get_docstring(ast.parse((ROOT / "worker" / room / "__init__.py").read_text()))
+        assert doc and ("May import" in doc or "Imports no other room" in doc), room

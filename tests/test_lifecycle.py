@@ -402,8 +402,8 @@ def test_a_call_that_fails_after_the_server_said_it_stops_is_the_shutdown() -> N
 
     from hybridps.errors import SHUTTING_DOWN
     from hybridps.security import ClientSecurity
-    from worker.grpc_client import ShardRpc
-    from worker.transport import TransportRetryable, TransportShutdown
+    from worker.sync.grpc_client import ShardRpc
+    from worker.sync.transport import TransportRetryable, TransportShutdown
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
@@ -426,7 +426,7 @@ def test_a_call_that_fails_after_the_server_said_it_stops_is_the_shutdown() -> N
 def test_exit_process_keeps_the_code_and_flushes_what_was_written() -> None:
     """No interpreter teardown, but the exit code, buffered stdout and the logs survive."""
     script = ("import logging, sys\n"
-              "from worker.lifecycle import exit_process\n"
+              "from worker.runtime.lifecycle import exit_process\n"
               "logging.basicConfig(stream=sys.stderr)\n"
               "sys.stdout.write('buffered, no newline')\n"
               "logging.getLogger('t').warning('logged before the exit')\n"

@@ -11,7 +11,8 @@ import pytest
 from hybridps.checkpoint import MANIFEST, Manifest, read_manifest, write_manifest
 from hybridps.errors import CorruptCheckpoint, NotFound
 
-# A manifest as worker/checkpoint.py wrote it before the typed class (2 ranks, one table).
+# A manifest as worker/checkpoint/checkpointer.py wrote it before the typed class (2 ranks,
+# one table).
 OLD = {
     "step": 9, "next_step": 10, "world_size": 2, "run_id": "r1", "mode": "server",
     "row_dtype": "fp32",

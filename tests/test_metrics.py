@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.metrics import (
+from worker.tasks.metrics import (
     auc_summary,
     batch_roc_auc,
     block_rank_counts,

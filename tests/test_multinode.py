@@ -21,8 +21,8 @@ from hybridps.cli import parse_config
 from ps.admin import get_shard_stats
 from tests.helpers import REPO, start_ps_server
 from tests.test_worker_e2e import SMALL, assert_matches_reference, small_config
-from worker.config import TrainConfig
-from worker.nodes import node_ps_address, rank_layout
+from worker.config.nodes import node_ps_address, rank_layout
+from worker.config.train_config import TrainConfig
 
 MAIN = str(REPO / "worker" / "main.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

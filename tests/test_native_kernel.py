@@ -25,7 +25,8 @@ import hybridps.state_alloc as state_alloc
 from hybridps import native
 from hybridps.optim import OptimizerSpec
 from ps.core.partition import TableSpec, TableState
-from worker.embedding import ShardedEmbedding, TableConfig, init_rows
+from worker.embedding.rows import TableConfig, init_rows
+from worker.embedding.sharded import ShardedEmbedding
 
 needs_native = pytest.mark.skipif(
     native.ext is None, reason=f"native kernels not built ({native.load_error})"

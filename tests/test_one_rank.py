@@ -1,5 +1,5 @@
 """World size 1 (issue 24): the training loop leaves the dense part unwrapped when FSDP/DDP
-would change nothing (worker/parallel.py `wrapper_needed`), and the results are bitwise
+would change nothing (worker/dense/parallel.py `wrapper_needed`), and the results are bitwise
 those of the wrapped module: the same dense weights and the same rows."""
 
 from __future__ import annotations
@@ -11,16 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-import worker.train
-from worker.config import TrainConfig
-from worker.parallel import (
-    DistContext,
-    build_dense_parallel,
-    destroy_distributed,
-    init_distributed,
-    wrapper_needed,
-)
-from worker.train import Trainer
+import worker.train.trainer
+from worker.config.train_config import TrainConfig
+from worker.dense.parallel import build_dense_parallel, wrapper_needed
+from worker.runtime.dist import DistContext, destroy_distributed, init_distributed
+from worker.train.trainer import Trainer
 
 STEPS = 6
 
@@ -59,7 +54,7 @@ def test_one_rank_without_the_wrapper_is_bitwise_the_wrapped_run(
     def always_wrapped(*args: Any, **kwargs: Any) -> Any:
         return build_dense_parallel(*args, **{**kwargs, "plain_at_one_rank": False})
 
-    monkeypatch.setattr(worker.train, "build_dense_parallel", always_wrapped)
+    monkeypatch.setattr(worker.train.trainer, "build_dense_parallel", always_wrapped)
     wrapped, wrapped_wrapped = _train(world_of_one, tmp_path / "wrapped", dense_parallel)
     assert plain_wrapped is False and wrapped_wrapped is True
     assert set(plain["tables"]) == set(wrapped["tables"])

@@ -33,12 +33,13 @@ from hybridps.state_alloc import alloc_row_state
 from ps.core.partition import PushChunk, TableSpec
 from ps.core.store import Store
 from ps.edge.sync_codec import optimizer_args
-from worker.config import Optimizer, TrainConfig
-from worker.embedding import ShardedEmbedding, TableConfig
+from worker.config.task_defaults import TASK_DEFAULTS, task_defaults
+from worker.config.train_config import Optimizer, TrainConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
 from worker.plan import Plan, TableShape, format_plan
-from worker.sync_messages import optimizer_message
-from worker.task_defaults import TASK_DEFAULTS, task_defaults
-from worker.updates import LocalSparseOptimizer
+from worker.sync.messages import optimizer_message
+from worker.updates.source import LocalSparseOptimizer
 
 NEW = ("adagrad", "rowwise_adagrad", "partial_rowwise_adam")
 KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(

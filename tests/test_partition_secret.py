@@ -39,7 +39,7 @@ from tests.grpc_helpers import (
 )
 from tests.helpers import PsServer, start_ps_server
 from tests.test_checkpoint import COMMON, GLOBAL_BATCH, REPO, _env, assert_states, worker_cmd
-from worker.faults import FAULT_ENV
+from worker.runtime.faults import FAULT_ENV
 
 EMB = TableSpec("emb", 20, 4, 0, 20)
 OPT = {"kind": "adam", "lr": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}

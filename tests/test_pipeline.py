@@ -1,4 +1,4 @@
-"""--pipeline (worker/pipeline.py) changes the timing, never the results.
+"""--pipeline (worker/train/pipeline.py) changes the timing, never the results.
 
 Real runs: a shard server subprocess + `torchrun --nproc_per_node 2 worker/main.py` on
 gloo, once with the pipeline (batch t+1 and its ids all_to_all on a second thread and
@@ -18,11 +18,11 @@ import torch
 
 from tests.spawn_helpers import run_ranks
 from tests.test_worker_e2e import SMALL, run_worker, small_config
-from worker.config import TrainConfig
-from worker.parallel import DistContext
+from worker.config.train_config import TrainConfig
+from worker.runtime.dist import DistContext
 from worker.tasks.base import Batch, HybridModel
 from worker.tasks.synthetic import SyntheticTask
-from worker.train import Trainer
+from worker.train.trainer import Trainer
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 

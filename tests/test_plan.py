@@ -13,7 +13,8 @@ import pytest
 
 from hybridps.cli import parse_config
 from tests.helpers import REPO
-from worker.config import TrainConfig
+from worker.config.task_defaults import task_defaults
+from worker.config.train_config import TrainConfig
 from worker.plan import (
     Plan,
     PlanError,
@@ -23,7 +24,6 @@ from worker.plan import (
     plan_for_config,
 )
 from worker.plan import main as plan_main
-from worker.task_defaults import task_defaults
 
 MAIN = str(REPO / "worker" / "main.py")
 
@@ -191,7 +191,7 @@ def test_main_plan_needs_no_server_and_the_module_no_torch() -> None:
 def test_a_kge_1vsall_plan_pushes_every_owned_entity_row(tmp_path: Path) -> None:
     """KGE 1vsAll scores every entity: each rank pushes all its entity rows every step,
     far more than its batch's lookups; the plan sizes the wire and the answer cache by it."""
-    from worker.tasks.kge_hierarchy import write_hierarchy
+    from worker.tasks.kge.hierarchy import write_hierarchy
 
     graph = tmp_path / "graph"
     write_hierarchy(graph, 2000, seed=1)

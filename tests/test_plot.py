@@ -1,4 +1,4 @@
-"""The run's PNG (worker/plot.py): a linear, plainly labelled loss axis with the train and
+"""The run's PNG (worker/report/plot.py): a linear, plainly labelled loss axis with the train and
 held-out curves and the planted model's loss; the task's metric on a second panel. Checked
 on the matplotlib figure itself, then on the written file; and a real run writes it with an
 eval curve by default."""
@@ -15,7 +15,8 @@ import pytest
 from matplotlib.axes import Axes
 
 from tests.helpers import REPO
-from worker.plot import build_figure, metric_keys, plot_path, save_loss_curve
+from worker.config.output_paths import plot_path
+from worker.report.plot import build_figure, metric_keys, save_loss_curve
 
 
 def synthetic_results() -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The owner's fused pooled-bags kernel (hybridps/pooled_bags.py, PoolUnitAtOwner) against
 the torch path it replaces (OwnerPool.build + gather + weight prediction + PoolAtOwner,
-worker/input_dist.py and worker/embedding.py), bitwise: the bag sums, the layout the
-backward uses, and the coalesced row gradients the push gets, on random bags (empty
+worker/embedding/input_dist.py and worker/embedding/sharded.py), bitwise: the bag sums, the
+layout the backward uses, and the coalesced row gradients the push gets, on random bags (empty
 bags, a row repeated in a bag and across bags, several tables of a unit, fp32 and bf16
 rows, with and without the weight prediction); then ShardedEmbedding on 2 gloo ranks,
 pooled at the owner, sum and mean, grouped tables, with a prediction: every lookup and
@@ -23,17 +23,17 @@ from typing import Any
 import pytest
 import torch
 
-import worker.input_dist as input_dist
+import worker.embedding.input_dist as input_dist
 from hybridps import pooled_bags
 from hybridps.pooled_bags import BagsAtOwner
 from hybridps.row_deltas import add_offsets_
 from tests.spawn_helpers import run_ranks
 from tests.test_worker_e2e import MAIN, REPO, TORCHRUN
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.input_dist import OwnerPool, PoolAtOwner, PoolUnitAtOwner
-from worker.parallel import DistContext
-from worker.rows import coalesce_grads
-from worker.staleness import RowPrediction
+from worker.embedding.input_dist import OwnerPool, PoolAtOwner, PoolUnitAtOwner
+from worker.embedding.rows import TableConfig, coalesce_grads
+from worker.embedding.sharded import ShardedEmbedding
+from worker.runtime.dist import DistContext
+from worker.updates.staleness import RowPrediction
 
 needs_native = pytest.mark.skipif(
     pooled_bags._ext is None, reason=f"pooled-bags kernel not built ({pooled_bags._load_error})")
@@ -327,7 +327,7 @@ def _two_ranks_scenario(ctx: DistContext, row_dtype_name: str) -> None:
             pooled_bags.set_pool_kernel(kernel)
             calls["fused"] = 0
             got = [_step(emb, ctx.rank, 0)]  # K=0: no prediction
-            prediction = RowPrediction()  # as worker/staleness.py sets it at K >= 1
+            prediction = RowPrediction()  # as worker/updates/staleness.py sets it at K >= 1
             gen = torch.Generator().manual_seed(ctx.rank)
             rows = emb.weights[unit].shape[0]
             keys = torch.nonzero(torch.rand(rows, generator=gen) < 0.4).squeeze(1)

@@ -1,6 +1,6 @@
 """A bad output path is refused before the first step, with one line naming it (issue 44
-item 3): worker/output_paths.py, run by worker/preflight.py in the launcher and in every
-rank before its torch imports; the shard server's --checkpoint-root before it binds
+item 3): worker/config/output_paths.py, run by worker/config/preflight.py in the launcher and
+in every rank before its torch imports; the shard server's --checkpoint-root before it binds
 (ps/config.py ensure_checkpoint_root).
 
 End to end: `python worker/main.py` (and hybridps-run, python -m worker.export,
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.other_user import nobody, run_as
-from worker.output_paths import STEP_DIR_NAME, directory_problem, file_problem, id_maps_path
+from worker.config.output_paths import STEP_DIR_NAME, directory_problem, file_problem, id_maps_path
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")
@@ -202,7 +202,7 @@ def test_a_missing_root_in_an_existing_directory_is_created_and_served(tmp_path:
 
 def test_the_names_agree_with_the_modules_that_write_them() -> None:
     from hybridps.checkpoint import STEP_DIR
-    from worker.tasks.kge import id_maps_dir
+    from worker.tasks.kge.task import id_maps_dir
 
     assert STEP_DIR_NAME.pattern == STEP_DIR.pattern
     assert Path(id_maps_path("runs/r1.json")) == id_maps_dir("runs/r1.json")

@@ -21,12 +21,12 @@ from ps.core.store import Store
 from ps.edge.sync_codec import decode_request, request_chunks
 from tests.helpers import start_ps_server
 from tests.test_sync import FakeRpc, FakeShard, break_at, client, steps
-from worker.arena_client import ArenaPlacement
-from worker.embedding import TableConfig
-from worker.sync import ShardClient
-from worker.sync_ledger import SyncLedger
-from worker.sync_messages import InlinePush, PushEncoder, serialized
-from worker.updates import SyncStats
+from worker.embedding.rows import TableConfig
+from worker.sync.arena import ArenaPlacement
+from worker.sync.client import ShardClient
+from worker.sync.ledger import SyncLedger
+from worker.sync.messages import InlinePush, PushEncoder, serialized
+from worker.updates.source import SyncStats
 
 ROWS, DIM = 600, 16
 SPEC = OptimizerSpec("adam", lr=1e-2)

@@ -2,7 +2,7 @@
 
 (a) a worker rank SIGKILLs itself at a chosen step (HYBRIDPS_FAULT_KILL, first incarnation
     only); torchrun restarts both ranks, they re-join the process group (a fresh store
-    namespace per incarnation: worker/rendezvous.py), --resume loads the last complete
+    namespace per incarnation: worker/runtime/rendezvous.py), --resume loads the last complete
     checkpoint, the server rolls the partitions back to it (Register.restore), and the
     final rows, dense weights and the server's m, v, step counts equal an uninterrupted run
     of the same seed and steps, bitwise;
@@ -42,8 +42,8 @@ from tests.test_checkpoint import (
     run,
     worker_cmd,
 )
-from worker.faults import KILL_ENV, kill_point
-from worker.rendezvous import agree_generation
+from worker.runtime.faults import KILL_ENV, kill_point
+from worker.runtime.rendezvous import agree_generation
 
 TABLES = ("user", "item", "category", "tag")
 

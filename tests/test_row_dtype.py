@@ -35,10 +35,11 @@ from ps.admin import get_shard_stats
 from ps.core.partition import PushChunk, TableSpec
 from ps.core.store import Store
 from tests.helpers import PsServer
-from worker.config import TrainConfig
-from worker.embedding import ShardedEmbedding, TableConfig, init_rows
-from worker.sync import ShardClient, SyncError
-from worker.updates import LocalSparseOptimizer
+from worker.config.train_config import TrainConfig
+from worker.embedding.rows import TableConfig, init_rows
+from worker.embedding.sharded import ShardedEmbedding
+from worker.sync.client import ShardClient, SyncError
+from worker.updates.source import LocalSparseOptimizer
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "worker" / "main.py")

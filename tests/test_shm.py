@@ -1,4 +1,4 @@
-"""The same-node shared-memory data plane of the Sync stream (worker/arena_client.py,
+"""The same-node shared-memory data plane of the Sync stream (worker/sync/arena.py,
 ps/edge/arena_server.py).
 
 Every test that runs the feature checks that it was used (the client's shm counters,
@@ -22,10 +22,10 @@ from ps.config import ServerConfig
 from ps.edge.arena_server import ArenaRefused, ServerArena, ShmRef, check_ref, open_arena
 from tests.helpers import start_ps_server
 from tests.test_wire_fast import SPEC, _client, _push_all, _reference_deltas, _run, _steps
-from worker.arena_client import ClientArena, RingAllocator, place
-from worker.config import TrainConfig
-from worker.embedding import TableConfig
-from worker.sync import ServerRefused, ShardClient
+from worker.config.train_config import TrainConfig
+from worker.embedding.rows import TableConfig
+from worker.sync.arena import ClientArena, RingAllocator, place
+from worker.sync.client import ServerRefused, ShardClient
 
 ROWS, DIM = 2000, 32
 

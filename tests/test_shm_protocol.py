@@ -16,8 +16,8 @@ from hybridps.admin import get_shard_stats
 from hybridps.partition_secret import partition_metadata
 from hybridps.v1 import shard_pb2, shard_pb2_grpc
 from tests.test_wire_fast import SPEC
-from worker.arena_client import ClientArena, place
-from worker.sync_messages import optimizer_message
+from worker.sync.arena import ClientArena, place
+from worker.sync.messages import optimizer_message
 
 ROWS, DIM = 2000, 32
 

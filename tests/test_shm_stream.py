@@ -23,9 +23,9 @@ import torch
 from tests.helpers import start_ps_server
 from tests.test_lifecycle import final_state
 from tests.test_wire_fast import _client, _reference_deltas, _steps
-from worker.grpc_client import GrpcStreamTransport
-from worker.sync import ServerRefused, ServerUnavailable
-from worker.transport import TransportError
+from worker.sync.client import ServerRefused, ServerUnavailable
+from worker.sync.grpc_client import GrpcStreamTransport
+from worker.sync.transport import TransportError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]  # every test starts processes
 

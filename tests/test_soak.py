@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import PsServer
 from tests.test_checkpoint import REPO, assert_states, run
-from worker.faults import CUT_ENV
+from worker.runtime.faults import CUT_ENV
 
 
 @pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""--staleness-compensation predict (worker/staleness.py), in one process.
+"""--staleness-compensation predict (worker/updates/staleness.py), in one process.
 
 A scripted update source answers each push with an update chosen by the test, so every
 number below can be worked out by hand: the forward's view of the rows (what the lookups
@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from hybridps.cli import parse_config
-from worker.config import TrainConfig
-from worker.embedding import ShardedEmbedding, TableConfig
-from worker.staleness import RowPredictor
-from worker.updates import Grads, RowUpdate, StalenessWindow, UpdateSource
+from worker.config.train_config import TrainConfig
+from worker.embedding.rows import TableConfig
+from worker.embedding.sharded import ShardedEmbedding
+from worker.updates.source import Grads, RowUpdate, StalenessWindow, UpdateSource
+from worker.updates.staleness import RowPredictor
 
 
 class ScriptedSource(UpdateSource):

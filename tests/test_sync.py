@@ -3,7 +3,7 @@
 `FakeShard` answers pushes the way the shard server does where exactly-once is
 concerned (a push applied once, a re-sent one answered from a cache, answers in chunks);
 `FakeTransport` carries messages to it and can break; `FakeRpc` stands in for the calls.
-ShardClient (worker/sync.py) and SyncLedger (worker/sync_ledger.py) run unchanged.
+ShardClient (worker/sync/client.py) and SyncLedger (worker/sync/ledger.py) run unchanged.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 from hybridps import wire
 from hybridps.optim import OptimizerSpec
 from hybridps.v1 import shard_pb2
-from worker.arena_client import ArenaPlacement
-from worker.embedding import TableConfig
-from worker.sync import ServerRefused, ServerUnavailable, ShardClient
-from worker.sync_ledger import SyncLedger
-from worker.sync_messages import InlinePush, Outgoing, PushEncoder, serialized
-from worker.transport import (
+from worker.embedding.rows import TableConfig
+from worker.sync.arena import ArenaPlacement
+from worker.sync.client import ServerRefused, ServerUnavailable, ShardClient
+from worker.sync.ledger import SyncLedger
+from worker.sync.messages import InlinePush, Outgoing, PushEncoder, serialized
+from worker.sync.transport import (
     Response,
     SyncTransport,
     TransportError,
@@ -31,7 +31,7 @@ from worker.transport import (
     TransportRetryable,
     decode_response,
 )
-from worker.updates import SyncStats
+from worker.updates.source import SyncStats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -341,8 +341,8 @@ def test_server_down_past_the_deadline_is_unavailable() -> None:
 def test_a_stop_signal_cuts_the_reconnect_wait_short(monkeypatch: pytest.MonkeyPatch) -> None:
     """Told to stop (SIGTERM) while the server is unreachable: ServerUnavailable after
     STOP_RECONNECT_S, not --ps-timeout (torchrun would SIGKILL the rank first)."""
-    import worker.sync as sync_module
-    from worker.lifecycle import STOP
+    import worker.sync.client as sync_module
+    from worker.runtime.lifecycle import STOP
 
     monkeypatch.setattr(sync_module, "STOP_RECONNECT_S", 0.3)
     rpc = FakeRpc(FakeShard(), break_at(("receive", 1)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridps.cli import parse_config
-from worker.config import TrainConfig
+from worker.config.train_config import TrainConfig
 from worker.tasks import build_task
 from worker.tasks.base import Task
 

@@ -1,5 +1,5 @@
-"""Per-task defaults (worker/task_defaults.py): flag > env > task default > TrainConfig default,
-and the fail-fast checks of the kge / dlrm flags."""
+"""Per-task defaults (worker/config/task_defaults.py): flag > env > task default >
+TrainConfig default, and the fail-fast checks of the kge / dlrm flags."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hybridps.cli import parse_config
-from worker.config import TrainConfig
-from worker.task_defaults import TASK_DEFAULTS, config_with_task_defaults, task_defaults
+from worker.config.task_defaults import TASK_DEFAULTS, config_with_task_defaults, task_defaults
+from worker.config.train_config import TrainConfig
 
 BASE = ["--local-optimizer"]
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ def test_kge_defaults_are_the_dicee_settings() -> None:
     assert (cfg.optim.lr, cfg.optim.dense_lr, cfg.optim.init_std, cfg.run.batch_size,
             cfg.run.epochs, cfg.run.dim) == (0.1, 0.1, 1.0, 512, 100, 32)
     assert cfg.kge.model == "distmult" and cfg.kge.training == "kvsall"
-    # valid MRR by epochs within --eval-budget (worker/tasks/kge_schedule.py), not the
+    # valid MRR by epochs within --eval-budget (worker/tasks/kge/schedule.py), not the
     # step-based --eval-every of the other tasks
     assert cfg.output.eval_every == 0 and TrainConfig.of(local_optimizer=True).output.eval_every
 
@@ -68,6 +68,6 @@ def test_bad_task_flags_fail_fast(argv: list[str], match: str,
 @pytest.mark.e2e
 def test_parsing_stays_torch_free() -> None:
     """Bad flags fail before torch is imported: the defaults hook must not import it."""
-    code = ("import sys; from worker.main import main; from worker.task_defaults import "
+    code = ("import sys; from worker.main import main; from worker.config.task_defaults import "
             "task_defaults; task_defaults({'task': 'kge'}); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

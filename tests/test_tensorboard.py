@@ -13,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import REPO
-from worker.config import TrainConfig
+from worker.config.train_config import TrainConfig
 
 SMALL = ["--num-rows", "2000", "--batch-size", "32", "--dim", "8", "--progress", "false"]
 

@@ -1,4 +1,4 @@
-"""--time-budget (worker/time_budget.py): the end's cost comes from the run's measured step
+"""--time-budget (worker/train/time_budget.py): the end's cost comes from the run's measured step
 and evaluation times, the ranks agree on the last step at the --log-every steps only, and a
 real 2-rank run with a budget far below its planned steps stops early, evaluates and writes
 its results within the budget."""
@@ -15,10 +15,10 @@ import pytest
 
 from hybridps.cli import parse_config
 from tests.test_checkpoint import run
-from worker import time_budget as tb
-from worker.config import TrainConfig
-from worker.tasks.kge_hierarchy import write_hierarchy
-from worker.time_budget import EndCosts, TimeBudget
+from worker.config.train_config import TrainConfig
+from worker.tasks.kge.hierarchy import write_hierarchy
+from worker.train import time_budget as tb
+from worker.train.time_budget import EndCosts, TimeBudget
 
 ONE_RANK: Any = SimpleNamespace(world_size=1, device="cpu")
 

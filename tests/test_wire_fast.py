@@ -1,6 +1,6 @@
 """The fast Sync path: the copy-free codec, --wire-dtype, and their flags.
 
-Error bounds of --wire-dtype (stated in worker/config.py's help and the README):
+Error bounds of --wire-dtype (stated in worker/config/train_config.py's help and the README):
 - per element, a round trip through the wire dtype is round-to-nearest: relative error
   <= 2^-8 for bf16 (8 significant bits) and <= 2^-11 for fp16 (11 bits) inside fp16's
   normal range [2^-14, 65504] (below it fp16 is subnormal: absolute error <= 2^-25);
@@ -30,10 +30,10 @@ from hybridps.optim import OptimizerSpec, apply_rows_torch_
 from hybridps.v1 import shard_pb2
 from ps.config import ServerConfig
 from tests.helpers import start_ps_server
-from worker.config import TrainConfig
-from worker.embedding import TableConfig
-from worker.sync import WIRE_DTYPES, RowUpdate, ShardClient
-from worker.sync_messages import PUSH_GRADS, PUSH_IDS
+from worker.config.train_config import TrainConfig
+from worker.embedding.rows import TableConfig
+from worker.sync.client import WIRE_DTYPES, RowUpdate, ShardClient
+from worker.sync.messages import PUSH_GRADS, PUSH_IDS
 
 SPEC = OptimizerSpec("adam", lr=1e-2)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -242,7 +242,7 @@ def test_worker_run_with_wire_dtype(ps_address: str, tmp_path: Path, wire_dtype:
     if wire_dtype == "fp32":
         assert_matches_reference(dump, cfg)
         return
-    from worker.reference import train_reference
+    from worker.train.reference import train_reference
 
     state = torch.load(dump)
     ref = train_reference(cfg, world_size=2)

@@ -6,7 +6,7 @@
 CKPT_DIR is a complete checkpoint (`.../step-<s>/` with manifest.json) or a
 checkpoint root (its newest complete one is taken). model.pt is a torch.save
 of a plain state_dict of the un-sharded model `HybridModel(embedding, dense)`
-as built by worker/reference.py (LocalEmbedding: one nn.Embedding per table):
+as built by worker/train/reference.py (LocalEmbedding: one nn.Embedding per table):
 
     embedding.tables.<table>.weight   the full [num_rows, dim] table
     embedding.dynamic.<table>.ids     a dynamic table (docs/dynamic_ids.md): every live
@@ -20,7 +20,7 @@ process. No process group, no server, no optimizer state.
 
 KGE runs (--task kge): add `--kge-results RUN.json` (the run's --results; its id maps are
 next to it in RUN.id_maps/) to write a self-contained model file instead, with the entity and
-relation names, that worker/tasks/kge_export.py's KGEModel loads and scores with (torch only):
+relation names, that worker/tasks/kge/export.py's KGEModel loads and scores with (torch only):
 
     python -m worker.export --state run.pt --kge-results run.json --out model.pt
 
@@ -42,7 +42,7 @@ import torch
 from hybridps.checkpoint import Manifest, load_rows, save_torch
 from hybridps.dynamic_files import live_rows
 from hybridps.errors import ShardError
-from worker.output_paths import file_problem
+from worker.config.output_paths import file_problem
 
 EMBEDDING_PREFIX = "embedding.tables."
 DYNAMIC_PREFIX = "embedding.dynamic."
@@ -57,8 +57,8 @@ def export_state_dict(checkpoint: str | Path, delta_since: int | None = None
     and `.weight`: every live id and its row. `delta_since` S: only the rows looked up
     (so changed) after step S, and `.tombstones`: the ids dropped after S that are not
     live again; static tables and the dense part are written whole."""
-    from worker.checkpoint import find_checkpoint
-    from worker.checkpoint_dense import read_dense_full
+    from worker.checkpoint.checkpointer import find_checkpoint
+    from worker.checkpoint.dense import read_dense_full
 
     directory = find_checkpoint(checkpoint)
     if directory is None:
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--state", metavar="PATH",
                         help="a --dump-state file (the run's final model) instead")
     parser.add_argument("--kge-results", metavar="RUN.json", default="",
-                        help="--task kge: write a KGEModel file (worker/tasks/kge_export.py) "
+                        help="--task kge: write a KGEModel file (worker/tasks/kge/export.py) "
                              "with the id maps of this run's --results")
     parser.add_argument("--delta-since", type=int, default=None, metavar="STEP",
                         help="dynamic tables: only the rows changed after STEP, and "
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             state, step = export_state_dict(args.checkpoint, args.delta_since)
             best = False  # a checkpoint holds the rows of its step
         if args.kge_results:
-            from worker.tasks.kge_export import payload_from_run
+            from worker.tasks.kge.export import payload_from_run
 
             payload = payload_from_run(state, args.kge_results)
             save_torch(args.out, payload)

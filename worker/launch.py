@@ -6,7 +6,7 @@ What it adds:
 
 - **Checks before any rank starts** when the script is worker/main.py: the worker's flags
   (a misspelled flag: exit 2 with argparse's line), then its data directory and its shard
-  server (worker/preflight.py): one line naming the value and what to do, exit 2 (data) or
+  server (worker/config/preflight.py): one line naming the value and what to do, exit 2 (data) or
   1 (server), in a second or two instead of after the ranks' imports and rendezvous.
 - **A known error of a rank ends on its one line.** A rank that fails with a known error
   (server unreachable or refusing, a bad run id, no checkpoint to resume: worker/main.py)
@@ -15,7 +15,7 @@ What it adds:
   ChildFailedError traceback, `Failures:` block or log lines. A rank that crashed gets one
   line naming it and its exit code or signal (its traceback is above, from the rank).
 - **A stop the user asked for exits 0.** torchrun forwards SIGTERM/SIGINT (Ctrl-C) to the
-  ranks, which finish their step, flush, tell the server and exit (worker/lifecycle.py);
+  ranks, which finish their step, flush, tell the server and exit (worker/runtime/lifecycle.py);
   each writes a note to the launcher (`note_stop`). When every rank of this node noted a
   clean stop, the launcher prints the step and exits 0; when one did not (it was killed,
   or the stop came before training started) it exits 128 + the signal (130 for SIGINT,
@@ -26,7 +26,7 @@ What it adds:
   last line says which ranks flushed and which were cut short (exit 128 + the first
   signal). Once torchrun returned, further signals are ignored: the exit code is the one
   the last line tells.
-- **Ranks end when the launcher dies** (`kill -9`): see worker/launcher_watch.py; the
+- **Ranks end when the launcher dies** (`kill -9`): see worker/runtime/launcher_watch.py; the
   launcher gives them its pid (HYBRIDPS_LAUNCHER_PID).
 - torchrun's own log lines about the ranks' processes (its OMP_NUM_THREADS banner: the
   launcher sets OMP_NUM_THREADS=1 itself when unset and more than one rank runs, as
@@ -54,11 +54,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from worker.runtime.launcher_watch import LAUNCHER_PID_ENV
+
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torchrun sets it for each rank
 MARK = "hybridps_error"  # in the record's extraInfo: a line of ours, not a traceback
 LAUNCHER_DIR_ENV = "HYBRIDPS_LAUNCHER_DIR"  # set by the launcher: ranks leave notes there
 STOP_EXIT_ENV = "HYBRIDPS_STOP_EXIT_CODE"  # "signal": a clean stop exits 128 + the signal
-LAUNCHER_PID_ENV = "HYBRIDPS_LAUNCHER_PID"  # set by the launcher: the ranks' parent
 PROG = "hybridps-run"
 WORKER_MAIN = Path(__file__).resolve().with_name("main.py")
 # torchrun's loggers whose lines the launcher's last line replaces (the rendezvous's stay)
@@ -186,12 +187,6 @@ def _recorded(failures: dict[int, Any]) -> Any | None:
     return min(ours, key=lambda f: f.timestamp) if ours else None
 
 
-def recorded_line(failures: dict[int, Any]) -> str | None:
-    """The earliest line a failed rank recorded (`report_error`), or None."""
-    first = _recorded(failures)
-    return None if first is None else str(first.message["message"])
-
-
 def split_worker_args(argv: Sequence[str]) -> list[str] | None:
     """The worker's flags when the training script is worker/main.py (as a path, or
     `-m worker.main`), else None."""
@@ -210,10 +205,10 @@ def preflight(worker_argv: list[str]) -> tuple[str, int] | None:
     line, the exit code) of the first problem. Bad flags exit in argparse (2)."""
     from hybridps.cli import parse_config
     from hybridps.security import SecurityError
-    from worker.config import TrainConfig
-    from worker.nodes import split_ps
-    from worker.preflight import data_problem, problem
-    from worker.task_defaults import task_defaults
+    from worker.config.nodes import split_ps
+    from worker.config.preflight import data_problem, problem
+    from worker.config.task_defaults import task_defaults
+    from worker.config.train_config import TrainConfig
 
     cfg = parse_config(TrainConfig, worker_argv, prog="worker/main.py",
                        defaults=task_defaults)

@@ -12,15 +12,15 @@ memory plan (worker/plan.py) is checked: a config that cannot fit is refused
 with the numbers (exit 1); `--plan` prints the plan and exits.
 
 Before torch is set up, the data directory and the shard server are checked too
-(worker/preflight.py): a bad --data-dir or a server that does not answer is one line.
+(worker/config/preflight.py): a bad --data-dir or a server that does not answer is one line.
 A known error is printed by rank 0 only (every rank records it for torchrun's report, and
 `hybridps-run` prints it last: worker/launch.py). A rank that a launcher started ends within
-seconds of the launcher's death, even a `kill -9` (worker/launcher_watch.py).
+seconds of the launcher's death, even a `kill -9` (worker/runtime/launcher_watch.py).
 
 Exit codes: 0 trained to the end (or resumed at the run's last step: nothing to
 do); 1 error (the server, a plan that cannot fit); 2 bad flags or data, or no intact
 checkpoint to resume as asked; 143 stopped by SIGTERM/SIGINT after finishing the step,
-flushing and telling the server (worker/lifecycle.py).
+flushing and telling the server (worker/runtime/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ if not __package__:  # `torchrun worker/main.py` / `python worker/main.py` from 
 
 from hybridps.cli import parse_config
 from hybridps.logs import kv, setup_logging
-from worker.config import TrainConfig
+from worker.config.task_defaults import TASK_DEFAULTS, task_defaults
+from worker.config.train_config import TrainConfig
 from worker.launch import flag_errors, note_start, note_stop, report_error
-from worker.launcher_watch import watch_launcher
-from worker.task_defaults import TASK_DEFAULTS, task_defaults
+from worker.runtime.launcher_watch import watch_launcher
 
 if TYPE_CHECKING:
     from worker.plan import Plan
@@ -56,13 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  {task}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
         for task, d in TASK_DEFAULTS.items())
     rank = int(os.environ.get("RANK", "0") or 0)
-    watch_launcher()  # end with the launcher, even one killed -9 (worker/launcher_watch.py)
+    watch_launcher()  # end with the launcher, even one killed -9 (worker/runtime/launcher_watch.py)
     note_start()  # a second stop signal to the launcher ends this rank at once
     with flag_errors(rank):  # a bad flag: rank 0 says it, every rank exits 2
         cfg = parse_config(TrainConfig, argv, prog="worker/main.py", description=DESCRIPTION,
                            defaults=task_defaults, epilog=epilog)
     setup_logging(cfg.output.log_level, sys.stderr, rank=rank)
-    from worker.lifecycle import STOP, STOPPED_EXIT_CODE, install_signal_handlers
+    from worker.runtime.lifecycle import STOP, STOPPED_EXIT_CODE, install_signal_handlers
 
     install_signal_handlers()  # SIGTERM/SIGINT: finish the step, flush, exit
     early = _check_deployment(cfg, rank)
@@ -71,10 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Heavy imports (torch, grpc) only once the flags are known to be good.
     from hybridps.cli import ConfigError
-    from worker.checkpoint import ResumeError
-    from worker.parallel import DenseParallelError, destroy_distributed, init_distributed
-    from worker.sync import SyncError
-    from worker.train import Trainer
+    from worker.checkpoint.checkpointer import ResumeError
+    from worker.dense.parallel import DenseParallelError
+    from worker.runtime.dist import destroy_distributed, init_distributed
+    from worker.sync.client import SyncError
+    from worker.train.trainer import Trainer
 
     trainer: Trainer | None = None
     ended = False
@@ -123,13 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
     """Server address, TLS/token files, the data, the memory plan and the server's health,
-    before torch is set up and anything is allocated (worker/preflight.py).
+    before torch is set up and anything is allocated (worker/config/preflight.py).
 
     Returns the exit code when the worker must stop here (--plan, or a problem)."""
     from hybridps.cli import ConfigError
     from hybridps.security import SecurityError
+    from worker.config.preflight import connect_window_s, data_problem, server_problem
     from worker.plan import PlanError, format_plan, plan_for_config
-    from worker.preflight import connect_window_s, data_problem, server_problem
 
     server = not (cfg.sync.local_optimizer or cfg.sizing.plan)  # --plan needs no server
     try:
@@ -180,6 +181,6 @@ def _cheap_plan(cfg: TrainConfig) -> Plan | None:
 
 
 if __name__ == "__main__":
-    from worker.lifecycle import exit_process
+    from worker.runtime.lifecycle import exit_process
 
     exit_process(main())  # no interpreter teardown of torch's C++ state (see there)

@@ -47,7 +47,7 @@ from hybridps.optim_kinds import (
 )
 
 if TYPE_CHECKING:
-    from worker.config import TrainConfig
+    from worker.config.train_config import TrainConfig
 
 GB = 10**9
 ID_BYTES = 8
@@ -302,7 +302,7 @@ def detect_host_memory() -> int | None:
 
 
 def detect_device(device_request: str, local_rank: int) -> tuple[str, int | None]:
-    """('cuda', bytes of the device) or ('cpu', None), like worker.parallel.pick_device."""
+    """('cuda', bytes of the device) or ('cpu', None), like worker.runtime.dist.pick_device."""
     if device_request == "cpu":
         return "cpu", None
     import torch
@@ -493,8 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given.rows:
         return _one_table(parser, given, rest)
     from hybridps.cli import parse_config
-    from worker.config import TrainConfig
-    from worker.task_defaults import task_defaults
+    from worker.config.task_defaults import task_defaults
+    from worker.config.train_config import TrainConfig
 
     try:
         world, per_node = layout(given.world_size, given.nodes, given.ranks_per_node)

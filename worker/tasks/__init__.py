@@ -3,6 +3,9 @@
 A task is a subclass of worker.tasks.base.Task constructed from the run's
 TrainConfig. Register a new one by adding its "module:Class" to TASKS (or
 pass the dotted path directly, no registration needed).
+
+The room: the Task interface, the registry, the built-in tasks (tasks/ctr/, tasks/kge/) and
+their metrics. May import: config, runtime, embedding, dense.
 """
 
 from __future__ import annotations
@@ -10,16 +13,16 @@ from __future__ import annotations
 import importlib
 
 from hybridps.cli import ConfigError
-from worker.config import TrainConfig
+from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
 
 __all__ = ["TASKS", "Batch", "HybridModel", "Task", "build_task", "task_class", "task_tables"]
 
 TASKS: dict[str, str] = {
     "synthetic": "worker.tasks.synthetic:SyntheticTask",
-    "kge": "worker.tasks.kge:KGETask",
-    "kge_planted": "worker.tasks.kge_synth:PlantedKGETask",
-    "dlrm": "worker.tasks.dlrm:DLRMTask",
+    "kge": "worker.tasks.kge.task:KGETask",
+    "kge_planted": "worker.tasks.kge.synth:PlantedKGETask",
+    "dlrm": "worker.tasks.ctr.dlrm:DLRMTask",
     "tables": "worker.tasks.tables:TablesTask",
 }
 

@@ -1,8 +1,8 @@
 """The Task interface: what a job plugs into the (task-agnostic) training loop.
 
 A task says which embedding tables it needs, builds its dense module, makes
-batches and computes the loss. The loop (worker/train.py) and the
-single-process reference (worker/reference.py) never change per task.
+batches and computes the loss. The loop (worker/train/trainer.py) and the
+single-process reference (worker/train/reference.py) never change per task.
 
 Contract:
 - `tables()` lists the tables (name, num_rows, dim); their order is the
@@ -41,8 +41,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from worker.config import TrainConfig
-from worker.embedding import TableConfig
+from worker.config.train_config import TrainConfig
+from worker.embedding.rows import TableConfig
 
 __all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task", "TrainHooks",
            "build_dense_seeded"]
@@ -203,7 +203,7 @@ class Task(ABC):
 
     def rows_pushed_per_step(self, world_size: int) -> dict[str, int] | None:
         """The most rows of each table one rank pushes in a step (sizes the same-node
-        arena, worker/arena_client.py); None: not known (the default arena size)."""
+        arena, worker/sync/arena.py); None: not known (the default arena size)."""
         return None
 
     def hooks(self, model: HybridModel, world_size: int) -> TrainHooks | None:

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.config import TrainConfig
-from worker.metrics import batch_roc_auc
+from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig
 from worker.tasks.click import ClickTask
+from worker.tasks.metrics import batch_roc_auc
 
 ZIPF_S = 1.1
 MAX_TAGS = 6

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from hybridps.dynamic import DynamicSpec, salted
-from worker.config import TrainConfig
-from worker.metrics import batch_roc_auc
-from worker.task_options import parse_table_list, parse_tables
+from worker.config.task_options import parse_table_list, parse_tables
+from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig
 from worker.tasks.click import ClickTask
+from worker.tasks.metrics import batch_roc_auc
 from worker.tasks.synthetic import Scatter, zipf_ranks
 
 NUM_DENSE = 4

@@ -1,0 +1,88 @@
+"""The dense part of a checkpoint: the model and its optimizer (and the fp16 loss scaler)
+as a torch.distributed.checkpoint (DCP) directory, written and read sharded (worker/checkpoint/
+checkpointer.py's step 4), and read whole in one process for export."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from hybridps.checkpoint import file_crc32, verify_entry
+
+DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
+
+log = logging.getLogger("worker.checkpoint")
+
+
+def save_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any, directory: Path,
+               rank: int) -> dict[str, Any]:
+    """The dense part + its optimizer as a DCP checkpoint in `dense/` (collective).
+
+    Sharded state dicts: each rank writes only its own FSDP shards (nothing is gathered
+    on rank 0), and DCP's metadata lets a run of any world size read the pieces it
+    needs. Returns the manifest entry (on rank 0; {} elsewhere): every DCP file with
+    its size and crc32 (dcp.save has returned on rank 0 only after every rank's writes
+    finished), and the fp16 GradScaler's state, identical on all ranks.
+    """
+    state = {"model": get_model_state_dict(dense),
+             "optim": get_optimizer_state_dict(dense, opt)}
+    dcp.save(state, checkpoint_id=directory / DENSE_DIR)
+    if rank != 0:
+        return {}
+    files = sorted(p for p in (directory / DENSE_DIR).iterdir() if p.is_file())
+    return {"format": "dcp", "dir": DENSE_DIR,
+            "files": [{"file": f"{DENSE_DIR}/{p.name}", "bytes": p.stat().st_size,
+                       "crc32": file_crc32(p)} for p in files],
+            "grad_scaler": None if scaler is None else scaler.state_dict()}
+
+
+def restore_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
+                  directory: Path, entry: dict[str, Any], loss_scale_init: float) -> None:
+    """Dense weights, dense optimizer and the loss scaler from a manifest entry (every
+    file was verified before anything was loaded: Checkpointer.resume_target)."""
+    if "file" in entry:  # written before DCP: full state dicts in one torch.save file
+        blob = torch.load(directory / entry["file"], map_location="cpu", weights_only=False)
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(dense, blob["model"], options=full)
+        set_optimizer_state_dict(dense, opt, blob["optimizer"], options=full)
+    else:
+        state: dict[str, Any] = {"model": get_model_state_dict(dense),
+                                 "optim": get_optimizer_state_dict(dense, opt)}
+        dcp.load(state, checkpoint_id=directory / entry["dir"])  # reads only our shards
+        set_model_state_dict(dense, state["model"])
+        set_optimizer_state_dict(dense, opt, state["optim"])
+    saved = entry.get("grad_scaler")
+    if scaler is not None and saved:
+        scaler.load_state_dict(saved)  # else a fresh scale would skip steps again
+    elif scaler is not None:
+        log.warning("checkpoint %s has no loss scaler state (saved without --precision "
+                    "fp16): the scale starts at --loss-scale-init %g", directory,
+                    loss_scale_init)
+
+
+def read_dense_full(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """{"model": plain full state dict, ...} of a manifest's dense entry, in one process
+    with no process group (export): DCP's own converter to a torch.save file."""
+    if "file" in entry:  # written before DCP
+        verify_entry(directory, entry)
+        return dict(torch.load(directory / entry["file"], map_location="cpu",
+                               weights_only=False))
+    for f in entry["files"]:
+        verify_entry(directory, f)
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(directory / entry["dir"], Path(tmp) / "dense.pt")
+        return dict(torch.load(Path(tmp) / "dense.pt", map_location="cpu", weights_only=False))

@@ -1,0 +1,598 @@
+"""The training loop, written out: one step is
+
+    apply due updates (staleness window)  ->  batch  ->  forward  ->  backward
+    ->  dense optimizer step  ->  coalesced embedding grads * 1/W  ->  push
+
+The loop is the same for every task, for the server path and for
+--local-optimizer. Rank 0 shows a progress bar (log lines go around it:
+worker/report/console.py), prints a summary and the server's shard stats, writes
+--results and its plot, and with --tensorboard the scalars (worker/report/tensorboard.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm import tqdm
+
+from hybridps.cli import ConfigError
+from hybridps.logs import kv
+from hybridps.names import describe_problem
+from hybridps.optim import OptimizerSpec
+from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.run_claim import claim_run
+from worker.config.train_config import TrainConfig
+from worker.dense.parallel import build_dense_parallel, check_dense_parallel
+from worker.embedding import comm
+from worker.embedding.dynamic.ids import check_dynamic_tables
+from worker.embedding.sharded import ROW_DTYPES, ShardedEmbedding
+from worker.report.console import (
+    bar_layout,
+    bar_postfix,
+    checkpoint_lines,
+    end_bar,
+    optimizer_line,
+    route_logs_around,
+    run_extent,
+    show_progress,
+    summary_width,
+    wrap_summary,
+)
+from worker.report.tensorboard import TensorBoardLog
+from worker.runtime import faults
+from worker.runtime.device_copy import sync_point
+from worker.runtime.dist import DistContext
+from worker.runtime.lifecycle import stop_agreed
+from worker.sync.arena import arena_bytes_for_run
+from worker.sync.client import WIRE_DTYPES, ShardClient
+from worker.tasks import build_task, task_tables
+from worker.tasks.base import HybridModel, Task, TrainHooks, build_dense_seeded
+from worker.train.pipeline import InputPipeline
+from worker.train.time_budget import budget_for_run
+from worker.updates.source import LocalSparseOptimizer, StalenessWindow, UpdateSource
+from worker.updates.staleness import RowPredictor
+
+log = logging.getLogger("worker.train")
+
+TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log",
+             "eval")
+
+
+def sparse_optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
+    """The embedding rows' optimizer (SparseAdam's defaults for betas/eps)."""
+    o = cfg.optim
+    return OptimizerSpec(kind=o.optimizer, lr=o.lr, weight_decay=o.weight_decay)
+
+
+def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
+                         ) -> torch.optim.Optimizer:
+    """--dense-optimizer (auto: adam -> Adam, adamw -> AdamW, sgd -> SGD, the Adagrad kinds
+    -> Adagrad, partial_rowwise_adam -> Adam), at --dense-lr (shared with the reference).
+
+    foreach: one dispatch per op for all parameters instead of one per parameter; torch
+    picks it by itself only on CUDA, and on the CPU the per-parameter loop over FSDP's
+    DTensors is a visible part of a small model's step (docs/performance-log.md)."""
+    params = list(params)
+    o = cfg.optim
+    kind = o.dense_kind
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=o.dense_lr, weight_decay=o.weight_decay,
+                                foreach=True)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=o.dense_lr, weight_decay=o.weight_decay,
+                                 foreach=True)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=o.dense_lr, weight_decay=o.weight_decay,
+                                   foreach=True)
+    return torch.optim.SGD(params, lr=o.dense_lr, weight_decay=o.weight_decay)
+
+
+def scheduled_lr(hooks: TrainHooks | None, step: int, cfg: TrainConfig,
+                 dense_opt: torch.optim.Optimizer) -> float | None:
+    """Step `step`'s lr: --dense-lr * scale into the dense optimizer, and --lr * scale for the
+    rows' optimizer (sent with the push); None without hooks (the registered lr)."""
+    if hooks is None:
+        return None
+    scale = hooks.lr_scale(step)
+    for group in dense_opt.param_groups:
+        group["lr"] = cfg.optim.dense_lr * scale
+    return cfg.optim.lr * scale
+
+
+def num_steps(cfg: TrainConfig, task: Task, world_size: int) -> int:
+    if cfg.run.epochs == 0:
+        return cfg.run.steps
+    per_epoch = task.steps_per_epoch(world_size)
+    if per_epoch is None:
+        raise ValueError(f"epochs={cfg.run.epochs}: task {task.name!r} generates its data and "
+                         "has no epochs; use --steps")
+    return cfg.run.epochs * per_epoch
+
+
+def resolve_run_id(cfg: TrainConfig, ctx: DistContext) -> str:
+    """--run-id, else TORCHELASTIC_RUN_ID, else a fresh id; rank 0's choice wins."""
+    run_id = cfg.sync.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id in ("", "none"):
+        run_id = f"run-{uuid.uuid4().hex[:12]}"
+    problem = describe_problem("run id", run_id)
+    if problem is not None:  # --run-id was checked with the flags; this is torchrun's
+        raise ConfigError(f"TORCHELASTIC_RUN_ID: {problem}; pass --run-id")
+    box = [run_id]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+class Trainer:
+    """Builds the model and the update source from a config; `train()` runs the loop."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, task: Task | None = None) -> None:
+        t0 = self.created_at = time.perf_counter()
+        self.cfg, self.ctx = cfg, ctx
+        check_dense_parallel(cfg.dense, ctx.world_size, ctx.local_world_size,
+                             ctx.device)  # fail early
+        faults.check_environment()  # a malformed HYBRIDPS_FAULT_* fails here, not mid-run
+        self.task = task or build_task(cfg)
+        self.steps = num_steps(cfg, self.task, ctx.world_size)
+        self.run_id = resolve_run_id(cfg, ctx)
+        tables = task_tables(self.task)  # a bad TableConfig: ConfigError, one line
+        check_dynamic_tables(tables, ctx.world_size, cfg.optim.row_dtype)
+        self.embedding = ShardedEmbedding(
+            tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
+            device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
+            row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
+            group_tables=cfg.run.group_tables)
+        dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
+        # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping):
+        # worker/dense/parallel.py
+        self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
+                                                   self.task.fsdp_units(dense),
+                                                   plain_at_one_rank=True)
+        self.model = HybridModel(self.embedding, self.dense_parallel.module)
+        self.dense_opt = make_dense_optimizer(cfg, self.dense_parallel.module.parameters())
+        # the task's lr schedule / scheduled evaluation / early stopping (Task.hooks)
+        self.hooks = self.task.hooks(self.model, ctx.world_size)
+        spec = self.sparse_spec = sparse_optimizer_spec(cfg)
+        self.checkpointer = Checkpointer(self)
+        resume = self.checkpointer.resume_target()  # (directory, step) or None
+        self.source: UpdateSource
+        sync = cfg.sync
+        # The run secret kept with the checkpoints: the job's proof to its servers
+        proof = claim_run(str(self.checkpointer.root or ""),
+                          None if resume is None else resume[0], ctx.rank, ctx.world_size,
+                          claim_resume=not sync.local_optimizer)
+        if sync.local_optimizer:
+            self.source = LocalSparseOptimizer(self.embedding, spec, sync.ps_timeout)
+        else:
+            node = cfg.node.client_args()
+            if node["shm"] != "off":  # --same-node-mb 0: sized from this run's pushes
+                node["shm_bytes"] = arena_bytes_for_run(cfg, self.task, self.embedding, ctx,
+                                                        WIRE_DTYPES[sync.wire_dtype])
+            self.source = ShardClient(
+                sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
+                # per unit (worker/embedding/groups.py): a group of tables registers as one table
+                tables=[u.table_config() if u.grouped else self.embedding.tables[n]
+                        for n, u in self.embedding.units.items()],
+                ranges={n: (u.start, u.end) for n, u in self.embedding.units.items()},
+                members={n: u.members for n, u in self.embedding.units.items() if u.grouped},
+                optimizer=spec,
+                timeout_s=sync.ps_timeout, max_chunk_bytes=sync.max_chunk_bytes,
+                wire_dtype=WIRE_DTYPES[sync.wire_dtype], **node,
+                restore=None if resume is None else (str(resume[0]), resume[1]),
+                security=cfg.security.client_security(), row_dtype=self.embedding.row_dtype,
+                initial_rows=self.embedding.initial_row_blocks, run_secret=proof.secret,
+                restore_secret=proof.restore_secret,
+                checkpoint_dir=str(self.checkpointer.root or ""))
+        self.source.start()  # the gRPC channel exists only from here on (no fork after it)
+        self.embedding.set_pager(self.source)  # dynamic tables page rows out to it
+        predictor = (RowPredictor(self.embedding, sync.staleness)
+                     if sync.staleness_compensation == "predict" and sync.staleness > 0
+                     else None)
+        self.window = StalenessWindow(self.source, self.embedding, sync.staleness, predictor)
+        # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
+        self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
+                                    world_size=ctx.world_size, device=ctx.device,
+                                    backend=ctx.backend, end_step=self.steps,
+                                    enabled=cfg.run.pipeline)
+        self.start_step = 0
+        if resume is not None:
+            self.checkpointer.restore_local(*resume)
+            self.start_step = resume[1] + 1
+        self.times = dict.fromkeys(TIME_KEYS, 0.0)
+        self.loss_curve: list[tuple[int, float]] = []
+        self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
+        self.evaluations = 0  # during training
+        self.console = ExitStack()  # rank 0's log redirect around the progress bar
+        self.tb = (TensorBoardLog(cfg.output.tensorboard, self.run_id, dataclasses.asdict(cfg),
+                                  self.start_step) if cfg.output.tensorboard and self.is_main
+                   else None)
+        self.setup_s = time.perf_counter() - t0
+        self.train_s = 0.0
+        self.train_cpu_s = 0.0
+        self.train_span = [0.0, 0.0]
+        self.final_eval_s = 0.0
+        self.budget = (budget_for_run(cfg, self.task, self.model, self.hooks is not None,
+                                      ctx.world_size) if cfg.run.time_budget else None)
+        if self.is_main:
+            log.info(kv("ready", run=self.run_id, task=self.task.name, steps=self.steps,
+                        start_step=self.start_step, world_size=ctx.world_size,
+                        setup_s=f"{self.setup_s:.1f}"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.rank == 0
+
+    # -- the loop -----------------------------------------------------------------------
+    def train(self) -> None:
+        out, ctx, task, model = self.cfg.output, self.ctx, self.task, self.model
+        world, rank = ctx.world_size, ctx.rank
+        bar = tqdm(total=self.steps, desc="train", unit="step", mininterval=0.5,
+                   disable=not (self.is_main and out.progress), file=sys.stderr, **bar_layout())
+        self.console.enter_context(route_logs_around(bar))
+        window_loss = torch.zeros((), device=ctx.device)
+        window_steps = 0
+        t = self.times
+        start, cpu_start = time.perf_counter(), time.process_time()
+        # wall clock: lets a benchmark cut another process's CPU (the server's) to the loop
+        self.train_span = [time.time(), 0.0]
+        comm.reset_comm_seconds()
+        self.last_step = self.start_step - 1  # the last step pushed (a Finish reports it)
+        if self.budget is not None:
+            self.budget.start(self.start_step)
+        for step in range(self.start_step, self.steps):
+            t0 = time.perf_counter()
+            self.dense_parallel.prefetch()  # --prefetch-dense: all-gather under what follows
+            self.window.before_step(step)  # rows now hold every update of steps <= step-1-K
+            t1 = time.perf_counter()
+            batch = self.inputs.take(step)  # made (and input-dist'ed) ahead with --pipeline
+            t2 = time.perf_counter()
+            loss = task.loss(model, batch)  # mean over this rank's B samples
+            # --pipeline: step+1's dynamic ids translated meanwhile (not into a checkpoint)
+            self.inputs.after_forward(step, prefetch=not self.checkpointer.due(step))
+            self.source.poll()  # the last push, if its gradients reached the host by now
+            t3 = time.perf_counter()
+            self.dense_parallel.backward(loss)  # dense grads: FSDP/DDP average them across ranks
+            t4 = time.perf_counter()
+            # Dense step (fp16 unscale + inf check, clipping) and the embedding grads to push.
+            # Each rank's loss is its local mean, so its gradient is W times the global-mean
+            # loss's gradient share: scaled by 1/W (the dense averaging does the same).
+            lr = scheduled_lr(self.hooks, step, self.cfg, self.dense_opt)
+            grads = self.dense_parallel.step(self.dense_opt, self.embedding)
+            self.inputs.step_done(step)
+            t5 = time.perf_counter()
+            self.source.push(step, grads, lr)  # handed to the sync thread; never blocks
+            self.last_step = step
+            self.window.pushed(step, grads)
+            faults.kill_point(rank, step)  # HYBRIDPS_FAULT_KILL: die with the push in flight
+            t6 = time.perf_counter()
+            a2a = comm.reset_comm_seconds()
+            t["apply"] += t1 - t0
+            t["data"] += t2 - t1
+            t["forward"] += (t3 - t2) - a2a["forward"]
+            t["backward"] += (t4 - t3) - a2a["backward"]
+            t["a2a"] += a2a["forward"] + a2a["backward"]
+            t["optimizer"] += t5 - t4
+            t["push"] += t6 - t5
+
+            window_loss += loss.detach()
+            window_steps += 1
+            stop = evaluated = False
+            reason = "stopped early"  # by the hooks (patience, a collapse)
+            if ((out.eval_every and ((step + 1) % out.eval_every == 0 or step + 1 == self.steps))
+                    or (self.hooks is not None and self.hooks.eval_due(step))):
+                t_eval = time.perf_counter()
+                stop, evaluated = self._evaluate_in_training(step), True
+                t6 += time.perf_counter() - t_eval
+            if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
+                mean = self._global_mean(window_loss, window_steps)
+                self.loss_curve.append((step, mean))
+                if self.hooks is not None:
+                    self.hooks.observe_loss(step, mean)
+                window_loss.zero_()
+                window_steps = 0
+                elapsed = time.perf_counter() - start
+                st = self.window.stats
+                last = self.eval_curve[-1][1] if self.eval_curve else {}
+                sps = (step + 1 - self.start_step) * self.cfg.run.batch_size * world / elapsed
+                lag = st.lag_sum / max(st.steps, 1)
+                if self.is_main:  # the fields that fit the terminal; the rest to the log
+                    show_progress(bar, bar_postfix(mean, last, sps,
+                                                   self.window.last_applied_staleness, lag,
+                                                   st.waits),
+                                  step=step, update=(step + 1) // out.log_every)
+                if self.tb is not None:
+                    self.tb.train(step + 1, mean, sps, {
+                        "applied": self.window.last_applied_staleness, "arrival_lag": lag,
+                        "waits": st.waits}, t)
+                t["log"] += time.perf_counter() - t6
+            if (self.budget is not None and not stop and step + 1 < self.steps
+                    and self.budget.should_stop(step, t["eval"], self.evaluations, ctx)):
+                if self.hooks is not None and not evaluated:  # the best among every step's
+                    self._evaluate_in_training(step)
+                stop, reason = True, "time budget"
+            if self.checkpointer.due(step):
+                with sync_point("checkpoint"):
+                    self.checkpointer.save(step)
+            bar.update(1)
+            if stop or stop_agreed(step, out.log_every, ctx):  # SIGTERM: runtime/lifecycle.py
+                self.last_step = step
+                if step + 1 < self.steps:
+                    end_bar(bar, reason if stop else "stopped", self.steps)
+                break
+        self.inputs.close()  # what is in flight is the same on every rank
+        self.window.drain(self.last_step)  # the final rows include every update
+        self.source.finish(self.last_step)
+        if self.embedding.dynamic is not None and not self.cfg.sync.local_optimizer:
+            self.embedding.dynamic.report_counters()  # the server's stats up to date
+        if self.hooks is not None:
+            self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
+        self.train_s = time.perf_counter() - start
+        self.train_cpu_s = time.process_time() - cpu_start  # every thread of this process
+        self.train_span[1] = time.time()
+        bar.close()
+        self.console.close()
+
+    def _evaluate_in_training(self, step: int) -> bool:
+        """A quick evaluation after `step` (a collective on every rank: same steps); True
+        when the hooks stop training on it."""
+        t_eval = time.perf_counter()
+        self.window.catch_up(step)  # the rows step+1 will see (K=0: all of step's)
+        with sync_point("evaluate"):
+            metrics = self.evaluate(quick=True)
+        self.evaluations += 1
+        if metrics:
+            self.eval_curve.append((step, metrics))
+            if self.tb is not None:
+                self.tb.eval(step + 1, metrics)
+        stop = False
+        if self.hooks is not None:  # the same metrics, so the same answer, everywhere
+            stop = self.hooks.after_eval(step, metrics)
+        self.times["eval"] += time.perf_counter() - t_eval
+        return stop
+
+    def _global_mean(self, total: torch.Tensor, count: int) -> float:
+        with sync_point("log_loss"):
+            pair = torch.stack([total.detach().float(),
+                                torch.tensor(float(count), device=total.device)])
+            if self.ctx.world_size > 1:
+                dist.all_reduce(pair)
+            return float(pair[0] / pair[1])
+
+    # -- after training -----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, quick: bool = False) -> dict[str, float]:
+        """Held-out metrics, mean over eval batches and ranks (all ranks must call).
+
+        A task with `evaluate_full` (whole-split, collective) is asked first; `quick` is its
+        cheap progress-bar subset (the batch-wise path ignores it)."""
+        full = self.task.evaluate_full(self.model, self.ctx.rank, self.ctx.world_size,
+                                       quick=quick)
+        if full is not None:
+            return full
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        for index in range(self.cfg.output.eval_batches):
+            batch = self.task.eval_batch(index, self.ctx.rank, self.ctx.world_size)
+            if batch is None:
+                break
+            for key, value in self.task.evaluate(self.model, batch.to(self.ctx.device)).items():
+                sums[key] = sums.get(key, 0) + value.detach().float()
+            count += 1
+        if not sums:
+            return {}
+        keys = sorted(sums)
+        stacked = torch.stack([sums[k] for k in keys]) / (count * self.ctx.world_size)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(stacked)
+        return {k: float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
+
+    def dump_state(self, path: str) -> None:
+        """Full tables + full dense state_dict to `path` on rank 0 (collective), with the
+        step whose model it is: the last step run, or the best evaluated one restored."""
+        tables = self.embedding.gather_full(dst=0)
+        dense = get_model_state_dict(
+            self.model.dense, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            assert tables is not None
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            hooks = self.hooks.describe() if self.hooks is not None else {}
+            best = bool(hooks.get("restored_best"))
+            step = int(str(hooks["best_step"])) if best else self.last_step
+            torch.save({"tables": tables, "dense": dense, "steps": self.steps,
+                        "step": step, "best": best,
+                        "world_size": self.ctx.world_size, "run_id": self.run_id}, path)
+
+    def server_stats(self, width: int | None = None) -> tuple[dict[str, Any] | None, str]:
+        """This node's shard server stats for the run (rank 0; (None, '') without a server),
+        the table fitted to `width` columns (None: its default, 100)."""
+        if self.cfg.sync.local_optimizer:
+            return None, ""
+        from hybridps.admin import DEFAULT_WIDTH, format_shard_stats, get_shard_stats, message_dict
+
+        try:
+            stats = get_shard_stats(self.cfg.sync.ps_address, timeout=self.cfg.sync.ps_timeout,
+                                    run_id=self.run_id,
+                                    security=(self.source.security
+                                              if isinstance(self.source, ShardClient) else None))
+        except Exception as exc:  # stats are a report, not a reason to fail the run
+            return None, f"(shard stats unavailable: {exc})"
+        return message_dict(stats), format_shard_stats(stats, width=width or DEFAULT_WIDTH)
+
+    def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
+                wall_s: float) -> dict[str, Any]:
+        ran = self.last_step + 1 - self.start_step  # fewer than planned after an early stop
+        per_step = {k: v / max(ran, 1) for k, v in self.times.items()}
+        samples = ran * self.cfg.run.batch_size * self.ctx.world_size
+        sync_stats = dataclasses.asdict(self.source.stats)
+        return {
+            "config": self.cfg.flat(),  # by setting (= flag) name
+            "task": self.task.describe(),
+            "run_id": self.run_id,
+            "world_size": self.ctx.world_size,
+            "device": str(self.ctx.device),
+            "backend": self.ctx.backend,
+            "mode": "local-optimizer" if self.cfg.sync.local_optimizer else "server",
+            "optimizer": {"rows": {"kind": self.cfg.optim.optimizer, "lr": self.cfg.optim.lr,
+                                   "weight_decay": self.cfg.optim.weight_decay},
+                          "dense": {"kind": self.cfg.optim.dense_kind,
+                                    "lr": self.cfg.optim.dense_lr,
+                                    "weight_decay": self.cfg.optim.weight_decay}},
+            "steps": self.steps,
+            "samples": samples,
+            "first_loss": self.loss_curve[0][1] if self.loss_curve else None,
+            "final_loss": self.loss_curve[-1][1] if self.loss_curve else None,
+            "loss_curve": [[s, v] for s, v in self.loss_curve],
+            "eval_curve": [[s, m] for s, m in self.eval_curve],
+            "last_step": self.last_step,
+            "eval_time_s": self.times["eval"],
+            "final_eval_time_s": self.final_eval_s,
+            "eval_fraction": self.times["eval"] / self.train_s if self.train_s else 0.0,
+            "hooks": self.hooks.describe() if self.hooks is not None else None,
+            "time_budget": self.budget.describe() if self.budget is not None else None,
+            "eval": eval_metrics,
+            "samples_per_s": samples / self.train_s if self.train_s else 0.0,
+            "wall_time_s": wall_s,
+            "setup_time_s": self.setup_s,
+            "train_time_s": self.train_s,
+            "train_cpu_s": self.train_cpu_s,  # rank 0's process, all its threads
+            "train_span_unix_s": self.train_span,
+            "staleness": {"k": self.cfg.sync.staleness, **self.window.stats.as_dict(),
+                          "compensation": ({"method": "none"} if self.window.predictor is None
+                                           else self.window.predictor.describe())},
+            "step_time_s": per_step,
+            "sync": sync_stats,
+            "server_stats": server,
+            "dense": self.dense_parallel.describe(),
+            "embedding": self.embedding.describe(),
+            "owner_pool": self.embedding.owner_pool(),
+            "table_groups": self.embedding.groups(),
+            "checkpoint": {"save_s": self.checkpointer.save_s,
+                           "restore_s": self.checkpointer.restore_s,
+                           "resumed_step": self.checkpointer.resumed_step,
+                           "written": self.checkpointer.written},
+            "pipeline": {"enabled": self.cfg.run.pipeline,
+                         "input_dist_ahead": self.inputs.dist_ahead,
+                         "unused_plans": self.inputs.unused_plans,
+                         "prefetched_lookups": (0 if self.embedding.dynamic is None else
+                                                self.embedding.dynamic.prefetched.taken),
+                         "overlapped_s_per_step": {k: v / max(self.steps, 1) for k, v in
+                                                   self.inputs.overlapped.items()}},
+        }
+
+    def summary(self, res: dict[str, Any], width: int | None = None) -> str:
+        """The end-of-run summary, its lines cut between fields to fit `width` columns
+        (None: one line per item)."""
+        st = res["staleness"]
+        ev = res["eval"]
+        parts = [
+            f"hybridps worker: task={self.task.name} mode={res['mode']} world={res['world_size']}"
+            f" device={res['device']} run_id={res['run_id']}",
+            f"{run_extent(res)}  loss {_num(res['first_loss']):.4f} -> "
+            f"{_num(res['final_loss']):.4f}"
+            f"  samples/s {res['samples_per_s']:.0f}  train {res['train_time_s']:.1f}s"
+            f"  wall {res['wall_time_s']:.1f}s",
+            optimizer_line(res),
+            f"staleness K={st['k']}: applied mean {st['applied_mean']:.2f} max "
+            f"{st['applied_max']}; arrival lag mean {st['arrival_lag_mean']:.2f} max "
+            f"{st['arrival_lag_max']}; waited {st['waits']} steps ({st['wait_s']:.2f}s)",
+            "step time (ms, rank 0): " + "  ".join(
+                f"{k} {v * 1000:.1f}" for k, v in res["step_time_s"].items()),
+        ]
+        if res["eval_curve"]:
+            parts.append(f"evaluations during training: {len(res['eval_curve'])}, "
+                         f"{res['eval_time_s']:.1f}s ({100 * res['eval_fraction']:.1f}% of "
+                         "the training time)")
+        if res["hooks"]:
+            parts.append("schedule: " + "  ".join(f"{k} {v}" for k, v in res["hooks"].items()))
+        budget = res["time_budget"]
+        if budget and budget["stopped_at_step"] is not None:
+            stopped = int(budget["stopped_at_step"])
+            parts.append(f"time budget {budget['minutes']:g} min: training stopped after step "
+                         f"{stopped} ({stopped + 1} of {res['steps']} steps), "
+                         f"{budget['reserved_s']:.0f}s kept for the final evaluation and "
+                         "the results")
+        if ev:
+            parts.append("eval: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        if "dense" in res:  # --dense-parallel and friends (worker/dense/parallel.py)
+            parts.append("dense: " + "  ".join(
+                f"{k} {v}" for k, v in res["dense"].items() if v is not None))
+        sync = res["sync"]
+        if res["mode"] == "server":
+            parts.append(f"sync: pushes {sync['pushes']} ({sync['push_bytes'] / 2**20:.1f} MiB,"
+                         f" {sync['push_chunks']} chunks)  updates {sync['updates']}  "
+                         f"reconnects {sync['reconnects']}  duplicates {sync['duplicates']}")
+        parts += checkpoint_lines(res["checkpoint"]["written"])
+        return wrap_summary(parts, width)
+
+    def report(self) -> dict[str, Any] | None:
+        """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
+        out, ctx = self.cfg.output, self.ctx
+        t_eval = time.perf_counter()
+        eval_metrics = self.evaluate()
+        self.final_eval_s = time.perf_counter() - t_eval
+        if self.tb is not None:
+            self.tb.eval(self.last_step + 1, eval_metrics)
+            self.tb.close()
+        if out.dump_state:
+            self.dump_state(out.dump_state)
+        dynamic = ({} if self.embedding.dynamic is None  # a collective
+                   else self.embedding.dynamic.gathered_stats())
+        if ctx.world_size > 1:
+            dist.barrier()  # every rank's pushes are applied before rank 0 reads the stats
+        if not self.is_main:
+            return None
+        width = summary_width()  # the terminal's: lines cut between fields to fit
+        server, table = self.server_stats(width)
+        res = self.results(eval_metrics, server, time.perf_counter() - self.created_at)
+        if dynamic:
+            res["dynamic"] = dynamic
+        print(self.summary(res, width), flush=True)
+        if table:
+            print("shard server stats (this node):\n" + table, flush=True)
+        if out.results:
+            Path(out.results).parent.mkdir(parents=True, exist_ok=True)
+            Path(out.results).write_text(json.dumps(res, indent=2) + "\n")
+            from worker.config.output_paths import plot_path
+            from worker.report.plot import save_loss_curve
+
+            files = [save_loss_curve(res, plot_path(out.results))]
+            files += self.task.save_artifacts(out.results)
+            print(wrap_summary(["wrote " + "  ".join([out.results, *files])], width),
+                  flush=True)
+        return res
+
+    def close(self) -> None:
+        self.console.close()  # no-op unless train() failed with the bar on screen
+        if self.tb is not None:
+            self.tb.close()
+        self.inputs.close(wait=False)  # train() already waited, unless it failed
+        self.source.close()
+
+
+def _num(value: float | None) -> float:
+    """None (no step ran: e.g. resumed from the final checkpoint) prints as nan."""
+    return float("nan") if value is None else value
+
+
+def run(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any] | None:
+    """Build, train, evaluate, report, close. Returns the results dict on rank 0."""
+    trainer = Trainer(cfg, ctx)
+    try:
+        trainer.train()
+        return trainer.report()
+    finally:
+        trainer.close()

@@ -14,7 +14,7 @@ are kept for the run (16 bytes each).
 
 Both sides hold one: the shard server (ps/core/partition.py, the node's store) and the
 worker's --local-optimizer (in-process). `state_dict`/`load_state_dict` are the
-checkpoint's `paged/<table>.r<rank>.pt` payload (worker/dynamic_checkpoint.py).
+checkpoint's `paged/<table>.r<rank>.pt` payload (hybridps/dynamic_files.py's `save_paged`).
 """
 
 from __future__ import annotations

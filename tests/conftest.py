@@ -142,3 +142,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                  5.0 if item.get_closest_marker("e2e") else 0.1)
         cost[item.path] = cost.get(item.path, 0.0) + guess
     items.sort(key=lambda item: -cost[item.path])  # stable: in-file order kept
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A one-rank gloo world in this process (no torchrun variables), destroyed after."""
+    from worker.runtime.dist import destroy_distributed, init_distributed
+
+    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = init_distributed("cpu")
+    try:
+        yield ctx
+    finally:
+        destroy_distributed()

@@ -20,7 +20,6 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ from worker.dense.parallel import (
 )
 from worker.embedding.rows import TableConfig
 from worker.embedding.sharded import ShardedEmbedding
-from worker.runtime.dist import destroy_distributed, init_distributed
 from worker.train.reference import ReferenceResult, train_reference
 
 STEPS = 12
@@ -175,17 +173,6 @@ def test_fsdp_compile_matches_eager_reference(tmp_path: Path) -> None:
 
 
 # -- fp16 / bf16 -------------------------------------------------------------------------
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    ctx = init_distributed("cpu")
-    try:
-        yield ctx
-    finally:
-        destroy_distributed()
-
-
 def test_fp16_scaler_unscales_embedding_grads_and_skips_on_inf(world_of_one: Any) -> None:
     """A step with an inf only in the EMBEDDING gradient is skipped by the dense optimizer
     too and pushes zero rows; a good step pushes the embedding gradient without the scale."""

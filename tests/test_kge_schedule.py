@@ -6,7 +6,6 @@ and end to end: with a schedule, 2 ranks on a shard server equal 2 ranks with
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from tests.test_kge_task import write_graph
 from worker.config.kge_options import KGEOptions
 from worker.config.task_defaults import config_with_task_defaults
 from worker.config.train_config import TrainConfig
-from worker.runtime.dist import DistContext, destroy_distributed, init_distributed
+from worker.runtime.dist import DistContext
 from worker.tasks.kge.schedule import KGEHooks, auto_eval_every
 
 
@@ -170,17 +169,6 @@ def test_schedule_server_equals_local_optimizer_bitwise(server: PsServer,
     assert res["hooks"]["evaluations"] == len(res["eval_curve"]) == 4
     assert res["hooks"]["best_valid_mrr"] == max(m["valid_mrr"] for _, m in res["eval_curve"])
     assert res["eval_time_s"] > 0 and res["eval_fraction"] > 0
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
-    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    ctx = init_distributed("cpu")
-    try:
-        yield ctx
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,6 @@ those of the wrapped module: the same dense weights and the same rows."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,21 +13,10 @@ import torch
 import worker.train.trainer
 from worker.config.train_config import TrainConfig
 from worker.dense.parallel import build_dense_parallel, wrapper_needed
-from worker.runtime.dist import DistContext, destroy_distributed, init_distributed
+from worker.runtime.dist import DistContext
 from worker.train.trainer import Trainer
 
 STEPS = 6
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[DistContext]:
-    for var in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    ctx = init_distributed("cpu")
-    try:
-        yield ctx
-    finally:
-        destroy_distributed()
 
 
 def _train(ctx: DistContext, tmp_path: Path, dense_parallel: str) -> tuple[dict[str, Any], bool]:

@@ -343,7 +343,7 @@ int64_t hp_victims(const int64_t *seen, const int64_t *freq, int64_t n, int64_t 
 
 PyDoc_STRVAR(victims_doc,
              "victims(seen, freq, n, applied_through, pinned, n_pinned, lfu, count, out)\n--\n\n"
-             "The slots a dynamic table evicts (worker/dynamic_slots.py _victims, whose numpy\n"
+             "The slots a dynamic table evicts (worker/embedding/dynamic/slots.py _victims, whose numpy\n"
              "version is the reference): of the n slots with 0 <= seen <= applied_through and\n"
              "not among the n_pinned local slots `pinned` (-1 entries ignored), the `count`\n"
              "smallest by key (lru: seen; lfu: min(freq, 2^31 - 1) << 32 | seen), then slot,\n"

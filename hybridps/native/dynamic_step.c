@@ -1,8 +1,8 @@
 /*
  * A dynamic table's step at its owner, fused (a function of hybridps.native._fused_adam,
  * added at import: see kernels.h), for an owner whose paged store is in-process (the
- * local optimizer): worker/dynamic_slots.py SlotTable.translate, the row moves of
- * worker/dynamic_ids.py and the store's swap (hybridps/paged_rows.py), in one pass.
+ * local optimizer): worker/embedding/dynamic/slots.py SlotTable.translate, the row moves of
+ * worker/embedding/dynamic/ids.py and the store's swap (hybridps/paged_rows.py), in one pass.
  * Those Python steps are the reference (and the path for a store behind a server); the
  * tests run both on the same streams and compare every array bitwise
  * (tests/test_dynamic_fused.py).
@@ -425,7 +425,7 @@ PyDoc_STRVAR(lru_compact_doc,
              "lru_compact(records, head, tail, seen) -> tail\n--\n\n"
              "Move the live records of [head, tail) of the LRU queue (int64 [size, 2] of\n"
              "(seen, slot); live: seen[slot] equals the record's) to its start, in order, in\n"
-             "place; returns their count (worker/dynamic_slots.py LruQueue).");
+             "place; returns their count (worker/embedding/dynamic/slots.py LruQueue).");
 
 static PyObject *py_lru_compact(PyObject *self, PyObject *args) {
     (void)self;

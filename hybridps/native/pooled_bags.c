@@ -2,12 +2,12 @@
  * The owner's fused kernel for bags pooled at the owner (CPython extension
  * hybridps.native._pooled_bags; the Python side is hybridps/pooled_bags.py).
  *
- * One call per unit (worker/groups.py: a block of rows holding one or more tables) does
+ * One call per unit (worker/embedding/groups.py: a block of rows holding one or more tables) does
  * what the torch path does in several ops, in the same float32 arithmetic:
  *  - forward: dedupe the ids the requesters sent (a stable radix sort of the unit's row
  *    ids: torch.unique(sorted) and the order that groups each row's occurrences), gather
  *    each distinct row once (fp32, or bf16 widened exactly), add its weight prediction
- *    (worker/staleness.py: rows[i] + offsets[p] where the row is keys[p], as
+ *    (worker/updates/staleness.py: rows[i] + offsets[p] where the row is keys[p], as
  *    hybridps/row_deltas.py add_offsets_ does), and sum every bag's rows
  *    (F.embedding_bag(mode="sum"): from +0.0, row by row in the bag's order);
  *  - backward: each distinct row's gradient, the sum of the gradients of the bags its
@@ -15,10 +15,10 @@
  *    F.embedding_bag over the bags grouped by row).
  * The requester's side of such an entry is one call too (`requests`: each id's owner and
  * row there, the ids grouped by owner with a stable counting sort, each owner's share of
- * each bag), the integer work of worker/input_dist.py make_requests' torch path.
+ * each bag), the integer work of worker/embedding/input_dist.py make_requests' torch path.
  * The forward also writes what the backward needs (the distinct rows, where each row's
  * occurrences start, the bag of each occurrence grouped by row), which are the torch
- * path's OwnerPool fields (worker/input_dist.py). Results are bitwise the torch path's:
+ * path's OwnerPool fields (worker/embedding/input_dist.py). Results are bitwise the torch path's:
  * every sum starts from +0.0 and adds in the same order, and the file is built with
  * -ffp-contract=off (no fused multiply-add) and without -ffast-math (no reassociation).
  *
@@ -433,7 +433,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(requests_doc,
              "requests(ids, n, offsets, bags, rows, world, local, lengths_wb, per_owner)\n--\n\n"
-             "The requester's side of one entry pooled at its owners (worker/input_dist.py\n"
+             "The requester's side of one entry pooled at its owners (worker/embedding/input_dist.py\n"
              "make_requests, whose torch path is the reference): the n int64 ids (in [0,\n"
              "rows), ValueError naming one otherwise) of `bags` bags (offsets: int64,\n"
              "offsets[0] == 0, non-decreasing, at most n) of a table of `rows` rows sharded\n"

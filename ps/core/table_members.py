@@ -1,7 +1,7 @@
 """The tables of a group (Register's TableSpec.members): checked here, used by checkpoints.
 
 A rank may register its tables of one width as ONE table, a *group* (worker
---group-tables, worker/groups.py): one block of rows with each member table at a row
+--group-tables, worker/embedding/groups.py): one block of rows with each member table at a row
 offset in it, so a push, its validation and its optimizer kernel run once for all of
 them. The server applies pushes to the group like to any table; it knows the members
 only to write a checkpoint per member table (rows, m, v, step of each, under the

@@ -18,7 +18,7 @@ The arena is untrusted input, written by another process at any time:
   gradients are read in place (a rank racing its own gradients only harms its own
   partition, and every element read is inside the mapping).
 
-Region lifetime (the rule both sides keep; the worker side is worker/arena_client.py): the
+Region lifetime (the rule both sides keep; the worker side is worker/sync/arena.py): the
 worker reuses a region only after the Update of its push arrived and was taken, and
 never re-sends a push after its Update arrived. The server writes into a region
 all under the partition lock (the push's ResolvedShmPush is the core's AnswerSink):

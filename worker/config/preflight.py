@@ -8,7 +8,7 @@ bare torchrun, that is the first place). The server is asked for its gRPC health
 needs no token; an address nobody answers at is retried with backoff for a short window
 only (a server that is still starting gets that long), as the first Register does
 (worker/sync/connect.py). A serving server is then asked for the list of its services through
-gRPC reflection: a call that needs the worker's token (ps/auth.py) and does no work, so a
+gRPC reflection: a call that needs the worker's token (ps/edge/auth.py) and does no work, so a
 token the server does not take, or a gRPC server that is not a hybridps shard server, is
 named here instead of at the first Register of every rank. A server started with
 --reflection false answers UNIMPLEMENTED, and the Register says it as before.

@@ -13,7 +13,7 @@ is a virtual table of sum(R_t) rows whose id space is rank-major: rank r's rows 
 rows it owns of all members, in member order; member t's global row x is unit row
 S_r + offset_t + (x - start_t). So a unit has a contiguous row range per rank, like a
 table: the sparse optimizer, the shard server (one partition table per group; it knows
-the members to write and read checkpoints per table, ps/table_members.py) and the
+the members to write and read checkpoints per table, ps/core/table_members.py) and the
 staleness window run unchanged on units.
 
 The math is exactly that of the separate tables: the sparse optimizers are elementwise

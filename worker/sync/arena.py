@@ -3,7 +3,7 @@ reference, and when a region comes back.
 
 With `--same-node auto|require` a rank creates an arena (a file under /dev/shm, mode 0600,
 space reserved up front) and offers it at Register; the node's shard server maps it
-(ps/arena_server.py). While it is accepted, each push copies its ids and gradients once
+(ps/edge/arena_server.py). While it is accepted, each push copies its ids and gradients once
 into a region of the arena, the Push message carries only references (ShmRefs), and
 the server writes the answer's delta (or rows) into the same region; the Update is a
 header. Layout constants: hybridps/arena_layout.py.
@@ -19,7 +19,7 @@ Lifetimes:
   RowUpdate's ids and delta view the region until then (no copy), which is all any
   consumer needs (the staleness window applies them at once; a checkpoint saves the
   pending ones synchronously). The server writes into a region only before the push
-  is answered, or fenced by the arena epoch (ps/arena_server.py), so a region freed
+  is answered, or fenced by the arena epoch (ps/edge/arena_server.py), so a region freed
   here is never written again by a handler of an older stream.
 - a full arena: the push goes inline instead of waiting: regions are only freed by
   the training thread's next `take`, and that may itself be waiting for this very

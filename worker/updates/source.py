@@ -337,7 +337,7 @@ class LocalSparseOptimizer(UpdateSource):
             self.stats.unit_pushes += 1
             self.stats.unit_updates += 1
             master_RD = self.masters.get(name)
-            if master_RD is not None:  # the shard server's master-rows math (ps/partition.py)
+            if master_RD is not None:  # the shard server's master-rows math (ps/core/partition.py)
                 apply_update_(master_RD, ids_U - start, delta_UD, float(decay))
                 rows_UD = master_RD.index_select(0, ids_U - start).to(self.embedding.row_dtype)
                 self.buffer.put(RowUpdate(step, name, ids_U, rows_UD, 0.0, rows=True))

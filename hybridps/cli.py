@@ -31,7 +31,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 T = TypeVar("T")
 C = TypeVar("C", bound="FlagConfig")
@@ -243,12 +243,7 @@ def flat_values(obj: Any) -> dict[str, Any]:
 
 
 class FlagConfig:
-    """Mixin of a config root: build, read and change it by setting name.
-
-    `REMOVED`: {old flag or variable: what to use instead}; parse_config refuses them with
-    that message (exit 2) instead of argparse's "unrecognized arguments"."""
-
-    REMOVED: ClassVar[Mapping[str, str]] = {}
+    """Mixin of a config root: build, read and change it by setting name."""
 
     @classmethod
     def of(cls: type[C], **values: Any) -> C:
@@ -360,27 +355,13 @@ def from_namespace(cls: type[T], ns: argparse.Namespace,
         raise ConfigError(str(exc)) from None
 
 
-def removed_in(argv: Sequence[str], environ: Mapping[str, str],
-               removed: Mapping[str, str]) -> str | None:
-    """The message for the first removed flag (`--x`, `--x=v`) or variable that is set."""
-    for arg in argv:
-        if arg == "--":
-            break
-        name = arg.split("=", 1)[0]
-        if name.startswith("--") and name in removed:
-            return f"{name} was removed: {removed[name]}"
-    for name, instead in removed.items():
-        if not name.startswith("--") and name in environ:
-            return f"{name} was removed: {instead}"
-    return None
-
-
 def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None,
                  description: str | None = None,
                  environ: Mapping[str, str] | None = None,
                  defaults: DefaultsHook | None = None, epilog: str | None = None) -> T:
     """Parse flags (+ environment) into `cls`; a bad value exits 2 with one error line
-    (after a one-line usage hint), naming the value; so does a flag in `cls.REMOVED`."""
+    (after a one-line usage hint), naming the value; an unknown flag exits 2 the same way,
+    with the nearest known flag as a hint."""
     argv = list(sys.argv[1:] if argv is None else argv)
     environ = os.environ if environ is None else environ
     epilog = ENV_RULE + (f"\n{epilog}" if epilog else "")
@@ -388,9 +369,6 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str |
                           usage="%(prog)s [-h] [options]", allow_abbrev=False,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_flags(parser, cls)
-    stale = removed_in(argv, environ, getattr(cls, "REMOVED", {}))
-    if stale is not None:
-        parser.error(stale)
     ns = parser.parse_args(argv)
     try:
         return from_namespace(cls, ns, environ, defaults)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from hybridps.channel_options import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -48,16 +47,6 @@ def _s(default: Any, help: str, group: str, metavar: str | None = None, *,
 
 @dataclass(frozen=True)
 class ServerConfig:
-    # Flags and variables that no longer exist -> what to use instead (refused, exit 2).
-    REMOVED: ClassVar[Mapping[str, str]] = {
-        "--uds": "workers on this node reach the server over TCP and shared memory "
-                 "(--shm); there is no Unix-socket listener any more",
-        "HYBRIDPS_UDS": "unset it: there is no Unix-socket listener any more (--uds is gone)",
-        "--shm-socket": "the Sync socket is gone: ranks on this node send their Sync messages "
-                        "on the gRPC stream, their tensors in the arena (--shm)",
-        "HYBRIDPS_SHM_SOCKET": "unset it: the Sync socket is gone (--shm-socket); the Sync "
-                               "messages travel on the gRPC stream",
-    }
     # --- listening ----------------------------------------------------------------------
     host: str = _s("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)",
                    LISTEN, "HOST", everyday=True)

@@ -49,9 +49,8 @@ and a lower bound as `at_least=N`: the section's `__post_init__` calls `check_se
 first; put any other check after it, raising ValueError that names the value (a check
 that spans sections goes in `TrainConfig.__post_init__`). Read it as
 `cfg.<section>.<name>`. Then run `python scripts/gen_flags_doc.py` and commit
-docs/flags.md. A flag that goes away is listed in worker/config/train_config.py's `REMOVED_FLAGS`
-with what to use instead, so that using it stops with that message rather than
-"unrecognized arguments".
+docs/flags.md. A flag that goes away is simply deleted: using it then stops with
+"unrecognized arguments" and the nearest flag that exists as a hint.
 """
 
 
@@ -107,9 +106,6 @@ def worker_part() -> list[str]:
     for task, values in TASK_DEFAULTS.items():
         lines.append(f"| `{task}` | " + ", ".join(
             f"`--{k.replace('_', '-')} {v}`" for k, v in values.items()) + " |")
-    lines += ["", "### Removed", "", "Refused with this message (exit code 2):", "",
-              "| removed | use instead |", "|---|---|"]
-    lines += [f"| `{old}` | {_cell(instead)} |" for old, instead in TrainConfig.REMOVED.items()]
     return [*lines, ""]
 
 

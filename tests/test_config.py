@@ -228,8 +228,7 @@ PS_MAIN = "runpy.run_module('ps', run_name='__main__', alter_sys=True)"
     (PS_MAIN, ["--shm", "maybe"], "--shm='maybe': expected bool"),
     (WORKER_MAIN, ["--ps", "h:1", "--steps", "x"], "--steps='x': expected int"),
     (WORKER_MAIN, ["--ps", "h:1", "--wire-dtype", "fp8"], "wire_dtype='fp8' is not one of"),
-    (WORKER_MAIN, ["--ps", "h:1", "--shm", "on"],
-     "--shm was removed: use --same-node auto|off"),
+    (WORKER_MAIN, ["--ps", "h:1", "--shm", "on"], "unrecognized arguments: --shm on"),
     (WORKER_MAIN, ["--ps", "h:1", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_a_bad_flag_is_one_line_last_before_torch(entry: str, argv: list[str],
@@ -242,15 +241,14 @@ def test_a_bad_flag_is_one_line_last_before_torch(entry: str, argv: list[str],
     assert heavy == [], f"{heavy} imported before the flags were checked"
 
 
-def test_removed_variable_names_its_replacement() -> None:
-    with pytest.raises(SystemExit) as exc:
-        parse_config(TrainConfig, ["--local-optimizer"], environ={"HYBRIDPS_SHM_MB": "8"})
-    assert exc.value.code == 2
-    # HYBRIDPS_SHM configures the server (HYBRIDPS_SHM_SOCKET did; the server refuses it
-    # now): the worker ignores them
+def test_the_worker_ignores_variables_that_are_not_its_settings() -> None:
+    # HYBRIDPS_SHM configures the server; HYBRIDPS_SHM_MB and HYBRIDPS_SHM_SOCKET name no
+    # setting at all
+    plain = parse_config(TrainConfig, ["--local-optimizer"], environ={})
     cfg = parse_config(TrainConfig, ["--local-optimizer"],
-                       environ={"HYBRIDPS_SHM": "false", "HYBRIDPS_SHM_SOCKET": "false"})
-    assert cfg.node.same_node == "auto"
+                       environ={"HYBRIDPS_SHM": "false", "HYBRIDPS_SHM_SOCKET": "false",
+                                "HYBRIDPS_SHM_MB": "8"})
+    assert cfg == plain and cfg.node.same_node == "auto"
 
 
 @pytest.mark.parametrize(("same_node", "shm"), [

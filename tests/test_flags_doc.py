@@ -36,7 +36,6 @@ def test_the_doc_lists_every_flag_with_its_variable() -> None:
     for cls in (TrainConfig, ServerConfig):
         for s in settings(cls):
             assert f"`{s.flag} " in text and f"`{s.env}`" in text, s.name
-    assert "`--shm` | use --same-node auto\\|off" in text  # the removed worker flags
 
 
 @pytest.mark.e2e

@@ -17,9 +17,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hybridps.cli import FlagConfig, check_settings, section, setting
 from hybridps.logs import AUTO, LOG_LEVELS
@@ -53,16 +52,6 @@ SameNode = Literal["auto", "off", "require"]
 SHM_MODES = ("auto", "on", "off")
 MAX_SAME_NODE_MB = 1 << 20
 MIN_CHUNK_BYTES = 64 * 1024
-
-# Flags and variables that no longer exist -> what to use instead (refused, exit 2).
-REMOVED_FLAGS = {
-    "--shm": "use --same-node auto|off (require: fail without the shared-memory arena)",
-    "--shm-mb": "use --same-node-mb MB",
-    "--shm-socket": "the Sync socket is gone: --same-node auto (the default) puts the "
-                    "tensors in the arena and the messages on the gRPC stream; or "
-                    "--same-node off",
-    "HYBRIDPS_SHM_MB": "use HYBRIDPS_SAME_NODE_MB",
-}
 
 _HOST_PORT = re.compile(
     r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d+)$")
@@ -370,8 +359,6 @@ class SizingConfig:
 @dataclass(frozen=True)
 class TrainConfig(FlagConfig):
     """A worker run. Per-rank quantities say so; everything else is global."""
-
-    REMOVED: ClassVar[Mapping[str, str]] = REMOVED_FLAGS
 
     sync: SyncConfig = section(SyncConfig, "shard server and staleness")
     run: RunConfig = section(RunConfig, "run")

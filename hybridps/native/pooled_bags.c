@@ -26,7 +26,7 @@
  * dtypes and sizes are checked in Python, the ids and the bag lengths here (before any
  * output is written). Single-threaded: a pooled lookup of a training step is ~20k ids,
  * 1-3 ms of work, on ranks that run one torch thread each. Where the time goes and what
- * was tried: docs/performance-log.md, "Issue 33".
+ * was tried: docs/performance-log.md, the section on "the owner's fused pooled-bags kernel".
  */
 #include "kernels.h" /* Python.h, RESTRICT, MULTIVERSION and CLONES, PTR */
 

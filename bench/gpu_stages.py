@@ -348,16 +348,16 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
     from harness import Server
 
     from hybridps import optim, pooled_bags
-    from worker.runtime.cpu_sync_debug import SyncingOps
+    from tests.cpu_sync_debug import SyncingOps
     from worker.runtime.device_copy import SYNC_HITS, SYNC_POINTS
     from worker.runtime.dist import destroy_distributed, init_distributed
 
     device = pick_device(dry_run)
     on_cuda = device.type == "cuda"
     # On the CPU: the calls that would synchronise on CUDA
-    # (worker/runtime/cpu_sync_debug.py), on the torch kernels a CUDA device runs
+    # (tests/cpu_sync_debug.py), on the torch kernels a CUDA device runs
     rep.set(named_sync_points=SYNC_POINTS, checked=on_cuda,
-            watched_by="CUDA's sync debug mode" if on_cuda else "worker/runtime/cpu_sync_debug.py")
+            watched_by="CUDA's sync debug mode" if on_cuda else "tests/cpu_sync_debug.py")
     if not on_cuda:
         optim.set_kernel("torch")
         pooled_bags.set_pool_kernel("torch")
@@ -411,7 +411,7 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
         torch.cuda.synchronize()
         if not unnamed_total and rep.figures.get("error_mode") != "ran clean":
             errors.append(f"error mode: {rep.figures.get('error_mode', 'not run')}")
-    # on the CPU: the watcher of worker/runtime/cpu_sync_debug.py (CUDA's "error" run needs a GPU)
+    # on the CPU: the watcher of tests/cpu_sync_debug.py (CUDA's "error" run needs a GPU)
     rep.finish(not errors, "; ".join(errors) or None)
 
 

@@ -410,10 +410,10 @@ def test_pending_files_hold_only_the_pending_updates(server: PsServer, tmp_path:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_export_reproduces_the_sharded_model(runs: dict[str, Path], tmp_path: Path) -> None:
+    from tests.reference_trainer import LocalEmbedding
     from worker.config.train_config import TrainConfig
     from worker.tasks import build_task
     from worker.tasks.base import HybridModel, build_dense_seeded
-    from worker.train.reference import LocalEmbedding
 
     out = tmp_path / "model.pt"
     proc = subprocess.run([sys.executable, "-m", "worker.export", "--checkpoint",

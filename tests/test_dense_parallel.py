@@ -3,7 +3,7 @@
 
 Every equivalence test trains the synthetic task (small tables, 12 steps) with
 torchrun at --staleness 0 and compares the dumped tables and dense weights
-with worker/train/reference.py (one process, global-mean loss) like
+with tests/reference_trainer.py (one process, global-mean loss) like
 tests/test_worker_e2e.py: fsdp (local optimizer and a real shard server),
 hsdp on 4 CPU ranks as 2 nodes x 2, ddp with mean and with sum reduction
 (the sum reference trains world_size x the global mean loss), torch.compile
@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.reference_trainer import ReferenceResult, train_reference
 from tests.test_worker_e2e import MAIN, REPO, ROWS_ATOL, run_worker
 from worker.config.train_config import TrainConfig
 from worker.dense.parallel import (
@@ -37,7 +38,6 @@ from worker.dense.parallel import (
 )
 from worker.embedding.rows import TableConfig
 from worker.embedding.sharded import ShardedEmbedding
-from worker.train.reference import ReferenceResult, train_reference
 
 STEPS = 12
 SMALL = ["--num-rows", "2000", "--batch-size", "32", "--steps", str(STEPS), "--dim", "8",

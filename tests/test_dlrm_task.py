@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import start_ps_server
+from tests.reference_trainer import LocalEmbedding
 from tests.spawn_helpers import run_ranks
 from worker.config.task_defaults import config_with_task_defaults
 from worker.tasks.base import HybridModel, build_dense_seeded
@@ -24,7 +25,6 @@ from worker.tasks.ctr.batch import NUM_DENSE, NUM_SPARSE
 from worker.tasks.ctr.dlrm import HOLDOUT_EVERY, DLRMTask, parse_table_rows
 from worker.tasks.ctr.synthetic import SyntheticCTR
 from worker.tasks.metrics import log_loss, roc_auc
-from worker.train.reference import LocalEmbedding
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

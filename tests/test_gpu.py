@@ -32,8 +32,8 @@ import torch
 
 from hybridps.checkpoint import read_shard, step_dir
 from tests.helpers import PsServer, start_ps_server
+from tests.reference_trainer import LocalEmbedding, train_reference
 from worker.config.train_config import TrainConfig
-from worker.train.reference import LocalEmbedding, train_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 

@@ -52,8 +52,8 @@ def test_batches_are_a_pure_function_of_the_step_and_use_reciprocals() -> None:
 
 @pytest.mark.timeout(300)
 def test_small_planted_graph_trains_towards_its_ceiling() -> None:
+    from tests.reference_trainer import train_reference
     from worker.tasks.base import HybridModel
-    from worker.train.reference import train_reference
 
     cfg = config_with_task_defaults(task="kge_planted", num_rows=200, dim=32, steps=100,
                                     batch_size=128, local_optimizer=True, training="negsample",
@@ -61,8 +61,8 @@ def test_small_planted_graph_trains_towards_its_ceiling() -> None:
                                     model="distmult", planted_relations=4, planted_test=200)
     task = PlantedKGETask(cfg)
     result = train_reference(cfg, world_size=1, task=task)
+    from tests.reference_trainer import LocalEmbedding
     from worker.tasks.base import build_dense_seeded
-    from worker.train.reference import LocalEmbedding
 
     emb = LocalEmbedding(task.tables(), seed=cfg.run.seed, init_std=cfg.optim.init_std)
     emb.weight("entity").data.copy_(result.tables["entity"])

@@ -23,12 +23,12 @@ import torch
 
 from hybridps.datasets import shipped_dataset
 from tests.helpers import start_ps_server
+from tests.reference_trainer import LocalEmbedding, train_reference
 from tests.spawn_helpers import run_ranks
 from worker.config.task_defaults import config_with_task_defaults
 from worker.tasks.base import HybridModel, build_dense_seeded
 from worker.tasks.kge.data import load_kg_dataset
 from worker.tasks.kge.task import KGETask, id_maps_dir
-from worker.train.reference import LocalEmbedding, train_reference
 
 REPO = Path(__file__).resolve().parents[1]
 UMLS = shipped_dataset("umls")  # hybridps/data/umls

@@ -1,4 +1,5 @@
-"""The layers point one way: worker -> hybridps <- ps (docs/architecture.md).
+"""The layers point one way: worker -> hybridps <- ps (docs/architecture.md), and none of
+them imports tests/ or bench/ (what only tests and benches use lives there).
 
 Every import statement of every module is read with `ast` (including imports inside
 functions and under TYPE_CHECKING), so a lazy import cannot hide a wrong edge.
@@ -16,7 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("worker", "ps", "hybridps")
 # package -> the top-level packages of this project it must never import
-FORBIDDEN = {"worker": {"ps"}, "ps": {"worker"}, "hybridps": {"worker", "ps"}}
+_NOT_PRODUCT = {"tests", "bench"}
+FORBIDDEN = {"worker": {"ps", *_NOT_PRODUCT}, "ps": {"worker", *_NOT_PRODUCT},
+             "hybridps": {"worker", "ps", *_NOT_PRODUCT}}
 
 
 def _modules(package: str) -> list[Path]:

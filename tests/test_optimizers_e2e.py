@@ -1,6 +1,6 @@
 """The optimizers beyond Adam end to end: real torchrun ranks, a real shard server.
 
-- 2 ranks at --staleness 0 equal the single-process reference (worker/train/reference.py: its
+- 2 ranks at --staleness 0 equal the single-process reference (tests/reference_trainer.py: its
   RowOptimizer runs the torch reference kernels on whole tables, torch.optim.Adagrad for
   adagrad), on the server and with --local-optimizer;
 - a checkpoint of a rowwise Adagrad run resumes bitwise (its one sum a row in the optim

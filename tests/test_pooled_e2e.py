@@ -1,6 +1,6 @@
 """Bags pooled at their owner, end to end: a real shard server + `torchrun --nproc_per_node 2
 worker/main.py --pool-at owner` at --staleness 0 equals the single-process reference
-(worker/train/reference.py: nn.Embedding(sparse=True) + F.embedding_bag + SparseAdam) within the
+(tests/reference_trainer.py: nn.Embedding(sparse=True) + F.embedding_bag + SparseAdam) within the
 same tolerances as tests/test_worker_e2e.py; and --pipeline changes nothing (bitwise) when
 the owner pools (the owner's dedupe and bag structure are made ahead, on the pipeline's
 thread). The synthetic job has a mean-pooled bag of 1..6 tags; the tables job a 3-id bag.

@@ -1,5 +1,5 @@
 """The training loop asks the host for no device value outside the named sync points,
-checked on the CPU (worker/runtime/cpu_sync_debug.py): the calls that synchronise on CUDA, seen by a
+checked on the CPU (tests/cpu_sync_debug.py): the calls that synchronise on CUDA, seen by a
 dispatch mode, on the torch kernels a CUDA device runs: what CUDA's own sync debug mode
 (bench/gpu_check.py, stage sync_debug) would find, without a GPU."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hybridps import optim, pooled_bags
+from tests.cpu_sync_debug import SyncingOps, syncs_on_cuda
 from tests.spawn_helpers import run_ranks
 from worker.config.train_config import TrainConfig
-from worker.runtime.cpu_sync_debug import SyncingOps, syncs_on_cuda
 from worker.runtime.device_copy import sync_point
 from worker.runtime.dist import DistContext, destroy_distributed, init_distributed
 from worker.train.trainer import Trainer

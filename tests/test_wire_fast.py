@@ -242,7 +242,7 @@ def test_worker_run_with_wire_dtype(ps_address: str, tmp_path: Path, wire_dtype:
     if wire_dtype == "fp32":
         assert_matches_reference(dump, cfg)
         return
-    from worker.train.reference import train_reference
+    from tests.reference_trainer import train_reference
 
     state = torch.load(dump)
     ref = train_reference(cfg, world_size=2)

@@ -2,7 +2,7 @@
 
 The equivalence test trains the synthetic task (small tables) on 2 gloo
 ranks against a real server at --staleness 0 and compares the final
-embedding tables and dense weights with worker/train/reference.py (one process,
+embedding tables and dense weights with tests/reference_trainer.py (one process,
 nn.Embedding(sparse=True) + SparseAdam, global-mean loss) on the same global
 batches. It fails if the 1/world_size gradient scaling is removed (checked
 by hand: max row error ~2e-2 instead of ~4e-7; the sgd variant
@@ -26,8 +26,8 @@ import torch
 
 from ps.admin import get_shard_stats
 from tests.helpers import start_ps_server
+from tests.reference_trainer import train_reference
 from worker.config.train_config import TrainConfig
-from worker.train.reference import train_reference
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 

@@ -102,7 +102,7 @@ def inside_sync_point() -> bool:
 @contextlib.contextmanager
 def watch_sync_points() -> Iterator[None]:
     """Count the sync points entered and left for the block (`inside_sync_point`); a
-    watcher that is not CUDA's own (worker/runtime/cpu_sync_debug.py) opens one around the loop."""
+    watcher that is not CUDA's own (tests/cpu_sync_debug.py) opens one around the loop."""
     global _watchers
     with _lock:
         _watchers += 1

@@ -13,7 +13,7 @@ same dense init (the run seed), on the same GLOBAL batches
 global batch. With --staleness 0 the worker must reach the same rows and
 dense weights up to float rounding (tests/test_worker_e2e.py).
 
-    from worker.train.reference import train_reference
+    from tests.reference_trainer import train_reference
     result = train_reference(cfg, world_size=2)
     result.tables["user"], result.dense["0.weight"], result.losses
 """

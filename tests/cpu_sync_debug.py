@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from worker.runtime.device_copy import inside_sync_point, watch_sync_points
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 _aten = torch.ops.aten
 
 # Code that reads values of tensors kept on the host whatever the device, so a read there
@@ -41,7 +41,7 @@ HOST_SIDE = {
 }
 
 # Frames of the dispatch itself, not of the code that made the call.
-_DISPATCH_FRAMES = ("worker/runtime/cpu_sync_debug.py", "torch/utils/_python_dispatch.py",
+_DISPATCH_FRAMES = ("tests/cpu_sync_debug.py", "torch/utils/_python_dispatch.py",
                     "torch/_compile.py", "torch/_dynamo/", "torch/overrides.py")
 
 # Calls whose CUDA kernel hands a value or an output size to the host, whatever the inputs.

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # hybridps/checkpoint.py STEP_DIR (that module imports torch; tests/test_preflight_paths.py
 # checks they agree)
 STEP_DIR_NAME = re.compile(r"^step-(\d+)$")
-ID_MAPS_SUFFIX = ".id_maps"  # worker/tasks/kge/task.py id_maps_dir: run.json -> run.id_maps/
+ID_MAPS_SUFFIX = ".id_maps"  # run.json -> run.id_maps/ (worker/tasks/kge/task.py writes there)
 
 
 def plot_path(results_path: str | Path) -> str:

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridps.logs import kv
+from worker.config.output_paths import id_maps_path
 from worker.config.train_config import TrainConfig
 from worker.runtime.gather import all_gather_rows, all_reduce_sum, dist_info, gather_sizes
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
@@ -104,9 +105,9 @@ def _scorer(model: HybridModel) -> KGEScorer:
 
 
 def id_maps_dir(results_path: str | Path) -> Path:
-    """Where the id maps of a run go: run.json -> run.id_maps/."""
-    p = Path(results_path)
-    return p.with_name(p.stem + ".id_maps")
+    """Where the id maps of a run go: run.json -> run.id_maps/ (the rule the pre-check of
+    the paths a run writes uses too)."""
+    return Path(id_maps_path(str(results_path)))
 
 
 def split_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:

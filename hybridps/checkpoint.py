@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -51,15 +50,14 @@ import torch
 from hybridps.errors import Conflict, CorruptCheckpoint, InvalidArgument, NotFound
 from hybridps.optim_kinds import KINDS, describe_saved, state_widths
 
+# re-exported: the step directories are part of the checkpoint's layout
+from hybridps.step_dirs import STEP_DIR as STEP_DIR
+from hybridps.step_dirs import step_dir as step_dir
+
 SHARD_FORMAT = "hybridps-shard-v1"
 MANIFEST_FORMAT = "hybridps-checkpoint-v1"
 MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 CRC_BLOCK = 16 * 2**20
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step-{step:010d}"
 
 
 def rows_file(table: str, rank: int) -> str:

@@ -16,17 +16,15 @@ imports).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridps.step_dirs import STEP_DIR as STEP_DIR_NAME
+
 if TYPE_CHECKING:
     from worker.config.train_config import TrainConfig
 
-# hybridps/checkpoint.py STEP_DIR (that module imports torch; tests/test_preflight_paths.py
-# checks they agree)
-STEP_DIR_NAME = re.compile(r"^step-(\d+)$")
 ID_MAPS_SUFFIX = ".id_maps"  # run.json -> run.id_maps/ (worker/tasks/kge/task.py writes there)
 
 

@@ -103,6 +103,38 @@ def test_a_clean_stop_exits_0_unless_told_and_an_unclean_one_says_so(
     assert code == 143 and "could not flush" in line
 
 
+def test_a_stop_signal_hidden_behind_torchs_timer_still_reads_as_a_stop(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's metrics wrapper reads its timer in a `finally`: a SIGTERM taken before the
+    timer was set reaches the launcher as an UnboundLocalError whose context is the
+    SignalException. The ranks had stopped cleanly; the launcher says so, not 'error'."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def torchrun_main(_args: list[str]) -> None:
+        for rank in (0, 1):  # what each rank notes on a clean stop
+            monkeypatch.setenv("RANK", str(rank))
+            launch.note_stop(289, 100000, True, "SIGTERM")
+
+        def timed() -> None:
+            try:
+                raise SignalException("got signal: SIGTERM", sigval=signal.SIGTERM)
+                start = 0.0  # never reached, as in torch's wrapper
+            finally:
+                print(start)
+
+        timed()
+
+    monkeypatch.setattr(torch.distributed.run, "main", torchrun_main)
+    monkeypatch.setattr(launch.StopSignals, "install", lambda _self: True)
+    monkeypatch.setenv(launch.STOP_EXIT_ENV, "signal")
+    code = launch.main(["--nproc-per-node", "2", "some_script.py"])
+    err = capsys.readouterr().err
+    assert code == 143, err
+    assert "stopped by SIGTERM after step 289 of 100000: every rank finished" in err, err
+    assert "UnboundLocalError" not in err
+
+
 def test_after_a_second_signal_the_line_says_which_ranks_flushed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(launch.STOP_EXIT_ENV, raising=False)

@@ -364,6 +364,22 @@ def _ignore_stop_signals() -> None:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+def _stop_signal_behind(exc: BaseException) -> Any:
+    """The stop signal another exception hides, else None: torch's metrics wrapper reads
+    its timer in a `finally`, so a signal taken before the timer was set surfaces as an
+    UnboundLocalError whose context is the SignalException."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, SignalException):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def failure_line(failures: dict[int, Any]) -> tuple[str, int]:
     """The last line and the exit code after a rank failed: its recorded line and its exit
     code, else a line naming the first rank that failed and how."""
@@ -430,6 +446,12 @@ def _launch(args: list[str]) -> int:
             print(line, file=sys.stderr, flush=True)
             return code
         except Exception as exc:  # torchrun's own (a rendezvous that timed out, ...)
+            stop = _stop_signal_behind(exc)
+            if stop is not None:
+                line, code = stop_line(stop.sigval, _read_notes(scratch), local_world,
+                                       signals.second, signals.started)
+                print(line, file=sys.stderr, flush=True)
+                return code
             print(f"{PROG}: error: torchrun: {type(exc).__name__}: {exc}", file=sys.stderr,
                   flush=True)
             return 1

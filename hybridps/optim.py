@@ -5,8 +5,8 @@ returns (delta_UD, decay) such that the caller applies
     rows[ids] = rows[ids] * decay + delta
 to the embedding rows, which live on the worker's device, not here.
 
-Semantics (see README, "Optimizer semantics"; the kinds and their per-row state:
-hybridps/optim_kinds.py):
+Semantics (see README, "Optimizer semantics"; the kinds, their per-row state and their
+kernels: one record each, hybridps/optim_kinds.py):
 - adam: torch.optim.SparseAdam exactly: lazy (only touched rows change), one
   step counter per partition that advances on every push, eps added to
   sqrt(v) (not to the bias-corrected sqrt(v_hat)), and the bias correction
@@ -21,13 +21,15 @@ the older form, two tensors by position (`apply_rows_(spec, m, v, ...)`).
 No grpc in this module.
 
 Two implementations of step_rows_ / apply_rows_ / apply_update_:
-- "native": the fused single-pass C loops of hybridps/native/ (one pass over the rows,
+- "native": the fused single-pass C loops of hybridps/native/ (each kind's entry:
+  hybridps/optim_native.py; one pass over the rows,
   the state updated in place, delta written into one buffer, optionally caller-owned;
   a pthread pool across rows). The state is bitwise that of the torch path, as are
   sgd, the row update and the deltas of the newer kinds; the adam/adamw delta can
   differ in the last bits (<= ~5 ulp) because torch's float32 sqrt is not always
   correctly rounded.
-- "torch": the vectorized torch ops of hybridps/optim_torch.py, the reference.
+- "torch": the vectorized torch ops of hybridps/optim_torch.py, the reference (a kind
+  with no native entry always runs its torch kernel).
 The module picks one at import (`HYBRIDPS_KERNEL=auto|native|torch`, default auto:
 native when the extension is built); `kernel_name()` says which. Calls whose
 tensors the C loops do not take (not CPU, not float32, not contiguous...) use the
@@ -38,7 +40,6 @@ the same variable, sets default_kernel_threads() for 0); `num_threads=` override
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -47,11 +48,10 @@ from typing import Any
 
 import torch
 
-from hybridps.errors import NonFiniteUpdate
 from hybridps.optim_kinds import KINDS as KINDS
 from hybridps.optim_kinds import OptimizerSpec as OptimizerSpec
+from hybridps.optim_native import NativeCall
 from hybridps.optim_torch import adamw_rows_ as adamw_rows_
-from hybridps.optim_torch import all_finite as _all_finite
 from hybridps.optim_torch import sgd_rows_ as sgd_rows_
 from hybridps.optim_torch import sparse_adam_rows_ as sparse_adam_rows_
 from hybridps.optim_torch import step_rows_torch_
@@ -349,51 +349,28 @@ def _step_native(
     """The native step, or None when these tensors are not for the C loops."""
     if not is_cpu_f32(grads_UD) or grads_UD.dim() != 2:
         return None
+    native_step = spec.record.native_kernel()
+    if native_step is None:  # a kind with a torch kernel only
+        return None
     n, dim = grads_UD.shape
     threads = num_threads if num_threads is not None else kernel_threads()
-    if spec.kind == "sgd":
-        delta = _delta_buffer(out, n, dim, (grads_UD,))
-        ext.scale(grads_UD.data_ptr(), delta.data_ptr(), n * dim, -spec.lr, threads)
-        if check_finite and not _all_finite(delta):
-            raise NonFiniteUpdate("the update would make the delta non-finite")
-        _scratch.undo = None
-        return delta, 1.0 - spec.lr * spec.weight_decay
-    ids = _int64_ids(ids_U)
     widths = spec.state_widths(dim)
-    if ids is None or ids.shape[0] != n or not _state_ok(tensors, widths):
-        return None
+    ids = None
+    if widths:  # a kind without state reads no ids
+        ids = _int64_ids(ids_U)
+        if ids is None or ids.shape[0] != n or not _state_ok(tensors, widths):
+            return None
     delta = _delta_buffer(out, n, dim, (*tensors, grads_UD))
-    rows = tensors[0].shape[0]
-    ptrs = [t.data_ptr() for t in tensors]
-    common = (rows, dim, ids.data_ptr(), n, grads_UD.data_ptr(), delta.data_ptr())
     _scratch.undo = None
     snaps: list[torch.Tensor] = []
-    if check_finite:
+    if check_finite and widths:
         snaps = _snapshot_buffers([n * w for _, w in widths])
-    snap = [s.data_ptr() for s in snaps]
-    b1, b2, lr, eps = spec.beta1, spec.beta2, spec.lr, spec.eps
-    decay = 1.0 - lr * spec.weight_decay
-    if spec.kind == "adam":
-        step_size = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-        undone = ext.adam(*ptrs, *common, 1 - b1, 1 - b2, eps, -step_size, threads, *snap)
-        decay = 1.0
-    elif spec.kind == "adamw":
-        step_size = lr / (1 - b1**step)
-        undone = ext.adamw(*ptrs, *common, 1 - b1, b2, 1 - b2, math.sqrt(1 - b2**step), eps,
-                           -step_size, threads, *snap)
-    elif spec.kind == "adagrad":
-        undone = ext.adagrad(*ptrs, *common, -lr, eps, threads, *snap)
-        decay = 1.0
-    elif spec.kind == "rowwise_adagrad":
-        undone = ext.rowwise_adagrad(*ptrs, *common, lr, eps, threads, *snap)
-    else:  # partial_rowwise_adam
-        undone = ext.partial_rowwise_adam(*ptrs, *common, b1, 1 - b1, b2, 1 - b2,
-                                          1 - b2**step, eps, -(lr / (1 - b1**step)),
-                                          threads, *snap)
-    if undone:
-        raise NonFiniteUpdate("the update would make the optimizer state or the delta "
-                              "non-finite")
-    if check_finite:
+    call = NativeCall(ext, tuple(t.data_ptr() for t in tensors),
+                      tensors[0].shape[0] if tensors else 0, dim,
+                      ids.data_ptr() if ids is not None else 0, n, grads_UD, delta, step,
+                      threads, tuple(s.data_ptr() for s in snaps), check_finite)
+    decay = native_step(spec, call)
+    if check_finite and ids is not None:
         old = tuple(s.view(n, w) for s, (_, w) in zip(snaps, widths, strict=True))
         _scratch.undo = (tensors, ids, old)
     return delta, decay

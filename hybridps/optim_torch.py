@@ -161,25 +161,55 @@ def partial_rowwise_adam_rows_(spec: OptimizerSpec, m_RD: torch.Tensor, v_R1: to
     return delta, 1.0 - spec.lr * spec.weight_decay
 
 
+# -- each kind's torch_step (hybridps/optim_kinds.py names them): the state tensors in layout
+# order, the same signature for every kind --------------------------------------------------
+
+def adam_step(spec: OptimizerSpec, state: Sequence[torch.Tensor], ids_U: torch.Tensor,
+              grads_UD: torch.Tensor, step: int, check_finite: bool = False
+              ) -> tuple[torch.Tensor, float]:
+    return sparse_adam_rows_(spec, state[0], state[1], ids_U, grads_UD, step, check_finite)
+
+
+def adamw_step(spec: OptimizerSpec, state: Sequence[torch.Tensor], ids_U: torch.Tensor,
+               grads_UD: torch.Tensor, step: int, check_finite: bool = False
+               ) -> tuple[torch.Tensor, float]:
+    return adamw_rows_(spec, state[0], state[1], ids_U, grads_UD, step, check_finite)
+
+
+def sgd_step(spec: OptimizerSpec, state: Sequence[torch.Tensor], ids_U: torch.Tensor,
+             grads_UD: torch.Tensor, step: int, check_finite: bool = False
+             ) -> tuple[torch.Tensor, float]:
+    delta, decay = sgd_rows_(spec, grads_UD)
+    _check(check_finite, delta)
+    return delta, decay
+
+
+def adagrad_step(spec: OptimizerSpec, state: Sequence[torch.Tensor], ids_U: torch.Tensor,
+                 grads_UD: torch.Tensor, step: int, check_finite: bool = False
+                 ) -> tuple[torch.Tensor, float]:
+    return adagrad_rows_(spec, state[0], ids_U, grads_UD, check_finite)
+
+
+def rowwise_adagrad_step(spec: OptimizerSpec, state: Sequence[torch.Tensor],
+                         ids_U: torch.Tensor, grads_UD: torch.Tensor, step: int,
+                         check_finite: bool = False) -> tuple[torch.Tensor, float]:
+    return rowwise_adagrad_rows_(spec, state[0], ids_U, grads_UD, check_finite)
+
+
+def partial_rowwise_adam_step(spec: OptimizerSpec, state: Sequence[torch.Tensor],
+                              ids_U: torch.Tensor, grads_UD: torch.Tensor, step: int,
+                              check_finite: bool = False) -> tuple[torch.Tensor, float]:
+    return partial_rowwise_adam_rows_(spec, state[0], state[1], ids_U, grads_UD, step,
+                                      check_finite)
+
+
 def step_rows_torch_(spec: OptimizerSpec, state: Sequence[torch.Tensor | None],
                      ids_U: torch.Tensor, grads_UD: torch.Tensor, step: int,
                      check_finite: bool = False) -> tuple[torch.Tensor, float]:
-    """One step of `spec` with its state tensors in layout order (spec.state_layout())."""
-    kind = spec.kind
-    if kind == "sgd":
-        delta, decay = sgd_rows_(spec, grads_UD)
-        _check(check_finite, delta)
-        return delta, decay
-    tensors = [t for t in state[:len(spec.state_layout())] if t is not None]
-    assert len(tensors) == len(spec.state_layout())  # internal invariant, not user input
-    if kind == "adam":
-        return sparse_adam_rows_(spec, tensors[0], tensors[1], ids_U, grads_UD, step,
-                                 check_finite)
-    if kind == "adamw":
-        return adamw_rows_(spec, tensors[0], tensors[1], ids_U, grads_UD, step, check_finite)
-    if kind == "adagrad":
-        return adagrad_rows_(spec, tensors[0], ids_U, grads_UD, check_finite)
-    if kind == "rowwise_adagrad":
-        return rowwise_adagrad_rows_(spec, tensors[0], ids_U, grads_UD, check_finite)
-    return partial_rowwise_adam_rows_(spec, tensors[0], tensors[1], ids_U, grads_UD, step,
-                                      check_finite)
+    """One step of `spec` with its state tensors in layout order (spec.state_layout()):
+    its kind's torch_step."""
+    record = spec.record
+    tensors = tuple(t for t in state[:len(record.state)] if t is not None)
+    assert len(tensors) == len(record.state)  # internal invariant, not user input
+    delta, decay = record.torch_kernel()(spec, tensors, ids_U, grads_UD, step, check_finite)
+    return delta, decay

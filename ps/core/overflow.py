@@ -3,11 +3,11 @@ OverflowBound; ps/core/partition.py keeps one per table."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 
+from hybridps import optim_bounds
 from hybridps.optim import OptimizerSpec
 
 
@@ -20,24 +20,14 @@ class OverflowBound:
     checked (apply_rows_ check_finite), after which the bounds are re-measured on the rows
     it touched.
 
-    Why these bounds hold (g: the largest |gradient|, D: the row width):
-    - adam, adamw, partial_rowwise_adam: the new m and v are convex combinations of the
-      old value and g (resp. g^2 or the row's mean of g^2), so |m'| <= max(|m|, g) and
-      v' <= max(v, g^2), up to a few float32 roundings: ROUNDING per push covers them (it
-      compounds: 2^60 headroom takes ~10^9 pushes to use). |delta| <= |m'| * step_size /
-      eps (the denominator is at least eps); partial_rowwise_adam also divides v by
-      1 - b2^t before its sqrt.
-    - adagrad, rowwise_adagrad: the sum only grows, by at most g^2 a push. adagrad's
-      |delta| = lr |g| / (sqrt(sum') + eps) <= lr (sum' >= g^2 of that element);
-      rowwise_adagrad's <= lr * sqrt(D) (sum' >= mean(g^2) >= g_j^2 / D), and its
-      multiplier lr / (sqrt(sum') + eps) <= lr / eps must be finite too.
-    - the row-wise kinds sum D squares of a row first: at most D * g^2.
-    - sgd: |delta| = lr |g|. master' = master * decay + delta.
-    eps = 0 proves nothing (0 / 0 on a row of zeros): such pushes run checked.
+    Each kind's bound is its record's (hybridps/optim_kinds.py `OptimizerKind.bound`;
+    hybridps/optim_bounds.py says why the built-in ones hold); then
+    master' = master * decay + delta. eps = 0 proves nothing (0 / 0 on a row of zeros): such
+    pushes run checked.
     """
 
     LIMIT = 2.0**124  # float32 max is ~2^128: margin for the bounds' own slack
-    ROUNDING = 1.0 + 2.0**-20
+    ROUNDING = optim_bounds.ROUNDING
 
     def __init__(self, dim: int = 1) -> None:
         self.dim = dim
@@ -55,34 +45,9 @@ class OverflowBound:
     def _next(self, spec: OptimizerSpec, step: int, grad_max: float, decay: float | None
               ) -> tuple[dict[str, float], list[float], float]:
         """(the new state bounds, intermediate values that must stay finite, master)."""
-        r = self.ROUNDING
-        kind, lr, eps = spec.kind, abs(spec.lr), spec.eps
-        g, g2 = grad_max, grad_max * grad_max
-        old = self.state
-        state: dict[str, float] = {}
-        inter: list[float] = []
-        if kind == "sgd":
-            delta = g * lr * r
-        elif kind in ("adagrad", "rowwise_adagrad"):
-            state["sum"] = (old.get("sum", 0.0) + g2) * r
-            if kind == "adagrad":
-                delta = lr * r * r if eps > 0 else math.inf
-            else:
-                inter += [self.dim * g2 * r, lr / eps if eps > 0 else math.inf]
-                delta = lr * math.sqrt(self.dim) * r * r if eps > 0 else math.inf
-        else:
-            state["m"] = max(old.get("m", 0.0), g) * r
-            state["v"] = max(old.get("v", 0.0), g2) * r
-            b1, b2 = spec.beta1, spec.beta2
-            if kind == "adam":
-                step_size = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-            else:
-                step_size = lr / (1 - b1**step)
-            if kind == "partial_rowwise_adam":
-                inter += [self.dim * g2 * r, state["v"] / (1 - b2**step) * r]
-            delta = state["m"] * step_size / eps * r if eps > 0 else math.inf
+        state, inter, delta = spec.record.bound(spec, self.dim, step, grad_max, self.state)
         decay = (abs(1.0 - spec.lr * spec.weight_decay) if decay is None else abs(decay))
-        master = (self.master * max(decay, 1.0) + delta) * r
+        master = (self.master * max(decay, 1.0) + delta) * self.ROUNDING
         return state, [*inter, delta], master
 
     def safe(self, spec: OptimizerSpec, step: int, grad_max: float) -> bool:

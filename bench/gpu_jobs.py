@@ -120,9 +120,9 @@ def resident_loop(device: torch.device, args: Sequence[str], steps: int,
     """The same model with rows AND Adam state on the device: SparseAdam on the rows, the
     worker's dense optimizer, this rank's batches of the task, its loss logged as often."""
     from tests.reference_trainer import LocalEmbedding
+    from worker.dense.optimizer import make_dense_optimizer
     from worker.tasks import build_task
     from worker.tasks.base import HybridModel, build_dense_seeded
-    from worker.train.trainer import make_dense_optimizer
 
     cfg = parse_cfg(["--local-optimizer", *args], steps, device)
     task = build_task(cfg)
@@ -138,7 +138,7 @@ def resident_loop(device: torch.device, args: Sequence[str], steps: int,
     dense = build_dense_seeded(task, cfg.run.seed).to(device)
     model = HybridModel(emb, dense)
     sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=cfg.optim.lr)
-    dense_opt = make_dense_optimizer(cfg, dense.parameters())
+    dense_opt = make_dense_optimizer(cfg.optim, dense.parameters())
     window_loss = torch.zeros((), device=device)
     clock = Timer()
     for step in range(steps):

@@ -48,7 +48,7 @@ from typing import Any, BinaryIO
 import torch
 
 from hybridps.errors import Conflict, CorruptCheckpoint, InvalidArgument, NotFound
-from hybridps.optim_kinds import KINDS, describe_saved, state_widths
+from hybridps.optim_kinds import describe_saved, is_kind, state_widths
 
 # re-exported: the step directories are part of the checkpoint's layout
 from hybridps.step_dirs import STEP_DIR as STEP_DIR
@@ -603,7 +603,7 @@ class OptimState:
 
 def _widths(optimizer: Mapping[str, Any], dim: int) -> dict[str, int]:
     kind = optimizer.get("kind")
-    return dict(state_widths(kind, dim)) if kind in KINDS else {}
+    return dict(state_widths(kind, dim)) if isinstance(kind, str) and is_kind(kind) else {}
 
 
 def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: int, dim: int,

@@ -12,7 +12,8 @@ with `setting(..., group=...)`. Precedence: flag > environment > defaults hook (
 task's own defaults) > dataclass default.
 
 Types: bool (`--x` alone means true; 1/0, true/false, yes/no, on/off), int, float, str,
-`X | None`, and `Literal[...]`: the choices, written once in the type. A lower bound is
+`X | None`, and `Literal[...]`: the choices, written once in the type (or, where a registry
+holds them, `setting(..., choices=FUNCTION)`: read from it at each check). A lower bound is
 `setting(..., at_least=N)` (a float must also be finite). `check_settings` (called first by
 a section's __post_init__) refuses a value outside its choices or bound, so a config built
 in code is checked exactly like one from flags; other checks follow it in __post_init__.
@@ -57,11 +58,15 @@ def flag_name(field_name: str) -> str:
 # -- declaring settings and sections ------------------------------------------------------
 
 def setting(default: Any, help: str, metavar: str | None = None, *, everyday: bool = False,
-            group: str | None = None, at_least: float | None = None) -> Any:
+            group: str | None = None, at_least: float | None = None,
+            choices: Callable[[], Sequence[Any]] | None = None) -> Any:
     """A setting with its help text. `everyday`: listed first in --help; `group`: its
     heading in a flat config (a nested one uses the section's title); `at_least`: the
-    smallest value allowed (checked by check_settings)."""
+    smallest value allowed (checked by check_settings); `choices`: a function returning the
+    values allowed now (a registry's names), for a setting whose type is not a Literal."""
     meta: dict[str, Any] = {"help": help, "everyday": everyday}
+    if choices is not None:
+        meta["choices"] = choices
     if metavar:
         meta["metavar"] = metavar
     if group:
@@ -92,6 +97,13 @@ def choices_of(tp: Any) -> tuple[Any, ...]:
     return tuple(typing.get_args(base)) if typing.get_origin(base) is Literal else ()
 
 
+def field_choices(f: dataclasses.Field, tp: Any) -> tuple[Any, ...]:  # type: ignore[type-arg]
+    """The values setting `f` (of type `tp`) may take: its `choices` function's, else its
+    Literal's; () for any value."""
+    given = f.metadata.get("choices")
+    return tuple(given()) if given is not None else choices_of(tp)
+
+
 def format_choices(values: Sequence[Any]) -> str:
     return ", ".join(repr(v) if v == "" else str(v) for v in values)
 
@@ -104,7 +116,7 @@ def check_settings(obj: Any) -> None:
         value = getattr(obj, f.name)
         if value is None and _base_type(hints[f.name])[1]:
             continue
-        allowed = choices_of(hints[f.name])
+        allowed = field_choices(f, hints[f.name])
         if allowed and value not in allowed:
             raise ValueError(f"{f.name}={value!r} is not one of {format_choices(allowed)}")
         low = f.metadata.get("at_least")
@@ -145,7 +157,7 @@ class Setting:
 
     @property
     def choices(self) -> tuple[Any, ...]:
-        return choices_of(self.type)
+        return field_choices(self.field, self.type)
 
     @property
     def is_bool(self) -> bool:
@@ -269,11 +281,10 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def _convert(tp: Any, text: str, where: str) -> Any:
+def _convert(tp: Any, text: str, where: str, allowed: Sequence[Any] = ()) -> Any:
     base, optional = _base_type(tp)
     if optional and text.strip().lower() in ("", "none"):
         return None
-    allowed = choices_of(tp)
     if allowed:  # the value itself is checked by the section (one message for both ways)
         folded = [c for c in allowed if str(c).lower() == text.strip().lower()]
         return folded[0] if len(folded) == 1 else text
@@ -345,7 +356,7 @@ def from_namespace(cls: type[T], ns: argparse.Namespace,
         if raw is None and s.env in environ:
             raw, where = environ[s.env], s.env
         if raw is not None:
-            values[s.name] = _convert(s.type, raw, where)
+            values[s.name] = _convert(s.type, raw, where, s.choices)
     if defaults is not None:
         for name, value in defaults(dict(values)).items():
             values.setdefault(name, value)

@@ -105,6 +105,9 @@ class OptimizerKind:
     native_step: KernelRef | None = None
     reference: TorchReference | str | None = ROW_KERNELS
     no_weight_decay: str = ""  # why weight_decay != 0 is refused, when it is not read
+    # the state tensor that is non-zero exactly on the rows pushes touched (the accumulated
+    # g^2): a server restoring a checkpoint marks those rows touched (ps/core/checkpoint.py)
+    touched_from: str | None = None
     summary: str = ""  # --optimizer's help for this kind (default: the name)
 
     def __post_init__(self) -> None:
@@ -119,6 +122,9 @@ class OptimizerKind:
                 w != PER_ELEMENT and (not isinstance(w, int) or w < 1) for _, w in self.state):
             raise ValueError(f"optimizer {self.name}: state={self.state!r} needs distinct "
                              f"names and widths {PER_ELEMENT!r} or an int >= 1")
+        if self.touched_from is not None and self.touched_from not in names:
+            raise ValueError(f"optimizer {self.name}: touched_from={self.touched_from!r} is "
+                             f"not one of its state tensors {names}")
         if self.dense not in DENSE_OPTIMIZERS:
             raise ValueError(f"optimizer {self.name}: dense={self.dense!r} is not one of "
                              f"{', '.join(DENSE_OPTIMIZERS)}")
@@ -191,41 +197,47 @@ def kind_record(name: str) -> OptimizerKind:
         raise InvalidArgument(f"optimizer kind {name!r} is not one of {kind_names()}") from None
 
 
-_T = "hybridps.optim_torch:"
-_N = "hybridps.optim_native:"
+_T = "hybridps.optim_torch:"  # the torch kernels
+_N = "hybridps.optim_native:"  # the entries to the C loops
 _SPARSE_ADAGRAD = ("torch's sparse Adagrad has no weight decay: use rowwise_adagrad "
                    "(decoupled decay) or 0")
-for _record in (
+BUILT_IN = (
     OptimizerKind(
-        "adam", (("m", PER_ELEMENT), ("v", PER_ELEMENT)), frozenset({"lr", "betas", "eps"}),
-        "adam", _T + "adam_step", optim_bounds.adam, _N + "adam",
-        TorchReference("SparseAdam"),
+        "adam", state=(("m", PER_ELEMENT), ("v", PER_ELEMENT)),
+        reads=frozenset({"lr", "betas", "eps"}), dense="adam",
+        torch_step=_T + "adam_step", native_step=_N + "adam", bound=optim_bounds.adam,
+        reference=TorchReference("SparseAdam"), touched_from="v",
         no_weight_decay="torch.optim.SparseAdam has none: use adamw",
         summary="adam (SparseAdam)"),
     OptimizerKind(
-        "adamw", (("m", PER_ELEMENT), ("v", PER_ELEMENT)),
-        frozenset({"lr", "betas", "eps", "weight_decay"}), "adamw", _T + "adamw_step",
-        optim_bounds.adamw, _N + "adamw", None),
+        "adamw", state=(("m", PER_ELEMENT), ("v", PER_ELEMENT)),
+        reads=frozenset({"lr", "betas", "eps", "weight_decay"}), dense="adamw",
+        torch_step=_T + "adamw_step", native_step=_N + "adamw", bound=optim_bounds.adamw,
+        reference=None, touched_from="v"),
     OptimizerKind(
-        "sgd", (), frozenset({"lr", "weight_decay"}), "sgd", _T + "sgd_step",
-        optim_bounds.sgd, _N + "sgd", TorchReference("SGD")),
+        "sgd", state=(), reads=frozenset({"lr", "weight_decay"}), dense="sgd",
+        torch_step=_T + "sgd_step", native_step=_N + "sgd", bound=optim_bounds.sgd,
+        reference=TorchReference("SGD")),
     OptimizerKind(
-        "adagrad", (("sum", PER_ELEMENT),), frozenset({"lr", "eps"}), "adagrad",
-        _T + "adagrad_step", optim_bounds.adagrad, _N + "adagrad",
-        TorchReference("Adagrad", ("lr", "eps")), no_weight_decay=_SPARSE_ADAGRAD),
+        "adagrad", state=(("sum", PER_ELEMENT),), reads=frozenset({"lr", "eps"}),
+        dense="adagrad", torch_step=_T + "adagrad_step", native_step=_N + "adagrad",
+        bound=optim_bounds.adagrad, reference=TorchReference("Adagrad", ("lr", "eps")),
+        touched_from="sum", no_weight_decay=_SPARSE_ADAGRAD),
     OptimizerKind(
-        "rowwise_adagrad", (("sum", 1),), frozenset({"lr", "eps", "weight_decay"}), "adagrad",
-        _T + "rowwise_adagrad_step", optim_bounds.rowwise_adagrad, _N + "rowwise_adagrad",
+        "rowwise_adagrad", state=(("sum", 1),),
+        reads=frozenset({"lr", "eps", "weight_decay"}), dense="adagrad",
+        torch_step=_T + "rowwise_adagrad_step", native_step=_N + "rowwise_adagrad",
+        bound=optim_bounds.rowwise_adagrad, reference=ROW_KERNELS, touched_from="sum",
         summary="rowwise_adagrad (FBGEMM's exact rowwise Adagrad: one value a row)"),
     OptimizerKind(
-        "partial_rowwise_adam", (("m", PER_ELEMENT), ("v", 1)),
-        frozenset({"lr", "betas", "eps", "weight_decay"}), "adam",
-        _T + "partial_rowwise_adam_step", optim_bounds.partial_rowwise_adam,
-        _N + "partial_rowwise_adam",
+        "partial_rowwise_adam", state=(("m", PER_ELEMENT), ("v", 1)),
+        reads=frozenset({"lr", "betas", "eps", "weight_decay"}), dense="adam",
+        torch_step=_T + "partial_rowwise_adam_step", native_step=_N + "partial_rowwise_adam",
+        bound=optim_bounds.partial_rowwise_adam, reference=ROW_KERNELS, touched_from="v",
         summary="partial_rowwise_adam (m per element, v per row)"),
-):
+)
+for _record in BUILT_IN:
     register_kind(_record)
-
 KINDS = kind_names()  # the built-in kinds (those the wire's OptimizerConfig.Kind names)
 
 

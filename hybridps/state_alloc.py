@@ -16,8 +16,15 @@ HUGEPAGE_BYTES = 2 << 20
 # Where each array a row kernel reads at the same row sits past a 2 MiB boundary
 # (alloc_state's `offset`): m, v and the master row of one id fall in different L1 sets.
 # "rows": a CPU rank's own embedding rows (worker/embedding/sharded.py); the other names are those
-# of the optimizers' state (hybridps/optim_kinds.py STATE_LAYOUTS).
+# of the optimizers' state (hybridps/optim_kinds.py, each kind's record). A state name not
+# listed (a kind registered later) takes one of OTHER_OFFSETS by its place in its layout.
 STATE_OFFSETS = {"m": 0, "v": 2048, "sum": 2560, "master": 1024, "rows": 3072}
+OTHER_OFFSETS = (3584, 512, 1536, 3840)
+
+
+def state_offset(name: str, index: int) -> int:
+    """alloc_state's offset for the state tensor `name`, the `index`-th of its layout."""
+    return STATE_OFFSETS.get(name, OTHER_OFFSETS[index % len(OTHER_OFFSETS)])
 
 
 def alloc_state(rows: int, dim: int, *, hugepages: bool = True, offset: int = 0,
@@ -60,7 +67,7 @@ def alloc_row_state(widths: Sequence[tuple[str, int]], rows: int,
     """Zeroed float32 optimizer state, name -> [rows, width] (OptimizerSpec.state_widths);
     on the CPU each tensor is laid out by alloc_state at its name's offset."""
     if torch.device(device).type == "cpu":
-        return {name: alloc_state(rows, width, offset=STATE_OFFSETS[name])
-                for name, width in widths}
+        return {name: alloc_state(rows, width, offset=state_offset(name, i))
+                for i, (name, width) in enumerate(widths)}
     return {name: torch.zeros(rows, width, dtype=torch.float32, device=device)
             for name, width in widths}

@@ -5,7 +5,8 @@ table (pooled bags call F.embedding_bag(..., sparse=True) on the same weight,
 which is exactly nn.EmbeddingBag(sparse=True).forward) trained by
 torch.optim.SparseAdam (torch.optim.SGD for --optimizer sgd, torch.optim.Adagrad for
 adagrad, and for rowwise_adagrad and partial_rowwise_adam `RowOptimizer`: the torch
-reference kernels of hybridps/optim_torch.py on the whole table), the dense
+reference kernels of hybridps/optim_torch.py on the whole table; each kind's record says
+which, hybridps/optim_kinds.py `OptimizerKind.reference`), the dense
 module trained by the same torch.optim optimizer as the worker's, starting
 from the same rows (worker.embedding.sharded.init_rows over the whole table) and the
 same dense init (the run seed), on the same GLOBAL batches
@@ -29,17 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridps.optim import OptimizerSpec, apply_update_torch_, step_rows_torch_state_
+from hybridps.optim_kinds import ROW_KERNELS, TorchReference
 from worker.config.train_config import TrainConfig
+from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
 from worker.embedding.rows import TableConfig, init_rows
 from worker.embedding.sharded import POOLING_MODES
 from worker.tasks import build_task
 from worker.tasks.base import HybridModel, Task, build_dense_seeded
-from worker.train.trainer import (
-    make_dense_optimizer,
-    num_steps,
-    scheduled_lr,
-    sparse_optimizer_spec,
-)
+from worker.train.trainer import num_steps, scheduled_lr
 
 
 class LocalEmbedding(nn.Module):
@@ -123,20 +121,21 @@ class RowOptimizer(torch.optim.Optimizer):
 
 def make_sparse_optimizer(cfg: TrainConfig, params: Sequence[nn.Parameter]
                           ) -> torch.optim.Optimizer:
-    o = cfg.optim
-    if o.optimizer == "adam":
-        return torch.optim.SparseAdam(list(params), lr=o.lr)
-    if o.optimizer == "sgd" and o.weight_decay == 0:
-        return torch.optim.SGD(list(params), lr=o.lr)
-    spec = sparse_optimizer_spec(cfg)
-    if o.optimizer == "adagrad":
-        return torch.optim.Adagrad(list(params), lr=o.lr, eps=spec.eps)
-    if o.optimizer in ("rowwise_adagrad", "partial_rowwise_adam"):
+    """The kind's reference (its record, hybridps/optim_kinds.py): a torch.optim optimizer
+    taking sparse gradients, or ROW_KERNELS: RowOptimizer over its torch kernel."""
+    spec = sparse_optimizer_spec(cfg.optim)
+    reference = spec.record.reference
+    if reference == ROW_KERNELS:
         return RowOptimizer(params, spec)
+    if isinstance(reference, TorchReference) and (
+            spec.weight_decay == 0 or "weight_decay" in reference.args):
+        kwargs = {name: getattr(spec, name) for name in reference.args}
+        optimizer: torch.optim.Optimizer = getattr(torch.optim, reference.torch_class)(
+            list(params), **kwargs)
+        return optimizer
     raise NotImplementedError(
-        f"the reference has no torch sparse optimizer for optimizer={o.optimizer!r} "
-        f"with weight_decay={o.weight_decay}: it supports adam, sgd without decay, "
-        "adagrad, rowwise_adagrad and partial_rowwise_adam")
+        f"the reference has no torch sparse optimizer for optimizer={spec.kind!r} "
+        f"with weight_decay={spec.weight_decay}")
 
 
 @dataclass
@@ -158,7 +157,7 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
     dense = build_dense_seeded(task, cfg.run.seed).to(device)
     model = HybridModel(embedding, dense)
     sparse_opt = make_sparse_optimizer(cfg, list(embedding.parameters()))
-    dense_opt = make_dense_optimizer(cfg, dense.parameters())
+    dense_opt = make_dense_optimizer(cfg.optim, dense.parameters())
     losses, grad_norms = [], []
     logged = 0
     # --dense-parallel ddp --ddp-grad-reduce sum: the objective is the sum over ranks of each

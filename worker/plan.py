@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridps.optim_kinds import (
-    KINDS,
     describe_layout,
+    kind_names,
     state_bytes_per_element,
     state_floats_per_row,
 )
@@ -69,7 +69,7 @@ def optimizer_state_bytes(optimizer: str, dim: int = 1) -> float:
         return state_bytes_per_element(optimizer, dim)
     except ValueError:
         raise PlanError(f"no state size known for optimizer {optimizer!r} (not one of "
-                        f"{', '.join(KINDS)})") from None
+                        f"{', '.join(kind_names())})") from None
 
 
 @dataclass(frozen=True)
@@ -384,7 +384,7 @@ def _table_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dim", type=int, required=True, help="embedding width")
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank/step")
     parser.add_argument("--lookups", type=float, default=1.0, help="lookups per sample")
-    parser.add_argument("--optimizer", choices=KINDS, default="adam")
+    parser.add_argument("--optimizer", choices=kind_names(), default="adam")
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--row-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="dtype of the rows on the device (bf16: + fp32 master on the host)")

@@ -113,7 +113,8 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
             t.rows_seeded = s.rows_held
         if t.paging is not None:
             _restore_paged(part, t, directory)
-        squares = t.state.get("v", t.state.get("sum"))  # the accumulated g^2: 0 untouched
+        marks = part.optimizer.record.touched_from  # the accumulated g^2: 0 untouched
+        squares = t.state.get(marks) if marks is not None else None
         if squares is not None:
             t.touched.copy_((squares != 0).any(dim=1))
             t.distinct_touched = int(t.touched.sum())

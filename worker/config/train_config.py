@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hybridps.cli import FlagConfig, check_settings, section, setting
 from hybridps.logs import AUTO, LOG_LEVELS
 from hybridps.names import describe_problem
-from hybridps.optim_kinds import TAKES_WEIGHT_DECAY
+from hybridps.optim_kinds import DENSE_OPTIMIZERS, KINDS, kind_names, kind_record
 from worker.config.dense_options import DenseConfig
 from worker.config.kge_options import KGEOptions
 from worker.config.nodes import node_ps_address, rank_layout, split_ps
@@ -34,13 +34,24 @@ if TYPE_CHECKING:
 
 __all__ = ["SHM_MODES", "TrainConfig", "parse_host_port"]
 
-# the sparse optimizers (hybridps/optim_kinds.py KINDS; tests/test_optimizers.py checks)
-Optimizer = Literal["adam", "adamw", "sgd", "adagrad", "rowwise_adagrad",
-                    "partial_rowwise_adam"]
-DenseOptimizer = Literal["auto", "adam", "adamw", "sgd", "adagrad"]
-# --dense-optimizer auto: the dense counterpart of --optimizer
-DENSE_FOR = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "adagrad": "adagrad",
-             "rowwise_adagrad": "adagrad", "partial_rowwise_adam": "adam"}
+# The built-in sparse optimizers as a type (hybridps/optim_kinds.py KINDS). --optimizer's
+# choices are the registry's (a kind registered at run time too), --dense-optimizer's are
+# auto and DENSE_OPTIMIZERS; the record of each kind says its dense counterpart (auto).
+Optimizer: Any = Literal[KINDS]
+
+
+def dense_optimizer_choices() -> tuple[str, ...]:
+    return ("auto", *DENSE_OPTIMIZERS)
+
+
+def _optimizer_help() -> tuple[str, str]:
+    """The kinds for --optimizer's help, and those that take --weight-decay."""
+    kinds = " | ".join(kind_record(k).summary or k for k in kind_names())
+    takes = ", ".join(k for k in kind_names() if kind_record(k).takes_weight_decay)
+    return kinds, takes
+
+
+_KINDS_HELP, _DECAY_HELP = _optimizer_help()
 RowDtype = Literal["fp32", "bf16"]  # worker/embedding/sharded.py ROW_DTYPES maps them to torch
 WireDtype = Literal["fp32", "bf16", "fp16"]  # worker/sync/client.py WIRE_DTYPES maps them to torch
 Device = Literal["auto", "cpu", "cuda"]
@@ -127,18 +138,17 @@ class RunConfig:
 class OptimConfig:
     """The optimizers: sparse rows (on the shard server) and the dense part."""
 
-    optimizer: Optimizer = setting(
-        "adam", "the rows' optimizer: adam (SparseAdam) | adamw | sgd | adagrad | "
-        "rowwise_adagrad (FBGEMM's exact rowwise Adagrad: one value a row) | "
-        "partial_rowwise_adam (m per element, v per row); docs/usage.md")
+    optimizer: str = setting(
+        "adam", f"the rows' optimizer: {_KINDS_HELP}; docs/usage.md", choices=kind_names)
     lr: float = setting(0.02, "embedding learning rate", "LR", everyday=True, at_least=0)
     dense_lr: float = setting(3e-3, "dense (FSDP) learning rate", "LR", at_least=0)
-    dense_optimizer: DenseOptimizer = setting(
+    dense_optimizer: str = setting(
         "auto", "the dense part's optimizer (at --dense-lr); auto: adam for adam and "
-        "partial_rowwise_adam, adagrad for adagrad and rowwise_adagrad, else --optimizer")
+        "partial_rowwise_adam, adagrad for adagrad and rowwise_adagrad, else --optimizer",
+        choices=dense_optimizer_choices)
     weight_decay: float = setting(
-        0.0, "weight decay (adamw, sgd, rowwise_adagrad, partial_rowwise_adam: decoupled on "
-        "the rows; SparseAdam and sparse Adagrad have none)", "WD", at_least=0)
+        0.0, f"weight decay ({_DECAY_HELP}: decoupled on the rows; SparseAdam and sparse "
+        "Adagrad have none)", "WD", at_least=0)
     init_std: float = setting(0.05, "embedding rows start as N(0, 1) * init_std", "STD",
                               at_least=0)
     row_dtype: RowDtype = setting(
@@ -148,20 +158,16 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.optimizer == "adam" and self.weight_decay != 0:
-            raise ValueError(
-                f"weight_decay={self.weight_decay!r} with optimizer='adam': SparseAdam has "
-                "no weight decay, use --optimizer adamw")
-        if self.optimizer not in TAKES_WEIGHT_DECAY and self.weight_decay != 0:
-            raise ValueError(
-                f"weight_decay={self.weight_decay!r} with optimizer={self.optimizer!r}: "
-                "torch's sparse Adagrad has no weight decay, use --optimizer rowwise_adagrad "
-                "(decoupled) or --weight-decay 0")
+        record = kind_record(self.optimizer)
+        if not record.takes_weight_decay and self.weight_decay != 0:
+            why = f": {record.no_weight_decay}" if record.no_weight_decay else ""
+            raise ValueError(f"weight_decay={self.weight_decay!r} with "
+                             f"optimizer={self.optimizer!r} (it takes none){why}")
 
     @property
     def dense_kind(self) -> str:
-        """The dense part's optimizer (--dense-optimizer, auto resolved)."""
-        return (DENSE_FOR[self.optimizer] if self.dense_optimizer == "auto"
+        """The dense part's optimizer (--dense-optimizer, auto: the kind's record's)."""
+        return (kind_record(self.optimizer).dense if self.dense_optimizer == "auto"
                 else self.dense_optimizer)
 
 
@@ -383,6 +389,11 @@ class TrainConfig(FlagConfig):
         if not (self.sync.local_optimizer or self.sync.ps or self.sizing.plan):
             raise ValueError(
                 "ps='' (empty): --ps HOST:PORT is required unless --local-optimizer")
+        if self.sync.ps and self.optim.optimizer not in KINDS:
+            raise ValueError(
+                f"optimizer={self.optim.optimizer!r} is registered in this process only: the "
+                "shard server's Register (OptimizerConfig.Kind) does not name it; use "
+                "--local-optimizer")
         if self.run.task == "kge" and not self.kge.data_dir:
             raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt) "
                              "or a shipped set: --data-dir umls | kinship")

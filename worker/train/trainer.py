@@ -18,24 +18,22 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
 from hybridps.cli import ConfigError
 from hybridps.logs import kv
 from hybridps.names import describe_problem
-from hybridps.optim import OptimizerSpec
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.run_claim import claim_run
 from worker.config.train_config import TrainConfig
+from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
 from worker.dense.parallel import build_dense_parallel, check_dense_parallel
 from worker.embedding import comm
 from worker.embedding.dynamic.ids import check_dynamic_tables
@@ -70,35 +68,6 @@ log = logging.getLogger("worker.train")
 
 TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push", "log",
              "eval")
-
-
-def sparse_optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
-    """The embedding rows' optimizer (SparseAdam's defaults for betas/eps)."""
-    o = cfg.optim
-    return OptimizerSpec(kind=o.optimizer, lr=o.lr, weight_decay=o.weight_decay)
-
-
-def make_dense_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter]
-                         ) -> torch.optim.Optimizer:
-    """--dense-optimizer (auto: adam -> Adam, adamw -> AdamW, sgd -> SGD, the Adagrad kinds
-    -> Adagrad, partial_rowwise_adam -> Adam), at --dense-lr (shared with the reference).
-
-    foreach: one dispatch per op for all parameters instead of one per parameter; torch
-    picks it by itself only on CUDA, and on the CPU the per-parameter loop over FSDP's
-    DTensors is a visible part of a small model's step (docs/performance-log.md)."""
-    params = list(params)
-    o = cfg.optim
-    kind = o.dense_kind
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=o.dense_lr, weight_decay=o.weight_decay,
-                                foreach=True)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=o.dense_lr, weight_decay=o.weight_decay,
-                                 foreach=True)
-    if kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=o.dense_lr, weight_decay=o.weight_decay,
-                                   foreach=True)
-    return torch.optim.SGD(params, lr=o.dense_lr, weight_decay=o.weight_decay)
 
 
 def scheduled_lr(hooks: TrainHooks | None, step: int, cfg: TrainConfig,
@@ -163,10 +132,10 @@ class Trainer:
                                                    self.task.fsdp_units(dense),
                                                    plain_at_one_rank=True)
         self.model = HybridModel(self.embedding, self.dense_parallel.module)
-        self.dense_opt = make_dense_optimizer(cfg, self.dense_parallel.module.parameters())
+        self.dense_opt = make_dense_optimizer(cfg.optim, self.dense_parallel.module.parameters())
         # the task's lr schedule / scheduled evaluation / early stopping (Task.hooks)
         self.hooks = self.task.hooks(self.model, ctx.world_size)
-        spec = self.sparse_spec = sparse_optimizer_spec(cfg)
+        spec = self.sparse_spec = sparse_optimizer_spec(cfg.optim)
         self.checkpointer = Checkpointer(self)
         resume = self.checkpointer.resume_target()  # (directory, step) or None
         self.source: UpdateSource

@@ -20,14 +20,15 @@ A record says everything the rest of the code asks of a kind, and every reader r
   OverflowBound (ps/core/overflow.py) reads to prove a push cannot overflow float32;
 - `reference`: the torch.optim optimizer the whole-table reference trainer uses
   (tests/reference_trainer.py), ROW_KERNELS (its torch kernel on whole tables), or None;
+- `touched_from`: the state tensor from which a restored server rebuilds its touched marks;
 - `summary`: the flag's help text for it.
 Kernels are named "module:function" (imported on first use, so that this module stays
 torch-free) or given as the function itself. The flag's choices (worker/config), `--plan`,
 OptimizerSpec and the checkpoint description (`describe_saved`) read the registry too, so
-adding an optimizer is one `register_kind` (and its kernels): docs/usage.md, "How to add an
-optimizer". KINDS are the built-in kinds: the wire's OptimizerConfig.Kind
-(proto/shard.proto) has exactly these, so a kind registered at run time is served in process
-(`--local-optimizer`, ps/core) but not over gRPC until the enum names it.
+adding an optimizer is one record (BUILT_IN, or `register_kind`) and its kernels:
+docs/usage.md, "How to add an optimizer". KINDS are the built-in kinds: the wire's
+OptimizerConfig.Kind (proto/hybridps/v1/shard.proto) has exactly these, so a kind registered
+at run time is served in process (`--local-optimizer`, ps/core) but not over gRPC.
 
 What each built-in kind computes (hybridps/optim_torch.py has the exact float32 operations):
 - adam: torch.optim.SparseAdam (m, v per element);

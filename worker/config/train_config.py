@@ -44,14 +44,21 @@ def dense_optimizer_choices() -> tuple[str, ...]:
     return ("auto", *DENSE_OPTIMIZERS)
 
 
-def _optimizer_help() -> tuple[str, str]:
-    """The kinds for --optimizer's help, and those that take --weight-decay."""
-    kinds = " | ".join(kind_record(k).summary or k for k in kind_names())
-    takes = ", ".join(k for k in kind_names() if kind_record(k).takes_weight_decay)
-    return kinds, takes
+def _optimizer_help() -> tuple[str, str, str]:
+    """From the records: the kinds for --optimizer's help, what --dense-optimizer auto picks
+    where it is not the kind's own name, and the kinds that take --weight-decay."""
+    records = [kind_record(k) for k in kind_names()]
+    kinds = " | ".join(r.summary or r.name for r in records)
+    picks = []
+    for dense in DENSE_OPTIMIZERS:
+        named = [r.name for r in records if r.dense == dense]
+        if named and named != [dense]:
+            picks.append(f"{dense} for {' and '.join(named)}")
+    takes = ", ".join(r.name for r in records if r.takes_weight_decay)
+    return kinds, ", ".join(picks), takes
 
 
-_KINDS_HELP, _DECAY_HELP = _optimizer_help()
+_KINDS_HELP, _DENSE_HELP, _DECAY_HELP = _optimizer_help()
 RowDtype = Literal["fp32", "bf16"]  # worker/embedding/sharded.py ROW_DTYPES maps them to torch
 WireDtype = Literal["fp32", "bf16", "fp16"]  # worker/sync/client.py WIRE_DTYPES maps them to torch
 Device = Literal["auto", "cpu", "cuda"]
@@ -143,9 +150,8 @@ class OptimConfig:
     lr: float = setting(0.02, "embedding learning rate", "LR", everyday=True, at_least=0)
     dense_lr: float = setting(3e-3, "dense (FSDP) learning rate", "LR", at_least=0)
     dense_optimizer: str = setting(
-        "auto", "the dense part's optimizer (at --dense-lr); auto: adam for adam and "
-        "partial_rowwise_adam, adagrad for adagrad and rowwise_adagrad, else --optimizer",
-        choices=dense_optimizer_choices)
+        "auto", f"the dense part's optimizer (at --dense-lr); auto: {_DENSE_HELP}, else "
+        "--optimizer", choices=dense_optimizer_choices)
     weight_decay: float = setting(
         0.0, f"weight decay ({_DECAY_HELP}: decoupled on the rows; SparseAdam and sparse "
         "Adagrad have none)", "WD", at_least=0)

@@ -1,3 +1,4 @@
-"""The dense part's parallelism: FSDP2 / HSDP / DDP wrapping, precision, clipping, the
-per-step gradient work. May import: config, runtime, embedding.
+"""The dense part: its parallelism (FSDP2 / HSDP / DDP wrapping, precision, clipping, the
+per-step gradient work) and the run's optimizers (optimizer.py). May import: config,
+runtime, embedding.
 """

@@ -27,7 +27,7 @@ in-process optimizer: --local-optimizer's path, staleness 0):
   (pyproject's `bench` extra: pip install -e '.[bench]' && pip install --no-deps
   torchrec==1.8.0), otherwise the JSON says why not.
 
-Goals (issue 35): AUC(dynamic) >= AUC(full) - 0.005 at 1/10 of its device rows; AUC(dynamic)
+Goals: AUC(dynamic) >= AUC(full) - 0.005 at 1/10 of its device rows; AUC(dynamic)
 > AUC(modulo); samples/s(dynamic) >= 0.8 x samples/s(modulo, same capacity).
 """
 

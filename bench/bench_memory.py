@@ -4,7 +4,7 @@
     python bench/bench_memory.py --quick          # dims 16, 64; 65,536 rows
     python bench/bench_memory.py --json runs/bench_memory.json
 
-Issue 6, goal 5: device bytes per embedding element = 4 with fp32 rows and 2 with
+Goal 5: device bytes per embedding element = 4 with fp32 rows and 2 with
 --row-dtype bf16, next to what keeping Adam state on the device costs (12 bytes per
 element: fp32 rows + m + v).
 
@@ -21,7 +21,7 @@ of what is allocated), not computed from a formula:
     (weights, momentum1, momentum2, all [rows, dim]), allocated here with that layout
     (TorchRec itself is not installed), with fp32 and with fp16 weights (its
     optimizer states stay fp32); and rowwise Adagrad (one fp32 momentum per row), the
-    optimizer of the TorchRec CPU baseline in the issue.
+    optimizer of TorchRec's side in bench_vs_torchrec.py.
 All of this state is dense per row, so bytes per row do not depend on the table
 size; --rows only sets how much is allocated to measure them.
 """

@@ -18,7 +18,7 @@ tables, batch 256 per rank) and a TorchRec-like one (`--task tables --dim 64
   (e) local-one-rank: hybridps on ONE rank (no collectives) with --local-optimizer at
       --staleness 0 (the plain loop's synchronous math) on the same global batches.
 Goal 3: samples/s server / plain >= 1.0. Goal 4: step time server / local <= 1.05.
-Goal 8 (issue 24): samples/s (e) / plain >= 0.9: world size 1 costs (almost) nothing.
+Goal 8: samples/s (e) / plain >= 0.9: world size 1 costs (almost) nothing.
 Goal 6: step time of (b) on `--task tables --dim 16 --batch-size 1024` with a table of 50M
 rows over one of 1M rows < 1.10 (--quick: 10M rows). Both draw ids from the same Zipf law
 over 1M popularity ranks, scattered over the whole table (`--zipf-rows`,

@@ -10,7 +10,7 @@ OUT/<name>.json`), one at a time so they do not share the machine; its output is
 and kept in OUT/<name>.txt. A benchmark whose file does not exist is listed as skipped,
 and so is the TorchRec comparison (bench_vs_torchrec.py) when TorchRec is not
 importable (an optional extra: docs/performance.md says how to install it).
-Then the summary: per goal of issue 6, the ratio each benchmark measured, its target
+Then the summary: per goal, the ratio each benchmark measured, its target
 and met / NOT met (the worst case where a benchmark measures several configurations),
 written to OUT/summary.json too. Exit code 1 if a benchmark failed to run (a missed goal
 is a result, not a failure).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2317  # functions run through run_check "$@" and trap
-# Build and run docker-compose.yml on a real Docker engine, as a user would (issue 31).
+# Build and run docker-compose.yml on a real Docker engine, as a user would.
 #
 #   sudo scripts/compose_check.sh          # as root; ~10 min the first time, less after
 #

@@ -11,7 +11,7 @@ memory). `SyncingOps` (a torch dispatch mode, with a torch function mode for the
 notes each of them made outside a named sync point, with the place in this repository
 that asked for it, so the test suite finds them on the CPU (tests/test_sync_ops.py).
 What it cannot see: `.to(device)` of a host tensor that is not pinned (on the CPU there
-is no device to copy to), which CUDA's mode still catches on a GPU (`bench/gpu_check.py`,
+is no device to copy to), which CUDA's mode still catches on a GPU (`gpu_check/check.py`,
 stage sync_debug).
 """
 

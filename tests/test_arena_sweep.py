@@ -1,5 +1,5 @@
 """The sweep of leaked shared-memory arenas when the workers are in another PID namespace
-(docker-compose.yml no longer shares the server's: issue 31).
+(docker-compose.yml does not share the server's).
 
 There the pid in an arena's name means nothing to the server, so `alive` is replaced by a
 function that says every creator is gone: only the kernel's answer (does any process have

@@ -95,7 +95,7 @@ def test_compose_file_shape() -> None:
     assert worker["command"][8:] == ["worker/main.py", "--ps", "ps:50051"]
     assert env_of(worker)["HYBRIDPS_RESUME"] == "true"
     # The worker shares the server's /dev/shm but not its PID namespace: the server's exit
-    # would SIGKILL the worker's processes in it (exit 137, issue 31).
+    # would SIGKILL the worker's processes in it (exit 137).
     assert worker["ipc"] == "service:ps" and "pid" not in worker
     assert float(env_of(ps)["HYBRIDPS_EXIT_AFTER_RUN_DELAY_S"]) >= 10
     assert worker["depends_on"] == {"ps": {"condition": "service_healthy"}}
@@ -226,7 +226,7 @@ def test_compose_services_train_to_the_end_and_both_exit_0(tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compose_stack_survives_a_rank_crash(tmp_path: Path) -> None:
-    """Issue 23 item 4: rank 1 is SIGKILLed after step 12; torchrun restarts the group,
+    """Rank 1 is SIGKILLed after step 12; torchrun restarts the group,
     which resumes from the step-9 checkpoint while the --exit-after-run server keeps the
     run; both services exit 0 and the final state equals an uninterrupted run's."""
     overrides = {"HYBRIDPS_STEPS": "20", "HYBRIDPS_CHECKPOINT_EVERY": "5"}

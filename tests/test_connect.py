@@ -1,12 +1,12 @@
 """A worker that cannot reach its shard server fails fast, says why last, leaves nothing.
 
-Unit: worker/sync/connect.py's retry window (a fake clock). End to end (issue 25 item 2,
-issue 23 item 3): `python -m worker.launch` (torchrun) with 2 ranks against an address
+Unit: worker/sync/connect.py's retry window (a fake clock). End to end:
+`python -m worker.launch` (torchrun) with 2 ranks against an address
 where nothing listens, a host name that does not resolve, and a server that refuses the
 Register (a --max-state-bytes too small for the run): each ends within a bound, with the
 rank's one error line last (no torchrun traceback), and no shared-memory arena left in
 /dev/shm. The launcher's pre-check names a server that wants a token the worker lacks (or
-has wrong), and an address that answers HTTP/1 (issue 44 item 7), before any rank starts.
+has wrong), and an address that answers HTTP/1, before any rank starts.
 """
 
 from __future__ import annotations

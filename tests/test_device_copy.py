@@ -1,6 +1,6 @@
 """worker/runtime/device_copy.py: the named places where the loop waits for the device, and the
 pushes that wait in an outbox until their gradients reached the host (a GPU's copies are
-stood in for by events the test completes; the CUDA run itself is bench/gpu_check.py's
+stood in for by events the test completes; the CUDA run itself is gpu_check/check.py's
 sync_debug stage and tests/test_gpu.py)."""
 
 from __future__ import annotations

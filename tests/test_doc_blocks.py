@@ -33,16 +33,16 @@ NOT_RUN_HERE = {
      "worker"): "builds an image",
     ("deploy.md", "python -m ps --host 0.0.0.0 --port 50051 --auth-token-file "
      "/etc/hybridps/token \\"): "several nodes",
-    ("gpu_check.md", "python bench/gpu_check.py --fetch-wheels"): "downloads wheels",
+    ("gpu_check.md", "python gpu_check/check.py --fetch-wheels"): "downloads wheels",
     ("performance.md", "pip install -e '.[bench]' && pip install --no-deps torchrec==1.8.0"):
         "installs packages; benchmarks of half an hour",
-    ("reliability.md", "python bench/fault_campaign.py --quick   # ~2 min: 120 damages + 1 "
+    ("reliability.md", "python campaigns/fault_campaign.py --quick   # ~2 min: 120 damages + 1 "
      "resumed run"): "minutes; tests/test_fault_campaign.py runs the quick one",
-    ("reliability.md", "python bench/server_kill_campaign.py --seed 23              # 20 "
+    ("reliability.md", "python campaigns/server_kill_campaign.py --seed 23              # 20 "
      "kills, a 300-step run"): "minutes; tests/test_kill_campaign.py runs the short one",
-    ("reliability.md", "python bench/soak.py                                        # 10 "
+    ("reliability.md", "python campaigns/soak.py                                        # 10 "
      "minutes"): "10 minutes; tests/test_soak.py runs the short one",
-    ("reliability.md", "python bench/fuzz_proto.py --threads 4     # 100,000 messages"):
+    ("reliability.md", "python fuzz/fuzz_proto.py --threads 4     # 100,000 messages"):
         "minutes; tests/test_fuzz_proto.py runs the short one",
 }
 _DEPLOY = ("python -m ps --host 0.0.0.0 --port 50051 --auth-token-file /etc/hybridps/token "

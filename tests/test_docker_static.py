@@ -1,6 +1,6 @@
 """Dockerfile, .dockerignore, docker-compose.yml and docker-compose.gpu.yml, checked
-without a Docker engine (issue 31: the image did not build after the native kernel moved
-to hybridps/native, and nothing noticed).
+without a Docker engine, so that an image that would not build (a COPY of a moved
+path, a package the stub lacks) fails here.
 
 What runs in the image must exist in the tree:
 - every module a `python -c` runs (Dockerfile RUN steps, compose commands, health
@@ -474,7 +474,7 @@ def test_compose_files_name_only_repo_paths_that_exist() -> None:
 @pytest.mark.parametrize("name", ["docker-compose.yml",
                                   "docker-compose.yml + docker-compose.gpu.yml"])
 def test_compose_exit_codes_are_the_workers(name: str) -> None:
-    """Issue 31: the worker is not in the server's PID namespace (the server's exit killed
+    """The worker is not in the server's PID namespace (the server's exit would kill
     it: 137), the server outlives the workers after the run, and both services end with
     the same launcher, so `up --exit-code-from worker` returns the job's result."""
     spec = compose_specs()[name]

@@ -1,6 +1,6 @@
-"""Issue 23 item 6: torn and bit-flipped checkpoints at many files and offsets are always
+"""Torn and bit-flipped checkpoints at many files and offsets are always
 answered by the previous intact checkpoint or a clear refusal, never a mixed state
-(bench/fault_campaign.py --quick: 120 damages and one resumed run, bitwise)."""
+(campaigns/fault_campaign.py --quick: 120 damages and one resumed run, bitwise)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(900)
 def test_fault_campaign_quick(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "fault_campaign.py"), "--quick",
+    proc = subprocess.run([sys.executable, str(REPO / "campaigns" / "fault_campaign.py"), "--quick",
                            "--dir", str(tmp_path / "work"), "--json", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=850, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]

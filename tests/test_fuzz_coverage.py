@@ -1,7 +1,7 @@
-"""Issue 44 item 10: the fuzzer's coverage check (bench/fuzz_messages.py), without a
+"""The fuzzer's coverage check (fuzz/fuzz_messages.py), without a
 server. Its builders make a message of every RPC of the proto services and register
 every optimizer kind of hybridps/optim_kinds.py with static and dynamic tables; a kind or
-an RPC it never exercised is a gap (bench/fuzz_proto.py then fails), including a kind
+an RPC it never exercised is a gap (fuzz/fuzz_proto.py then fails), including a kind
 added to the registry or an RPC added to the proto that no builder makes."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 from hybridps.optim_kinds import KINDS
 from hybridps.v1 import admin_pb2, shard_pb2
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+FUZZ = Path(__file__).resolve().parents[1] / "fuzz"
 
 
 @pytest.fixture(scope="module")
 def fm() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fuzz_messages", BENCH / "fuzz_messages.py")
+    spec = importlib.util.spec_from_file_location("fuzz_messages", FUZZ / "fuzz_messages.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_messages"] = module

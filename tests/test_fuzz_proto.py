@@ -1,11 +1,11 @@
-"""Issue 23 item 6 (a start): hypothesis-generated messages against a live server while a
+"""Hypothesis-generated messages against a live server while a
 healthy run trains alongside. Every answer is OK or a clear status (never INTERNAL or
 UNKNOWN), the server keeps serving, and the healthy run's answers are bitwise those of
 the same pushes on a server of its own (an in-process Store).
 
 This runs a few hundred messages of every unary kind (Page, every optimizer kind,
 dynamic tables) plus raw bytes, in about a minute;
-`test_short_fuzz_covers_every_rpc_kind_and_table_mode` runs bench/fuzz_proto.py alone
+`test_short_fuzz_covers_every_rpc_kind_and_table_mode` runs fuzz/fuzz_proto.py alone
 for seconds and checks its coverage (every RPC of the proto services, every optimizer
 kind of hybridps/optim_kinds.py registered and pushed to, static and dynamic tables,
 Page calls applied and peeks) and that the server survives it (no INTERNAL/UNKNOWN,
@@ -13,7 +13,7 @@ SERVING, valid calls of every kind answered right after);
 `test_fuzz_campaign_2000_messages` runs it with 2,000 messages (field mutations of valid
 messages of every kind, Sync streams included, and raw bytes) beside a real 2-rank
 training run, which must end bitwise equal to the same run alone. The
-100,000-message campaign is `python bench/fuzz_proto.py` (figures: docs/reliability.md).
+100,000-message campaign is `python fuzz/fuzz_proto.py` (figures: docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -168,11 +168,11 @@ def test_fuzzed_messages_beside_a_healthy_run(channel: grpc.Channel) -> None:
 
 @pytest.mark.timeout(300)
 def test_short_fuzz_covers_every_rpc_kind_and_table_mode(tmp_path: Path) -> None:
-    """Issue 44 item 10: the fuzzer reaches Page, dynamic tables and every optimizer kind,
+    """The fuzzer reaches Page, dynamic tables and every optimizer kind,
     and fails on a kind or an RPC it never exercised; the server survives its barrage."""
     out = tmp_path / "fuzz.json"
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(repo / "bench" / "fuzz_proto.py"), "--messages",
+    proc = subprocess.run([sys.executable, str(repo / "fuzz" / "fuzz_proto.py"), "--messages",
                            "800", "--seed", "11", "--without-healthy-runs",
                            "--dir", str(tmp_path / "work"), "--json", str(out)],
                           cwd=repo, capture_output=True, text=True, timeout=280, check=False)
@@ -207,7 +207,7 @@ def test_short_fuzz_covers_every_rpc_kind_and_table_mode(tmp_path: Path) -> None
 def test_fuzz_campaign_2000_messages(tmp_path: Path) -> None:
     out = tmp_path / "fuzz.json"
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(repo / "bench" / "fuzz_proto.py"), "--messages",
+    proc = subprocess.run([sys.executable, str(repo / "fuzz" / "fuzz_proto.py"), "--messages",
                            "2000", "--dir", str(tmp_path / "work"), "--json", str(out)],
                           cwd=repo, capture_output=True, text=True, timeout=850, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -217,14 +217,14 @@ def test_fuzz_campaign_2000_messages(tmp_path: Path) -> None:
     assert figures["server_alive"] and figures["health"] == "SERVING"
     assert figures["healthy_runs"] and all(h["bitwise_equal"] for h in figures["healthy_runs"])
     assert figures["codes"].get("OK", 0) > 0, "nothing the fuzzer sent was accepted"
-    # Issue 31: without the partition secrets every Sync call was PERMISSION_DENIED
+    # the fuzzer sends each partition's secret: without it every Sync is PERMISSION_DENIED
     assert figures["pushes_applied"] > 0, proc.stdout
     assert figures["by_method"].get("Sync OK", 0) > 0, proc.stdout
 
 
 def test_refused_admin_calls_with_undecodable_bytes_are_refused_cleanly(
         channel: grpc.Channel) -> None:
-    """Found by bench/fuzz_proto.py: a call the auth interceptor refuses (Shutdown and
+    """Found by fuzz/fuzz_proto.py: a call the auth interceptor refuses (Shutdown and
     DropRun on a server without an admin token) whose bytes are no message was answered
     UNKNOWN with a DecodeError traceback in the server log: the refusing handler decoded
     the request it never needs."""

@@ -1,6 +1,6 @@
-"""The exactness tests on a CUDA device (marker `gpu`; `pytest -m gpu`; bench/gpu_check.py
+"""The exactness tests on a CUDA device (marker `gpu`; `pytest -m gpu`; gpu_check/check.py
 runs them on a lent GPU). Without CUDA they skip, so every suite still collects them;
-GPU_TESTS_DEVICE=cpu runs them on the CPU (bench/gpu_check.py --dry-run).
+GPU_TESTS_DEVICE=cpu runs them on the CPU (gpu_check/check.py --dry-run).
 
 One worker rank (`python -m worker.main --device cuda`) and a real shard server:
 (a) --staleness 0 equals the single-process reference trained on the same device, with

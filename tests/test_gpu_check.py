@@ -1,4 +1,4 @@
-"""bench/gpu_check.py --dry-run: every stage of the GPU check runs on the CPU (tiny sizes,
+"""gpu_check/check.py --dry-run: every stage of the GPU check runs on the CPU (tiny sizes,
 gloo) and is ok, and the JSON and markdown have the shape docs/gpu_check.md describes;
 the goals are computed from the stages' figures."""
 
@@ -26,7 +26,7 @@ STAGES = ["prepare", "pytest_gpu", "default_job", "sync_debug", "table_budget",
 @pytest.mark.timeout(1800)
 def test_the_dry_run_runs_every_stage_ok_on_the_cpu(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run",
+    proc = subprocess.run([sys.executable, str(REPO / "gpu_check" / "check.py"), "--dry-run",
                            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1700,
                           check=False)
@@ -68,8 +68,9 @@ def test_the_dry_run_runs_every_stage_ok_on_the_cpu(tmp_path: Path) -> None:
 
 
 def _report() -> ModuleType:
-    """bench/gpu_report.py (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("gpu_report", REPO / "bench" / "gpu_report.py")
+    """gpu_check/gpu_report.py (gpu_check/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_report",
+                                                  REPO / "gpu_check" / "gpu_report.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

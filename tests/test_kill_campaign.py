@@ -1,7 +1,7 @@
-"""Issue 23 item 6: the shard server SIGKILLed at random steps of one run under
+"""The shard server SIGKILLed at random steps of one run under
 `torchrun --max-restarts`, restarted on the same port each time: the run ends bitwise
-equal to an uninterrupted one (bench/server_kill_campaign.py; here 3 kills in a 60-step
-run with a random seed the script prints; 20 kills: `python bench/server_kill_campaign.py`,
+equal to an uninterrupted one (campaigns/server_kill_campaign.py; here 3 kills in a 60-step
+run with a random seed the script prints; 20 kills: `python campaigns/server_kill_campaign.py`,
 figures in docs/reliability.md)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(900)
 def test_server_killed_three_times_ends_bitwise_equal(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "server_kill_campaign.py"),
+    proc = subprocess.run([sys.executable, str(REPO / "campaigns" / "server_kill_campaign.py"),
                            "--kills", "3", "--steps", "60", "--dir", str(tmp_path / "work"),
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True,
                           timeout=850, check=False)

@@ -1,5 +1,6 @@
 """The layers point one way: worker -> hybridps <- ps (docs/architecture.md), and none of
-them imports tests/ or bench/ (what only tests and benches use lives there).
+them imports tests/ or the script folders (bench/, campaigns/, fuzz/, gpu_check/: what only
+tests, benchmarks, fault campaigns, fuzzers and the GPU check use lives there).
 
 Every import statement of every module is read with `ast` (including imports inside
 functions and under TYPE_CHECKING), so a lazy import cannot hide a wrong edge.
@@ -17,7 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("worker", "ps", "hybridps")
 # package -> the top-level packages of this project it must never import
-_NOT_PRODUCT = {"tests", "bench"}
+# The script folders are no packages: a script's folder is sys.path[0], so its modules are
+# imported by their file names (`from harness import Server`); both kinds of name are listed.
+SCRIPT_FOLDERS = ("bench", "campaigns", "fuzz", "gpu_check")
+_NOT_PRODUCT = {"tests", *SCRIPT_FOLDERS,
+                *(p.stem for folder in SCRIPT_FOLDERS for p in (ROOT / folder).glob("*.py"))}
 FORBIDDEN = {"worker": {"ps", *_NOT_PRODUCT}, "ps": {"worker", *_NOT_PRODUCT},
              "hybridps": {"worker", "ps", *_NOT_PRODUCT}}
 
@@ -44,6 +49,19 @@ def test_no_import_against_the_layers(package: str) -> None:
              for path in _modules(package) for line, top in _imported(path)
              if top in FORBIDDEN[package]]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_script_folders_are_listed() -> None:
+    """Every folder of scripts beside the packages is in SCRIPT_FOLDERS (a new one is not
+    importable by the product unnoticed), and each module name is unique among them."""
+    script_dirs = {p.parent.name for p in ROOT.glob("*/*.py")
+                   if p.parent.name not in (*PACKAGES, "tests", "scripts", "build")
+                   and not p.parent.name.startswith(".")
+                   and not (p.parent / "__init__.py").exists()}
+    assert script_dirs <= set(SCRIPT_FOLDERS), sorted(script_dirs - set(SCRIPT_FOLDERS))
+    assert {"harness", "campaign_tools", "fuzz_messages", "gpu_common"} <= _NOT_PRODUCT
+    stems = [p.stem for folder in SCRIPT_FOLDERS for p in (ROOT / folder).glob("*.py")]
+    assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
 
 
 def test_the_scan_sees_imports_inside_functions(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""World size 1 (issue 24): the training loop leaves the dense part unwrapped when FSDP/DDP
+"""World size 1: the training loop leaves the dense part unwrapped when FSDP/DDP
 would change nothing (worker/dense/parallel.py `wrapper_needed`), and the results are bitwise
 those of the wrapped module: the same dense weights and the same rows."""
 

@@ -105,7 +105,7 @@ def test_register_creates_then_adopts_newer_incarnation() -> None:
     assert part is not None and part.tables["emb"].m is not None
     assert part.tables["emb"].m.shape == (10, DIM)
     feed(store, push(0, [11]))
-    # A newer process of the rank, with the partition's secret (issue 23: nobody else may
+    # A newer process of the rank, with the partition's secret (nobody else may
     # take over a partition that has state); the order of tables is irrelevant.
     again = store.register(RUN, 1, 2, 3, [SMALL, EMB], ADAM, secret=store.secret(RUN, 1))
     assert {(t.name, t.last_step, t.created) for t in again} == {
@@ -202,12 +202,12 @@ def test_duplicate_push_returns_the_saved_answer_and_changes_nothing() -> None:
         replay = feed(store, push(step, ids))  # the same payload, re-sent
         assert replay is not None and replay.duplicate
         assert_same_answer(replay, original)
-        # Another payload for an applied step is a client's bug (issue 31: it got the
-        # saved answer unchecked): refused by the payload digest, naming the step.
+        # Another payload for an applied step is a client's bug (the saved answer would
+        # hide it): refused by the payload digest, naming the step.
         with pytest.raises(Conflict, match=f"step {step} was applied with another payload"):
             feed(store, push(step, ids, seed=99))
     assert_same_state(before, state(store))
-    # A newer incarnation of the rank (with the partition's secret: issue 23) replaying an
+    # A newer incarnation of the rank (with the partition's secret) replaying an
     # applied step gets the saved answer.
     store.register(RUN, 1, 2, 1, [EMB, SMALL], ADAM, secret=store.secret(RUN, 1))
     replay = feed(store, push(1, [11, 12], incarnation=1))

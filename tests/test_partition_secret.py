@@ -1,4 +1,4 @@
-"""The per-partition secret (issue 23 item 2): only the process a Register answered may
+"""The per-partition secret: only the process a Register answered may
 speak for a partition.
 
 Unit (the store): the secret's size, the constant-time check, and the takeover rule (who
@@ -209,7 +209,7 @@ def _intrude(address: str, run_id: str, stop: threading.Event, tries: list[str])
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_a_third_party_cannot_inject_into_a_live_run(server: PsServer, tmp_path: Path) -> None:
-    """Issue 23's injection, with the inline Sync stream (--same-node off, where a push of
+    """A third party's injection, with the inline Sync stream (--same-node off, where a push of
     step L+1 sent first used to be applied and the real one answered as its duplicate):
     refused every time, and the run ends rc 0 bitwise equal to an undisturbed run."""
     args = [*COMMON, "--batch-size", str(GLOBAL_BATCH // 2), "--ps", server.address,

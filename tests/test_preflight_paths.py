@@ -1,5 +1,5 @@
-"""A bad output path is refused before the first step, with one line naming it (issue 44
-item 3): worker/config/output_paths.py, run by worker/config/preflight.py in the launcher and
+"""A bad output path is refused before the first step, with one line naming it:
+worker/config/output_paths.py, run by worker/config/preflight.py in the launcher and
 in every rank before its torch imports; the shard server's --checkpoint-root before it binds
 (ps/config.py ensure_checkpoint_root).
 

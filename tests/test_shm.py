@@ -338,8 +338,8 @@ def test_server_with_shm_disabled_gets_inline_pushes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--same-node", "maybe"], "same_node='maybe' is not one of auto, off, require"),
-    (["--same-node", "stream"], "same_node='stream' was removed: with the arena, the Sync "
-                                "messages travel on the gRPC stream in every mode; use auto"),
+    (["--same-node", "stream"], "same_node='stream' is not one of auto, off, require: every "
+                                "mode sends the Sync messages on the gRPC stream; auto"),
     (["--same-node-mb", "-1"], "same_node_mb=-1 must be in [0, 1048576]"),
     (["--same-node", "require", "--local-optimizer"], "same_node='require' needs a shard server"),
     # flags that no longer exist are unknown flags, like any other

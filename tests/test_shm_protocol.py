@@ -33,7 +33,7 @@ class RawRank:
         self.channel = grpc.insecure_channel(address)
         self.stub = shard_pb2_grpc.ShardServiceStub(self.channel)
         self.epoch = 0
-        self.secret = ""  # the partition's, from the latest Register (issue 23)
+        self.secret = ""  # the partition's, from the latest Register
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -1,7 +1,7 @@
 """The training loop asks the host for no device value outside the named sync points,
 checked on the CPU (tests/cpu_sync_debug.py): the calls that synchronise on CUDA, seen by a
 dispatch mode, on the torch kernels a CUDA device runs: what CUDA's own sync debug mode
-(bench/gpu_check.py, stage sync_debug) would find, without a GPU."""
+(gpu_check/check.py, stage sync_debug) would find, without a GPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 23, the transport-free server core: names, the checkpoint root, damaged
+"""What the transport-free server core trusts: names, the checkpoint root, damaged
 checkpoints refused with nothing changed, the state budget and impossible shapes, the
 partition secret, freeing runs, the run rules under torchrun restarts, the arena sweep."""
 

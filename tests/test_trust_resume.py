@@ -1,4 +1,4 @@
-"""Issue 23 item 1, the worker side: a damaged checkpoint is never loaded.
+"""The worker side of checkpoint trust: a damaged checkpoint is never loaded.
 
 - every kind of file a checkpoint lists (rows, optim, pending, dense, the manifest) is
   checked against the manifest before anything is applied (unit, on a real checkpoint);

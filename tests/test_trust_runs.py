@@ -1,4 +1,4 @@
-"""Issue 31, the transport-free server core: checkpoints are the run's own, no takeover
+"""The transport-free server core's run rules: checkpoints are the run's own, no takeover
 without proof, nothing holds server memory without using it, the refusals column, and a
 re-sent step with another payload.
 
@@ -115,7 +115,7 @@ def test_a_directory_of_another_run_or_with_a_link_cannot_be_claimed(tmp_path: P
 
 def test_a_checkpoint_into_another_runs_directory_is_refused_and_changes_nothing(
         tmp_path: Path) -> None:
-    """The issue's attack: a third party registers its own run with the victim's table
+    """The attack: a third party registers its own run with the victim's table
     names and asks for a checkpoint into the victim's complete checkpoint directory."""
     root = tmp_path / "root"
     store = _store(root)
@@ -177,7 +177,7 @@ def test_no_symbolic_link_is_followed(tmp_path: Path, where: str) -> None:
     root = tmp_path / "root"
     store = _store(root)
     _train(store, RUN, VICTIM)
-    target = root / "private"  # inside the root, like the issue's 0700 directory
+    target = root / "private"  # inside the root, like a user's 0700 directory
     target.mkdir(mode=0o700)
     claim_directory(target, prefer=VICTIM)  # even one the run could claim
     (target / "kept").write_text("untouched")
@@ -283,7 +283,7 @@ def test_a_restore_reads_only_the_callers_runs_checkpoints(tmp_path: Path) -> No
 
 
 def test_register_refuses_a_checkpoint_dir_the_run_may_not_write(tmp_path: Path) -> None:
-    """Issue 32: refused at Register, naming the directory and the root, not at the
+    """Refused at Register, naming the directory and the root, not at the
     first checkpoint after --checkpoint-every steps."""
     root = tmp_path / "root"
     store = _store(root)

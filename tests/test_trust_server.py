@@ -1,4 +1,4 @@
-"""Issue 23 over gRPC, against a real server: status codes of undecodable requests,
+"""What the server trusts, over gRPC against a real server: status codes of undecodable requests,
 non-finite timeouts, names, the checkpoint root, damaged restores, the state budget;
 starting without a token on a non-loopback address; the generated token file; DropRun
 and the retention of finished runs in stats."""
@@ -126,7 +126,7 @@ def test_checkpoint_outside_the_root_is_permission_denied(server: PsServer,
 
 def test_checkpoint_directory_the_file_system_refuses_is_invalid_argument(
         server: PsServer) -> None:
-    """Found by bench/fuzz_proto.py: a directory name of 300 characters was INTERNAL
+    """Found by fuzz/fuzz_proto.py: a directory name of 300 characters was INTERNAL
     (OSError: File name too long); so was a path through a regular file."""
     with open_channel(server.address) as ch:
         stub = shard_stub(ch)

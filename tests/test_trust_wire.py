@@ -1,8 +1,9 @@
-"""Issue 31 over the wire, against real servers (port 0): the attacks of the issue's
-campaign, refused; unused registrations freed without stopping an --exit-after-run
-server; the per-run state cap; `ps.admin stats` with the admin token alone; a wrong
-secret in the run's refusals column; a re-sent step with another payload. And issue 32's
-checkpoint directory outside the root, refused at Register by a real worker."""
+"""The server's trust rules over the wire, against real servers (port 0): another run's
+checkpoints not overwritten, an idle partition not rolled back without the run secret;
+unused registrations freed without stopping an --exit-after-run server; the per-run
+state cap; `ps.admin stats` with the admin token alone; a wrong secret in the run's
+refusals column; a re-sent step with another payload; a checkpoint directory outside
+the root, refused at Register by a real worker."""
 
 from __future__ import annotations
 
@@ -247,9 +248,9 @@ def test_unused_registrations_are_freed_and_do_not_end_an_exit_after_run_server(
 
 
 def test_a_checkpoint_dir_outside_the_root_is_refused_at_register(tmp_path: Path) -> None:
-    """Issue 32: the refusal came at the first checkpoint, after --checkpoint-every steps,
-    leaving a partial step directory. Now a worker stops at Register, before training,
-    with one line naming the directory and the root."""
+    """A worker stops at Register, before training, with one line naming the directory
+    and the root (not at the first checkpoint, after --checkpoint-every steps, with a
+    partial step directory left)."""
     root = tmp_path / "root"
     root.mkdir()
     srv = start_ps_server(tmp_path, "--checkpoint-root", str(root))

@@ -260,17 +260,20 @@ def test_worker_run_with_wire_dtype(ps_address: str, tmp_path: Path, wire_dtype:
 
 
 def test_worker_refuses_unix_addresses() -> None:
-    """The server's --uds listener is gone: a unix: address names the replacement."""
+    """The server listens on TCP only: a unix: address is refused, naming what to give."""
     for address in ("unix:/tmp/ps.sock", "unix:rel.sock,10.0.0.2:50051"):
-        with pytest.raises(ValueError, match="--uds is gone"):
+        with pytest.raises(ValueError, match=r"is not HOST:PORT: the server listens on TCP "
+                           r"only; give its HOST:PORT") as raised:
             TrainConfig.of(ps=address)
+        assert f"ps={address.split(',')[0]!r}" in str(raised.value)  # the bad entry
 
 
 # -- flag validation ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--wire-dtype", "fp8"], "wire_dtype='fp8' is not one of fp32, bf16, fp16"),
-    (["--ps", "unix:/tmp/ps.sock"], "ps='unix:/tmp/ps.sock': the server no longer listens"),
+    (["--ps", "unix:/tmp/ps.sock"], "ps='unix:/tmp/ps.sock' is not HOST:PORT: the server "
+                                   "listens on TCP only"),
 ])
 def test_worker_flags_name_bad_values(argv: list[str], message: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:

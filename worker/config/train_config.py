@@ -88,10 +88,10 @@ def parse_host_port(address: str) -> tuple[str, int]:
 
 def check_ps_address(address: str) -> None:
     """HOST:PORT or [V6]:PORT; ValueError if not."""
-    if address.startswith("unix:"):
-        raise ValueError(f"ps={address!r}: the server no longer listens on a Unix socket "
-                         "(--uds is gone); give its HOST:PORT (ranks on its node reach it "
-                         "through shared memory, --same-node)")
+    if address.startswith("unix:"):  # a socket path: say what the server listens on
+        raise ValueError(f"ps={address!r} is not HOST:PORT: the server listens on TCP only; "
+                         "give its HOST:PORT (ranks on its node reach it through shared "
+                         "memory, --same-node)")
     parse_host_port(address)
 
 
@@ -248,10 +248,11 @@ class SameNodeConfig:
         "least 64, within the free space of /dev/shm (worker/sync/arena.py)", "MB")
 
     def __post_init__(self) -> None:
-        if self.same_node == "stream":  # what auto does now: named, not just "not one of"
-            raise ValueError("same_node='stream' was removed: with the arena, the Sync "
-                             "messages travel on the gRPC stream in every mode; use auto "
-                             "(or require)")
+        if self.same_node == "stream":  # every mode streams: say so, beside the choices
+            raise ValueError("same_node='stream' is not one of auto, off, require: every "
+                             "mode sends the Sync messages on the gRPC stream; auto (the "
+                             "default) puts the pushes and answers in a shared-memory arena "
+                             "when the server takes it")
         check_settings(self)
         if not 0 <= self.same_node_mb <= MAX_SAME_NODE_MB:
             raise ValueError(f"same_node_mb={self.same_node_mb!r} must be in "

@@ -15,7 +15,7 @@ path (and every bitwise test) is unchanged.
 
 The places that must wait for the device are named (`SYNC_POINTS`) and entered with
 `sync_point(name)`. Under `sync_debug("error")` (torch.cuda.set_sync_debug_mode) any other
-synchronising CUDA call in the loop raises; `bench/gpu_check.py` runs the loop so and lists
+synchronising CUDA call in the loop raises; `gpu_check/check.py` runs the loop so and lists
 every unnamed place it finds (tests/test_device_copy.py lists the named ones).
 """
 
@@ -53,7 +53,7 @@ SYNC_POINTS: dict[str, str] = {
     "checkpoint": "worker/train/trainer.py: a checkpoint (--checkpoint-every)",
 }
 
-# how often each sync point was entered (bench/gpu_check.py reports them per step)
+# how often each sync point was entered (gpu_check/check.py reports them per step)
 SYNC_HITS: collections.Counter[str] = collections.Counter()
 
 _lock = threading.Lock()

@@ -15,7 +15,7 @@ The training loop and the checkpointer announce named points with
         point "pushed" of every EVERY-th step (step % EVERY == EVERY - 1; RANK omitted:
         every rank), in every incarnation: break the rank's Sync connection (cancel its
         gRPC Sync stream), so that the client re-registers, reconnects and re-sends what
-        was unanswered (soaks: bench/soak.py).
+        was unanswered (soaks: campaigns/soak.py).
 
 To add a kind of fault: announce a new point where it belongs (`reached("my.point", rank,
 step)`), and add an entry to PARSERS: the environment variable and a function turning its

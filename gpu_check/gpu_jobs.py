@@ -1,4 +1,4 @@
-"""Stages b and c of bench/gpu_check.py: the default job on one GPU rank against the same
+"""Stages b and c of gpu_check/check.py: the default job on one GPU rank against the same
 model with its rows AND Adam state on the GPU, and the largest table a GPU budget holds.
 
 b. `default_job`: hybridps (one rank, this process, a shard server on this machine) at

@@ -1,8 +1,8 @@
 """Fault campaign: torn and bit-flipped checkpoints at many files and offsets.
 
-    python bench/fault_campaign.py --quick            # ~2 min: 120 damages, 1 resumed run
-    python bench/fault_campaign.py                    # 1000 damages, 4 resumed runs
-    python bench/fault_campaign.py --json runs/fault_campaign.json
+    python campaigns/fault_campaign.py --quick            # ~2 min: 120 damages, 1 resumed run
+    python campaigns/fault_campaign.py                    # 1000 damages, 4 resumed runs
+    python campaigns/fault_campaign.py --json runs/fault_campaign.json
 
 A real run writes the checkpoints: a shard server (port 0) and 2 torchrun ranks, 15
 steps with a checkpoint every 5 (steps 4, 9, 14), plus an uninterrupted 20-step run
@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from campaign_tools import end_campaign  # noqa: E402  (bench/ is sys.path[0])
+from campaign_tools import end_campaign  # noqa: E402  (campaigns/ is sys.path[0])
 
 from hybridps.checkpoint import (  # noqa: E402
     MANIFEST,

@@ -1,8 +1,8 @@
-"""What the fault campaigns share (bench/server_kill_campaign.py, bench/fuzz_proto.py,
-bench/soak.py): a shard server that can be SIGKILLed and started again on the same port,
+"""What the fault campaigns share (campaigns/server_kill_campaign.py, fuzz/fuzz_proto.py,
+campaigns/soak.py): a shard server that can be SIGKILLed and started again on the same port,
 torchrun'd worker commands, its RSS, and bitwise comparisons of two runs' final states.
 
-    from campaign_tools import PsProcess, worker_cmd, state_differences  # bench/ on sys.path
+    from campaign_tools import PsProcess, worker_cmd, state_differences  # campaigns/ on sys.path
 
 Child processes get the environment without any HYBRIDPS_* variable (a campaign says
 every flag it means; HYBRIDPS_FAULT_* only when it asks for a fault) and one OpenMP

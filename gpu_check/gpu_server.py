@@ -1,4 +1,4 @@
-"""Stage d of bench/gpu_check.py: does the node's shard server keep up with a GPU step?
+"""Stage d of gpu_check/check.py: does the node's shard server keep up with a GPU step?
 
 On this host, the server's row kernel (hybridps.optim.apply_rows_, native when built, with
 check_finite as the server runs it, on state laid out like the server's) at 1, 2, 4, 8 and

@@ -1,8 +1,8 @@
 """Server kill campaign: SIGKILL the shard server many times during one training run.
 
-    python bench/server_kill_campaign.py                       # 20 kills in a 300-step run
-    python bench/server_kill_campaign.py --kills 3 --steps 60  # tests/test_kill_campaign.py
-    python bench/server_kill_campaign.py --seed 7 --json runs/kills.json
+    python campaigns/server_kill_campaign.py                       # 20 kills in a 300-step run
+    python campaigns/server_kill_campaign.py --kills 3 --steps 60  # tests/test_kill_campaign.py
+    python campaigns/server_kill_campaign.py --seed 7 --json runs/kills.json
 
 One 2-rank run under `torchrun --max-restarts` (checkpoints every --checkpoint-every
 steps, --resume), against a shard server that a supervisor (this script) SIGKILLs at

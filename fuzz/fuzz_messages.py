@@ -1,4 +1,4 @@
-"""The fuzzer's messages (bench/fuzz_proto.py): valid requests of fuzz partitions, and
+"""The fuzzer's messages (fuzz/fuzz_proto.py): valid requests of fuzz partitions, and
 their field-level and byte-level mutations, from one random.Random.
 
 `Generator.item()` gives an Item (method, serialized requests, the pushes of a Sync call,

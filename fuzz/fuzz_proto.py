@@ -1,10 +1,10 @@
 """Protocol fuzzer: malformed and mutated messages against a live shard server while
 healthy 2-rank runs train on the same server.
 
-    python bench/fuzz_proto.py                     # 100,000 messages
-    python bench/fuzz_proto.py --messages 2000     # tests/test_fuzz_proto.py
-    python bench/fuzz_proto.py --seed 5 --json runs/fuzz.json
-    python bench/fuzz_proto.py --messages 600 --without-healthy-runs   # seconds
+    python fuzz/fuzz_proto.py                     # 100,000 messages
+    python fuzz/fuzz_proto.py --messages 2000     # tests/test_fuzz_proto.py
+    python fuzz/fuzz_proto.py --seed 5 --json runs/fuzz.json
+    python fuzz/fuzz_proto.py --messages 600 --without-healthy-runs   # seconds
 
 Messages (plain Python generation from --seed, no hypothesis: fast enough for 10^5):
 - random bytes, sent as the request of a random method;
@@ -56,7 +56,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# campaign_tools: the shard server and worker commands the fault campaigns share
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "campaigns"))
 
 import grpc
 from campaign_tools import (

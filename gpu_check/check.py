@@ -1,14 +1,14 @@
 """The GPU check: one command on a machine with one NVIDIA GPU (docs/gpu_check.md).
 
-    python bench/gpu_check.py --out DIR              # on the GPU machine (~5-7 min)
-    python bench/gpu_check.py --dry-run --out DIR    # every stage on the CPU, tiny sizes
-    python bench/gpu_check.py --only sync_debug,nccl --out DIR   # a rerun of some stages
-    python bench/gpu_check.py --fetch-wheels         # here: the wheels to carry (.whl/)
+    python gpu_check/check.py --out DIR              # on the GPU machine (~5-7 min)
+    python gpu_check/check.py --dry-run --out DIR    # every stage on the CPU, tiny sizes
+    python gpu_check/check.py --only sync_debug,nccl --out DIR   # a rerun of some stages
+    python gpu_check/check.py --fetch-wheels         # here: the wheels to carry (.whl/)
 
-Each stage runs in a process of its own with its own time limit (bench/gpu_stages.py), so a
+Each stage runs in a process of its own with its own time limit (gpu_check/gpu_stages.py), so a
 hang or a CUDA crash costs that stage only; DIR/gpu_check.json (a `stages` map: each
 stage's name -> ok, seconds, figures, error), DIR/gpu_check.md (the same as tables, and
-the issue's goals as met / missed with their margins) and DIR/gpu_check.log are rewritten
+the GPU check's goals as met / missed with their margins) and DIR/gpu_check.log are rewritten
 after every stage, so a check stopped from outside still returns what it measured.
 Wheels in REPO/.whl (--fetch-wheels) are installed first into a folder of the work
 directory and put on the stages' PYTHONPATH: the project's grpcio, protobuf and gRPC

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's results as the issue's goals (met / missed, with the margin) and
+"""gpu_check/check.py's results as the GPU check's goals (met / missed, with the margin) and
 as markdown tables."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _goal(what: str, value: float | None, target: float, op: str, dry_run: bool,
 
 
 def goals(stages: dict[str, Any], dry_run: bool) -> list[dict[str, Any]]:
-    """The issue's goals from the stages' figures (value None: the stage gave none)."""
+    """The GPU check's goals from the stages' figures (value None: the stage gave none)."""
     b = _fig(stages, "default_job")
     c = _fig(stages, "table_budget").get("rows_vs_sparse_adam", {})
     d = _fig(stages, "server_threads").get("jobs", {})

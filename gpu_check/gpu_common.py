@@ -1,8 +1,8 @@
-"""What the stages of bench/gpu_check.py share: where a stage writes its figures, the
+"""What the stages of gpu_check/check.py share: where a stage writes its figures, the
 device, the sizes of a dry run, and a trainer run in this process.
 
-A stage runs as `python bench/gpu_stages.py STAGE --work DIR [--dry-run]` (bench/ is
-sys.path[0]) and writes DIR/STAGE.json after every figure it gets, so a stage stopped at
+A stage runs as `python gpu_check/gpu_stages.py STAGE --work DIR [--dry-run]` (gpu_check/
+is sys.path[0]) and writes DIR/STAGE.json after every figure it gets, so a stage stopped at
 its time limit still hands back what it measured.
 """
 
@@ -21,6 +21,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+# the benchmarks' shard server (bench/harness.py: Server), after everything else
+if str(REPO / "bench") not in sys.path:
+    sys.path.append(str(REPO / "bench"))
 
 
 def log(msg: str) -> None:

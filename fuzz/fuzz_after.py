@@ -1,4 +1,4 @@
-"""After the fuzzer's barrage (bench/fuzz_proto.py): valid calls still answered right.
+"""After the fuzzer's barrage (fuzz/fuzz_proto.py): valid calls still answered right.
 
 For every optimizer kind of hybridps/optim_kinds.py, a fresh run with one static and one
 dynamic table: Register, a Sync push to each table (answered, applied once), a Page call

@@ -1,10 +1,10 @@
-"""The stages of bench/gpu_check.py, one per process:
+"""The stages of gpu_check/check.py, one per process:
 
-    python bench/gpu_stages.py STAGE --work DIR [--dry-run]
+    python gpu_check/gpu_stages.py STAGE --work DIR [--dry-run]
 
 writes DIR/STAGE.json ({"ok", "error", "figures"}) as it goes. Stages: prepare (the python,
 its packages, the native kernel built in place), pytest_gpu (tests/test_gpu.py),
-default_job and table_budget (bench/gpu_jobs.py), server_threads (bench/gpu_server.py),
+default_job and table_budget (gpu_check/gpu_jobs.py), server_threads (gpu_check/gpu_server.py),
 nccl (a one-rank NCCL group through worker/runtime/dist.py's init_distributed, and the
 default job through torchrun) and sync_debug (the loop under CUDA's sync debug mode).
 """
@@ -43,6 +43,8 @@ MODULES = {
 PROJECT_IMPORTS = ("hybridps.v1.shard_pb2", "hybridps.v1.shard_pb2_grpc", "ps.edge.server",
                    "worker.train.trainer")
 SYNC_MESSAGE = "synchronizing CUDA operation"
+# the check's own frames and the benchmarks' server: not a sync site of the product
+CHECK_FOLDERS = (str(REPO / "gpu_check") + "/", str(REPO / "bench") + "/")
 DRY_RUN_TESTS = "staleness0 or bf16 or export"
 
 
@@ -196,7 +198,7 @@ NOT_CHECKED_HERE = [
 
 
 def stage_nccl(rep: StageReport, dry_run: bool, work: Path) -> None:
-    from harness import Server  # bench/ is sys.path[0]
+    from harness import Server  # bench/ is on sys.path (gpu_common)
 
     rep.set(not_checked_here=NOT_CHECKED_HERE)
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -296,7 +298,7 @@ def stage_nccl_rank(rep: StageReport, dry_run: bool, work: Path) -> None:
         destroy_distributed()
 
 
-# -- item 1: the loop under CUDA's sync debug mode ---------------------------------------
+# -- sync_debug: the loop under CUDA's sync debug mode -----------------------------------
 
 class SyncWatch:
     """CUDA's sync debug mode ("warn") around a block, every warning it gives kept with
@@ -329,7 +331,8 @@ class SyncWatch:
             self._previous(message, category, filename, lineno, file, line)
             return
         frames = [f for f in traceback.extract_stack()[:-1]
-                  if f.filename.startswith(str(REPO)) and "/bench/" not in f.filename]
+                  if f.filename.startswith(str(REPO))
+                  and not f.filename.startswith(CHECK_FOLDERS)]
         where = [f"{Path(f.filename).relative_to(REPO)}:{f.lineno} {f.name}" for f in frames]
         site = where[-1] if where else f"{filename}:{lineno}"
         entry = self.sites.setdefault(site, {"count": 0, "stack": where[-8:]})

@@ -365,7 +365,7 @@ def _ignore_stop_signals() -> None:
 
 
 def _stop_signal_behind(exc: BaseException) -> Any:
-    """The stop signal another exception hides, else None: torch's metrics wrapper reads
+    """The stop signal `exc` is or hides, else None: torch's metrics wrapper reads
     its timer in a `finally`, so a signal taken before the timer was set surfaces as an
     UnboundLocalError whose context is the SignalException."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -414,7 +414,6 @@ def _launch(args: list[str]) -> int:
             print(found[0], file=sys.stderr, flush=True)
             return found[1]
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -436,25 +435,20 @@ def _launch(args: list[str]) -> int:
                 torchrun_main(args)
             finally:
                 _ignore_stop_signals()
-        except SignalException as exc:
-            line, code = stop_line(exc.sigval, _read_notes(scratch), local_world,
-                                   signals.second, signals.started)
-            print(line, file=sys.stderr, flush=True)
-            return code
         except ChildFailedError as exc:
             line, code = failure_line(exc.failures)
             print(line, file=sys.stderr, flush=True)
             return code
-        except Exception as exc:  # torchrun's own (a rendezvous that timed out, ...)
+        except Exception as exc:  # a stop signal, or torchrun's own (a rendezvous timeout)
             stop = _stop_signal_behind(exc)
-            if stop is not None:
-                line, code = stop_line(stop.sigval, _read_notes(scratch), local_world,
-                                       signals.second, signals.started)
-                print(line, file=sys.stderr, flush=True)
-                return code
-            print(f"{PROG}: error: torchrun: {type(exc).__name__}: {exc}", file=sys.stderr,
-                  flush=True)
-            return 1
+            if stop is None:
+                print(f"{PROG}: error: torchrun: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+                return 1
+            line, code = stop_line(stop.sigval, _read_notes(scratch), local_world,
+                                   signals.second, signals.started)
+            print(line, file=sys.stderr, flush=True)
+            return code
     return 0
 
 

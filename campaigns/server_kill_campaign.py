@@ -1,7 +1,7 @@
 """Server kill campaign: SIGKILL the shard server many times during one training run.
 
     python campaigns/server_kill_campaign.py                       # 20 kills in a 300-step run
-    python campaigns/server_kill_campaign.py --kills 3 --steps 60  # tests/test_kill_campaign.py
+    python campaigns/server_kill_campaign.py --kills 3 --steps 60  # the test's short run
     python campaigns/server_kill_campaign.py --seed 7 --json runs/kills.json
 
 One 2-rank run under `torchrun --max-restarts` (checkpoints every --checkpoint-every

@@ -2,7 +2,7 @@
 healthy 2-rank runs train on the same server.
 
     python fuzz/fuzz_proto.py                     # 100,000 messages
-    python fuzz/fuzz_proto.py --messages 2000     # tests/test_fuzz_proto.py
+    python fuzz/fuzz_proto.py --messages 2000     # tests/system/test_fuzz_proto.py
     python fuzz/fuzz_proto.py --seed 5 --json runs/fuzz.json
     python fuzz/fuzz_proto.py --messages 600 --without-healthy-runs   # seconds
 
@@ -39,7 +39,7 @@ calls of every optimizer kind (Register, Sync, Page, peek, Flush, GetShardStats)
 answered right after the barrage, and full coverage: every RPC of the proto services
 sent, and each optimizer kind and table mode registered and pushed to, and Page calls
 applied (fuzz_messages.required_coverage). --without-healthy-runs: the fuzz and these
-checks alone, in seconds (tests/test_fuzz_proto.py).
+checks alone, in seconds (tests/system/test_fuzz_proto.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ model with its rows AND Adam state on the GPU, and the largest table a GPU budge
 
 b. `default_job`: hybridps (one rank, this process, a shard server on this machine) at
    --staleness 0, 1, 2 with fp32 rows and at 1 with bf16 rows, next to the plain loop with
-   everything on the GPU (tests/reference_trainer.py's LocalEmbedding, i.e. nn.Embedding /
+   everything on the GPU (tests/testing/reference_trainer.py's LocalEmbedding, i.e. nn.Embedding /
    F.embedding_bag with sparse=True, + torch.optim.SparseAdam, the same dense model and
    Adam, the same batches). Samples/s; the time the step waited for updates; GPU bytes
    per embedding element = (torch.cuda.max_memory_allocated - the dense part) / the
@@ -119,7 +119,7 @@ def resident_loop(device: torch.device, args: Sequence[str], steps: int,
                   random_rows: bool = False) -> dict[str, Any]:
     """The same model with rows AND Adam state on the device: SparseAdam on the rows, the
     worker's dense optimizer, this rank's batches of the task, its loss logged as often."""
-    from tests.reference_trainer import LocalEmbedding
+    from tests.testing.reference_trainer import LocalEmbedding
     from worker.dense.optimizer import make_dense_optimizer
     from worker.tasks import build_task
     from worker.tasks.base import HybridModel, build_dense_seeded

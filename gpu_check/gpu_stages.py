@@ -3,7 +3,7 @@
     python gpu_check/gpu_stages.py STAGE --work DIR [--dry-run]
 
 writes DIR/STAGE.json ({"ok", "error", "figures"}) as it goes. Stages: prepare (the python,
-its packages, the native kernel built in place), pytest_gpu (tests/test_gpu.py),
+its packages, the native kernel built in place), pytest_gpu (tests/system/test_gpu.py),
 default_job and table_budget (gpu_check/gpu_jobs.py), server_threads (gpu_check/gpu_server.py),
 nccl (a one-rank NCCL group through worker/runtime/dist.py's init_distributed, and the
 default job through torchrun) and sync_debug (the loop under CUDA's sync debug mode).
@@ -152,7 +152,7 @@ def _compile_directly() -> str:
 def stage_pytest_gpu(rep: StageReport, dry_run: bool, work: Path) -> None:
     junit = work / "pytest_gpu.xml"
     env = clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # the image's plugins stay out
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-v",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/system/test_gpu.py", "-v",
            "-p", "no:cacheprovider", "-p", "pytest_timeout", "--junitxml", str(junit)]
     if dry_run:  # the stage's plumbing, with 3 of the tests on the CPU (the others each
         # start two more workers; `GPU_TESTS_DEVICE=cpu pytest -m gpu` runs all of them)
@@ -351,16 +351,16 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
     from harness import Server
 
     from hybridps import optim, pooled_bags
-    from tests.cpu_sync_debug import SyncingOps
+    from tests.testing.cpu_sync_debug import SyncingOps
     from worker.runtime.device_copy import SYNC_HITS, SYNC_POINTS
     from worker.runtime.dist import destroy_distributed, init_distributed
 
     device = pick_device(dry_run)
     on_cuda = device.type == "cuda"
     # On the CPU: the calls that would synchronise on CUDA
-    # (tests/cpu_sync_debug.py), on the torch kernels a CUDA device runs
+    # (tests/testing/cpu_sync_debug.py), on the torch kernels a CUDA device runs
     rep.set(named_sync_points=SYNC_POINTS, checked=on_cuda,
-            watched_by="CUDA's sync debug mode" if on_cuda else "tests/cpu_sync_debug.py")
+            watched_by="CUDA's sync debug mode" if on_cuda else "tests/testing/cpu_sync_debug.py")
     if not on_cuda:
         optim.set_kernel("torch")
         pooled_bags.set_pool_kernel("torch")
@@ -414,7 +414,7 @@ def stage_sync_debug(rep: StageReport, dry_run: bool, work: Path) -> None:
         torch.cuda.synchronize()
         if not unnamed_total and rep.figures.get("error_mode") != "ran clean":
             errors.append(f"error mode: {rep.figures.get('error_mode', 'not run')}")
-    # on the CPU: the watcher of tests/cpu_sync_debug.py (CUDA's "error" run needs a GPU)
+    # on the CPU: the watcher of tests/testing/cpu_sync_debug.py (CUDA's "error" run needs a GPU)
     rep.finish(not errors, "; ".join(errors) or None)
 
 

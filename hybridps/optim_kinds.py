@@ -19,7 +19,7 @@ A record says everything the rest of the code asks of a kind, and every reader r
 - `bound`: its overflow bound (hybridps/optim_bounds.py), which the shard server's
   OverflowBound (ps/core/overflow.py) reads to prove a push cannot overflow float32;
 - `reference`: the torch.optim optimizer the whole-table reference trainer uses
-  (tests/reference_trainer.py), ROW_KERNELS (its torch kernel on whole tables), or None;
+  (tests/testing/reference_trainer.py), ROW_KERNELS (its torch kernel on whole tables), or None;
 - `touched_from`: the state tensor from which a restored server rebuilds its touched marks;
 - `summary`: the flag's help text for it.
 Kernels are named "module:function" (imported on first use, so that this module stays
@@ -86,7 +86,7 @@ DENSE_OPTIMIZERS: dict[str, DenseOptimizer] = {
 @dataclass(frozen=True)
 class TorchReference:
     """The torch.optim optimizer (taking sparse gradients) a whole-table reference trains a
-    kind with, and the OptimizerSpec fields it is given (tests/reference_trainer.py). One
+    kind with, and the OptimizerSpec fields it is given (tests/testing/reference_trainer.py). One
     given no weight_decay stands for runs without weight decay only."""
 
     torch_class: str

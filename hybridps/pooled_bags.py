@@ -6,7 +6,7 @@ or more tables) is, in the torch path: dedupe the ids it received (`OwnerPool.bu
 gather the distinct rows, add their weight prediction (worker/updates/staleness.py), sum each
 bag (`PoolAtOwner`), and in backward sum each distinct row's bag gradients. `forward`
 and `backward` here do the same in ONE native call each for all the unit's pooled
-entries, with the same float32 results bit for bit (tests/test_pooled_bags.py): the
+entries, with the same float32 results bit for bit (tests/hybridps/test_pooled_bags.py): the
 torch path stays the reference and the fallback. `requests` does the requester's side
 of such an entry (which owner gets which ids of which bag) in one call too.
 

@@ -25,7 +25,7 @@ from ps.core.lifecycle import DEFAULT_ABORT_GRACE_S  # torch-free
 
 MIN_MESSAGE_BYTES = 4096
 MAX_KERNEL_THREADS = 64  # the native pool's limit (MAX_WORKERS + the caller)
-# The defaults of ps/core/shard_core.py and ps/core/partition.py (tests/test_config.py
+# The defaults of ps/core/shard_core.py and ps/core/partition.py (tests/worker/config/test_config.py
 # checks they agree): written out here because importing those modules imports torch.
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
 DEFAULT_ANSWER_CACHE_STEPS = 8

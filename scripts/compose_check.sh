@@ -6,7 +6,7 @@
 #
 # Run it whenever the Dockerfile, the compose files, worker/launch.py or the server's
 # lifecycle change, and record its summary in docs/deploy.md (section 1). CI has no
-# engine: tests/test_docker_static.py and tests/test_compose.py check the files without
+# engine: tests/system/test_docker_static.py and tests/system/test_compose.py check the files without
 # one.
 #
 # What it does:

@@ -9,7 +9,7 @@
     python scripts/doc_samples.py --check      # exit 1 when a page differs from its record
 
 Each sample sits between `<!-- sample: NAME (scripts/doc_samples.py) -->` and
-`<!-- end of sample -->`. tests/test_doc_samples.py reruns the dynamic example (cheap) and
+`<!-- end of sample -->`. tests/docs/test_doc_samples.py reruns the dynamic example (cheap) and
 compares it with the page, and checks that operations.md's table is the one rendered from
 the record (a 5000-step run is too slow for the suite). Every server runs on a free port,
 so that the runs do not meet a server already on 50051.

@@ -3,7 +3,7 @@
     python scripts/gen_flags_doc.py            # rewrite docs/flags.md
     python scripts/gen_flags_doc.py --check    # exit 1 when docs/flags.md is out of date
 
-tests/test_flags_doc.py runs the check, like tests/test_proto_codegen.py for gRPC code.
+tests/docs/test_flags_doc.py runs the check, like tests/system/test_proto_codegen.py for gRPC code.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ HEADER = """\
 # Flags
 
 Generated from the config dataclasses by `python scripts/gen_flags_doc.py`; do not edit
-by hand (tests/test_flags_doc.py fails when this file is out of date).
+by hand (tests/docs/test_flags_doc.py fails when this file is out of date).
 
 **Naming rule.** Every setting is a flag and an environment variable: the setting
 `foo_bar` is `--foo-bar` and `HYBRIDPS_FOO_BAR`, whatever section it lives in. Names are

@@ -8,7 +8,7 @@
 
 The block is the worker's summary on standard output, from its first line
 (`hybridps worker: task=...`) to `wrote ...`, between the markers below in README.md, with
-the repository's absolute path made relative. tests/test_readme_sample.py runs the same job
+the repository's absolute path made relative. tests/docs/test_readme_sample.py runs the same job
 briefly and fails when README.md's block no longer matches what the console prints.
 """
 

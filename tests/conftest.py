@@ -1,6 +1,7 @@
 """Shared fixtures, and the guard that keeps unit tests free of processes.
 
-Helpers live in tests/helpers.py (importable as tests.helpers). docs/testing.md says how to
+Helpers live in tests/testing/helpers.py (importable as tests.testing.helpers). docs/testing.md
+says how to
 run each kind of test. A test that starts a process (a shard server, torchrun, spawned
 ranks, another Python) is marked `e2e`; while any other test runs, starting one fails it,
 so `pytest -m "not e2e"` stays the fast, process-free unit suite.
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import PsServer, start_ps_server
+from tests.testing.helpers import PsServer, start_ps_server
 
 # Workers' shared-memory arenas in the tests: 8 MiB a rank (their pushes are KBs), so a
 # machine with a small /dev/shm (a container's default is 64 MB) holds every arena the

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("worker", "ps", "hybridps")
 # package -> the top-level packages of this project it must never import
 # The script folders are no packages: a script's folder is sys.path[0], so its modules are
@@ -312,3 +312,24 @@ def test_worker_top_is_its_commands_and_its_rooms() -> None:
     for room in WORKER_ROOMS:  # each room says what it holds and what it may import
         doc = ast.get_docstring(ast.parse((ROOT / "worker" / room / "__init__.py").read_text()))
         assert doc and ("May import" in doc or "Imports no other room" in doc), room
+
+
+# The folders of tests/ that are no package's room: whole-system runs, the docs, helpers.
+TEST_ONLY_FOLDERS = {"system", "docs", "testing"}
+
+
+def test_tests_mirror_the_packages() -> None:
+    """Every test lives in the folder of the room it tests (tests/worker/embedding/ for
+    worker/embedding/), or in system/, docs/, testing/; only this file and the split's own
+    check sit at the top; tests/testing/ holds helpers, no tests."""
+    tests = ROOT / "tests"
+    top = {p.name for p in tests.glob("test_*.py")}
+    assert top == {"test_layers.py", "test_test_kinds.py"}, sorted(top)
+    for folder in sorted(p for p in tests.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        rel = folder.relative_to(tests)
+        assert (folder / "__init__.py").exists(), f"tests/{rel} has no __init__.py"
+        if rel.parts[0] in TEST_ONLY_FOLDERS:
+            assert len(rel.parts) == 1, f"tests/{rel}: system/, docs/, testing/ are flat"
+            continue
+        assert (ROOT / rel / "__init__.py").exists(), f"tests/{rel} mirrors no package {rel}"
+    assert not list((tests / "testing").glob("test_*.py"))

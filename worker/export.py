@@ -6,7 +6,7 @@
 CKPT_DIR is a complete checkpoint (`.../step-<s>/` with manifest.json) or a
 checkpoint root (its newest complete one is taken). model.pt is a torch.save
 of a plain state_dict of the un-sharded model `HybridModel(embedding, dense)`
-as built by tests/reference_trainer.py (LocalEmbedding: one nn.Embedding per table):
+as built by tests/testing/reference_trainer.py (LocalEmbedding: one nn.Embedding per table):
 
     embedding.tables.<table>.weight   the full [num_rows, dim] table
     embedding.dynamic.<table>.ids     a dynamic table (docs/dynamic_ids.md): every live

@@ -317,7 +317,7 @@ def build_dense_parallel(cfg: DenseConfig, ctx: DistContext, dense: nn.Module,
 
     `plain_at_one_rank` (the training loop): at world size 1 leave the module unwrapped
     when the wrapper would change nothing (`wrapper_needed`); the results are bitwise
-    those of the wrapped module (tests/test_one_rank.py)."""
+    those of the wrapped module (tests/worker/dense/test_one_rank.py)."""
     check_dense_parallel(cfg, ctx.world_size, ctx.local_world_size, ctx.device)
     if cfg.compile:
         compile_dense(dense, units)

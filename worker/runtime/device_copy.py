@@ -16,7 +16,7 @@ path (and every bitwise test) is unchanged.
 The places that must wait for the device are named (`SYNC_POINTS`) and entered with
 `sync_point(name)`. Under `sync_debug("error")` (torch.cuda.set_sync_debug_mode) any other
 synchronising CUDA call in the loop raises; `gpu_check/check.py` runs the loop so and lists
-every unnamed place it finds (tests/test_device_copy.py lists the named ones).
+every unnamed place it finds (tests/worker/runtime/test_device_copy.py lists the named ones).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 
 import torch
 
-# name -> why the loop must wait for the device there (tests/test_device_copy.py lists them)
+# name -> why the loop must wait for the device there (tests/worker/runtime/test_device_copy.py
+# lists them)
 SYNC_POINTS: dict[str, str] = {
     "check_ids": "worker/embedding/sharded.py: every id of a lookup inside its table (one host "
                  "read of the bounds a lookup), so a bad id fails with one line naming it",
@@ -102,7 +103,7 @@ def inside_sync_point() -> bool:
 @contextlib.contextmanager
 def watch_sync_points() -> Iterator[None]:
     """Count the sync points entered and left for the block (`inside_sync_point`); a
-    watcher that is not CUDA's own (tests/cpu_sync_debug.py) opens one around the loop."""
+    watcher that is not CUDA's own (tests/testing/cpu_sync_debug.py) opens one around the loop."""
     global _watchers
     with _lock:
         _watchers += 1

@@ -25,7 +25,7 @@ from worker.embedding.rows import TableConfig
 from worker.sync.arena import PlacedShmPush, ShmSlot
 
 # OptimizerSpec.kind -> the name of its OptimizerConfig.Kind (ps/edge/sync_codec.py maps it back;
-# tests/test_optimizers.py round-trips every kind)
+# tests/hybridps/test_optimizers.py round-trips every kind)
 OPTIMIZER_KIND = {kind: kind.upper() for kind in KINDS}
 # Where a push's tensors lie in a SyncRequest (wire.TensorPath).
 PUSH_IDS, PUSH_GRADS = ("push", "chunk", "ids"), ("push", "chunk", "grads")

@@ -2,7 +2,7 @@
 
 A task says which embedding tables it needs, builds its dense module, makes
 batches and computes the loss. The loop (worker/train/trainer.py) and the
-single-process reference (tests/reference_trainer.py) never change per task.
+single-process reference (tests/testing/reference_trainer.py) never change per task.
 
 Contract:
 - `tables()` lists the tables (name, num_rows, dim); their order is the

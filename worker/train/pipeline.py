@@ -9,7 +9,7 @@ training thread's. The training thread then only does stages 3-4 (local gather
 or pooling, all_to_all of the rows and partial sums) for it, after
 the staleness window applied the due updates: input dist depends on the ids
 alone, so the rows, the losses and the results are exactly those of the
-unpipelined loop (tests/test_pipeline.py compares them at --staleness 0).
+unpipelined loop (tests/worker/train/test_pipeline.py compares them at --staleness 0).
 
 Which lookups a batch needs is learned, not declared: the first step runs
 unpipelined with the embedding recording its lookups, and each lookup's id

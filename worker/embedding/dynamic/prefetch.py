@@ -12,7 +12,8 @@ the translation writes only the rows of the slots it fills (free ones, and victi
 every update is applied), and it may evict no slot looked up at step t or later. So with
 prefetching the pin rule holds one more step: the translation of step s evicts only slots
 last seen at or before s - 2 - K (without it: s - 1 - K). Whether the translation ran
-ahead or at the lookup, the same rule gives the same slots (tests/test_dynamic_prefetch.py
+ahead or at the lookup, the same rule gives the same slots
+(tests/worker/embedding/dynamic/test_dynamic_prefetch.py
 compares the two bitwise).
 
 Nothing before step s sees its translation: an evaluation in between reads the ids new

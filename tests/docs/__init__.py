@@ -1,0 +1,1 @@
+"""The README and docs/: commands paste as written, samples and flags are current."""

@@ -1,0 +1,1 @@
+"""Whole-system tests: fault campaigns, fuzzers, soak, the image and the GPU check."""

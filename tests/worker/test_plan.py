@@ -1,0 +1,211 @@
+"""Sizing plan (worker/plan.py): the per-row arithmetic, docs/deploy.md's worked example,
+and `worker/main.py --plan` / the refusal of a config that cannot fit, before allocating."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridps.cli import parse_config
+from tests.testing.helpers import REPO
+from worker.config.task_defaults import task_defaults
+from worker.config.train_config import TrainConfig
+from worker.plan import (
+    Plan,
+    PlanError,
+    TableShape,
+    format_plan,
+    optimizer_state_bytes,
+    plan_for_config,
+)
+from worker.plan import main as plan_main
+
+MAIN = str(REPO / "worker" / "main.py")
+
+
+def example(optimizer: str = "adam") -> Plan:
+    """docs/deploy.md: one 1e9-row, 128-dim table on 8 nodes x 8 GPUs."""
+    return Plan([TableShape("table", 10**9, 128)], world_size=64, ranks_per_node=8,
+                batch_size=4096, optimizer=optimizer, staleness=1, local_optimizer=False)
+
+
+def test_bytes_per_row() -> None:
+    plan = example()
+    t = plan.tables[0]
+    assert plan.rows_per_rank(t) == 15_625_000
+    assert plan.device_rows_bytes == 15_625_000 * 128 * 4 == 8_000_000_000
+    assert plan.host_state_bytes_per_rank == 15_625_000 * (128 * 8 + 1)
+    assert plan.host_bytes_per_server >= 8 * 15_625_000 * 1025 == 128_125_000_000
+    assert plan.wire_bytes_per_rank_step == (4096 * (8 + 512), 4096 * (8 + 512))
+    sgd = example("sgd")
+    assert sgd.host_state_bytes_per_rank == 15_625_000  # the touched flag only
+    local = Plan([TableShape("t", 1000, 4)], 1, 1, 10, "adam", 0, local_optimizer=True)
+    assert local.device_state_bytes == 1000 * 4 * 4 * 2 and local.host_bytes_per_server == 0
+
+
+def test_refusals_name_the_numbers() -> None:
+    plan = example()
+    plan.device_capacity, plan.host_capacity = 80 * 10**9, 512 * 10**9
+    assert plan.fits
+    plan.device_capacity, plan.host_capacity = 4 * 10**9, 100 * 10**9
+    text = " ".join(plan.refusals)
+    assert "each rank needs 8.015 GB" in text and "a device has 4.000 GB" in text
+    assert "shard server needs 128.261 GB" in text and "a node has 100.000 GB" in text
+    assert "DOES NOT FIT" in format_plan(plan)
+
+
+def test_docs_worked_example_matches_the_calculator(capsys: object) -> None:
+    code = plan_main(["--rows", "1000000000", "--dim", "128", "--nodes", "8",
+                      "--ranks-per-node", "8"])
+    assert code == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for line in out.splitlines():
+        if line.startswith(("device bytes", "host bytes", "wire bytes")):
+            assert line in docs, f"docs/deploy.md is out of date; the calculator says:\n{line}"
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HYBRIDPS_", "RANK",
+                                                                     "WORLD_SIZE", "LOCAL_"))}
+    return subprocess.run([sys.executable, MAIN, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**base, **(env or {})}, check=False)
+
+
+@pytest.mark.e2e
+def test_main_plan_prints_the_plan_of_the_flags_and_layout() -> None:
+    proc = _run("--plan", "--local-optimizer", "--num-rows", "1000000000", "--dim", "128",
+                "--device", "cuda", "--device-memory-gb", "80", "--host-memory-gb", "512",
+                env={"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "8"})
+    assert "64 ranks = 8 node(s) x 8 ranks" in proc.stdout, proc.stderr
+    assert "user: 1,000,000,000 rows x 128 dim" in proc.stdout
+    assert "tag: 10,000,000 rows" in proc.stdout
+    # --local-optimizer keeps m, v on the device: 3 x 4 x 128 bytes per row there.
+    assert "verdict: fits" in proc.stdout and proc.returncode == 0
+
+
+@pytest.mark.e2e
+def test_a_config_that_cannot_fit_is_refused_before_allocating() -> None:
+    args = ("--ps", "127.0.0.1:1", "--num-rows", "1000000000", "--dim", "128",
+            "--device", "cpu", "--host-memory-gb", "64")
+    start = time.monotonic()
+    proc = _run(*args)  # would need ~1.5 TB; nothing is allocated, no server contacted
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - start < 60
+    assert "cannot fit; nothing was allocated" in proc.stderr
+    assert "a node has 64.000 GB" in proc.stderr
+    planned = _run("--plan", *args)
+    assert planned.returncode == 1 and "verdict: DOES NOT FIT" in planned.stdout
+
+
+# -- sizing without a cluster: `python -m worker.plan --world-size N --nodes M [worker flags]`
+
+def test_optimizer_state_size_is_said_in_one_place() -> None:
+    assert optimizer_state_bytes("adam") == optimizer_state_bytes("adamw") == 8
+    assert optimizer_state_bytes("sgd") == 0
+    with pytest.raises(PlanError, match="no state size known for optimizer 'lion'"):
+        optimizer_state_bytes("lion")
+    bf16 = Plan([TableShape("t", 100, 4)], 1, 1, 10, "adam", 0, local_optimizer=False,
+                row_bytes=2)
+    assert bf16.host_state_bytes_per_rank == 100 * (4 * (8 + 4) + 1)  # m, v + fp32 master
+
+
+JOB = ["--num-rows", "1000000000", "--dim", "128", "--batch-size", "4096",
+       "--device-memory-gb", "80", "--host-memory-gb", "512"]
+
+
+def test_a_job_on_a_cluster_is_planned_without_a_server(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    code = plan_main(["--world-size", "64", "--nodes", "8", *JOB])  # no --ps, no torchrun
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "hybridps plan: 64 ranks = 8 node(s) x 8 ranks, batch 4096/rank" in out
+    assert "user: 1,000,000,000 rows x 128 dim" in out
+    cfg = parse_config(TrainConfig, [*JOB, "--plan"], defaults=task_defaults)
+    expected = plan_for_config(cfg, world_size=64, ranks_per_node=8, detect=False)
+    assert expected.device_kind == "cuda" and expected.fits
+    assert format_plan(expected) in out  # per GPU, per server, on the wire, the verdict
+    lines = out.splitlines()
+    server = lines[lines.index("  on each node, its shard server:") + 1]
+    assert server.strip().startswith("python -m ps --host 0.0.0.0 --port 50051 "
+                                     "--auth-token-file ps.token")
+    ranks = " ".join(lines[lines.index("  on each node, its ranks:") + 1:][:2])
+    assert "hybridps-run --nnodes 8 --nproc_per_node 8 --rdzv-backend c10d" in ranks
+    assert ("worker/main.py --ps " + ",".join(f"NODE{i}:50051" for i in range(8))) in ranks
+    assert "--num-rows 1000000000 --dim 128 --batch-size 4096" in ranks
+    assert "--device-memory-gb" not in ranks  # the plan's flags, not the job's
+
+
+def test_a_job_that_does_not_fit_gets_a_layout_that_does(capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    code = plan_main(["--world-size", "8", "--nodes", "1", *JOB])
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: DOES NOT FIT" in out
+    nodes = int(out.split("would fit: ")[1].split(" nodes x 8 ranks")[0])
+    cfg = parse_config(TrainConfig, [*JOB, "--plan"], defaults=task_defaults)
+    for n, fits in ((nodes - 1, False), (nodes, True)):
+        plan = plan_for_config(cfg, world_size=8 * n, ranks_per_node=8, detect=False)
+        assert plan.fits == fits, (n, plan.refusals)
+    assert plan_main(["--world-size", str(8 * nodes), "--nodes", str(nodes), *JOB]) == 0
+
+
+def test_a_single_node_job_gets_local_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_main(["--world-size", "2", "--local-optimizer", "--num-rows", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "its shard server:" not in out and "--ps" not in out
+    assert "hybridps-run --standalone --nproc_per_node 2" in out
+    assert "worker/main.py --local-optimizer --num-rows 1000" in out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--world-size", "7", "--nodes", "2"], "--world-size 7 does not split evenly over --nodes 2"),
+    (["--world-size", "8", "--nodes", "2", "--ranks-per-node", "2"],
+     "--world-size 8 is not --nodes 2 x --ranks-per-node 2"),
+    (["--nodes", "2"], "give --world-size N"),
+])
+def test_a_layout_that_cannot_be_is_refused_with_one_line(
+        args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        plan_main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.e2e
+def test_main_plan_needs_no_server_and_the_module_no_torch() -> None:
+    proc = _run("--plan", "--num-rows", "1000000", "--dim", "16", "--device", "cpu",
+                "--host-memory-gb", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict: fits" in proc.stdout
+    code = "import sys, worker.plan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_a_kge_1vsall_plan_pushes_every_owned_entity_row(tmp_path: Path) -> None:
+    """KGE 1vsAll scores every entity: each rank pushes all its entity rows every step,
+    far more than its batch's lookups; the plan sizes the wire and the answer cache by it."""
+    from worker.tasks.kge.hierarchy import write_hierarchy
+
+    graph = tmp_path / "graph"
+    write_hierarchy(graph, 2000, seed=1)
+    plans = {}
+    for training in ("1vsall", "negsample"):
+        cfg = parse_config(TrainConfig, ["--task", "kge", "--data-dir", str(graph),
+                                         "--training", training, "--batch-size", "16",
+                                         "--neg-ratio", "4", "--plan"],
+                           defaults=task_defaults)
+        plans[training] = plan_for_config(cfg, world_size=2, ranks_per_node=2, detect=False)
+    full = plans["1vsall"]
+    entity = next(t for t in full.tables if t.pushed_per_step is not None)
+    assert full.touched_per_step(entity) == full.rows_per_rank(entity) > 16 * 3
+    sampled = plans["negsample"]
+    negsample_entity = next(t for t in sampled.tables if t.name == entity.name)
+    assert sampled.touched_per_step(negsample_entity) < full.touched_per_step(entity)
+    assert full.wire_bytes_per_rank_step[0] > sampled.wire_bytes_per_rank_step[0]

@@ -40,7 +40,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 #    the project (empty packages: the top-level ones pyproject.toml's packages.find
 #    includes, and the one setup.py's optional extension lives in; its C source is not
 #    there yet, so the stub builds no kernel), then removing the stub: only these two
-#    files bust it. tests/test_docker_static.py checks the stub against both files.
+#    files bust it. tests/system/test_docker_static.py checks the stub against both files.
 WORKDIR /app
 COPY pyproject.toml setup.py ./
 RUN mkdir -p ps worker hybridps/native \

@@ -97,3 +97,10 @@ def test_place_tables_respects_a_table_choice() -> None:
     assert isinstance(plan["c"], TableWise)
     with pytest.raises(ValueError, match="'x'"):
         place_tables([TableCost("e", 10, 4, sharding="x")], 2)
+
+
+def test_a_scheme_not_routed_yet_is_refused_by_name() -> None:
+    from worker.embedding.rows import table_row_range
+    assert table_row_range(TableConfig("t", 10, 4), 1, 2) == (5, 10)
+    with pytest.raises(ConfigError, match="'table_wise'"):
+        table_row_range(TableConfig("t", 10, 4, sharding="table_wise"), 0, 2)

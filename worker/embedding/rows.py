@@ -18,7 +18,7 @@ from hybridps.cli import ConfigError
 from hybridps.dynamic import DynamicSpec
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.embedding.input_dist import owner_of, unique_inverse
-from worker.embedding.sharding import RowWise, check_sharding
+from worker.embedding.sharding import RowWise, Scheme, check_sharding
 
 INIT_CHUNK_ROWS = 65536
 
@@ -64,6 +64,21 @@ class TableConfig:
                 or self.lookups < 1:
             raise ConfigError(f"table {self.name!r}: lookups={self.lookups!r} must be an "
                               "int >= 1")
+
+
+def table_scheme(table: TableConfig) -> Scheme:
+    """The scheme placing `table`'s rows. Only row-wise is routed so far (input_dist's
+    owner arithmetic and the native pooled_bags requests assume the equal split): any other
+    choice is refused here, once, rather than silently placed row-wise."""
+    if table.sharding != RowWise.name:
+        raise ConfigError(f"table {table.name!r}: sharding={table.sharding!r} is not routed "
+                          "yet (only row_wise)")
+    return RowWise()
+
+
+def table_row_range(table: TableConfig, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of `table`'s rows that rank `rank` owns under the table's scheme."""
+    return table_scheme(table).row_range(table.num_rows, rank, world_size)
 
 
 def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -85,6 +85,7 @@ from worker.embedding.rows import (
     init_rows,
     route,
     row_range,
+    table_row_range,
 )
 from worker.embedding.unit_rows import UnitRows
 from worker.runtime.device_copy import sync_point, to_device
@@ -148,7 +149,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
         self.tables = {t.name: t for t in tables}
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device)
-        self.ranges = {t.name: row_range(t.num_rows, rank, world_size) for t in tables}
+        self.ranges = {t.name: table_row_range(t, rank, world_size) for t in tables}
         if row_dtype not in ROW_DTYPES.values():
             raise ValueError(f"row dtype {row_dtype} is not one of {sorted(ROW_DTYPES)}")
         self.row_dtype = row_dtype

@@ -104,3 +104,11 @@ def test_a_scheme_not_routed_yet_is_refused_by_name() -> None:
     assert table_row_range(TableConfig("t", 10, 4), 1, 2) == (5, 10)
     with pytest.raises(ConfigError, match="'table_wise'"):
         table_row_range(TableConfig("t", 10, 4, sharding="table_wise"), 0, 2)
+
+
+def test_describe_names_each_tables_scheme_and_ranks() -> None:
+    from worker.embedding.sharded import ShardedEmbedding
+    emb = ShardedEmbedding([TableConfig("a", 10, 4), TableConfig("b", 1, 4)], rank=0,
+                           world_size=2, seed=0)
+    assert emb.describe()["sharding"] == {"a": {"scheme": "row_wise", "ranks": [0, 1]},
+                                          "b": {"scheme": "row_wise", "ranks": [1]}}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.embedding.rows import TableConfig, row_range
+from worker.embedding.rows import TableConfig, table_row_range
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def plan_units(tables: Sequence[TableConfig], rank: int, world_size: int, groupe
     for members in together.values():
         placed, offset, unit_start = [], 0, 0
         for t in members:
-            start, end = row_range(t.num_rows, rank, world_size)
+            start, end = table_row_range(t, rank, world_size)
             placed.append(Member(t.name, t.num_rows, start, end, offset))
             offset += end - start
             unit_start += start

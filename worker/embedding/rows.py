@@ -18,6 +18,7 @@ from hybridps.cli import ConfigError
 from hybridps.dynamic import DynamicSpec
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.embedding.input_dist import owner_of, unique_inverse
+from worker.embedding.sharding import RowWise, Scheme, check_sharding
 
 INIT_CHUNK_ROWS = 65536
 
@@ -33,6 +34,8 @@ class TableConfig:
     num_rows: int
     dim: int
     dynamic: DynamicSpec | None = None
+    sharding: str = "row_wise"  # row_wise | table_wise | auto (worker/embedding/sharding.py)
+    lookups: int = 1  # ids per sample: the planner's lookup cost
 
     def __post_init__(self) -> None:
         """ConfigError (a ValueError) naming the bad value: the worker reports it as one
@@ -53,11 +56,34 @@ class TableConfig:
             raise ConfigError(f"table {self.name!r}: num_rows={self.num_rows} must be >= 1")
         if self.dim < 1:
             raise ConfigError(f"table {self.name!r}: dim={self.dim} must be >= 1")
+        try:
+            check_sharding(self.sharding, f"table {self.name!r}: sharding")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if isinstance(self.lookups, bool) or not isinstance(self.lookups, int) \
+                or self.lookups < 1:
+            raise ConfigError(f"table {self.name!r}: lookups={self.lookups!r} must be an "
+                              "int >= 1")
+
+
+def table_scheme(table: TableConfig) -> Scheme:
+    """The scheme placing `table`'s rows. Only row-wise is routed so far (input_dist's
+    owner arithmetic and the native pooled_bags requests assume the equal split): any other
+    choice is refused here, once, rather than silently placed row-wise."""
+    if table.sharding != RowWise.name:
+        raise ConfigError(f"table {table.name!r}: sharding={table.sharding!r} is not routed "
+                          "yet (only row_wise)")
+    return RowWise()
+
+
+def table_row_range(table: TableConfig, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of `table`'s rows that rank `rank` owns under the table's scheme."""
+    return table_scheme(table).row_range(table.num_rows, rank, world_size)
 
 
 def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, end) of the rows rank `rank` owns: [r*R//W, (r+1)*R//W)."""
-    return rank * num_rows // world_size, (rank + 1) * num_rows // world_size
+    """[start, end) of the rows rank `rank` owns row-wise: [r*R//W, (r+1)*R//W)."""
+    return RowWise().row_range(num_rows, rank, world_size)
 
 
 @dataclass

@@ -85,6 +85,8 @@ from worker.embedding.rows import (
     init_rows,
     route,
     row_range,
+    table_row_range,
+    table_scheme,
 )
 from worker.embedding.unit_rows import UnitRows
 from worker.runtime.device_copy import sync_point, to_device
@@ -148,7 +150,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
         self.tables = {t.name: t for t in tables}
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device)
-        self.ranges = {t.name: row_range(t.num_rows, rank, world_size) for t in tables}
+        self.ranges = {t.name: table_row_range(t, rank, world_size) for t in tables}
         if row_dtype not in ROW_DTYPES.values():
             raise ValueError(f"row dtype {row_dtype} is not one of {sorted(ROW_DTYPES)}")
         self.row_dtype = row_dtype
@@ -584,9 +586,15 @@ class ShardedEmbedding(UnitRows, nn.Module):
         return {"kernel": pooled_bags.pool_kernel_name(), "native_calls": self.native_pool_calls}
 
     def describe(self) -> dict[str, object]:
-        """--pool-at and the bags it pooled at their owner (table names), for --results."""
+        """--pool-at, the bags it pooled at their owner (table names) and each table's
+        scheme and the ranks owning its rows, for --results."""
         owner = sorted({n for (names, _), pooled in self._pool_choice.items()
                         for n, p in zip(names, pooled, strict=True) if p}
                        | {n for (_, names, pooled) in self._caps
                           for n, p in zip(names, pooled, strict=True) if p})
-        return {"pool_at": self.pool_at, "pooled_at_owner": owner}
+        sharding = {}
+        for t in self.tables.values():
+            scheme = table_scheme(t)
+            sharding[t.name] = {"scheme": scheme.name,
+                                "ranks": scheme.ranks(t.num_rows, self.world_size)}
+        return {"pool_at": self.pool_at, "pooled_at_owner": owner, "sharding": sharding}

@@ -46,7 +46,10 @@ def _run(ps_address: str, out: Path, run_id: str, extra: list[str]) -> dict[str,
 def test_pooled_at_owner_matches_reference(ps_address: str, tmp_path: Path, job: str) -> None:
     args, overrides, bags = JOBS[job]
     res = _run(ps_address, tmp_path / "run", f"pooled-{job}-{tmp_path.name}", args)
-    assert res["embedding"] == {"pool_at": "owner", "pooled_at_owner": bags}
+    embedding = res["embedding"]
+    sharding = embedding.pop("sharding")
+    assert embedding == {"pool_at": "owner", "pooled_at_owner": bags}
+    assert sharding and all(s["scheme"] == "row_wise" and s["ranks"] for s in sharding.values())
     assert_matches_reference(tmp_path / "run" / "state.pt", small_config(**overrides))
 
 

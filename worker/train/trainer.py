@@ -20,7 +20,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from worker.config.train_config import TrainConfig
 from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
 from worker.dense.parallel import build_dense_parallel, check_dense_parallel
 from worker.embedding import comm
-from worker.embedding.dynamic.ids import check_dynamic_tables
+from worker.embedding.dynamic.ids import RowPager, check_dynamic_tables
 from worker.embedding.sharded import ROW_DTYPES, ShardedEmbedding
 from worker.report.console import (
     bar_layout,
@@ -158,7 +158,9 @@ class Trainer:
             restore_secret=proof.restore_secret,
             checkpoint_dir=str(self.checkpointer.root or ""))
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
-        self.embedding.set_pager(self.source)  # dynamic tables page rows out to it
+        # dynamic tables page rows out to it (every registered kind is a RowPager:
+        # tests/test_update_sources.py)
+        self.embedding.set_pager(cast(RowPager, self.source))
         predictor = (RowPredictor(self.embedding, sync.staleness)
                      if sync.staleness_compensation == "predict" and sync.staleness > 0
                      else None)

@@ -161,6 +161,9 @@ class ShardClient(UpdateSource):
             self.buffer.start_at(restore[1])
 
     # -- UpdateSource -------------------------------------------------------------------
+    def server_security(self) -> ClientSecurity:
+        return self.security
+
     def start(self) -> None:
         """Register and connect; a failure closes the client (the arena file, the channel)
         before it is raised, whatever the caller does next."""

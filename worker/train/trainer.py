@@ -20,7 +20,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from worker.config.train_config import TrainConfig
 from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
 from worker.dense.parallel import build_dense_parallel, check_dense_parallel
 from worker.embedding import comm
-from worker.embedding.dynamic.ids import check_dynamic_tables
+from worker.embedding.dynamic.ids import RowPager, check_dynamic_tables
 from worker.embedding.sharded import ROW_DTYPES, ShardedEmbedding
 from worker.report.console import (
     bar_layout,
@@ -56,12 +56,13 @@ from worker.runtime.device_copy import sync_point
 from worker.runtime.dist import DistContext
 from worker.runtime.lifecycle import stop_agreed
 from worker.sync.arena import arena_bytes_for_run
-from worker.sync.client import WIRE_DTYPES, ShardClient
+from worker.sync.client import WIRE_DTYPES
+from worker.sync.update_sources import build_update_source, source_kind
 from worker.tasks import build_task, task_tables
 from worker.tasks.base import HybridModel, Task, TrainHooks, build_dense_seeded
 from worker.train.pipeline import InputPipeline
 from worker.train.time_budget import budget_for_run
-from worker.updates.source import LocalSparseOptimizer, StalenessWindow, UpdateSource
+from worker.updates.source import StalenessWindow, UpdateSource
 from worker.updates.staleness import RowPredictor
 
 log = logging.getLogger("worker.train")
@@ -138,36 +139,28 @@ class Trainer:
         spec = self.sparse_spec = sparse_optimizer_spec(cfg.optim)
         self.checkpointer = Checkpointer(self)
         resume = self.checkpointer.resume_target()  # (directory, step) or None
-        self.source: UpdateSource
         sync = cfg.sync
+        self.source_kind = source_kind(sync)  # "server" or "local" (worker/sync/update_sources.py)
         # The run secret kept with the checkpoints: the job's proof to its servers
         proof = claim_run(str(self.checkpointer.root or ""),
                           None if resume is None else resume[0], ctx.rank, ctx.world_size,
-                          claim_resume=not sync.local_optimizer)
-        if sync.local_optimizer:
-            self.source = LocalSparseOptimizer(self.embedding, spec, sync.ps_timeout)
-        else:
-            node = cfg.node.client_args()
-            if node["shm"] != "off":  # --same-node-mb 0: sized from this run's pushes
-                node["shm_bytes"] = arena_bytes_for_run(cfg, self.task, self.embedding, ctx,
-                                                        WIRE_DTYPES[sync.wire_dtype])
-            self.source = ShardClient(
-                sync.ps_address, run_id=self.run_id, rank=ctx.rank, world_size=ctx.world_size,
-                # per unit (worker/embedding/groups.py): a group of tables registers as one table
-                tables=[u.table_config() if u.grouped else self.embedding.tables[n]
-                        for n, u in self.embedding.units.items()],
-                ranges={n: (u.start, u.end) for n, u in self.embedding.units.items()},
-                members={n: u.members for n, u in self.embedding.units.items() if u.grouped},
-                optimizer=spec,
-                timeout_s=sync.ps_timeout, max_chunk_bytes=sync.max_chunk_bytes,
-                wire_dtype=WIRE_DTYPES[sync.wire_dtype], **node,
-                restore=None if resume is None else (str(resume[0]), resume[1]),
-                security=cfg.security.client_security(), row_dtype=self.embedding.row_dtype,
-                initial_rows=self.embedding.initial_row_blocks, run_secret=proof.secret,
-                restore_secret=proof.restore_secret,
-                checkpoint_dir=str(self.checkpointer.root or ""))
+                          claim_resume=self.source_kind.claims_resume)
+        node = cfg.node.client_args()
+        if self.source_kind.needs_server and node["shm"] != "off":
+            # --same-node-mb 0: sized from this run's pushes
+            node["shm_bytes"] = arena_bytes_for_run(cfg, self.task, self.embedding, ctx,
+                                                    WIRE_DTYPES[sync.wire_dtype])
+        self.source: UpdateSource = build_update_source(
+            self.source_kind, self.embedding, spec, sync, run_id=self.run_id, rank=ctx.rank,
+            world_size=ctx.world_size, node=node,
+            restore=None if resume is None else (str(resume[0]), resume[1]),
+            security=cfg.security.client_security(), run_secret=proof.secret,
+            restore_secret=proof.restore_secret,
+            checkpoint_dir=str(self.checkpointer.root or ""))
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
-        self.embedding.set_pager(self.source)  # dynamic tables page rows out to it
+        # dynamic tables page rows out to it (every registered kind is a RowPager:
+        # tests/test_update_sources.py)
+        self.embedding.set_pager(cast(RowPager, self.source))
         predictor = (RowPredictor(self.embedding, sync.staleness)
                      if sync.staleness_compensation == "predict" and sync.staleness > 0
                      else None)
@@ -305,7 +298,7 @@ class Trainer:
         self.inputs.close()  # what is in flight is the same on every rank
         self.window.drain(self.last_step)  # the final rows include every update
         self.source.finish(self.last_step)
-        if self.embedding.dynamic is not None and not self.cfg.sync.local_optimizer:
+        if self.embedding.dynamic is not None and self.source_kind.needs_server:
             self.embedding.dynamic.report_counters()  # the server's stats up to date
         if self.hooks is not None:
             self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
@@ -388,15 +381,14 @@ class Trainer:
     def server_stats(self, width: int | None = None) -> tuple[dict[str, Any] | None, str]:
         """This node's shard server stats for the run (rank 0; (None, '') without a server),
         the table fitted to `width` columns (None: its default, 100)."""
-        if self.cfg.sync.local_optimizer:
+        if not self.source_kind.needs_server:
             return None, ""
         from hybridps.admin import DEFAULT_WIDTH, format_shard_stats, get_shard_stats, message_dict
 
         try:
             stats = get_shard_stats(self.cfg.sync.ps_address, timeout=self.cfg.sync.ps_timeout,
                                     run_id=self.run_id,
-                                    security=(self.source.security
-                                              if isinstance(self.source, ShardClient) else None))
+                                    security=self.source.server_security())
         except Exception as exc:  # stats are a report, not a reason to fail the run
             return None, f"(shard stats unavailable: {exc})"
         return message_dict(stats), format_shard_stats(stats, width=width or DEFAULT_WIDTH)
@@ -414,7 +406,7 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "device": str(self.ctx.device),
             "backend": self.ctx.backend,
-            "mode": "local-optimizer" if self.cfg.sync.local_optimizer else "server",
+            "mode": self.source_kind.mode,
             "optimizer": {"rows": {"kind": self.cfg.optim.optimizer, "lr": self.cfg.optim.lr,
                                    "weight_decay": self.cfg.optim.weight_decay},
                           "dense": {"kind": self.cfg.optim.dense_kind,

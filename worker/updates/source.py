@@ -233,6 +233,10 @@ class UpdateSource(ABC):
     def start(self) -> None:  # noqa: B027 - optional hook
         """Connect/register; called once before the first push."""
 
+    def server_security(self) -> Any:
+        """The credentials this source talks to its shard server with (None: no server)."""
+        return None
+
     @abstractmethod
     def push(self, step: int, grads: Grads, lr: float | None = None) -> None:
         """Hand over the coalesced gradients of every table for `step` (never blocks).

@@ -398,6 +398,29 @@ def failure_line(failures: dict[int, Any]) -> tuple[str, int]:
             "says why)", max(exitcode, 1))
 
 
+@contextlib.contextmanager
+def _launcher_environment(scratch: str) -> Iterator[None]:
+    """The variables the ranks inherit from the launcher, set for the run only: a caller
+    that runs the launcher in its own process (a test, a notebook) must not hand the next
+    process it starts an error file inside a scratch directory that is gone."""
+    names = (LAUNCHER_DIR_ENV, LAUNCHER_PID_ENV, ERROR_FILE_ENV)
+    before = {name: os.environ.get(name) for name in names}
+    os.environ[LAUNCHER_DIR_ENV] = scratch
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if not os.environ.get(ERROR_FILE_ENV):
+        # torchrun copies the failed rank's record into its own error file, and logs an
+        # error when it has none; the ranks get files of their own from torchrun.
+        os.environ[ERROR_FILE_ENV] = os.path.join(scratch, "error.json")
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _launch(list(sys.argv[1:] if argv is None else argv))
@@ -421,15 +444,10 @@ def _launch(args: list[str]) -> int:
     local_world = _local_world_size(args)
     if "OMP_NUM_THREADS" not in os.environ and local_world > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
-    with tempfile.TemporaryDirectory(prefix="hybridps-launch-") as scratch:
-        os.environ[LAUNCHER_DIR_ENV] = scratch
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    with tempfile.TemporaryDirectory(prefix="hybridps-launch-") as scratch, \
+            _launcher_environment(scratch):
         signals = StopSignals(scratch)
         signals.install()
-        if not os.environ.get(ERROR_FILE_ENV):
-            # torchrun copies the failed rank's record into its own error file, and logs an
-            # error when it has none; the ranks get files of their own from torchrun.
-            os.environ[ERROR_FILE_ENV] = os.path.join(scratch, "error.json")
         try:
             try:
                 torchrun_main(args)

@@ -514,3 +514,25 @@ def test_a_ctrl_c_before_any_rank_started_ends_on_one_line(
                         "--local-optimizer"])
     assert code == 130
     assert capsys.readouterr().err == "hybridps-run: interrupted before any rank started\n"
+
+
+def test_the_launcher_leaves_no_variable_behind_in_its_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks see the scratch directory and an error file inside it; once the launcher
+    returns they are gone, and so is the caller's copy of them: a process the caller starts
+    next would otherwise be told to write its error file into a deleted directory."""
+    names = (launch.ERROR_FILE_ENV, launch.LAUNCHER_DIR_ENV, launch.LAUNCHER_PID_ENV)
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    seen: dict[str, str | None] = {}
+    import torch.distributed.run
+
+    def torchrun_main(args: list[str]) -> None:
+        seen.update({name: os.environ.get(name) for name in names})
+
+    monkeypatch.setattr(torch.distributed.run, "main", torchrun_main)
+    monkeypatch.setattr(launch.StopSignals, "install", lambda _self: True)
+    assert launch.main(["--nproc-per-node", "2", "some_script.py"]) == 0
+    assert all(seen[name] for name in names), seen
+    assert str(seen[launch.ERROR_FILE_ENV]).startswith(str(seen[launch.LAUNCHER_DIR_ENV]))
+    assert {name: os.environ.get(name) for name in names} == dict.fromkeys(names)

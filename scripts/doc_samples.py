@@ -6,13 +6,14 @@
                                                # (~5-15 min on 2 cores), record the numbers in
                                                # docs/samples/default_job.json, write the table
                                                # of docs/operations.md from them
+    python scripts/doc_samples.py plan         # docs/kge.md's sizing example (`--plan`, ~3 s)
     python scripts/doc_samples.py --check      # exit 1 when a page differs from its record
 
 Each sample sits between `<!-- sample: NAME (scripts/doc_samples.py) -->` and
-`<!-- end of sample -->`. tests/docs/test_doc_samples.py reruns the dynamic example (cheap) and
-compares it with the page, and checks that operations.md's table is the one rendered from
-the record (a 5000-step run is too slow for the suite). Every server runs on a free port,
-so that the runs do not meet a server already on 50051.
+`<!-- end of sample -->`. tests/docs/test_doc_samples.py reruns the dynamic example and the
+plan (cheap) and compares them with the pages, and checks that operations.md's table is the
+one rendered from the record (a 5000-step run is too slow for the suite). Every server runs
+on a free port, so that the runs do not meet a server already on 50051.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 DYNAMIC_PAGE = DOCS / "dynamic_ids.md"
 OPERATIONS_PAGE = DOCS / "operations.md"
+KGE_PAGE = DOCS / "kge.md"
 RECORD = DOCS / "samples" / "default_job.json"
 END_MARK = "<!-- end of sample -->"
 
@@ -43,6 +45,12 @@ DYNAMIC_ARGS = ["--task", "tables", "--num-rows", "300", "--dim", "8",
                 "--checkpoint-every", "10"]
 # docs/operations.md's table: steps -> the flags beyond the default job's
 OPERATIONS_RUNS = {1000: [], 5000: ["--eval-every", "250"]}
+# docs/kge.md's sizing example: a Wikidata5M-sized table on 2 ranks of one node; the host's
+# memory given, so that the plan is the same on every machine. A line of the page each.
+PLAN_ENV = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+PLAN_ARGS = [["--plan", "--task", "kge_planted"],
+             ["--num-rows", "4600000", "--dim", "128", "--ps", "127.0.0.1:1", "--neg-ratio",
+              "64", "--batch-size", "1024", "--host-memory-gb", "32"]]
 RUN_ID = re.compile(r"\brun-[0-9a-f]+\b|\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-"
                     r"[0-9a-f]{12}\b")
 
@@ -139,6 +147,26 @@ def run_dynamic(directory: Path) -> list[str]:
     return dynamic_lines(proc.stdout)
 
 
+def plan_command() -> list[str]:
+    """The plan's command as docs/kge.md shows it: a shell prompt, continuation lines."""
+    env = " ".join(f"{k}={v}" for k, v in PLAN_ENV.items())
+    first, *rest = PLAN_ARGS
+    lines = [f"$ {env} python worker/main.py {' '.join(first)}"]
+    lines += [f"      {' '.join(args)}" for args in rest]
+    return [line + " \\" for line in lines[:-1]] + lines[-1:]
+
+
+def run_plan() -> list[str]:
+    """docs/kge.md's sample: the plan's command, then what it prints."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "worker" / "main.py"), *(a for a_s in PLAN_ARGS for a in a_s)],
+        cwd=ROOT, env={**_env(), **PLAN_ENV}, capture_output=True, text=True, timeout=300,
+        check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the plan failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [*plan_command(), *(line.rstrip() for line in proc.stdout.splitlines())]
+
+
 def run_default_job(directory: Path, steps: int, extra: Sequence[str]) -> dict[str, Any]:
     """Train the default job on 2 ranks for `steps`; the table row's numbers."""
     server = Server(directory)
@@ -191,7 +219,7 @@ def check() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sample", nargs="*", choices=["dynamic", "operations"],
+    parser.add_argument("sample", nargs="*", choices=["dynamic", "operations", "plan"],
                         help="the samples to regenerate")
     parser.add_argument("--check", action="store_true",
                         help="compare the pages with the records instead of running")
@@ -201,13 +229,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(found) or "the samples match their records", file=sys.stderr)
         return 1 if found else 0
     if not args.sample:
-        parser.error("name a sample to regenerate (dynamic, operations) or give --check")
+        parser.error("name a sample to regenerate (dynamic, operations, plan) or give --check")
     with tempfile.TemporaryDirectory(prefix="doc-samples-") as tmp:
         if "dynamic" in args.sample:
             lines = run_dynamic(Path(tmp))
             DYNAMIC_PAGE.write_text(with_sample(DYNAMIC_PAGE.read_text(), "dynamic", lines,
                                                 fence=True))
             print(f"docs/dynamic_ids.md: {len(lines)} counter lines", file=sys.stderr)
+        if "plan" in args.sample:
+            lines = run_plan()
+            KGE_PAGE.write_text(with_sample(KGE_PAGE.read_text(), "plan", lines, fence=True))
+            print(f"docs/kge.md: the plan's {len(lines)} lines", file=sys.stderr)
         if "operations" in args.sample:
             rows = []
             for steps, extra in OPERATIONS_RUNS.items():

@@ -1,6 +1,7 @@
 """The generated samples in docs/ say what the runs recorded (scripts/doc_samples.py).
 The dynamic example's counters are compared with a fresh run where its block runs
-(tests/docs/test_doc_blocks.py); the 5000-step table, too slow for the suite, with its record."""
+(tests/docs/test_doc_blocks.py), kge.md's plan with a fresh plan; the 5000-step table, too
+slow for the suite, with its record."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import re
 import pytest
 
 from scripts.doc_samples import (
+    KGE_PAGE,
     OPERATIONS_PAGE,
     RECORD,
     check,
     dynamic_lines,
     operations_table,
     page_sample,
+    plan_command,
+    run_plan,
     with_sample,
     without_run_ids,
 )
@@ -58,3 +62,14 @@ def test_the_dynamic_lines_are_read_from_the_servers_report() -> None:
         dynamic_lines("steps 30")
     with pytest.raises(ValueError, match="no sample 'nope'"):
         page_sample("text", "nope")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_the_kge_plan_sample_is_what_the_plan_prints() -> None:
+    """Every line of the plan, not a hand-picked few; the host's memory is given on the
+    command line, so that the capacity and the verdict are the same on every machine."""
+    page = page_sample(KGE_PAGE.read_text(), "plan")
+    assert page[:2] == plan_command() and "--host-memory-gb 32" in page[1]
+    assert page == run_plan(), ("docs/kge.md's plan drifted; run `python "
+                                "scripts/doc_samples.py plan`")

@@ -31,8 +31,7 @@ NOT_RUN_HERE = {
      "server; --watch runs until Ctrl-C",
     ("deploy.md", "docker compose up --build --abort-on-container-exit --exit-code-from "
      "worker"): "builds an image",
-    ("deploy.md", "python -m ps --host 0.0.0.0 --port 50051 --auth-token-file "
-     "/etc/hybridps/token \\"): "several nodes",
+    ("deploy.md", "mkdir -p runs"): "several nodes",
     ("gpu_check.md", "python gpu_check/check.py --fetch-wheels"): "downloads wheels",
     ("performance.md", "pip install -e '.[bench]' && pip install --no-deps torchrec==1.8.0"):
         "installs packages; benchmarks of half an hour",
@@ -53,8 +52,6 @@ NOT_FIXED_HERE = {
     # the nodes of a multi-node job, where the README's server does not run
     ("deploy.md", f"`{_DEPLOY}`: starts a server on 50051, the port of the README's server: "
      "use --port 0 --port-file FILE"),
-    ("deploy.md", f"`{_DEPLOY}`: a server in the background with its log on the terminal: "
-     "redirect it to a file"),
 }
 
 

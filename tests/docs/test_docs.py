@@ -72,14 +72,10 @@ def test_the_checks_catch_what_they_should() -> None:
     assert not PLACEHOLDER.search("torchrun worker/main.py --ps 127.0.0.1:50051")
 
 
-# the multi-node page launches on several nodes with torchrun's own rendezvous flags
-PLAIN_TORCHRUN_PAGES = {"deploy.md"}
-
-
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_ranks_are_launched_with_hybridps_run(page: Path) -> None:
-    if page.name in PLAIN_TORCHRUN_PAGES:
-        return
+    # several nodes too: hybridps-run takes torchrun's rendezvous flags (worker/plan.py's
+    # run commands use it so)
     plain = [f"{block.where}: {cmd.text[:70]}" for block in blocks(page)
              for cmd in commands(block.text) if "torchrun" in cmd.argv[:3]]
     assert not plain, "plain torchrun where hybridps-run gives one line:\n" + "\n".join(plain)

@@ -1,9 +1,10 @@
 """Multi-node on one machine: one shard server per "node", ranks split across them.
 
-Two torchrun agents (`--nnodes 2 --rdzv-backend c10d`, one rank each) stand for
-two nodes; both get `--ps A,B`, so rank r uses entry r // LOCAL_WORLD_SIZE. The
-result must equal the single-process reference (as the single-server run does,
-tests/worker/train/test_worker_e2e.py), and each server must hold exactly its node's rank.
+Two torchrun agents (`--nnodes 2 --rdzv-backend c10d`, one rank each; bare torchrun, and
+hybridps-run as docs/deploy.md launches them) stand for two nodes; both get `--ps A,B`,
+so rank r uses entry r // LOCAL_WORLD_SIZE. The result must equal the single-process
+reference (as the single-server run does, tests/worker/train/test_worker_e2e.py), and each
+server must hold exactly its node's rank.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from worker.config.train_config import TrainConfig
 
 MAIN = str(REPO / "worker" / "main.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+LAUNCH = [sys.executable, "-m", "worker.launch"]  # hybridps-run
 
 
 def test_node_indexing() -> None:
@@ -54,7 +56,9 @@ def free_port() -> int:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_two_nodes_two_servers_match_the_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", [[TORCHRUN], LAUNCH], ids=["torchrun", "hybridps-run"])
+def test_two_nodes_two_servers_match_the_reference(launcher: list[str], tmp_path: Path
+                                                   ) -> None:
     servers = [start_ps_server(tmp_path / f"node{i}") for i in range(2)]
     try:
         ps = ",".join(s.address for s in servers)
@@ -64,7 +68,7 @@ def test_two_nodes_two_servers_match_the_reference(tmp_path: Path) -> None:
         dump = tmp_path / "state.pt"
         agents = []
         for i in range(2):
-            cmd = [TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+            cmd = [*launcher, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", endpoint, "--rdzv-id", "multinode-test", "--local-addr",
                    "127.0.0.1", MAIN, "--ps", ps, "--staleness", "0", "--run-id", "two-nodes",
                    "--dump-state", str(dump), *SMALL]
@@ -80,6 +84,7 @@ def test_two_nodes_two_servers_match_the_reference(tmp_path: Path) -> None:
         logs = [(tmp_path / f"agent{i}.log").read_text() for i in range(2)]
         for (proc, _), text in zip(agents, logs, strict=True):
             assert proc.returncode == 0, text[-4000:]
+            assert "Traceback" not in text and "hybridps-run: error" not in text, text[-4000:]
         # Each server holds exactly the rank of its node, all of its tables, all steps.
         for node, server in enumerate(servers):
             stats = get_shard_stats(server.address, run_id="two-nodes")

@@ -37,6 +37,7 @@ OPERATIONS_PAGE = DOCS / "operations.md"
 KGE_PAGE = DOCS / "kge.md"
 RECORD = DOCS / "samples" / "default_job.json"
 END_MARK = "<!-- end of sample -->"
+SAMPLES = ("dynamic", "operations", "plan")
 
 # docs/dynamic_ids.md's worked example (the page's block runs the same flags)
 DYNAMIC_ARGS = ["--task", "tables", "--num-rows", "300", "--dim", "8",
@@ -219,8 +220,10 @@ def check() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sample", nargs="*", choices=["dynamic", "operations", "plan"],
-                        help="the samples to regenerate")
+    # no argparse `choices`: with nargs="*", Python 3.11 checks the empty default against
+    # them and refuses a bare --check
+    parser.add_argument("sample", nargs="*", metavar="SAMPLE",
+                        help=f"the samples to regenerate: {', '.join(SAMPLES)}")
     parser.add_argument("--check", action="store_true",
                         help="compare the pages with the records instead of running")
     args = parser.parse_args(argv)
@@ -228,8 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         found = check()
         print("\n".join(found) or "the samples match their records", file=sys.stderr)
         return 1 if found else 0
+    unknown = [name for name in args.sample if name not in SAMPLES]
+    if unknown:
+        parser.error(f"no sample {unknown[0]!r}: the samples are {', '.join(SAMPLES)}")
     if not args.sample:
-        parser.error("name a sample to regenerate (dynamic, operations, plan) or give --check")
+        parser.error(f"name a sample to regenerate ({', '.join(SAMPLES)}) or give --check")
     with tempfile.TemporaryDirectory(prefix="doc-samples-") as tmp:
         if "dynamic" in args.sample:
             lines = run_dynamic(Path(tmp))

@@ -16,6 +16,7 @@ from scripts.doc_samples import (
     RECORD,
     check,
     dynamic_lines,
+    main,
     operations_table,
     page_sample,
     plan_command,
@@ -37,6 +38,16 @@ def test_the_operations_table_is_the_one_of_its_record() -> None:
                         [*table[:-1], "| 5000 | 0.516 | 0.482 | 0.822 | 0.848 | 0.674 -> 0.506 |"],
                         fence=False)
     assert page_sample(stale, "operations") != table  # a hand-edited row is found
+
+
+def test_the_check_runs_as_the_scripts_doc_says(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--check"]) == 0
+    assert "the samples match their records" in capsys.readouterr().err
+    for argv, says in (([], "name a sample to regenerate (dynamic, operations, plan)"),
+                       (["dynamc"], "no sample 'dynamc': the samples are dynamic, ")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_the_tables_default_row_agrees_with_the_readmes_run() -> None:

@@ -5,7 +5,8 @@
 Every flag can also come from the environment as HYBRIDPS_<FLAG> (e.g.
 HYBRIDPS_MAX_MESSAGE_BYTES); see `python -m ps --help` and docs/flags.md. The flags are
 checked before torch and grpc are imported, so a bad one fails at once (one line, exit 2),
-and so does a --checkpoint-root that is not a directory (ps/config.py ensure_checkpoint_root).
+and so does a --checkpoint-root that is not a directory or a --port-file that cannot be
+written (ps/config.py ensure_checkpoint_root, port_file_problem).
 Once serving, prints exactly one line `hybridps-ps listening on HOST:PORT` to stdout.
 Logs go to stderr, one `server=ID event=... key=value` line per event (--log-level).
 """
@@ -24,6 +25,7 @@ from hybridps.logs import kv, setup_logging
 from ps.config import (  # torch-free: the flags are checked before heavy imports
     ServerConfig,
     ensure_checkpoint_root,
+    port_file_problem,
 )
 
 log = logging.getLogger("ps")
@@ -54,7 +56,8 @@ def use_batch_scheduling() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(ServerConfig, argv, prog="python -m ps",
                           description="hybridps shard server: sparse optimizer state on CPU")
-    problem = ensure_checkpoint_root(config.checkpoint_root)
+    problem = ensure_checkpoint_root(config.checkpoint_root) or port_file_problem(
+        config.port_file)
     if problem is not None:
         print(f"python -m ps: error: {problem}", file=sys.stderr, flush=True)
         return 2

@@ -4,7 +4,8 @@ Setting `foo_bar` is the flag `--foo-bar` and the variable `HYBRIDPS_FOO_BAR`
 (hybridps/cli.py); docs/flags.md lists them, generated from this class. The config is
 flat (ps/edge/server.py reads `config.port`, ...); `group=` gives each setting its heading in
 --help and the docs. Checks live in __post_init__ (ValueError naming the value);
-`ensure_checkpoint_root` checks the file system, before the server binds.
+`ensure_checkpoint_root` and `port_file_problem` check the file system, before the server
+binds.
 """
 
 from __future__ import annotations
@@ -219,6 +220,29 @@ class ServerConfig:
     @property
     def log_level_number(self) -> int:
         return int(getattr(logging, self.log_level.upper()))
+
+
+def port_file_problem(path: str) -> str | None:
+    """None when --port-file can be written once the server serves (the file replaced, its
+    missing directories made: ps/edge/server.py write_port_file); else the one line that
+    says why not, before the server binds, rather than a traceback after it bound."""
+    if not path:
+        return None
+    named = f"--port-file {path!r}"
+    if os.path.isdir(path):
+        example = os.path.join(path, "ps.port")
+        return (f"{named} is a directory, where a file is written: give a file path (e.g. "
+                f"{example!r})")
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        return (f"{named} cannot be created: {above!r} is not a directory; give a path in a "
+                "directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        return (f"{named} cannot be created: directory {above!r} is not writable by this "
+                "user; give a path in a writable directory")
+    return None
 
 
 def ensure_checkpoint_root(root: str) -> str | None:

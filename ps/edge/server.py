@@ -267,8 +267,11 @@ def _start_metrics(config: ServerConfig, store: Store, core: ShardCore) -> Metri
 
 
 def write_port_file(path: str, port: int) -> None:
-    """Write atomically: a reader sees no file or the whole port, never a partial one."""
+    """Write atomically: a reader sees no file or the whole port, never a partial one.
+    Missing directories are made (`--port-file runs/ps.port` in a fresh clone); what cannot
+    be written was refused before binding (ps/config.py port_file_problem)."""
     target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
     try:
         with os.fdopen(fd, "w") as f:

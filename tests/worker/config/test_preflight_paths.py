@@ -1,7 +1,7 @@
 """A bad output path is refused before the first step, with one line naming it:
 worker/config/output_paths.py, run by worker/config/preflight.py in the launcher and
-in every rank before its torch imports; the shard server's --checkpoint-root before it binds
-(ps/config.py ensure_checkpoint_root).
+in every rank before its torch imports; the shard server's --checkpoint-root and --port-file
+before it binds (ps/config.py ensure_checkpoint_root, port_file_problem).
 
 End to end: `python worker/main.py` (and hybridps-run, python -m worker.export,
 python -m ps) as a user runs them with the bad path: exit 2 at once with the one line
@@ -157,8 +157,9 @@ def test_export_refuses_a_directory_as_its_out_before_reading(tmp_path: Path) ->
                     repr(str(tmp_path / "model")), "is a directory")
 
 
-def _server(tmp: Path, root: Path) -> tuple[subprocess.CompletedProcess[str], float, Path]:
-    port_file = tmp / "ps.port"
+def _server(tmp: Path, root: Path, port_file: Path | None = None
+            ) -> tuple[subprocess.CompletedProcess[str], float, Path]:
+    port_file = port_file or tmp / "ps.port"
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ps", "--host", "127.0.0.1", "--port", "0",
                            "--port-file", str(port_file), "--checkpoint-root", str(root)],
@@ -184,6 +185,40 @@ def test_the_server_refuses_a_checkpoint_root_it_cannot_use_before_binding(
     says = "does not exist, nor does its parent" if kind == "missing" else "is not a directory"
     assert proc.stderr.startswith(f"python -m ps: error: --checkpoint-root {str(root)!r} "
                                   f"{says}"), proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["a directory", "below a file"])
+def test_the_server_refuses_a_port_file_it_cannot_write_before_binding(
+        kind: str, tmp_path: Path) -> None:
+    """It used to bind, serve, then end on an IsADirectoryError traceback."""
+    if kind == "a directory":
+        port_file = tmp_path / "ps.port"
+        port_file.mkdir()
+        says = (f"is a directory, where a file is written: give a file path (e.g. "
+                f"{str(port_file / 'ps.port')!r})")
+    else:
+        (tmp_path / "runs").write_text("")
+        port_file = tmp_path / "runs" / "ps.port"
+        says = f"cannot be created: {str(tmp_path / 'runs')!r} is not a directory"
+    proc, seconds, _ = _server(tmp_path, tmp_path / "ck", port_file)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert seconds < FAST_S and "listening" not in proc.stdout, "the server bound its port"
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr  # one line
+    assert proc.stderr.startswith(f"python -m ps: error: --port-file {str(port_file)!r} "
+                                  f"{says}"), proc.stderr
+
+
+def test_a_port_file_in_missing_directories_is_written(tmp_path: Path) -> None:
+    from ps.config import port_file_problem
+    from ps.edge.server import write_port_file
+
+    target = tmp_path / "runs" / "a" / "ps.port"
+    assert port_file_problem(str(target)) is None and port_file_problem("") is None
+    write_port_file(str(target), 4711)
+    assert target.read_text() == "4711\n" and sorted(os.listdir(target.parent)) == ["ps.port"]
 
 
 @pytest.mark.e2e

@@ -17,6 +17,10 @@ A checkpoint of step s is one directory (`<checkpoint-dir>/step-<s:010d>/`):
     dense/                   the dense part + its optimizer, a torch.distributed.checkpoint
                              (DCP) directory written by every rank (worker/checkpoint/);
                              older checkpoints: dense.pt, full state dicts
+    pending/r<rank>.pt       the workers' pending updates (worker/checkpoint/window.py)
+    data/r<rank>.pt          a task's reading position, where it keeps one
+                             (worker/checkpoint/data.py; listed in the manifest's
+                             `parts`, which names the parts that wrote the checkpoint)
 
 Every shard file is a `torch.save` dict: {"format", "kind", "table", "num_rows",
 "dim", "row_start", "row_end", "tensors": {name: [rows, width] float32 or None},
@@ -31,7 +35,7 @@ every file is checked against the manifest's size and crc32 before a byte of it 
 used (`verify_entry`; `load_rows` does it for each file it reads). A file that is
 missing, of another size or crc32, truncated or unreadable raises CorruptCheckpoint
 naming it (the server answers DATA_LOSS; a resuming worker falls back to the previous
-checkpoint, worker/checkpoint/checkpointer.py).
+checkpoint, worker/checkpoint/resume.py).
 """
 
 from __future__ import annotations

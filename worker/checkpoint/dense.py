@@ -59,7 +59,7 @@ def save_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any, direct
 def restore_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
                   directory: Path, entry: dict[str, Any], loss_scale_init: float) -> None:
     """Dense weights, dense optimizer and the loss scaler from a manifest entry (every
-    file was verified before anything was loaded: Checkpointer.resume_target)."""
+    file was verified before anything was loaded: worker/checkpoint/resume.py resume_target)."""
     if "file" in entry:  # written before DCP: full state dicts in one torch.save file
         blob = torch.load(directory / entry["file"], map_location="cpu", weights_only=False)
         full = StateDictOptions(full_state_dict=True)

@@ -20,18 +20,25 @@ from torch import nn
 from hybridps.checkpoint import (
     FileEntry,
     Manifest,
+    ManifestShard,
     ManifestTable,
     PartEntry,
+    ShardInfo,
     read_manifest,
     step_dir,
     verify_files,
     write_manifest,
 )
+from hybridps.dynamic import DynamicSpec
 from hybridps.errors import CorruptCheckpoint
+from hybridps.optim import OptimizerSpec
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.data import DataPart, data_file
 from worker.checkpoint.parts import CheckpointPart, ManifestDraft
+from worker.checkpoint.source import SourcePart
+from worker.checkpoint.tables import TablesPart
 from worker.config.train_config import TrainConfig
+from worker.sync.update_sources import kind_named
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
 
 REPO = Path(__file__).resolve().parents[3]
@@ -179,6 +186,40 @@ def test_a_part_that_cannot_use_the_checkpoint_stops_every_restore(tmp_path: Pat
 def test_two_parts_of_one_name_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"name a part twice"):
         _checkpointer(tmp_path, [Recorder("rows", []), Recorder("rows", [])])
+
+
+# -- the tables' and the source's parts ---------------------------------------------------
+
+def test_the_tables_part_names_a_table_this_run_cannot_take(tmp_path: Path) -> None:
+    dynamic = DynamicSpec()
+    emb = SimpleNamespace(tables={"t": TableConfig("t", 4, 2), "u": TableConfig("u", 6, 2)})
+    part = TablesPart(emb, "fp32")  # type: ignore[arg-type]
+    saved = {"t": ManifestTable(4, 2, ()), "u": ManifestTable(6, 2, ())}
+    assert part.verify(tmp_path, Manifest(step=1, tables=saved)) is None
+    for tables, problem in [
+            ({"t": saved["t"]}, "table 'u' is missing; this run has 6x2"),
+            ({**saved, "u": ManifestTable(6, 3, ())}, "table 'u' is of another shape"),
+            ({**saved, "u": ManifestTable(6, 2, (), {"dynamic": {}})},
+             "table 'u' is dynamic there and not dynamic in this run")]:
+        assert problem in str(part.verify(tmp_path, Manifest(step=1, tables=tables)))
+    emb.tables["u"] = TableConfig("u", 6, 2, dynamic=dynamic)
+    assert "table 'u' is not dynamic there and dynamic in this run" in str(
+        part.verify(tmp_path, Manifest(step=1, tables=saved)))
+
+
+def test_the_source_part_records_its_kind_and_optimizer() -> None:
+    spec = OptimizerSpec(kind="adamw", lr=0.02)
+    part = SourcePart(SimpleNamespace(), kind_named("local"), spec)  # type: ignore[arg-type]
+    draft = ManifestDraft(step=4, world_size=1, run_id="r", task="x", seed=1)
+    draft.shard("t", 0, 0, 3, {"rows": FileEntry("rows/t")})
+    draft.table("t", 3, 1)
+    part.record([{"t": {"optim": ShardInfo("t", 0, 0, 3, "optim/t", 9, "00000001")}}], draft)
+    manifest = draft.build()
+    assert manifest.mode == "local-optimizer" and manifest.optimizer["kind"] == "adamw"
+    assert manifest.shards("t", "optim")[0].bytes == 9
+    assert part.verify(Path("ck"), manifest) is None
+    bare = Manifest(step=4, tables={"t": ManifestTable(3, 1, (ManifestShard(0, 0, 3, {}),))})
+    assert "lists no optim file" in str(part.verify(Path("ck"), bare))
 
 
 # -- the data position ------------------------------------------------------------------

@@ -15,7 +15,7 @@ manifest itself, in one of these ways, at a random offset:
   missing   the file removed (the manifest removed: a torn checkpoint, skipped unnamed)
 and checks both sides:
   worker    the resume selection (every file against the manifest, as
-            worker/checkpoint/checkpointer.py resume_target does) must pick step 9, the previous
+            worker/checkpoint/resume.py resume_target does) must pick step 9, the previous
             intact checkpoint, and name the damaged file;
   server    a Register with restore of step 14 for each rank must either be refused with
             the partition exactly as before (its m, v, counters), or succeed only when
@@ -136,7 +136,7 @@ def _damage(path: Path, kind: str, rng: random.Random) -> str:
 
 
 def _select(root: Path) -> tuple[int | None, str]:
-    """The resume selection of worker/checkpoint/checkpointer.py, in one process: newest intact."""
+    """The resume selection of worker/checkpoint/resume.py, in one process: newest intact."""
     problems = []
     for step, directory in reversed(complete_checkpoints(root)):
         try:

@@ -17,6 +17,10 @@ A checkpoint of step s is one directory (`<checkpoint-dir>/step-<s:010d>/`):
     dense/                   the dense part + its optimizer, a torch.distributed.checkpoint
                              (DCP) directory written by every rank (worker/checkpoint/);
                              older checkpoints: dense.pt, full state dicts
+    pending/r<rank>.pt       the workers' pending updates (worker/checkpoint/window.py)
+    data/r<rank>.pt          a task's reading position, where it keeps one
+                             (worker/checkpoint/data.py; listed in the manifest's
+                             `parts`, which names the parts that wrote the checkpoint)
 
 Every shard file is a `torch.save` dict: {"format", "kind", "table", "num_rows",
 "dim", "row_start", "row_end", "tensors": {name: [rows, width] float32 or None},
@@ -31,7 +35,7 @@ every file is checked against the manifest's size and crc32 before a byte of it 
 used (`verify_entry`; `load_rows` does it for each file it reads). A file that is
 missing, of another size or crc32, truncated or unreadable raises CorruptCheckpoint
 naming it (the server answers DATA_LOSS; a resuming worker falls back to the previous
-checkpoint, worker/checkpoint/checkpointer.py).
+checkpoint, worker/checkpoint/resume.py).
 """
 
 from __future__ import annotations
@@ -441,10 +445,43 @@ class PendingEntry:
                 "files": [{"rank": rank, **f.as_dict()} for rank, f in self.files]}
 
 
+@dataclass(frozen=True)
+class PartEntry:
+    """One part of a checkpoint (worker/checkpoint/parts.py: tables, window, source, dense,
+    data, dynamic): its name and the files it lists beyond the manifest's own keys (tables,
+    dense, pending), each with the rank that wrote it."""
+
+    name: str
+    files: tuple[tuple[int, FileEntry], ...] = ()  # (rank, file)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name,
+                "files": [{"rank": rank, **f.as_dict()} for rank, f in self.files]}
+
+    @classmethod
+    def of(cls, entry: Mapping[str, Any]) -> PartEntry:
+        name, files = entry["name"], entry.get("files", [])
+        if not isinstance(name, str) or not name or not isinstance(files, list):
+            raise ValueError(f"part entry {entry!r} needs a name and a list of files")
+        return cls(name, tuple((int(f["rank"]), FileEntry.of(f)) for f in files))
+
+
+def _parts(entries: Any) -> tuple[PartEntry, ...]:
+    if entries is None:  # written before parts were recorded
+        return ()
+    if not isinstance(entries, list):
+        raise ValueError(f"parts is {type(entries).__name__}, not a list")
+    parts = tuple(PartEntry.of(e) for e in entries)
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"parts {names} name a part twice")
+    return parts
+
+
 # The manifest's keys this class reads; any other is kept in `extra` and written back.
 _MANIFEST_KEYS = ("step", "next_step", "world_size", "run_id", "mode", "row_dtype",
                   "optimizer", "task", "seed", "data", "created_unix", "tables", "dense",
-                  "pending")
+                  "pending", "parts")
 
 
 @dataclass
@@ -470,6 +507,7 @@ class Manifest:
     created_unix: float = 0.0
     dense: dict[str, Any] | None = None
     pending: PendingEntry | None = None
+    parts: tuple[PartEntry, ...] = ()  # () in manifests written before parts
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -505,6 +543,7 @@ class Manifest:
                 pending=None if pending is None else PendingEntry(
                     int(pending["staleness"]), int(pending["applied_through"]),
                     tuple((int(f["rank"]), FileEntry.of(f)) for f in pending["files"])),
+                parts=_parts(data.get("parts")),
                 extra={k: v for k, v in data.items()
                        if k not in _MANIFEST_KEYS and k not in ("format", MANIFEST_CHECKSUM)})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -520,7 +559,13 @@ class Manifest:
                     "data": self.data, "created_unix": self.created_unix, "dense": self.dense,
                     "pending": None if self.pending is None else self.pending.as_dict()}
         out.update({k: v for k, v in optional.items() if v is not None})
+        if self.parts:
+            out["parts"] = [p.as_dict() for p in self.parts]
         return out
+
+    def part(self, name: str) -> PartEntry | None:
+        """The part `name` (None: not recorded, e.g. a manifest written before parts)."""
+        return next((p for p in self.parts if p.name == name), None)
 
     def table(self, name: str) -> ManifestTable:
         entry = self.tables.get(name)
@@ -551,6 +596,8 @@ def manifest_entries(manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
             entries.extend(dense.get("files", [dense]))
         if "pending" in manifest:  # the workers' pending updates (worker/checkpoint/)
             entries.extend(manifest["pending"]["files"])
+        for part in manifest.get("parts") or ():  # files only a part lists (its own data)
+            entries.extend(part["files"])
     except (KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpoint(f"checkpoint of step {manifest.get('step')}: malformed "
                                 f"manifest ({type(exc).__name__}: {exc})") from None

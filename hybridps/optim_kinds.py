@@ -317,7 +317,7 @@ def describe_layout(kind: str) -> str:
 class OptimizerSpec:
     """A sparse optimizer and its hyperparameters (those its kind does not read are ignored:
     OptimizerKind.reads). Checkpoints record it (`dataclasses.asdict`); a run resumes only
-    with the same one, but for lr and weight_decay (worker/checkpoint/checkpointer.py
+    with the same one, but for lr and weight_decay (worker/checkpoint/resume.py
     `resume_changes`)."""
 
     kind: str = "adam"

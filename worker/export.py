@@ -57,8 +57,8 @@ def export_state_dict(checkpoint: str | Path, delta_since: int | None = None
     and `.weight`: every live id and its row. `delta_since` S: only the rows looked up
     (so changed) after step S, and `.tombstones`: the ids dropped after S that are not
     live again; static tables and the dense part are written whole."""
-    from worker.checkpoint.checkpointer import find_checkpoint
     from worker.checkpoint.dense import read_dense_full
+    from worker.checkpoint.resume import find_checkpoint
 
     directory = find_checkpoint(checkpoint)
     if directory is None:

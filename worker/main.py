@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Heavy imports (torch, grpc) only once the flags are known to be good.
     from hybridps.cli import ConfigError
-    from worker.checkpoint.checkpointer import ResumeError
+    from worker.checkpoint.resume import ResumeError
     from worker.dense.parallel import DenseParallelError
     from worker.runtime.dist import destroy_distributed, init_distributed
     from worker.sync.client import SyncError

@@ -1,13 +1,14 @@
 """The dense part of a checkpoint: the model and its optimizer (and the fp16 loss scaler)
-as a torch.distributed.checkpoint (DCP) directory, written and read sharded (worker/checkpoint/
-checkpointer.py's step 4), and read whole in one process for export."""
+as a torch.distributed.checkpoint (DCP) directory, written and read sharded (`DensePart`,
+worker/checkpoint/checkpointer.py's step 4), and read whole in one process for export."""
 
 from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,7 +22,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hybridps.checkpoint import file_crc32, verify_entry
+from hybridps.checkpoint import Manifest, file_crc32, verify_entry
+from worker.checkpoint.parts import ManifestDraft
+from worker.checkpoint.resume import dense_optimizer_record
+
+if TYPE_CHECKING:
+    from worker.config.train_config import OptimConfig
 
 DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
 
@@ -53,7 +59,7 @@ def save_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any, direct
 def restore_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
                   directory: Path, entry: dict[str, Any], loss_scale_init: float) -> None:
     """Dense weights, dense optimizer and the loss scaler from a manifest entry (every
-    file was verified before anything was loaded: Checkpointer.resume_target)."""
+    file was verified before anything was loaded: worker/checkpoint/resume.py resume_target)."""
     if "file" in entry:  # written before DCP: full state dicts in one torch.save file
         blob = torch.load(directory / entry["file"], map_location="cpu", weights_only=False)
         full = StateDictOptions(full_state_dict=True)
@@ -86,3 +92,35 @@ def read_dense_full(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(directory / entry["dir"], Path(tmp) / "dense.pt")
         return dict(torch.load(Path(tmp) / "dense.pt", map_location="cpu", weights_only=False))
+
+
+class DensePart:
+    """The dense module, its optimizer and the fp16 loss scaler (`scaler`, None without
+    fp16). A resume gives the optimizer this run's learning rate and weight decay after
+    its state is loaded (worker/checkpoint/resume.py resume_changes)."""
+
+    name = "dense"
+
+    def __init__(self, dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any, *,
+                 rank: int, optim: OptimConfig, loss_scale_init: float) -> None:
+        self.dense, self.opt, self.scaler, self.rank = dense, opt, scaler, rank
+        self.optim, self.loss_scale_init = optim, loss_scale_init
+
+    def save(self, directory: Path, step: int) -> dict[str, Any]:
+        return save_dense(self.dense, self.opt, self.scaler, directory, self.rank)
+
+    def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
+        draft.dense = {**saved_by_rank[0], "optimizer": dense_optimizer_record(self.optim)}
+
+    def verify(self, directory: Path, manifest: Manifest) -> str | None:
+        entry = manifest.dense or {}
+        if "file" not in entry and "dir" not in entry:
+            return f"checkpoint {directory} has no dense part (manifest key dense)"
+        return None
+
+    def restore(self, directory: Path, manifest: Manifest, step: int) -> None:
+        restore_dense(self.dense, self.opt, self.scaler, directory, manifest.dense or {},
+                      self.loss_scale_init)
+        for group in self.opt.param_groups:  # this run's, not the saved ones
+            group["lr"] = self.optim.dense_lr
+            group["weight_decay"] = self.optim.weight_decay

@@ -27,7 +27,10 @@ Contract:
   eval_batch/evaluate averaging when it returns metrics), `save_artifacts(
   results_path)` (rank 0 writes task files next to --results, e.g. id maps),
   `hooks(model, world_size)` (a TrainHooks: lr schedule, scheduled evaluation, early
-  stopping, best-model restore; the loop and the reference call it the same way).
+  stopping, best-model restore; the loop and the reference call it the same way),
+  `data_state(next_step)` / `load_data_state(states_by_rank, next_step)` (a reader whose
+  position is not a function of the step: a checkpoint saves each rank's, a resume hands
+  back all of them).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -205,6 +208,17 @@ class Task(ABC):
         """The most rows of each table one rank pushes in a step (sizes the same-node
         arena, worker/sync/arena.py); None: not known (the default arena size)."""
         return None
+
+    def data_state(self, next_step: int) -> dict[str, Any] | None:
+        """This rank's reading position before batch `next_step` (a checkpoint saves it:
+        plain values and tensors); None when batches are a pure function of the step."""
+        return None
+
+    def load_data_state(self, states_by_rank: Sequence[dict[str, Any] | None],  # noqa: B027
+                        next_step: int) -> None:
+        """Resume reading at batch `next_step` from every saved rank's `data_state` (in
+        rank order; None where a rank saved none), so a task can re-split them at another
+        world size. Called on every resume, before the first batch."""
 
     def hooks(self, model: HybridModel, world_size: int) -> TrainHooks | None:
         """Training controls for this run (None: none); built once the model exists."""

@@ -32,6 +32,7 @@ from hybridps.logs import kv
 from hybridps.names import describe_problem
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.run_claim import claim_run
+from worker.checkpoint.run_parts import run_parts
 from worker.config.train_config import TrainConfig
 from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
 from worker.dense.parallel import build_dense_parallel, check_dense_parallel
@@ -137,7 +138,7 @@ class Trainer:
         # the task's lr schedule / scheduled evaluation / early stopping (Task.hooks)
         self.hooks = self.task.hooks(self.model, ctx.world_size)
         spec = self.sparse_spec = sparse_optimizer_spec(cfg.optim)
-        self.checkpointer = Checkpointer(self)
+        self.checkpointer = Checkpointer(cfg, ctx, run_id=self.run_id, sparse_spec=spec)
         resume = self.checkpointer.resume_target()  # (directory, step) or None
         sync = cfg.sync
         self.source_kind = source_kind(sync)  # "server" or "local" (worker/sync/update_sources.py)
@@ -170,6 +171,11 @@ class Trainer:
                                     world_size=ctx.world_size, device=ctx.device,
                                     backend=ctx.backend, end_step=self.steps,
                                     enabled=cfg.run.pipeline)
+        self.checkpointer.attach(run_parts(
+            cfg, rank=ctx.rank, world_size=ctx.world_size, embedding=self.embedding,
+            window=self.window, source=self.source, source_kind=self.source_kind,
+            sparse_spec=spec, dense=self.model.dense, dense_opt=self.dense_opt,
+            scaler=self.dense_parallel.scaler, task=self.task))
         self.start_step = 0
         if resume is not None:
             self.checkpointer.restore_local(*resume)

@@ -537,7 +537,7 @@ def test_export_reads_pre_dcp_checkpoints(runs: dict[str, Path], tmp_path: Path)
 
 
 def test_resume_may_change_only_the_learning_rates_and_weight_decay() -> None:
-    from worker.checkpoint.checkpointer import ResumeError, resume_changes
+    from worker.checkpoint.resume import ResumeError, resume_changes
 
     adamw = dataclasses.asdict(OptimizerSpec(kind="adamw", lr=0.02))
     dense = {"kind": "adamw", "lr": 3e-3, "weight_decay": 0.0}

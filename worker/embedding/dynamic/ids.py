@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from worker.embedding.dynamic.fused import fusable, serve_fused
 from worker.embedding.dynamic.prefetch import Prefetcher
 from worker.embedding.dynamic.slots import PageAnswer, PageRequest, SlotTable
 from worker.runtime.device_copy import sync_point, to_device
+
+if TYPE_CHECKING:
+    from hybridps.dynamic_files import DynamicRestore
 
 PAGED = -2  # an evaluation's code for an id whose row comes from the paged store
 
@@ -426,6 +429,18 @@ class DynamicIds:
             raise RuntimeError(f"dynamic table {name!r}: step {pending}'s ids are prefetched; "
                                "save a checkpoint before prefetching or after that step")
         return self.tables[name].slots.state_dict()
+
+    @torch.no_grad()
+    def load_slot_state(self, name: str, plan: DynamicRestore) -> None:
+        """Resume table `name`'s slots from a checkpoint's restore plan (any world size:
+        hybridps/dynamic_files.py); the rows of the slots whose id went to another owner
+        are emptied."""
+        table = self.tables[name]
+        table.slots.load(plan.slot_id, plan.seen, plan.freq, plan.paged.ids.numpy())
+        table.slots.admission.load_state_dicts(plan.admission)
+        rows = self.rows_of(name).data
+        gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1).to(rows.device)
+        rows.index_fill_(0, gone, 0.0)
 
     # -- stats --------------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,140 @@
+"""The embedding tables' parts of a checkpoint: the rows a rank owns (`TablesPart`) and a
+dynamic table's slot map (`DynamicMapsPart`, through the DynamicIds' own state methods).
+
+Each rank writes `rows/<table>.r<rank>.pt`: its rows [row_start, row_end) with every
+update <= step applied (the window part lends its pending updates while they are
+written: worker/checkpoint/window.py). A resume reads the saved row ranges that overlap
+the range it owns now (hybridps/checkpoint.py load_rows), so the world size may differ.
+Saved bf16 rows are their fp32 master rounded: fp32 rows resume from the master itself
+(in the optim files, next to m and v).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridps.checkpoint import Manifest, ShardInfo, load_rows, rows_file, save_shard
+from hybridps.dynamic_files import restore_plan, save_ids
+from hybridps.errors import ShardError
+from worker.checkpoint.parts import ManifestDraft, file_entry
+from worker.embedding.sharded import ShardedEmbedding
+
+
+def _no_pending(step: int) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
+class TablesPart:
+    """Every table's rows on this rank (module doc)."""
+
+    name = "tables"
+
+    def __init__(self, embedding: ShardedEmbedding, row_dtype: str,
+                 canonical: Callable[[int], AbstractContextManager[None]] = _no_pending
+                 ) -> None:
+        # canonical(step): the rows hold every update <= step inside it (WindowPart.applied)
+        self.emb, self.row_dtype, self.canonical = embedding, row_dtype, canonical
+
+    @torch.no_grad()
+    def save(self, directory: Path, step: int) -> dict[str, ShardInfo]:
+        emb, rows = self.emb, {}
+        with self.canonical(step):
+            for name, table in emb.tables.items():
+                start, end = emb.ranges[name]
+                rows[name] = save_shard(directory, rows_file(name, emb.rank), kind="rows",
+                                        table=name, rank=emb.rank, num_rows=table.num_rows,
+                                        dim=table.dim, row_start=start, row_end=end,
+                                        tensors={"weight": emb.table_rows(name)},
+                                        meta={"step": step})
+        return rows
+
+    def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
+        draft.row_dtype = self.row_dtype  # bf16: the optim files hold the fp32 masters
+        for name, t in self.emb.tables.items():
+            draft.table(name, t.num_rows, t.dim,
+                        {} if t.dynamic is None else {"dynamic": dataclasses.asdict(t.dynamic)})
+            for rank, rows in enumerate(saved_by_rank):
+                info = rows[name]
+                draft.shard(name, rank, info.row_start, info.row_end,
+                            {"rows": file_entry(info)})
+
+    def verify(self, directory: Path, manifest: Manifest) -> str | None:
+        for name, table in self.emb.tables.items():
+            entry = manifest.tables.get(name)
+            if entry is None or (entry.num_rows, entry.dim) != (table.num_rows, table.dim):
+                return (f"checkpoint {directory}: table {name!r} is "
+                        f"{'missing' if entry is None else 'of another shape'}; "
+                        f"this run has {table.num_rows}x{table.dim}")
+            if ("dynamic" in entry.extra) != (table.dynamic is not None):
+                return (f"checkpoint {directory}: table {name!r} is "
+                        f"{'' if 'dynamic' in entry.extra else 'not '}dynamic there "
+                        f"and {'' if table.dynamic is not None else 'not '}dynamic "
+                        "in this run")
+        return None
+
+    @torch.no_grad()
+    def restore(self, directory: Path, manifest: Manifest, step: int) -> None:
+        emb = self.emb
+        for name, table in emb.tables.items():
+            start, end = emb.ranges[name]
+            shards = manifest.shards(name, "rows")  # verified by resume_target
+            got, _ = load_rows(directory, name, table.num_rows, table.dim, shards, start, end,
+                               ["weight"], verify=False)
+            weight = got["weight"]
+            if manifest.row_dtype == "bf16" and emb.row_dtype == torch.float32:
+                masters, _ = load_rows(directory, name, table.num_rows, table.dim,
+                                       manifest.shards(name, "optim"), start, end,
+                                       ["master"], verify=False)
+                weight = masters["master"] if masters["master"] is not None else weight
+            assert weight is not None
+            emb.table_rows(name).copy_(weight)
+
+
+class DynamicMapsPart:
+    """A dynamic table's slot map on this rank (hybridps/dynamic_files.py: any world size)."""
+
+    name = "dynamic"
+
+    def __init__(self, embedding: ShardedEmbedding) -> None:
+        self.emb = embedding
+
+    def _tables(self) -> list[str]:
+        dynamic = self.emb.dynamic
+        return [] if dynamic is None else [n for n in self.emb.tables if n in dynamic.tables]
+
+    def save(self, directory: Path, step: int) -> dict[str, ShardInfo]:
+        dynamic, out = self.emb.dynamic, {}
+        for name in self._tables():
+            assert dynamic is not None
+            start, end = self.emb.ranges[name]
+            out[name] = save_ids(directory, table=name, rank=self.emb.rank, start=start,
+                                 end=end, state=dynamic.slot_state(name), step=step)
+        return out
+
+    def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
+        for rank, saved in enumerate(saved_by_rank):
+            for name, info in saved.items():
+                draft.shard_files(name, rank, {"ids": file_entry(info)})
+
+    def verify(self, directory: Path, manifest: Manifest) -> str | None:
+        for name in self._tables():
+            try:
+                manifest.shards(name, "ids")
+            except ShardError as exc:
+                return f"checkpoint {directory}: dynamic table {name!r}: {exc}"
+        return None
+
+    def restore(self, directory: Path, manifest: Manifest, step: int) -> None:
+        dynamic = self.emb.dynamic
+        for name in self._tables():
+            assert dynamic is not None
+            start, end = self.emb.ranges[name]
+            plan = restore_plan(directory, manifest, name, self.emb.tables[name].dim, (),
+                                self.emb.rank, self.emb.world_size, start, end, verify=False)
+            dynamic.load_slot_state(name, plan)

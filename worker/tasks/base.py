@@ -27,7 +27,10 @@ Contract:
   eval_batch/evaluate averaging when it returns metrics), `save_artifacts(
   results_path)` (rank 0 writes task files next to --results, e.g. id maps),
   `hooks(model, world_size)` (a TrainHooks: lr schedule, scheduled evaluation, early
-  stopping, best-model restore; the loop and the reference call it the same way).
+  stopping, best-model restore; the loop and the reference call it the same way),
+  `data_state(next_step)` / `load_data_state(states_by_rank, next_step)` (a task reading
+  files: this rank's reading position, saved with the checkpoint, and every saved rank's
+  position given back on resume; worker/data/).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -208,6 +211,18 @@ class Task(ABC):
 
     def hooks(self, model: HybridModel, world_size: int) -> TrainHooks | None:
         """Training controls for this run (None: none); built once the model exists."""
+        return None
+
+    def data_state(self, next_step: int) -> dict[str, Any] | None:
+        """This rank's reading position before batch `next_step` (file, row group, offset,
+        shuffle state, epoch), saved with a checkpoint; None: the batches are a function of
+        the step alone (nothing to save)."""
+        return None
+
+    def load_data_state(self, states_by_rank: Sequence[dict[str, Any] | None],
+                        next_step: int) -> None:
+        """On resume before batch `next_step`: every saved rank's `data_state` (index: the
+        saved rank; the saved world size may differ from this run's)."""
         return None
 
     def fsdp_units(self, dense: nn.Module) -> list[nn.Module]:

@@ -36,7 +36,7 @@ from typing import IO, Any, cast
 
 import numpy as np
 
-from worker.data.errors import DataError, where
+from worker.data.errors import DataError, one_line, where
 
 __all__ = ["FORMATS", "KINDS", "Column", "Ragged", "RecordFormat", "format_for",
            "list_files", "register"]
@@ -156,21 +156,26 @@ class ParquetFormat(RecordFormat):
     OPEN_FILES = 16  # ParquetFile objects kept open (footers parsed once)
 
     def __init__(self) -> None:
-        self._open = functools.lru_cache(maxsize=self.OPEN_FILES)(self._open_file)
+        self._cached = functools.lru_cache(maxsize=self.OPEN_FILES)(self._open_file)
+
+    def _open(self, path: Path) -> Any:
+        """The file's ParquetFile, opened again when the file changed on disk."""
+        st = path.stat()
+        return self._cached(path, st.st_mtime_ns, st.st_size)
 
     def matches(self, path: Path) -> bool:
         return path.suffix in (".parquet", ".parq")
 
     @staticmethod
-    def _open_file(path: Path) -> Any:
+    def _open_file(path: Path, mtime_ns: int, size: int) -> Any:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
             return pq.ParquetFile(path)
         except (pa.ArrowException, OSError) as exc:
-            size = path.stat().st_size if path.exists() else -1
-            what = "an empty file" if size == 0 else f"not a readable Parquet file ({exc})"
+            what = ("an empty file" if size == 0
+                    else f"not a readable Parquet file ({one_line(exc)})")
             raise DataError(f"{where(path)}: {what}") from None
 
     def units(self, path: Path) -> list[int]:
@@ -187,7 +192,14 @@ class ParquetFormat(RecordFormat):
         try:
             table = pf.read_row_group(unit, columns=list(columns))
         except (pa.ArrowException, OSError) as exc:
-            raise DataError(f"{where(path, unit)}: cannot decode ({exc})") from None
+            bad, why = None, one_line(exc)
+            for name in columns:  # which column: each read alone
+                try:
+                    pf.read_row_group(unit, columns=[name])
+                except (pa.ArrowException, OSError) as one:
+                    bad, why = name, one_line(one)
+                    break
+            raise DataError(f"{where(path, unit, bad)}: cannot decode ({why})") from None
         out: dict[str, Column] = {}
         for name in columns:
             arr = table.column(name).combine_chunks()
@@ -232,7 +244,7 @@ class CriteoNpyFormat(RecordFormat):
                 arrays.append(np.load(p, mmap_mode="r"))
             except (OSError, ValueError) as exc:
                 what = "an empty file" if p.exists() and p.stat().st_size == 0 else (
-                    f"not a readable .npy file ({exc})")
+                    f"not a readable .npy file ({one_line(exc)})")
                 raise DataError(f"{where(p)}: {what}") from None
         dense, sparse, labels = arrays
         n = len(labels)
@@ -290,15 +302,20 @@ class CriteoTsvFormat(RecordFormat):
     unit_lines = TSV_UNIT_LINES
 
     def __init__(self) -> None:
-        self._index = functools.lru_cache(maxsize=256)(self._scan)
+        self._cached = functools.lru_cache(maxsize=256)(self._scan)
+
+    def _index(self, path: Path, unit_lines: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        st = path.stat()
+        return self._cached(path, unit_lines, st.st_mtime_ns, st.st_size)
 
     def matches(self, path: Path) -> bool:
         name = path.name[:-3] if path.name.endswith(".gz") else path.name
         return Path(name).suffix in (".tsv", ".txt")
 
-    def _scan(self, path: Path, unit_lines: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _scan(self, path: Path, unit_lines: int, mtime_ns: int,
+              size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(byte offset of each unit's first line, lines of each unit): one pass."""
-        if path.stat().st_size == 0:
+        if size == 0:
             raise DataError(f"{where(path)}: an empty file")
         starts, counts = [0], [0]
         pos = 0
@@ -334,7 +351,7 @@ class CriteoTsvFormat(RecordFormat):
         try:
             b = _parse_batch(lines, [seg], check_table_sizes(TSV_ID_SPACE, NUM_SPARSE))
         except CriteoFormatError as exc:
-            raise DataError(f"{where(path, unit)}: {exc}") from None
+            raise DataError(f"{where(path, unit)}: {one_line(exc)}") from None
         out: dict[str, Column] = {}
         for name in columns:
             kind, _, index = name.rpartition("_")

@@ -107,7 +107,7 @@ def decode(raw: dict[str, Column], spec: FeatureSpec, path: Path, unit: int) -> 
     label = label_raw.astype(np.float32)
     bad = np.flatnonzero((label != 0) & (label != 1))
     if bad.size:
-        raise DataError(f"{where(path, unit, spec.label)}: label {label_raw[bad[0]]!r} (row "
+        raise DataError(f"{where(path, unit, spec.label)}: label {label_raw[bad[0]].item()!r} (row "
                         f"{int(bad[0])} of the row group) is not 0 or 1")
     n = len(label)
     dense = np.empty((n, len(spec.dense)), dtype=np.float32)

@@ -153,7 +153,7 @@ class FileReader:
         if spans and step >= spans[-1].first_step + spans[-1].steps:
             base_step = spans[-1].first_step + spans[-1].steps
             base_epoch = spans[-1].epoch + 1
-        per = self.steps_per_epoch
+        per = max(self.steps_per_epoch, 1)  # 0: a reader of held-out data (one epoch)
         epoch = base_epoch + (step - base_step) // per
         first = base_step + (epoch - base_epoch) * per
         return epoch, first, self._epoch(epoch), None

@@ -71,7 +71,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     conv.add_argument("--rows-per-file", type=int, default=1 << 22)
     conv.add_argument("--table-rows", type=int, default=0,
                       help="hash ids into [0, R) (0: keep the 64-bit token hash)")
+    example = sub.add_parser("example", help="write a small Parquet set to try --task files")
+    example.add_argument("--output", required=True, help="directory for the files")
+    example.add_argument("--num-rows", type=int, default=1000, help="ids below this")
     args = parser.parse_args(argv)
+    if args.command == "example":
+        from worker.data.example import write_example
+
+        paths = write_example(args.output, rows=args.num_rows)
+        print(f"wrote {len(paths)} files to {args.output}", flush=True)
+        return 0
     try:
         paths = convert_tsv(args.inputs, args.output, rows_per_group=args.rows_per_group,
                             rows_per_file=args.rows_per_file, table_rows=args.table_rows)

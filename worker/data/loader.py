@@ -4,7 +4,9 @@ Worker w of N makes the batches of steps start + w, start + w + N, ... (torch's 
 hands them out in that round-robin order, so the batches come in step order); the training
 process asks for the steps in order, and any other step (a resume, an evaluation's reader)
 starts the workers again from there. The workers are spawned, not forked: the training
-process holds gRPC channels and threads that a fork would copy mid-use. A DataError in a
+process holds gRPC channels and threads that a fork would copy mid-use. A worker sends
+numpy arrays (pickled through the pipe: one copy), not tensors (one shared-memory file a
+tensor, some 30 a batch, each costing more than the copy). A DataError in a
 worker comes back as its one line, raised at the step it belongs to.
 """
 
@@ -17,6 +19,7 @@ import torch.utils.data as tud
 
 from worker.data.errors import DataError
 from worker.data.reader import FileReader, ReaderConfig
+from worker.data.samples import Samples
 from worker.tasks.base import Batch
 
 __all__ = ["PrefetchLoader"]
@@ -28,22 +31,22 @@ def _identity(item: Any) -> Any:
     return item
 
 
-class _Steps(tud.IterableDataset[tuple[int, Batch | str]]):
+class _Steps(tud.IterableDataset[tuple[int, Samples | str]]):
     def __init__(self, config: ReaderConfig, rank: int, start: int) -> None:
         self.config, self.rank, self.start = config, rank, start
 
-    def __iter__(self) -> Iterator[tuple[int, Batch | str]]:
+    def __iter__(self) -> Iterator[tuple[int, Samples | str]]:
         info = tud.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         reader = FileReader(self.config)
         step = self.start + worker
         while True:
             try:
-                batch = reader.samples(step, self.rank).to_batch()
+                samples = reader.samples(step, self.rank)
             except DataError as exc:
                 yield step, str(exc)
                 return
-            yield step, batch
+            yield step, samples
             step += workers
 
 
@@ -52,7 +55,7 @@ class PrefetchLoader:
 
     def __init__(self, config: ReaderConfig, rank: int, workers: int) -> None:
         self.config, self.rank, self.workers = config, rank, workers
-        self._it: Iterator[tuple[int, Batch | str]] | None = None
+        self._it: Iterator[tuple[int, Samples | str]] | None = None
         self._next = -1
 
     def get(self, step: int) -> Batch:
@@ -70,7 +73,7 @@ class PrefetchLoader:
         if got != step:  # the round-robin order is the DataLoader's contract
             raise RuntimeError(f"data worker sent step {got}, expected {step}")
         self._next = step + 1
-        return item
+        return item.to_batch()
 
     def close(self) -> None:
         it, self._it = self._it, None

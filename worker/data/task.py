@@ -21,7 +21,7 @@ A custom task reads the same path: subclass FilesTask (override `build_dense` an
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -194,10 +194,11 @@ class FilesTask(Task):
         return names, ids, bags
 
     # -- evaluation ---------------------------------------------------------------------
-    def heldout_batches(self, rank: int, world_size: int, limit: int | None) -> list[Batch]:
+    def heldout_batches(self, rank: int, world_size: int, limit: int | None
+                        ) -> Iterator[Batch]:
         """This rank's share of --valid-files in batches of --batch-size (the last one
         shorter; every rank has as many): floor(rows / W) rows a rank, the first `limit`
-        batches of them (None: all)."""
+        batches of them (None: all), read as they are scored."""
         assert self.valid is not None
         c = self.cfg
         reader = FileReader(ReaderConfig(self.valid, self.spec, c.run.batch_size, c.run.seed,
@@ -206,8 +207,8 @@ class FilesTask(Task):
         rows = sum(len(s) for s in stream)
         b = c.run.batch_size
         count = math.ceil(rows / b) if limit is None else min(limit, math.ceil(rows / b))
-        return [reader.rows(stream, i * b, min((i + 1) * b, rows)).to_batch()
-                for i in range(count)]
+        for i in range(count):
+            yield reader.rows(stream, i * b, min((i + 1) * b, rows)).to_batch()
 
     @torch.no_grad()
     def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
@@ -216,14 +217,15 @@ class FilesTask(Task):
             return None
         emb = model.lookups
         _, world, group = dist_info(emb)
-        batches = self.heldout_batches(rank, world_size,
-                                       self.cfg.output.eval_batches if quick else None)
-        if not batches:
-            return {}
         device = getattr(emb, "device", torch.device("cpu"))
-        scores = [self.forward(model, b.to(device)).float().cpu().numpy() for b in batches]
-        score = np.concatenate(scores)
-        label = np.concatenate([b.values["label"].numpy() for b in batches])
+        scores, labels = [], []
+        for b in self.heldout_batches(rank, world_size,
+                                      self.cfg.output.eval_batches if quick else None):
+            scores.append(self.forward(model, b.to(device)).float().cpu().numpy())
+            labels.append(b.values["label"].numpy())
+        if not scores:
+            return {}
+        score, label = np.concatenate(scores), np.concatenate(labels)
         out = {"auc": _auc(score, label, world, group)}
         if quick:
             return out

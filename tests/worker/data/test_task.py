@@ -110,7 +110,7 @@ def test_evaluation_over_the_valid_files(data: Path) -> None:
     got = task.evaluate_full(model, 0, 1)
     assert got is not None and got["heldout_samples"] == 43  # every valid row
     with torch.no_grad():
-        batches = task.heldout_batches(0, 1, None)
+        batches = list(task.heldout_batches(0, 1, None))
         s = np.concatenate([task.forward(model, b).numpy() for b in batches])
     y = np.concatenate([b.values["label"].numpy() for b in batches])
     assert got["auc"] == pytest.approx(roc_auc(s, y), abs=1e-12)

@@ -12,6 +12,9 @@ worker comes back as its one line, raised at the step it belongs to.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,10 +28,21 @@ from worker.tasks.base import Batch
 __all__ = ["PrefetchLoader"]
 
 PREFETCH_PER_WORKER = 4
+WATCH_S = 1.0  # how often a worker looks whether the training process is still there
 
 
 def _identity(item: Any) -> Any:
     return item
+
+
+def _exit_with(parent: int) -> None:
+    """In a worker: end it once the training process is gone. The worker leaves by
+    itself only when told (the DataLoader's shutdown), and a rank ends without it
+    (worker/runtime/lifecycle.exit_process: no interpreter teardown); its result queue's
+    feeder thread would then wait forever on a pipe nobody reads."""
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    os._exit(0)
 
 
 class _Steps(tud.IterableDataset[tuple[int, Samples | str]]):
@@ -38,6 +52,8 @@ class _Steps(tud.IterableDataset[tuple[int, Samples | str]]):
     def __iter__(self) -> Iterator[tuple[int, Samples | str]]:
         info = tud.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
         reader = FileReader(self.config)
         step = self.start + worker
         while True:

@@ -15,6 +15,7 @@ from tests.testing.files_data import write_parquet_set
 from tests.testing.reference_trainer import LocalEmbedding
 from worker.config.preflight import files_problem
 from worker.config.train_config import TrainConfig
+from worker.data.errors import DataError
 from worker.data.task import FilesTask
 from worker.tasks import task_class
 from worker.tasks.base import Batch, HybridModel, build_dense_seeded
@@ -129,3 +130,23 @@ def test_the_flags(data: Path) -> None:
         f"--valid-files '{data / 'none-*'}': no file matches")
     assert files_problem(config(data, features="/nonexistent.json")) == (
         "--features '/nonexistent.json': no such file")
+
+
+def test_the_npy_and_tsv_formats_feed_the_same_task(tmp_path: Path) -> None:
+    from tests.worker.tasks.test_dlrm_task import write_criteo_tsv
+
+    rng = np.random.default_rng(0)
+    n = 40
+    np.save(tmp_path / "day_0_dense.npy", rng.random((n, 13)).astype(np.float32))
+    np.save(tmp_path / "day_0_sparse.npy", rng.integers(0, 50, (n, 26)).astype(np.int32))
+    np.save(tmp_path / "day_0_labels.npy", rng.integers(0, 2, (n, 1)).astype(np.int32))
+    npy = FilesTask(config(tmp_path, train_files=str(tmp_path / "day_*.npy"), valid_files=""))
+    assert len(npy.tables()) == 26 and len(npy.spec.dense) == 13
+    assert npy.batch(0, 0, 1).ids["cat_25"].max() < 50
+    tsv = write_criteo_tsv(tmp_path / "day_1.tsv", lines=40)
+    flags = dict(train_files=str(tsv), valid_files="")
+    with pytest.raises(DataError, match=r"day_1.tsv: row group 0: column cat_0: id \d+ is "
+                                        r"outside table cat_0's 50 rows"):
+        FilesTask(config(tmp_path, **flags)).batch(0, 0, 1)
+    hashed = FilesTask(config(tmp_path, id_overflow="hash", **flags)).batch(0, 0, 1)
+    assert hashed.size == 8 and int(hashed.ids["cat_0"].max()) < 50

@@ -264,8 +264,8 @@ def test_status_codes_come_from_one_place() -> None:
 # worker's rooms in the order of the data flow (docs/architecture.md): a room imports only
 # rooms before it; the commands at worker's top (main, launch, export, plan) import any room
 # and no room imports them.
-WORKER_ROOMS = ("config", "runtime", "embedding", "dense", "tasks", "updates", "sync", "report",
-                "checkpoint", "train")
+WORKER_ROOMS = ("config", "runtime", "embedding", "dense", "tasks", "data", "updates", "sync",
+                "report", "checkpoint", "train")
 WORKER_COMMANDS = {"worker.main", "worker.launch", "worker.export", "worker.plan"}
 
 

@@ -122,6 +122,9 @@ class Program:
     launcher_args: list[str] = field(default_factory=list)
 
 
+SUBCOMMANDS = ("ps.admin", "worker.data")  # programs whose first word picks a command
+
+
 def _module_of(path: str) -> str:
     return path.removesuffix(".py").replace("/", ".") if path in (
         "worker/main.py",) else path
@@ -151,8 +154,8 @@ def program(argv: Sequence[str]) -> Program | None:
         key, args = words[1], words[2:]
     else:
         return Program(head, words[1:])
-    if key == "ps.admin" and args and not args[0].startswith("-"):
-        key, args = f"ps.admin {args[0]}", args[1:]
+    if key in SUBCOMMANDS and args and not args[0].startswith("-"):
+        key, args = f"{key} {args[0]}", args[1:]
     return Program(key, args)
 
 

@@ -20,6 +20,7 @@ recovery of docs/reliability.md).
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -69,7 +70,25 @@ def data_problem(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -> s
         found = data_dir_problem(cfg.kge.data_dir)
         if found is not None:
             return found
+    if cfg.run.task == "files":
+        found = files_problem(cfg)
+        if found is not None:
+            return found
     return output_problem(cfg, environ)
+
+
+def files_problem(cfg: TrainConfig) -> str | None:
+    """--task files: a glob that matches no file, a --features file that is not there (the
+    files' columns are checked by the task, worker/data/)."""
+    for flag, patterns in (("--train-files", cfg.files.train_files),
+                           ("--valid-files", cfg.files.valid_files)):
+        for pattern in (p.strip() for p in patterns.split(",")):
+            if pattern and not any(os.path.isfile(p)
+                                   for p in glob.glob(os.path.expanduser(pattern))):
+                return f"{flag} {pattern!r}: no file matches"
+    if cfg.files.features and not os.path.isfile(cfg.files.features):
+        return f"--features {cfg.files.features!r}: no such file"
+    return None
 
 
 def not_grpc_hint(details: str) -> bool:

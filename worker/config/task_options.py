@@ -101,7 +101,8 @@ class SyntheticConfig:
 
     num_rows: int = setting(
         1_000_000, "rows of the biggest synthetic table (user); the others scale from it; "
-        "--task tables without --tables: the rows of its one table", "R", at_least=1)
+        "--task tables without --tables: the rows of its one table; --task files: the rows "
+        "of each categorical column's table", "R", at_least=1)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -139,6 +140,43 @@ class DlrmConfig:
     def __post_init__(self) -> None:
         if self.table_rows and not re.fullmatch(r"\d+(,\d+)*", self.table_rows.replace(" ", "")):
             raise ValueError(f"table_rows={self.table_rows!r} is not an int or a comma list")
+
+
+Pooling = Literal["mean", "sum"]
+IdOverflow = Literal["refuse", "hash"]
+
+
+@dataclass(frozen=True)
+class FilesConfig:
+    """--task files: a CTR model trained from Parquet, TorchRec's Criteo .npy or Criteo TSV
+    files (worker/data/, docs/data.md)."""
+
+    train_files: str = setting(
+        "", "training files: a glob, or several comma-separated (Parquet .parquet, "
+        "TorchRec's Criteo day_N_{dense,sparse,labels}.npy, Criteo TSV .tsv/.txt/.gz)",
+        "GLOB[,GLOB..]")
+    valid_files: str = setting(
+        "", "held-out files (same formats) for AUC and log loss during and after training; "
+        "empty: no evaluation", "GLOB[,GLOB..]")
+    features: str = setting(
+        "", "JSON file naming the label, dense and categorical columns and each table's "
+        "rows / dim / pooling (docs/data.md); empty: the columns by convention (label, "
+        "dense_*, cat_*)", "PATH")
+    pooling: Pooling = setting(
+        "mean", "how a multi-hot (list<int64>) column's rows are pooled")
+    id_overflow: IdOverflow = setting(
+        "refuse", "an id outside its table's rows: refuse (one error line naming file, row "
+        "group and column) | hash (mapped into the rows by a 64-bit hash)")
+    shuffle_buffer: int = setting(
+        65536, "rows shuffled together (a rank's consecutive row groups filling the "
+        "buffer, permuted by a function of --seed and the epoch; the file order is "
+        "shuffled per epoch too); 0: files and rows in order", "ROWS", at_least=0)
+    data_workers: int = setting(
+        0, "DataLoader worker processes decoding the next batches while the step computes "
+        "(0: decode in the training process)", "N", at_least=0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,13 @@ from hybridps.optim_kinds import DENSE_OPTIMIZERS, KINDS, kind_names, kind_recor
 from worker.config.dense_options import DenseConfig
 from worker.config.kge_options import KGEOptions
 from worker.config.nodes import node_ps_address, rank_layout, split_ps
-from worker.config.task_options import DlrmConfig, KgeConfig, SyntheticConfig, TablesConfig
+from worker.config.task_options import (
+    DlrmConfig,
+    FilesConfig,
+    KgeConfig,
+    SyntheticConfig,
+    TablesConfig,
+)
 
 if TYPE_CHECKING:
     from hybridps.security import ClientSecurity
@@ -99,7 +105,7 @@ def check_ps_address(address: str) -> None:
 class RunConfig:
     """What to train and for how long."""
 
-    task: str = setting("synthetic", "task name (synthetic, tables, dlrm, kge) or "
+    task: str = setting("synthetic", "task name (synthetic, tables, dlrm, files, kge) or "
                         "module.path:ClassName", "NAME", everyday=True)
     steps: int = setting(1000, "training steps", "N", everyday=True, at_least=1)
     epochs: int = setting(0, "passes over the data for tasks with finite data (0: use --steps)",
@@ -385,6 +391,7 @@ class TrainConfig(FlagConfig):
     synthetic: SyntheticConfig = section(SyntheticConfig, "--task synthetic / tables")
     tables: TablesConfig = section(TablesConfig, "--task tables")
     dlrm: DlrmConfig = section(DlrmConfig, "--task dlrm")
+    files: FilesConfig = section(FilesConfig, "--task files (docs/data.md)")
     kge: KgeConfig = section(KgeConfig, "--task kge")
     kge_train: KGEOptions = section(KGEOptions, "--task kge trainer (docs/kge.md)")
 
@@ -401,6 +408,9 @@ class TrainConfig(FlagConfig):
                 f"optimizer={self.optim.optimizer!r} is registered in this process only: the "
                 "shard server's Register (OptimizerConfig.Kind) does not name it; use "
                 "--local-optimizer")
+        if self.run.task == "files" and not self.files.train_files:
+            raise ValueError("task='files' needs --train-files GLOB (Parquet, Criteo .npy or "
+                             "TSV files; docs/data.md)")
         if self.run.task == "kge" and not self.kge.data_dir:
             raise ValueError("task='kge' needs --data-dir DIR (train.txt, valid.txt, test.txt) "
                              "or a shipped set: --data-dir umls | kinship")

@@ -24,6 +24,7 @@ TASKS: dict[str, str] = {
     "kge_planted": "worker.tasks.kge.synth:PlantedKGETask",
     "dlrm": "worker.tasks.ctr.dlrm:DLRMTask",
     "tables": "worker.tasks.tables:TablesTask",
+    "files": "worker.data.task:FilesTask",  # worker/data/ (a later room: named, not imported)
 }
 
 

@@ -121,6 +121,14 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "table_rows": ("100,200", "100,200"),
     "model_config": ("/tmp/m.json", "/tmp/m.json"),
     "eval_every": ("50", 50),
+    # --task files: tests/worker/data/
+    "train_files": ("/data/train-*.parquet", "/data/train-*.parquet"),
+    "valid_files": ("/data/valid-*.parquet", "/data/valid-*.parquet"),
+    "features": ("/tmp/f.json", "/tmp/f.json"),
+    "pooling": ("sum", "sum"),
+    "id_overflow": ("hash", "hash"),
+    "shuffle_buffer": ("0", 0),
+    "data_workers": ("2", 2),
 }
 BASE = {"HYBRIDPS_OPTIMIZER": "adamw"}  # weight_decay samples need a decaying optimizer
 

@@ -1,0 +1,7 @@
+"""`python -m worker.data convert ...` (worker/data/convert.py)."""
+
+import sys
+
+from worker.data.convert import main
+
+sys.exit(main())

@@ -224,18 +224,6 @@ class Task(ABC):
         """Training controls for this run (None: none); built once the model exists."""
         return None
 
-    def data_state(self, next_step: int) -> dict[str, Any] | None:
-        """This rank's reading position before batch `next_step` (file, row group, offset,
-        shuffle state, epoch), saved with a checkpoint; None: the batches are a function of
-        the step alone (nothing to save)."""
-        return None
-
-    def load_data_state(self, states_by_rank: Sequence[dict[str, Any] | None],
-                        next_step: int) -> None:
-        """On resume before batch `next_step`: every saved rank's `data_state` (index: the
-        saved rank; the saved world size may differ from this run's)."""
-        return None
-
     def fsdp_units(self, dense: nn.Module) -> list[nn.Module]:
         """Submodules of `dense` to shard as their own FSDP units (default: root only)."""
         return []

@@ -57,7 +57,7 @@ from worker.runtime.dist import DistContext
 from worker.runtime.lifecycle import stop_agreed
 from worker.sync.arena import arena_bytes_for_run
 from worker.sync.client import WIRE_DTYPES
-from worker.sync.update_sources import build_update_source, source_kind
+from worker.sync.update_sources import build_update_source
 from worker.tasks import build_task, task_tables
 from worker.tasks.base import HybridModel, Task, TrainHooks, build_dense_seeded
 from worker.train.pipeline import InputPipeline
@@ -140,7 +140,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self)
         resume = self.checkpointer.resume_target()  # (directory, step) or None
         sync = cfg.sync
-        self.source_kind = source_kind(sync)  # "server" or "local" (worker/sync/update_sources.py)
+        self.source_kind = sync.update_kind  # "server" or "local" (worker/config/update_kinds.py)
         # The run secret kept with the checkpoints: the job's proof to its servers
         proof = claim_run(str(self.checkpointer.root or ""),
                           None if resume is None else resume[0], ctx.rank, ctx.world_size,
@@ -159,7 +159,7 @@ class Trainer:
             checkpoint_dir=str(self.checkpointer.root or ""))
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
         # dynamic tables page rows out to it (every registered kind is a RowPager:
-        # tests/test_update_sources.py)
+        # tests/worker/sync/test_update_sources.py)
         self.embedding.set_pager(cast(RowPager, self.source))
         predictor = (RowPredictor(self.embedding, sync.staleness)
                      if sync.staleness_compensation == "predict" and sync.staleness > 0

@@ -213,14 +213,6 @@ class Trainer:
         """The last step pushed (a Finish reports it)."""
         return self.record.last_step
 
-    @property
-    def loss_curve(self) -> list[tuple[int, float]]:
-        return self.record.loss_curve
-
-    @property
-    def eval_curve(self) -> list[tuple[int, dict[str, float]]]:  # --eval-every metrics
-        return self.record.eval_curve
-
     # -- the loop -----------------------------------------------------------------------
     def train(self) -> None:
         out, ctx, task, model = self.cfg.output, self.ctx, self.task, self.model

@@ -102,11 +102,13 @@ def train_in_process(ctx: Any, args: Sequence[str], steps: int,
         ran = trainer.last_step + 1 - trainer.start_step
         elements = sum(w.numel() for w in trainer.embedding.weights.values())
         out = {"steps": ran, "batch": cfg.run.batch_size,
-               "samples_per_s": ran * cfg.run.batch_size / trainer.train_s,
-               "step_ms": trainer.train_s / ran * 1000, "wait_s": st.wait_s, "waits": st.waits,
+               "samples_per_s": ran * cfg.run.batch_size / trainer.record.train_s,
+               "step_ms": trainer.record.train_s / ran * 1000, "wait_s": st.wait_s,
+               "waits": st.waits,
                "wait_ms_per_step": st.wait_s / ran * 1000,
                "rows_pushed_per_step": trainer.source.stats.push_rows / ran,
-               "step_time_ms": {k: round(v / ran * 1000, 3) for k, v in trainer.times.items()},
+               "step_time_ms": {k: round(v / ran * 1000, 3)
+                                for k, v in trainer.record.times.items()},
                **memory.figures(elements, dense_bytes(trainer.dense_parallel.module,
                                                       trainer.dense_opt))}
         trainer.source.end_run(trainer.last_step)

@@ -77,6 +77,12 @@ class IdMap:
     def nbytes(self) -> int:
         return int(self.table.nbytes)
 
+    def note_changes(self, added: int, gone: int) -> None:
+        """A native step wrote the table in place: `added` entries more (net) and `gone`
+        more tombstones."""
+        self.count += added
+        self.gone += gone
+
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (salted(ids.view(np.uint64), MAP_SALT) >> np.uint64(64 - self.bits)).astype(
             np.int64)

@@ -90,6 +90,12 @@ class PagedRows:
     def __len__(self) -> int:
         return len(self.index)
 
+    def note_served(self, evicted: int, taken: int, reused: int, n_free: int) -> None:
+        """After a native step wrote the pools and the index in place: `evicted` ids put,
+        `taken` paged back in (`reused` of their index entries refilled), `n_free` free."""
+        self.index.note_changes(evicted - taken, taken - reused)
+        self.n_free = n_free
+
     @property
     def row_bytes(self) -> int:
         """Host bytes one paged-out id costs."""

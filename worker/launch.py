@@ -217,7 +217,7 @@ def preflight(worker_argv: list[str]) -> tuple[str, int] | None:
         return f"{PROG}: error: {found}", 2
     # one --ps entry: every rank of this node uses it; one per node: the rank's node is
     # known only after the rendezvous, so each rank checks its own
-    ps = [] if cfg.sync.local_optimizer else split_ps(cfg.sync.ps)
+    ps = split_ps(cfg.sync.ps) if cfg.sync.update_kind.needs_server else []
     try:
         found = problem(cfg, ps[0] if len(ps) == 1 else None)
     except (ValueError, SecurityError) as exc:

@@ -132,7 +132,8 @@ def _check_deployment(cfg: TrainConfig, rank: int) -> int | None:
     from worker.config.preflight import connect_window_s, data_problem, server_problem
     from worker.plan import PlanError, format_plan, plan_for_config
 
-    server = not (cfg.sync.local_optimizer or cfg.sizing.plan)  # --plan needs no server
+    # --plan needs no server
+    server = cfg.sync.update_kind.needs_server and not cfg.sizing.plan
     try:
         if server:
             address = cfg.sync.ps_address

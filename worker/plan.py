@@ -45,6 +45,7 @@ from hybridps.optim_kinds import (
     state_bytes_per_element,
     state_floats_per_row,
 )
+from worker.config.update_kinds import UpdateKind, kind_named
 
 if TYPE_CHECKING:
     from worker.config.train_config import TrainConfig
@@ -91,7 +92,7 @@ class Plan:
     batch_size: int
     optimizer: str
     staleness: int
-    local_optimizer: bool
+    update_kind: UpdateKind  # where the optimizer state lives (worker/config/update_kinds.py)
     device_kind: str = "cuda"  # "cuda": per-rank devices; "cpu": ranks share host memory
     device_capacity: int | None = None  # bytes of one rank's device (cuda)
     host_capacity: int | None = None    # bytes of one node's host memory
@@ -129,8 +130,9 @@ class Plan:
 
     @property
     def device_state_bytes(self) -> int:
-        """m, v (and the fp32 master of bf16 rows) on the device: only --local-optimizer."""
-        if not self.local_optimizer:
+        """m, v (and the fp32 master of bf16 rows) on the device: only without a server
+        (--local-optimizer)."""
+        if self.update_kind.needs_server:
             return 0
         return sum(self.rows_per_rank(t) * self.state_floats(t) * FLOAT_BYTES
                    for t in self.tables)
@@ -152,7 +154,7 @@ class Plan:
 
     @property
     def host_state_bytes_per_rank(self) -> int:
-        if self.local_optimizer:
+        if not self.update_kind.needs_server:
             return 0
         return sum(self.rows_per_rank(t) * (self.state_floats(t) * FLOAT_BYTES
                                             + TOUCHED_FLAG_BYTES) for t in self.tables)
@@ -160,7 +162,7 @@ class Plan:
     @property
     def host_cache_bytes_per_rank(self) -> int:
         """The server's saved answers (re-sent pushes are answered from them)."""
-        if self.local_optimizer:
+        if not self.update_kind.needs_server:
             return 0
         return sum(ANSWER_CACHE_STEPS * self.touched_per_step(t) * (t.dim * FLOAT_BYTES
                                                                     + ID_BYTES)
@@ -174,7 +176,7 @@ class Plan:
     @property
     def wire_bytes_per_rank_step(self) -> tuple[int, int]:
         """(push bytes up, update bytes down) of one rank per step, at most."""
-        if self.local_optimizer:
+        if not self.update_kind.needs_server:
             return 0, 0
         one_way = sum(self.touched_per_step(t) * (ID_BYTES + t.dim * FLOAT_BYTES)
                       for t in self.tables)
@@ -227,7 +229,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"hybridps plan: {plan.world_size} ranks = {plan.nodes} node(s) x {g} ranks, "
         f"batch {plan.batch_size}/rank, optimizer {plan.optimizer}, staleness {plan.staleness}"
-        + (", --local-optimizer" if plan.local_optimizer else ""),
+        + (f", {plan.update_kind.flag}" if plan.update_kind.flag else ""),
         "tables:",
     ]
     for t in plan.tables:
@@ -326,7 +328,7 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
     local = local_rank if local_rank is not None else int(env.get("LOCAL_RANK", "0") or 0)
     notes: list[str] = []
     plan = Plan(table_shapes(cfg, notes, world), world, per_node, cfg.run.batch_size,
-                cfg.optim.optimizer, cfg.sync.staleness, cfg.sync.local_optimizer, notes=notes,
+                cfg.optim.optimizer, cfg.sync.staleness, cfg.sync.update_kind, notes=notes,
                 row_bytes=2 if cfg.optim.row_dtype == "bf16" else FLOAT_BYTES)
     if detect:
         kind, detected = detect_device(cfg.run.device, local)
@@ -428,11 +430,11 @@ def fitting_changes(plan: Plan) -> list[str]:
         if half.fits:
             out.append("--row-dtype bf16 fits (rows in bf16 on the device, an fp32 master "
                        "on the shard server)")
-    if plan.local_optimizer:
-        served = dataclasses.replace(plan, local_optimizer=False, notes=[])
+    if not plan.update_kind.needs_server:
+        served = dataclasses.replace(plan, update_kind=kind_named("server"), notes=[])
         if served.fits:
-            out.append("a shard server per node instead of --local-optimizer fits (m, v off "
-                       "the device)")
+            out.append(f"a shard server per node instead of {plan.update_kind.flag} fits "
+                       "(m, v off the device)")
     return out or ["nothing simple: fewer or smaller tables, or bigger machines"]
 
 
@@ -445,7 +447,7 @@ def run_commands(plan: Plan, worker_flags: Sequence[str]) -> list[str]:
     max_state = math.ceil(plan.host_bytes_per_server * 1.25 / GB) * GB
     default_ok = (plan.host_capacity is not None
                   and max_state <= SERVER_STATE_SHARE * plan.host_capacity)
-    server_limit = ("" if plan.local_optimizer or default_ok
+    server_limit = ("" if not plan.update_kind.needs_server or default_ok
                     else f" --max-state-bytes {max_state}")
     if plan.nodes == 1:
         server = f"python -m ps --port 50051{server_limit}"
@@ -460,7 +462,7 @@ def run_commands(plan: Plan, worker_flags: Sequence[str]) -> list[str]:
         flags = f"--auth-token-file ps.token {flags}".strip()
     lines = ["to run it (docs/deploy.md):"]
     where = "on the node" if plan.nodes == 1 else "on each node"
-    if not plan.local_optimizer:
+    if plan.update_kind.needs_server:
         lines += [f"  {where}, its shard server:", f"    {server}"]
         flags = f"--ps {ps} {flags}".strip()
     lines += [f"  {where}, its ranks:", f"    {launch} \\",
@@ -526,7 +528,7 @@ def _one_table(parser: argparse.ArgumentParser, given: argparse.Namespace,
     if min(given.rows, args.dim, args.batch_size) < 1:
         parser.error("--rows, --dim, --batch-size must be >= 1")
     plan = Plan([TableShape("table", given.rows, args.dim, args.lookups)], world, per_node,
-                args.batch_size, args.optimizer, args.staleness, local_optimizer=False,
+                args.batch_size, args.optimizer, args.staleness, kind_named("server"),
                 device_kind="cuda", device_capacity=int(args.device_memory_gb * GB) or None,
                 host_capacity=int(args.host_memory_gb * GB) or None,
                 row_bytes=2 if args.row_dtype == "bf16" else FLOAT_BYTES)

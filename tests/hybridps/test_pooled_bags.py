@@ -332,9 +332,9 @@ def _two_ranks_scenario(ctx: DistContext, row_dtype_name: str) -> None:
             rows = emb.weights[unit].shape[0]
             keys = torch.nonzero(torch.rand(rows, generator=gen) < 0.4).squeeze(1)
             prediction.tables = {unit: (keys, torch.randn(keys.numel(), 8, generator=gen))}
-            emb.row_offsets = prediction
+            emb.offset_rows(prediction)
             got += [_step(emb, ctx.rank, 1), _step(emb, ctx.rank, 2)]
-            emb.row_offsets = None
+            emb.offset_rows(None)
             results[kernel] = got
             assert calls["fused"] == (NATIVE_CALLS if kernel == "native" else 0), calls
     finally:

@@ -151,7 +151,7 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
                     ) -> ReferenceResult:
     """Train like the worker at --staleness 0 on `world_size` ranks, in one process."""
     task = task or build_task(cfg)
-    steps = num_steps(cfg, task, world_size) if steps is None else steps
+    steps = num_steps(cfg.run, task, world_size) if steps is None else steps
     embedding = LocalEmbedding(task.tables(), seed=cfg.run.seed, init_std=cfg.optim.init_std,
                                device=device)
     dense = build_dense_seeded(task, cfg.run.seed).to(device)
@@ -172,7 +172,7 @@ def train_reference(cfg: TrainConfig, world_size: int, *, steps: int | None = No
         if d.clip_grad_norm > 0:  # the dense part only, like the worker
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
                 list(dense.parameters()), d.clip_grad_norm)))
-        lr = scheduled_lr(hooks, step, cfg, dense_opt)
+        lr = scheduled_lr(hooks, step, cfg.optim, dense_opt)
         if lr is not None:
             for group in sparse_opt.param_groups:
                 group["lr"] = lr

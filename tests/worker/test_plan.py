@@ -15,6 +15,7 @@ from hybridps.cli import parse_config
 from tests.testing.helpers import REPO
 from worker.config.task_defaults import task_defaults
 from worker.config.train_config import TrainConfig
+from worker.config.update_kinds import kind_named
 from worker.plan import (
     Plan,
     PlanError,
@@ -31,7 +32,7 @@ MAIN = str(REPO / "worker" / "main.py")
 def example(optimizer: str = "adam") -> Plan:
     """docs/deploy.md: one 1e9-row, 128-dim table on 8 nodes x 8 GPUs."""
     return Plan([TableShape("table", 10**9, 128)], world_size=64, ranks_per_node=8,
-                batch_size=4096, optimizer=optimizer, staleness=1, local_optimizer=False)
+                batch_size=4096, optimizer=optimizer, staleness=1, update_kind=kind_named("server"))
 
 
 def test_bytes_per_row() -> None:
@@ -44,7 +45,7 @@ def test_bytes_per_row() -> None:
     assert plan.wire_bytes_per_rank_step == (4096 * (8 + 512), 4096 * (8 + 512))
     sgd = example("sgd")
     assert sgd.host_state_bytes_per_rank == 15_625_000  # the touched flag only
-    local = Plan([TableShape("t", 1000, 4)], 1, 1, 10, "adam", 0, local_optimizer=True)
+    local = Plan([TableShape("t", 1000, 4)], 1, 1, 10, "adam", 0, update_kind=kind_named("local"))
     assert local.device_state_bytes == 1000 * 4 * 4 * 2 and local.host_bytes_per_server == 0
 
 
@@ -110,7 +111,7 @@ def test_optimizer_state_size_is_said_in_one_place() -> None:
     assert optimizer_state_bytes("sgd") == 0
     with pytest.raises(PlanError, match="no state size known for optimizer 'lion'"):
         optimizer_state_bytes("lion")
-    bf16 = Plan([TableShape("t", 100, 4)], 1, 1, 10, "adam", 0, local_optimizer=False,
+    bf16 = Plan([TableShape("t", 100, 4)], 1, 1, 10, "adam", 0, update_kind=kind_named("server"),
                 row_bytes=2)
     assert bf16.host_state_bytes_per_rank == 100 * (4 * (8 + 4) + 1)  # m, v + fp32 master
 

@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 
     from hybridps.optim import OptimizerSpec
     from worker.config.train_config import TrainConfig
+    from worker.config.update_kinds import UpdateKind
     from worker.embedding.sharded import ShardedEmbedding
-    from worker.sync.update_sources import UpdateSourceKind
     from worker.tasks.base import Task
     from worker.updates.source import StalenessWindow, UpdateSource
 
 
 def run_parts(cfg: TrainConfig, *, rank: int, world_size: int, embedding: ShardedEmbedding,
-              window: StalenessWindow, source: UpdateSource, source_kind: UpdateSourceKind,
+              window: StalenessWindow, source: UpdateSource, source_kind: UpdateKind,
               sparse_spec: OptimizerSpec, dense: nn.Module, dense_opt: torch.optim.Optimizer,
               scaler: Any, task: Task) -> list[CheckpointPart]:
     pending = WindowPart(embedding, window, cfg.optim.row_dtype)

@@ -21,7 +21,7 @@ from worker.checkpoint.parts import ManifestDraft, file_entry
 
 if TYPE_CHECKING:
     from hybridps.optim import OptimizerSpec
-    from worker.sync.update_sources import UpdateSourceKind
+    from worker.config.update_kinds import UpdateKind
     from worker.updates.source import SavedFiles, UpdateSource
 
 
@@ -30,7 +30,7 @@ class SourcePart:
 
     name = "source"
 
-    def __init__(self, source: UpdateSource, kind: UpdateSourceKind,
+    def __init__(self, source: UpdateSource, kind: UpdateKind,
                  spec: OptimizerSpec) -> None:
         self.source, self.kind, self.spec = source, kind, spec
 

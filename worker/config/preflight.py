@@ -184,7 +184,8 @@ def problem(cfg: TrainConfig, address: str | None) -> str | None:
     """The data and the paths written, then the server at `address` (None: not checked
     here)."""
     found = data_problem(cfg)
-    if found is not None or address is None or cfg.sync.local_optimizer or cfg.sizing.plan:
+    if (found is not None or address is None or not cfg.sync.update_kind.needs_server
+            or cfg.sizing.plan):
         return found
     return server_problem(address, cfg.security.client_security(),
                           connect_window_s(cfg.sync.ps_timeout))

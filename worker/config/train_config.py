@@ -34,6 +34,7 @@ from worker.config.task_options import (
     SyntheticConfig,
     TablesConfig,
 )
+from worker.config.update_kinds import UpdateKind, kind_for
 
 if TYPE_CHECKING:
     from hybridps.security import ClientSecurity
@@ -225,11 +226,16 @@ class SyncConfig:
                 raise ValueError(problem)
         if self.local_optimizer and self.ps:
             raise ValueError(f"ps={self.ps!r} given together with --local-optimizer: pick one")
-        if not self.local_optimizer and self.ps:  # required: TrainConfig (not for --plan)
+        if self.ps:  # required: TrainConfig (not for --plan)
             for address in split_ps(self.ps):
                 check_ps_address(address)
         if not math.isfinite(self.ps_timeout) or self.ps_timeout <= 0:
             raise ValueError(f"ps_timeout={self.ps_timeout!r} must be a finite number > 0")
+
+    @property
+    def update_kind(self) -> UpdateKind:
+        """The run's kind of update source, chosen here once (worker/config/update_kinds.py)."""
+        return kind_for(self.local_optimizer)
 
     @property
     def ps_address(self) -> str:
@@ -397,10 +403,10 @@ class TrainConfig(FlagConfig):
 
     def __post_init__(self) -> None:
         """The checks that span sections (each section checked its own already)."""
-        if self.node.same_node == "require" and self.sync.local_optimizer:
+        if self.node.same_node == "require" and not self.sync.update_kind.needs_server:
             raise ValueError("same_node='require' needs a shard server; --local-optimizer "
                              "has none")
-        if not (self.sync.local_optimizer or self.sync.ps or self.sizing.plan):
+        if self.sync.update_kind.needs_server and not (self.sync.ps or self.sizing.plan):
             raise ValueError(
                 "ps='' (empty): --ps HOST:PORT is required unless --local-optimizer")
         if self.sync.ps and self.optim.optimizer not in KINDS:

@@ -99,6 +99,7 @@ POOLING_MODES = ("sum", "mean")
 ROW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --row-dtype
 POOL_AT = ("auto", "owner", "requester")  # --pool-at
 Bag = tuple[torch.Tensor, str]  # (offsets_B, mode) of a pooled lookup
+Lookup = tuple[tuple[str, ...], tuple[torch.Tensor, ...], tuple[Bag | None, ...]]  # recorded
 
 
 class RowOffsets(Protocol):
@@ -169,8 +170,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
         self._staged: dict[tuple[object, ...], InputDist] = {}  # stage(): computed ahead
         self._route_consts: dict[tuple[str, ...], tuple[list[int], torch.Tensor]] = {}
         # worker/train/pipeline.py: (names, id tensors, bags) of every lookup while not None
-        self.recording: list[tuple[tuple[str, ...], tuple[torch.Tensor, ...],
-                                   tuple[Bag | None, ...]]] | None = None
+        self.recording: list[Lookup] | None = None
         self.row_offsets: RowOffsets | None = None  # --staleness-compensation predict
         dynamic = [t for t in tables if t.dynamic is not None]
         for t in dynamic:
@@ -567,6 +567,22 @@ class ShardedEmbedding(UnitRows, nn.Module):
         """Where dynamic tables page their evicted rows out to (the update source)."""
         if self.dynamic is not None:
             self.dynamic.set_pager(pager)
+
+    def offset_rows(self, offsets: RowOffsets | None) -> None:
+        """What every forward from now on adds to the rows it gathers (None: the stored rows
+        as they are): worker/updates/staleness.py's prediction of the missing updates."""
+        self.row_offsets = offsets
+
+    def record_lookups(self) -> None:
+        """Keep (names, id tensors, bags) of every lookup from now on, until
+        `take_recording` (worker/train/pipeline.py learns its input-dist plan so)."""
+        self.recording = []
+
+    def take_recording(self) -> list[Lookup] | None:
+        """The lookups recorded since `record_lookups` (None: none was asked for); the
+        recording stops."""
+        recording, self.recording = self.recording, None
+        return recording
 
     def local_block(self, name: str) -> tuple[int, torch.Tensor]:
         """(start, rows_RD): the rows this rank owns, [start, start + R), differentiable.

@@ -62,7 +62,7 @@ from worker.config.train_config import SHM_MODES
 from worker.updates.source import ServerRefused
 
 if TYPE_CHECKING:
-    from worker.config.train_config import TrainConfig
+    from worker.config.train_config import SameNodeConfig, SyncConfig
     from worker.embedding.sharded import ShardedEmbedding
     from worker.runtime.dist import DistContext
     from worker.tasks.base import Task
@@ -280,8 +280,8 @@ def size_arena(requested: int, needed: int | None, *, staleness: int, local_rank
         f"inline, at about half the speed; enlarge {directory} or pass --same-node off")
 
 
-def arena_bytes_for_run(cfg: TrainConfig, task: Task, embedding: ShardedEmbedding,
-                        ctx: DistContext, wire: torch.dtype) -> int:
+def arena_bytes_for_run(sync: SyncConfig, node: SameNodeConfig, task: Task,
+                        embedding: ShardedEmbedding, ctx: DistContext, wire: torch.dtype) -> int:
     """The arena of this rank (--same-node-mb, 0: sized from the pushes its task says it
     makes a step, Task.rows_pushed_per_step) for gradients sent as `wire`; rank 0 warns
     when it is too small."""
@@ -293,9 +293,9 @@ def arena_bytes_for_run(cfg: TrainConfig, task: Task, embedding: ShardedEmbeddin
     if rows is not None and all(name in rows for _, members in units for name, _ in members):
         pushes = [(sum(min(rows[name], owned) for name, owned in members), dim)
                   for dim, members in units]
-        needed = arena_bytes_needed(pushes, cfg.sync.staleness, wire, answer)
-    size, warning = size_arena(cfg.node.same_node_mb << 20, needed,
-                               staleness=cfg.sync.staleness, local_ranks=ctx.local_world_size)
+        needed = arena_bytes_needed(pushes, sync.staleness, wire, answer)
+    size, warning = size_arena(node.same_node_mb << 20, needed,
+                               staleness=sync.staleness, local_ranks=ctx.local_world_size)
     if warning and ctx.rank == 0:
         log.warning(kv("same_node_arena", bytes=size, needed=needed, problem=warning))
     return size

@@ -473,9 +473,8 @@ class ShardClient(UpdateSource):
     def _broken(self, transport: str) -> float:
         """Count and log a broken connection; returns when it broke: the re-Register
         deadline runs from the last answer, not from each of several breaks in a row."""
-        if self.ledger.progress or self._broken_since is None:
+        if self.ledger.take_progress() or self._broken_since is None:
             self._broken_since = time.monotonic()
-        self.ledger.progress = False
         self.stats.reconnects += 1
         log.warning(kv("reconnect", server=self.address, error=self.last_error,
                        unanswered=len(self.ledger), transport=transport))

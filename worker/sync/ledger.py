@@ -50,10 +50,15 @@ class SyncLedger:
         self.pushed_through = resumed_step  # the newest step recorded
         self.unanswered: dict[Key, Pending] = {}
         self._partial: dict[Key, list[Response]] = {}
-        self.progress = False  # an answer arrived (cleared by whoever watches it)
+        self.progress = False  # an answer arrived (take_progress clears it)
 
     def __len__(self) -> int:
         return len(self.unanswered)
+
+    def take_progress(self) -> bool:
+        """Whether an answer arrived since the last call."""
+        progressed, self.progress = self.progress, False
+        return progressed
 
     def oldest_step(self) -> int | None:
         return min(self.unanswered)[0] if self.unanswered else None

@@ -160,7 +160,7 @@ class InputPipeline:
         else:
             batch = self.task.batch(step, self.rank, self.world_size).to(self.device)
             if self.enabled and self.plan is None:
-                self.embedding.recording = []  # learn the lookups on this step
+                self.embedding.record_lookups()  # learn the lookups on this step
         if self.embedding.recording is not None:
             self._current = batch
         if self.plan is not None:
@@ -182,10 +182,9 @@ class InputPipeline:
     def step_done(self, step: int) -> None:
         """After the step's backward: drop unused staged dists; learn the plan once."""
         self.unused_plans += self.embedding.unstage()
-        recording = self.embedding.recording
+        recording = self.embedding.take_recording()
         if recording is None:
             return
-        self.embedding.recording = None
         assert self._current is not None  # set by take() whenever recording started
         self.plan = []
         for names, ids, bags in recording:
@@ -208,6 +207,15 @@ class InputPipeline:
         self.dist_ahead = len(dynamic) < len(self.plan)  # a lookup of static tables only
         self._current = None
         self._submit(step + 1)
+
+    def describe(self) -> dict[str, Any]:
+        """For --results: what ran ahead, per planned step."""
+        dynamic = self.embedding.dynamic
+        return {"enabled": self.enabled, "input_dist_ahead": self.dist_ahead,
+                "unused_plans": self.unused_plans,
+                "prefetched_lookups": 0 if dynamic is None else dynamic.prefetched.taken,
+                "overlapped_s_per_step": {k: v / max(self.end_step, 1)
+                                          for k, v in self.overlapped.items()}}
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread. wait: first finish what is in flight (the same on every rank:

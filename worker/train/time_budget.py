@@ -37,7 +37,7 @@ from hybridps.logs import kv
 if TYPE_CHECKING:
     from torch import nn
 
-    from worker.config.train_config import TrainConfig
+    from worker.config.train_config import OutputConfig, RunConfig
     from worker.runtime.dist import DistContext
     from worker.tasks.base import Task
 
@@ -148,17 +148,17 @@ class TimeBudget:
                 "elapsed_s": time.perf_counter() - self.started_at}
 
 
-def budget_for_run(cfg: TrainConfig, task: Task, model: nn.Module, has_hooks: bool,
-                   world_size: int) -> TimeBudget:
+def budget_for_run(run: RunConfig, output: OutputConfig, task: Task, model: nn.Module,
+                   has_hooks: bool, world_size: int) -> TimeBudget:
     """--time-budget of a run: what its end costs, in the task's terms."""
     dump = 0
-    if cfg.output.dump_state:
+    if output.dump_state:
         dump = sum(t.num_rows * t.dim * 4 for t in task.tables())
         dump += sum(p.numel() * p.element_size() for p in model.parameters())
     costs = EndCosts(final_eval_steps=task.eval_cost_in_steps(world_size, quick=False),
                      quick_eval_steps=task.eval_cost_in_steps(world_size, quick=True),
                      pre_final_eval=has_hooks, dump_bytes=dump)
-    return TimeBudget(cfg.run.time_budget, costs, every=cfg.output.log_every)
+    return TimeBudget(run.time_budget, costs, every=output.log_every)
 
 
 def _all_reduce_min(value: int, ctx: DistContext) -> int:

@@ -6,13 +6,13 @@
 The loop is the same for every task, for the server path and for
 --local-optimizer. Rank 0 shows a progress bar (log lines go around it:
 worker/report/console.py), prints a summary and the server's shard stats, writes
---results and its plot, and with --tensorboard the scalars (worker/report/tensorboard.py).
+--results and its plot (worker/report/results.py), and with --tensorboard the scalars
+(worker/report/tensorboard.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -33,7 +33,7 @@ from hybridps.names import describe_problem
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.run_claim import claim_run
 from worker.checkpoint.run_parts import run_parts
-from worker.config.train_config import TrainConfig
+from worker.config.train_config import OptimConfig, RunConfig, SyncConfig, TrainConfig
 from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
 from worker.dense.parallel import build_dense_parallel, check_dense_parallel
 from worker.embedding import comm
@@ -42,14 +42,19 @@ from worker.embedding.sharded import ROW_DTYPES, ShardedEmbedding
 from worker.report.console import (
     bar_layout,
     bar_postfix,
-    checkpoint_lines,
     end_bar,
-    optimizer_line,
     route_logs_around,
-    run_extent,
     show_progress,
     summary_width,
     wrap_summary,
+)
+from worker.report.results import (
+    RunParts,
+    RunRecord,
+    run_results,
+    shard_stats,
+    summary,
+    write_results,
 )
 from worker.report.tensorboard import TensorBoardLog
 from worker.runtime import faults
@@ -58,7 +63,7 @@ from worker.runtime.dist import DistContext
 from worker.runtime.lifecycle import stop_agreed
 from worker.sync.arena import arena_bytes_for_run
 from worker.sync.client import WIRE_DTYPES
-from worker.sync.update_sources import build_update_source, source_kind
+from worker.sync.update_sources import build_update_source
 from worker.tasks import build_task, task_tables
 from worker.tasks.base import HybridModel, Task, TrainHooks, build_dense_seeded
 from worker.train.pipeline import InputPipeline
@@ -72,7 +77,7 @@ TIME_KEYS = ("apply", "data", "forward", "a2a", "backward", "optimizer", "push",
              "eval")
 
 
-def scheduled_lr(hooks: TrainHooks | None, step: int, cfg: TrainConfig,
+def scheduled_lr(hooks: TrainHooks | None, step: int, optim: OptimConfig,
                  dense_opt: torch.optim.Optimizer) -> float | None:
     """Step `step`'s lr: --dense-lr * scale into the dense optimizer, and --lr * scale for the
     rows' optimizer (sent with the push); None without hooks (the registered lr)."""
@@ -80,23 +85,23 @@ def scheduled_lr(hooks: TrainHooks | None, step: int, cfg: TrainConfig,
         return None
     scale = hooks.lr_scale(step)
     for group in dense_opt.param_groups:
-        group["lr"] = cfg.optim.dense_lr * scale
-    return cfg.optim.lr * scale
+        group["lr"] = optim.dense_lr * scale
+    return optim.lr * scale
 
 
-def num_steps(cfg: TrainConfig, task: Task, world_size: int) -> int:
-    if cfg.run.epochs == 0:
-        return cfg.run.steps
+def num_steps(run: RunConfig, task: Task, world_size: int) -> int:
+    if run.epochs == 0:
+        return run.steps
     per_epoch = task.steps_per_epoch(world_size)
     if per_epoch is None:
-        raise ValueError(f"epochs={cfg.run.epochs}: task {task.name!r} generates its data and "
+        raise ValueError(f"epochs={run.epochs}: task {task.name!r} generates its data and "
                          "has no epochs; use --steps")
-    return cfg.run.epochs * per_epoch
+    return run.epochs * per_epoch
 
 
-def resolve_run_id(cfg: TrainConfig, ctx: DistContext) -> str:
+def resolve_run_id(sync: SyncConfig, ctx: DistContext) -> str:
     """--run-id, else TORCHELASTIC_RUN_ID, else a fresh id; rank 0's choice wins."""
-    run_id = cfg.sync.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = sync.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id in ("", "none"):
         run_id = f"run-{uuid.uuid4().hex[:12]}"
     problem = describe_problem("run id", run_id)
@@ -118,8 +123,10 @@ class Trainer:
                              ctx.device)  # fail early
         faults.check_environment()  # a malformed HYBRIDPS_FAULT_* fails here, not mid-run
         self.task = task or build_task(cfg)
-        self.steps = num_steps(cfg, self.task, ctx.world_size)
-        self.run_id = resolve_run_id(cfg, ctx)
+        # what the loop measures, for results.json (worker/report/results.py)
+        self.record = RunRecord(num_steps(cfg.run, self.task, ctx.world_size), 0,
+                                dict.fromkeys(TIME_KEYS, 0.0))
+        self.run_id = resolve_run_id(cfg.sync, ctx)
         tables = task_tables(self.task)  # a bad TableConfig: ConfigError, one line
         check_dynamic_tables(tables, ctx.world_size, cfg.optim.row_dtype)
         self.embedding = ShardedEmbedding(
@@ -141,7 +148,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, ctx, run_id=self.run_id, sparse_spec=spec)
         resume = self.checkpointer.resume_target()  # (directory, step) or None
         sync = cfg.sync
-        self.source_kind = source_kind(sync)  # "server" or "local" (worker/sync/update_sources.py)
+        self.source_kind = sync.update_kind  # "server" or "local" (worker/config/update_kinds.py)
         # The run secret kept with the checkpoints: the job's proof to its servers
         proof = claim_run(str(self.checkpointer.root or ""),
                           None if resume is None else resume[0], ctx.rank, ctx.world_size,
@@ -149,8 +156,8 @@ class Trainer:
         node = cfg.node.client_args()
         if self.source_kind.needs_server and node["shm"] != "off":
             # --same-node-mb 0: sized from this run's pushes
-            node["shm_bytes"] = arena_bytes_for_run(cfg, self.task, self.embedding, ctx,
-                                                    WIRE_DTYPES[sync.wire_dtype])
+            node["shm_bytes"] = arena_bytes_for_run(sync, cfg.node, self.task, self.embedding,
+                                                    ctx, WIRE_DTYPES[sync.wire_dtype])
         self.source: UpdateSource = build_update_source(
             self.source_kind, self.embedding, spec, sync, run_id=self.run_id, rank=ctx.rank,
             world_size=ctx.world_size, node=node,
@@ -160,7 +167,7 @@ class Trainer:
             checkpoint_dir=str(self.checkpointer.root or ""))
         self.source.start()  # the gRPC channel exists only from here on (no fork after it)
         # dynamic tables page rows out to it (every registered kind is a RowPager:
-        # tests/test_update_sources.py)
+        # tests/worker/sync/test_update_sources.py)
         self.embedding.set_pager(cast(RowPager, self.source))
         predictor = (RowPredictor(self.embedding, sync.staleness)
                      if sync.staleness_compensation == "predict" and sync.staleness > 0
@@ -176,33 +183,41 @@ class Trainer:
             window=self.window, source=self.source, source_kind=self.source_kind,
             sparse_spec=spec, dense=self.model.dense, dense_opt=self.dense_opt,
             scaler=self.dense_parallel.scaler, task=self.task))
-        self.start_step = 0
         if resume is not None:
             self.checkpointer.restore_local(*resume)
-            self.start_step = resume[1] + 1
-        self.times = dict.fromkeys(TIME_KEYS, 0.0)
-        self.loss_curve: list[tuple[int, float]] = []
-        self.eval_curve: list[tuple[int, dict[str, float]]] = []  # --eval-every metrics
+            self.record.start_step = resume[1] + 1
+        self.record.last_step = self.start_step - 1
         self.evaluations = 0  # during training
         self.console = ExitStack()  # rank 0's log redirect around the progress bar
         self.tb = (TensorBoardLog(cfg.output.tensorboard, self.run_id, dataclasses.asdict(cfg),
                                   self.start_step) if cfg.output.tensorboard and self.is_main
                    else None)
-        self.setup_s = time.perf_counter() - t0
-        self.train_s = 0.0
-        self.train_cpu_s = 0.0
-        self.train_span = [0.0, 0.0]
-        self.final_eval_s = 0.0
-        self.budget = (budget_for_run(cfg, self.task, self.model, self.hooks is not None,
-                                      ctx.world_size) if cfg.run.time_budget else None)
+        self.record.setup_s = time.perf_counter() - t0
+        self.budget = (budget_for_run(cfg.run, cfg.output, self.task, self.model,
+                                      self.hooks is not None, ctx.world_size)
+                       if cfg.run.time_budget else None)
         if self.is_main:
             log.info(kv("ready", run=self.run_id, task=self.task.name, steps=self.steps,
                         start_step=self.start_step, world_size=ctx.world_size,
-                        setup_s=f"{self.setup_s:.1f}"))
+                        setup_s=f"{self.record.setup_s:.1f}"))
 
     @property
     def is_main(self) -> bool:
         return self.ctx.rank == 0
+
+    # the loop's extent, kept in the record
+    @property
+    def steps(self) -> int:
+        return self.record.steps
+
+    @property
+    def start_step(self) -> int:
+        return self.record.start_step
+
+    @property
+    def last_step(self) -> int:
+        """The last step pushed (a Finish reports it)."""
+        return self.record.last_step
 
     # -- the loop -----------------------------------------------------------------------
     def train(self) -> None:
@@ -213,12 +228,11 @@ class Trainer:
         self.console.enter_context(route_logs_around(bar))
         window_loss = torch.zeros((), device=ctx.device)
         window_steps = 0
-        t = self.times
+        record = self.record
+        t = record.times
         start, cpu_start = time.perf_counter(), time.process_time()
-        # wall clock: lets a benchmark cut another process's CPU (the server's) to the loop
-        self.train_span = [time.time(), 0.0]
+        record.train_span = [time.time(), 0.0]
         comm.reset_comm_seconds()
-        self.last_step = self.start_step - 1  # the last step pushed (a Finish reports it)
         if self.budget is not None:
             self.budget.start(self.start_step)
         for step in range(self.start_step, self.steps):
@@ -238,12 +252,12 @@ class Trainer:
             # Dense step (fp16 unscale + inf check, clipping) and the embedding grads to push.
             # Each rank's loss is its local mean, so its gradient is W times the global-mean
             # loss's gradient share: scaled by 1/W (the dense averaging does the same).
-            lr = scheduled_lr(self.hooks, step, self.cfg, self.dense_opt)
+            lr = scheduled_lr(self.hooks, step, self.cfg.optim, self.dense_opt)
             grads = self.dense_parallel.step(self.dense_opt, self.embedding)
             self.inputs.step_done(step)
             t5 = time.perf_counter()
             self.source.push(step, grads, lr)  # handed to the sync thread; never blocks
-            self.last_step = step
+            record.last_step = step
             self.window.pushed(step, grads)
             faults.kill_point(rank, step)  # HYBRIDPS_FAULT_KILL: die with the push in flight
             t6 = time.perf_counter()
@@ -267,14 +281,14 @@ class Trainer:
                 t6 += time.perf_counter() - t_eval
             if (step + 1) % out.log_every == 0 or step + 1 == self.steps:
                 mean = self._global_mean(window_loss, window_steps)
-                self.loss_curve.append((step, mean))
+                record.loss_curve.append((step, mean))
                 if self.hooks is not None:
                     self.hooks.observe_loss(step, mean)
                 window_loss.zero_()
                 window_steps = 0
                 elapsed = time.perf_counter() - start
                 st = self.window.stats
-                last = self.eval_curve[-1][1] if self.eval_curve else {}
+                last = record.eval_curve[-1][1] if record.eval_curve else {}
                 sps = (step + 1 - self.start_step) * self.cfg.run.batch_size * world / elapsed
                 lag = st.lag_sum / max(st.steps, 1)
                 if self.is_main:  # the fields that fit the terminal; the rest to the log
@@ -297,7 +311,7 @@ class Trainer:
                     self.checkpointer.save(step)
             bar.update(1)
             if stop or stop_agreed(step, out.log_every, ctx):  # SIGTERM: runtime/lifecycle.py
-                self.last_step = step
+                record.last_step = step
                 if step + 1 < self.steps:
                     end_bar(bar, reason if stop else "stopped", self.steps)
                 break
@@ -308,9 +322,9 @@ class Trainer:
             self.embedding.dynamic.report_counters()  # the server's stats up to date
         if self.hooks is not None:
             self.hooks.finish()  # e.g. back to the best evaluated model (--keep-best)
-        self.train_s = time.perf_counter() - start
-        self.train_cpu_s = time.process_time() - cpu_start  # every thread of this process
-        self.train_span[1] = time.time()
+        record.train_s = time.perf_counter() - start
+        record.train_cpu_s = time.process_time() - cpu_start  # every thread of this process
+        record.train_span[1] = time.time()
         bar.close()
         self.console.close()
 
@@ -323,13 +337,13 @@ class Trainer:
             metrics = self.evaluate(quick=True)
         self.evaluations += 1
         if metrics:
-            self.eval_curve.append((step, metrics))
+            self.record.eval_curve.append((step, metrics))
             if self.tb is not None:
                 self.tb.eval(step + 1, metrics)
         stop = False
         if self.hooks is not None:  # the same metrics, so the same answer, everywhere
             stop = self.hooks.after_eval(step, metrics)
-        self.times["eval"] += time.perf_counter() - t_eval
+        self.record.times["eval"] += time.perf_counter() - t_eval
         return stop
 
     def _global_mean(self, total: torch.Tensor, count: int) -> float:
@@ -384,133 +398,12 @@ class Trainer:
                         "step": step, "best": best,
                         "world_size": self.ctx.world_size, "run_id": self.run_id}, path)
 
-    def server_stats(self, width: int | None = None) -> tuple[dict[str, Any] | None, str]:
-        """This node's shard server stats for the run (rank 0; (None, '') without a server),
-        the table fitted to `width` columns (None: its default, 100)."""
-        if not self.source_kind.needs_server:
-            return None, ""
-        from hybridps.admin import DEFAULT_WIDTH, format_shard_stats, get_shard_stats, message_dict
-
-        try:
-            stats = get_shard_stats(self.cfg.sync.ps_address, timeout=self.cfg.sync.ps_timeout,
-                                    run_id=self.run_id,
-                                    security=self.source.server_security())
-        except Exception as exc:  # stats are a report, not a reason to fail the run
-            return None, f"(shard stats unavailable: {exc})"
-        return message_dict(stats), format_shard_stats(stats, width=width or DEFAULT_WIDTH)
-
-    def results(self, eval_metrics: dict[str, float], server: dict[str, Any] | None,
-                wall_s: float) -> dict[str, Any]:
-        ran = self.last_step + 1 - self.start_step  # fewer than planned after an early stop
-        per_step = {k: v / max(ran, 1) for k, v in self.times.items()}
-        samples = ran * self.cfg.run.batch_size * self.ctx.world_size
-        sync_stats = dataclasses.asdict(self.source.stats)
-        return {
-            "config": self.cfg.flat(),  # by setting (= flag) name
-            "task": self.task.describe(),
-            "run_id": self.run_id,
-            "world_size": self.ctx.world_size,
-            "device": str(self.ctx.device),
-            "backend": self.ctx.backend,
-            "mode": self.source_kind.mode,
-            "optimizer": {"rows": {"kind": self.cfg.optim.optimizer, "lr": self.cfg.optim.lr,
-                                   "weight_decay": self.cfg.optim.weight_decay},
-                          "dense": {"kind": self.cfg.optim.dense_kind,
-                                    "lr": self.cfg.optim.dense_lr,
-                                    "weight_decay": self.cfg.optim.weight_decay}},
-            "steps": self.steps,
-            "samples": samples,
-            "first_loss": self.loss_curve[0][1] if self.loss_curve else None,
-            "final_loss": self.loss_curve[-1][1] if self.loss_curve else None,
-            "loss_curve": [[s, v] for s, v in self.loss_curve],
-            "eval_curve": [[s, m] for s, m in self.eval_curve],
-            "last_step": self.last_step,
-            "eval_time_s": self.times["eval"],
-            "final_eval_time_s": self.final_eval_s,
-            "eval_fraction": self.times["eval"] / self.train_s if self.train_s else 0.0,
-            "hooks": self.hooks.describe() if self.hooks is not None else None,
-            "time_budget": self.budget.describe() if self.budget is not None else None,
-            "eval": eval_metrics,
-            "samples_per_s": samples / self.train_s if self.train_s else 0.0,
-            "wall_time_s": wall_s,
-            "setup_time_s": self.setup_s,
-            "train_time_s": self.train_s,
-            "train_cpu_s": self.train_cpu_s,  # rank 0's process, all its threads
-            "train_span_unix_s": self.train_span,
-            "staleness": {"k": self.cfg.sync.staleness, **self.window.stats.as_dict(),
-                          "compensation": ({"method": "none"} if self.window.predictor is None
-                                           else self.window.predictor.describe())},
-            "step_time_s": per_step,
-            "sync": sync_stats,
-            "server_stats": server,
-            "dense": self.dense_parallel.describe(),
-            "embedding": self.embedding.describe(),
-            "owner_pool": self.embedding.owner_pool(),
-            "table_groups": self.embedding.groups(),
-            "checkpoint": {"save_s": self.checkpointer.save_s,
-                           "restore_s": self.checkpointer.restore_s,
-                           "resumed_step": self.checkpointer.resumed_step,
-                           "written": self.checkpointer.written},
-            "pipeline": {"enabled": self.cfg.run.pipeline,
-                         "input_dist_ahead": self.inputs.dist_ahead,
-                         "unused_plans": self.inputs.unused_plans,
-                         "prefetched_lookups": (0 if self.embedding.dynamic is None else
-                                                self.embedding.dynamic.prefetched.taken),
-                         "overlapped_s_per_step": {k: v / max(self.steps, 1) for k, v in
-                                                   self.inputs.overlapped.items()}},
-        }
-
-    def summary(self, res: dict[str, Any], width: int | None = None) -> str:
-        """The end-of-run summary, its lines cut between fields to fit `width` columns
-        (None: one line per item)."""
-        st = res["staleness"]
-        ev = res["eval"]
-        parts = [
-            f"hybridps worker: task={self.task.name} mode={res['mode']} world={res['world_size']}"
-            f" device={res['device']} run_id={res['run_id']}",
-            f"{run_extent(res)}  loss {_num(res['first_loss']):.4f} -> "
-            f"{_num(res['final_loss']):.4f}"
-            f"  samples/s {res['samples_per_s']:.0f}  train {res['train_time_s']:.1f}s"
-            f"  wall {res['wall_time_s']:.1f}s",
-            optimizer_line(res),
-            f"staleness K={st['k']}: applied mean {st['applied_mean']:.2f} max "
-            f"{st['applied_max']}; arrival lag mean {st['arrival_lag_mean']:.2f} max "
-            f"{st['arrival_lag_max']}; waited {st['waits']} steps ({st['wait_s']:.2f}s)",
-            "step time (ms, rank 0): " + "  ".join(
-                f"{k} {v * 1000:.1f}" for k, v in res["step_time_s"].items()),
-        ]
-        if res["eval_curve"]:
-            parts.append(f"evaluations during training: {len(res['eval_curve'])}, "
-                         f"{res['eval_time_s']:.1f}s ({100 * res['eval_fraction']:.1f}% of "
-                         "the training time)")
-        if res["hooks"]:
-            parts.append("schedule: " + "  ".join(f"{k} {v}" for k, v in res["hooks"].items()))
-        budget = res["time_budget"]
-        if budget and budget["stopped_at_step"] is not None:
-            stopped = int(budget["stopped_at_step"])
-            parts.append(f"time budget {budget['minutes']:g} min: training stopped after step "
-                         f"{stopped} ({stopped + 1} of {res['steps']} steps), "
-                         f"{budget['reserved_s']:.0f}s kept for the final evaluation and "
-                         "the results")
-        if ev:
-            parts.append("eval: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-        if "dense" in res:  # --dense-parallel and friends (worker/dense/parallel.py)
-            parts.append("dense: " + "  ".join(
-                f"{k} {v}" for k, v in res["dense"].items() if v is not None))
-        sync = res["sync"]
-        if res["mode"] == "server":
-            parts.append(f"sync: pushes {sync['pushes']} ({sync['push_bytes'] / 2**20:.1f} MiB,"
-                         f" {sync['push_chunks']} chunks)  updates {sync['updates']}  "
-                         f"reconnects {sync['reconnects']}  duplicates {sync['duplicates']}")
-        parts += checkpoint_lines(res["checkpoint"]["written"])
-        return wrap_summary(parts, width)
-
     def report(self) -> dict[str, Any] | None:
         """Evaluate, dump, print the summary + shard stats, write --results (rank 0 returns)."""
         out, ctx = self.cfg.output, self.ctx
         t_eval = time.perf_counter()
         eval_metrics = self.evaluate()
-        self.final_eval_s = time.perf_counter() - t_eval
+        self.record.final_eval_s = time.perf_counter() - t_eval
         if self.tb is not None:
             self.tb.eval(self.last_step + 1, eval_metrics)
             self.tb.close()
@@ -523,23 +416,21 @@ class Trainer:
         if not self.is_main:
             return None
         width = summary_width()  # the terminal's: lines cut between fields to fit
-        server, table = self.server_stats(width)
-        res = self.results(eval_metrics, server, time.perf_counter() - self.created_at)
+        server, table = (shard_stats(self.cfg.sync, self.run_id, self.source.server_security(),
+                                     width) if self.source_kind.needs_server else (None, ""))
+        parts = RunParts(self.task, self.source_kind.mode, self.hooks, self.budget, self.window,
+                         self.source, self.dense_parallel, self.embedding, self.checkpointer,
+                         self.inputs.describe())
+        res = run_results(self.cfg, ctx, self.run_id, self.record, parts, eval_metrics, server,
+                          time.perf_counter() - self.created_at)
         if dynamic:
             res["dynamic"] = dynamic
-        print(self.summary(res, width), flush=True)
+        print(summary(res, self.task.name, width), flush=True)
         if table:
             print("shard server stats (this node):\n" + table, flush=True)
         if out.results:
-            Path(out.results).parent.mkdir(parents=True, exist_ok=True)
-            Path(out.results).write_text(json.dumps(res, indent=2) + "\n")
-            from worker.config.output_paths import plot_path
-            from worker.report.plot import save_loss_curve
-
-            files = [save_loss_curve(res, plot_path(out.results))]
-            files += self.task.save_artifacts(out.results)
-            print(wrap_summary(["wrote " + "  ".join([out.results, *files])], width),
-                  flush=True)
+            files = write_results(res, out.results, self.task)
+            print(wrap_summary(["wrote " + "  ".join(files)], width), flush=True)
         return res
 
     def close(self) -> None:
@@ -548,11 +439,6 @@ class Trainer:
             self.tb.close()
         self.inputs.close(wait=False)  # train() already waited, unless it failed
         self.source.close()
-
-
-def _num(value: float | None) -> float:
-    """None (no step ran: e.g. resumed from the final checkpoint) prints as nan."""
-    return float("nan") if value is None else value
 
 
 def run(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any] | None:

@@ -66,7 +66,7 @@ class RowPrediction:
     """The offsets the owner adds to the rows it gathers: per unit, sorted local ids (rows
     of the unit's block) -> offset rows.
 
-    Held by the embedding (`ShardedEmbedding.row_offsets`) while a forward may run.
+    Held by the embedding (`ShardedEmbedding.offset_rows`) while a forward may run.
     """
 
     def __init__(self) -> None:
@@ -188,12 +188,12 @@ class RowPredictor:
             self.predicted_row_steps = self.predicted_row_steps + hit_N.sum()
         self.refreshes += 1
         self.prediction.tables = offsets
-        self.embedding.row_offsets = self.prediction if offsets else None
+        self.embedding.offset_rows(self.prediction if offsets else None)
 
     def clear(self) -> None:
         """Nothing pending (drain): the forward sees the stored rows."""
         self.prediction.tables = {}
-        self.embedding.row_offsets = None
+        self.embedding.offset_rows(None)
 
     def describe(self) -> dict[str, Any]:
         """For --results: how many of this rank's rows a forward saw predicted, on average."""

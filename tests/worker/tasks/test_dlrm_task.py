@@ -86,8 +86,8 @@ def _criteo_on_ranks(ctx: Any, tsv: str, out_dir: str) -> None:
         trainer.close()
     if ctx.rank == 0:
         (Path(out_dir) / "metrics.json").write_text(json.dumps(
-            {"metrics": metrics, "loss": [v for _, v in trainer.loss_curve],
-             "eval_curve": trainer.eval_curve}))
+            {"metrics": metrics, "loss": [v for _, v in trainer.record.loss_curve],
+             "eval_curve": trainer.record.eval_curve}))
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,11 @@ class CountMinSketch:
     def nbytes(self) -> int:
         return int(self.counts.nbytes)
 
+    def clear(self) -> None:
+        """Nothing counted."""
+        self.counts[:] = 0
+        self.added = 0
+
     def _columns(self, ids: np.ndarray) -> list[np.ndarray]:
         u = np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64)
         return [(salted(u, _ROW_SALTS[r]) % np.uint64(self.width)).astype(np.int64)
@@ -113,8 +118,7 @@ class Admission:
         """The saved states of every saving rank: their sketches summed (a re-shard)."""
         if self.sketch is None:
             return
-        self.sketch.counts[:] = 0
-        self.sketch.added = 0
+        self.sketch.clear()
         for state in states:
             if "sketch" in state:
                 self.sketch.merge(state["sketch"])

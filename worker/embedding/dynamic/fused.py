@@ -112,11 +112,6 @@ def _refused(slots: SlotTable, ids_U: np.ndarray, step: int) -> np.ndarray | Non
 
 def _book(slots: SlotTable, store: PagedRows, counts: np.ndarray, store_n_free: int) -> None:
     """The entry counts of the maps and the free lists after what serve_step moved."""
-    evicted, placed = int(counts[EVICTIONS]), int(counts[TOOK_FREE]) + int(counts[EVICTIONS])
-    taken = int(counts[PAGE_INS])
-    slots.free = slots.free[int(counts[TOOK_FREE]):]
-    slots.map.count += placed - evicted
-    slots.map.gone += evicted - int(counts[SLOT_REUSED])
-    store.index.count += evicted - taken
-    store.index.gone += taken - int(counts[STORE_REUSED])
-    store.n_free = store_n_free
+    evicted = int(counts[EVICTIONS])
+    slots.note_served(int(counts[TOOK_FREE]), evicted, int(counts[SLOT_REUSED]))
+    store.note_served(evicted, int(counts[PAGE_INS]), int(counts[STORE_REUSED]), store_n_free)

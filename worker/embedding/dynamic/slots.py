@@ -117,6 +117,10 @@ class LruQueue:
         self.head = self.tail = 0
         self.valid = False
 
+    def invalidate(self) -> None:
+        """The order is rebuilt from `seen` at the next `ready`."""
+        self.valid = False
+
     def ready(self, seen: np.ndarray, more: int) -> None:
         """Valid, with room for `more` records after the tail."""
         if not self.valid:
@@ -188,6 +192,13 @@ class SlotTable:
     def occupied(self) -> int:
         return self.n - int(self.free.size)
 
+    def note_served(self, took_free: int, evicted: int, reused: int) -> None:
+        """After the fused step (worker/embedding/dynamic/fused.py) wrote the map in place:
+        `took_free` free slots taken, `evicted` slots given new ids (`reused` of the map's
+        entries refilled)."""
+        self.free = self.free[took_free:]
+        self.map.note_changes(took_free, evicted - reused)
+
     @property
     def nbytes(self) -> int:
         """Host bytes of this bookkeeping (the map, the per-slot arrays, the sketch)."""
@@ -207,7 +218,7 @@ class SlotTable:
         """Distinct ids in order (module doc) -> their GLOBAL slots, -1 where refused; and
         what moved (the caller gives `new_slots` their new ids' initial rows)."""
         stats = self.stats
-        self.lru.valid = False  # these steps do not keep the fused step's queue
+        self.lru.invalidate()  # these steps do not keep the fused step's queue
         local = self.map.find(ids)
         hit = local >= 0
         stats.lookups += ids.size
@@ -323,7 +334,7 @@ class SlotTable:
         self.map = IdMap(self.n)
         self.map.insert(self.slot_id[used], np.flatnonzero(used))
         self.free = np.flatnonzero(~used).astype(np.int64)
-        self.lru.valid = False
+        self.lru.invalidate()
         if self._store is not None:  # the store restores its own ids
             return
         self._paged = IdMap(paged_ids.size)

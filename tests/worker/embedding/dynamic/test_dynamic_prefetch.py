@@ -224,8 +224,9 @@ def _pipeline_scenario(ctx: DistContext, tmp: str) -> None:
     off, plain = _train(ctx, cfg.replace(pipeline=False), expect_prefetch=True)
     resumed, _ = _train(ctx, cfg.replace(pipeline=True, checkpoint_dir=f"{tmp}/ck2",
                                          resume_from=f"{ck}/step-0000000009"))
-    assert piped.loss_curve == plain.loss_curve
-    assert piped.eval_curve == plain.eval_curve and len(piped.eval_curve) == 7
+    assert piped.record.loss_curve == plain.record.loss_curve
+    assert piped.record.eval_curve == plain.record.eval_curve
+    assert len(piped.record.eval_curve) == 7
     for name in off:
         assert torch.equal(on[name], off[name]), f"table {name}: pipelined != in-step"
         assert torch.equal(on[name], resumed[name]), f"table {name}: resumed != straight"

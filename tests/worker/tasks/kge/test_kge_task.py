@@ -92,7 +92,7 @@ def _train_on_ranks(ctx: Any, data_dir: str, out_dir: str) -> None:
         if ctx.rank == 0:
             (Path(out_dir) / f"{name}.json").write_text(json.dumps(
                 {"metrics": metrics, "steps": trainer.steps,
-                 "loss": [v for _, v in trainer.loss_curve]}))
+                 "loss": [v for _, v in trainer.record.loss_curve]}))
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,10 @@ class PagedRows:
                  ordered: bool = False) -> None:
         self.dim = dim
         self.ordered = ordered
+        # positions the pools grow to at most beyond what a put needs (0: doubling
+        # without bound): a store under a quota then holds its quota's rows plus one
+        # call's, not up to twice them (the server sets it from the table's quota)
+        self.max_entries = 0
         self.layout = tuple((str(n), int(w)) for n, w in layout)
         self.index = IdMap()
         self._alloc(0)
@@ -140,6 +144,8 @@ class PagedRows:
         new = max(16, old * 2)
         while new - len(self.index) < need:
             new *= 2
+        if self.max_entries:
+            new = min(new, max(self.max_entries, len(self.index) + need))
         free = self.free[:self.n_free].copy()
         self._resize(new)
         self.gen[old:new] = 0

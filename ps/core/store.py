@@ -295,9 +295,11 @@ class Store(PartitionAuth):
                              rate_window_s=self.rate_window_s, clock=self._clock,
                              row_dtype=row_dtype, run_digest=run_digest)
             part.reserved_bytes = needed
-            dynamic = [state for state in part.tables.values() if state.paging is not None]
-            for state, quota in zip(dynamic, quotas, strict=True):
-                state.paged_quota = quota
+            dynamic = [(state, state.paging) for state in part.tables.values()
+                       if state.paging is not None]
+            for (state, paging), quota in zip(dynamic, quotas, strict=True):
+                state.paged_quota = quota  # and the pools grow to its rows at most
+                paging.store.max_entries = quota // paging.store.row_bytes
             return part
         finally:
             self.budget.release(needed, run_id)  # from here on the partition itself counts

@@ -220,3 +220,26 @@ def test_the_stats_show_each_tables_quota_and_the_bytes_its_store_holds() -> Non
     assert row.dynamic_held_bytes >= table.paging.store.capacity * table.paging.store.dim * 4
     text = format_shard_stats(stats_message(store.stats("r")))
     assert f"dropped {row.dynamic_dropped}  quota 0.0 MB  held" in text
+
+
+def test_under_a_quota_the_pools_hold_its_rows_and_one_calls_not_twice_them() -> None:
+    """Pools that double would reach 128 positions for ~100 rows; capped by the quota
+    they hold at most the quota's rows plus the rows of one call."""
+    probe = Store()
+    probe.register("r", 0, 1, 1, [TableSpec("u", 16, DIM, 0, 16, dynamic=True)], SPEC)
+    part = probe.partition("r", 0)
+    assert part is not None and part.tables["u"].paging is not None
+    row_bytes = part.tables["u"].paging.store.row_bytes
+    store = Store(max_state_bytes=part.state_bytes + 100 * row_bytes + 1000, run_shares=1)
+    store.register("r", 0, 1, 1, [TableSpec("u", 16, DIM, 0, 16, dynamic=True)], SPEC)
+    table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
+    assert table.paging is not None
+    paged = table.paging.store
+    quota_rows = table.paged_quota // row_bytes
+    assert 100 <= quota_rows < 128
+    for seq in range(1, 41):
+        ids = list(range(16 * seq, 16 * seq + 16))
+        store.page("r", 0, 1, "u", _call(seq, seq, ids, list(range(16)), [], []))
+    assert paged.dropped > 0 and len(paged) <= quota_rows
+    assert paged.capacity <= quota_rows + 16
+    assert table.paged_bytes <= table.paged_quota

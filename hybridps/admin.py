@@ -234,7 +234,9 @@ def _dynamic_lines(stats: admin_pb2.ShardStats) -> list[str]:
             f"{p.dynamic_refusals}  evictions {p.dynamic_evictions}  page-ins "
             f"{p.dynamic_page_ins}  hit rate {p.dynamic_hit_rate:.3f}  paged "
             f"{p.dynamic_paged_rows} ({_mb(p.dynamic_paged_bytes)} MB)  expired "
-            f"{p.dynamic_expired}  dropped {p.dynamic_dropped}"
+            f"{p.dynamic_expired}  dropped {p.dynamic_dropped}  quota "
+            f"{_mb(p.dynamic_paged_quota) if p.dynamic_paged_quota else '-'} MB  held "
+            f"{_mb(p.dynamic_held_bytes)} MB"
             for p in stats.partitions if p.dynamic]
 
 

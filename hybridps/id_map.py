@@ -83,6 +83,11 @@ class IdMap:
         self.count += added
         self.gone += gone
 
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes it holds: the table and the insert's scratch column."""
+        return int(self.table.nbytes + self._claim.nbytes)
+
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (salted(ids.view(np.uint64), MAP_SALT) >> np.uint64(64 - self.bits)).astype(
             np.int64)

@@ -8,7 +8,11 @@ batch goes in or out with a few tensor ops. `take` removes what it returns: an i
 either on a slot or here.
 
 Expiry: `expire(step, T)` drops the ids last seen before step - T; `drop_oldest(n)` drops
-the n seen longest ago (a memory budget; ties: the lowest id). Every drop leaves a
+the n seen longest ago (a memory budget; ties: the lowest id). An `ordered` store (the
+shard server's) finds them in O(ids dropped), not O(store), through
+hybridps/paged_order.py; it must then change only through its methods. The worker's
+fused step (worker/embedding/dynamic/fused.py) writes a store's columns in C, so its
+stores are not ordered and scan for their drops. Every drop leaves a
 tombstone (id, step) for the delta export (worker/export.py --delta-since); tombstones
 are kept for the run (16 bytes each).
 
@@ -28,11 +32,14 @@ import torch
 
 from hybridps.growable import GrowableColumn
 from hybridps.id_map import IdMap
+from hybridps.paged_order import SeenOrder
 
 PAGED_FORMAT = "hybridps-paged-rows-v1"
-# per id besides its row and state: pool id, last seen, frequency (int64 each) and its
-# IdMap entry (about 2 positions of 17 bytes)
-ENTRY_OVERHEAD_BYTES = 3 * 8 + 2 * 17
+# per id besides its row and state: pool id, last seen, frequency, generation (int64
+# each), its drop-order entry (16 bytes: hybridps/paged_order.py) and its IdMap entry
+# (about 2 positions of 17 bytes)
+ENTRY_OVERHEAD_BYTES = 4 * 8 + 16 + 2 * 17
+TOMBSTONE_BYTES = 16  # a dropped id and its step, kept for the run
 
 
 @dataclass
@@ -54,13 +61,20 @@ class PagedOut:
 class PagedRows:
     """Paged-out rows of one table and rank (module doc)."""
 
-    def __init__(self, dim: int, layout: Sequence[tuple[str, int]]) -> None:
+    def __init__(self, dim: int, layout: Sequence[tuple[str, int]], *,
+                 ordered: bool = False) -> None:
         self.dim = dim
+        self.ordered = ordered
+        # positions the pools grow to at most beyond what a put needs (0: doubling
+        # without bound): a store under a quota then holds its quota's rows plus one
+        # call's, not up to twice them (the server sets it from the table's quota)
+        self.max_entries = 0
         self.layout = tuple((str(n), int(w)) for n, w in layout)
         self.index = IdMap()
         self._alloc(0)
         self.tomb_ids: list[np.ndarray] = []
         self.tomb_steps: list[np.ndarray] = []
+        self._tomb_count = 0
         self.expired = 0   # ids dropped by expiry, and by the memory budget
         self.dropped = 0
         self.last_expiry = -1
@@ -70,8 +84,11 @@ class PagedRows:
         self._columns = {"rows": GrowableColumn(np.float32, self.dim),
                          **{f"state:{n}": GrowableColumn(np.float32, w) for n, w in self.layout},
                          "ids": GrowableColumn(np.int64), "seen": GrowableColumn(np.int64),
-                         "freq": GrowableColumn(np.int64), "free": GrowableColumn(np.int64)}
+                         "freq": GrowableColumn(np.int64), "free": GrowableColumn(np.int64),
+                         "gen": GrowableColumn(np.int64)}
+        self.order = SeenOrder()
         self._resize(capacity)
+        self.gen[:] = 0
         # free positions, a stack: the lowest on top (the end), n_free of them
         self.free[:] = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self.n_free = capacity
@@ -86,6 +103,9 @@ class PagedRows:
         self.state = {n: torch.from_numpy(col[f"state:{n}"]) for n, _ in self.layout}
         self.ids, self.seen, self.freq, self.free = col["ids"], col["seen"], col["freq"], col[
             "free"]
+        # bumped whenever a position is written or released: the drop order's entries of
+        # earlier contents no longer count (hybridps/paged_order.py)
+        self.gen = col["gen"]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -103,7 +123,20 @@ class PagedRows:
 
     @property
     def nbytes(self) -> int:
-        return len(self) * self.row_bytes
+        """Host bytes of its entries and tombstones."""
+        return len(self) * self.row_bytes + TOMBSTONE_BYTES * self.tomb_count
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes the store holds for its content: every pool at its capacity, the
+        id map's table, the drop order's entries and the tombstones."""
+        pools = sum(c.row_bytes for c in self._columns.values()) * self.capacity
+        return (pools + self.index.held_bytes + self.order.nbytes
+                + TOMBSTONE_BYTES * self.tomb_count)
+
+    @property
+    def tomb_count(self) -> int:
+        return self._tomb_count
 
     def reserve(self, more: int) -> None:
         """Room for `more` new entries: free positions and the index's load."""
@@ -117,8 +150,11 @@ class PagedRows:
         new = max(16, old * 2)
         while new - len(self.index) < need:
             new *= 2
+        if self.max_entries:
+            new = min(new, max(self.max_entries, len(self.index) + need))
         free = self.free[:self.n_free].copy()
         self._resize(new)
+        self.gen[old:new] = 0
         # the stack keeps room for every position (a release pushes up to `new` of them)
         self.free[:new - old] = np.arange(new - 1, old - 1, -1, dtype=np.int64)
         self.free[new - old:new - old + free.size] = free
@@ -141,6 +177,14 @@ class PagedRows:
         self.ids[pos] = out.ids.numpy()
         self.seen[pos] = out.seen.numpy()
         self.freq[pos] = out.freq.numpy()
+        self.gen[pos] += 1
+        if self.ordered:
+            self.order.add(pos, self.seen[pos], self.gen[pos])
+            self._maybe_rebuild()
+
+    def _maybe_rebuild(self) -> None:
+        if self.ordered and self.order.needs_rebuild(len(self)):
+            self.order.rebuild(self._live_positions(), self.seen, self.gen)
 
     def _check(self, out: PagedOut) -> None:
         n = out.count
@@ -167,6 +211,7 @@ class PagedRows:
         found = pos >= 0
         got = self._gather(pos[found])
         self._release(ids.numpy()[found], pos[found])
+        self._maybe_rebuild()
         return torch.from_numpy(found), got
 
     def swap(self, out: PagedOut, out_rows_R: torch.Tensor, in_ids: torch.Tensor,
@@ -211,6 +256,7 @@ class PagedRows:
     def _release(self, ids: np.ndarray, pos: np.ndarray) -> None:
         """Free pool positions (their content is overwritten by the next put there)."""
         self.index.remove(ids)
+        self.gen[pos] += 1
         back = np.sort(pos)[::-1]
         self.free[self.n_free:self.n_free + back.size] = back
         self.n_free += back.size
@@ -218,8 +264,10 @@ class PagedRows:
     def _drop(self, pos: np.ndarray, step: int) -> np.ndarray:
         ids = self.ids[pos].copy()
         self._release(ids, pos)
-        self.tomb_ids.append(ids)
-        self.tomb_steps.append(np.full(ids.size, step, dtype=np.int64))
+        if ids.size:
+            self.tomb_ids.append(ids)
+            self.tomb_steps.append(np.full(ids.size, step, dtype=np.int64))
+            self._tomb_count += ids.size
         return ids
 
     def _live_positions(self) -> np.ndarray:
@@ -233,9 +281,12 @@ class PagedRows:
         if expire_steps <= 0 or step < self.last_expiry + max(1, expire_steps // 8):
             return np.empty(0, dtype=np.int64)
         self.last_expiry = step
-        pos = self._live_positions()
-        old = pos[self.seen[pos] < step - expire_steps]
-        old = old[np.argsort(self.ids[old], kind="stable")]  # by id, not by pool position
+        if self.ordered:
+            old = self.order.seen_before(step - expire_steps, self.ids, self.gen)  # by id
+        else:
+            pos = self._live_positions()
+            old = pos[self.seen[pos] < step - expire_steps]
+            old = old[np.argsort(self.ids[old], kind="stable")]  # by id, not pool position
         self.expired += old.size
         return self._drop(old, step)
 
@@ -243,10 +294,13 @@ class PagedRows:
         """Drop the `count` ids seen longest ago (ties: the lowest id); returns them."""
         if count <= 0 or len(self) == 0:
             return np.empty(0, dtype=np.int64)
-        pos = self._live_positions()
-        order = np.lexsort((self.ids[pos], self.seen[pos]))[:count]
-        self.dropped += order.size
-        return self._drop(pos[order], step)
+        if self.ordered:
+            pos = self.order.oldest(count, self.ids, self.gen)
+        else:
+            live = self._live_positions()
+            pos = live[np.lexsort((self.ids[live], self.seen[live]))[:count]]
+        self.dropped += pos.size
+        return self._drop(pos, step)
 
     def tombstones(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, steps) of every drop so far, in drop order."""
@@ -280,6 +334,7 @@ class PagedRows:
         self.put(entries)
         self.tomb_ids, self.tomb_steps = ([tombstones[0]], [tombstones[1]]) if tombstones[
             0].size else ([], [])
+        self._tomb_count = int(tombstones[0].size)
         counters = counters or {}
         self.expired = int(counters.get("expired", 0))
         self.dropped = int(counters.get("dropped", 0))

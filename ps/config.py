@@ -23,6 +23,7 @@ from hybridps.channel_options import (
 from hybridps.cli import setting
 from hybridps.logs import LOG_LEVELS
 from ps.core.lifecycle import DEFAULT_ABORT_GRACE_S  # torch-free
+from ps.core.limits import DEFAULT_RUN_SHARES  # torch-free
 
 MIN_MESSAGE_BYTES = 4096
 MAX_KERNEL_THREADS = 64  # the native pool's limit (MAX_WORKERS + the caller)
@@ -123,6 +124,15 @@ class ServerConfig:
         0, "host bytes one run's partitions may hold on this server, within "
         "--max-state-bytes; a Register beyond it is refused (RESOURCE_EXHAUSTED) with nothing "
         "allocated (0: no limit of its own)", RESOURCES, "BYTES")
+    memory_budget_mb: int = _s(
+        0, "the same budget as --max-state-bytes, in MiB (give one of the two; 0 and no "
+        "--max-state-bytes: 3/4 of the host's memory or cgroup limit)", RESOURCES, "MB")
+    run_shares: int = _s(
+        DEFAULT_RUN_SHARES, "with --max-run-state-bytes 0: a run with dynamic tables "
+        "reserves budget / N at Register (its ranks' equal parts: a part's paged-out rows "
+        "are dropped, seen longest ago first, beyond what its fixed state leaves of it, "
+        "decided by that part's own calls only, so runs are reproducible under a budget); "
+        "a Register beyond the budget is refused naming the sizes", RESOURCES, "N")
     checkpoint_root: str = _s(
         "checkpoints", "the directory (relative: to the server's working directory) inside "
         "which the server writes and restores checkpoints (missing: created at start when "
@@ -208,6 +218,15 @@ class ServerConfig:
         if self.max_run_state_bytes < 0:
             raise ValueError(f"--max-run-state-bytes {self.max_run_state_bytes} must be >= 0 "
                              "(0: no limit of its own)")
+        if self.memory_budget_mb < 0:
+            raise ValueError(f"--memory-budget-mb {self.memory_budget_mb} must be >= 0 "
+                             "(0: derived from the host's memory)")
+        if self.memory_budget_mb and self.max_state_bytes:
+            raise ValueError(f"--memory-budget-mb {self.memory_budget_mb} and "
+                             f"--max-state-bytes {self.max_state_bytes} are the same budget: "
+                             "give one")
+        if self.run_shares < 1:
+            raise ValueError(f"--run-shares {self.run_shares} must be >= 1")
         if not self.checkpoint_root:
             raise ValueError("--checkpoint-root must not be empty")
         if self.generate_auth_token and not self.auth_token_file:
@@ -216,6 +235,11 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+    @property
+    def state_budget_bytes(self) -> int:
+        """The budget's bytes as given (0: the default, ps/core/limits.py)."""
+        return self.max_state_bytes or self.memory_budget_mb * 2**20
 
     @property
     def log_level_number(self) -> int:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hybridps/v1/admin.proto\x12\x0bhybridps.v1\"#\n\x11ShardStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xb1\x06\n\x0ePartitionStats\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\r\n\x05table\x18\x04 \x01(\t\x12\x11\n\trow_start\x18\x05 \x01(\x03\x12\x0f\n\x07row_end\x18\x06 \x01(\x03\x12\x11\n\trows_held\x18\x07 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x08 \x01(\x03\x12\x16\n\x0epushes_applied\x18\t \x01(\x03\x12\x14\n\x0crows_updated\x18\n \x01(\x03\x12\x17\n\x0frows_per_second\x18\x0b \x01(\x01\x12\x1d\n\x15\x64istinct_rows_touched\x18\x0c \x01(\x03\x12\x11\n\tlast_step\x18\r \x01(\x03\x12\x11\n\tlag_steps\x18\x0e \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\x03\x12;\n\x08refusals\x18\x10 \x03(\x0b\x32).hybridps.v1.PartitionStats.RefusalsEntry\x12\x11\n\toptimizer\x18\x11 \x01(\t\x12\x14\n\x0cmaster_bytes\x18\x1e \x01(\x03\x12\x11\n\trow_dtype\x18\x1f \x01(\t\x12\x11\n\trun_state\x18  \x01(\t\x12\x0f\n\x07\x64ynamic\x18( \x01(\x08\x12\x18\n\x10\x64ynamic_capacity\x18) \x01(\x03\x12\x18\n\x10\x64ynamic_occupied\x18* \x01(\x03\x12\x1a\n\x12\x64ynamic_admissions\x18+ \x01(\x03\x12\x18\n\x10\x64ynamic_refusals\x18, \x01(\x03\x12\x19\n\x11\x64ynamic_evictions\x18- \x01(\x03\x12\x18\n\x10\x64ynamic_page_ins\x18. \x01(\x03\x12\x18\n\x10\x64ynamic_hit_rate\x18/ \x01(\x01\x12\x1a\n\x12\x64ynamic_paged_rows\x18\x30 \x01(\x03\x12\x1b\n\x13\x64ynamic_paged_bytes\x18\x31 \x01(\x03\x12\x17\n\x0f\x64ynamic_expired\x18\x32 \x01(\x03\x12\x17\n\x0f\x64ynamic_dropped\x18\x33 \x01(\x03\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x90\x01\n\x08RunStats\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x18\n\x10ranks_registered\x18\x03 \x01(\x05\x12\x16\n\x0eranks_finished\x18\x04 \x01(\x05\x12\x12\n\nover_for_s\x18\x05 \x01(\x01\x12\x12\n\nfreed_in_s\x18\x06 \x01(\x01\x12\x0b\n\x03why\x18\x07 \x01(\t\"\xa9\x03\n\nShardStats\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12/\n\npartitions\x18\x03 \x03(\x0b\x32\x1b.hybridps.v1.PartitionStats\x12\x37\n\x08refusals\x18\x04 \x03(\x0b\x32%.hybridps.v1.ShardStats.RefusalsEntry\x12\x19\n\x11state_bytes_total\x18\x05 \x01(\x03\x12\x1c\n\x14pushes_applied_total\x18\x06 \x01(\x03\x12\x1a\n\x12rows_updated_total\x18\x07 \x01(\x03\x12\x1a\n\x12master_bytes_total\x18\x1e \x01(\x03\x12#\n\x04runs\x18\x1f \x03(\x0b\x32\x15.hybridps.v1.RunStats\x12\x12\n\nruns_freed\x18  \x01(\x03\x12\x18\n\x10partitions_freed\x18! \x01(\x03\x12\x17\n\x0fmax_state_bytes\x18\" \x01(\x03\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"2\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\"%\n\x10ShutdownResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\"0\n\x0e\x44ropRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"F\n\x0f\x44ropRunResponse\x12\x18\n\x10partitions_freed\x18\x01 \x01(\x05\x12\x19\n\x11state_bytes_freed\x18\x02 \x01(\x03\x32\xe7\x01\n\x0c\x41\x64minService\x12H\n\rGetShardStats\x12\x1e.hybridps.v1.ShardStatsRequest\x1a\x17.hybridps.v1.ShardStats\x12G\n\x08Shutdown\x12\x1c.hybridps.v1.ShutdownRequest\x1a\x1d.hybridps.v1.ShutdownResponse\x12\x44\n\x07\x44ropRun\x12\x1b.hybridps.v1.DropRunRequest\x1a\x1c.hybridps.v1.DropRunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hybridps/v1/admin.proto\x12\x0bhybridps.v1\"#\n\x11ShardStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xea\x06\n\x0ePartitionStats\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\r\n\x05table\x18\x04 \x01(\t\x12\x11\n\trow_start\x18\x05 \x01(\x03\x12\x0f\n\x07row_end\x18\x06 \x01(\x03\x12\x11\n\trows_held\x18\x07 \x01(\x03\x12\x13\n\x0bstate_bytes\x18\x08 \x01(\x03\x12\x16\n\x0epushes_applied\x18\t \x01(\x03\x12\x14\n\x0crows_updated\x18\n \x01(\x03\x12\x17\n\x0frows_per_second\x18\x0b \x01(\x01\x12\x1d\n\x15\x64istinct_rows_touched\x18\x0c \x01(\x03\x12\x11\n\tlast_step\x18\r \x01(\x03\x12\x11\n\tlag_steps\x18\x0e \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\x03\x12;\n\x08refusals\x18\x10 \x03(\x0b\x32).hybridps.v1.PartitionStats.RefusalsEntry\x12\x11\n\toptimizer\x18\x11 \x01(\t\x12\x14\n\x0cmaster_bytes\x18\x1e \x01(\x03\x12\x11\n\trow_dtype\x18\x1f \x01(\t\x12\x11\n\trun_state\x18  \x01(\t\x12\x0f\n\x07\x64ynamic\x18( \x01(\x08\x12\x18\n\x10\x64ynamic_capacity\x18) \x01(\x03\x12\x18\n\x10\x64ynamic_occupied\x18* \x01(\x03\x12\x1a\n\x12\x64ynamic_admissions\x18+ \x01(\x03\x12\x18\n\x10\x64ynamic_refusals\x18, \x01(\x03\x12\x19\n\x11\x64ynamic_evictions\x18- \x01(\x03\x12\x18\n\x10\x64ynamic_page_ins\x18. \x01(\x03\x12\x18\n\x10\x64ynamic_hit_rate\x18/ \x01(\x01\x12\x1a\n\x12\x64ynamic_paged_rows\x18\x30 \x01(\x03\x12\x1b\n\x13\x64ynamic_paged_bytes\x18\x31 \x01(\x03\x12\x17\n\x0f\x64ynamic_expired\x18\x32 \x01(\x03\x12\x17\n\x0f\x64ynamic_dropped\x18\x33 \x01(\x03\x12\x1b\n\x13\x64ynamic_paged_quota\x18\x34 \x01(\x03\x12\x1a\n\x12\x64ynamic_held_bytes\x18\x35 \x01(\x03\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x90\x01\n\x08RunStats\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x18\n\x10ranks_registered\x18\x03 \x01(\x05\x12\x16\n\x0eranks_finished\x18\x04 \x01(\x05\x12\x12\n\nover_for_s\x18\x05 \x01(\x01\x12\x12\n\nfreed_in_s\x18\x06 \x01(\x01\x12\x0b\n\x03why\x18\x07 \x01(\t\"\xa9\x03\n\nShardStats\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12/\n\npartitions\x18\x03 \x03(\x0b\x32\x1b.hybridps.v1.PartitionStats\x12\x37\n\x08refusals\x18\x04 \x03(\x0b\x32%.hybridps.v1.ShardStats.RefusalsEntry\x12\x19\n\x11state_bytes_total\x18\x05 \x01(\x03\x12\x1c\n\x14pushes_applied_total\x18\x06 \x01(\x03\x12\x1a\n\x12rows_updated_total\x18\x07 \x01(\x03\x12\x1a\n\x12master_bytes_total\x18\x1e \x01(\x03\x12#\n\x04runs\x18\x1f \x03(\x0b\x32\x15.hybridps.v1.RunStats\x12\x12\n\nruns_freed\x18  \x01(\x03\x12\x18\n\x10partitions_freed\x18! \x01(\x03\x12\x17\n\x0fmax_state_bytes\x18\" \x01(\x03\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"2\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\"%\n\x10ShutdownResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\"0\n\x0e\x44ropRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"F\n\x0f\x44ropRunResponse\x12\x18\n\x10partitions_freed\x18\x01 \x01(\x05\x12\x19\n\x11state_bytes_freed\x18\x02 \x01(\x03\x32\xe7\x01\n\x0c\x41\x64minService\x12H\n\rGetShardStats\x12\x1e.hybridps.v1.ShardStatsRequest\x1a\x17.hybridps.v1.ShardStats\x12G\n\x08Shutdown\x12\x1c.hybridps.v1.ShutdownRequest\x1a\x1d.hybridps.v1.ShutdownResponse\x12\x44\n\x07\x44ropRun\x12\x1b.hybridps.v1.DropRunRequest\x1a\x1c.hybridps.v1.DropRunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDSTATSREQUEST']._serialized_start=40
   _globals['_SHARDSTATSREQUEST']._serialized_end=75
   _globals['_PARTITIONSTATS']._serialized_start=78
-  _globals['_PARTITIONSTATS']._serialized_end=895
-  _globals['_PARTITIONSTATS_REFUSALSENTRY']._serialized_start=848
-  _globals['_PARTITIONSTATS_REFUSALSENTRY']._serialized_end=895
-  _globals['_RUNSTATS']._serialized_start=898
-  _globals['_RUNSTATS']._serialized_end=1042
-  _globals['_SHARDSTATS']._serialized_start=1045
-  _globals['_SHARDSTATS']._serialized_end=1470
-  _globals['_SHARDSTATS_REFUSALSENTRY']._serialized_start=848
-  _globals['_SHARDSTATS_REFUSALSENTRY']._serialized_end=895
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1472
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1522
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1524
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1561
-  _globals['_DROPRUNREQUEST']._serialized_start=1563
-  _globals['_DROPRUNREQUEST']._serialized_end=1611
-  _globals['_DROPRUNRESPONSE']._serialized_start=1613
-  _globals['_DROPRUNRESPONSE']._serialized_end=1683
-  _globals['_ADMINSERVICE']._serialized_start=1686
-  _globals['_ADMINSERVICE']._serialized_end=1917
+  _globals['_PARTITIONSTATS']._serialized_end=952
+  _globals['_PARTITIONSTATS_REFUSALSENTRY']._serialized_start=905
+  _globals['_PARTITIONSTATS_REFUSALSENTRY']._serialized_end=952
+  _globals['_RUNSTATS']._serialized_start=955
+  _globals['_RUNSTATS']._serialized_end=1099
+  _globals['_SHARDSTATS']._serialized_start=1102
+  _globals['_SHARDSTATS']._serialized_end=1527
+  _globals['_SHARDSTATS_REFUSALSENTRY']._serialized_start=905
+  _globals['_SHARDSTATS_REFUSALSENTRY']._serialized_end=952
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1529
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1579
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=1581
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=1618
+  _globals['_DROPRUNREQUEST']._serialized_start=1620
+  _globals['_DROPRUNREQUEST']._serialized_end=1668
+  _globals['_DROPRUNRESPONSE']._serialized_start=1670
+  _globals['_DROPRUNRESPONSE']._serialized_end=1740
+  _globals['_ADMINSERVICE']._serialized_start=1743
+  _globals['_ADMINSERVICE']._serialized_end=1974
 # @@protoc_insertion_point(module_scope)

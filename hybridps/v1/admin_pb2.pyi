@@ -13,7 +13,7 @@ class ShardStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PartitionStats(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype", "run_state", "dynamic", "dynamic_capacity", "dynamic_occupied", "dynamic_admissions", "dynamic_refusals", "dynamic_evictions", "dynamic_page_ins", "dynamic_hit_rate", "dynamic_paged_rows", "dynamic_paged_bytes", "dynamic_expired", "dynamic_dropped")
+    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype", "run_state", "dynamic", "dynamic_capacity", "dynamic_occupied", "dynamic_admissions", "dynamic_refusals", "dynamic_evictions", "dynamic_page_ins", "dynamic_hit_rate", "dynamic_paged_rows", "dynamic_paged_bytes", "dynamic_expired", "dynamic_dropped", "dynamic_paged_quota", "dynamic_held_bytes")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class PartitionStats(_message.Message):
     DYNAMIC_PAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_PAGED_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -85,7 +87,9 @@ class PartitionStats(_message.Message):
     dynamic_paged_bytes: int
     dynamic_expired: int
     dynamic_dropped: int
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ..., run_state: _Optional[str] = ..., dynamic: _Optional[bool] = ..., dynamic_capacity: _Optional[int] = ..., dynamic_occupied: _Optional[int] = ..., dynamic_admissions: _Optional[int] = ..., dynamic_refusals: _Optional[int] = ..., dynamic_evictions: _Optional[int] = ..., dynamic_page_ins: _Optional[int] = ..., dynamic_hit_rate: _Optional[float] = ..., dynamic_paged_rows: _Optional[int] = ..., dynamic_paged_bytes: _Optional[int] = ..., dynamic_expired: _Optional[int] = ..., dynamic_dropped: _Optional[int] = ...) -> None: ...
+    dynamic_paged_quota: int
+    dynamic_held_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ..., run_state: _Optional[str] = ..., dynamic: _Optional[bool] = ..., dynamic_capacity: _Optional[int] = ..., dynamic_occupied: _Optional[int] = ..., dynamic_admissions: _Optional[int] = ..., dynamic_refusals: _Optional[int] = ..., dynamic_evictions: _Optional[int] = ..., dynamic_page_ins: _Optional[int] = ..., dynamic_hit_rate: _Optional[float] = ..., dynamic_paged_rows: _Optional[int] = ..., dynamic_paged_bytes: _Optional[int] = ..., dynamic_expired: _Optional[int] = ..., dynamic_dropped: _Optional[int] = ..., dynamic_paged_quota: _Optional[int] = ..., dynamic_held_bytes: _Optional[int] = ...) -> None: ...
 
 class RunStats(_message.Message):
     __slots__ = ("run_id", "state", "ranks_registered", "ranks_finished", "over_for_s", "freed_in_s", "why")

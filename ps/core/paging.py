@@ -8,9 +8,11 @@ with their optimizer state. A Page call (PageRequest in shard.proto):
    `out_rows` under `out_ids`;
 2. moves the stored state of `in_ids` onto `in_slots` (both in one `PagedRows.swap`) and
    answers their rows, frequencies and last steps seen (`found` says which it held);
-3. drops the ids unseen for `expire_steps` steps, and, when the server's
-   --max-state-bytes is exceeded, the ids seen longest ago: their ids are answered
-   (`dropped`), so the rank's set of paged-out ids stays this one.
+3. drops the ids unseen for `expire_steps` steps, and, when the table's paged bytes
+   exceed its own quota (its partition's share of the budget, ps/core/limits.py), the ids
+   seen longest ago: their ids are answered (`dropped`), so the rank's set of paged-out
+   ids stays this one. Each decision depends only on this table's calls, never on other
+   ranks' or runs' timing; finding the ids costs O(ids dropped) (hybridps/paged_order.py).
 
 The rank evicts only slots with no update pending (the pin rule), so no push in flight
 touches the rows a call moves; the partition lock orders calls with pushes.
@@ -38,7 +40,7 @@ from hybridps.errors import (
     OutOfOrder,
     RowOutOfRange,
 )
-from hybridps.paged_rows import PagedOut, PagedRows
+from hybridps.paged_rows import TOMBSTONE_BYTES, PagedOut, PagedRows
 
 
 class SlotRange(Protocol):
@@ -100,7 +102,7 @@ class PagedTable:
         """`layout`: the optimizer's state of one row, (name, floats) each
         (OptimizerSpec.state_widths)."""
         self.dim = dim
-        self.store = PagedRows(dim, layout)
+        self.store = PagedRows(dim, layout, ordered=True)  # drops in O(ids dropped)
         self.seq = 0
         self.last: PageResult | None = None
         self.page_ins = 0
@@ -138,8 +140,8 @@ class PagedTable:
     def page(self, state: TableState, call: PageCall, what: str,
              over_budget: Callable[[], int]) -> tuple[PageResult, bool]:
         """Apply a call (module doc); (its result, whether it repeats the last one).
-        `over_budget()`: the bytes held beyond --max-state-bytes or the run's
-        --max-run-state-bytes (<= 0: none)."""
+        `over_budget()`: the bytes this table's paged rows hold beyond its quota (<= 0:
+        none)."""
         if call.peek:
             found, rows = self.store.peek(call.in_ids)
             n = int(found.sum())
@@ -157,9 +159,9 @@ class PagedTable:
                                      call.in_slots - start, state.state)
         dropped = [self.store.expire(call.step, call.expire_steps)]
         excess = over_budget()
-        if excess > 0:  # --max-state-bytes: the ids seen longest ago go
-            dropped.append(self.store.drop_oldest(math.ceil(excess / self.store.row_bytes),
-                                                  call.step))
+        if excess > 0:  # the quota: the ids seen longest ago go, each leaving a tombstone
+            freed = self.store.row_bytes - TOMBSTONE_BYTES
+            dropped.append(self.store.drop_oldest(math.ceil(excess / freed), call.step))
         self.page_outs += int(call.out.ids.numel())
         self.page_ins += int(found.sum())
         result = PageResult(found.to(torch.int64), got, np.concatenate(dropped))

@@ -206,6 +206,9 @@ class TableState:
         # a dynamic table: the rows paged out of its slots and the Page calls' bookkeeping
         self.paging: PagedTable | None = (PagedTable(dim, optimizer.state_widths(dim))
                                           if spec.dynamic else None)
+        # the bytes its paged-out rows may hold (0: no limit); set at Register from the
+        # partition's share of the budget (ps/core/limits.py)
+        self.paged_quota = 0
 
     @property
     def where(self) -> str:
@@ -228,7 +231,7 @@ class TableState:
 
     @property
     def paged_bytes(self) -> int:
-        """Host bytes of the rows a dynamic table holds paged out."""
+        """Host bytes of the rows a dynamic table holds paged out, with their tombstones."""
         return 0 if self.paging is None else self.paging.store.nbytes
 
     @property
@@ -451,6 +454,9 @@ class Partition:
         # Refusals of calls for this partition that name no table (a wrong secret, a
         # refused takeover); per-table ones are in TableState.refusals.
         self.refusals: collections.Counter[str] = collections.Counter()
+        # what its Register reserved of the budget: a dynamic partition's whole share
+        # (ps/core/limits.py), else its fixed state (0: not set, the state counts)
+        self.reserved_bytes = 0
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
             t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,
@@ -478,6 +484,12 @@ class Partition:
         """Host bytes of this partition's optimizer state, master rows and paged-out rows."""
         return sum(t.state_bytes + t.master_bytes + t.paged_bytes
                    for t in self.tables.values())
+
+    @property
+    def budget_bytes(self) -> int:
+        """What it counts against the budget: its reservation or what it holds, the
+        larger."""
+        return max(self.reserved_bytes, self.state_bytes)
 
     def difference(self, world_size: int, tables: list[TableSpec],
                    optimizer: OptimizerSpec,

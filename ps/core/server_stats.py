@@ -55,6 +55,8 @@ class PartitionStatsRow:
     dynamic_paged_bytes: int = 0
     dynamic_expired: int = 0
     dynamic_dropped: int = 0
+    dynamic_paged_quota: int = 0
+    dynamic_held_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ def _dynamic_fields(t: TableState) -> dict[str, Any]:
             "dynamic_evictions": paging.page_outs, "dynamic_page_ins": paging.page_ins,
             "dynamic_hit_rate": c.get("hits", 0) / max(c.get("lookups", 0), 1),
             "dynamic_paged_rows": len(store), "dynamic_paged_bytes": store.nbytes,
-            "dynamic_expired": store.expired, "dynamic_dropped": store.dropped}
+            "dynamic_expired": store.expired, "dynamic_dropped": store.dropped,
+            "dynamic_paged_quota": t.paged_quota, "dynamic_held_bytes": store.held_bytes}
 
 
 def _per_member(row: PartitionStatsRow, t: TableState) -> list[PartitionStatsRow]:

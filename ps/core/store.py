@@ -42,7 +42,7 @@ from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
 from hybridps.run_secret import secret_digest
 from ps.core.checkpoint_dirs import CheckpointRoot, write_refusal
-from ps.core.limits import StateBudget
+from ps.core.limits import DEFAULT_RUN_SHARES, StateBudget
 from ps.core.paging import PageCall, PageResult
 from ps.core.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
@@ -93,10 +93,13 @@ class Store(PartitionAuth):
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic,
                  checkpoint_root: str | Path | None = None,
-                 max_state_bytes: int = 0, max_run_state_bytes: int = 0) -> None:
+                 max_state_bytes: int = 0, max_run_state_bytes: int = 0,
+                 run_shares: int = DEFAULT_RUN_SHARES) -> None:
         """`checkpoint_root`: checkpoints only inside it (None: anywhere;
         ps/core/checkpoint_dirs.py); `max_state_bytes`: the bytes all partitions may hold,
-        `max_run_state_bytes` those of one run (0: no limit)."""
+        `max_run_state_bytes` those of one run (0: no limit); `run_shares`: the runs
+        with dynamic tables the limit is shared among when `max_run_state_bytes` is 0
+        (ps/core/limits.py)."""
         if answer_cache_steps < 1:
             raise ValueError(f"answer_cache_steps={answer_cache_steps} must be >= 1")
         self.server_id = server_id or default_server_id()
@@ -111,7 +114,7 @@ class Store(PartitionAuth):
         # (run_id, rank) -> Sync connections bound to it (a partition in use: see `bind`)
         self._bound: collections.Counter[tuple[str, int]] = collections.Counter()
         self.checkpoint_root = CheckpointRoot(checkpoint_root)
-        self.budget = StateBudget(max_state_bytes, max_run_state_bytes)
+        self.budget = StateBudget(max_state_bytes, max_run_state_bytes, run_shares)
         self.runs_freed = 0
         self.partitions_freed = 0
         # run_id -> its state for the stats; the server sets it to its RunTracker's view
@@ -267,9 +270,12 @@ class Store(PartitionAuth):
         return what, spec_opt
 
     def _state_bytes_in_use(self, run_id: str | None = None) -> int:
-        """Bytes the partitions hold: all of them, or run `run_id`'s."""
-        return sum(p.state_bytes for p in self.partitions()
-                   if run_id is None or p.run_id == run_id)
+        """Bytes the partitions hold or reserved (a dynamic one's share, until its run
+        is finished: it pages no more): all of them, or run `run_id`'s."""
+        parts = [p for p in self.partitions() if run_id is None or p.run_id == run_id]
+        finished = {run for run in {p.run_id for p in parts}
+                    if self.run_state(run) == "finished"}
+        return sum(p.state_bytes if p.run_id in finished else p.budget_bytes for p in parts)
 
     def _new_partition(self, run_id: str, rank: int, world_size: int, incarnation: int,
                        tables: list[TableSpec], optimizer: OptimizerSpec,
@@ -278,15 +284,23 @@ class Store(PartitionAuth):
         """Allocate a partition within --max-state-bytes and --max-run-state-bytes
         (`freed`: bytes of the run's partitions this request replaces); ResourceExhausted
         with nothing allocated when it does not fit."""
-        needed = sum(t.state_bytes(optimizer.kind, row_dtype != torch.float32)
-                     for t in tables)
+        fixed = [t.state_bytes(optimizer.kind, row_dtype != torch.float32) for t in tables]
+        dynamic_fixed = [b for b, t in zip(fixed, tables, strict=True) if t.dynamic]
+        needed, quotas = self.budget.paged_share(sum(fixed), dynamic_fixed, world_size, what)
         self.budget.reserve(needed, self._state_bytes_in_use(), what, freed, run_id=run_id,
                             run_in_use=self._state_bytes_in_use(run_id))
         try:
-            return Partition(run_id, rank, world_size, incarnation, tables, optimizer,
+            part = Partition(run_id, rank, world_size, incarnation, tables, optimizer,
                              answer_cache_steps=self.answer_cache_steps,
                              rate_window_s=self.rate_window_s, clock=self._clock,
                              row_dtype=row_dtype, run_digest=run_digest)
+            part.reserved_bytes = needed
+            dynamic = [(state, state.paging) for state in part.tables.values()
+                       if state.paging is not None]
+            for (state, paging), quota in zip(dynamic, quotas, strict=True):
+                state.paged_quota = quota  # and the pools grow to its rows at most
+                paging.store.max_entries = quota // paging.store.row_bytes
+            return part
         finally:
             self.budget.release(needed, run_id)  # from here on the partition itself counts
 
@@ -382,7 +396,7 @@ class Store(PartitionAuth):
                     if key[0] == run_id and (key[1] == rank or p.world_size != world_size)]
 
         with self._lock:
-            freed = sum(self._partitions[key].state_bytes for key in replaced())
+            freed = sum(self._partitions[key].budget_bytes for key in replaced())
         others = [p for p in self.partitions() if p.run_id == run_id and p.rank != rank
                   and p.world_size == world_size]
         self._check_consistency(others, rank, world_size, tables, what)
@@ -488,9 +502,11 @@ class Store(PartitionAuth):
             if state.paging is None:
                 raise InvalidArgument(f"{what}: table {table!r} is not dynamic")
 
-            def over_budget() -> int:  # paging keeps the server and the run within limits
-                return self.budget.excess(self._state_bytes_in_use(),
-                                          self._state_bytes_in_use(run_id))
+            def over_budget() -> int:
+                # the table's own bytes against its own quota (ps/core/limits.py): a drop
+                # depends only on this table's history, not on other ranks' timing
+                quota = state.paged_quota
+                return state.paged_bytes - quota if quota else 0
 
             with part.lock:
                 result, repeat = state.paging.page(state, call, what, over_budget)

@@ -72,7 +72,9 @@ DYNAMIC_GAUGES = (
     ("paged_rows", "rows held paged out"),
     ("paged_bytes", "host bytes of the rows held paged out"),
     ("expired", "paged-out ids dropped after --expire steps unseen"),
-    ("dropped", "paged-out ids dropped over --max-state-bytes"),
+    ("dropped", "paged-out ids dropped over the table's quota of the budget"),
+    ("paged_quota", "bytes the paged-out rows may hold (0: no limit)"),
+    ("held_bytes", "host bytes the paged store holds (capacity, id map, tombstones)"),
 )
 
 

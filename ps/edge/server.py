@@ -177,8 +177,9 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                   answer_cache_steps=config.answer_cache_steps,
                   rate_window_s=config.rate_window_s,
                   checkpoint_root=config.checkpoint_root,
-                  max_state_bytes=config.max_state_bytes or default_max_state_bytes(),
-                  max_run_state_bytes=config.max_run_state_bytes)
+                  max_state_bytes=config.state_budget_bytes or default_max_state_bytes(),
+                  max_run_state_bytes=config.max_run_state_bytes,
+                  run_shares=config.run_shares)
     set_log_fields(server=store.server_id)
     core = ShardCore(store, update_threads=config.update_threads,
                      kernel_threads=config.kernel_threads,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from hybridps.errors import OutOfOrder, RowOutOfRange
+from hybridps.errors import OutOfOrder, ResourceExhausted, RowOutOfRange
 from hybridps.optim import OptimizerSpec
 from hybridps.paged_rows import PagedOut
 from ps.core.paging import PageCall
@@ -22,7 +22,9 @@ SPEC = OptimizerSpec(kind="adam", lr=0.1)
 
 
 def _store(max_state_bytes: int = 0, max_run_state_bytes: int = 0) -> Store:
-    store = Store(max_state_bytes=max_state_bytes, max_run_state_bytes=max_run_state_bytes)
+    """Rank 0 of a run of world size 2 (it holds half the run's share: ps/core/limits.py)."""
+    store = Store(max_state_bytes=max_state_bytes, max_run_state_bytes=max_run_state_bytes,
+                  run_shares=1)
     store.register("r", 0, 2, 1, [TableSpec("u", 8, DIM, 0, 4, dynamic=True),
                                   TableSpec("s", 8, DIM, 0, 4)], SPEC)
     return store
@@ -84,7 +86,8 @@ def test_a_bad_call_changes_nothing() -> None:
 def test_over_the_memory_budget_the_oldest_rows_are_dropped() -> None:
     held = _store().partition("r", 0)
     assert held is not None
-    store = _store(max_state_bytes=held.state_bytes + 2 * 100)  # room for ~2 paged rows
+    # a share of held + 200 bytes: room for ~2 paged rows
+    store = _store(max_state_bytes=2 * (held.state_bytes + 2 * 100))
     for seq, (ident, slot) in enumerate([(10, 0), (11, 1), (12, 2), (13, 3)], start=1):
         result = store.page("r", 0, 1, "u", _call(seq, seq, [ident], [slot], [], []))
     table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
@@ -102,7 +105,7 @@ def test_paging_keeps_a_run_within_its_own_state_cap() -> None:
     run's cap has room for about two paged rows, so the oldest are dropped."""
     held = _store().partition("r", 0)
     assert held is not None
-    store = _store(max_run_state_bytes=held.state_bytes + 2 * 100)
+    store = _store(max_run_state_bytes=2 * (held.state_bytes + 2 * 100))
     for seq, (ident, slot) in enumerate([(10, 0), (11, 1), (12, 2), (13, 3)], start=1):
         store.page("r", 0, 1, "u", _call(seq, seq, [ident], [slot], [], []))
     table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
@@ -123,3 +126,120 @@ def test_prometheus_shows_dynamic_tables() -> None:
     paged = families["hybridps_partition_dynamic_paged_rows"].samples
     assert paged[0].value == 1.0
     assert np.isclose(families["hybridps_partition_dynamic_hit_rate"].samples[0].value, 0.4)
+
+
+def _paged_state(store: Store, rank: int) -> dict[str, torch.Tensor]:
+    table = store.partition("r", rank).tables["u"]  # type: ignore[union-attr]
+    assert table.paging is not None
+    payload = table.paging.store.state_dict()
+    return {"ids": payload["ids"], "rows": payload["rows"], "seen": payload["seen"],
+            "m": payload["state"]["m"], "tomb_ids": payload["tomb_ids"],
+            "tomb_steps": payload["tomb_steps"]}
+
+
+def test_drops_depend_only_on_the_partitions_own_calls() -> None:
+    """Two ranks page under one budget, their calls interleaved two ways: each rank's
+    drops, paged rows and tombstones are bitwise the same (a drop is decided against the
+    table's own quota, not the server's bytes in use, which depend on the other rank)."""
+    calls: dict[int, list[PageCall]] = {}
+    for rank in (0, 1):
+        base = 4 * rank
+        calls[rank] = []
+        for seq in range(1, 13):
+            ids = [1000 * (rank + 1) + 4 * seq + k for k in range(4)]
+            rows = torch.randn(4, DIM, generator=torch.Generator().manual_seed(seq + 50 * rank))
+            call = _call(seq, seq, ids, [base, base + 1, base + 2, base + 3], [], [], rows)
+            call.out.seen[:] = torch.tensor([seq, seq - 3, seq, seq - 1])
+            calls[rank].append(call)
+    orders = [[(0, i) for i in range(12)] + [(1, i) for i in range(12)],
+              [(r, i) for i in range(12) for r in (1, 0)]]
+    results = []
+    for order in orders:
+        store = Store(max_state_bytes=10**6, max_run_state_bytes=2 * 4_000, run_shares=1)
+        for rank in (0, 1):
+            store.register("r", rank, 2, 1, [TableSpec("u", 8, DIM, 4 * rank, 4 * rank + 4,
+                                                       dynamic=True)], SPEC)
+            table = store.partition("r", rank).tables["u"]  # type: ignore[union-attr]
+            assert table.m is not None
+            table.m[:] = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+        dropped: dict[int, list[list[int]]] = {0: [], 1: []}
+        for rank, i in order:
+            dropped[rank].append(store.page("r", rank, 1, "u", calls[rank][i]).dropped.tolist())
+        results.append((dropped, {rank: _paged_state(store, rank) for rank in (0, 1)}))
+        assert sum(len(d) for calls_ in dropped.values() for d in calls_) > 0  # drops happen
+    (d0, s0), (d1, s1) = results
+    assert d0 == d1
+    for rank in (0, 1):
+        for name, t in s0[rank].items():
+            assert torch.equal(t, s1[rank][name]), (rank, name)
+
+
+def test_a_dynamic_partition_reserves_its_share_and_one_too_small_is_refused() -> None:
+    store = Store(max_state_bytes=40_000, run_shares=4)  # a run's share: 10,000 bytes
+    store.register("a", 0, 2, 0, [TableSpec("u", 8, DIM, 0, 4, dynamic=True)], SPEC)
+    part = store.partition("a", 0)
+    assert part is not None and part.reserved_bytes == 5_000  # share / world size
+    assert part.tables["u"].paged_quota == 5_000 - part.state_bytes
+    assert store._state_bytes_in_use() == 5_000
+    with pytest.raises(ResourceExhausted) as info:
+        store.register("b", 0, 1, 0, [TableSpec("u", 2000, DIM, 0, 2000, dynamic=True)],
+                       SPEC)
+    text = str(info.value)
+    assert "share of the budget is 10000 bytes" in text and "--run-shares 4" in text
+    assert "fixed optimizer state needs" in text and store.partition("b", 0) is None
+
+
+def test_a_finished_runs_share_goes_back_to_the_budget() -> None:
+    """A run whose ranks all finished pages no more: it counts what it holds, not its
+    share, so the next run fits (one server hosting runs one after another)."""
+    store = Store(max_state_bytes=20_000, run_shares=1)  # one run's share: all of it
+    store.register("a", 0, 1, 0, [TableSpec("u", 8, DIM, 0, 4, dynamic=True)], SPEC)
+    with pytest.raises(ResourceExhausted, match="--max-state-bytes"):
+        store.register("b", 0, 1, 0, [TableSpec("u", 8, DIM, 0, 4, dynamic=True)], SPEC)
+    store.run_state = lambda run_id: "finished" if run_id == "a" else "active"
+    with pytest.raises(ResourceExhausted, match="--max-state-bytes"):  # its share is whole
+        store.register("b", 0, 1, 0, [TableSpec("u", 8, DIM, 0, 4, dynamic=True)], SPEC)
+    store.register("c", 0, 1, 0, [TableSpec("s", 8, DIM, 0, 4)], SPEC)  # its fixed bytes fit
+    assert store.partition("c", 0) is not None
+
+
+def test_the_stats_show_each_tables_quota_and_the_bytes_its_store_holds() -> None:
+    from hybridps.admin import format_shard_stats
+    from ps.edge.sync_codec import stats_message
+
+    held = _store().partition("r", 0)
+    assert held is not None
+    store = _store(max_state_bytes=2 * (held.state_bytes + 2 * 100))
+    for seq, (ident, slot) in enumerate([(10, 0), (11, 1), (12, 2)], start=1):
+        store.page("r", 0, 1, "u", _call(seq, seq, [ident], [slot], [], []))
+    table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
+    assert table.paging is not None
+    row = next(r for r in store.stats("r").partitions if r.table == "u")
+    assert row.dynamic_paged_quota == table.paged_quota == 200
+    assert row.dynamic_paged_bytes <= row.dynamic_paged_quota < row.dynamic_held_bytes
+    assert row.dynamic_held_bytes >= table.paging.store.capacity * table.paging.store.dim * 4
+    text = format_shard_stats(stats_message(store.stats("r")))
+    assert f"dropped {row.dynamic_dropped}  quota 0.0 MB  held" in text
+
+
+def test_under_a_quota_the_pools_hold_its_rows_and_one_calls_not_twice_them() -> None:
+    """Pools that double would reach 128 positions for ~100 rows; capped by the quota
+    they hold at most the quota's rows plus the rows of one call."""
+    probe = Store()
+    probe.register("r", 0, 1, 1, [TableSpec("u", 16, DIM, 0, 16, dynamic=True)], SPEC)
+    part = probe.partition("r", 0)
+    assert part is not None and part.tables["u"].paging is not None
+    row_bytes = part.tables["u"].paging.store.row_bytes
+    store = Store(max_state_bytes=part.state_bytes + 100 * row_bytes + 1000, run_shares=1)
+    store.register("r", 0, 1, 1, [TableSpec("u", 16, DIM, 0, 16, dynamic=True)], SPEC)
+    table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
+    assert table.paging is not None
+    paged = table.paging.store
+    quota_rows = table.paged_quota // row_bytes
+    assert 100 <= quota_rows < 128
+    for seq in range(1, 41):
+        ids = list(range(16 * seq, 16 * seq + 16))
+        store.page("r", 0, 1, "u", _call(seq, seq, ids, list(range(16)), [], []))
+    assert paged.dropped > 0 and len(paged) <= quota_rows
+    assert paged.capacity <= quota_rows + 16
+    assert table.paged_bytes <= table.paged_quota

@@ -88,7 +88,7 @@ from worker.embedding.rows import (
     row_range,
     table_row_range,
 )
-from worker.embedding.sharding import RowWise
+from worker.embedding.sharding import RowWise, TableWise
 from worker.embedding.unit_rows import UnitRows
 from worker.runtime.device_copy import sync_point, to_device
 
@@ -208,7 +208,9 @@ class ShardedEmbedding(UnitRows, nn.Module):
                  for t in dynamic if t.dynamic is not None],
                 self.ranges, rank=rank, world_size=world_size, group=group,
                 device=self.device, seed=seed, init_std=init_std,
-                rows_of=lambda name: self.weights[name])
+                rows_of=lambda name: self.weights[name],
+                whole_on={t.name: s.owner for t in dynamic
+                          if isinstance(s := self.schemes[t.name], TableWise)})
 
     # -- forward ------------------------------------------------------------
     def _gather(self, unit: str, local_ids_M: torch.Tensor, whole: bool = False

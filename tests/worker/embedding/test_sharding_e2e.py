@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hybridps.checkpoint import step_dir
 from tests.testing.helpers import PsServer
@@ -86,3 +87,35 @@ def test_row_wise_checkpoint_resumes_table_wise_and_auto(server: PsServer,
         placed = _placement(json.loads((tmp_path / f"{sharding}.json").read_text()))
         assert "table_wise" in {s for s, _ in placed.values()}, placed
         assert_states(tmp_path / "straight.pt", out, exact=False)
+
+
+@pytest.mark.timeout(900)
+def test_dynamic_tables_table_wise_reshard(server: PsServer, tmp_path: Path) -> None:
+    """Dynamic tables table-wise: every slot (and every raw id) on one rank, the other
+    rank's partition an empty range on the server. With room for every id, a 2-rank
+    table-wise run ends with the live ids and rows of the 1-rank run, and its checkpoint
+    resumes row-wise (the ids hashed over both ranks again) to the same."""
+    from tests.worker.embedding.dynamic.test_dynamic_e2e import export
+    from tests.worker.embedding.dynamic.test_dynamic_e2e import run as run_dynamic
+
+    tables = "user:400:table_wise:dynamic:lfu,ad:400:3:table_wise:dynamic,s:50"
+    flags = ["--ps", server.address, "--tables", tables, "--staleness", "0", "--steps", "20",
+             "--checkpoint-every", "10"]
+    run_dynamic([*flags, "--run-id", "dtw-one", "--checkpoint-dir", str(tmp_path / "one")])
+    run_dynamic([*flags, "--run-id", "dtw-two", "--checkpoint-dir", str(tmp_path / "two"),
+                 "--results", str(tmp_path / "two.json")], nproc=2)
+    placed = _placement(json.loads((tmp_path / "two.json").read_text()))
+    assert placed["user"][0] == placed["ad"][0] == "table_wise"
+    assert len(placed["user"][1]) == len(placed["ad"][1]) == 1
+    run_dynamic([*flags, "--run-id", "dtw-rw", "--checkpoint-dir", str(tmp_path / "rw"),
+                 "--resume-from", str(step_dir(tmp_path / "two", 9)), "--tables",
+                 tables.replace(":table_wise", "")], nproc=2)
+    one = export(step_dir(tmp_path / "one", 19), tmp_path / "one.pt")
+    for run_dir in ("two", "rw"):
+        got = export(step_dir(tmp_path / run_dir, 19), tmp_path / f"{run_dir}.pt")
+        for name in ("user", "ad"):
+            key = f"embedding.dynamic.{name}"
+            assert got[f"{key}.ids"].numel() > 0
+            assert torch.equal(got[f"{key}.ids"], one[f"{key}.ids"]), (run_dir, name)
+            torch.testing.assert_close(got[f"{key}.weight"], one[f"{key}.weight"], rtol=1e-4,
+                                       atol=1e-5)

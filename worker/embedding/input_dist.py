@@ -60,26 +60,52 @@ def owner_local(ids_N: torch.Tensor, sizes: Sequence[int], cuts: Sequence[Sequen
                 world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(owner_N, local_N) of the ids of entries side by side (`sizes` ids each), entry e's
     table cut at cuts[e] (W + 1 points): the owner is the last r with cuts[r] <= id, the
-    local id id - cuts[owner]. ONE bucketize for all entries: entry e's ids are shifted by
-    the rows of the tables before it (base_e) and so are its cuts, every cut of an earlier
-    table is then <= the shifted id and none of a later one, so the bucket is e W + owner."""
-    device = ids_N.device
-    if len(cuts) == 1:
-        cut_C = to_device(torch.tensor(cuts[0], dtype=torch.int64), device)
-        owner_N = torch.bucketize(ids_N, cut_C[1:-1], right=True)
-        return owner_N, ids_N - cut_C.index_select(0, owner_N)
+    local id id - cuts[owner].
+
+    Where every table is row-wise (cuts r*R//W: owner_of's division) or whole on one rank
+    (its local ids are its ids), arithmetic on the ids: a division, a select. Otherwise ONE
+    bucketize for all entries: entry e's ids are shifted by the rows of the tables before
+    it (base_e) and so are its cuts, every cut of an earlier table is then <= the shifted
+    id and none of a later one, so the bucket is e W + owner."""
+    device, num = ids_N.device, ids_N.numel()
+    rows = [c[-1] for c in cuts]
+    whole = [_whole_on(c) for c in cuts]
+    if all(w is not None or list(c) == [r * n // world for r in range(world + 1)]
+           for c, n, w in zip(cuts, rows, whole, strict=True)):
+        sizes_T = to_device(torch.tensor(list(sizes)), device)
+        if len(set(rows)) == 1:
+            rows_N: torch.Tensor | int = rows[0]
+        else:
+            rows_N = torch.repeat_interleave(to_device(torch.tensor(rows), device), sizes_T,
+                                             output_size=num)
+        owner_N = owner_of(ids_N, rows_N, world)
+        local_N = ids_N - owner_N * rows_N // world
+        if any(w is not None for w in whole):
+            fixed_N = torch.repeat_interleave(
+                to_device(torch.tensor([-1 if w is None else w for w in whole]), device),
+                sizes_T, output_size=num)
+            is_whole_N = fixed_N >= 0
+            owner_N = torch.where(is_whole_N, fixed_N, owner_N)
+            local_N = torch.where(is_whole_N, ids_N, local_N)
+        return owner_N, local_N
     bases = [0]
-    for c in cuts[:-1]:
-        bases.append(bases[-1] + c[-1])
+    for n in rows[:-1]:
+        bases.append(bases[-1] + n)
     shifted = to_device(torch.tensor([[b + x for x in c] for b, c in zip(bases, cuts,
                                                                           strict=True)],
                                      dtype=torch.int64), device)  # E x (W + 1)
     base_N = torch.repeat_interleave(to_device(torch.tensor(bases, dtype=torch.int64), device),
                                      to_device(torch.tensor(list(sizes)), device),
-                                     output_size=ids_N.numel())
+                                     output_size=num)
     global_N = ids_N + base_N
     bucket_N = torch.bucketize(global_N, shifted[:, 1:].reshape(-1), right=True)
     return bucket_N % world, global_N - shifted[:, :-1].reshape(-1).index_select(0, bucket_N)
+
+
+def _whole_on(cuts: Sequence[int]) -> int | None:
+    """The rank owning every row of a table cut at `cuts` (its rows then start at 0)."""
+    owners = [r for r in range(len(cuts) - 1) if cuts[r + 1] > cuts[r]]
+    return owners[0] if len(owners) == 1 else None
 
 
 def transpose_blocks(counts_AB: torch.Tensor, total: int) -> torch.Tensor:

@@ -131,6 +131,16 @@ def test_owner_local_of_many_tables_is_each_schemes() -> None:
     one_owner, one_local = owner_local(ids[0], [30], [RowWise().cuts(17, world)], world)
     assert torch.equal(one_owner, owner_of(ids[0], 17, world))
     assert torch.equal(one_local, local[:30])
+    # a scheme neither row-wise nor whole on a rank takes the search over every cut
+    uneven = [0, 2, 2, 9]
+    mixed = [s.cuts(n, world) for n, s in tables[:3]] + [uneven]
+    some = torch.cat([*ids[:3], torch.tensor([0, 1, 2, 8, 5])])
+    sizes = [*(i.numel() for i in ids[:3]), 5]
+    owner, local = owner_local(some, sizes, mixed, world)
+    assert torch.equal(owner[-5:], torch.tensor([0, 0, 2, 2, 2]))
+    assert torch.equal(local[-5:], torch.tensor([0, 1, 0, 6, 3]))
+    assert torch.equal(owner[:-5], want_owner[:34]) and torch.equal(local[:-5],
+                                                                     want_local[:34])
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])

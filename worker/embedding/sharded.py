@@ -1,9 +1,10 @@
-"""Row-wise sharded embedding tables.
+"""Sharded embedding tables.
 
 Sharding: table t has R rows of width D. Rank r of W owns the contiguous rows
+[cuts[r], cuts[r+1]) of its scheme (worker/embedding/sharding.py; --sharding): row-wise,
     [r * R // W, (r + 1) * R // W)
-(so the last rank ends exactly at R) as an `nn.Parameter` of shape
-[owned rows, D] on its device. The rows are NOT under FSDP and NOT in the
+(so the last rank ends exactly at R), or the whole table on one rank, as an
+`nn.Parameter` of shape [owned rows, D] on its device. The rows are NOT under FSDP and NOT in the
 dense optimizer: their gradients are popped after backward (`pop_grads`) and
 handed to the sparse optimizer (shard server or --local-optimizer), whose
 updates come back through `apply_update`.
@@ -11,7 +12,7 @@ updates come back through `apply_update`.
 A lookup of one or more tables (`lookup_many`; `lookup` and `lookup_bag` are
 its one-table cases) goes through visible stages:
   1-2. input dist (`input_dist`, worker/embedding/input_dist.py): route every id to its
-     owner (an integer division, `owner_of`) and exchange what each owner must
+     owner (by its table's cuts, `owner_local`) and exchange what each owner must
      serve, all tables in ONE all_to_all (`exchange_blocks`). A plain lookup is
      served as rows (the requester dedupes its ids); a bag (pooled lookup) is
      served either as rows or pooled at the owner, per table, whichever moves

@@ -95,6 +95,18 @@ def check_capacity(name: str, capacity: int, world_size: int) -> None:
                          "capacity)")
 
 
+def whole_on(rank: int, world_size: int, start: int, end: int, capacity: int) -> int | None:
+    """The rank holding every slot of a table when rank `rank` of `world_size` holds slots
+    [start, end) of `capacity` (-1: some other rank), None: spread by id hash. Only a
+    table-wise placement has a rank holding all or none of them: a hashed one gives every
+    rank at least one slot (check_capacity), and none all of them (world size > 1)."""
+    if world_size == 1:
+        return None
+    if end - start == capacity:
+        return rank
+    return -1 if end == start else None
+
+
 def as_u64(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     """int64 ids (any value) as their uint64 bit patterns (a view where possible)."""
     arr = ids if isinstance(ids, np.ndarray) else ids.detach().cpu().numpy()
@@ -114,11 +126,14 @@ def salted(ids_u64: np.ndarray, salt: int) -> np.ndarray:
         return mix64(ids_u64 ^ _U64(salt % 2**64))
 
 
-def owner_of_ids(ids: torch.Tensor, world_size: int) -> torch.Tensor:
-    """owner_N (int64): the rank owning each raw id at world size `world_size`."""
+def owner_of_ids(ids: torch.Tensor, world_size: int, whole_on: int | None = None
+                 ) -> torch.Tensor:
+    """owner_N (int64): the rank owning each raw id at world size `world_size`; `whole_on`:
+    the rank holding every slot of a table-wise table (worker/embedding/sharding.py), so
+    every id's owner."""
     import torch
-    if world_size == 1:
-        return torch.zeros(ids.numel(), dtype=torch.int64)
+    if world_size == 1 or whole_on is not None:
+        return torch.full((ids.numel(),), whole_on or 0, dtype=torch.int64)
     owners = salted(as_u64(ids.reshape(-1)), OWNER_SALT) % _U64(world_size)
     return torch.from_numpy(owners.astype(np.int64))
 

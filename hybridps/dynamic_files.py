@@ -11,7 +11,8 @@ dynamic table's shard lists two more files per saving rank:
                               hybridps/paged_rows.py's state_dict
 
 `restore_plan` reads them for a rank at any world size: an id goes to its owner at the
-new world size (hybridps/dynamic.py `owner_of_ids`); it keeps its slot when its new
+new world size (hybridps/dynamic.py `owner_of_ids`; a table-wise table's to the rank that
+holds all its slots, `whole_on`); it keeps its slot when its new
 owner holds that slot, and otherwise starts paged out on its new owner (its row from
 the rows file, its optimizer state from the optim file, both at its old slot). At the
 saving world size every id stays where it was: the resume is exact.
@@ -36,7 +37,7 @@ from hybridps.checkpoint import (
     torch_save,
     verify_shards,
 )
-from hybridps.dynamic import owner_of_ids
+from hybridps.dynamic import owner_of_ids, whole_on
 from hybridps.errors import CorruptCheckpoint
 from hybridps.paged_rows import PagedOut, PagedRows, concat_paged, paged_from_dict
 
@@ -134,7 +135,10 @@ def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int
     freq = np.zeros(n, dtype=np.int64)
     moved: list[PagedOut] = []
     admission: list[dict[str, Any]] = []
-    same_world = manifest.world_size == world
+    # the saving layout (world size and this rank's slots): every id stays where it was
+    same_world = manifest.world_size == world and any(
+        (i.rank, i.row_start, i.row_end) == (rank, start, end) for i in ids_infos)
+    owner_rank = whole_on(rank, world, start, end, entry.num_rows)
     for info in ids_infos:
         data = _load(directory, info, "dynamic ids")
         if data.get("ids_format") != IDS_FORMAT:
@@ -150,7 +154,7 @@ def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int
         if not same_world or info.rank == rank:
             admission.append(dict(data.get("admission", {})))
         used = np.flatnonzero(s_seen >= 0)
-        owner = owner_of_ids(torch.from_numpy(s_ids[used]), world).numpy()
+        owner = owner_of_ids(torch.from_numpy(s_ids[used]), world, owner_rank).numpy()
         glob = used + info.row_start
         mine = used[owner == rank]
         here = mine[(glob[owner == rank] >= start) & (glob[owner == rank] < end)]
@@ -166,11 +170,12 @@ def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int
     for info in paged_infos:
         data = _load(directory, info, "paged rows")
         entries, tombs, saved_counters = paged_from_dict(data, str(directory / info.file))
-        mine_t = owner_of_ids(entries.ids, world) == rank
+        mine_t = owner_of_ids(entries.ids, world, owner_rank) == rank
         paged.append(PagedOut(entries.ids[mine_t], entries.rows[mine_t],
                               {k: v[mine_t] for k, v in entries.state.items()},
                               entries.seen[mine_t], entries.freq[mine_t]))
-        tomb_mine = owner_of_ids(torch.from_numpy(tombs[0]), world).numpy() == rank
+        tomb_mine = owner_of_ids(torch.from_numpy(tombs[0]), world,
+                                 owner_rank).numpy() == rank
         tomb_ids.append(tombs[0][tomb_mine])
         tomb_steps.append(tombs[1][tomb_mine])
         if same_world and info.rank == rank:

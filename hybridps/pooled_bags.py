@@ -20,6 +20,7 @@ the torch path whatever the choice.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Sequence
@@ -71,25 +72,36 @@ def fused_for(weight_RD: torch.Tensor) -> bool:
             and weight_RD.dtype in ROW_DTYPES and weight_RD.is_contiguous())
 
 
-def requests(ids_M: torch.Tensor, offsets_B: torch.Tensor | None, rows: int, world: int
+@functools.cache
+def _takes_cuts(ext: ModuleType) -> bool:
+    """Whether the built extension routes by cut points (an older build: row-wise only)."""
+    return bool(ext.build_info().get("cuts"))
+
+
+def requests(ids_M: torch.Tensor, offsets_B: torch.Tensor | None, rows: int, world: int,
+             cuts: Sequence[int] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The requester's side of one entry pooled at its owners (worker/embedding/input_dist.py
     make_requests, whose torch path is the reference) in one native call: (local_M, the
     ids' rows at their owners grouped by owner, id order within one; lengths_WB, int64
-    [world * bags]: each owner's share of each bag; per_owner_W). None where the native
-    kernel is not in use or does not take these tensors (not CPU int64, bad offsets):
-    the caller takes the torch path."""
+    [world * bags]: each owner's share of each bag; per_owner_W). `cuts`: the table's
+    world + 1 cut points (worker/embedding/sharding.py), None: row-wise. None where the
+    native kernel is not in use or does not take these tensors (not CPU int64, bad
+    offsets or cuts): the caller takes the torch path."""
     ext = _native
     if (ext is None or offsets_B is None or not (ids_M.is_cpu and offsets_B.is_cpu)
-            or ids_M.dtype != torch.int64 or offsets_B.dtype != torch.int64):
+            or ids_M.dtype != torch.int64 or offsets_B.dtype != torch.int64
+            or (cuts is not None and (len(cuts) != world + 1 or not _takes_cuts(ext)))):
         return None
+    cuts_C = None if cuts is None else torch.tensor(list(cuts), dtype=torch.int64)
     ids_M, offsets_B = ids_M.contiguous(), offsets_B.contiguous()
     bags = offsets_B.numel()
     local_M = torch.empty_like(ids_M)
     lengths_WB = torch.empty(world * bags, dtype=torch.int64)
     per_owner_W = torch.empty(world, dtype=torch.int64)
     if ext.requests(ids_M.data_ptr(), ids_M.numel(), offsets_B.data_ptr(), bags, rows, world,
-                    local_M.data_ptr(), lengths_WB.data_ptr(), per_owner_W.data_ptr()) < 0:
+                    local_M.data_ptr(), lengths_WB.data_ptr(), per_owner_W.data_ptr(),
+                    0 if cuts_C is None else cuts_C.data_ptr()) < 0:
         return None
     return local_M, lengths_WB, per_owner_W
 

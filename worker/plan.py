@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import itertools
 import math
 import os
 import shlex
@@ -82,6 +84,8 @@ class TableShape:
     # rows one rank pushes a step when the task says (Task.rows_pushed_per_step: KGE's
     # 1vsAll and KvsAll score every entity, so every owned row); None: from the lookups
     pushed_per_step: int | None = None
+    sharding: str = ""  # the table's own scheme (TableConfig.sharding); "": --sharding
+    lookups: int = 1  # TableConfig.lookups: the placement's lookup cost, as the worker's
 
 
 @dataclass
@@ -98,14 +102,31 @@ class Plan:
     host_capacity: int | None = None    # bytes of one node's host memory
     notes: list[str] = field(default_factory=list)
     row_bytes: int = FLOAT_BYTES  # per element of a device row: 4 fp32, 2 --row-dtype bf16
+    sharding: str = "row_wise"  # --sharding: the scheme of a table that names none
 
     # -- layout ----------------------------------------------------------------------
     @property
     def nodes(self) -> int:
         return math.ceil(self.world_size / self.ranks_per_node)
 
+    @property
+    def placement(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """table -> (scheme, its W + 1 cut points), as the worker places them; {}: every
+        table row-wise."""
+        return placement(tuple(self.tables), self.world_size, self.sharding)
+
     def rows_per_rank(self, t: TableShape) -> int:
+        """The most rows of `t` one rank holds (its placement's largest range)."""
+        if t.name in self.placement:
+            cuts = self.placement[t.name][1]
+            return max(b - a for a, b in itertools.pairwise(cuts))
         return math.ceil(t.num_rows / self.world_size)
+
+    def placed(self, t: TableShape) -> str:
+        scheme, cuts = self.placement.get(t.name, ("row_wise", ()))
+        ranks = [r for r in range(len(cuts) - 1) if cuts[r + 1] > cuts[r]]
+        return (f"{scheme} on rank {ranks[0]}" if len(ranks) == 1 and scheme != "row_wise"
+                else f"{scheme} over {len(ranks) if ranks else self.world_size} ranks")
 
     def touched_per_step(self, t: TableShape) -> int:
         """Rows one rank pushes per step, at most: what the task says, else its share of
@@ -234,8 +255,9 @@ def format_plan(plan: Plan) -> str:
     ]
     for t in plan.tables:
         lines.append(f"  {t.name}: {t.num_rows:,} rows x {t.dim} dim, "
-                     f"{t.lookups_per_sample:g} lookups/sample -> {plan.rows_per_rank(t):,} "
-                     f"rows/rank, <= {plan.touched_per_step(t):,} rows pushed/rank/step")
+                     f"{t.lookups_per_sample:g} lookups/sample, {plan.placed(t)} -> "
+                     f"{plan.rows_per_rank(t):,} rows/rank, <= {plan.touched_per_step(t):,} "
+                     "rows pushed/rank/step")
     cap_dev = "?" if plan.device_capacity is None else _gb(plan.device_capacity)
     cap_host = "?" if plan.host_capacity is None else _gb(plan.host_capacity)
     lines.append(f"optimizer state: {describe_layout(plan.optimizer)} a row (D: per "
@@ -277,15 +299,31 @@ def table_shapes(cfg: TrainConfig, notes: list[str], world_size: int = 1
     cls = task_class(cfg.run.task)
     plan_tables = getattr(cls, "plan_tables", None)
     if plan_tables is not None:
-        return [TableShape(t.name, t.num_rows, t.dim, float(lookups))
+        return [TableShape(t.name, t.num_rows, t.dim, float(lookups), sharding=t.sharding,
+                           lookups=t.lookups)
                 for t, lookups in plan_tables(cfg)]
     task = build_task(cfg)
     pushed = task.rows_pushed_per_step(world_size) or {}
     notes.append(f"task {cfg.run.task!r} has no plan_tables(): it was built to read its tables "
                  "(its data loaded); " + ("the rows it pushes a step are its own figure"
                                           if pushed else "1 lookup per sample assumed"))
-    return [TableShape(t.name, t.num_rows, t.dim, pushed_per_step=pushed.get(t.name))
-            for t in task_tables(task)]
+    return [TableShape(t.name, t.num_rows, t.dim, pushed_per_step=pushed.get(t.name),
+                       sharding=t.sharding, lookups=t.lookups) for t in task_tables(task)]
+
+
+@functools.cache
+def placement(tables: tuple[TableShape, ...], world_size: int, default: str
+              ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each table's scheme and cut points, as the worker places them (worker/embedding/
+    sharding.py place_tables, over the same costs); {} when every table is row-wise."""
+    if all((t.sharding or default) == "row_wise" for t in tables):
+        return {}
+    from worker.embedding.sharding import TableCost, place_tables
+
+    schemes = place_tables([TableCost(t.name, t.num_rows, t.dim, t.lookups,
+                                      t.sharding or default) for t in tables], world_size)
+    return {t.name: (schemes[t.name].name, tuple(schemes[t.name].cuts(t.num_rows, world_size)))
+            for t in tables}
 
 
 def detect_host_memory() -> int | None:
@@ -329,7 +367,8 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
     notes: list[str] = []
     plan = Plan(table_shapes(cfg, notes, world), world, per_node, cfg.run.batch_size,
                 cfg.optim.optimizer, cfg.sync.staleness, cfg.sync.update_kind, notes=notes,
-                row_bytes=2 if cfg.optim.row_dtype == "bf16" else FLOAT_BYTES)
+                row_bytes=2 if cfg.optim.row_dtype == "bf16" else FLOAT_BYTES,
+                sharding=cfg.run.sharding)
     if detect:
         kind, detected = detect_device(cfg.run.device, local)
     else:

@@ -432,12 +432,14 @@ static PyObject *py_backward(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(requests_doc,
-             "requests(ids, n, offsets, bags, rows, world, local, lengths_wb, per_owner)\n--\n\n"
+             "requests(ids, n, offsets, bags, rows, world, local, lengths_wb, per_owner, cuts=0)\n--\n\n"
              "The requester's side of one entry pooled at its owners (worker/embedding/input_dist.py\n"
              "make_requests, whose torch path is the reference): the n int64 ids (in [0,\n"
              "rows), ValueError naming one otherwise) of `bags` bags (offsets: int64,\n"
              "offsets[0] == 0, non-decreasing, at most n) of a table of `rows` rows sharded\n"
-             "row-wise over `world` ranks. Writes local (int64 [n]: each id's row at its\n"
+             "over `world` ranks: row-wise (cuts 0), or at the world + 1 int64 cut points at\n"
+             "`cuts` (worker/embedding/sharding.py: rank r owns rows [cuts[r], cuts[r+1])).\n"
+             "Writes local (int64 [n]: each id's row at its\n"
              "owner, grouped by owner, in id order within an owner), lengths_wb (int64\n"
              "[world, bags]: how many ids of each bag each owner got) and per_owner (int64\n"
              "[world]). Returns 0, or -1 (nothing meaningful written) when the offsets are\n"
@@ -445,10 +447,10 @@ PyDoc_STRVAR(requests_doc,
 
 static PyObject *py_requests(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long pids, poffsets, plocal, plengths, pper;
+    unsigned long long pids, poffsets, plocal, plengths, pper, pcuts = 0;
     long long n, bags, rows, world;
-    if (!PyArg_ParseTuple(args, "KLKLLLKKK", &pids, &n, &poffsets, &bags, &rows, &world,
-                          &plocal, &plengths, &pper))
+    if (!PyArg_ParseTuple(args, "KLKLLLKKK|K", &pids, &n, &poffsets, &bags, &rows, &world,
+                          &plocal, &plengths, &pper, &pcuts))
         return NULL;
     if (n < 0 || bags < 0 || rows <= 0 || world <= 0) {
         PyErr_Format(PyExc_ValueError, "bad sizes: %lld ids, %lld bags, %lld rows, world %lld",
@@ -460,6 +462,11 @@ static PyObject *py_requests(PyObject *self, PyObject *args) {
     int64_t *local = PTR(int64_t *, plocal);
     int64_t *lengths = PTR(int64_t *, plengths);
     int64_t *per_owner = PTR(int64_t *, pper);
+    const int64_t *cuts = PTR(const int64_t *, pcuts); /* NULL: row-wise */
+    if (cuts != NULL && (cuts[0] != 0 || cuts[world] != rows)) return PyLong_FromLong(-1);
+    if (cuts != NULL)
+        for (int64_t r = 0; r < world; r++)
+            if (cuts[r + 1] < cuts[r]) return PyLong_FromLong(-1);
     if (bags == 0 ? n != 0 : offsets[0] != 0) return PyLong_FromLong(-1);
     for (int64_t b = 1; b < bags; b++)
         if (offsets[b] < offsets[b - 1] || offsets[b] > n) return PyLong_FromLong(-1);
@@ -474,7 +481,8 @@ static PyObject *py_requests(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     memset(lengths, 0, (size_t)(world * bags) * sizeof *lengths);
     memset(per_owner, 0, (size_t)world * sizeof *per_owner);
-    /* owner = ((id + 1) W - 1) // R: the largest r with r R // W <= id (owner_of) */
+    /* owner: the last r < W with cuts[r] <= id (a binary search); row-wise
+       ((id + 1) W - 1) // R, the largest r with r R // W <= id (owner_of), no search */
     for (int64_t b = 0; b < bags && bad < 0; b++) {
         const int64_t end = b + 1 < bags ? offsets[b + 1] : n;
         for (int64_t i = offsets[b]; i < end; i++) {
@@ -482,7 +490,18 @@ static PyObject *py_requests(PyObject *self, PyObject *args) {
                 bad = i;
                 break;
             }
-            const int64_t r = ((ids[i] + 1) * world - 1) / rows;
+            int64_t r;
+            if (cuts == NULL) {
+                r = ((ids[i] + 1) * world - 1) / rows;
+            } else {
+                int64_t lo = 0, hi = world - 1;
+                while (lo < hi) {
+                    const int64_t mid = (lo + hi + 1) / 2;
+                    if (cuts[mid] <= ids[i]) lo = mid;
+                    else hi = mid - 1;
+                }
+                r = lo;
+            }
             owner_of_id[i] = r;
             per_owner[r]++;
             lengths[r * bags + b]++;
@@ -495,7 +514,7 @@ static PyObject *py_requests(PyObject *self, PyObject *args) {
         }
         for (int64_t i = 0; i < n; i++) {
             const int64_t r = owner_of_id[i];
-            local[next[r]++] = ids[i] - r * rows / world;
+            local[next[r]++] = ids[i] - (cuts == NULL ? r * rows / world : cuts[r]);
         }
     }
     Py_END_ALLOW_THREADS
@@ -512,8 +531,8 @@ static PyObject *py_requests(PyObject *self, PyObject *args) {
 static PyObject *py_build_info(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:s,s:s,s:i}", "isa", CLONES, "threads", "none", "radix_bits",
-                         RADIX_BITS);
+    return Py_BuildValue("{s:s,s:s,s:i,s:i}", "isa", CLONES, "threads", "none", "radix_bits",
+                         RADIX_BITS, "cuts", 1);
 }
 
 static PyMethodDef methods[] = {

@@ -210,3 +210,45 @@ def test_a_kge_1vsall_plan_pushes_every_owned_entity_row(tmp_path: Path) -> None
     negsample_entity = next(t for t in sampled.tables if t.name == entity.name)
     assert sampled.touched_per_step(negsample_entity) < full.touched_per_step(entity)
     assert full.wire_bytes_per_rank_step[0] > sampled.wire_bytes_per_rank_step[0]
+
+
+def test_plan_prints_each_tables_placement_as_the_worker_places_it() -> None:
+    """--sharding and a --tables suffix reach the plan; its placement is the embedding's."""
+    from worker.embedding.sharded import ShardedEmbedding
+    from worker.tasks import build_task, task_tables
+
+    flags = ["--task", "tables", "--tables", "a:100000,b:500:3:table_wise,c:300:row_wise,d:64",
+             "--sharding", "auto", "--local-optimizer", "--dim", "4", "--plan"]
+    cfg = parse_config(TrainConfig, flags, defaults=task_defaults)
+    plan = plan_for_config(cfg, world_size=2, ranks_per_node=2, detect=False)
+    text = format_plan(plan)
+    assert "a: 100,000 rows x 4 dim, 1 lookups/sample, row_wise over 2 ranks -> 50,000" in text
+    assert "b: 500 rows x 4 dim, 3 lookups/sample, table_wise on rank 0 -> 500 rows/rank" in text
+    assert "c: 300 rows x 4 dim, 1 lookups/sample, row_wise over 2 ranks -> 150" in text
+    assert "d: 64 rows x 4 dim, 1 lookups/sample, table_wise on rank 1 -> 64" in text
+    emb = ShardedEmbedding(task_tables(build_task(cfg)), rank=0, world_size=2,
+                           sharding=cfg.run.sharding)
+    placed = emb.describe()["sharding"]
+    assert isinstance(placed, dict)
+    assert {n: (s["scheme"], s["ranks"]) for n, s in placed.items()} == {
+        "a": ("row_wise", [0, 1]), "b": ("table_wise", [0]), "c": ("row_wise", [0, 1]),
+        "d": ("table_wise", [1])}
+
+
+def test_sharding_flag_and_table_suffix_are_checked_once() -> None:
+    from typing import get_args
+
+    from worker.config.task_options import SHARDINGS, parse_tables, table_shardings
+    from worker.config.train_config import Sharding
+    from worker.embedding.sharding import SHARDING_CHOICES
+
+    assert get_args(Sharding) == SHARDINGS == SHARDING_CHOICES
+    with pytest.raises(ValueError, match="sharding='colwise'"):
+        TrainConfig.of(local_optimizer=True, sharding="colwise")
+    assert TrainConfig.of(local_optimizer=True, sharding="auto").run.sharding == "auto"
+    spec = "a:10,b:5:3:table_wise,c:7:auto:dynamic:lru,d:4:row_wise"
+    assert [(n, r, p) for n, r, p, _ in parse_tables(spec)] == [
+        ("a", 10, 1), ("b", 5, 3), ("c", 7, 1), ("d", 4, 1)]
+    assert table_shardings(spec) == {"b": "table_wise", "c": "auto", "d": "row_wise"}
+    with pytest.raises(ValueError, match=r"'a:10:colwise'.*SCHEME"):
+        parse_tables("a:10:colwise")

@@ -20,26 +20,49 @@ KgeTraining = Literal["kvsall", "1vsall", "negsample"]
 KGE_MODELS: tuple[str, ...] = get_args(KgeModel)  # worker/tasks/kge/models.py builds them
 
 
+SHARDINGS = ("row_wise", "table_wise", "auto")  # worker/embedding/sharding.py SHARDING_CHOICES
+
+
 def parse_table_list(spec: str) -> list[tuple[str, int, int]]:
     """--tables 'NAME:ROWS[:POOL],...' -> [(name, rows, pool)]; ValueError naming the entry.
     (A dynamic table's ROWS is its capacity: `parse_tables` has its policies.)"""
     return [(name, rows, pool) for name, rows, pool, _ in parse_tables(spec)]
 
 
-def parse_tables(spec: str) -> list[tuple[str, int, int, DynamicSpec | None]]:
-    """--tables 'NAME:ROWS[:POOL][:dynamic[:OPTION...]],...' -> [(name, rows, pool, dynamic
-    spec or None)]; ValueError naming the entry. Options of a dynamic table
-    (docs/dynamic_ids.md), each policy at most once: lru | lfu, always | threshold=N |
-    probability=P, expire=T."""
-    out: list[tuple[str, int, int, DynamicSpec | None]] = []
+def table_shardings(spec: str) -> dict[str, str]:
+    """The tables of --tables that name their scheme (NAME:ROWS[:POOL]:SCHEME), by name."""
+    return {entry.split(":")[0]: scheme for entry, scheme in _entries(spec) if scheme}
+
+
+def _entries(spec: str) -> list[tuple[str, str]]:
+    """(entry without its scheme, the scheme or "") per --tables entry."""
+    out = []
     for entry in spec.replace(" ", "").split(","):
+        parts = entry.split(":")
+        cut = parts.index("dynamic") if "dynamic" in parts else len(parts)
+        scheme = parts[cut - 1] if cut > 2 and parts[cut - 1] in SHARDINGS else ""
+        if scheme:
+            del parts[cut - 1]
+        out.append((":".join(parts), scheme))
+    return out
+
+
+def parse_tables(spec: str) -> list[tuple[str, int, int, DynamicSpec | None]]:
+    """--tables 'NAME:ROWS[:POOL][:SCHEME][:dynamic[:OPTION...]],...' -> [(name, rows,
+    pool, dynamic spec or None)]; ValueError naming the entry. SCHEME: row_wise |
+    table_wise | auto, the table's own sharding (`table_shardings`; else --sharding).
+    Options of a dynamic table (docs/dynamic_ids.md), each policy at most once: lru | lfu,
+    always | threshold=N | probability=P, expire=T."""
+    out: list[tuple[str, int, int, DynamicSpec | None]] = []
+    for entry, _ in _entries(spec):
         parts = entry.split(":")
         cut = parts.index("dynamic") if "dynamic" in parts else len(parts)
         sizes, options = parts[:cut], parts[cut + 1:]
         if (len(sizes) not in (2, 3) or not sizes[0].isidentifier()
                 or not all(p.isdigit() for p in sizes[1:])):
             raise ValueError(f"tables={spec!r}: entry {entry!r} is not "
-                             "NAME:ROWS[:POOL][:dynamic[:OPTION...]]")
+                             "NAME:ROWS[:POOL][:SCHEME][:dynamic[:OPTION...]] (SCHEME: "
+                             f"{' | '.join(SHARDINGS)})")
         problem = describe_problem("table name", sizes[0])  # what the server accepts
         if problem is not None:
             raise ValueError(f"tables={spec!r}: {problem}")
@@ -113,8 +136,9 @@ class TablesConfig:
     """--task tables: a configurable list of tables (worker/tasks/tables.py)."""
 
     tables: str = setting(
-        "", "NAME:ROWS[:POOL][:dynamic[:OPTION...]],... (POOL ids per sample, mean-pooled; "
-        "default 1; dynamic: raw ids, ROWS device slots, options lru|lfu, always|threshold=N|"
+        "", "NAME:ROWS[:POOL][:SCHEME][:dynamic[:OPTION...]],... (POOL ids per sample, "
+        "mean-pooled; default 1; SCHEME row_wise|table_wise|auto: the table's sharding, "
+        "else --sharding; dynamic: raw ids, ROWS device slots, options lru|lfu, always|threshold=N|"
         "probability=P, expire=T: docs/dynamic_ids.md); empty: one table t0 of --num-rows "
         "rows", "SPEC")
     zipf_rows: int = setting(

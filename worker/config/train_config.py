@@ -71,6 +71,7 @@ WireDtype = Literal["fp32", "bf16", "fp16"]  # worker/sync/client.py WIRE_DTYPES
 Device = Literal["auto", "cpu", "cuda"]
 Compensation = Literal["none", "predict"]  # worker/updates/staleness.py
 PoolAt = Literal["auto", "owner", "requester"]  # worker/embedding/sharded.py POOL_AT
+Sharding = Literal["row_wise", "table_wise", "auto"]  # worker/embedding/sharding.py
 SameNode = Literal["auto", "off", "require"]
 # The client's own same-node argument (ShardClient(shm=...)); the worker's flags reach it
 # only through SameNodeConfig.client_args.
@@ -134,6 +135,12 @@ class RunConfig:
         "of every bag and the B x D partial sums travel) | requester (the distinct rows "
         "travel, U x D, and are pooled where they were asked) | auto (per table, whichever "
         "moves fewer bytes on the first batch, summed over the ranks; worker/embedding/sharded.py)")
+    sharding: Sharding = setting(
+        "row_wise", "where each table's rows live (worker/embedding/sharding.py): row_wise "
+        "(every rank an equal slice) | table_wise (each table whole on one rank, balanced "
+        "over the ranks) | auto (small tables whole, large ones row-wise, by bytes and "
+        "lookups); a table's own choice wins (--tables NAME:ROWS:table_wise, TableConfig); "
+        "--plan prints the placement")
     group_tables: bool = setting(
         True, "hold, gather, push and update a rank's tables of one width as one group (one "
         "block with each table at a row offset, one partition table on the server); the "

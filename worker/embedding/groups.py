@@ -1,20 +1,21 @@
 """Table groups: a rank's tables of one width held, gathered, pushed and updated as ONE unit.
 
-Every table stays row-wise sharded on its own (rank r owns rows [r*R//W, (r+1)*R//W) of
-each, worker/embedding/rows.py), but with --group-tables (the default) the rows a rank owns of all
-its tables of one width are one local block (FBGEMM's TBE layout: each table at a row
-offset in it). So a step does one gather, one sparse gradient, one coalesce, one push,
-one server apply, one staleness-window update and one weight prediction per group
-instead of per table (DLRM: 26 tables of one width, one group).
+Every table stays sharded on its own (under its scheme, worker/embedding/sharding.py: rank
+r owns rows [cuts[r], cuts[r+1]) of each, possibly none), but with --group-tables (the
+default) the rows a rank owns of all its tables of one width are one local block (FBGEMM's
+TBE layout: each table at a row offset in it). So a step does one gather, one sparse
+gradient, one coalesce, one push, one server apply, one staleness-window update and one
+weight prediction per group instead of per table (DLRM: 26 tables of one width, one group).
 
 A *unit* is what the update path sees as a table: a group, or a table of its own. A group
-is a virtual table of sum(R_t) rows whose id space is rank-major: rank r's rows are
-[S_r, S_r + n_r) with S_r = sum_t r*R_t//W (the sum of the members' starts) and n_r the
-rows it owns of all members, in member order; member t's global row x is unit row
-S_r + offset_t + (x - start_t). So a unit has a contiguous row range per rank, like a
-table: the sparse optimizer, the shard server (one partition table per group; it knows
-the members to write and read checkpoints per table, ps/core/table_members.py) and the
-staleness window run unchanged on units.
+is a virtual table of sum(R_t) rows whose id space is rank-major: rank r's rows are [S_r,
+S_r + n_r) with S_r = sum_t cuts_t[r] (the sum of the members' starts) and n_r the rows it
+owns of all members, in member order (S_r + n_r = S_{r+1}, as cuts_t[r+1] ends rank r's
+range and starts rank r+1's, whatever each member's scheme); member t's global row x is
+unit row S_r + offset_t + (x - start_t). So a unit has a contiguous row range per rank,
+like a table: the sparse optimizer, the shard server (one partition table per group; it
+knows the members to write and read checkpoints per table, ps/core/table_members.py) and
+the staleness window run unchanged on units.
 
 The math is exactly that of the separate tables: the sparse optimizers are elementwise
 per row, and every table of a rank is pushed every step (an empty push too), so every
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.embedding.rows import TableConfig, table_row_range
+from worker.embedding.sharding import Scheme
 
 
 @dataclass(frozen=True)
@@ -109,10 +111,11 @@ def group_name(dim: int) -> str:
     return f"group-d{dim}"
 
 
-def plan_units(tables: Sequence[TableConfig], rank: int, world_size: int, grouped: bool
-               ) -> dict[str, Unit]:
+def plan_units(tables: Sequence[TableConfig], rank: int, world_size: int, grouped: bool,
+               schemes: dict[str, Scheme] | None = None) -> dict[str, Unit]:
     """The units of `tables` on rank `rank` (module doc), in the order of their first
-    table; members in table order."""
+    table; members in table order; each table placed by its scheme (absent: row-wise)."""
+    schemes = schemes or {}
     together: dict[int | str, list[TableConfig]] = {}
     for t in tables:  # a dynamic table is a unit of its own (its slots are paged per table)
         together.setdefault(t.dim if grouped and t.dynamic is None else t.name,
@@ -121,7 +124,7 @@ def plan_units(tables: Sequence[TableConfig], rank: int, world_size: int, groupe
     for members in together.values():
         placed, offset, unit_start = [], 0, 0
         for t in members:
-            start, end = table_row_range(t, rank, world_size)
+            start, end = table_row_range(t, rank, world_size, schemes.get(t.name))
             placed.append(Member(t.name, t.num_rows, start, end, offset))
             offset += end - start
             unit_start += start

@@ -1,7 +1,8 @@
 """Stages 1-2 of a lookup (the input dist): who serves which ids, and in what layout.
 
 A lookup of E entries (tables, each looked up plain or as bags) is served in one of two
-ways per entry, both row-wise sharded (rank r owns rows [r*R//W, (r+1)*R//W)):
+ways per entry, each table sharded by its scheme (worker/embedding/sharding.py: rank r owns
+rows [cuts[r], cuts[r+1]), possibly none; row-wise: cuts r*R//W, found by a division):
 
 - rows: the requester dedupes its ids; the owner gathers each distinct row once per
   requester and the rows travel back (U x D); the requester expands or pools them.
@@ -30,6 +31,7 @@ pooled entry.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +54,58 @@ def owner_of(ids_N: torch.Tensor, num_rows: int | torch.Tensor, world_size: int
     ((id + 1) * W - 1) // R is the largest r with r * R // W <= id, i.e. row_range's
     owner, with no search: r * R // W <= id  <=>  r * R < (id + 1) * W."""
     return ((ids_N + 1) * world_size - 1) // num_rows
+
+
+def owner_local(ids_N: torch.Tensor, sizes: Sequence[int], cuts: Sequence[Sequence[int]],
+                world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner_N, local_N) of the ids of entries side by side (`sizes` ids each), entry e's
+    table cut at cuts[e] (W + 1 points): the owner is the last r with cuts[r] <= id, the
+    local id id - cuts[owner].
+
+    Where every table is row-wise (cuts r*R//W: owner_of's division) or whole on one rank
+    (its local ids are its ids), arithmetic on the ids: a division, a select. Otherwise ONE
+    bucketize for all entries: entry e's ids are shifted by the rows of the tables before
+    it (base_e) and so are its cuts, every cut of an earlier table is then <= the shifted
+    id and none of a later one, so the bucket is e W + owner."""
+    device, num = ids_N.device, ids_N.numel()
+    rows = [c[-1] for c in cuts]
+    whole = [_whole_on(c) for c in cuts]
+    if all(w is not None or list(c) == [r * n // world for r in range(world + 1)]
+           for c, n, w in zip(cuts, rows, whole, strict=True)):
+        sizes_T = to_device(torch.tensor(list(sizes)), device)
+        if len(set(rows)) == 1:
+            rows_N: torch.Tensor | int = rows[0]
+        else:
+            rows_N = torch.repeat_interleave(to_device(torch.tensor(rows), device), sizes_T,
+                                             output_size=num)
+        owner_N = owner_of(ids_N, rows_N, world)
+        local_N = ids_N - owner_N * rows_N // world
+        if any(w is not None for w in whole):
+            fixed_N = torch.repeat_interleave(
+                to_device(torch.tensor([-1 if w is None else w for w in whole]), device),
+                sizes_T, output_size=num)
+            is_whole_N = fixed_N >= 0
+            owner_N = torch.where(is_whole_N, fixed_N, owner_N)
+            local_N = torch.where(is_whole_N, ids_N, local_N)
+        return owner_N, local_N
+    bases = [0]
+    for n in rows[:-1]:
+        bases.append(bases[-1] + n)
+    shifted = to_device(torch.tensor([[b + x for x in c] for b, c in zip(bases, cuts,
+                                                                          strict=True)],
+                                     dtype=torch.int64), device)  # E x (W + 1)
+    base_N = torch.repeat_interleave(to_device(torch.tensor(bases, dtype=torch.int64), device),
+                                     to_device(torch.tensor(list(sizes)), device),
+                                     output_size=num)
+    global_N = ids_N + base_N
+    bucket_N = torch.bucketize(global_N, shifted[:, 1:].reshape(-1), right=True)
+    return bucket_N % world, global_N - shifted[:, :-1].reshape(-1).index_select(0, bucket_N)
+
+
+def _whole_on(cuts: Sequence[int]) -> int | None:
+    """The rank owning every row of a table cut at `cuts` (its rows then start at 0)."""
+    owners = [r for r in range(len(cuts) - 1) if cuts[r + 1] > cuts[r]]
+    return owners[0] if len(owners) == 1 else None
 
 
 def transpose_blocks(counts_AB: torch.Tensor, total: int) -> torch.Tensor:
@@ -234,16 +288,19 @@ class Requests:
 
 def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
                   rows_tensor_E: torch.Tensor, pooled: Sequence[bool],
-                  offsets: Sequence[torch.Tensor | None], world: int) -> Requests:
+                  offsets: Sequence[torch.Tensor | None], world: int,
+                  cuts_E: Sequence[Sequence[int]] | None = None) -> Requests:
     """flat: each entry's ids (1-D int64, checked in range); rows_E: its table's rows;
-    offsets: each pooled entry's bag offsets (into its ids)."""
+    offsets: each pooled entry's bag offsets (into its ids); cuts_E: each entry's table's
+    cut points (worker/embedding/sharding.py), None: every table row-wise."""
     device = rows_tensor_E.device
     sizes = [f.numel() for f in flat]
     rows_e = [e for e, p in enumerate(pooled) if not p]
     pool_e = [e for e, p in enumerate(pooled) if p]
     # a pooled entry's request in one native call where the kernel takes it
     native = {e: got for e in pool_e if (got := pooled_bags.requests(
-        flat[e], offsets[e], rows_E[e], world)) is not None}
+        flat[e], offsets[e], rows_E[e], world,
+        None if cuts_E is None else cuts_E[e])) is not None}
     torch_e = [e for e in range(len(flat)) if e not in native]  # owners computed here
     owner_N = local_N = flat[0].new_empty(0)
     owners: dict[int, torch.Tensor] = {}
@@ -251,14 +308,17 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
     if torch_e:
         ids_N = torch.cat([flat[e] for e in torch_e]) if len(torch_e) > 1 else flat[torch_e[0]]
         split = [sizes[e] for e in torch_e]
-        if len({rows_E[e] for e in torch_e}) == 1:
-            rows_N: torch.Tensor | int = rows_E[torch_e[0]]
-        else:
-            rows_N = torch.repeat_interleave(
-                rows_tensor_E if len(torch_e) == len(flat) else rows_tensor_E[torch_e],
-                to_device(torch.tensor(split), device), output_size=ids_N.numel())
-        owner_N = owner_of(ids_N, rows_N, world)
-        local_N = ids_N - owner_N * rows_N // world
+        if cuts_E is not None:
+            owner_N, local_N = owner_local(ids_N, split, [cuts_E[e] for e in torch_e], world)
+        else:  # every table row-wise: a division, no search
+            if len({rows_E[e] for e in torch_e}) == 1:
+                rows_N: torch.Tensor | int = rows_E[torch_e[0]]
+            else:
+                rows_N = torch.repeat_interleave(
+                    rows_tensor_E if len(torch_e) == len(flat) else rows_tensor_E[torch_e],
+                    to_device(torch.tensor(split), device), output_size=ids_N.numel())
+            owner_N = owner_of(ids_N, rows_N, world)
+            local_N = ids_N - owner_N * rows_N // world
         owners = dict(zip(torch_e, owner_N.split(split), strict=True))
         locals_ = dict(zip(torch_e, local_N.split(split), strict=True))
     columns: list[torch.Tensor] = []  # header columns, W x 1 each
@@ -273,7 +333,9 @@ def make_requests(flat: Sequence[torch.Tensor], rows_E: Sequence[int],
             local_R = torch.cat([locals_[e] for e in rows_e])
         # key: (owner, entry, local id) in as few bits as the tables need, so the sort
         # packs its position next to it (sort_stable)
-        shift = max(-(-rows_E[e] // world) for e in rows_e).bit_length()
+        shift = max((-(-rows_E[e] // world) if cuts_E is None else
+                     max(b - a for a, b in itertools.pairwise(cuts_E[e])))
+                    for e in rows_e).bit_length()
         keys_R = owner_R * num
         if num > 1:
             sizes_T = to_device(torch.tensor([sizes[e] for e in rows_e]), device)

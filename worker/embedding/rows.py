@@ -18,7 +18,7 @@ from hybridps.cli import ConfigError
 from hybridps.dynamic import DynamicSpec
 from hybridps.state_alloc import STATE_OFFSETS, alloc_state
 from worker.embedding.input_dist import owner_of, unique_inverse
-from worker.embedding.sharding import RowWise, Scheme, check_sharding
+from worker.embedding.sharding import RowWise, Scheme, TableCost, check_sharding, place_tables
 
 INIT_CHUNK_ROWS = 65536
 
@@ -34,7 +34,8 @@ class TableConfig:
     num_rows: int
     dim: int
     dynamic: DynamicSpec | None = None
-    sharding: str = "row_wise"  # row_wise | table_wise | auto (worker/embedding/sharding.py)
+    # row_wise | table_wise | auto (worker/embedding/sharding.py); "": the run's --sharding
+    sharding: str = ""
     lookups: int = 1  # ids per sample: the planner's lookup cost
 
     def __post_init__(self) -> None:
@@ -57,7 +58,8 @@ class TableConfig:
         if self.dim < 1:
             raise ConfigError(f"table {self.name!r}: dim={self.dim} must be >= 1")
         try:
-            check_sharding(self.sharding, f"table {self.name!r}: sharding")
+            if self.sharding:
+                check_sharding(self.sharding, f"table {self.name!r}: sharding")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if isinstance(self.lookups, bool) or not isinstance(self.lookups, int) \
@@ -66,19 +68,20 @@ class TableConfig:
                               "int >= 1")
 
 
-def table_scheme(table: TableConfig) -> Scheme:
-    """The scheme placing `table`'s rows. Only row-wise is routed so far (input_dist's
-    owner arithmetic and the native pooled_bags requests assume the equal split): any other
-    choice is refused here, once, rather than silently placed row-wise."""
-    if table.sharding != RowWise.name:
-        raise ConfigError(f"table {table.name!r}: sharding={table.sharding!r} is not routed "
-                          "yet (only row_wise)")
-    return RowWise()
+def place(tables: Sequence[TableConfig], world_size: int, default: str = RowWise.name
+          ) -> dict[str, Scheme]:
+    """Each table's scheme (worker/embedding/sharding.py place_tables): its own choice, or
+    `default` (the run's --sharding) where it has none. Deterministic: every rank places
+    the same tables the same way."""
+    check_sharding(default, "sharding")
+    return place_tables([TableCost(t.name, t.num_rows, t.dim, t.lookups, t.sharding or default)
+                         for t in tables], world_size)
 
 
-def table_row_range(table: TableConfig, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, end) of `table`'s rows that rank `rank` owns under the table's scheme."""
-    return table_scheme(table).row_range(table.num_rows, rank, world_size)
+def table_row_range(table: TableConfig, rank: int, world_size: int,
+                    scheme: Scheme | None = None) -> tuple[int, int]:
+    """[start, end) of `table`'s rows that rank `rank` owns under `scheme` (None: row-wise)."""
+    return (scheme or RowWise()).row_range(table.num_rows, rank, world_size)
 
 
 def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -100,8 +103,10 @@ class Routing:
     send_counts: list[int]
 
 
-def route(ids_N: torch.Tensor, num_rows: int, world_size: int, table: str = "?") -> Routing:
-    """Stage 1: dedupe + bucketize by owner. ids_N: int64 global row ids, any shape."""
+def route(ids_N: torch.Tensor, num_rows: int, world_size: int, table: str = "?",
+          scheme: Scheme | None = None) -> Routing:
+    """Stage 1: dedupe + bucketize by owner (under `scheme`; None: row-wise). ids_N: int64
+    global row ids, any shape."""
     flat_N = ids_N.reshape(-1).to(torch.int64)
     unique_U, inverse_N = torch.unique(flat_N, sorted=True, return_inverse=True)
     if unique_U.numel():
@@ -109,7 +114,8 @@ def route(ids_N: torch.Tensor, num_rows: int, world_size: int, table: str = "?")
         if lo < 0 or hi >= num_rows:
             bad = lo if lo < 0 else hi
             raise IndexError(f"table {table!r}: row id {bad} outside [0, {num_rows})")
-    owner_U = owner_of(unique_U, num_rows, world_size)
+    owner_U = (owner_of(unique_U, num_rows, world_size) if scheme is None
+               else scheme.owner_of(unique_U, num_rows, world_size))
     send_counts = torch.bincount(owner_U, minlength=world_size).tolist()
     return Routing(unique_U, inverse_N, send_counts)
 

@@ -1,9 +1,10 @@
-"""Row-wise sharded embedding tables.
+"""Sharded embedding tables.
 
 Sharding: table t has R rows of width D. Rank r of W owns the contiguous rows
+[cuts[r], cuts[r+1]) of its scheme (worker/embedding/sharding.py; --sharding): row-wise,
     [r * R // W, (r + 1) * R // W)
-(so the last rank ends exactly at R) as an `nn.Parameter` of shape
-[owned rows, D] on its device. The rows are NOT under FSDP and NOT in the
+(so the last rank ends exactly at R), or the whole table on one rank, as an
+`nn.Parameter` of shape [owned rows, D] on its device. The rows are NOT under FSDP and NOT in the
 dense optimizer: their gradients are popped after backward (`pop_grads`) and
 handed to the sparse optimizer (shard server or --local-optimizer), whose
 updates come back through `apply_update`.
@@ -11,7 +12,7 @@ updates come back through `apply_update`.
 A lookup of one or more tables (`lookup_many`; `lookup` and `lookup_bag` are
 its one-table cases) goes through visible stages:
   1-2. input dist (`input_dist`, worker/embedding/input_dist.py): route every id to its
-     owner (an integer division, `owner_of`) and exchange what each owner must
+     owner (by its table's cuts, `owner_local`) and exchange what each owner must
      serve, all tables in ONE all_to_all (`exchange_blocks`). A plain lookup is
      served as rows (the requester dedupes its ids); a bag (pooled lookup) is
      served either as rows or pooled at the owner, per table, whichever moves
@@ -83,11 +84,12 @@ from worker.embedding.rows import (
     Routing,
     TableConfig,
     init_rows,
+    place,
     route,
     row_range,
     table_row_range,
-    table_scheme,
 )
+from worker.embedding.sharding import RowWise, TableWise
 from worker.embedding.unit_rows import UnitRows
 from worker.runtime.device_copy import sync_point, to_device
 
@@ -141,7 +143,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
                  seed: int = 0, init_std: float = 1.0,
                  row_dtype: torch.dtype = torch.float32, pool_at: str = "auto",
-                 group_tables: bool = False) -> None:
+                 group_tables: bool = False, sharding: str = "row_wise") -> None:
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} outside world_size={world_size}")
@@ -151,7 +153,10 @@ class ShardedEmbedding(UnitRows, nn.Module):
         self.tables = {t.name: t for t in tables}
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device)
-        self.ranges = {t.name: table_row_range(t, rank, world_size) for t in tables}
+        # each table's scheme (a table's own choice, else `sharding`: --sharding)
+        self.schemes = place(tables, world_size, sharding)
+        self.ranges = {t.name: table_row_range(t, rank, world_size, self.schemes[t.name])
+                       for t in tables}
         if row_dtype not in ROW_DTYPES.values():
             raise ValueError(f"row dtype {row_dtype} is not one of {sorted(ROW_DTYPES)}")
         self.row_dtype = row_dtype
@@ -179,7 +184,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
                 raise ValueError(f"table {t.name!r}: dynamic tables keep fp32 rows; "
                                  f"--row-dtype {row_dtype} is not supported with them")
         self.native_pool_calls = 0  # PoolUnitAtOwner calls (the owner's fused kernel)
-        self.units = plan_units(tables, rank, world_size, group_tables)
+        self.units = plan_units(tables, rank, world_size, group_tables, self.schemes)
         self.unit_of: dict[str, tuple[Unit, Member]] = {
             m.name: (u, m) for u in self.units.values() for m in u.members}
         self.weights = nn.ParameterDict()
@@ -204,7 +209,9 @@ class ShardedEmbedding(UnitRows, nn.Module):
                  for t in dynamic if t.dynamic is not None],
                 self.ranges, rank=rank, world_size=world_size, group=group,
                 device=self.device, seed=seed, init_std=init_std,
-                rows_of=lambda name: self.weights[name])
+                rows_of=lambda name: self.weights[name],
+                whole_on={t.name: s.owner for t in dynamic
+                          if isinstance(s := self.schemes[t.name], TableWise)})
 
     # -- forward ------------------------------------------------------------
     def _gather(self, unit: str, local_ids_M: torch.Tensor, whole: bool = False
@@ -291,7 +298,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
         with sync_point("input_dist"):  # what each rank asks of each: sizes from the ids
             plan.pooled = self._pooled_entries(plan, on_device, pg, direction)
             requests = make_requests(flat, rows_E, rows_tensor_E, plan.pooled, on_device,
-                                     self.world_size)
+                                     self.world_size, self._cuts(plan.names))
         cap = self._caps.setdefault((id(pg), plan.names, plan.pooled), BlockCap())
         header, data, _ = exchange_blocks(requests.header_WH, requests.blocks, cap, pg,
                                           direction)
@@ -343,6 +350,13 @@ class ShardedEmbedding(UnitRows, nn.Module):
             consts = self._route_consts[names] = (
                 num_rows_E, to_device(torch.tensor(num_rows_E, dtype=torch.int64), self.device))
         return consts
+
+    def _cuts(self, names: Sequence[str]) -> list[list[int]] | None:
+        """Each table's cut points (worker/embedding/sharding.py), or None when every table
+        is row-wise (make_requests then divides instead of searching the cuts)."""
+        if all(isinstance(self.schemes[n], RowWise) for n in names):
+            return None
+        return [self.schemes[n].cuts(self.tables[n].num_rows, self.world_size) for n in names]
 
     def _pooled_entries(self, plan: InputDist, offsets: Sequence[torch.Tensor | None],
                         group: dist.ProcessGroup | None, direction: str | None
@@ -610,7 +624,7 @@ class ShardedEmbedding(UnitRows, nn.Module):
                           for n, p in zip(names, pooled, strict=True) if p})
         sharding = {}
         for t in self.tables.values():
-            scheme = table_scheme(t)
+            scheme = self.schemes[t.name]
             sharding[t.name] = {"scheme": scheme.name,
                                 "ranks": scheme.ranks(t.num_rows, self.world_size)}
         return {"pool_at": self.pool_at, "pooled_at_owner": owner, "sharding": sharding}

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridps.dynamic import DynamicSpec, salted
-from worker.config.task_options import parse_table_list, parse_tables
+from worker.config.task_options import parse_table_list, parse_tables, table_shardings
 from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig
 from worker.tasks.click import ClickTask
@@ -92,12 +92,13 @@ class TablesTask(ClickTask):
     def plan_tables(cls, cfg: TrainConfig) -> list[tuple[TableConfig, float]]:
         """(table, lookups per sample) without building the task (worker/plan.py)."""
         dynamic = dynamic_specs(cfg)
-        return [(TableConfig(name, rows, cfg.run.dim, dynamic.get(name)), float(pool))
+        schemes = table_shardings(cfg.tables.tables)
+        return [(TableConfig(name, rows, cfg.run.dim, dynamic.get(name), schemes.get(name, ""),
+                             pool), float(pool))
                 for name, rows, pool in table_specs(cfg)]
 
     def tables(self) -> list[TableConfig]:
-        return [TableConfig(name, rows, self.cfg.run.dim, self.dynamic.get(name))
-                for name, rows, _ in self.specs]
+        return [t for t, _ in self.plan_tables(self.cfg)]
 
     def input_width(self) -> int:
         return len(self.specs) * self.cfg.run.dim + NUM_DENSE

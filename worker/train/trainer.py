@@ -133,7 +133,7 @@ class Trainer:
             tables, rank=ctx.rank, world_size=ctx.world_size, group=ctx.embedding_group,
             device=ctx.device, seed=cfg.run.seed, init_std=cfg.optim.init_std,
             row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
-            group_tables=cfg.run.group_tables)
+            group_tables=cfg.run.group_tables, sharding=cfg.run.sharding)
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
         # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping):
         # worker/dense/parallel.py

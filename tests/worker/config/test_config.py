@@ -74,6 +74,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "pipeline": ("false", False),  # tests/worker/train/test_pipeline.py
     "pool_at": ("owner", "owner"),  # tests/worker/embedding/test_pooled_e2e.py
     "group_tables": ("false", False),  # tests/worker/embedding/test_group_tables.py
+    "sharding": ("table_wise", "table_wise"),  # tests/worker/embedding/test_sharding_e2e.py
     "auth_token_file": ("/tmp/token", "/tmp/token"),
     "tls": ("true", True),
     "tls_ca": ("/tmp/ca.pem", "/tmp/ca.pem"),

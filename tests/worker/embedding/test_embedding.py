@@ -200,20 +200,23 @@ def reference(case: dict[str, torch.Tensor]
     return {k: v.detach() for k, v in outs.items()}, grads
 
 
-def _spawned(rank: int, store: str, out_dir: str, fused: bool, pool_at: str = "auto") -> None:
+def _spawned(rank: int, store: str, out_dir: str, fused: bool, pool_at: str = "auto",
+             sharding: str = "row_wise", group_tables: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=WORLD)
     try:
         group = dist.new_group()
         emb = ShardedEmbedding(TABLES, rank=rank, world_size=WORLD, group=group, seed=SEED,
-                               init_std=STD, pool_at=pool_at)
+                               init_std=STD, pool_at=pool_at, sharding=sharding,
+                               group_tables=group_tables)
         loss, outs = sharded_forward(emb, local_slice(global_case(), rank), fused)
         loss.backward()
         grads = emb.pop_grads(scale=1.0 / WORLD)
         weights = {k: w.detach().clone() for k, w in emb.weights.items()}
         torch.save({"outs": outs, "grads": grads, "ranges": emb.ranges, "weights": weights,
                     "full": emb.gather_full(dst=0), "pooled": emb._pool_choice,
-                    "caps": {k[1:]: c.elements for k, c in emb._caps.items()}},
+                    "caps": {k[1:]: c.elements for k, c in emb._caps.items()},
+                    "sharding": emb.describe()["sharding"]},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

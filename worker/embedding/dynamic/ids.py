@@ -93,8 +93,11 @@ class DynamicIds:
     def __init__(self, tables: Sequence[tuple[str, int, int, DynamicSpec, int]],
                  ranges: dict[str, tuple[int, int]], *, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, device: torch.device, seed: int,
-                 init_std: float, rows_of: Callable[[str], torch.Tensor]) -> None:
+                 init_std: float, rows_of: Callable[[str], torch.Tensor],
+                 whole_on: dict[str, int] | None = None) -> None:
         self.rank, self.world_size, self.group, self.device = rank, world_size, group, device
+        # table-wise tables: the rank holding all their slots, every id's owner
+        self.whole_on = whole_on or {}
         self.seed, self.init_std, self.rows_of = seed, init_std, rows_of
         self.tables: dict[str, DynamicTable] = {}
         for name, _capacity, dim, spec, index in tables:
@@ -342,7 +345,8 @@ class DynamicIds:
         """World size > 1: each entry's distinct ids to their owners (one exchange of all
         entries), the codes back (and, evaluating, the stored rows of PAGED ids)."""
         world = self.world_size
-        owners = [owner_of_ids(u, world) for u in uniq]
+        owners = [owner_of_ids(u, world, self.whole_on.get(n))
+                  for n, u in zip(names, uniq, strict=True)]
         orders = [torch.sort(o, stable=True)[1] for o in owners]
         counts_EW = torch.stack([torch.bincount(o, minlength=world) for o in owners])
         sent = [u.index_select(0, order) for u, order in zip(uniq, orders, strict=True)]
@@ -402,7 +406,8 @@ class DynamicIds:
         dim = self.tables[names[0]].dim
         send = [torch.cat([r.reshape(-1, dim) for r in parts]) if parts
                 else torch.empty(0, dim) for parts in rows_parts]
-        owners = [owner_of_ids(u, world) for u in uniq]
+        owners = [owner_of_ids(u, world, self.whole_on.get(n))
+                  for n, u in zip(names, uniq, strict=True)]
         expect = [int(sum(int(((o == r) & (c == PAGED)).sum())
                           for o, c in zip(owners, codes, strict=True))) for r in range(world)]
         got = exchange(torch.cat(send), expect, [s.shape[0] for s in send], self.group)

@@ -3,6 +3,7 @@
     python bench/bench_vs_torchrec.py                     # 3 jobs x 3 interleaved repeats
     python bench/bench_vs_torchrec.py --quick --json runs/bench/vs_torchrec.json
     python bench/bench_vs_torchrec.py --jobs ids20 --repeats 5
+    python bench/bench_vs_torchrec.py --jobs dlrm --auto    # + the planner's placement
 
 TorchRec is an optional benchmark extra, never a dependency of hybridps. What installs
 next to torch 2.13 (fbgemm 1.9 does not load with it; check `pip show torch` after):
@@ -34,7 +35,10 @@ alike:
   hybridps-rwada  like for like: `--optimizer rowwise_adagrad --dense-optimizer adam` on
                   the server at K=1 (FBGEMM's EXACT_ROWWISE_ADAGRAD, one value a row, and
                   torch Adam on the MLP, as TorchRec's side);
-  hybridps-rwada-local  the same with --local-optimizer, at --staleness 0.
+  hybridps-rwada-local  the same with --local-optimizer, at --staleness 0;
+  hybridps-auto   (with --auto) hybridps with `--sharding auto`: the planner places small
+                  tables whole on one rank and shards the large ones row-wise
+                  (worker/embedding/sharding.py), against TorchRec and against row-wise.
 samples/s = steps x global batch / the training loop's wall time (set-up excluded on
 both sides). Goals, the median of the per-repeat ratios: hybridps (Adam, server, K=1)
 >= 1.2x TorchRec on ids20 and >= 1.0x on ids1 and dlrm, at least 1.0x on all three, and
@@ -96,7 +100,8 @@ VARIANTS = ("torchrec", "hybridps", "hybridps-local", "hybridps-rwada", "hybridp
 # (K=1 there only adds the weight prediction's work).
 LIKE_FOR_LIKE = ["--optimizer", "rowwise_adagrad", "--dense-optimizer", "adam"]
 HYBRIDPS = {"hybridps": (False, []), "hybridps-local": (True, []),
-            "hybridps-rwada": (False, LIKE_FOR_LIKE), "hybridps-rwada-local": (True, LIKE_FOR_LIKE)}
+            "hybridps-rwada": (False, LIKE_FOR_LIKE), "hybridps-rwada-local": (True, LIKE_FOR_LIKE),
+            "hybridps-auto": (False, ["--sharding", "auto"])}
 SERVER_STALENESS, LOCAL_STALENESS = 1, 0
 WORLD = 2
 INSTALL = "pip install -e '.[bench]' && pip install --no-deps torchrec==1.8.0"
@@ -276,6 +281,12 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, li
                          f"{statistics.median(t['step_ms'] for t in tries):7.2f}  "
                          + _cpu_text(tries))
         base = [t["samples_per_s"] for t in variants["torchrec"]]
+        if "hybridps-auto" in variants:
+            ratios = [a["samples_per_s"] / r["samples_per_s"] for a, r in zip(
+                variants["hybridps-auto"], variants["hybridps"], strict=True)]
+            lines.append(f"{job:<6} hybridps-auto / hybridps (row-wise): median "
+                         f"{statistics.median(ratios):.3f} (repeats "
+                         + ", ".join(f"{r:.3f}" for r in ratios) + ")")
         for variant in HYBRIDPS:
             ratios = [h["samples_per_s"] / t for h, t in zip(
                 [x for x in variants[variant]], base, strict=True)] if variant in variants else []
@@ -311,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="hybridps' dense parallelism (TorchRec's DMP uses DDP)")
     p.add_argument("--no-local", action="store_true", help="skip hybridps --local-optimizer")
+    p.add_argument("--auto", action="store_true",
+                   help="add hybridps-auto: hybridps with --sharding auto")
     p.add_argument("--no-like-for-like", action="store_true",
                    help="skip the rowwise Adagrad variants (hybridps-rwada*)")
     p.add_argument("--work-dir", type=Path, default=None, help="logs and results of every run")
@@ -333,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--jobs: {job!r} is not one of {', '.join(JOBS)}")
     variants = [v for v in VARIANTS if not (args.no_local and v.endswith("-local"))
                 and not (args.no_like_for_like and v.startswith("hybridps-rwada"))]
+    if args.auto:
+        variants.insert(variants.index("hybridps") + 1, "hybridps-auto")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_vs_torchrec-"))
     started = time.perf_counter()
     load_before = os.getloadavg()

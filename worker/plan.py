@@ -36,7 +36,7 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,6 +122,21 @@ class Plan:
             return max(b - a for a, b in itertools.pairwise(cuts))
         return math.ceil(t.num_rows / self.world_size)
 
+    def rank_rows(self, t: TableShape, rank: int) -> int:
+        """Rows of `t` that `rank` holds (row-wise without a placement: the even split's
+        largest share)."""
+        if t.name in self.placement:
+            cuts = self.placement[t.name][1]
+            return cuts[rank + 1] - cuts[rank]
+        return math.ceil(t.num_rows / self.world_size)
+
+    def most_loaded(self, bytes_per_row: Callable[[TableShape], int]) -> int:
+        """The largest total over the ranks of rows held x `bytes_per_row`: what the
+        busiest rank needs (a table placed whole loads one rank only, so the sum of each
+        table's largest range would overstate it)."""
+        return max(sum(self.rank_rows(t, r) * bytes_per_row(t) for t in self.tables)
+                   for r in range(self.world_size))
+
     def placed(self, t: TableShape) -> str:
         scheme, cuts = self.placement.get(t.name, ("row_wise", ()))
         ranks = [r for r in range(len(cuts) - 1) if cuts[r + 1] > cuts[r]]
@@ -147,7 +162,7 @@ class Plan:
 
     @property
     def device_rows_bytes(self) -> int:
-        return sum(self.rows_per_rank(t) * t.dim * self.row_bytes for t in self.tables)
+        return self.most_loaded(lambda t: t.dim * self.row_bytes)
 
     @property
     def device_state_bytes(self) -> int:
@@ -155,8 +170,7 @@ class Plan:
         (--local-optimizer)."""
         if self.update_kind.needs_server:
             return 0
-        return sum(self.rows_per_rank(t) * self.state_floats(t) * FLOAT_BYTES
-                   for t in self.tables)
+        return self.most_loaded(lambda t: self.state_floats(t) * FLOAT_BYTES)
 
     @property
     def device_step_bytes(self) -> int:
@@ -177,8 +191,8 @@ class Plan:
     def host_state_bytes_per_rank(self) -> int:
         if not self.update_kind.needs_server:
             return 0
-        return sum(self.rows_per_rank(t) * (self.state_floats(t) * FLOAT_BYTES
-                                            + TOUCHED_FLAG_BYTES) for t in self.tables)
+        return self.most_loaded(
+            lambda t: self.state_floats(t) * FLOAT_BYTES + TOUCHED_FLAG_BYTES)
 
     @property
     def host_cache_bytes_per_rank(self) -> int:

@@ -235,6 +235,24 @@ def test_plan_prints_each_tables_placement_as_the_worker_places_it() -> None:
         "d": ("table_wise", [1])}
 
 
+def test_the_device_total_is_the_busiest_ranks_not_each_tables_largest_share() -> None:
+    """Two tables placed whole on different ranks: each rank holds one of them, so a rank
+    needs the larger table's bytes, not the two tables' sum."""
+    flags = ["--task", "tables", "--tables", "a:1000:1:table_wise,b:600:1:table_wise",
+             "--local-optimizer", "--dim", "8", "--plan"]
+    cfg = parse_config(TrainConfig, flags, defaults=task_defaults)
+    plan = plan_for_config(cfg, world_size=2, ranks_per_node=2, detect=False)
+    ranks = {t.name: [r for r in range(2) if plan.rank_rows(t, r)] for t in plan.tables}
+    assert sorted(ranks.values()) == [[0], [1]], ranks  # one table on each rank
+    row_bytes = 8 * plan.row_bytes
+    assert plan.device_rows_bytes == 1000 * row_bytes
+    assert plan.device_state_bytes == 1000 * plan.state_floats(plan.tables[0]) * 4
+    row_wise = plan_for_config(parse_config(
+        TrainConfig, [f.replace(":table_wise", ":row_wise") for f in flags],
+        defaults=task_defaults), world_size=2, ranks_per_node=2, detect=False)
+    assert row_wise.device_rows_bytes == (500 + 300) * row_bytes
+
+
 def test_sharding_flag_and_table_suffix_are_checked_once() -> None:
     from typing import get_args
 

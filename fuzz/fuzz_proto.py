@@ -83,8 +83,10 @@ BAD_CODES = ("INTERNAL", "UNKNOWN")
 CALL_TIMEOUT_S = 2.0  # a Flush or Checkpoint asked to wait 1e300 s ends here
 # A Flush or Checkpoint of a step not applied yet waits its timeout_s (0: the server's
 # default): short ones keep the fuzz moving (the healthy runs send their own timeout).
-SERVER_FLAGS = ["--max-state-bytes", str(1 << 30), "--flush-timeout-s", "0.1",
-                "--stats-without-token"]
+# The fuzz registers dozens of runs with dynamic tables, each reserving budget /
+# --run-shares at Register: many small shares, so the valid calls after it still fit.
+SERVER_FLAGS = ["--max-state-bytes", str(1 << 30), "--run-shares", "64",
+                "--flush-timeout-s", "0.1", "--stats-without-token"]
 HEALTHY_STEPS = 150
 
 

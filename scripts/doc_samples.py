@@ -105,7 +105,9 @@ class Server:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ps", "--port", "0", "--port-file", str(port_file),
-                 "--checkpoint-root", str(directory)], cwd=ROOT, stdout=log,
+                 "--checkpoint-root", str(directory),
+                 # the docs' budget: each table's quota in the sample is the same everywhere
+                 "--memory-budget-mb", "1024"], cwd=ROOT, stdout=log,
                 stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not (port_file.exists() and port_file.read_text().strip()):

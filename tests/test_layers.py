@@ -149,7 +149,7 @@ def test_no_import_cycles() -> None:
 def test_the_cycle_check_sees_type_checking_imports() -> None:
     graph = import_graph()
     # a TYPE_CHECKING import
-    assert "worker.sync.update_sources" in graph["worker.checkpoint.source"]
+    assert "worker.updates.source" in graph["worker.checkpoint.source"]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 

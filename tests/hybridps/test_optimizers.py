@@ -35,6 +35,7 @@ from ps.core.store import Store
 from ps.edge.sync_codec import optimizer_args
 from worker.config.task_defaults import TASK_DEFAULTS, task_defaults
 from worker.config.train_config import Optimizer, TrainConfig
+from worker.config.update_kinds import kind_named
 from worker.embedding.rows import TableConfig
 from worker.embedding.sharded import ShardedEmbedding
 from worker.plan import Plan, TableShape, format_plan
@@ -195,9 +196,9 @@ def test_descriptions_name_what_each_kind_reads() -> None:
     ("adam", 2 * 64), ("partial_rowwise_adam", 64 + 1), ("adagrad", 64),
     ("rowwise_adagrad", 1), ("sgd", 0)])
 def test_plan_counts_the_layout(kind: str, floats: int) -> None:
-    server = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, local_optimizer=False)
+    server = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, kind_named("server"))
     assert server.host_state_bytes_per_rank == 500 * (4 * floats + 1)
-    local = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, local_optimizer=True)
+    local = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, kind_named("local"))
     assert local.device_state_bytes == 500 * 4 * floats
     text = format_plan(server)
     assert f"{4 * floats / 64:g} bytes/element at dim 64" in text

@@ -38,7 +38,7 @@ from worker.checkpoint.parts import CheckpointPart, ManifestDraft
 from worker.checkpoint.source import SourcePart
 from worker.checkpoint.tables import TablesPart
 from worker.config.train_config import TrainConfig
-from worker.sync.update_sources import kind_named
+from worker.config.update_kinds import kind_named
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
 
 REPO = Path(__file__).resolve().parents[3]

@@ -5,7 +5,9 @@ stop after the same step S, write a checkpoint of S that is intact, and exit as 
 stop does; `--resume` then trains to the end and its final rows and dense part are
 bitwise those of the run straight through. With --local-optimizer and with a real shard
 server. `--checkpoint-on-stop false` writes none; a stop at a step just checkpointed
-writes it once.
+writes it once. In process at world 1, dynamic tables with --pipeline: a signal that
+comes after the next step's ids were prefetched stops at the next agreement step, so the
+stop's checkpoint never holds a pending translation, and a resume from it goes on bitwise.
 """
 
 from __future__ import annotations
@@ -17,12 +19,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from hybridps.checkpoint import complete_checkpoints, read_manifest, step_dir, verify_files
 from tests.testing.helpers import REPO, PsServer
+from tests.testing.spawn_helpers import run_ranks
+from tests.worker.train.test_worker_e2e import small_config
+from worker.config.train_config import TrainConfig
+from worker.runtime.dist import DistContext
+from worker.runtime.lifecycle import STOP
+from worker.train.trainer import Trainer
 
 MAIN = str(REPO / "worker" / "main.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -133,3 +142,55 @@ def test_no_checkpoint_on_stop_when_off_and_none_twice(tmp_path: Path) -> None:
     assert "event=checkpoint_on_stop" not in text
     assert text.count(f"checkpoint step {step} ->") == 1, text[-6000:]
     assert complete_checkpoints(again)[-1][0] == step
+
+
+DYNAMIC_TABLES = "user:40:dynamic:lfu:expire=6,ad:30:3:dynamic:threshold=2,s:50"
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, signal_in_push_of: int = -1
+           ) -> tuple[dict[str, torch.Tensor], int, int]:
+    """(final tables, last step, prefetched lookups); a stop requested as
+    `signal_in_push_of`'s push is handed over: after that step's prefetch."""
+    trainer = Trainer(cfg, ctx)
+    push = trainer.source.push
+
+    def pushing(step: int, grads: Any, lr: float | None) -> None:
+        push(step, grads, lr)
+        if step == signal_in_push_of:
+            STOP.request("SIGTERM")
+
+    try:
+        trainer.source.push = pushing  # type: ignore[method-assign]
+        trainer.train()
+        tables = trainer.embedding.gather_full(dst=0) or {}
+        assert trainer.embedding.dynamic is not None
+        return tables, trainer.last_step, trainer.embedding.dynamic.prefetched.taken
+    finally:
+        trainer.close()
+        STOP.clear()
+
+
+def _dynamic_stop_scenario(ctx: DistContext, tmp: str) -> None:
+    cfg = small_config(task="tables", tables=DYNAMIC_TABLES, num_rows=300, steps=20,
+                       batch_size=32, staleness=1, eval_batches=1, progress=False,
+                       log_every=5, pipeline=True)
+    ck = f"{tmp}/ck"
+    _, last, taken = _train(cfg.replace(checkpoint_dir=ck), ctx, signal_in_push_of=9)
+    # step 9's push comes after step 10's ids were prefetched: the stop is at step 14;
+    # steps 2..10 took a prefetched translation, none after the signal
+    assert (last, taken) == (14, 9)
+    assert [s for s, _ in complete_checkpoints(ck)] == [14]
+    verify_files(step_dir(ck, 14), read_manifest(step_dir(ck, 14)))
+    resumed, last, _ = _train(cfg.replace(checkpoint_dir=ck, resume=True), ctx)
+    assert last == 19
+    straight, _, _ = _train(cfg, ctx)
+    assert set(straight) == set(resumed) and straight
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), f"table {name}: resumed != straight"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_stop_after_a_prefetch_checkpoints_no_pending_translation(tmp_path: Path) -> None:
+    run_ranks("tests.worker.checkpoint.test_checkpoint_on_stop:_dynamic_stop_scenario", 1,
+              str(tmp_path))

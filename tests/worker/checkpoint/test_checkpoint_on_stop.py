@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -128,6 +127,7 @@ def test_a_stop_checkpoints_on_the_server_and_a_resume_goes_on_bitwise(
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_no_checkpoint_on_stop_when_off_and_none_twice(tmp_path: Path) -> None:
     off = tmp_path / "off"
@@ -154,7 +154,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, signal_in_push_of: int = -1
     trainer = Trainer(cfg, ctx)
     push = trainer.source.push
 
-    def pushing(step: int, grads: Any, lr: float | None) -> None:
+    def pushing(step: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                lr: float | None = None) -> None:
         push(step, grads, lr)
         if step == signal_in_push_of:
             STOP.request("SIGTERM")

@@ -37,6 +37,13 @@ step s+1. A run with checkpoints therefore equals a run without them, for every
 with another --row-dtype takes the canonical rows (or the fp32 masters) and drops the
 pending updates: the resumed run then sees every update <= s before step s+1.
 
+A stop (SIGTERM/SIGINT: worker/runtime/lifecycle.py) ends the loop after a step every rank
+agrees on; with --checkpoint-on-stop (the default) every rank then checkpoints that step
+(`save_on_stop`; skipped when it was just checkpointed), so a `--resume` goes on from it.
+A dynamic table's prefetch (--pipeline) is held back once a rank is signalled, and the
+ranks agree on the flag as it was then (lifecycle.stop_agreed `requested`), so a stop's
+checkpoint never follows a pending translation.
+
 Each phase of a save is a fault point (worker/runtime/faults.py: HYBRIDPS_FAULT_CHECKPOINT).
 """
 
@@ -53,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from hybridps.checkpoint import MANIFEST, STEP_DIR, Manifest, complete_checkpoints, step_dir
+from hybridps.logs import kv
 from worker.checkpoint.dense import DENSE_DIR
 from worker.checkpoint.parts import CheckpointPart, ManifestDraft
 from worker.checkpoint.resume import dense_optimizer_record, resume_changes, resume_target
@@ -88,6 +96,7 @@ class Checkpointer:
         self.save_s: list[float] = []
         self.written: list[dict[str, Any]] = []  # rank 0: step, path, bytes, seconds
         self.restore_s = 0.0
+        self.saved_step = -1  # the step of this run's newest checkpoint
 
     def attach(self, parts: Sequence[CheckpointPart]) -> None:
         """The run's parts, in the order they save and restore (run_parts.py)."""
@@ -116,6 +125,23 @@ class Checkpointer:
         every = self.opts.checkpoint_every
         return (self.root is not None and every > 0 and (step + 1) % every == 0
                 and step != self.resumed_step)
+
+    @property
+    def on_stop(self) -> bool:
+        """A stop writes a checkpoint (--checkpoint-dir with --checkpoint-on-stop)."""
+        return self.root is not None and self.opts.checkpoint_on_stop
+
+    def save_on_stop(self, step: int) -> Path | None:
+        """The stop's checkpoint of `step` (collective; after the loop's last push), unless
+        --checkpoint-on-stop is off or `step` was just checkpointed; rank 0 logs its time."""
+        if not self.on_stop or step in (self.saved_step, self.resumed_step):
+            return None
+        directory = self.save(step)
+        if self.rank == 0:
+            entry = self.written[-1]
+            log.warning(kv("checkpoint_on_stop", step=step, seconds=f"{self.save_s[-1]:.2f}",
+                           size=human_bytes(entry["bytes"]), path=directory))
+        return directory
 
     # -- save -------------------------------------------------------------------------
     def save(self, step: int) -> Path:
@@ -154,6 +180,7 @@ class Checkpointer:
         fault_point(self.rank, step, "after")
         elapsed = time.perf_counter() - t0
         self.save_s.append(elapsed)
+        self.saved_step = step
         if self.rank == 0:
             self.written.append(checkpoint_entry(step, directory, elapsed))
             log.info("checkpoint step %d -> %s: %s in %.2fs (%s)", step, directory,

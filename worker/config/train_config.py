@@ -321,6 +321,9 @@ class CheckpointConfig:
     checkpoint_keep: int = setting(
         3, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N",
         at_least=0)
+    checkpoint_on_stop: bool = setting(
+        True, "on SIGTERM/SIGINT, every rank checkpoints the step they all stop after, then "
+        "exits (with --checkpoint-dir; docs/operations.md: how long a stop takes)")
     resume: bool = setting(
         False, "resume from the newest complete checkpoint under --checkpoint-dir (none: "
         "start at step 0)", everyday=True)

@@ -6,7 +6,9 @@ signal only sets a flag, and every `every` steps (--log-every, the steps where
 the loss is all-reduced anyway) the ranks all-reduce their flags: when any
 rank was signalled, all stop after that same step, drain and Flush their
 updates (so the server holds every push up to it), send Finish(aborted) and
-exit with STOPPED_EXIT_CODE. A second signal exits at once (default action).
+exit with STOPPED_EXIT_CODE; with --checkpoint-dir (and --checkpoint-on-stop) every rank
+first checkpoints that step (worker/checkpoint/checkpointer.py `save_on_stop`). A second
+signal exits at once (default action).
 """
 
 from __future__ import annotations
@@ -69,8 +71,12 @@ def install_signal_handlers() -> None:
         signal.signal(sig, _on_signal)
 
 
-def stop_agreed(step: int, every: int, ctx: DistContext) -> bool:
-    """Collective, at steps where (step + 1) % every == 0: True when any rank must stop."""
+def stop_agreed(step: int, every: int, ctx: DistContext, requested: bool | None = None
+                ) -> bool:
+    """Collective, at steps where (step + 1) % every == 0: True when any rank must stop.
+
+    `requested`: this rank's flag as the loop read it earlier in the step (default: now);
+    a signal after that read stops at the next agreement step."""
     if (step + 1) % max(every, 1):
         return False
     import torch
@@ -79,7 +85,8 @@ def stop_agreed(step: int, every: int, ctx: DistContext) -> bool:
     from worker.runtime.device_copy import sync_point
 
     with sync_point("stop_flag"):
-        flag = torch.tensor([1.0 if STOP.requested else 0.0], device=ctx.device)
+        mine = STOP.requested if requested is None else requested
+        flag = torch.tensor([1.0 if mine else 0.0], device=ctx.device)
         if ctx.world_size > 1:
             dist.all_reduce(flag)
         stop = bool(flag.item() > 0)

@@ -60,7 +60,7 @@ from worker.report.tensorboard import TensorBoardLog
 from worker.runtime import faults
 from worker.runtime.device_copy import sync_point
 from worker.runtime.dist import DistContext
-from worker.runtime.lifecycle import stop_agreed
+from worker.runtime.lifecycle import STOP, stop_agreed
 from worker.sync.arena import arena_bytes_for_run
 from worker.sync.client import WIRE_DTYPES
 from worker.sync.update_sources import build_update_source
@@ -243,8 +243,11 @@ class Trainer:
             batch = self.inputs.take(step)  # made (and input-dist'ed) ahead with --pipeline
             t2 = time.perf_counter()
             loss = task.loss(model, batch)  # mean over this rank's B samples
-            # --pipeline: step+1's dynamic ids translated meanwhile (not into a checkpoint)
-            self.inputs.after_forward(step, prefetch=not self.checkpointer.due(step))
+            # --pipeline: step+1's dynamic ids translated meanwhile (not into a checkpoint,
+            # nor a stop's: the flag as read here decides a stop after this step)
+            asked = STOP.requested
+            self.inputs.after_forward(step, prefetch=not (
+                self.checkpointer.due(step) or (asked and self.checkpointer.on_stop)))
             self.source.poll()  # the last push, if its gradients reached the host by now
             t3 = time.perf_counter()
             self.dense_parallel.backward(loss)  # dense grads: FSDP/DDP average them across ranks
@@ -310,8 +313,12 @@ class Trainer:
                 with sync_point("checkpoint"):
                     self.checkpointer.save(step)
             bar.update(1)
-            if stop or stop_agreed(step, out.log_every, ctx):  # SIGTERM: runtime/lifecycle.py
+            # SIGTERM: runtime/lifecycle.py
+            if stop or stop_agreed(step, out.log_every, ctx, asked):
                 record.last_step = step
+                if not stop:  # the signal's: every rank checkpoints this step
+                    with sync_point("checkpoint"):
+                        self.checkpointer.save_on_stop(step)
                 if step + 1 < self.steps:
                     end_bar(bar, reason if stop else "stopped", self.steps)
                 break

@@ -16,9 +16,10 @@ with the fill (O(rows in the call)).
 
 Then the memory a store really holds under a budget (--max-state-bytes 64 and 128 MiB,
 one run of one rank: its whole share): 2.4M ids paged out 8,192 a call, most of them
-dropped; reported: the table's quota, the bytes the drops are decided on (rows and
-tombstones), the bytes the store holds (pool capacity, id map, drop order, tombstones:
-`dynamic_held_bytes` in the stats) and the process's resident memory grown (VmRSS).
+dropped; reported: the table's quota, the bytes the drops are decided on (rows,
+tombstones, the id map at its size), the bytes the store holds (pool capacity, id map,
+drop order, tombstones: `dynamic_held_bytes` in the stats) and the process's resident
+memory grown (VmRSS).
 """
 
 from __future__ import annotations

@@ -95,3 +95,14 @@ class GrowableColumn:
             self._base, self.reserved_rows = base, int(base.shape[0])
         self.size = rows
         return self._base[:rows]
+
+    def shrink(self, rows: int) -> np.ndarray:
+        """Keep the first `rows` rows in a base of their size and release the rest (the
+        old base's memory goes back when no view of it is left); a view, as `resize`."""
+        if not 0 <= rows <= self.size:
+            raise ValueError(f"column rows {rows} must be in [0, {self.size}]")
+        base = self._reserve(rows)
+        base[:rows] = self._base[:rows]
+        self.copies += 1
+        self._base, self.reserved_rows, self.size = base, int(base.shape[0]), rows
+        return self._base[:rows]

@@ -4,7 +4,9 @@ Open addressing with linear probing over one int64 table [size, 2]: per position
 and a value, the value also saying the position's state (>= 0: full, EMPTY, or GONE: a
 removed entry's tombstone), so values are >= 0. The size is a power of two kept at most
 half occupied (full + tombstones; a rebuild drops the tombstones). 16 bytes a position,
-32 to 64 bytes an entry; a probe reads one 16-byte entry (key and value side by side:
+32 to 64 bytes an entry. A map sized once (`fix_capacity`, a store under a memory quota)
+keeps its size: tombstones are cleared by rebuilding in place, so its bytes are known
+before it fills; a probe reads one 16-byte entry (key and value side by side:
 one cache miss, not one per array). Every operation works
 on a whole batch of ids at once: each probe round is a handful of numpy operations over
 the ids still probing, and at this load a round or two places or finds nearly all of
@@ -30,6 +32,9 @@ from hybridps.native import dynamic as _ext
 EMPTY, GONE = -1, -2  # a position's value when it holds no entry
 MAP_SALT = 0x6A09E667F3BCC909
 MAX_LOAD = 0.5
+# a map sized once for at most N entries (a store under a quota): N at most this load, so
+# that at least an eighth of the positions take tombstones between two rebuilds in place
+FIXED_LOAD = 0.375
 MIN_SIZE = 16
 WINDOW = 4  # positions probed per round
 _STEPS = np.arange(WINDOW, dtype=np.int64)
@@ -40,6 +45,14 @@ def _size_for(entries: int) -> int:
     """The smallest power of two holding `entries` at a quarter load (a rebuild at half)."""
     size = MIN_SIZE
     while size * 0.25 < entries:
+        size *= 2
+    return size
+
+
+def fixed_size_for(entries: int) -> int:
+    """The power of two `fix_capacity(entries)` allocates."""
+    size = MIN_SIZE
+    while size * FIXED_LOAD < entries:
         size *= 2
     return size
 
@@ -57,6 +70,7 @@ class IdMap:
         if native and not _NATIVE:
             raise RuntimeError("IdMap(native=True): the native extension is not built")
         self.native = _NATIVE if native is None else native
+        self.fixed = False  # sized once (fix_capacity): rebuilds keep the size
         self._alloc(_size_for(expected))
 
     def _alloc(self, size: int) -> None:
@@ -66,7 +80,8 @@ class IdMap:
         self.table[:, 1] = EMPTY
         self.keys = self.table[:, 0]    # views of the table's columns
         self.values = self.table[:, 1]
-        self._claim = np.zeros(size, dtype=np.int64)  # _place's scratch
+        # _place's scratch, allocated by the numpy path only (the C probes need none)
+        self._claim = np.zeros(0, dtype=np.int64)
         self.count = 0
         self.gone = 0
 
@@ -87,6 +102,16 @@ class IdMap:
     def held_bytes(self) -> int:
         """Host bytes it holds: the table and the insert's scratch column."""
         return int(self.table.nbytes + self._claim.nbytes)
+
+    def fix_capacity(self, entries: int) -> None:
+        """Size the table once for at most `entries` entries (at FIXED_LOAD) and keep that
+        size: a removal's tombstone is cleared by a rebuild in place, not by growing, so
+        the map's bytes are known from `entries` alone. More entries than that still fit
+        (the table then grows as an unfixed one would)."""
+        self.fixed = True
+        size = fixed_size_for(max(entries, self.count))
+        if size != self.size:
+            self._rebuild(self.count, size)
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (salted(ids.view(np.uint64), MAP_SALT) >> np.uint64(64 - self.bits)).astype(
@@ -156,7 +181,8 @@ class IdMap:
     def reserve(self, more: int) -> None:
         """Room for `more` new entries at most half load (a rebuild drops tombstones)."""
         if self.count + self.gone + more > MAX_LOAD * self.size:
-            self._rebuild(self.count + more)
+            fits = self.fixed and self.count + more <= MAX_LOAD * self.size
+            self._rebuild(self.count + more, self.size if fits else None)
 
     def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
         if self.native:
@@ -168,6 +194,8 @@ class IdMap:
         mask = self.size - 1
         idx = np.arange(ids.size)
         pos = self._home(ids)
+        if self._claim.size != self.size:
+            self._claim = np.zeros(self.size, dtype=np.int64)
         claim = self._claim
         while idx.size:
             # each id's first free position within WINDOW of where it is (else move on)
@@ -226,17 +254,20 @@ class IdMap:
         full = self.values >= 0
         return self.keys[full].copy(), self.values[full].copy()
 
-    def _rebuild(self, entries: int) -> None:
+    def _rebuild(self, entries: int, size: int | None = None) -> None:
+        """Every entry placed anew in a table of `size` positions (None: the size for
+        `entries` at a quarter load); the tombstones go."""
+        size = _size_for(entries) if size is None else size
         if self.native:  # the same placements as _place(*self.items()), without the lists
             assert _ext is not None
             old, old_size = self.table, self.size
-            self._alloc(_size_for(entries))
+            self._alloc(size)
             self.count = _ext.idmap_rehash(old.ctypes.data, old_size, self.table.ctypes.data,
                                            self.size, MAP_SALT)
             return
         keys, values = self.items()
-        self._alloc(_size_for(entries))
+        self._alloc(size)
         self._place(keys, values)
 
     def clear(self) -> None:
-        self._alloc(MIN_SIZE)
+        self._alloc(self.size if self.fixed else MIN_SIZE)

@@ -34,7 +34,7 @@ class SeenOrder:
 
     def __init__(self) -> None:
         self._buckets: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-        self._sorted: set[int] = set()  # buckets that are one part, valid and id-sorted
+        self._sorted: set[int] = set()  # buckets that are one part, id-sorted
         self._steps: list[int] = []  # heap of the buckets' keys
         self.entries = 0
 
@@ -65,8 +65,14 @@ class SeenOrder:
                                                                            np.ndarray]:
         """Bucket `key`'s live entries sorted by id, kept as its one part."""
         parts = self._buckets[key]
-        if key in self._sorted:
-            return parts[0]
+        if key in self._sorted:  # id-sorted already; a take since may have left stale ones
+            pos, g = parts[0]
+            live = gen[pos] == g
+            if not bool(live.all()):
+                pos, g = pos[live], g[live]
+                self.entries -= int(live.size - pos.size)
+                self._buckets[key] = [(pos, g)]
+            return pos, g
         pos = np.concatenate([p for p, _ in parts])
         g = np.concatenate([q for _, q in parts])
         live = gen[pos] == g

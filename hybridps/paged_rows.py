@@ -16,6 +16,14 @@ stores are not ordered and scan for their drops. Every drop leaves a
 tombstone (id, step) for the delta export (worker/export.py --delta-since); tombstones
 are kept for the run (16 bytes each).
 
+Under a quota (`set_quota`, the server's per-table share) the bytes the drops are decided
+on (`nbytes`) are the ones it holds: the id map is sized once from the quota (the rows it
+allows plus one call's, at the map's fixed load) and counted at its capacity, tombstones
+included; the pools grow to those rows at most and shrink back as the drop tombstones
+take more of the quota (`fit_pools`). So `held_bytes` stays within the quota plus
+`held_overhead_bytes` (one call's positions twice and the drop order's slack), and every
+decision still depends only on the table's own calls.
+
 Both sides hold one: the shard server (ps/core/partition.py, the node's store) and the
 worker's --local-optimizer (in-process). `state_dict`/`load_state_dict` are the
 checkpoint's `paged/<table>.r<rank>.pt` payload (hybridps/dynamic_files.py's `save_paged`).
@@ -31,15 +39,17 @@ import numpy as np
 import torch
 
 from hybridps.growable import GrowableColumn
-from hybridps.id_map import IdMap
-from hybridps.paged_order import SeenOrder
+from hybridps.id_map import FIXED_LOAD, IdMap, fixed_size_for
+from hybridps.paged_order import REBUILD_SLACK, SeenOrder
 
 PAGED_FORMAT = "hybridps-paged-rows-v1"
-# per id besides its row and state: pool id, last seen, frequency, generation (int64
-# each), its drop-order entry (16 bytes: hybridps/paged_order.py) and its IdMap entry
-# (about 2 positions of 17 bytes)
-ENTRY_OVERHEAD_BYTES = 4 * 8 + 16 + 2 * 17
+# per id besides its row and state: pool id, last seen, frequency, generation and free
+# stack (int64 each) and its drop-order entries (16 bytes each, at most 2 per id between
+# rebuilds: hybridps/paged_order.py). Its IdMap entry is counted with the map, at the
+# map's real size (`nbytes`).
+ENTRY_OVERHEAD_BYTES = 5 * 8 + 2 * 16
 TOMBSTONE_BYTES = 16  # a dropped id and its step, kept for the run
+IDMAP_POSITION_BYTES = 16
 
 
 @dataclass
@@ -69,6 +79,8 @@ class PagedRows:
         # without bound): a store under a quota then holds its quota's rows plus one
         # call's, not up to twice them (the server sets it from the table's quota)
         self.max_entries = 0
+        self.quota = 0  # set_quota: the bytes `nbytes` may reach (0: no limit)
+        self.call_rows = 0
         self.layout = tuple((str(n), int(w)) for n, w in layout)
         self.index = IdMap()
         self._alloc(0)
@@ -123,8 +135,24 @@ class PagedRows:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of its entries and tombstones."""
-        return len(self) * self.row_bytes + TOMBSTONE_BYTES * self.tomb_count
+        """Host bytes the drops are decided on: its entries (pools and drop order), its id
+        map at its real size (capacity, with its tombstones) and the drop tombstones."""
+        return (len(self) * self.row_bytes + self.index.held_bytes
+                + TOMBSTONE_BYTES * self.tomb_count)
+
+    def set_quota(self, quota: int, call_rows: int) -> int:
+        """Bound the store by `quota` bytes (0: none), one call putting at most
+        `call_rows` ids before its drops: the id map is sized once, for the most rows
+        the quota allows plus one call's, and the pools grow to those rows at most.
+        Returns the rows the quota allows (before any tombstone)."""
+        self.quota, self.call_rows = quota, call_rows
+        if quota <= 0:
+            self.max_entries = 0
+            return 0
+        rows = quota_rows(quota, self.row_bytes, call_rows)
+        self.max_entries = rows + call_rows
+        self.index.fix_capacity(self.max_entries)
+        return rows
 
     @property
     def held_bytes(self) -> int:
@@ -133,6 +161,58 @@ class PagedRows:
         pools = sum(c.row_bytes for c in self._columns.values()) * self.capacity
         return (pools + self.index.held_bytes + self.order.nbytes
                 + TOMBSTONE_BYTES * self.tomb_count)
+
+    @property
+    def pool_row_bytes(self) -> int:
+        """Bytes one pool position holds (every column)."""
+        return sum(c.row_bytes for c in self._columns.values())
+
+    @property
+    def held_overhead_bytes(self) -> int:
+        """What `held_bytes` may exceed `nbytes` by under a quota: the pools' positions
+        for two calls' rows (one call's puts, and the slack before they shrink) and the
+        drop order's entries before a rebuild."""
+        return 2 * self.call_rows * self.pool_row_bytes + 16 * REBUILD_SLACK
+
+    def fit_pools(self) -> None:
+        """Under a quota, after a call's drops: shrink the pools to the rows the quota
+        still allows (tombstones take more of it as drops go on) plus one call's, once
+        they hold a call's rows more than that, so the bytes held stay within the quota
+        plus `held_overhead_bytes`. O(store), at most once per call_rows x row bytes /
+        16 drops: O(1) a drop, amortized."""
+        if not self.quota:
+            return
+        room = self.quota - self.index.held_bytes - TOMBSTONE_BYTES * self.tomb_count
+        target = max(room // self.row_bytes, len(self)) + self.call_rows
+        if self.capacity > target + self.call_rows:
+            self._shrink(target)
+
+    def _shrink(self, capacity: int) -> None:
+        """Move the entries beyond `capacity` onto free positions below it and cut every
+        pool to `capacity` positions, their memory released."""
+        live = self._live_positions()
+        high = live[live >= capacity]
+        if high.size:
+            used = np.zeros(capacity, dtype=bool)
+            used[live[live < capacity]] = True
+            low = np.flatnonzero(~used)[:high.size]
+            for name, c in self._columns.items():
+                if name not in ("free", "gen"):
+                    col = c.resize(self.capacity)
+                    col[low] = col[high]
+            self.index.set_values(self.ids[low], low)
+        for c in self._columns.values():
+            c.shrink(capacity)
+        self._resize(capacity)
+        self.max_entries = min(self.max_entries, capacity) if self.max_entries else capacity
+        self.gen[:] += 1  # every order entry is stale: the order is rebuilt below
+        live = self._live_positions()
+        used = np.zeros(capacity, dtype=bool)
+        used[live] = True
+        self.n_free = capacity - live.size
+        self.free[:self.n_free] = np.flatnonzero(~used)[::-1]
+        if self.ordered:
+            self.order.rebuild(live, self.seen, self.gen)
 
     @property
     def tomb_count(self) -> int:
@@ -329,7 +409,10 @@ class PagedRows:
             np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)),
              counters: Mapping[str, int] | None = None) -> None:
         """Replace the store's content (a restore)."""
+        fixed = self.index.fixed
         self.index = IdMap(entries.count)
+        if fixed:
+            self.index.fix_capacity(max(self.max_entries, entries.count))
         self._alloc(0)
         self.put(entries)
         self.tomb_ids, self.tomb_steps = ([tombstones[0]], [tombstones[1]]) if tombstones[
@@ -339,6 +422,21 @@ class PagedRows:
         self.expired = int(counters.get("expired", 0))
         self.dropped = int(counters.get("dropped", 0))
         self.last_expiry = int(counters.get("last_expiry", -1))
+
+
+def quota_rows(quota: int, row_bytes: int, call_rows: int) -> int:
+    """The most rows R a store of `row_bytes` per row keeps under `quota` bytes with its
+    id map sized for R + `call_rows` entries (hybridps/id_map.py's fix_capacity)."""
+    best = 0
+    size = fixed_size_for(0)
+    while IDMAP_POSITION_BYTES * size <= quota:
+        by_bytes = (quota - IDMAP_POSITION_BYTES * size) // row_bytes
+        by_map = int(size * FIXED_LOAD) - call_rows
+        best = max(best, min(by_bytes, by_map))
+        if by_bytes <= by_map:
+            break
+        size *= 2
+    return max(best, 0)
 
 
 def paged_from_dict(payload: Mapping[str, Any], what: str) -> tuple[PagedOut, tuple[

@@ -162,6 +162,7 @@ class PagedTable:
         if excess > 0:  # the quota: the ids seen longest ago go, each leaving a tombstone
             freed = self.store.row_bytes - TOMBSTONE_BYTES
             dropped.append(self.store.drop_oldest(math.ceil(excess / freed), call.step))
+        self.store.fit_pools()
         self.page_outs += int(call.out.ids.numel())
         self.page_ins += int(found.sum())
         result = PageResult(found.to(torch.int64), got, np.concatenate(dropped))

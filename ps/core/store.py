@@ -298,8 +298,9 @@ class Store(PartitionAuth):
             dynamic = [(state, state.paging) for state in part.tables.values()
                        if state.paging is not None]
             for (state, paging), quota in zip(dynamic, quotas, strict=True):
-                state.paged_quota = quota  # and the pools grow to its rows at most
-                paging.store.max_entries = quota // paging.store.row_bytes
+                state.paged_quota = quota  # the id map sized once, the pools capped:
+                # a call puts at most one id per slot before its drops
+                paging.store.set_quota(quota, state.spec.rows_held)
             return part
         finally:
             self.budget.release(needed, run_id)  # from here on the partition itself counts

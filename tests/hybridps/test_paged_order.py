@@ -81,3 +81,15 @@ def test_a_drop_costs_the_rows_it_drops_not_the_store() -> None:
     assert len(store.order._sorted) == 1 and len(store.order._buckets) == untouched + 1
     assert store.drop_oldest(8, 9_999).tolist() == list(range(3, 11))
     assert store.expire(9_999, 9_999 - 3).tolist() == list(range(11, 30))
+
+
+def test_an_id_taken_from_a_partly_dropped_step_is_not_dropped_again() -> None:
+    """A drop leaves the rest of its step's bucket sorted; an id of it paged back in
+    since is no longer the store's to drop."""
+    store = PagedRows(DIM, LAYOUT, ordered=True)
+    store.put(_out(np.arange(10), np.ones(10)))
+    assert store.drop_oldest(3, 5).tolist() == [0, 1, 2]
+    found, _ = store.take(torch.tensor([3]))
+    assert found.tolist() == [True]
+    assert store.drop_oldest(2, 6).tolist() == [4, 5]
+    assert store.entries().ids.tolist() == [6, 7, 8, 9] and len(store) == 4

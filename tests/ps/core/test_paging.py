@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from hybridps.errors import OutOfOrder, ResourceExhausted, RowOutOfRange
 from hybridps.optim import OptimizerSpec
 from hybridps.paged_rows import PagedOut
+from hybridps.paged_rows import quota_rows as quota_rows_for
 from ps.core.paging import PageCall
 from ps.core.partition import TableSpec
 from ps.core.store import Store
@@ -179,7 +180,10 @@ def test_a_dynamic_partition_reserves_its_share_and_one_too_small_is_refused() -
     store.register("a", 0, 2, 0, [TableSpec("u", 8, DIM, 0, 4, dynamic=True)], SPEC)
     part = store.partition("a", 0)
     assert part is not None and part.reserved_bytes == 5_000  # share / world size
-    assert part.tables["u"].paged_quota == 5_000 - part.state_bytes
+    table = part.tables["u"]
+    assert table.paging is not None  # the fixed state leaves the quota; the id map is in it
+    assert table.paged_bytes == table.paging.store.index.held_bytes > 0
+    assert table.paged_quota == 5_000 - (part.state_bytes - table.paged_bytes)
     assert store._state_bytes_in_use() == 5_000
     with pytest.raises(ResourceExhausted) as info:
         store.register("b", 0, 1, 0, [TableSpec("u", 2000, DIM, 0, 2000, dynamic=True)],
@@ -215,8 +219,12 @@ def test_the_stats_show_each_tables_quota_and_the_bytes_its_store_holds() -> Non
     table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
     assert table.paging is not None
     row = next(r for r in store.stats("r").partitions if r.table == "u")
-    assert row.dynamic_paged_quota == table.paged_quota == 200
-    assert row.dynamic_paged_bytes <= row.dynamic_paged_quota < row.dynamic_held_bytes
+    # the share's 200 bytes beyond the fixed state and the (empty) store's id map
+    assert row.dynamic_paged_quota == table.paged_quota == 200 + held.tables[
+        "u"].paged_bytes
+    assert row.dynamic_paged_bytes <= row.dynamic_paged_quota
+    assert row.dynamic_held_bytes <= (row.dynamic_paged_quota
+                                      + table.paging.store.held_overhead_bytes)
     assert row.dynamic_held_bytes >= table.paging.store.capacity * table.paging.store.dim * 4
     text = format_shard_stats(stats_message(store.stats("r")))
     assert f"dropped {row.dynamic_dropped}  quota 0.0 MB  held" in text
@@ -230,16 +238,52 @@ def test_under_a_quota_the_pools_hold_its_rows_and_one_calls_not_twice_them() ->
     part = probe.partition("r", 0)
     assert part is not None and part.tables["u"].paging is not None
     row_bytes = part.tables["u"].paging.store.row_bytes
-    store = Store(max_state_bytes=part.state_bytes + 100 * row_bytes + 1000, run_shares=1)
+    # ~100 rows and an id map for them and one call's (512 positions at most)
+    room = 100 * row_bytes + 16 * 512 + 1000
+    store = Store(max_state_bytes=part.state_bytes + room, run_shares=1)
     store.register("r", 0, 1, 1, [TableSpec("u", 16, DIM, 0, 16, dynamic=True)], SPEC)
     table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
     assert table.paging is not None
     paged = table.paging.store
-    quota_rows = table.paged_quota // row_bytes
-    assert 100 <= quota_rows < 128
+    quota_rows = quota_rows_for(table.paged_quota, row_bytes, 16)
+    assert 100 <= quota_rows < 128 and paged.max_entries == quota_rows + 16
     for seq in range(1, 41):
         ids = list(range(16 * seq, 16 * seq + 16))
         store.page("r", 0, 1, "u", _call(seq, seq, ids, list(range(16)), [], []))
     assert paged.dropped > 0 and len(paged) <= quota_rows
     assert paged.capacity <= quota_rows + 16
     assert table.paged_bytes <= table.paged_quota
+
+
+def test_under_a_quota_the_bytes_the_store_holds_stay_within_it() -> None:
+    """The id map sized once from the quota, its capacity, the pools' capacity and the
+    tombstones counted: after every call of a long run (drops, page-ins, tombstones
+    taking more of the quota) the bytes held stay within the quota plus the store's
+    fixed overhead, the pools shrink as the tombstones grow, and every row paged back in
+    is the one paged out."""
+    probe = _store().partition("r", 0)
+    assert probe is not None
+    fixed = probe.state_bytes - probe.tables["u"].paged_bytes
+    store = _store(max_state_bytes=2 * (fixed + 40_000))
+    table = store.partition("r", 0).tables["u"]  # type: ignore[union-attr]
+    assert table.paging is not None and table.paged_quota == 40_000
+    paged = table.paging.store
+    map_bytes = paged.index.held_bytes
+    peak = 0
+    rng = np.random.default_rng(0)
+    for seq in range(1, 301):
+        out = [4 * seq + k for k in range(4)]
+        back = sorted(set(rng.choice(4 * seq, size=2, replace=False).tolist()) - set(out))
+        rows = torch.tensor(out, dtype=torch.float32)[:, None].repeat(1, DIM)
+        result = store.page("r", 0, 1, "u", _call(seq, seq, out, [0, 1, 2, 3], back,
+                                                  [0, 1][:len(back)], rows))
+        got = result.got.ids.tolist()
+        assert torch.equal(result.got.rows, torch.tensor(got, dtype=torch.float32)[
+            :, None].repeat(1, DIM))
+        assert set(got) <= set(back) and not set(got) & set(paged.entries().ids.tolist())
+        assert paged.nbytes <= table.paged_quota
+        assert paged.held_bytes <= table.paged_quota + paged.held_overhead_bytes
+        assert paged.index.held_bytes == map_bytes  # sized once, never grown
+        peak = max(peak, paged.capacity)
+    assert paged.dropped > 0 and paged.tomb_count * 16 > 40_000 // 4
+    assert paged.capacity < peak  # the tombstones took room the pools gave back

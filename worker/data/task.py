@@ -40,12 +40,7 @@ from worker.data.sharding import Catalog
 from worker.runtime.gather import dist_info
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
 from worker.tasks.click import click_mlp
-from worker.tasks.metrics import (
-    auc_summary,
-    log_loss_sum,
-    merge_auc_summaries,
-    roc_auc_from_summary,
-)
+from worker.tasks.metrics import auc_over_ranks, log_loss_over_ranks, summed_over_ranks
 
 __all__ = ["FilesTask", "scan"]
 
@@ -226,28 +221,12 @@ class FilesTask(Task):
         if not scores:
             return {}
         score, label = np.concatenate(scores), np.concatenate(labels)
-        out = {"auc": _auc(score, label, world, group)}
+        out = {"auc": auc_over_ranks(score, label, world, group)}
         if quick:
             return out
-        total, n = log_loss_sum(score, label)
-        out["log_loss"] = _sum(total, world, group) / _sum(float(n), world, group)
-        out["heldout_samples"] = _sum(float(len(label)), world, group)
+        out["log_loss"] = log_loss_over_ranks(score, label, world, group)
+        out["heldout_samples"] = summed_over_ranks(float(len(label)), world, group)
         return out
 
 
-def _auc(score: np.ndarray, label: np.ndarray, world: int,
-         group: dist.ProcessGroup | None) -> float:
-    summary = auc_summary(score, label)
-    parts: list[Any] = [summary]
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, summary, group=group)
-    return roc_auc_from_summary(merge_auc_summaries(parts))
-
-
-def _sum(value: float, world: int, group: dist.ProcessGroup | None) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(t, group=group)
-    return float(t)
 

@@ -42,14 +42,17 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
     "AucSummary",
+    "auc_over_ranks",
     "auc_summary",
     "batch_roc_auc",
     "block_rank_counts",
     "log_loss",
+    "log_loss_over_ranks",
     "log_loss_sum",
     "merge_auc_summaries",
     "ranking_metrics",
@@ -59,6 +62,7 @@ __all__ = [
     "roc_auc",
     "roc_auc_from_parts",
     "roc_auc_from_summary",
+    "summed_over_ranks",
 ]
 
 TIE_POLICIES = ("realistic", "optimistic", "pessimistic")
@@ -266,3 +270,31 @@ def log_loss(
     if n == 0:
         raise ValueError("log_loss of no samples")
     return total / n
+
+
+def summed_over_ranks(value: float, world: int, group: dist.ProcessGroup | None) -> float:
+    """`value` summed over the `world` ranks of `group` (float64; world 1: itself)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(t, group=group)
+    return float(t)
+
+
+def auc_over_ranks(score: np.ndarray, label: np.ndarray, world: int,
+                   group: dist.ProcessGroup | None) -> float:
+    """ROC AUC of every rank's (score, label) together: each rank's summary all-gathered
+    and merged, so it equals the AUC of the concatenated samples."""
+    summary = auc_summary(score, label)
+    parts: list[AucSummary | None] = [summary]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, summary, group=group)
+    return roc_auc_from_summary(merge_auc_summaries(p for p in parts if p is not None))
+
+
+def log_loss_over_ranks(score: np.ndarray, label: np.ndarray, world: int,
+                        group: dist.ProcessGroup | None) -> float:
+    """Mean log loss of every rank's samples together, from all-reduced sums."""
+    total, n = log_loss_sum(score, label)
+    return (summed_over_ranks(total, world, group)
+            / summed_over_ranks(float(n), world, group))

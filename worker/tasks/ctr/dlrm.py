@@ -56,12 +56,7 @@ from worker.tasks.base import Batch, HybridModel, TableConfig, Task
 from worker.tasks.ctr.batch import NUM_DENSE, NUM_SPARSE, CTRBatch
 from worker.tasks.ctr.criteo import iter_criteo_batches, list_criteo_files
 from worker.tasks.ctr.synthetic import SyntheticCTR
-from worker.tasks.metrics import (
-    auc_summary,
-    log_loss_sum,
-    merge_auc_summaries,
-    roc_auc_from_summary,
-)
+from worker.tasks.metrics import auc_over_ranks, log_loss_over_ranks, summed_over_ranks
 
 DEFAULT_TABLE_ROWS = 100
 DEFAULT_BOTTOM_MLP = (64,)
@@ -262,39 +257,16 @@ class DLRMTask(Task):
                     b.values["label"].numpy(), b.values["dense"].numpy(),
                     b.ids["sparse"].numpy())))
         score, label = np.concatenate(logits), np.concatenate(labels)
-        out = {"auc": self._auc(score, label, world, group)}
+        out = {"auc": auc_over_ranks(score, label, world, group)}
         if quick:
             return out
-        out["log_loss"] = self._log_loss(score, label, world, group)
+        out["log_loss"] = log_loss_over_ranks(score, label, world, group)
         if planted:
             plant = np.concatenate(planted)
-            out["planted_auc"] = self._auc(plant, label, world, group)
-            out["planted_log_loss"] = self._log_loss(plant, label, world, group)
-        out["heldout_samples"] = float(self._sum(float(len(label)), world, group))
+            out["planted_auc"] = auc_over_ranks(plant, label, world, group)
+            out["planted_log_loss"] = log_loss_over_ranks(plant, label, world, group)
+        out["heldout_samples"] = float(summed_over_ranks(float(len(label)), world, group))
         return out
-
-    @staticmethod
-    def _auc(score: np.ndarray, label: np.ndarray, world: int,
-             group: dist.ProcessGroup | None) -> float:
-        summary = auc_summary(score, label)
-        parts: list[Any] = [summary]
-        if world > 1:
-            parts = [None] * world
-            dist.all_gather_object(parts, summary, group=group)
-        return roc_auc_from_summary(merge_auc_summaries(parts))
-
-    @classmethod
-    def _log_loss(cls, score: np.ndarray, label: np.ndarray, world: int,
-                  group: dist.ProcessGroup | None) -> float:
-        total, n = log_loss_sum(score, label)
-        return cls._sum(total, world, group) / cls._sum(float(n), world, group)
-
-    @staticmethod
-    def _sum(value: float, world: int, group: dist.ProcessGroup | None) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(t, group=group)
-        return float(t)
 
     # -- Criteo streaming -------------------------------------------------------------------
     def _criteo_blocks(self, rank: int, world_size: int) -> Iterator[tuple[int, CTRBatch]]:

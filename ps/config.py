@@ -22,6 +22,7 @@ from hybridps.channel_options import (
 )
 from hybridps.cli import setting
 from hybridps.logs import LOG_LEVELS
+from hybridps.path_checks import file_problem
 from ps.core.lifecycle import DEFAULT_ABORT_GRACE_S  # torch-free
 from ps.core.limits import DEFAULT_RUN_SHARES  # torch-free
 
@@ -252,21 +253,7 @@ def port_file_problem(path: str) -> str | None:
     says why not, before the server binds, rather than a traceback after it bound."""
     if not path:
         return None
-    named = f"--port-file {path!r}"
-    if os.path.isdir(path):
-        example = os.path.join(path, "ps.port")
-        return (f"{named} is a directory, where a file is written: give a file path (e.g. "
-                f"{example!r})")
-    above = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
-        return (f"{named} cannot be created: {above!r} is not a directory; give a path in a "
-                "directory")
-    if not os.access(above, os.W_OK | os.X_OK):
-        return (f"{named} cannot be created: directory {above!r} is not writable by this "
-                "user; give a path in a writable directory")
-    return None
+    return file_problem("--port-file", path, example="ps.port")
 
 
 def ensure_checkpoint_root(root: str) -> str | None:

@@ -42,7 +42,7 @@ import torch
 from hybridps.checkpoint import Manifest, load_rows, save_torch
 from hybridps.dynamic_files import live_rows
 from hybridps.errors import ShardError
-from worker.config.output_paths import file_problem
+from hybridps.path_checks import file_problem
 
 EMBEDDING_PREFIX = "embedding.tables."
 DYNAMIC_PREFIX = "embedding.dynamic."

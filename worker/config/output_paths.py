@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridps.path_checks import directory_problem, file_problem
 from hybridps.step_dirs import STEP_DIR as STEP_DIR_NAME
 
 if TYPE_CHECKING:
@@ -37,60 +38,6 @@ def id_maps_path(results: str) -> str:
     """Where --task kge writes its id maps next to --results (run.json -> run.id_maps)."""
     p = Path(results)
     return str(p.with_name(p.stem + ID_MAPS_SUFFIX))
-
-
-def _nearest_existing(path: Path) -> Path:
-    for parent in path.absolute().parents:
-        if os.path.lexists(parent):
-            return parent
-    return Path(path.absolute().anchor)
-
-
-def _named(flag: str, path: str, what: str) -> str:
-    return f"{flag} {path!r}" + (f" ({what})" if what else "")
-
-
-def _creatable(named: str, path: str) -> str | None:
-    """None when `path`, missing, can be created (with its missing parents)."""
-    above = _nearest_existing(Path(path))
-    if not above.is_dir():
-        return (f"{named} cannot be created: {str(above)!r} is not a directory; give a "
-                "path in a directory")
-    if not os.access(above, os.W_OK | os.X_OK):
-        return (f"{named} cannot be created: directory {str(above)!r} is not writable by "
-                "this user; give a path in a writable directory")
-    return None
-
-
-def file_problem(flag: str, path: str, what: str = "", example: str = "run.json"
-                 ) -> str | None:
-    """A file written at `path` (replacing one that is there); `what`: what the file is
-    when it is not `path` itself but a file next to it; `example`: a file name to suggest
-    inside a directory given instead."""
-    named = _named(flag, path, what)
-    if os.path.isdir(path):
-        hint = (f"give a file path (e.g. {str(Path(path) / example)!r})" if not what
-                else f"move it away or give {flag} another name")
-        return f"{named} is a directory, where a file is written: {hint}"
-    if os.path.lexists(path):
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            return f"{named} is not writable by this user: fix its mode or give another path"
-        return None
-    return _creatable(named, path)
-
-
-def directory_problem(flag: str, path: str, what: str = "") -> str | None:
-    """A directory the run creates (with its parents) at `path` and writes files into."""
-    named = _named(flag, path, what)
-    if os.path.lexists(path) and not os.path.isdir(path):
-        return (f"{named} is a file, not a directory: give a directory (or move the file "
-                "away)")
-    if os.path.isdir(path):
-        if not os.access(path, os.W_OK | os.X_OK):
-            return (f"{named} is a directory not writable by this user: fix its mode or "
-                    "give another directory")
-        return None
-    return _creatable(named, path)
 
 
 def step_entries_problem(directory: str) -> str | None:

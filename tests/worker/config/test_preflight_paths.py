@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from hybridps.path_checks import directory_problem, file_problem
 from tests.testing.other_user import nobody, run_as
-from worker.config.output_paths import STEP_DIR_NAME, directory_problem, file_problem, id_maps_path
+from worker.config.output_paths import STEP_DIR_NAME, id_maps_path
 
 REPO = Path(__file__).resolve().parents[3]
 MAIN = str(REPO / "worker" / "main.py")

@@ -15,7 +15,7 @@
    (--task dlrm), one process each, --local-optimizer; the runs alternate, --repeats
    times, and the medians are compared.
 
-The goals (issue 46): the loader at least 3x the job's consumption with one worker
+The goals: the loader at least 3x the job's consumption with one worker
 process, the job from Parquet at least 0.95x its speed on generated batches.
 """
 

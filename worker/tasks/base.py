@@ -46,6 +46,7 @@ from torch import nn
 
 from worker.config.train_config import TrainConfig
 from worker.embedding.rows import TableConfig
+from worker.runtime.device_copy import to_device
 
 __all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task", "TrainHooks",
            "build_dense_seeded"]
@@ -107,12 +108,15 @@ class Batch:
                      {k: v[lo:hi] for k, v in self.values.items()})
 
     def to(self, device: torch.device | str) -> Batch:
+        """The batch on `device`; to a CUDA device through pinned buffers with
+        non-blocking copies (worker/runtime/device_copy.py `to_device`: a copy from
+        pageable memory would make the host wait for it)."""
+        dev = torch.device(device)
         return Batch(
             self.size,
-            {k: v.to(device, non_blocking=True) for k, v in self.ids.items()},
-            {k: (i.to(device, non_blocking=True), o.to(device, non_blocking=True))
-             for k, (i, o) in self.bags.items()},
-            {k: v.to(device, non_blocking=True) for k, v in self.values.items()},
+            {k: to_device(v, dev) for k, v in self.ids.items()},
+            {k: (to_device(i, dev), to_device(o, dev)) for k, (i, o) in self.bags.items()},
+            {k: to_device(v, dev) for k, v in self.values.items()},
         )
 
 

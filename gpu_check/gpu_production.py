@@ -381,8 +381,11 @@ def sub_larger(env: Env, deadline: float) -> dict[str, Any]:
         try:
             resident_loop(env.device, job, 2, random_rows=True)
             out["resident"] = "FITS: the bound cap / 12 bytes was wrong"
-        except torch.cuda.OutOfMemoryError as exc:
-            out["resident"] = f"out of memory, as expected: {str(exc).splitlines()[0][:200]}"
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError, or a library's failed
+            # allocation (cuBLAS' workspace) saying so in its own words
+            kind = "out of memory, as expected" if isinstance(
+                exc, torch.cuda.OutOfMemoryError) else f"failed ({type(exc).__name__})"
+            out["resident"] = f"{kind}: {str(exc).splitlines()[0][:200]}"
         gc.collect()
         torch.cuda.empty_cache()
     else:

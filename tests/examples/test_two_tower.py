@@ -50,6 +50,11 @@ def test_the_task_declares_its_columns_and_reads_the_files(tmp_path: Path) -> No
 
     with pytest.raises(DataError, match=r"train-000\.parquet: column users: missing"):
         Misnamed(config(tmp_path))
+    spec = tmp_path / "f.json"
+    spec.write_text('{"tables": [{"column": "user_id"}]}')
+    with pytest.raises(DataError, match=r"f\.json: task 'file_towers': features\(\) declares "
+                       "its columns already; drop the flag"):
+        FileTowers(config(tmp_path, features=str(spec)))
 
 
 def _run(folder: Path, *flags: str) -> None:

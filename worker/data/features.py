@@ -109,6 +109,9 @@ def feature_spec(cfg: TrainConfig, schema: Mapping[str, str], first_file: Path,
     rows, dim = cfg.synthetic.num_rows, cfg.run.dim
     pooling, overflow = cfg.files.pooling, cfg.files.id_overflow
     if declared is not None:
+        if cfg.files.features:
+            raise DataError(f"--features {cfg.files.features}: {what or 'the task'} declares "
+                            "its columns already; drop the flag")
         return _from_json(dict(declared), what or "the task's columns", rows, dim, pooling,
                           overflow, prefix="")
     if not cfg.files.features:

@@ -20,7 +20,8 @@ Contract:
   same lookups in the same order on every rank (they are collectives).
 - optional: `eval_batch(index, rank, world_size)` (held-out data, None when
   there is none), `evaluate(model, batch)` (metrics as mean-over-batch
-  scalar tensors), `steps_per_epoch(world_size)` (finite data),
+  scalar tensors), `steps_per_epoch(world_size)` (finite data; `steps_for_epochs(epochs,
+  world_size)` where a resumed schedule's epochs differ in length),
   `fsdp_units(dense)` (submodules to shard separately), `describe()`,
   `evaluate_full(model, rank, world_size, quick=...)` (a whole-split evaluation
   that is itself a collective, e.g. shard-parallel ranking; replaces the
@@ -107,6 +108,13 @@ class Batch:
         return Batch(hi - lo, {k: v[lo:hi] for k, v in self.ids.items()}, bags,
                      {k: v[lo:hi] for k, v in self.values.items()})
 
+    def pin_memory(self) -> Batch:
+        """The same samples in pinned host memory (a non-blocking copy to a GPU overlaps)."""
+        return Batch(
+            self.size, {k: v.pin_memory() for k, v in self.ids.items()},
+            {k: (i.pin_memory(), o.pin_memory()) for k, (i, o) in self.bags.items()},
+            {k: v.pin_memory() for k, v in self.values.items()})
+
     def to(self, device: torch.device | str) -> Batch:
         """The batch on `device`; to a CUDA device through pinned buffers with
         non-blocking copies (worker/runtime/device_copy.py `to_device`: a copy from
@@ -190,6 +198,13 @@ class Task(ABC):
     def steps_per_epoch(self, world_size: int) -> int | None:
         """Steps in one pass over finite data; None for generated data."""
         return None
+
+    def steps_for_epochs(self, epochs: int, world_size: int) -> int | None:
+        """The step --epochs passes end before: epochs * steps_per_epoch, unless the data's
+        schedule says otherwise (a resume at another world size re-splits what was left of
+        an epoch into a remainder of its own length); None for generated data."""
+        per_epoch = self.steps_per_epoch(world_size)
+        return None if per_epoch is None else epochs * per_epoch
 
     def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
                       quick: bool = False) -> dict[str, float] | None:

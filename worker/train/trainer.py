@@ -92,11 +92,11 @@ def scheduled_lr(hooks: TrainHooks | None, step: int, optim: OptimConfig,
 def num_steps(run: RunConfig, task: Task, world_size: int) -> int:
     if run.epochs == 0:
         return run.steps
-    per_epoch = task.steps_per_epoch(world_size)
-    if per_epoch is None:
+    end = task.steps_for_epochs(run.epochs, world_size)
+    if end is None:
         raise ValueError(f"epochs={run.epochs}: task {task.name!r} generates its data and "
                          "has no epochs; use --steps")
-    return run.epochs * per_epoch
+    return end
 
 
 def resolve_run_id(sync: SyncConfig, ctx: DistContext) -> str:
@@ -173,11 +173,6 @@ class Trainer:
                      if sync.staleness_compensation == "predict" and sync.staleness > 0
                      else None)
         self.window = StalenessWindow(self.source, self.embedding, sync.staleness, predictor)
-        # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
-        self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
-                                    world_size=ctx.world_size, device=ctx.device,
-                                    backend=ctx.backend, end_step=self.steps,
-                                    enabled=cfg.run.pipeline)
         self.checkpointer.attach(run_parts(
             cfg, rank=ctx.rank, world_size=ctx.world_size, embedding=self.embedding,
             window=self.window, source=self.source, source_kind=self.source_kind,
@@ -186,6 +181,14 @@ class Trainer:
         if resume is not None:
             self.checkpointer.restore_local(*resume)
             self.record.start_step = resume[1] + 1
+            # --epochs after the task's data position came back (another world size: the
+            # rest of the epoch is a remainder of its own length)
+            self.record.steps = num_steps(cfg.run, self.task, ctx.world_size)
+        # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
+        self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
+                                    world_size=ctx.world_size, device=ctx.device,
+                                    backend=ctx.backend, end_step=self.steps,
+                                    enabled=cfg.run.pipeline)
         self.record.last_step = self.start_step - 1
         self.evaluations = 0  # during training
         self.console = ExitStack()  # rank 0's log redirect around the progress bar

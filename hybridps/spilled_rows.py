@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridps.errors import NotRegistered
 from hybridps.page_file import PageFile, page_stride
 
 # default page payload: big enough for sequential disk blocks, small enough that a
@@ -132,12 +133,15 @@ class SpilledRows(RowColumns):
         self.misses = 0   # page accesses that were not
         self.fills = 0    # pages read back from disk
         self.spills = 0   # pages written to disk
+        self.closed = False
 
     # -- frames ----------------------------------------------------------------------
 
     def _alloc(self, frames: int) -> None:
         self.nframes = frames
-        self.buffers = {n: torch.zeros(frames * self.page_rows, w, dtype=torch.float32)
+        # a frame is written whole (read from disk, or zeroed for a page never written)
+        # before it is read: no need to zero the buffers
+        self.buffers = {n: torch.empty(frames * self.page_rows, w, dtype=torch.float32)
                         for n, w in self.layout}
         self.page_of = np.full(frames, -1, dtype=np.int64)
         self.ref = np.zeros(frames, dtype=bool)
@@ -230,6 +234,8 @@ class SpilledRows(RowColumns):
 
     def _resident(self, pages: np.ndarray, write: bool) -> None:
         """Make `pages` (distinct) resident, referenced, and dirty when `write`."""
+        if self.closed:  # a call that found its partition before it was freed
+            raise NotRegistered(f"spilled rows {self.file.path}: freed with their partition")
         self._shrink_to_quota()
         frames = self.frame_of[pages]
         here = frames >= 0
@@ -334,6 +340,7 @@ class SpilledRows(RowColumns):
                 "spills": self.spills, "pages": self.pages, "frames": self.nframes}
 
     def close(self) -> None:
+        self.closed = True
         self.file.close(remove=True)
 
 

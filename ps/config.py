@@ -142,8 +142,10 @@ class ServerConfig:
         "a dead server's files are removed at start). Empty: off", RESOURCES, "DIR")
     spill_max_gb: float = _s(
         0.0, "the disk the spill files may take (GiB); a Register whose spill files could "
-        "exceed it is refused (RESOURCE_EXHAUSTED) naming the sizes (0: no limit of its "
-        "own)", RESOURCES, "GB")
+        "exceed it is refused (RESOURCE_EXHAUSTED) naming the sizes. Set, a dynamic "
+        "table's paged-out rows spill too, to its partition's equal part of it, and are "
+        "dropped only beyond memory and disk (0: no limit of its own; paged-out rows are "
+        "dropped beyond the memory quota)", RESOURCES, "GB")
     spill_page_kb: int = _s(
         64, "the payload of one spill page (KiB): the rows of a page move to and from disk "
         "together", RESOURCES, "KB")

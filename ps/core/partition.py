@@ -259,12 +259,22 @@ class TableState:
         return 0 if self.paging is None else self.paging.store.nbytes
 
     @property
+    def paged_memory_bytes(self) -> int:
+        """Host memory of its paged-out rows (`paged_bytes` less what spills to disk)."""
+        return 0 if self.paging is None else self.paging.store.memory_bytes
+
+    @property
     def master_bytes(self) -> int:
         """Host memory of the fp32 master rows (their share of the frames when spilled)."""
         if not self.has_master:
             return 0
         widths = dict(self.columns.layout)
         return self.columns.memory_bytes * widths[MASTER] // sum(widths.values())
+
+    def spilled_holders(self) -> list[RowColumns]:
+        """Its row columns, and a dynamic table's paged-out payload when it spills."""
+        paged = self.paging.store.spilled if self.paging is not None else None
+        return [self.columns] + ([paged] if paged is not None else [])
 
     def state_view(self, local: torch.Tensor, write: bool = True
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor]:
@@ -510,10 +520,12 @@ class Partition:
         """Release what its tables hold outside memory (their spill files)."""
         for t in self.tables.values():
             t.columns.close()
+            if t.paging is not None:
+                t.paging.store.close()
 
     @property
     def disk_bytes(self) -> int:
-        return sum(t.columns.disk_bytes for t in self.tables.values())
+        return sum(h.disk_bytes for t in self.tables.values() for h in t.spilled_holders())
 
     @property
     def where(self) -> str:
@@ -533,7 +545,7 @@ class Partition:
     @property
     def state_bytes(self) -> int:
         """Host bytes of this partition's optimizer state, master rows and paged-out rows."""
-        return sum(t.state_bytes + t.master_bytes + t.paged_bytes
+        return sum(t.state_bytes + t.master_bytes + t.paged_memory_bytes
                    for t in self.tables.values())
 
     @property

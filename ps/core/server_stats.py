@@ -139,11 +139,15 @@ def _dynamic_fields(t: TableState) -> dict[str, Any]:
 
 
 def _spill_fields(t: TableState) -> dict[str, Any]:
-    c = t.columns.counters()
-    if not c:
+    """Its spilled state and (a dynamic table) spilled paged-out rows, summed."""
+    holders = [h for h in t.spilled_holders() if h.counters()]
+    if not holders:
         return {}
+    c = collections.Counter[str]()
+    for h in holders:
+        c.update(h.counters())
     accesses = c["hits"] + c["misses"]
-    return {"spilled": True, "spill_disk_bytes": t.columns.disk_bytes,
+    return {"spilled": True, "spill_disk_bytes": sum(h.disk_bytes for h in holders),
             "spill_pages": c["pages"], "spill_frames": c["frames"], "spill_hits": c["hits"],
             "spill_misses": c["misses"], "spill_fills": c["fills"],
             "spill_spills": c["spills"],

@@ -10,7 +10,10 @@ pushes: a run is bitwise the same run with every byte in memory.
 
 Disk: every spilled table reserves, at Register, the most its file may hold; a Register
 whose files would exceed `--spill-max-gb` (0: no limit of its own) is refused with one
-line naming the sizes, nothing allocated.
+line naming the sizes, nothing allocated. With `--spill-max-gb`, a dynamic table's
+paged-out rows spill too (`paged_payload`): their quota grows by the rows its part of the
+disk holds (the partition's equal part of --spill-max-gb less its static spill files), so
+the drops, decided as before against that quota, come only beyond memory and disk.
 
 Spill files are a cache of this process, never a recovery source: a checkpoint reads
 spilled pages back (ps/core/checkpoint.py), the files of a freed or replaced partition
@@ -32,6 +35,9 @@ from pathlib import Path
 
 from hybridps import logs
 from hybridps.errors import ResourceExhausted
+from hybridps.id_map import fixed_size_for
+from hybridps.page_file import page_stride
+from hybridps.paged_rows import IDMAP_POSITION_BYTES, quota_rows
 from hybridps.spilled_rows import (
     DEFAULT_PAGE_BYTES,
     RowColumns,
@@ -167,6 +173,46 @@ class SpillTier:
     @property
     def reserved_bytes(self) -> int:
         return self._reserved
+
+    def paged_quota(self, dim: int, layout: Layout, memory_bytes: int, disk_bytes: int,
+                    call_rows: int, row_bytes: int) -> tuple[int, int]:
+        """(the quota a dynamic table's paged rows are dropped against, the frames of its
+        spilled payload; 0: it does not spill) when `memory_bytes` of memory and
+        `disk_bytes` of spill file hold them. Spilled, an entry keeps its bookkeeping in
+        memory (ids, steps, the id map: `row_bytes` less its row and state) and its row and
+        state on disk, an eighth of the memory as page frames: the most rows whose
+        bookkeeping and frames fit the memory and whose pages fit the disk. The quota is
+        in the store's own units (`row_bytes` a row and its id map), so its drops are
+        decided as without the tier, only later."""
+        columns = [("rows", dim), *layout]
+        page_rows = self.page_rows(columns)
+        page = frame_bytes(columns, page_rows)
+        frames = max(1, memory_bytes // 8 // max(page, 1))
+        payload = 4 * sum(w for _, w in columns)
+        entry = row_bytes - payload
+        disk_rows = disk_bytes // page_stride(page) * page_rows - call_rows
+
+        def memory(rows: int) -> int:
+            pages = -(-(rows + call_rows) // page_rows)
+            return (IDMAP_POSITION_BYTES * fixed_size_for(rows + call_rows) + rows * entry
+                    + frames * page + SPILL_PAGE_BOOKKEEPING * pages)
+
+        lo, hi = 0, max(disk_rows, 0)
+        while lo < hi:  # the most rows whose memory fits (memory() grows with rows)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if memory(mid) <= memory_bytes else (lo, mid - 1)
+        if lo <= quota_rows(memory_bytes, row_bytes, call_rows):
+            return memory_bytes, 0  # spilling holds no more rows than memory alone
+        return lo * row_bytes + IDMAP_POSITION_BYTES * fixed_size_for(lo + call_rows), frames
+
+    def paged_payload(self, dim: int, layout: Layout, positions: int,
+                      frames: int) -> SpilledRows:
+        """The rows and state of a dynamic table's paged-out entries by pool position
+        (hybridps/paged_rows.py's `spill_payload`), `frames` pages of them in memory."""
+        assert self.directory is not None
+        columns = [("rows", dim), *layout]
+        path = self.directory / f"t{next(self._names)}.pages"
+        return SpilledRows(path, columns, positions, self.page_rows(columns), frames)
 
     def factory(self, frames: dict[str, int]) -> ColumnsFactory:
         """A partition's columns factory (ps/core/partition.py): a spilled holder for the

@@ -317,10 +317,25 @@ class Store(PartitionAuth):
             part.reserved_bytes = needed
             dynamic = [(state, state.paging) for state in part.tables.values()
                        if state.paging is not None]
-            for (state, paging), quota in zip(dynamic, quotas, strict=True):
-                state.paged_quota = quota  # the id map sized once, the pools capped:
-                # a call puts at most one id per slot before its drops
-                paging.store.set_quota(quota, state.spec.rows_held)
+            disk_parts = self._paged_disk(quotas, world_size, disk)
+            for (state, paging), quota, disk_part in zip(dynamic, quotas, disk_parts,
+                                                         strict=True):
+                # beyond its memory quota, its paged rows' payload spills to disk: they
+                # are dropped only beyond both (ps/core/spill.py)
+                layout = list(paging.store.layout)
+                state.paged_quota, payload_frames = (quota, 0) if not disk_part else \
+                    self.spill.paged_quota(state.spec.dim, layout, quota, disk_part,
+                                           state.spec.rows_held, paging.store.row_bytes)
+                # the id map sized once, the pools capped: a call puts at most one id
+                # per slot before its drops
+                paging.store.set_quota(state.paged_quota, state.spec.rows_held)
+                if payload_frames:
+                    payload = self.spill.paged_payload(state.spec.dim, layout,
+                                                       paging.store.max_entries,
+                                                       payload_frames)
+                    paging.store.spill_payload(payload)
+                    self.spill.reserve(payload.max_disk_bytes, what)
+                    part.disk_reserved_bytes += payload.max_disk_bytes
             return part
         except BaseException:
             self._discard(part)
@@ -361,10 +376,26 @@ class Store(PartitionAuth):
                 held.append(nbytes)
         return frames, held, disk
 
+    def _paged_disk(self, quotas: list[int], world_size: int, static_disk: int) -> list[int]:
+        """The disk each dynamic table's paged rows may spill to beyond its memory
+        quota: with --spill-max-gb, the partition's equal part of it (over --run-shares
+        and the run's world size) less what its static state spills, split like the
+        quotas; 0 each without (their rows are dropped beyond the memory quota)."""
+        if not self.spill.enabled or not self.spill.max_bytes or not all(quotas) or \
+                not quotas:
+            return [0] * len(quotas)
+        left = (self.spill.max_bytes // self.budget.run_shares // max(world_size, 1)
+                - static_disk)
+        if left <= 0:
+            return [0] * len(quotas)
+        total = sum(quotas)
+        return [left * q // total for q in quotas]
+
     def _discard(self, part: Partition) -> None:
         """Release what a partition that is no longer held keeps outside memory: its spill
-        files and their disk reservation."""
-        part.close()
+        files and their disk reservation, after the call in flight on it, if any."""
+        with part.lock:
+            part.close()
         self.spill.release(part.disk_reserved_bytes)
 
     def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
@@ -505,8 +536,7 @@ class Store(PartitionAuth):
                 self.partitions_freed += len(parts)
         freed = sum(p.state_bytes for p in parts)
         for part in parts:
-            with part.lock:  # after the push in flight, if any
-                self._discard(part)
+            self._discard(part)
         if parts:
             log.info(kv("run_freed", run=run_id, partitions=len(parts), state_bytes=freed,
                         why=why))

@@ -142,3 +142,13 @@ def test_damage_on_disk_fails_a_push_loudly(tmp_path: Path) -> None:
         raw.write(b"\x55")
     with pytest.raises(PageCorrupt, match=r"d\.pages: page 0 fails its crc32"):
         spilled.view(torch.tensor([1]))
+
+
+def test_closed_columns_refuse_instead_of_reading_a_removed_file(tmp_path: Path) -> None:
+    from hybridps.errors import NotRegistered
+
+    spilled = SpilledRows(tmp_path / "c.pages", LAYOUT, 40, 4, 1)
+    spilled.view(torch.tensor([0]))
+    spilled.close()
+    with pytest.raises(NotRegistered, match="freed with their partition"):
+        spilled.view(torch.tensor([39]))

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
+
+import pytest
 
 from ps.config import ServerConfig, spill_dir_problem
 

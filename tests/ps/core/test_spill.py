@@ -32,40 +32,46 @@ TABLES = [TableSpec("emb", 200, DIM, 0, 200), TableSpec("u", 100, DIM, 0, 50, dy
 PAGE_BYTES = 256  # a few rows a page: many pages for small tables
 # the run's share on this server: a quarter of the rank's fixed state (spilled)
 BUDGET = 12_000
+# wide rows (their payload is most of an entry) and a run share whose memory holds about a
+# third of the paged-out rows of `u`, a quarter of the static state
+WIDE = [TableSpec("emb", 200, 32, 0, 200), TableSpec("u", 100, 32, 0, 50, dynamic=True)]
+PAGED_BUDGET = 24_000
 STATIC_BUDGET = 4_000  # that of a partition of the static table alone (Adam): half spills
 
 
-def _store(tmp_path: Path, spill: bool, name: str, budget: int = BUDGET) -> Store:
+def _store(tmp_path: Path, spill: bool, name: str, budget: int = BUDGET,
+           disk: int = 0) -> Store:
     root = tmp_path / "root"
-    tier = SpillTier(tmp_path / "spill", page_bytes=PAGE_BYTES) if spill else None
+    tier = SpillTier(tmp_path / "spill", disk, page_bytes=PAGE_BYTES) if spill else None
     return Store(checkpoint_root=root, max_state_bytes=budget if spill else 0,
                  run_shares=1, spill=tier, server_id=name)
 
 
-def _push(step: int, table: str, rows: int, seed: int) -> PushChunk:
+def _push(step: int, table: str, rows: int, seed: int, dim: int = DIM) -> PushChunk:
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, rows // 2, (1,), generator=g))
     ids = torch.randperm(rows, generator=g)[:n].sort().values
-    return PushChunk(RUN, 0, 0, step, table, ids, torch.randn(n, DIM, generator=g) * 3, 0, 1)
+    return PushChunk(RUN, 0, 0, step, table, ids, torch.randn(n, dim, generator=g) * 3, 0, 1)
 
 
 def _page(step: int, slots: list[int], out_ids: list[int], in_ids: list[int],
-          in_slots: list[int]) -> PageCall:
+          in_slots: list[int], dim: int = DIM) -> PageCall:
     g = torch.Generator().manual_seed(1000 + step)
     n, i64 = len(out_ids), torch.int64
     return PageCall(step, step, 0, PagedOut(
-        torch.tensor(out_ids, dtype=i64), torch.randn(n, DIM, generator=g), {},
+        torch.tensor(out_ids, dtype=i64), torch.randn(n, dim, generator=g), {},
         torch.full((n,), step, dtype=i64), torch.ones(n, dtype=i64)),
         torch.tensor(slots, dtype=i64), torch.tensor(in_ids, dtype=i64),
         torch.tensor(in_slots, dtype=i64))
 
 
-def _train(store: Store, steps: range, tables: list[TableSpec]) -> list[Any]:
+def _train(store: Store, steps: range, tables: list[TableSpec],
+           may_drop: bool = False) -> list[Any]:
     answers: list[Any] = []
     for step in steps:
         for k, spec in enumerate(tables):
             answer = store.open_session().feed(_push(step, spec.name, spec.rows_held,
-                                                     10 * step + k))
+                                                     10 * step + k, spec.dim))
             assert answer is not None
             answers.append((answer.ids, answer.delta, answer.decay))
         if len(tables) < 2:
@@ -75,9 +81,10 @@ def _train(store: Store, steps: range, tables: list[TableSpec]) -> list[Any]:
         back = [1_000_000 + step - 4] if step >= 4 else []
         result = store.page(RUN, 0, 0, "u", _page(step + 1, slot, [1_000_000 + step,
                                                                    2_000_000 + step],
-                                                   back, [(3 * step + 2) % 50][:len(back)]))
+                                                   back, [(3 * step + 2) % 50][:len(back)],
+                                                   tables[1].dim))
         answers.append((result.found, result.got.rows, result.dropped))
-        assert result.dropped.size == 0  # the paged rows fit: the same run unbounded
+        assert may_drop or result.dropped.size == 0  # the paged rows fit: as unbounded
     return answers
 
 
@@ -275,3 +282,37 @@ def test_the_stats_show_the_tier_per_table_and_run(tmp_path: Path) -> None:
     assert families["hybridps_partition_spill_disk_bytes"].samples[0].value == \
         row.spill_disk_bytes
     assert "hybridps_partition_spill_hit_rate" in families
+
+
+def test_paged_out_rows_spill_and_are_dropped_only_beyond_the_disk(tmp_path: Path) -> None:
+    """A run share whose memory holds a few paged-out rows: without --spill-max-gb they
+    are dropped beyond it; with it they spill, none is dropped, and the run is bitwise the
+    one in memory."""
+    opt = OptimizerSpec(kind="adam", lr=0.05)
+    stores = {"mem": _store(tmp_path / "m", False, "mem"),
+              "drop": _store(tmp_path / "d", True, "drop", PAGED_BUDGET),
+              "disk": _store(tmp_path / "k", True, "disk", PAGED_BUDGET, disk=4 << 20)}
+    answers = {}
+    for name, store in stores.items():
+        store.register(RUN, 0, 1, 0, WIDE, opt, run_secret=SECRET)
+        answers[name] = _train(store, range(40), WIDE, may_drop=name == "drop")
+    rows = {name: {r.table: r for r in store.stats().partitions}
+            for name, store in stores.items()}
+    assert rows["drop"]["u"].dynamic_dropped > 0  # the memory alone does not hold them
+    assert rows["disk"]["u"].dynamic_dropped == 0
+    assert rows["disk"]["u"].dynamic_paged_rows == rows["mem"]["u"].dynamic_paged_rows
+    _same(answers["mem"], answers["disk"])
+    want, got = _state(stores["mem"]), _state(stores["disk"])
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    table = stores["disk"].partition(RUN, 0).tables["u"]  # type: ignore[union-attr]
+    assert table.paging is not None and table.paging.store.spilled is not None
+    assert table.paging.store.spilled.disk_bytes > 0
+    a = stores["mem"].partition(RUN, 0).tables["u"].paging.store.state_dict()  # type: ignore
+    b = table.paging.store.state_dict()
+    for key in ("ids", "rows", "seen", "freq"):
+        assert torch.equal(a[key], b[key]), key
+    assert torch.equal(a["state"]["m"], b["state"]["m"])
+    stores["disk"].drop_run(RUN, "test")
+    assert stores["disk"].spill.reserved_bytes == 0
+    assert not list((tmp_path / "k" / "spill").glob("ps-*/*.pages"))

@@ -38,6 +38,10 @@ ARGS = ["--task", "tables", "--num-rows", "300", "--dim", "8", "--progress", "fa
 RUN_SHARE = 160 << 10
 SPILL = ["--max-run-state-bytes", str(RUN_SHARE), "--run-shares", "1",
          "--spill-page-kb", "1"]
+# about a third of that share: its memory alone would hold fewer of the paged-out rows of
+# `user` than a rank pages out; they spill to the disk --spill-max-gb gives (10 MiB)
+SPILL_PAGED = ["--max-run-state-bytes", str(56 << 10), "--run-shares", "1",
+               "--spill-page-kb", "1", "--spill-max-gb", "0.01"]
 
 
 def _run(server: PsServer, tmp_path: Path, name: str, extra: list[str]) -> None:
@@ -61,14 +65,16 @@ def _same_checkpoints(a: Path, b: Path) -> None:
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("staleness,optimizer", [(0, "adam"), (1, "adagrad"), (2, "adam")])
+@pytest.mark.parametrize("staleness,optimizer,flags", [
+    (0, "adam", SPILL), (1, "adagrad", SPILL), (2, "adam", SPILL),
+    pytest.param(2, "adam", SPILL_PAGED, id="2-adam-paged")])
 def test_a_spilling_server_trains_bitwise_like_one_in_memory(
-        tmp_path: Path, staleness: int, optimizer: str) -> None:
+        tmp_path: Path, staleness: int, optimizer: str, flags: list[str]) -> None:
     extra = ["--staleness", str(staleness), "--optimizer", optimizer]
     with start_ps_server(tmp_path) as server:
         _run(server, tmp_path, "mem", extra)
     spill_dir = tmp_path / "spill"
-    with start_ps_server(tmp_path, *SPILL, "--spill-dir", str(spill_dir)) as server:
+    with start_ps_server(tmp_path, *flags, "--spill-dir", str(spill_dir)) as server:
         _run(server, tmp_path, "spill", extra)
         assert list(spill_dir.glob("ps-*/*.pages"))  # the live server's spill files
     assert not list(spill_dir.glob("ps-*"))  # a cache of the process: gone with it
@@ -79,7 +85,10 @@ def test_a_spilling_server_trains_bitwise_like_one_in_memory(
     assert all(r["spill_spills"] > 0 and r["spill_fills"] > 0 for r in static), static
     assert all(r["spill_disk_bytes"] > 0 for r in static)
     assert all(r["spill_frames"] < r["spill_pages"] for r in static)
-    assert all(r.get("dynamic_dropped", 0) == 0 for r in rows if r["table"] == "user")
+    user = [r for r in rows if r["table"] == "user"]
+    assert all(r.get("dynamic_dropped", 0) == 0 for r in user), user  # none dropped
+    if flags is SPILL_PAGED:  # the paged-out rows went to disk beyond the memory
+        assert all(r["spilled"] and r["spill_disk_bytes"] > 0 for r in user), user
     assert_states(tmp_path / "mem.pt", tmp_path / "spill.pt", exact=True)
     _same_checkpoints(tmp_path / "ck-mem", tmp_path / "ck-spill")
 

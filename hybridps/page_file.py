@@ -73,6 +73,10 @@ class PageFile:
     def written(self, page: int) -> bool:
         return bool(self._written[page])
 
+    def written_mask(self, pages: np.ndarray) -> np.ndarray:
+        """Which of `pages` were written (bool, one each)."""
+        return self._written[pages]
+
     def _check_pages(self, pages: np.ndarray) -> None:
         if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.pages):
             raise IndexError(f"page file {self.path}: pages {pages.tolist()[:8]} outside "

@@ -158,22 +158,34 @@ class SpilledRows(RowColumns):
         k = min(old, frames)
         self.page_of[:k], self.ref[:k], self.dirty[:k] = page_of[:k], ref[:k], dirty[:k]
 
-    def _payload(self, frame: int) -> np.ndarray:
-        lo, hi = frame * self.page_rows, (frame + 1) * self.page_rows
-        return np.concatenate([t[lo:hi].numpy().reshape(-1) for t in self.buffers.values()])
+    def _frame_rows(self, frames: np.ndarray) -> torch.Tensor:
+        """The buffer rows of `frames`, frame by frame."""
+        rows = frames[:, None] * self.page_rows + np.arange(self.page_rows)[None, :]
+        return torch.from_numpy(rows.reshape(-1))
 
-    def _load(self, frame: int, payload: np.ndarray | None) -> None:
-        lo, hi = frame * self.page_rows, (frame + 1) * self.page_rows
-        if payload is None:
-            for t in self.buffers.values():
-                t[lo:hi].zero_()
+    def _payloads(self, frames: np.ndarray) -> np.ndarray:
+        """The pages of `frames` as payloads, [frames, payload floats]: each column's rows
+        of the page in turn."""
+        rows = self._frame_rows(frames)
+        k = int(frames.size)
+        return np.concatenate([t.index_select(0, rows).numpy().reshape(k, -1)
+                               for t in self.buffers.values()], axis=1)
+
+    def _load(self, frames: np.ndarray, payloads: list[np.ndarray] | None) -> None:
+        """Fill `frames` with `payloads` (one a frame), or zeros (None)."""
+        if not frames.size:
             return
-        floats = payload.view(np.float32)
+        rows = self._frame_rows(frames)
+        if payloads is None:
+            for t in self.buffers.values():
+                t.index_fill_(0, rows, 0.0)
+            return
+        floats = np.stack(payloads).view(np.float32)  # [frames, payload floats]
         at = 0
         for n, w in self.layout:
             size = self.page_rows * w
-            self.buffers[n][lo:hi].copy_(torch.from_numpy(floats[at:at + size]).view(
-                self.page_rows, w))
+            block = np.ascontiguousarray(floats[:, at:at + size]).reshape(-1, w)
+            self.buffers[n].index_copy_(0, rows, torch.from_numpy(block))
             at += size
 
     def _evict(self, frames: np.ndarray) -> None:
@@ -183,7 +195,8 @@ class SpilledRows(RowColumns):
         frames = frames[self.page_of[frames] >= 0]
         dirty = frames[self.dirty[frames]]
         if dirty.size:
-            self.file.write_many(self.page_of[dirty], [self._payload(int(f)) for f in dirty])
+            payloads = self._payloads(dirty)
+            self.file.write_many(self.page_of[dirty], list(payloads))
             self.spills += int(dirty.size)
         self.frame_of[self.page_of[frames]] = -1
         self.page_of[frames] = -1
@@ -244,15 +257,14 @@ class SpilledRows(RowColumns):
         if missing.size:
             self.misses += int(missing.size)
             got = self._claim(int(missing.size), frames[here])
-            on_disk = np.array([self.file.written(int(p)) for p in missing], dtype=bool)
-            payloads = self.file.read_many(missing[on_disk]) if on_disk.any() else []
-            self.fills += len(payloads)
-            it = iter(payloads)
-            for page, frame, disk in zip(missing.tolist(), got.tolist(), on_disk.tolist(),
-                                         strict=True):
-                self._load(frame, next(it) if disk else None)
-                self.page_of[frame] = page
-                self.frame_of[page] = frame
+            on_disk = self.file.written_mask(missing)
+            if on_disk.any():
+                payloads = self.file.read_many(missing[on_disk])
+                self._load(got[on_disk], payloads)
+                self.fills += len(payloads)
+            self._load(got[~on_disk], None)
+            self.page_of[got] = missing
+            self.frame_of[missing] = got
         frames = self.frame_of[pages]
         self.ref[frames] = True
         if write:
@@ -278,8 +290,7 @@ class SpilledRows(RowColumns):
             return out
         first, last = lo // self.page_rows, (hi - 1) // self.page_rows
         pages = np.arange(first, last + 1)
-        on_disk = np.array([self.frame_of[p] < 0 and self.file.written(int(p))
-                            for p in pages], dtype=bool)
+        on_disk = (self.frame_of[pages] < 0) & self.file.written_mask(pages)
         batch = 256  # pages read per block: a bounded buffer
         from_disk: dict[int, np.ndarray] = {}
         disk_pages = pages[on_disk]

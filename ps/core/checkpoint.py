@@ -25,12 +25,22 @@ from hybridps.checkpoint import (
 from hybridps.dynamic_files import restore_plan, save_paged
 from hybridps.errors import Conflict
 from hybridps.optim import OptimizerSpec
-from ps.core.partition import Partition, TableSpec, TableState
+from ps.core.partition import MASTER, Partition, TableSpec, TableState
 from ps.core.table_members import pieces
 
+# rows a restore reads back at a time to widen the overflow bound and mark touched rows
+# (a spilled table's pages are read from its spill file, a bounded buffer at a time)
+OBSERVE_ROWS = 1 << 20
 
-def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    return None if t is None else t[lo:hi]
+
+def _piece_state(t: TableState, lo: int, hi: int
+                 ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """Rows [lo, hi) of a table's optimizer state and master rows, wherever they are held
+    (in memory, or in its spill file: read back, the spill file is never the recovery
+    source)."""
+    cols = t.columns.read(lo, hi)
+    state: dict[str, torch.Tensor | None] = {n: x for n, x in cols.items() if n != MASTER}
+    return state, cols.get(MASTER)
 
 
 def save_partition(part: Partition, directory: str | Path, step: int,
@@ -48,11 +58,11 @@ def save_partition(part: Partition, directory: str | Path, step: int,
     opt = dataclasses.asdict(part.optimizer)
     for t in part.tables.values():
         for p in pieces(t.spec):
+            state, master = _piece_state(t, p.lo, p.hi)
             out.append(save_optim_state(
                 directory, table=p.name, rank=part.rank, num_rows=p.num_rows,
                 dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
-                state=OptimState({n: x[p.lo:p.hi] for n, x in t.state.items()},
-                                 t.adam_step, t.last_step, _rows(t.master, p.lo, p.hi)),
+                state=OptimState(state, t.adam_step, t.last_step, master),
                 optimizer=opt, incarnation=part.incarnation, writer=writer))
         if t.paging is not None:  # a dynamic table's paged-out rows
             out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
@@ -100,27 +110,29 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
         for p in pieces(s):
             state = load_optim_state(directory, table=p.name, num_rows=p.num_rows, dim=s.dim,
                                      row_start=p.row_start, row_end=p.row_end, step=step,
-                                     optimizer=opt, master=t.master is not None,
+                                     optimizer=opt, master=t.has_master,
                                      verify=False)
-            if t.master is not None and state.master is not None:
-                t.master[p.lo:p.hi].copy_(state.master)
-            for name, held in t.state.items():
-                saved = state.state.get(name)
-                if saved is not None:
-                    held[p.lo:p.hi].copy_(saved)
+            values = {n: x for n, x in state.state.items()
+                      if x is not None and n in dict(t.columns.layout)}
+            if t.has_master and state.master is not None:
+                values[MASTER] = state.master
+            t.columns.write(p.lo, values)
             t.adam_step = state.adam_step
-        if t.master is not None:
+        if t.has_master:
             t.rows_seeded = s.rows_held
         if t.paging is not None:
             _restore_paged(part, t, directory)
         marks = part.optimizer.record.touched_from  # the accumulated g^2: 0 untouched
-        squares = t.state.get(marks) if marks is not None else None
-        if squares is not None:
-            t.touched.copy_((squares != 0).any(dim=1))
-            t.distinct_touched = int(t.touched.sum())
+        for lo in range(0, s.rows_held, OBSERVE_ROWS):
+            hi = min(lo + OBSERVE_ROWS, s.rows_held)
+            held, master = _piece_state(t, lo, hi)
+            squares = held.get(marks) if marks is not None else None
+            if squares is not None:
+                t.touched[lo:hi].copy_((squares != 0).any(dim=1))
+            t.bound.observe(held, master)  # what the loaded state holds
+        t.distinct_touched = int(t.touched.sum())
         t.last_step = step
         t.answers.clear()
-        t.bound.observe(t.state, t.master)  # what the loaded state holds
 
 
 def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> None:
@@ -132,6 +144,5 @@ def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> Non
                         t.paging.store.layout, part.rank, part.world_size, s.row_start,
                         s.row_end, verify=False)
     gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1)
-    for state in t.state.values():
-        state.index_fill_(0, gone, 0.0)
+    t.columns.fill(gone, [n for n, _ in t.paging.store.layout])
     t.paging.store.load(plan.paged, plan.tombstones, plan.counters)

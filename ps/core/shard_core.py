@@ -121,7 +121,8 @@ class ShardCore:
     async def feed(self, session: SyncSession, chunk: PushChunk) -> Answer | None:
         """Check/buffer one chunk; apply when it completes its push (in the pool, or here
         for a small one-chunk push)."""
-        if chunk.total_chunks == 1 and chunk.grads.numel() <= INLINE_FEED_ELEMENTS:
+        if (chunk.total_chunks == 1 and chunk.grads.numel() <= INLINE_FEED_ELEMENTS
+                and not self.store.spill.enabled):  # a spilled page's read: not on the loop
             answer = _feed_float32(session, chunk)
         else:
             answer = await self._run(_feed_float32, session, chunk)

@@ -111,8 +111,9 @@ class SyntheticTask(ClickTask):
     def input_width(self) -> int:
         return self.input_width_for(self.cfg)
 
-    @staticmethod
-    def input_width_for(cfg: TrainConfig) -> int:
+    @classmethod
+    def input_width_for(cls, cfg: TrainConfig) -> int:
+        """input_width without the task (plan_dense_parameters); subclasses override this."""
         return 4 * cfg.run.dim + NUM_DENSE  # user, item, category, tag rows + dense features
 
     @classmethod

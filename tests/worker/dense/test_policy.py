@@ -99,9 +99,11 @@ def test_state_copies_of_the_dense_optimizers() -> None:
     assert [state_copies(k) for k in ("adam", "adamw", "adagrad", "sgd")] == [2, 2, 1, 0]
 
 
-@pytest.mark.parametrize("task", ["synthetic", "tables"])
+@pytest.mark.parametrize("task", ["synthetic", "tables",
+                                  "tests.testing.group_tables_task:TwoWidths"])
 def test_plan_dense_parameters_are_the_built_dense_parts(task: str) -> None:
-    cfg = TrainConfig.of(local_optimizer=True, task=task, num_rows=100, dim=8)
+    cfg = TrainConfig.of(local_optimizer=True, task=task, num_rows=100, dim=8,
+                         tables="a:50,b_wide:20:3")
     built = sum(p.numel() for p in build_task(cfg).build_dense().parameters())
     assert task_class(task).plan_dense_parameters(cfg) == built
 

@@ -243,6 +243,12 @@ class Task(ABC):
         """Training controls for this run (None: none); built once the model exists."""
         return None
 
+    @classmethod
+    def plan_dense_parameters(cls, cfg: TrainConfig) -> int | None:
+        """The dense part's parameter count without building the task (worker/plan.py:
+        what --dense-parallel auto would choose); None: known once the task is built."""
+        return None
+
     def fsdp_units(self, dense: nn.Module) -> list[nn.Module]:
         """Submodules of `dense` to shard as their own FSDP units (default: root only)."""
         return []

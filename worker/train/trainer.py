@@ -35,7 +35,7 @@ from worker.checkpoint.run_claim import claim_run
 from worker.checkpoint.run_parts import run_parts
 from worker.config.train_config import OptimConfig, RunConfig, SyncConfig, TrainConfig
 from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
-from worker.dense.parallel import build_dense_parallel, check_dense_parallel
+from worker.dense.parallel import build_dense_parallel, check_dense_parallel, dense_facts
 from worker.embedding import comm
 from worker.embedding.dynamic.ids import RowPager, check_dynamic_tables
 from worker.embedding.sharded import ROW_DTYPES, ShardedEmbedding
@@ -135,11 +135,14 @@ class Trainer:
             row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
             group_tables=cfg.run.group_tables, sharding=cfg.run.sharding)
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
-        # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping):
-        # worker/dense/parallel.py
+        # --dense-parallel auto|fsdp|hsdp|ddp (+ --compile, precision, clipping):
+        # worker/dense/parallel.py; auto decides on the dense part's size (policy.py)
+        facts = dense_facts(dense, ctx, dense_optimizer=cfg.optim.dense_kind,
+                            device_memory_gb=cfg.sizing.device_memory_gb,
+                            host_memory_gb=cfg.sizing.host_memory_gb)
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
                                                    self.task.fsdp_units(dense),
-                                                   plain_at_one_rank=True)
+                                                   plain_at_one_rank=True, facts=facts)
         self.model = HybridModel(self.embedding, self.dense_parallel.module)
         self.dense_opt = make_dense_optimizer(cfg.optim, self.dense_parallel.module.parameters())
         # the task's lr schedule / scheduled evaluation / early stopping (Task.hooks)

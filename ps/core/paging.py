@@ -41,6 +41,7 @@ from hybridps.errors import (
     RowOutOfRange,
 )
 from hybridps.paged_rows import TOMBSTONE_BYTES, PagedOut, PagedRows
+from hybridps.push_checks import mark_rows_
 
 
 class SlotRange(Protocol):
@@ -66,6 +67,12 @@ class TableState(Protocol):
     @property
     def state(self) -> dict[str, torch.Tensor]:
         """The optimizer state of its rows by name ([rows, width] each)."""
+        ...
+
+    @property
+    def changed(self) -> torch.Tensor | None:
+        """bool [rows]: the rows whose state changed since its last checkpoint (None:
+        none saved yet)."""
         ...
 
 
@@ -157,6 +164,10 @@ class PagedTable:
         start = state.spec.row_start
         found, got = self.store.swap(call.out, call.out_slots - start, call.in_ids,
                                      call.in_slots - start, state.state)
+        changed = state.changed
+        if changed is not None:  # their state moved: the next checkpoint writes it
+            mark_rows_(changed, call.out_slots - start)
+            mark_rows_(changed, call.in_slots - start)
         dropped = [self.store.expire(call.step, call.expire_steps)]
         excess = over_budget()
         if excess > 0:  # the quota: the ids seen longest ago go, each leaving a tombstone

@@ -23,6 +23,15 @@ the sequence:
    crc32, data position, parts: hybridps/checkpoint.py `Manifest`) and renames
    `manifest.json` into place LAST; barrier.
 
+--checkpoint-mode incremental (the default): a checkpoint whose parent is the previous one
+this process completed (`since`; every --checkpoint-full-every-th, the first of a process
+and the one after a failed save are full) has each part write only what changed since it
+(the rows and optimizer state as delta shards; the other parts whole), and its manifest
+names the parent and keeps the chain's id (`draft_manifest`); restore, re-sharding and
+export read the chain composed (hybridps/checkpoint.py `load_table_rows`), and
+--checkpoint-keep keeps every link a kept checkpoint needs (`prune`). The write calls are
+`write_part` and `write_manifest`.
+
 A directory without a manifest is torn and ignored. Before anything is loaded the
 checkpoint is verified whole (worker/checkpoint/resume.py `resume_target`: every file
 the manifest lists against its size and crc32, damaged ones skipped or refused), then

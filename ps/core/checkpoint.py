@@ -43,33 +43,74 @@ def _piece_state(t: TableState, lo: int, hi: int
     return state, cols.get(MASTER)
 
 
+def _rows_state(t: TableState, local: torch.Tensor
+                ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """Rows `local` (sorted positions in the table) of its optimizer state and master rows,
+    wherever they are held, read OBSERVE_ROWS at a time."""
+    states: list[dict[str, torch.Tensor]] = []
+    masters: list[torch.Tensor] = []
+    for i in range(0, max(int(local.numel()), 1), OBSERVE_ROWS):
+        by_name, master, at = t.state_view(local[i:i + OBSERVE_ROWS], write=False)
+        states.append({n: x[at] for n, x in by_name.items()})
+        if master is not None:
+            masters.append(master[at])
+    state: dict[str, torch.Tensor | None] = {
+        n: torch.cat([s[n] for s in states]) for n in states[0]}
+    return state, torch.cat(masters) if masters else None
+
+
 def save_partition(part: Partition, directory: str | Path, step: int,
-                   writer: Writer | None = None) -> list[ShardInfo]:
+                   writer: Writer | None = None, since: int | None = None) -> list[ShardInfo]:
     """Write every table of a partition whose last applied step is exactly `step`
     (through `writer`: ps/core/checkpoint_dirs.py; None: by path).
 
+    `since` S: an incremental checkpoint whose parent is the checkpoint of step S (the
+    last one saved of every table: Conflict otherwise): each optim file is a delta
+    shard of the rows whose state changed since then (`TableState.changed`: pushes and
+    Page calls). A dynamic table's paged-out rows are written whole.
     The caller holds `part.lock` (no push applies while the files are written).
     """
     for name, t in part.tables.items():
         if t.last_step != step:
             raise Conflict(f"checkpoint {part.where} table {name!r} at step {step}: the last "
                            f"applied step is {t.last_step}; a checkpoint needs exactly {step}")
+        if since is not None and (t.saved_step != since or t.changed is None):
+            raise Conflict(f"incremental checkpoint {part.where} table {name!r} at step "
+                           f"{step} since step {since}: the last checkpoint saved of it is "
+                           f"of step {t.saved_step}; write a full one")
     out = []
-    opt = dataclasses.asdict(part.optimizer)
     for t in part.tables.values():
-        for p in pieces(t.spec):
-            state, master = _piece_state(t, p.lo, p.hi)
-            out.append(save_optim_state(
-                directory, table=p.name, rank=part.rank, num_rows=p.num_rows,
-                dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
-                state=OptimState(state, t.adam_step, t.last_step, master),
-                optimizer=opt, incarnation=part.incarnation, writer=writer))
-        if t.paging is not None:  # a dynamic table's paged-out rows
-            out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
-                                  start=t.spec.row_start, end=t.spec.row_end,
-                                  store=t.paging.store, step=step, writer=writer))
+        out.extend(write_table(part, t, directory, step, writer, since))
+    for t in part.tables.values():  # every file written: the next delta starts here
+        if t.changed is None:
+            t.changed = torch.zeros(t.spec.rows_held, dtype=torch.bool)
+        else:
+            t.changed.zero_()
+        t.saved_step = step
     return out
 
+
+def write_table(part: Partition, t: TableState, directory: str | Path, step: int,
+                writer: Writer | None, since: int | None) -> list[ShardInfo]:
+    """The files of one partition table (its members' optim files, its paged-out rows)."""
+    out = []
+    opt = dataclasses.asdict(part.optimizer)
+    for p in pieces(t.spec):
+        changed = t.changed
+        ids = (None if since is None or changed is None
+               else changed[p.lo:p.hi].nonzero().squeeze(1) + p.row_start)
+        state, master = (_piece_state(t, p.lo, p.hi) if ids is None
+                         else _rows_state(t, ids - p.row_start + p.lo))
+        out.append(save_optim_state(
+            directory, table=p.name, rank=part.rank, num_rows=p.num_rows,
+            dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
+            state=OptimState(state, t.adam_step, t.last_step, master),
+            optimizer=opt, incarnation=part.incarnation, writer=writer, ids=ids))
+    if t.paging is not None:  # a dynamic table's paged-out rows
+        out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
+                              start=t.spec.row_start, end=t.spec.row_end,
+                              store=t.paging.store, step=step, writer=writer))
+    return out
 
 
 def check_restore(specs: Sequence[TableSpec], optimizer: OptimizerSpec, master: bool,

@@ -126,7 +126,8 @@ class TableSpec:
     def state_bytes(self, optimizer: str, master: bool) -> int:
         """Host bytes a partition allocates for these rows (TableState) with optimizer
         kind `optimizer`: its float32 state (hybridps/optim_kinds.py), the fp32 master
-        rows, one touched flag a row. Python ints: no overflow, whatever the shape."""
+        rows, one touched flag a row (once checkpointed, one more: TableState.changed).
+        Python ints: no overflow, whatever the shape."""
         floats = state_floats_per_row(optimizer, self.dim) + (self.dim if master else 0)
         return self.rows_held * (1 + 4 * floats)
 
@@ -216,6 +217,11 @@ class TableState:
         self.pushes_applied = 0
         self.rows_updated = 0
         self.distinct_touched = 0
+        self.saved_step = -1  # the step of the last checkpoint saved of it (-1: none)
+        # the rows whose state changed since that checkpoint (pushes, Page calls): what an
+        # incremental checkpoint writes (ps/core/checkpoint.py); kept from the first
+        # checkpoint on (the first one is full: nothing to track before it)
+        self.changed: torch.Tensor | None = None
         # a group (ps/core/table_members.py): rows updated per member, for the per-table stats
         self.member_rows_updated = [0] * len(spec.members)
         self._member_bounds = torch.tensor([m.offset for m in spec.members[1:]],
@@ -249,9 +255,10 @@ class TableState:
         """Host memory of its optimizer state (in memory: frames when it spills) and
         touched flags; the master rows are `master_bytes`."""
         total = self.touched.numel() * self.touched.element_size()
+        if self.changed is not None:
+            total += self.changed.numel() * self.changed.element_size()
         held = self.columns.memory_bytes
         return total + held - self.master_bytes
-
 
     @property
     def paged_bytes(self) -> int:
@@ -444,6 +451,8 @@ class TableState:
         self.rows_updated += n
         if n:
             self.distinct_touched += mark_rows_(self.touched, ids_local)
+            if self.changed is not None:
+                mark_rows_(self.changed, ids_local)
             if self.member_rows_updated:  # local ids are sorted (check_rows)
                 cuts = [0, *torch.searchsorted(ids_local, self._member_bounds).tolist(), n]
                 for i in range(len(self.member_rows_updated)):

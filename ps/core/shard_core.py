@@ -166,11 +166,14 @@ class ShardCore:
             self._flush_waiters -= 1
 
     async def checkpoint(self, run_id: str, ranks: Sequence[int], step: int, directory: str,
-                         timeout_s: float = 0.0) -> list[tuple[int, Any]]:
-        """Wait until `ranks` (all: empty) applied every push through `step`, then save."""
+                         timeout_s: float = 0.0, since: int | None = None
+                         ) -> list[tuple[int, Any]]:
+        """Wait until `ranks` (all: empty) applied every push through `step`, then save
+        (`since`: incremental, Store.checkpoint)."""
         for rank in (list(ranks) or [-1]):
             await self.flush(run_id, rank, step, timeout_s)
-        return await self._run(self.store.checkpoint, run_id, list(ranks), step, directory)
+        return await self._run(self.store.checkpoint, run_id, list(ranks), step, directory,
+                               since)
 
     async def page(self, run_id: str, rank: int, incarnation: int, table: str,
                    call: PageCall) -> PageResult:

@@ -560,10 +560,11 @@ class Store(PartitionAuth):
             raise
 
     def checkpoint(self, run_id: str, ranks: Sequence[int], step: int,
-                   directory: str) -> list[tuple[int, Any]]:
+                   directory: str, since: int | None = None) -> list[tuple[int, Any]]:
         """Save the partitions of `ranks` (all of the run when empty) at exactly `step`,
         into a step directory of a run directory their run secret claimed
-        (ps/core/checkpoint_dirs.py)."""
+        (ps/core/checkpoint_dirs.py); `since` S: incremental, only what changed since
+        their checkpoint of step S (ps/core/checkpoint.py save_partition)."""
         from ps.core.checkpoint import save_partition
 
         what = f"checkpoint run={run_id!r}"
@@ -584,7 +585,8 @@ class Store(PartitionAuth):
                     with part.lock:
                         try:
                             out.extend((part.rank, info)
-                                       for info in save_partition(part, path, step, writer))
+                                       for info in save_partition(part, path, step, writer,
+                                                                  since))
                         except OSError as exc:  # e.g. a name too long: the request's fault
                             raise write_refusal(exc, path, what) from exc
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),

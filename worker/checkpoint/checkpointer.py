@@ -23,6 +23,15 @@ the sequence:
    crc32, data position, parts: hybridps/checkpoint.py `Manifest`) and renames
    `manifest.json` into place LAST; barrier.
 
+--checkpoint-mode incremental (the default): a checkpoint whose parent is the previous one
+this process completed (`since`; every --checkpoint-full-every-th, the first of a process
+and the one after a failed save are full) has each part write only what changed since it
+(the rows and optimizer state as delta shards; the other parts whole), and its manifest
+names the parent and keeps the chain's id (`draft_manifest`); restore, re-sharding and
+export read the chain composed (hybridps/checkpoint.py `load_table_rows`), and
+--checkpoint-keep keeps every link a kept checkpoint needs (`prune`). The write calls are
+`write_part` and `write_manifest`.
+
 A directory without a manifest is torn and ignored. Before anything is loaded the
 checkpoint is verified whole (worker/checkpoint/resume.py `resume_target`: every file
 the manifest lists against its size and crc32, damaged ones skipped or refused), then
@@ -53,13 +62,23 @@ import dataclasses
 import logging
 import shutil
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from hybridps.checkpoint import MANIFEST, STEP_DIR, Manifest, complete_checkpoints, step_dir
+from hybridps.checkpoint import (
+    MANIFEST,
+    STEP_DIR,
+    Manifest,
+    ParentEntry,
+    chain_of,
+    complete_checkpoints,
+    step_dir,
+)
+from hybridps.errors import ShardError
 from hybridps.logs import kv
 from worker.checkpoint.dense import DENSE_DIR
 from worker.checkpoint.parts import CheckpointPart, ManifestDraft
@@ -77,6 +96,46 @@ log = logging.getLogger("worker.checkpoint")
 # The fault point (worker/runtime/faults.py CHECKPOINT_PHASES) reached after a part's files
 # are written: "rows" once the rows, slot maps and pending updates are, and so on.
 PHASE_AFTER = {"window": "rows", "source": "optim", "dense": "dense"}
+
+
+def needed(points: Sequence[Path]) -> set[Path]:
+    """The checkpoints `points` are composed of (their chains, hybridps/checkpoint.py
+    chain_of), resolved. A point whose chain is damaged keeps what can still be read of
+    it: its own directory and every parent its links name."""
+    out: set[Path] = set()
+    for point in points:
+        try:
+            out.update(link.directory.resolve() for link in chain_of(point))
+        except (ShardError, OSError, ValueError):
+            directory: Path | None = point
+            while directory is not None and directory.resolve() not in out:
+                out.add(directory.resolve())
+                try:
+                    parent = Manifest.read(directory).parent
+                except (ShardError, OSError, ValueError):
+                    parent = None
+                directory = None if parent is None else directory.parent / parent.path
+    return out
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """--checkpoint-keep N (0: keep all): delete all but the newest N complete checkpoints
+    under `root` and the older ones they are composed of (`needed`), and torn directories
+    older than the newest complete one; returns the directories deleted."""
+    if keep <= 0:
+        return []
+    complete = complete_checkpoints(root)
+    kept = needed([d for _, d in complete[-keep:]])
+    doomed = [d for _, d in complete[:-keep] if d.resolve() not in kept]
+    newest = complete[-1][0] if complete else -1
+    for child in root.iterdir():
+        m = STEP_DIR.match(child.name)
+        if m and int(m.group(1)) < newest and not (child / MANIFEST).exists():
+            doomed.append(child)
+    for d in doomed:
+        (d / MANIFEST).unlink(missing_ok=True)  # first: never a half-deleted loadable one
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 class Checkpointer:
@@ -97,6 +156,12 @@ class Checkpointer:
         self.written: list[dict[str, Any]] = []  # rank 0: step, path, bytes, seconds
         self.restore_s = 0.0
         self.saved_step = -1  # the step of this run's newest checkpoint
+        # the chain being written (--checkpoint-mode incremental): the newest checkpoint
+        # this process completed (None: the next is full), links since its full one, and
+        # its id (rank 0 writes it into every manifest of the chain)
+        self.parent_step: int | None = None
+        self.links = 0
+        self.chain_id = ""
 
     def attach(self, parts: Sequence[CheckpointPart]) -> None:
         """The run's parts, in the order they save and restore (run_parts.py)."""
@@ -144,11 +209,24 @@ class Checkpointer:
         return directory
 
     # -- save -------------------------------------------------------------------------
+    def since(self, step: int) -> int | None:
+        """The parent step of the checkpoint of `step` (None: a full one). Full: with
+        --checkpoint-mode full, the first checkpoint of a process (a resumed run starts a
+        chain of its own), every --checkpoint-full-every-th one, and after a failed save.
+        The same on every rank (the same history)."""
+        parent = self.parent_step
+        if (self.opts.checkpoint_mode == "full" or parent is None or parent >= step
+                or self.links + 1 >= self.opts.checkpoint_full_every):
+            return None
+        return parent
+
     def save(self, step: int) -> Path:
         """A checkpoint of `step` (collective: every rank calls it after pushing `step`)."""
         assert self.root is not None
         t0 = time.perf_counter()
         directory = step_dir(self.root, step)
+        since = self.since(step)
+        self.parent_step = None  # until this one completes: a failed save breaks the chain
         fault_point(self.rank, step, "start")
         if self.rank == 0:
             (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step
@@ -158,7 +236,7 @@ class Checkpointer:
         seconds: dict[str, float] = {}
         for part in self.parts:
             t_part = time.perf_counter()
-            mine[part.name] = part.save(directory, step)
+            mine[part.name] = self.write_part(part, directory, step, since)
             seconds[part.name] = time.perf_counter() - t_part
             if part.name in PHASE_AFTER:
                 fault_point(self.rank, step, PHASE_AFTER[part.name])
@@ -167,43 +245,54 @@ class Checkpointer:
             gathered = [None] * self.world
             dist.all_gather_object(gathered, mine)
         if self.rank == 0:
-            draft = ManifestDraft(step=step, world_size=self.world, run_id=self.run_id,
-                                  task=self.cfg.run.task, seed=self.cfg.run.seed)
-            for part in self.parts:
-                draft.part(part.name)
-                part.record([g[part.name] for g in gathered], draft)
-            manifest = draft.build()
+            manifest = self.draft_manifest(step, since, gathered)
             fault_point(self.rank, step, "manifest")
-            manifest.write(directory)
+            self.write_manifest(manifest, directory)
             self._prune()
         self._barrier()
         fault_point(self.rank, step, "after")
         elapsed = time.perf_counter() - t0
         self.save_s.append(elapsed)
         self.saved_step = step
+        self.parent_step, self.links = step, (0 if since is None else self.links + 1)
         if self.rank == 0:
-            self.written.append(checkpoint_entry(step, directory, elapsed))
-            log.info("checkpoint step %d -> %s: %s in %.2fs (%s)", step, directory,
-                     human_bytes(self.written[-1]["bytes"]), elapsed,
+            entry = checkpoint_entry(step, directory, elapsed)
+            entry["kind"] = "full" if since is None else "incremental"
+            self.written.append(entry)
+            log.info("checkpoint step %d -> %s: %s %s in %.2fs (%s)", step, directory,
+                     human_bytes(entry["bytes"]), entry["kind"], elapsed,
                      ", ".join(f"{name} {s:.2f}s" for name, s in seconds.items()))
         return directory
 
+    def write_part(self, part: CheckpointPart, directory: Path, step: int,
+                   since: int | None) -> Any:
+        """One part's files of the checkpoint of `step` (`since`: incremental)."""
+        return part.save(directory, step, since)
+
+    def write_manifest(self, manifest: Manifest, directory: Path) -> None:
+        """The manifest, renamed into place last: the checkpoint is complete (rank 0)."""
+        manifest.write(directory)
+
+    def draft_manifest(self, step: int, since: int | None,
+                       gathered: Sequence[Any]) -> Manifest:
+        """Rank 0: every part records every rank's account into the manifest; an
+        incremental one names its parent (its manifest's size, crc32 and checksum) and
+        keeps the chain's id, a full one starts a chain."""
+        assert self.root is not None
+        if since is None:
+            self.chain_id = uuid.uuid4().hex
+        parent = None if since is None else ParentEntry.describe(step_dir(self.root, since))
+        draft = ManifestDraft(step=step, world_size=self.world, run_id=self.run_id,
+                              task=self.cfg.run.task, seed=self.cfg.run.seed,
+                              chain_id=self.chain_id, parent=parent)
+        for part in self.parts:
+            draft.part(part.name)
+            part.record([g[part.name] for g in gathered], draft)
+        return draft.build()
+
     def _prune(self) -> None:
-        """--checkpoint-keep N: delete all but the newest N complete checkpoints, and torn
-        directories older than the newest complete one."""
-        keep = self.opts.checkpoint_keep
-        if keep <= 0 or self.root is None:
-            return
-        complete = complete_checkpoints(self.root)
-        doomed = [d for _, d in complete[:-keep]]
-        newest = complete[-1][0] if complete else -1
-        for child in self.root.iterdir():
-            m = STEP_DIR.match(child.name)
-            if m and int(m.group(1)) < newest and not (child / MANIFEST).exists():
-                doomed.append(child)
-        for d in doomed:
-            (d / MANIFEST).unlink(missing_ok=True)  # first: never a half-deleted loadable one
-            shutil.rmtree(d, ignore_errors=True)
+        if self.root is not None:
+            prune(self.root, self.opts.checkpoint_keep)
 
     def _barrier(self) -> None:
         if self.world > 1:

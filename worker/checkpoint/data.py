@@ -35,7 +35,7 @@ class DataPart:
     def __init__(self, task: Task, *, rank: int, world_size: int, batch_size: int) -> None:
         self.task, self.rank, self.world, self.batch_size = task, rank, world_size, batch_size
 
-    def save(self, directory: Path, step: int) -> FileEntry | None:
+    def save(self, directory: Path, step: int, since: int | None = None) -> FileEntry | None:
         state = self.task.data_state(step + 1)
         if state is None:  # batches are a function of the step
             return None

@@ -106,7 +106,7 @@ class DensePart:
         self.dense, self.opt, self.scaler, self.rank = dense, opt, scaler, rank
         self.optim, self.loss_scale_init = optim, loss_scale_init
 
-    def save(self, directory: Path, step: int) -> dict[str, Any]:
+    def save(self, directory: Path, step: int, since: int | None = None) -> dict[str, Any]:
         return save_dense(self.dense, self.opt, self.scaler, directory, self.rank)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:

@@ -3,8 +3,10 @@ stateful checkpointing), the Checkpointer (checkpointer.py) runs them in sequenc
 
 A part (`CheckpointPart`) is named and does four things:
 
-- `save(directory, step)`: write this rank's files of the checkpoint of `step`; returns
-  what this rank saved (picklable: it is gathered on every rank);
+- `save(directory, step, since)`: write this rank's files of the checkpoint of `step`;
+  returns what this rank saved (picklable: it is gathered on every rank). `since` S: an
+  incremental checkpoint whose parent is the checkpoint of step S: a part may write only
+  what changed since S, as delta shards (hybridps/checkpoint.py's chains); None: whole;
 - `record(saved_by_rank, draft)`: on rank 0, add its entries (tables, shards, files,
   fields) to the manifest being drafted (`ManifestDraft`), from every rank's `save`;
 - `verify(directory, manifest)`: a problem (one line naming the checkpoint) that makes
@@ -31,6 +33,7 @@ from hybridps.checkpoint import (
     Manifest,
     ManifestShard,
     ManifestTable,
+    ParentEntry,
     PartEntry,
     PendingEntry,
     ShardInfo,
@@ -42,7 +45,7 @@ class CheckpointPart(Protocol):
 
     name: str
 
-    def save(self, directory: Path, step: int) -> Any: ...
+    def save(self, directory: Path, step: int, since: int | None = None) -> Any: ...
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None: ...
 
@@ -52,7 +55,7 @@ class CheckpointPart(Protocol):
 
 
 def file_entry(info: ShardInfo) -> FileEntry:
-    return FileEntry(info.file, info.bytes, info.crc32)
+    return FileEntry(info.file, info.bytes, info.crc32, info.delta)
 
 
 @dataclass
@@ -76,6 +79,8 @@ class ManifestDraft:
     ranges: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     files: dict[tuple[str, int], dict[str, FileEntry]] = field(default_factory=dict)
     parts: dict[str, list[tuple[int, FileEntry]]] = field(default_factory=dict)
+    chain_id: str = ""
+    parent: ParentEntry | None = None  # an incremental checkpoint's parent
 
     def table(self, name: str, num_rows: int, dim: int,
               extra: Mapping[str, Any] | None = None) -> None:
@@ -111,4 +116,5 @@ class ManifestDraft:
             run_id=self.run_id, mode=self.mode, row_dtype=self.row_dtype,
             optimizer=self.optimizer, task=self.task, seed=self.seed, data=self.data,
             created_unix=time.time(), tables=tables, dense=self.dense, pending=self.pending,
-            parts=tuple(PartEntry(n, tuple(f)) for n, f in self.parts.items()))
+            parts=tuple(PartEntry(n, tuple(f)) for n, f in self.parts.items()),
+            chain_id=self.chain_id, parent=self.parent)

@@ -34,8 +34,8 @@ class SourcePart:
                  spec: OptimizerSpec) -> None:
         self.source, self.kind, self.spec = source, kind, spec
 
-    def save(self, directory: Path, step: int) -> SavedFiles:
-        return self.source.save_to(directory, step)
+    def save(self, directory: Path, step: int, since: int | None = None) -> SavedFiles:
+        return self.source.save_to(directory, step, since)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.mode = self.kind.mode

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from hybridps.checkpoint import Manifest, ShardInfo, load_rows, rows_file, save_shard
+from hybridps.checkpoint import (
+    Manifest,
+    ShardInfo,
+    chain_of,
+    load_table_rows,
+    rows_file,
+    save_shard,
+)
 from hybridps.dynamic_files import restore_plan, save_ids
 from hybridps.errors import ShardError
 from worker.checkpoint.parts import ManifestDraft, file_entry
@@ -42,17 +49,45 @@ class TablesPart:
         self.emb, self.row_dtype, self.canonical = embedding, row_dtype, canonical
 
     @torch.no_grad()
-    def save(self, directory: Path, step: int) -> dict[str, ShardInfo]:
+    def save(self, directory: Path, step: int, since: int | None = None
+             ) -> dict[str, ShardInfo]:
+        """`since` S: incremental, each rows file a delta shard of the rows changed since
+        the checkpoint of step S (`changed_ids`)."""
         emb, rows = self.emb, {}
         with self.canonical(step):
-            for name, table in emb.tables.items():
-                start, end = emb.ranges[name]
-                rows[name] = save_shard(directory, rows_file(name, emb.rank), kind="rows",
-                                        table=name, rank=emb.rank, num_rows=table.num_rows,
-                                        dim=table.dim, row_start=start, row_end=end,
-                                        tensors={"weight": emb.table_rows(name)},
-                                        meta={"step": step})
+            for name in emb.tables:
+                ids = None if since is None else self.changed_ids(name, since)
+                rows[name] = self.write_rows(directory, name, step, ids)
+        emb.clear_changed()
         return rows
+
+    def changed_ids(self, name: str, since: int) -> torch.Tensor:
+        """The global ids of table `name`'s rows (this rank's) that may differ from the
+        checkpoint of step `since`: every row an update touched since (the pending ones
+        of this checkpoint included: they are applied while it is written), and for a
+        dynamic table every slot looked up after `since` (a slot takes its id's row,
+        paged in or new, when the id is looked up)."""
+        emb = self.emb
+        changed = emb.changed_rows(name)
+        dynamic = emb.dynamic
+        if dynamic is not None and name in dynamic.tables:
+            seen = torch.from_numpy(dynamic.slot_state(name)["seen"])
+            changed = changed | (seen > since).to(changed.device)
+        start, _ = emb.ranges[name]
+        return changed.nonzero().squeeze(1).cpu() + start
+
+    def write_rows(self, directory: Path, name: str, step: int,
+                   ids: torch.Tensor | None) -> ShardInfo:
+        """One rows file: this rank's rows of `name`, or only rows `ids` (a delta shard)."""
+        emb, table = self.emb, self.emb.tables[name]
+        start, end = emb.ranges[name]
+        weight = emb.table_rows(name)
+        if ids is not None:
+            weight = weight.index_select(0, (ids - start).to(weight.device))
+        return save_shard(directory, rows_file(name, emb.rank), kind="rows", table=name,
+                          rank=emb.rank, num_rows=table.num_rows, dim=table.dim,
+                          row_start=start, row_end=end, tensors={"weight": weight},
+                          meta={"step": step}, ids=ids)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.row_dtype = self.row_dtype  # bf16: the optim files hold the fp32 masters
@@ -81,16 +116,17 @@ class TablesPart:
     @torch.no_grad()
     def restore(self, directory: Path, manifest: Manifest, step: int) -> None:
         emb = self.emb
+        links = chain_of(directory, manifest)
         for name, table in emb.tables.items():
             start, end = emb.ranges[name]
-            shards = manifest.shards(name, "rows")  # verified by resume_target
-            got, _ = load_rows(directory, name, table.num_rows, table.dim, shards, start, end,
-                               ["weight"], verify=False)
+            shape = (table.num_rows, table.dim)  # the chain verified by resume_target
+            got, _ = load_table_rows(directory, manifest, name, "rows", start, end,
+                                     ["weight"], verify=False, links=links, shape=shape)
             weight = got["weight"]
             if manifest.row_dtype == "bf16" and emb.row_dtype == torch.float32:
-                masters, _ = load_rows(directory, name, table.num_rows, table.dim,
-                                       manifest.shards(name, "optim"), start, end,
-                                       ["master"], verify=False)
+                masters, _ = load_table_rows(directory, manifest, name, "optim", start, end,
+                                             ["master"], verify=False, links=links,
+                                             shape=shape)
                 weight = masters["master"] if masters["master"] is not None else weight
             assert weight is not None
             emb.table_rows(name).copy_(weight)
@@ -108,8 +144,9 @@ class DynamicMapsPart:
         dynamic = self.emb.dynamic
         return [] if dynamic is None else [n for n in self.emb.tables if n in dynamic.tables]
 
-    def save(self, directory: Path, step: int) -> dict[str, ShardInfo]:
-        dynamic, out = self.emb.dynamic, {}
+    def save(self, directory: Path, step: int, since: int | None = None
+             ) -> dict[str, ShardInfo]:
+        dynamic, out = self.emb.dynamic, {}  # whole in every checkpoint
         for name in self._tables():
             assert dynamic is not None
             start, end = self.emb.ranges[name]

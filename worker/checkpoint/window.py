@@ -89,7 +89,7 @@ class WindowPart:
                     local_P = ids_P.to(emb.device) - emb.units[name].start
                     emb.weights[name].data.index_copy_(0, local_P, rows_PD)
 
-    def save(self, directory: Path, step: int) -> FileEntry:
+    def save(self, directory: Path, step: int, since: int | None = None) -> FileEntry:
         pending, before = self._pending(step)
         self._held = None
         rank = self.emb.rank

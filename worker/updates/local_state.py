@@ -41,19 +41,30 @@ def _table_rows(emb: ShardedEmbedding, table: str) -> tuple[str, slice]:
 def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbedding,
                      spec: OptimizerSpec, state: UnitState,
                      masters: Mapping[str, torch.Tensor], counts: Mapping[str, int],
-                     paged: Mapping[str, PagedRows]) -> dict[str, dict[str, ShardInfo]]:
+                     paged: Mapping[str, PagedRows],
+                     changed: Mapping[str, torch.Tensor] | None = None
+                     ) -> dict[str, dict[str, ShardInfo]]:
+    """`changed` (per unit, bool [rows]: the rows pushes changed since the previous
+    checkpoint): an incremental checkpoint, each static table's optim file a delta shard
+    of those rows. A dynamic table's is whole (its slots' state also moves in the fused
+    step, hybridps/native/dynamic_step.c, which keeps no such flags)."""
     out = {}
     opt = dataclasses.asdict(spec)
     for name, table in emb.tables.items():
         start, end = emb.ranges[name]
         unit, rows = _table_rows(emb, name)
         master = masters.get(unit)
+        ids = None
+        at: slice | torch.Tensor = rows
+        if changed is not None and name not in paged:
+            local = changed[unit][rows].nonzero().squeeze(1)
+            at, ids = local + rows.start, local.cpu() + start
         out[name] = {"optim": save_optim_state(
             directory, table=name, rank=rank, num_rows=table.num_rows, dim=table.dim,
             row_start=start, row_end=end,
-            state=OptimState({n: t[rows] for n, t in state[unit].items()}, counts[unit],
-                             step, None if master is None else master[rows]),
-            optimizer=opt)}
+            state=OptimState({n: t[at] for n, t in state[unit].items()}, counts[unit],
+                             step, None if master is None else master[at]),
+            optimizer=opt, ids=ids)}
         if name in paged:  # a dynamic table's paged-out rows (hybridps/dynamic_files.py)
             out[name]["paged"] = save_paged(directory, table=name, rank=rank, start=start,
                                             end=end, store=paged[name], step=step)

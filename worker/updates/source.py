@@ -266,11 +266,13 @@ class UpdateSource(ABC):
         """Release connections/threads; safe to call twice and after errors."""
 
     # -- checkpoints: each source saves and restores its own optimizer state -------------
-    def save_to(self, directory: Path, step: int) -> SavedFiles:
+    def save_to(self, directory: Path, step: int, since: int | None = None) -> SavedFiles:
         """Write the sparse optimizer state of step `step` (every push <= step applied) into
         checkpoint `directory`, in hybridps/checkpoint.py's optim file format (a dynamic
         table also its paged-out rows, hybridps/dynamic_files.py); returns the files
-        written, per table and kind ("optim", "paged")."""
+        written, per table and kind ("optim", "paged"). `since` S: incremental, the
+        optim files may be delta shards of the rows changed since the checkpoint of S
+        (the previous one this source saved)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no checkpointable state")
 
     def restore_from(self, directory: Path, step: int) -> None:
@@ -308,6 +310,9 @@ class LocalSparseOptimizer(UpdateSource):
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.masters: dict[str, torch.Tensor] = {}
         self.counts = dict.fromkeys(embedding.units, 0)
+        # per unit, the rows whose state a push changed since the last checkpoint
+        self.changed = {name: torch.zeros(u.rows, dtype=torch.bool, device=embedding.device)
+                        for name, u in embedding.units.items()}
         # dynamic tables (docs/dynamic_ids.md): the rows paged out of their slots, with
         # their optimizer state, in host memory
         self.paged = {name: PagedRows(t.dim, spec.state_widths(t.dim))
@@ -333,6 +338,7 @@ class LocalSparseOptimizer(UpdateSource):
             ids_U, grads_UD = grads[name]
             start = self.embedding.units[name].start
             self.counts[name] += 1
+            self.changed[name].index_fill_(0, ids_U - start, True)
             delta_UD, decay = step_rows_(spec, self.state[name], ids_U - start, grads_UD,
                                          self.counts[name])
             self.stats.pushes += self.tables_in[name]
@@ -348,11 +354,15 @@ class LocalSparseOptimizer(UpdateSource):
                 continue
             self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
 
-    def save_to(self, directory: Path, step: int) -> SavedFiles:
+    def save_to(self, directory: Path, step: int, since: int | None = None) -> SavedFiles:
         """The same files the shard server writes (worker/updates/local_state.py)."""
-        return save_local_state(directory, step, rank=self.embedding.rank, emb=self.embedding,
-                                spec=self.spec, state=self.state, masters=self.masters,
-                                counts=self.counts, paged=self.paged)
+        saved = save_local_state(directory, step, rank=self.embedding.rank,
+                                 emb=self.embedding, spec=self.spec, state=self.state,
+                                 masters=self.masters, counts=self.counts, paged=self.paged,
+                                 changed=None if since is None else self.changed)
+        for flags in self.changed.values():
+            flags.zero_()
+        return saved
 
     def restore_from(self, directory: Path, step: int) -> None:
         restore_local_state(directory, step, emb=self.embedding, spec=self.spec,

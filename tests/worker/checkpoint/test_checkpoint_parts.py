@@ -128,7 +128,7 @@ class Recorder:
     def __init__(self, name: str, log: list[str], problem: str | None = None) -> None:
         self.name, self.log, self.problem = name, log, problem
 
-    def save(self, directory: Path, step: int) -> Any:
+    def save(self, directory: Path, step: int, since: int | None = None) -> Any:
         self.log.append(f"save {self.name} {step}")
         return {"saved": self.name}
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,11 +24,11 @@ from hybridps.checkpoint import (
     save_optim_state,
     verify_shards,
 )
-from hybridps.dynamic_files import restore_plan, save_paged
+from hybridps.dynamic_files import restore_plan, save_paged_state
 from hybridps.errors import Conflict
 from hybridps.optim import OptimizerSpec
 from ps.core.partition import Partition, TableSpec, TableState
-from ps.core.table_members import pieces
+from ps.core.table_members import Piece, pieces
 
 
 def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
@@ -38,28 +40,63 @@ def save_partition(part: Partition, directory: str | Path, step: int,
     """Write every table of a partition whose last applied step is exactly `step`
     (through `writer`: ps/core/checkpoint_dirs.py; None: by path).
 
-    The caller holds `part.lock` (no push applies while the files are written).
-    """
+    The caller holds `part.lock` (no push applies while the files are written)."""
+    return snapshot_partition(part, step).write(directory, writer)
+
+
+@dataclass
+class PartitionSnapshot:
+    """A partition's optimizer state of one step, copied (`snapshot_partition`): written
+    without the partition's lock, while the pushes of the next steps apply."""
+
+    where: str
+    rank: int
+    incarnation: int
+    optimizer: dict[str, Any]
+    step: int
+    pieces: list[tuple[Piece, int, OptimState]]  # (member, dim, its state)
+    paged: list[tuple[str, int, int, dict[str, Any]]]  # (table, start, end, store state)
+    nbytes: int
+
+    def write(self, directory: str | Path, writer: Writer | None = None) -> list[ShardInfo]:
+        out = [save_optim_state(directory, table=p.name, rank=self.rank, num_rows=p.num_rows,
+                                dim=dim, row_start=p.row_start, row_end=p.row_end,
+                                state=state, optimizer=self.optimizer,
+                                incarnation=self.incarnation, writer=writer)
+               for p, dim, state in self.pieces]
+        out.extend(save_paged_state(directory, table=table, rank=self.rank, start=start,
+                                    end=end, state=state, step=self.step, writer=writer)
+                   for table, start, end, state in self.paged)
+        return out
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
+def snapshot_partition(part: Partition, step: int) -> PartitionSnapshot:
+    """A copy of every table's state of a partition whose last applied step is exactly
+    `step` (a Conflict otherwise). The caller holds `part.lock`; the copy is one
+    partition's state (its m, v, masters; a dynamic table's paged-out rows)."""
     for name, t in part.tables.items():
         if t.last_step != step:
             raise Conflict(f"checkpoint {part.where} table {name!r} at step {step}: the last "
                            f"applied step is {t.last_step}; a checkpoint needs exactly {step}")
-    out = []
-    opt = dataclasses.asdict(part.optimizer)
+    held: list[tuple[Piece, int, OptimState]] = []
+    paged = []
+    nbytes = 0
     for t in part.tables.values():
         for p in pieces(t.spec):
-            out.append(save_optim_state(
-                directory, table=p.name, rank=part.rank, num_rows=p.num_rows,
-                dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
-                state=OptimState({n: x[p.lo:p.hi] for n, x in t.state.items()},
-                                 t.adam_step, t.last_step, _rows(t.master, p.lo, p.hi)),
-                optimizer=opt, incarnation=part.incarnation, writer=writer))
-        if t.paging is not None:  # a dynamic table's paged-out rows
-            out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
-                                  start=t.spec.row_start, end=t.spec.row_end,
-                                  store=t.paging.store, step=step, writer=writer))
-    return out
-
+            state = {n: _copy(x[p.lo:p.hi]) for n, x in t.state.items()}
+            master = _copy(_rows(t.master, p.lo, p.hi))
+            nbytes += sum(x.numel() * x.element_size() for x in (*state.values(), master)
+                          if x is not None)
+            held.append((p, t.spec.dim, OptimState(state, t.adam_step, t.last_step, master)))
+        if t.paging is not None:  # a dynamic table's paged-out rows (their own arrays)
+            paged.append((t.spec.name, t.spec.row_start, t.spec.row_end,
+                          t.paging.store.state_dict()))
+    return PartitionSnapshot(part.where, part.rank, part.incarnation,
+                             dataclasses.asdict(part.optimizer), step, held, paged, nbytes)
 
 
 def check_restore(specs: Sequence[TableSpec], optimizer: OptimizerSpec, master: bool,

@@ -9,7 +9,7 @@ the sequence:
 1. every rank applies what the forward of step s+1 sees (updates <= s-K) and waits
    for the updates of steps s-K+1..s (so every push <= s is applied on the server),
    without applying them: they are *pending* (worker/checkpoint/window.py);
-2. every part writes this rank's files, in order: the rows it owns with the pending
+2. every part writes this rank's files, in order (below: when): the rows it owns with the pending
    updates applied (`rows/<table>.r<rank>.pt`, canonical rows: every update <= s, what
    export and a re-shard read; the live rows are put back exactly, so the run goes on as
    if no checkpoint was taken: tables.py), a dynamic table's slot map, `pending/
@@ -44,7 +44,17 @@ A dynamic table's prefetch (--pipeline) is held back once a rank is signalled, a
 ranks agree on the flag as it was then (lifecycle.stop_agreed `requested`), so a stop's
 checkpoint never follows a pending translation.
 
-Each phase of a save is a fault point (worker/runtime/faults.py: HYBRIDPS_FAULT_CHECKPOINT).
+Steps 2 and 3 run in two phases (worker/checkpoint/writer.py): the snapshot at the step
+boundary (every part holds the state it will write: `snapshot`), then the writes, the
+gathering and the manifest, by the writer: at once (--checkpoint-async false), or in a
+background thread while the step loop goes on (the default; the next checkpoint, a stop's
+and the end of the run wait for it: `wait`). The manifest is renamed into place only after
+every rank's files are durable, so a crash during the background write leaves the previous
+checkpoint the newest complete one. results.json reports how long each save held the step
+loop (`stall_s`) and the snapshot's host memory (`snapshot_bytes`).
+
+Each phase of a save is a fault point (worker/runtime/faults.py: HYBRIDPS_FAULT_CHECKPOINT;
+"rows" and later run in the writer's job).
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ from hybridps.logs import kv
 from worker.checkpoint.dense import DENSE_DIR
 from worker.checkpoint.parts import CheckpointPart, ManifestDraft
 from worker.checkpoint.resume import dense_optimizer_record, resume_changes, resume_target
+from worker.checkpoint.writer import SyncWriter, Writer, Written, make_writer
 from worker.report.console import checkpoint_entry, human_bytes
 from worker.runtime.faults import fault_point
 
@@ -97,6 +108,8 @@ class Checkpointer:
         self.written: list[dict[str, Any]] = []  # rank 0: step, path, bytes, seconds
         self.restore_s = 0.0
         self.saved_step = -1  # the step of this run's newest checkpoint
+        self.stall_s: list[float] = []  # how long each save held the step loop
+        self.writer: Writer = SyncWriter()  # attach: --checkpoint-async's
 
     def attach(self, parts: Sequence[CheckpointPart]) -> None:
         """The run's parts, in the order they save and restore (run_parts.py)."""
@@ -104,6 +117,13 @@ class Checkpointer:
         if len(set(names)) != len(names):
             raise ValueError(f"checkpoint parts {names} name a part twice")
         self.parts = list(parts)
+        if self.root is not None:  # collective (a process group for the writes' own)
+            self.writer = make_writer(self.opts.checkpoint_async, self.world)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """The most host memory one checkpoint's snapshot held (0: written in place)."""
+        return self.writer.snapshot_bytes
 
     # -- which checkpoint to resume from (called before the source starts) ----------
     def resume_target(self) -> tuple[Path, int] | None:
@@ -137,6 +157,7 @@ class Checkpointer:
         if not self.on_stop or step in (self.saved_step, self.resumed_step):
             return None
         directory = self.save(step)
+        self.writer.wait()  # the process exits after this: every byte first
         if self.rank == 0:
             entry = self.written[-1]
             log.warning(kv("checkpoint_on_stop", step=step, seconds=f"{self.save_s[-1]:.2f}",
@@ -145,27 +166,45 @@ class Checkpointer:
 
     # -- save -------------------------------------------------------------------------
     def save(self, step: int) -> Path:
-        """A checkpoint of `step` (collective: every rank calls it after pushing `step`)."""
+        """A checkpoint of `step` (collective: every rank calls it after pushing `step`):
+        the snapshot now, the writes, manifest and pruning by the writer (writer.py: at
+        once, or in the background: `wait` or the next save waits for them)."""
         assert self.root is not None
         t0 = time.perf_counter()
+        self.writer.wait()  # one checkpoint in flight
         directory = step_dir(self.root, step)
         fault_point(self.rank, step, "start")
         if self.rank == 0:
             (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step
             shutil.rmtree(directory / DENSE_DIR, ignore_errors=True)  # no stale DCP files
         self._barrier()
+        stage = self.writer.stage()
+        held = {part.name: part.snapshot(directory, step, stage) for part in self.parts}
+        group = stage.group
+        self.writer.submit(lambda: self._write(step, directory, held, group, t0))
+        self.saved_step = step
+        self.stall_s.append(time.perf_counter() - t0)
+        return directory
+
+    def wait(self) -> None:
+        """Until the checkpoint being written (if any) is complete (before the run ends)."""
+        self.writer.close()
+
+    def _write(self, step: int, directory: Path, held: dict[str, Written], group: Any,
+               t0: float) -> None:
+        """The job (writer.py): every part's files, then the manifest, last."""
         mine: dict[str, Any] = {}
         seconds: dict[str, float] = {}
         for part in self.parts:
             t_part = time.perf_counter()
-            mine[part.name] = part.save(directory, step)
+            mine[part.name] = held[part.name].result()
             seconds[part.name] = time.perf_counter() - t_part
             if part.name in PHASE_AFTER:
                 fault_point(self.rank, step, PHASE_AFTER[part.name])
         gathered: list[Any] = [mine]
         if self.world > 1:
             gathered = [None] * self.world
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, mine, group=group)
         if self.rank == 0:
             draft = ManifestDraft(step=step, world_size=self.world, run_id=self.run_id,
                                   task=self.cfg.run.task, seed=self.cfg.run.seed)
@@ -176,17 +215,16 @@ class Checkpointer:
             fault_point(self.rank, step, "manifest")
             manifest.write(directory)
             self._prune()
-        self._barrier()
+        self._barrier(group)
         fault_point(self.rank, step, "after")
         elapsed = time.perf_counter() - t0
         self.save_s.append(elapsed)
-        self.saved_step = step
         if self.rank == 0:
             self.written.append(checkpoint_entry(step, directory, elapsed))
-            log.info("checkpoint step %d -> %s: %s in %.2fs (%s)", step, directory,
-                     human_bytes(self.written[-1]["bytes"]), elapsed,
-                     ", ".join(f"{name} {s:.2f}s" for name, s in seconds.items()))
-        return directory
+            log.info("checkpoint step %d -> %s: %s in %.2fs (%s; snapshot in host memory "
+                     "%s)", step, directory, human_bytes(self.written[-1]["bytes"]), elapsed,
+                     ", ".join(f"{name} {s:.2f}s" for name, s in seconds.items()),
+                     human_bytes(self.writer.snapshot_bytes))
 
     def _prune(self) -> None:
         """--checkpoint-keep N: delete all but the newest N complete checkpoints, and torn
@@ -205,9 +243,9 @@ class Checkpointer:
             (d / MANIFEST).unlink(missing_ok=True)  # first: never a half-deleted loadable one
             shutil.rmtree(d, ignore_errors=True)
 
-    def _barrier(self) -> None:
+    def _barrier(self, group: Any = None) -> None:
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=group)
 
     # -- restore ----------------------------------------------------------------------
     def restore_local(self, directory: Path, step: int) -> None:

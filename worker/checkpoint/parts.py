@@ -3,8 +3,10 @@ stateful checkpointing), the Checkpointer (checkpointer.py) runs them in sequenc
 
 A part (`CheckpointPart`) is named and does four things:
 
-- `save(directory, step)`: write this rank's files of the checkpoint of `step`; returns
-  what this rank saved (picklable: it is gathered on every rank);
+- `snapshot(directory, step, stage)`: hold this rank's state of the checkpoint of `step`
+  through `stage` (worker/checkpoint/writer.py) and hand it the write of its files
+  (`stage.write(fn)`; the write may run later, in the background, from what was held);
+  the write returns what this rank saved (picklable: it is gathered on every rank);
 - `record(saved_by_rank, draft)`: on rank 0, add its entries (tables, shards, files,
   fields) to the manifest being drafted (`ManifestDraft`), from every rank's `save`;
 - `verify(directory, manifest)`: a problem (one line naming the checkpoint) that makes
@@ -24,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridps.checkpoint import (
     FileEntry,
@@ -36,13 +38,16 @@ from hybridps.checkpoint import (
     ShardInfo,
 )
 
+if TYPE_CHECKING:
+    from worker.checkpoint.writer import Stage, Written
+
 
 class CheckpointPart(Protocol):
     """One component's share of a checkpoint (module doc)."""
 
     name: str
 
-    def save(self, directory: Path, step: int) -> Any: ...
+    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written: ...
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None: ...
 

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from hybridps.dynamic_files import restore_plan, save_ids
 from hybridps.errors import ShardError
 from worker.checkpoint.parts import ManifestDraft, file_entry
 from worker.embedding.sharded import ShardedEmbedding
+
+if TYPE_CHECKING:
+    from worker.checkpoint.writer import Stage, Written
 
 
 def _no_pending(step: int) -> AbstractContextManager[None]:
@@ -42,17 +45,24 @@ class TablesPart:
         self.emb, self.row_dtype, self.canonical = embedding, row_dtype, canonical
 
     @torch.no_grad()
-    def save(self, directory: Path, step: int) -> dict[str, ShardInfo]:
-        emb, rows = self.emb, {}
-        with self.canonical(step):
-            for name, table in emb.tables.items():
-                start, end = emb.ranges[name]
-                rows[name] = save_shard(directory, rows_file(name, emb.rank), kind="rows",
-                                        table=name, rank=emb.rank, num_rows=table.num_rows,
-                                        dim=table.dim, row_start=start, row_end=end,
-                                        tensors={"weight": emb.table_rows(name)},
-                                        meta={"step": step})
-        return rows
+    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
+        emb = self.emb
+        with self.canonical(step):  # the write runs inside when the stage holds nothing
+            held = {name: stage.hold(emb.table_rows(name)) for name in emb.tables}
+
+            def write() -> dict[str, ShardInfo]:
+                rows = {}
+                for name, table in emb.tables.items():
+                    start, end = emb.ranges[name]
+                    rows[name] = save_shard(directory, rows_file(name, emb.rank), kind="rows",
+                                            table=name, rank=emb.rank,
+                                            num_rows=table.num_rows, dim=table.dim,
+                                            row_start=start, row_end=end,
+                                            tensors={"weight": held[name]},
+                                            meta={"step": step})
+                return rows
+
+            return stage.write(write)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.row_dtype = self.row_dtype  # bf16: the optim files hold the fp32 masters
@@ -108,14 +118,22 @@ class DynamicMapsPart:
         dynamic = self.emb.dynamic
         return [] if dynamic is None else [n for n in self.emb.tables if n in dynamic.tables]
 
-    def save(self, directory: Path, step: int) -> dict[str, ShardInfo]:
-        dynamic, out = self.emb.dynamic, {}
+    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
+        dynamic, emb = self.emb.dynamic, self.emb
+        held = {}
         for name in self._tables():
             assert dynamic is not None
-            start, end = self.emb.ranges[name]
-            out[name] = save_ids(directory, table=name, rank=self.emb.rank, start=start,
-                                 end=end, state=dynamic.slot_state(name), step=step)
-        return out
+            held[name] = stage.hold(dynamic.slot_state(name))
+
+        def write() -> dict[str, ShardInfo]:
+            out = {}
+            for name, state in held.items():
+                start, end = emb.ranges[name]
+                out[name] = save_ids(directory, table=name, rank=emb.rank, start=start,
+                                     end=end, state=state, step=step)
+            return out
+
+        return stage.write(write)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         for rank, saved in enumerate(saved_by_rank):

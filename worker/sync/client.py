@@ -72,6 +72,7 @@ from worker.sync.transport import (
 )
 from worker.updates.source import (  # re-exported: the errors and types of every source
     Grads,
+    Hold,
     RowUpdate,
     SavedFiles,
     ServerRefused,
@@ -265,15 +266,16 @@ class ShardClient(UpdateSource):
                                  f"Checkpoint of step {step}")
         return list(response.files)
 
-    def save_to(self, directory: Path, step: int) -> SavedFiles:
-        """UpdateSource.save_to: the server writes the files (`checkpoint`); a dynamic
-        table's paged-out rows are its `paged/` file."""
+    def snapshot_to(self, directory: Path, step: int, hold: Hold) -> Callable[[], SavedFiles]:
+        """UpdateSource.snapshot_to: the server writes the files now (`checkpoint`: it
+        snapshots the partition at `step` before the next push can apply, and writes off
+        its event loop); a dynamic table's paged-out rows are its `paged/` file."""
         out: SavedFiles = {}
         for f in self.checkpoint(step, str(directory)):
             kind = "paged" if f.file.startswith("paged/") else "optim"
             out.setdefault(f.table, {})[kind] = ShardInfo(f.table, f.rank, f.row_start,
                                                           f.row_end, f.file, f.bytes, f.crc32)
-        return out
+        return lambda: out
 
     def restore_from(self, directory: Path, step: int) -> None:
         """UpdateSource.restore_from: the server loaded the state when this client first

@@ -4,7 +4,7 @@ Per table (a group's block is split into its tables, worker/embedding/groups.py)
 state tensors by name (its layout, hybridps/optim_kinds.py), the fp32 master rows of bf16
 rows, and the step count, for the rows this rank owns; read back for the rows it owns now
 (any world size); a dynamic table's paged-out rows
-(hybridps/dynamic_files.py). `LocalSparseOptimizer.save_to`/`restore_from`
+(hybridps/dynamic_files.py). `LocalSparseOptimizer.snapshot_to`/`restore_from`
 (worker/updates/source.py) call these, so the checkpointer never reads the optimizer's fields.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from hybridps.checkpoint import (
     load_optim_state,
     save_optim_state,
 )
-from hybridps.dynamic_files import restore_plan, save_paged
+from hybridps.dynamic_files import restore_plan, save_paged_state
 from hybridps.optim import OptimizerSpec
 from hybridps.paged_rows import PagedRows
 from worker.embedding.sharded import ShardedEmbedding
@@ -41,7 +42,9 @@ def _table_rows(emb: ShardedEmbedding, table: str) -> tuple[str, slice]:
 def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbedding,
                      spec: OptimizerSpec, state: UnitState,
                      masters: Mapping[str, torch.Tensor], counts: Mapping[str, int],
-                     paged: Mapping[str, PagedRows]) -> dict[str, dict[str, ShardInfo]]:
+                     paged: Mapping[str, Mapping[str, Any]]
+                     ) -> dict[str, dict[str, ShardInfo]]:
+    """`paged`: a dynamic table's paged-out rows as its store's state_dict()."""
     out = {}
     opt = dataclasses.asdict(spec)
     for name, table in emb.tables.items():
@@ -55,8 +58,9 @@ def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbed
                              step, None if master is None else master[rows]),
             optimizer=opt)}
         if name in paged:  # a dynamic table's paged-out rows (hybridps/dynamic_files.py)
-            out[name]["paged"] = save_paged(directory, table=name, rank=rank, start=start,
-                                            end=end, store=paged[name], step=step)
+            out[name]["paged"] = save_paged_state(directory, table=name, rank=rank,
+                                                  start=start, end=end, state=paged[name],
+                                                  step=step)
     return out
 
 

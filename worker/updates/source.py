@@ -45,6 +45,8 @@ from worker.updates.staleness import RowPredictor
 Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
 # table -> kind ("optim"; a dynamic table also "paged") -> the checkpoint file written
 SavedFiles = dict[str, dict[str, ShardInfo]]
+# a checkpoint's hold: what is passed in as it is now, for a write that may run later
+Hold = Callable[[Any], Any]
 
 
 class SyncError(RuntimeError):
@@ -266,10 +268,11 @@ class UpdateSource(ABC):
         """Release connections/threads; safe to call twice and after errors."""
 
     # -- checkpoints: each source saves and restores its own optimizer state -------------
-    def save_to(self, directory: Path, step: int) -> SavedFiles:
-        """Write the sparse optimizer state of step `step` (every push <= step applied) into
-        checkpoint `directory`, in hybridps/checkpoint.py's optim file format (a dynamic
-        table also its paged-out rows, hybridps/dynamic_files.py); returns the files
+    def snapshot_to(self, directory: Path, step: int, hold: Hold) -> Callable[[], SavedFiles]:
+        """The sparse optimizer state of step `step` (every push <= step applied), held
+        through `hold` (a checkpoint's: worker/checkpoint/writer.py), and the write of it
+        into checkpoint `directory`, in hybridps/checkpoint.py's optim file format (a
+        dynamic table also its paged-out rows, hybridps/dynamic_files.py); it returns the files
         written, per table and kind ("optim", "paged")."""
         raise NotImplementedError(f"{type(self).__name__} keeps no checkpointable state")
 
@@ -348,11 +351,16 @@ class LocalSparseOptimizer(UpdateSource):
                 continue
             self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
 
-    def save_to(self, directory: Path, step: int) -> SavedFiles:
+    def snapshot_to(self, directory: Path, step: int, hold: Hold) -> Callable[[], SavedFiles]:
         """The same files the shard server writes (worker/updates/local_state.py)."""
-        return save_local_state(directory, step, rank=self.embedding.rank, emb=self.embedding,
-                                spec=self.spec, state=self.state, masters=self.masters,
-                                counts=self.counts, paged=self.paged)
+        state = hold({unit: dict(held) for unit, held in self.state.items()})
+        masters = hold(dict(self.masters))
+        paged = {name: hold(store.state_dict()) for name, store in self.paged.items()}
+        counts = dict(self.counts)
+        emb, spec = self.embedding, self.spec
+        return lambda: save_local_state(directory, step, rank=emb.rank, emb=emb, spec=spec,
+                                        state=state, masters=masters, counts=counts,
+                                        paged=paged)
 
     def restore_from(self, directory: Path, step: int) -> None:
         restore_local_state(directory, step, emb=self.embedding, spec=self.spec,

@@ -106,15 +106,19 @@ class WindowPart:
                            else self.window.predictor.state_dict()),
         })
 
-        def write() -> FileEntry:
+        def write() -> tuple[FileEntry, int]:
             info = save_torch(directory / pending_file(rank), payload)
-            return FileEntry(pending_file(rank), info["bytes"], info["crc32"])
+            return (FileEntry(pending_file(rank), info["bytes"], info["crc32"]),
+                    payload["applied_through"])
 
         return stage.write(write)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
-        draft.pending = PendingEntry(self.window.staleness, self.window.applied_through,
-                                     tuple(enumerate(saved_by_rank)))
+        """(the pending file, the window's applied_through at the snapshot) per rank: the
+        window may be steps further when a background write records it."""
+        draft.pending = PendingEntry(self.window.staleness, saved_by_rank[0][1],
+                                     tuple((rank, f) for rank, (f, _) in
+                                           enumerate(saved_by_rank)))
 
     def verify(self, directory: Path, manifest: Manifest) -> str | None:
         return None  # each pending file is checked when it is read (format, step)

@@ -3,33 +3,35 @@ the step loop waits for a checkpoint written in the background vs one written in
 
     python bench/bench_checkpoint.py --quick        # 1M and 10M rows x 8, --local-optimizer
     python bench/bench_checkpoint.py                # 1M and 10M rows x 16, local and server
-    python bench/bench_checkpoint.py --big          # also 100M rows (about 40 GB of memory)
+    python bench/bench_checkpoint.py --big          # also 100M rows (about 40 GB of memory, x 16)
     python bench/bench_checkpoint.py --sizes 2000000 --dim 32 --json runs/bench/ck.json
 
 For each table size (`--task tables`: one table, bounded Zipf ids), each update source
 (`--sources`: local = --local-optimizer, every byte written by the ranks; server = a real
 `python -m ps`, which writes the optimizer state) and each checkpoint mode (`--modes`; the
-modes the worker accepts as --checkpoint-mode, or only "full" before that flag exists), a
-run of 2 gloo ranks trains STEPS steps with a checkpoint every STEPS/2 steps, once with
-`--checkpoint-async false` and once with `--checkpoint-async true`, interleaved; then a run
-resumes from the synchronous run's checkpoint. Printed per row: the bytes of the last
-checkpoint, seconds until it is complete, how long the step loop waited for it (results
-`stall_s`: the snapshot, and a previous write still in progress; median over the run's
-checkpoints), that wait as a share of the synchronous checkpoint's, the snapshot's host
-memory per rank, and the restore (rank 0's rows, dense; the server's optimizer state
-loads inside Register, in the resumed run's setup). Goal (issue 48): the step loop waits
-at most 10% of a synchronous checkpoint's time. With a server, the server's share (its
-optimizer state) is written inside the snapshot (the Checkpoint RPC answers once the files
-are durable), so there the loop waits for it. The page cache decides much of the disk
-time (files just written are read back from memory): the numbers say what this machine
-does, not what a cluster file system does.
+modes the worker accepts as --checkpoint-mode, or only "full" before that flag exists),
+2 gloo ranks train 3*AFTER-1 steps (`--after`, default 8) three times, interleaved: without
+a checkpoint, with two (after steps AFTER-1 and 2*AFTER-1) written in place
+(`--checkpoint-async false`), and with the same two written in the background
+(`--checkpoint-async true`); then a run resumes from the synchronous run's checkpoint.
+Printed per row: the checkpoint's bytes, seconds until it is complete, how long each held
+the step loop (results `stall_s`: for the background write the snapshot, the first into
+freshly allocated host buffers, the second reusing them, less `behind_s`, the time it
+waited for the previous write), that as a share of the synchronous one, what a checkpoint
+cost the training time
+(against the run without one: the background write competes for the CPUs), the snapshot's
+host memory per rank, and the restore (rank 0's rows and dense; the server's optimizer
+state loads inside Register, in the resumed run's setup). Goal (issue 48): the step loop
+waits at most 10% of a synchronous checkpoint's time. With a server, the server's share
+(its optimizer state) is written inside the snapshot (the Checkpoint RPC answers once its
+files are durable), so there the loop waits for it. The page cache decides much of the
+disk time: the numbers say what this machine does, not what a cluster file system does.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,47 +61,58 @@ def _train(work: Path, name: str, args: list[str]) -> dict[str, Any]:
                       work / f"{name}.json", work / f"{name}.log", world=WORLD)
 
 
-def one_size(work: Path, rows: int, dim: int, steps: int, source: str, mode: str,
+def one_size(work: Path, rows: int, dim: int, after: int, source: str, mode: str,
              modes: list[str]) -> dict[str, Any]:
-    """The synchronous and the asynchronous run, and the resume, of one configuration."""
+    """The runs without a checkpoint, with a synchronous and with an asynchronous one
+    (interleaved), and the resume, of one configuration."""
     tag = f"{source}-{mode}-{rows}"
     server = Server(work / f"ps-{tag}", "--checkpoint-root", str(work)) \
         if source == "server" else None
-    every = max(steps // 2, 1)
+    steps = 3 * after - 1  # checkpoints after steps after-1 and 2*after-1, then after-1 more
     common = ["--task", "tables", "--num-rows", str(rows), "--dim", str(dim),
-              "--batch-size", "1024", "--log-every", "1", "--checkpoint-every", str(every),
-              "--checkpoint-keep", "0",
+              "--batch-size", "1024", "--log-every", "1", "--steps", str(steps),
               *([MODE_FLAG, mode] if len(modes) > 1 else [])]
     src = ["--local-optimizer"] if server is None else ["--ps", server.address]
     out: dict[str, Any] = {"rows": rows, "dim": dim, "source": source, "mode": mode}
     try:
-        for writer in ("sync", "async"):
+        for writer in ("none", "sync", "async"):
             ck = work / f"ck-{tag}-{writer}"
             shutil.rmtree(ck, ignore_errors=True)
-            res = _train(work, f"{tag}-{writer}", [
-                *common, *src, "--run-id", f"{tag}-{writer}", "--steps", str(steps),
-                "--checkpoint-dir", str(ck),
-                "--checkpoint-async", "true" if writer == "async" else "false"])
+            saving = [] if writer == "none" else [
+                "--checkpoint-dir", str(ck), "--checkpoint-every", str(after),
+                "--checkpoint-async", "true" if writer == "async" else "false"]
+            res = _train(work, f"{tag}-{writer}", [*common, *src, "--run-id",
+                                                   f"{tag}-{writer}", *saving])
+            out[writer] = {"train_s": res["train_time_s"], "setup_s": res["setup_time_s"]}
+            if writer == "none":
+                continue
             ckpt = res["checkpoint"]
-            last = ckpt["written"][-1]
-            out[writer] = {
-                "bytes": last["bytes"], "checkpoint_s": statistics.median(ckpt["save_s"]),
-                "loop_waits_s": statistics.median(ckpt["stall_s"]),
-                "snapshot_bytes": ckpt["snapshot_bytes"],
-                "setup_s": res["setup_time_s"], "train_s": res["train_time_s"], "ck": str(ck)}
+            out[writer].update(bytes=ckpt["written"][0]["bytes"], checkpoint_s=ckpt["save_s"],
+                               loop_waits_s=ckpt["stall_s"], behind_s=ckpt["behind_s"],
+                               snapshot_bytes=ckpt["snapshot_bytes"],
+                               cost_s=(res["train_time_s"] - out["none"]["train_s"]) / 2)
         resumed = _train(work, f"{tag}-resumed", [
-            *common, *src, "--run-id", f"{tag}-resumed", "--steps", str(steps + 1),
-            "--checkpoint-dir", out["sync"]["ck"], "--resume",
-            "--checkpoint-async", "false"])
+            *common, *src, "--run-id", f"{tag}-resumed", "--checkpoint-async", "false",
+            "--checkpoint-dir", str(work / f"ck-{tag}-sync"), "--resume"])
     finally:
         if server is not None:
             server.close()
     out["restore_s"] = resumed["checkpoint"]["restore_s"]
     out["resume_setup_s"] = resumed["setup_time_s"] - out["sync"]["setup_s"]
-    out["wait_share"] = out["async"]["loop_waits_s"] / out["sync"]["loop_waits_s"]
-    for writer in ("sync", "async"):
-        shutil.rmtree(out[writer].pop("ck"), ignore_errors=True)
+    sync, asyn = out["sync"], out["async"]
+    # the second checkpoint: its snapshot reuses the first one's host buffers; less the
+    # time it waited for the first one's write (when that took longer than AFTER steps)
+    asyn["snapshot_s"] = [w - b for w, b in zip(asyn["loop_waits_s"], asyn["behind_s"],
+                                                strict=True)]
+    out["wait_share"] = [a / s for a, s in zip(asyn["snapshot_s"], sync["loop_waits_s"],
+                                               strict=True)]
+    for writer in ("none", "sync", "async"):
+        shutil.rmtree(work / f"ck-{tag}-{writer}", ignore_errors=True)
     return out
+
+
+def _pair(values: list[float], spec: str) -> str:
+    return "/".join(format(v, spec) for v in values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="table rows, comma-separated")
     parser.add_argument("--big", action="store_true", help="also a table of 100M rows")
     parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--after", type=int, default=8,
+                        help="steps between checkpoints (and, less one, after the last)")
     parser.add_argument("--sources", default="local,server", help="local, server or both")
     parser.add_argument("--modes", default="",
                         help="checkpoint modes (default: every mode the worker accepts)")
@@ -124,22 +138,28 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="hybridps-bench-ck-"))
     work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    results = [one_size(work, rows, dim, args.steps, source, mode, known)
+    results = [one_size(work, rows, dim, args.after, source, mode, known)
                for rows in sizes for source in sources for mode in modes]
     print(f"{'rows':>11} {'source':>6} {'mode':>11} {'GiB':>6} {'sync s':>7} "
-          f"{'async s':>7} {'loop waits s':>12} {'of sync':>7} {'snapshot GiB':>12} "
-          f"{'restore s':>9} {'resume setup s':>14}")
+          f"{'async s':>7} {'loop waits: sync':>16} {'async':>11} {'of sync':>13} "
+          f"{'behind':>6} {'train cost s':>13} {'snapshot GiB':>12} {'restore s':>9} "
+          f"{'resume setup s':>14}")
     for r in results:
         s, a = r["sync"], r["async"]
         print(f"{r['rows']:>11,} {r['source']:>6} {r['mode']:>11} {s['bytes'] / GIB:>6.2f} "
-              f"{s['checkpoint_s']:>7.2f} {a['checkpoint_s']:>7.2f} "
-              f"{s['loop_waits_s']:>5.2f}/{a['loop_waits_s']:<6.2f} {r['wait_share']:>7.1%} "
-              f"{a['snapshot_bytes'] / GIB:>12.2f} {r['restore_s']:>9.2f} "
-              f"{r['resume_setup_s']:>14.2f}")
-    print("loop waits: synchronous/asynchronous, median over a run's checkpoints; of sync: "
-          f"the asynchronous wait as a share of the synchronous one (goal: <= 10%); load "
-          f"average {os.getloadavg()[0]:.2f}")
-    write_json(args.json, {"results": results, "dim": dim, "steps": args.steps,
+              f"{s['checkpoint_s'][-1]:>7.2f} {a['checkpoint_s'][-1]:>7.2f} "
+              f"{_pair(s['loop_waits_s'], '.2f'):>16} {_pair(a['snapshot_s'], '.2f'):>11} "
+              f"{_pair(r['wait_share'], '.0%'):>13} {a['behind_s'][-1]:>6.2f} "
+              f"{s['cost_s']:>6.2f}/{a['cost_s']:<6.2f} {a['snapshot_bytes'] / GIB:>12.2f} "
+              f"{r['restore_s']:>9.2f} {r['resume_setup_s']:>14.2f}")
+    print("sync s / async s: until the second checkpoint is complete; loop waits: how long "
+          "the first/second checkpoint held the step loop (async: the snapshot; the first "
+          "into fresh host buffers, the second reusing them; of sync: the share, goal <= "
+          "10%); behind: the second also waited that long for the first one's write; train "
+          "cost: training time per checkpoint less the run without one, synchronous/"
+          "asynchronous (the background write competes for the CPUs); snapshot: host memory "
+          f"per rank; load average {os.getloadavg()[0]:.2f}")
+    write_json(args.json, {"results": results, "dim": dim, "after": args.after,
                            "world_size": WORLD, "loadavg_before": load_before,
                            "loadavg_after": os.getloadavg()}, args)
     if not args.dir:

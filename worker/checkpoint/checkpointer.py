@@ -51,7 +51,8 @@ background thread while the step loop goes on (the default; the next checkpoint,
 and the end of the run wait for it: `wait`). The manifest is renamed into place only after
 every rank's files are durable, so a crash during the background write leaves the previous
 checkpoint the newest complete one. results.json reports how long each save held the step
-loop (`stall_s`) and the snapshot's host memory (`snapshot_bytes`).
+loop (`stall_s`; of it, waiting for the previous checkpoint's write: `behind_s`) and the
+snapshot's host memory (`snapshot_bytes`).
 
 Each phase of a save is a fault point (worker/runtime/faults.py: HYBRIDPS_FAULT_CHECKPOINT;
 "rows" and later run in the writer's job).
@@ -109,6 +110,7 @@ class Checkpointer:
         self.restore_s = 0.0
         self.saved_step = -1  # the step of this run's newest checkpoint
         self.stall_s: list[float] = []  # how long each save held the step loop
+        self.behind_s: list[float] = []  # of it: waiting for the previous one's write
         self.writer: Writer = SyncWriter()  # attach: --checkpoint-async's
 
     def attach(self, parts: Sequence[CheckpointPart]) -> None:
@@ -172,6 +174,7 @@ class Checkpointer:
         assert self.root is not None
         t0 = time.perf_counter()
         self.writer.wait()  # one checkpoint in flight
+        self.behind_s.append(time.perf_counter() - t0)
         directory = step_dir(self.root, step)
         fault_point(self.rank, step, "start")
         if self.rank == 0:
@@ -179,11 +182,19 @@ class Checkpointer:
             shutil.rmtree(directory / DENSE_DIR, ignore_errors=True)  # no stale DCP files
         self._barrier()
         stage = self.writer.stage()
-        held = {part.name: part.snapshot(directory, step, stage) for part in self.parts}
+        held: dict[str, Written] = {}
+        snapshot_s: dict[str, float] = {}
+        for part in self.parts:
+            t_part = time.perf_counter()
+            held[part.name] = part.snapshot(directory, step, stage)
+            snapshot_s[part.name] = time.perf_counter() - t_part
         group = stage.group
         self.writer.submit(lambda: self._write(step, directory, held, group, t0))
         self.saved_step = step
         self.stall_s.append(time.perf_counter() - t0)
+        log.debug("rank %d: checkpoint step %d held the step loop %.3fs (snapshot: %s)",
+                  self.rank, step, self.stall_s[-1],
+                  ", ".join(f"{name} {s:.3f}s" for name, s in snapshot_s.items()))
         return directory
 
     def wait(self) -> None:

@@ -46,6 +46,7 @@ class CheckpointLog(Protocol):
 
     save_s: list[float]
     stall_s: list[float]
+    behind_s: list[float]
     restore_s: float
     resumed_step: int
     written: list[dict[str, Any]]
@@ -119,7 +120,7 @@ def run_results(cfg: TrainConfig, ctx: DistContext, run_id: str, run: RunRecord,
         "embedding": parts.embedding.describe(),
         "owner_pool": parts.embedding.owner_pool(),
         "table_groups": parts.embedding.groups(),
-        "checkpoint": {"save_s": ck.save_s, "stall_s": ck.stall_s,
+        "checkpoint": {"save_s": ck.save_s, "stall_s": ck.stall_s, "behind_s": ck.behind_s,
                        "snapshot_bytes": ck.snapshot_bytes, "restore_s": ck.restore_s,
                        "resumed_step": ck.resumed_step, "written": ck.written},
         "pipeline": parts.pipeline,

@@ -10,10 +10,10 @@
    (--data-workers 0) and from one DataLoader worker process (--data-workers 1; the
    worker's start is not counted), against the samples/s one rank of the dlrm job
    consumes (its training samples/s on generated batches).
-3. The dlrm model trained from the Parquet set (`FilesDLRM` below: --task files' reading,
-   the dlrm task's dense part and lookups) against the same model on generated batches
-   (--task dlrm), one process each, --local-optimizer; the runs alternate, --repeats
-   times, and the medians are compared.
+3. The dlrm job trained from the Parquet set (--task dlrm --train-files: the one file path,
+   worker/data/source.py) against the same job on generated batches (--task dlrm), one
+   process each, --local-optimizer; the runs alternate, --repeats times, and the medians
+   are compared.
 
 The goals: the loader at least 3x the job's consumption with one worker
 process, the job from Parquet at least 0.95x its speed on generated batches.
@@ -31,29 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from worker.data.task import FilesTask
-from worker.tasks.base import Batch, HybridModel
 from worker.tasks.ctr.batch import NUM_DENSE, NUM_SPARSE
-from worker.tasks.ctr.dlrm import DLRMDense
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class FilesDLRM(FilesTask):
-    """The dlrm model (bottom MLP, dot interaction, top MLP) on --task files' batches."""
-
-    name = "files_dlrm"
-
-    def build_dense(self) -> torch.nn.Module:
-        return DLRMDense(len(self.spec.dense), len(self.spec.tables), self.cfg.run.dim)
-
-    def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
-        names = [t.name for t in self.spec.tables]
-        rows = model.lookups.lookup_many(names, [batch.ids[n] for n in names])
-        out: torch.Tensor = model.dense(batch.values["dense"], torch.stack(rows, dim=1))
-        return out
 
 
 def write_set(folder: Path, rows: int, group_rows: int, files: int, table_rows: int) -> None:
@@ -109,7 +90,7 @@ def loader_rate(pattern: str, args: argparse.Namespace, workers: int) -> float:
                          batch_size=args.batch_size, num_rows=args.table_rows,
                          data_workers=workers)
     task = FilesTask(cfg)
-    steps = args.loader_epochs * task.reader(2).steps_per_epoch
+    steps = args.loader_epochs * task.source.steps_per_epoch(2)
     first = 0
     if workers:
         task.batch(0, 0, 2)  # the worker process starts (imports torch): not counted
@@ -118,15 +99,14 @@ def loader_rate(pattern: str, args: argparse.Namespace, workers: int) -> float:
     for step in range(first, steps):
         task.batch(step, 0, 2)
     rate = (steps - first) * args.batch_size / (time.perf_counter() - t0)
-    for loader in task._loaders.values():
-        loader.close()
+    task.source.close()
     return rate
 
 
 def job_rate(task_flags: list[str], args: argparse.Namespace, out: Path) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
     env.update(OMP_NUM_THREADS=str(args.threads),
-               PYTHONPATH=f"{ROOT / 'bench'}{os.pathsep}{ROOT}")
+               PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "worker" / "main.py"), "--local-optimizer",
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--dim",
            str(args.dim), "--eval-batches", "0", "--eval-every", "0", "--progress", "false",
@@ -163,8 +143,7 @@ def main() -> None:
               flush=True)
         pattern = str(folder / "*.parquet")
         generated = ["--task", "dlrm", "--table-rows", str(args.table_rows)]
-        from_files = ["--task", "bench_data:FilesDLRM", "--train-files", pattern,
-                      "--num-rows", str(args.table_rows)]
+        from_files = [*generated, "--train-files", pattern]
         rates: dict[str, list[float]] = {k: [] for k in (
             "loader_inproc", "loader_1_worker", "dlrm_generated", "dlrm_parquet")}
         data_ms: dict[str, list[float]] = {"dlrm_generated": [], "dlrm_parquet": []}

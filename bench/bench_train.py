@@ -96,6 +96,7 @@ class Run:
     repeats_step_ms: list[float] = field(default_factory=list)
     cpu_ms: float | None = None         # rank 0's process CPU a training step (all threads)
     server_cpu_ms: float | None = None  # the shard server's CPU a step, over the whole run
+    ranks_cpu_ms: float | None = None   # every rank's CPU a training step, summed (/proc)
 
 
 # -- (a) plain single-process PyTorch -------------------------------------------------------
@@ -216,12 +217,13 @@ def run_hybridps(name: str, variant: str, worker_args: list[str], steps: int,
     server_cpu_s = (sampler.cpu_between(*span) if sampler is not None and span else None)
     step_s = res["train_time_s"] / res["steps"]
     b = res["world_size"] * res["config"]["batch_size"]
-    cpu_s = res.get("train_cpu_s")
+    cpu_s, ranks_cpu_s = res.get("train_cpu_s"), res.get("ranks_train_cpu_s")
     return Run(name, variant, res["steps"], b, res["samples_per_s"], step_s * 1000,
                {k: res["step_time_s"].get(k, 0.0) * 1000 for k in BREAKDOWN},
                res["eval"].get("loss"), res["process_wall_s"],
                cpu_ms=None if cpu_s is None else cpu_s / res["steps"] * 1000,
-               server_cpu_ms=None if server_cpu_s is None else server_cpu_s / res["steps"] * 1000)
+               server_cpu_ms=None if server_cpu_s is None else server_cpu_s / res["steps"] * 1000,
+               ranks_cpu_ms=None if ranks_cpu_s is None else ranks_cpu_s / res["steps"] * 1000)
 
 
 def distinct_ids_per_step(worker_args: list[str]) -> float:

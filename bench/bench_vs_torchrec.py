@@ -19,17 +19,19 @@ per rank, the task's MLP on the concatenated (pooled) rows and 4 dense features,
   ids1   the same table, 1 id a sample
   dlrm   26 tables of mixed sizes (3 to 1,000,000 rows) x 16, three of them multi-hot
          (3, 4 and 8 ids a sample, mean-pooled)
-Variants, interleaved within each job (torchrec, hybridps, hybridps-local, hybridps-rwada,
-hybridps-rwada-local, torchrec, ...) so this machine's drift over minutes falls on all
-alike:
+Variants, interleaved within each job (torchrec, hybridps, hybridps-ddp, hybridps-local,
+hybridps-rwada, hybridps-rwada-local, torchrec, ...) so this machine's drift over minutes
+falls on all alike:
   torchrec        DistributedModelParallel, row-wise sharding of every table (on CPU the
                   stock sharder offers row-wise only on CUDA: `RowWiseCpuSharder` adds
                   it), fbgemm's fused EXACT_ROWWISE_ADAGRAD (TorchRec's CPU kernels have no
                   Adam: SGD and the Adagrad family only), the MLP under DDP + torch Adam;
-  hybridps        a shard server (`python -m ps`) at --staleness 1: sparse Adam on the
-                  server (m and v per element: more optimizer work than TorchRec's
-                  rowwise Adagrad, one value per row), the MLP under --dense-parallel ddp
-                  (like TorchRec's; `--dense-parallel fsdp` to compare hybridps' default);
+  hybridps        the headline: a shard server (`python -m ps`) at --staleness 1, no flag
+                  but the job's: sparse Adam on the server (m and v per element: more
+                  optimizer work than TorchRec's rowwise Adagrad, one value per row), the
+                  MLP under the default --dense-parallel auto (the run's summary says
+                  what it chose; --dense-parallel X here gives every variant X);
+  hybridps-ddp    the same with --dense-parallel ddp, as TorchRec's DMP wraps its MLP;
   hybridps-local  the same with --local-optimizer (Adam in-process, no server) at
                   --staleness 0: synchronous, as TorchRec (nothing to overlap in-process);
   hybridps-rwada  like for like: `--optimizer rowwise_adagrad --dense-optimizer adam` on
@@ -40,11 +42,13 @@ alike:
                   tables whole on one rank and shards the large ones row-wise
                   (worker/embedding/sharding.py), against TorchRec and against row-wise.
 samples/s = steps x global batch / the training loop's wall time (set-up excluded on
-both sides). Goals, the median of the per-repeat ratios: hybridps (Adam, server, K=1)
->= 1.2x TorchRec on ids20 and >= 1.0x on ids1 and dlrm, at least 1.0x on all three, and
-like for like >= 1.3x on ids20 and >= 1.2x on ids1 and dlrm,
-checked for both hybridps-rwada (the server) and hybridps-rwada-local (in-process). A
-missed goal prints how far short it is.
+both sides). CPU s/M: the CPU seconds of every rank (all threads, read from /proc
+during rank 0's training loop) plus, for hybridps, the shard server's, per million
+samples: the fair figure where the server shares the ranks' cores. Goals, the median
+of the per-repeat ratios: hybridps (Adam, server, K=1) >= 1.2x TorchRec on ids20 and
+>= 1.0x on ids1 and dlrm, at least 1.0x on all three, and like for like >= 1.3x on ids20
+and >= 1.2x on ids1 and dlrm, checked for both hybridps-rwada (the server) and
+hybridps-rwada-local (in-process). A missed goal prints how far short it is.
 """
 
 from __future__ import annotations
@@ -54,7 +58,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,9 +68,9 @@ from harness import (  # bench/ is sys.path[0] when run as a script
     REPO,
     TORCHRUN,
     bench_parser,
-    child_env,
     log,
     machine,
+    run_sampled,
     write_json,
 )
 
@@ -93,13 +96,15 @@ LIKE_GOALS = {"ids20": 1.3, "ids1": 1.2, "dlrm": 1.2}  # hybridps-rwada / torchr
 ADAM_GOAL = 1.0  # hybridps (Adam, server) / torchrec on every job
 STEPS = {"ids20": 200, "ids1": 300, "dlrm": 150}
 QUICK_STEPS = {"ids20": 80, "ids1": 120, "dlrm": 60}
-VARIANTS = ("torchrec", "hybridps", "hybridps-local", "hybridps-rwada", "hybridps-rwada-local")
+VARIANTS = ("torchrec", "hybridps", "hybridps-ddp", "hybridps-local", "hybridps-rwada",
+            "hybridps-rwada-local")
 # the hybridps variants: (--local-optimizer?, the optimizer flags). With the server, K=1
 # (the push overlaps the next step); in-process, K=0: the update is applied before the
 # next forward, as TorchRec's fused update in backward is, and nothing is left to overlap
 # (K=1 there only adds the weight prediction's work).
 LIKE_FOR_LIKE = ["--optimizer", "rowwise_adagrad", "--dense-optimizer", "adam"]
-HYBRIDPS = {"hybridps": (False, []), "hybridps-local": (True, []),
+HYBRIDPS = {"hybridps": (False, []), "hybridps-ddp": (False, ["--dense-parallel", "ddp"]),
+            "hybridps-local": (True, []),
             "hybridps-rwada": (False, LIKE_FOR_LIKE), "hybridps-rwada-local": (True, LIKE_FOR_LIKE),
             "hybridps-auto": (False, ["--sharding", "auto"])}
 SERVER_STALENESS, LOCAL_STALENESS = 1, 0
@@ -192,7 +197,7 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
         return KeyedJaggedTensor(keys=names, values=torch.cat(values), lengths=torch.cat(lengths))
 
     dist.barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start, start_unix = time.perf_counter(), time.process_time(), time.time()
     loss = torch.zeros(())
     for step in range(steps):  # the data, as hybridps' loop makes it: inside the step
         batch = task.batch(step, rank, world)
@@ -206,7 +211,7 @@ def torchrec_worker(job_args: list[str], steps: int, out: Path) -> None:
         out.write_text(json.dumps({
             "samples_per_s": steps * cfg.run.batch_size * world / wall,
             "step_ms": wall / steps * 1000, "steps": steps, "final_loss": float(loss.detach()),
-            "cpu_ms": cpu / steps * 1000,
+            "cpu_ms": cpu / steps * 1000, "train_span_unix_s": [start_unix, time.time()],
             "optimizer": "fbgemm EXACT_ROWWISE_ADAGRAD (fused, in backward)",
             "dense": "DDP + torch Adam"}) + "\n")
     dist.destroy_process_group()
@@ -219,19 +224,21 @@ def run_torchrec(job: str, steps: int, directory: Path) -> dict[str, Any]:
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(WORLD),
            str(Path(__file__).resolve()), "--torchrec-worker", "--job", job, "--steps",
            str(steps), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          check=False, timeout=1800)
-    (directory / f"{job}-torchrec.log").write_text(proc.stdout + proc.stderr)
+    code, stdout, stderr, sampler = run_sampled(cmd, timeout=1800)
+    (directory / f"{job}-torchrec.log").write_text(stdout + stderr)
     if not out.exists():
-        raise RuntimeError(f"{job}/torchrec failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{job}/torchrec failed ({code}):\n{stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
-    if proc.returncode != 0:
+    ranks_cpu_s = sampler.cpu_between(*result["train_span_unix_s"])
+    result["ranks_cpu_ms"] = None if ranks_cpu_s is None else ranks_cpu_s / steps * 1000
+    result["global_batch"] = WORLD * batch_size(job)
+    if code != 0:
         # Rank 0 wrote its timing after the loop: a crash after that (TorchRec's processes
         # abort now and then while tearing down, "terminate called without an active
         # exception") does not touch the measurement. It is kept in the results.
-        print(f"[{job}] torchrec exited {proc.returncode} after writing its results "
+        print(f"[{job}] torchrec exited {code} after writing its results "
               f"(see {directory / f'{job}-torchrec.log'})", flush=True)
-        result["exit_code"] = proc.returncode
+        result["exit_code"] = code
     return result
 
 
@@ -239,28 +246,55 @@ def run_hybridps_variant(job: str, variant: str, steps: int, directory: Path,
                          dense_parallel: str) -> dict[str, Any]:
     from bench_train import run_hybridps  # the training benchmark's runner (bench/ is on path)
 
-    local, optimizer = HYBRIDPS[variant]
+    local, flags = HYBRIDPS[variant]
+    dense = ["--dense-parallel", dense_parallel] if dense_parallel and "--dense-parallel" \
+        not in flags else []
     run = run_hybridps(f"{job}-{variant}", "local" if local else "server",
-                       [*JOBS[job], "--dense-parallel", dense_parallel, *optimizer], steps,
+                       [*JOBS[job], *dense, *flags], steps,
                        directory, staleness=LOCAL_STALENESS if local else SERVER_STALENESS)
     return {"samples_per_s": run.samples_per_s, "step_ms": run.step_ms,
             "breakdown_ms": run.breakdown_ms, "cpu_ms": run.cpu_ms,
-            "server_cpu_ms": run.server_cpu_ms}
+            "server_cpu_ms": run.server_cpu_ms, "ranks_cpu_ms": run.ranks_cpu_ms,
+            "global_batch": run.global_batch}
 
 
 # -- report -------------------------------------------------------------------------------------
 
-def _cpu_text(tries: list[dict[str, Any]]) -> str:
-    """Median CPU ms a step of rank 0's process (every thread) and of the server: on a
-    machine with a core per rank, the CPU a step needs bounds its wall time from below."""
-    def median(key: str) -> float | None:
-        values = [t[key] for t in tries if t.get(key) is not None]
-        return statistics.median(values) if values else None
+def batch_size(job: str) -> int:
+    args = JOBS[job]
+    return int(args[args.index("--batch-size") + 1])
 
-    rank0, server = median("cpu_ms"), median("server_cpu_ms")
-    if rank0 is None:
+
+def cpu_per_m(run: dict[str, Any]) -> tuple[float, float] | None:
+    """(ranks, server) CPU seconds per million samples of one run: every rank's CPU (all
+    threads) and the shard server's during the training loop; None where /proc could not
+    say. On a machine with fewer cores than processes, the CPU a sample needs bounds the
+    throughput from below whatever the overlap."""
+    ranks = run.get("ranks_cpu_ms")
+    if ranks is None:
+        return None
+    per_m = 1000.0 / run["global_batch"]  # ms a step -> s per million samples
+    return ranks * per_m, (run.get("server_cpu_ms") or 0.0) * per_m
+
+
+def _cpu_text(tries: list[dict[str, Any]]) -> str:
+    """Medians of the ranks' and the server's CPU s per million samples, and their sum."""
+    pairs = [p for p in map(cpu_per_m, tries) if p is not None]
+    if not pairs:
         return "-"
-    return f"{rank0:.2f}" + ("" if server is None else f" (+ {server:.2f})")
+    ranks, server = (statistics.median(x) for x in zip(*pairs, strict=True))
+    total = statistics.median(r + s for r, s in pairs)
+    return f"{ranks:.1f}" + (f" + {server:.1f} = {total:.1f}" if server else "")
+
+
+def _cpu_ratio(tries: list[dict[str, Any]], base: list[dict[str, Any]]) -> str:
+    """Median over repeats of (ranks + server) CPU per sample / TorchRec's ranks'."""
+    ratios = []
+    for mine, theirs in zip(tries, base, strict=True):
+        a, b = cpu_per_m(mine), cpu_per_m(theirs)
+        if a is not None and b is not None and b[0] > 0:
+            ratios.append(sum(a) / b[0])
+    return f"  CPU a sample {statistics.median(ratios):.2f}x TorchRec's" if ratios else ""
 
 
 def _verdict(ratio: float, target: float) -> str:
@@ -269,7 +303,7 @@ def _verdict(ratio: float, target: float) -> str:
 
 def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, list[dict[str, Any]]]:
     lines = [f"{'job':<6} {'variant':<21} {'samples/s per repeat':<30} {'median':>8} "
-             f"{'spread':>7}  step ms  CPU ms a step: rank 0 (+ server)  (medians)"]
+             f"{'spread':>7}  step ms  CPU s/M samples: ranks (+ server = total)  (medians)"]
     goals = []
     for job, variants in runs.items():
         for variant, tries in variants.items():
@@ -300,6 +334,7 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[str, li
                 checks.append(ADAM_GOAL)
             lines.append(f"{job:<6} {variant} / torchrec: median {ratio:.3f} (repeats "
                          + ", ".join(f"{r:.3f}" for r in ratios) + ")"
+                         + _cpu_ratio(variants[variant], variants["torchrec"])
                          + "".join(f"  goal >= {t:g}: " + _verdict(ratio, t) for t in checks))
             if target is not None:
                 what = {"hybridps": "hybridps K=1 / TorchRec",
@@ -319,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {','.join(JOBS)}")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per variant")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default: per job)")
-    p.add_argument("--dense-parallel", default="ddp", choices=("ddp", "fsdp"),
-                   help="hybridps' dense parallelism (TorchRec's DMP uses DDP)")
+    p.add_argument("--dense-parallel", default="", choices=("", "auto", "ddp", "fsdp"),
+                   help="hybridps' dense parallelism for every variant but hybridps-ddp "
+                   "(default: none given, the worker's default)")
+    p.add_argument("--no-ddp", action="store_true", help="skip hybridps-ddp")
     p.add_argument("--no-local", action="store_true", help="skip hybridps --local-optimizer")
     p.add_argument("--auto", action="store_true",
                    help="add hybridps-auto: hybridps with --sharding auto")
@@ -345,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         if job not in JOBS:
             p.error(f"--jobs: {job!r} is not one of {', '.join(JOBS)}")
     variants = [v for v in VARIANTS if not (args.no_local and v.endswith("-local"))
-                and not (args.no_like_for_like and v.startswith("hybridps-rwada"))]
+                and not (args.no_like_for_like and v.startswith("hybridps-rwada"))
+                and not (args.no_ddp and v == "hybridps-ddp")]
     if args.auto:
         variants.insert(variants.index("hybridps") + 1, "hybridps-auto")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_vs_torchrec-"))
@@ -368,13 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hybridps vs TorchRec, {WORLD} gloo ranks x 1 thread, identical batches "
           f"(--task tables); TorchRec: row-wise, fused rowwise Adagrad (no Adam on its CPU "
           f"path), DDP + Adam; hybridps: sparse Adam (server K=1 / local K=0) and, like for "
-          f"like, rowwise Adagrad + dense Adam (rwada), --dense-parallel {args.dense_parallel}")
+          f"like, rowwise Adagrad + dense Adam (rwada), --dense-parallel "
+          f"{args.dense_parallel or 'not given (the default)'}; hybridps-ddp: ddp")
     print(text)
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {elapsed:.0f}s; "
           f"logs in {work}")
     write_json(args.json, {
         "goals": goals, "runs": runs, "jobs": {j: JOBS[j] for j in jobs},
-        "dense_parallel": args.dense_parallel, "machine": machine(load_before),
+        "dense_parallel": args.dense_parallel or "default", "machine": machine(load_before),
         "elapsed_s": elapsed}, args)
     return 0
 

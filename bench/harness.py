@@ -58,13 +58,43 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
-class CpuSampler:
-    """Samples a process's CPU seconds (process_cpu_s) every `every_s` on a thread, so
-    the CPU it used in a span of wall-clock time (e.g. another process's training loop)
-    can be read afterwards: `cpu_between(t0, t1)`."""
+def descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (children, theirs, ...; Linux /proc), not `pid`."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out += children
+            todo += children
+    return out
 
-    def __init__(self, pid: int, every_s: float = 0.02) -> None:
+
+def tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds so far of every process under `pid` (a launcher's ranks), not its own."""
+    if process_cpu_s(pid) is None:
+        return None
+    return sum(cpu for cpu in map(process_cpu_s, descendants(pid)) if cpu is not None)
+
+
+class CpuSampler:
+    """Samples a process's CPU seconds (process_cpu_s; `tree`: those of every process under
+    it, tree_cpu_s) every `every_s` on a thread, so the CPU it used in a span of
+    wall-clock time (e.g. another process's training loop) can be read afterwards:
+    `cpu_between(t0, t1)`. Read processes that start or end inside the span would count
+    wrong: a launcher's ranks live from before a training loop to after it."""
+
+    def __init__(self, pid: int, every_s: float = 0.02, *, tree: bool = False) -> None:
         self.pid, self.every_s = pid, every_s
+        self.read = tree_cpu_s if tree else process_cpu_s
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -72,7 +102,7 @@ class CpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            cpu = process_cpu_s(self.pid)
+            cpu = self.read(self.pid)
             if cpu is None:
                 return
             self.samples.append((time.time(), cpu))
@@ -134,22 +164,40 @@ class Server:
         self.close()
 
 
+def run_sampled(cmd: Sequence[str], timeout: float) -> tuple[int, str, str, CpuSampler]:
+    """Run `cmd` (a launcher: torchrun) to its end, sampling the CPU of every process under
+    it; (exit code, stdout, stderr, the sampler)."""
+    proc = subprocess.Popen(list(cmd), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    sampler = CpuSampler(proc.pid, tree=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    finally:
+        sampler.stop()
+    return proc.returncode, out, err, sampler
+
+
 def run_worker(args: Sequence[str], results: Path, log_path: Path, *, world: int = 2,
                timeout: float = 3600.0) -> dict[str, Any]:
     """torchrun `world` ranks of worker/main.py with `args` and --results; the results
-    JSON plus "process_wall_s" (RuntimeError with the log's tail when it fails)."""
+    JSON plus "process_wall_s" and "ranks_train_cpu_s" (the CPU of all ranks, every
+    thread, during rank 0's training loop; None where /proc cannot say) (RuntimeError with
+    the log's tail when it fails)."""
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(world), WORKER, *args,
            "--progress", "false", "--results", str(results)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          check=False, timeout=timeout)
+    code, out, err, sampler = run_sampled(cmd, timeout)
     wall = time.perf_counter() - t0
-    log_path.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker run failed ({proc.returncode}), see {log_path}:\n"
-                           f"{proc.stderr[-3000:]}")
+    log_path.write_text(out + err)
+    if code != 0:
+        raise RuntimeError(f"worker run failed ({code}), see {log_path}:\n{err[-3000:]}")
     res: dict[str, Any] = json.loads(results.read_text())
     res["process_wall_s"] = wall
+    span = res.get("train_span_unix_s")
+    res["ranks_train_cpu_s"] = sampler.cpu_between(*span) if span else None
     return res
 
 

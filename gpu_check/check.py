@@ -1,6 +1,6 @@
 """The GPU check: one command on a machine with one NVIDIA GPU (docs/gpu_check.md).
 
-    python gpu_check/check.py --out DIR              # on the GPU machine (~5-7 min)
+    python gpu_check/check.py --out DIR              # on the GPU machine (~9-10 min)
     python gpu_check/check.py --dry-run --out DIR    # every stage on the CPU, tiny sizes
     python gpu_check/check.py --only sync_debug,nccl --out DIR   # a rerun of some stages
     python gpu_check/check.py --fetch-wheels         # here: the wheels to carry (.whl/)
@@ -42,6 +42,8 @@ STAGES: dict[str, tuple[str, int, int]] = {
     "table_budget": ("c. the largest table in an 8 GiB budget", 60, 15),
     "server_threads": ("d. the server's kernel at 1-16 threads vs a GPU step", 100, 30),
     "nccl": ("e. a one-rank NCCL group; the default job through torchrun", 90, 30),
+    "production_job": ("f. the production-sized job under a 40 GiB cap (sub-stages a-g)",
+                       330, 60),
 }
 WHEELS = {"grpcio": "grpc", "protobuf": "google.protobuf",
           "grpcio-health-checking": "grpc_health", "grpcio-reflection": "grpc_reflection"}
@@ -124,7 +126,8 @@ class Check:
         result_path = self.work / f"{name}.json"
         result_path.unlink(missing_ok=True)
         stage_log = self.work / f"{name}.log"
-        cmd = [sys.executable, str(STAGES_PY), name, "--work", str(self.work)]
+        cmd = [sys.executable, str(STAGES_PY), name, "--work", str(self.work),
+               "--limit-s", str(int(allowed))]
         if self.dry_run:
             cmd.append("--dry-run")
         t0 = time.monotonic()
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help=f"comma list of stages ({', '.join(STAGES)}); "
                    "prepare always runs")
     p.add_argument("--budget-s", type=float, default=0.0,
-                   help="the whole check's time (default 450 s; dry run 1500 s)")
+                   help="the whole check's time (default 570 s; dry run 1800 s)")
     p.add_argument("--work", type=Path, help="the stages' files (default: a temporary folder)")
     p.add_argument("--fetch-wheels", action="store_true",
                    help="download the wheels the device needs into .whl/ and stop")
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
-    budget = args.budget_s or (1500.0 if args.dry_run else 450.0)
+    budget = args.budget_s or (1800.0 if args.dry_run else 570.0)
     check = Check(args.out, work, args.dry_run, budget)
     check.prepare_env()
     for i, name in enumerate(chosen):

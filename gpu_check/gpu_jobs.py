@@ -109,6 +109,7 @@ def train_in_process(ctx: Any, args: Sequence[str], steps: int,
                "rows_pushed_per_step": trainer.source.stats.push_rows / ran,
                "step_time_ms": {k: round(v / ran * 1000, 3)
                                 for k, v in trainer.record.times.items()},
+               "pipeline": trainer.inputs.describe(),
                **memory.figures(elements, dense_bytes(trainer.dense_parallel.module,
                                                       trainer.dense_opt))}
         trainer.source.end_run(trainer.last_step)
@@ -118,10 +119,16 @@ def train_in_process(ctx: Any, args: Sequence[str], steps: int,
 
 
 def resident_loop(device: torch.device, args: Sequence[str], steps: int,
-                  random_rows: bool = False) -> dict[str, Any]:
-    """The same model with rows AND Adam state on the device: SparseAdam on the rows, the
-    worker's dense optimizer, this rank's batches of the task, its loss logged as often."""
-    from tests.testing.reference_trainer import LocalEmbedding
+                  random_rows: bool = False, deadline: float | None = None
+                  ) -> dict[str, Any]:
+    """The same model with rows AND optimizer state on the device: the reference's sparse
+    optimizer of --optimizer on the rows (SparseAdam for adam; rowwise_adagrad: the torch
+    row kernels, tests/testing/reference_trainer.py), the worker's dense optimizer, this
+    rank's batches of the task, its loss logged as often. `deadline` (time.monotonic()):
+    the loop stops there, and says after how many steps."""
+    import time
+
+    from tests.testing.reference_trainer import LocalEmbedding, make_sparse_optimizer
     from worker.dense.optimizer import make_dense_optimizer
     from worker.tasks import build_task
     from worker.tasks.base import HybridModel, build_dense_seeded
@@ -139,11 +146,15 @@ def resident_loop(device: torch.device, args: Sequence[str], steps: int,
                              device=device)
     dense = build_dense_seeded(task, cfg.run.seed).to(device)
     model = HybridModel(emb, dense)
-    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=cfg.optim.lr)
+    sparse_opt = make_sparse_optimizer(cfg, list(emb.parameters()))
     dense_opt = make_dense_optimizer(cfg.optim, dense.parameters())
     window_loss = torch.zeros((), device=device)
     clock = Timer()
+    ran = 0
     for step in range(steps):
+        if deadline is not None and step and time.monotonic() > deadline:
+            break
+        ran += 1
         batch = task.batch(step, 0, 1).to(device)
         loss = task.loss(model, batch)
         loss.backward()
@@ -158,9 +169,9 @@ def resident_loop(device: torch.device, args: Sequence[str], steps: int,
     sync(device)
     train_s = clock()
     elements = sum(p.numel() for p in emb.parameters())
-    return {"steps": steps, "batch": cfg.run.batch_size,
-            "samples_per_s": steps * cfg.run.batch_size / train_s,
-            "step_ms": train_s / steps * 1000, "wait_s": 0.0, "waits": 0,
+    return {"steps": ran, "batch": cfg.run.batch_size,
+            "samples_per_s": ran * cfg.run.batch_size / train_s,
+            "step_ms": train_s / ran * 1000, "wait_s": 0.0, "waits": 0,
             "wait_ms_per_step": 0.0,
             **memory.figures(elements, dense_bytes(dense, dense_opt))}
 

@@ -8,6 +8,7 @@ from typing import Any
 BYTES_FP32, BYTES_BF16 = 4.0, 2.0    # GPU bytes per embedding element, at most
 ROWS_VS_RESIDENT = 2.5               # rows per GiB over the GPU-resident Adam's, at least
 SPEED_VS_RESIDENT = 0.9              # samples/s at K=1 over the GPU-resident loop's, at least
+DYNAMIC_VS_STATIC = 0.8              # production job: dynamic tables over static, at least
 
 
 def _fig(stages: dict[str, Any], name: str) -> dict[str, Any]:
@@ -55,6 +56,13 @@ def goals(stages: dict[str, Any], dry_run: bool) -> list[dict[str, Any]]:
         out.append(_goal(f"server rows/s at {key[22:] if key else '16'} threads over what a "
                          f"GPU step asks, {job}", v.get(key) if key else None, 1.0, ">=",
                          dry_run, "server_threads"))
+    p = _fig(stages, "production_job").get("substages", {})
+    for shape, ratio in p.get("a_both_hold", {}).get("ratio_vs_resident", {}).items():
+        out.append(_goal(f"production job, {shape}: samples/s at K=1 over the GPU-resident "
+                         "loop's", ratio, SPEED_VS_RESIDENT, ">=", dry_run, "production_job"))
+    out.append(_goal("production job: dynamic tables' samples/s over static tables'",
+                     p.get("e_dynamic", {}).get("dynamic_over_static"), DYNAMIC_VS_STATIC,
+                     ">=", dry_run, "production_job"))
     unnamed = f.get("unnamed_total") if f.get("checked") else None
     out.append(_goal("synchronising calls in the loop outside the named sync points",
                      unnamed, 0, "<=", dry_run, "sync_debug"))
@@ -102,6 +110,10 @@ def _summary(name: str, fig: dict[str, Any]) -> str:
     if name == "server_threads":
         return "; ".join(f"{j}: keeps up from {v.get('keeps_up_from_threads')} threads"
                          for j, v in fig.get("jobs", {}).items())
+    if name == "production_job":
+        subs = fig.get("substages", {})
+        return ", ".join(f"{n.split('_')[0]} {'ok' if r.get('ok') else 'FAILED'}"
+                         for n, r in subs.items())
     if name == "nccl":
         return (f"backend {fig.get('group', {}).get('backend', '-')}, job "
                 f"{fig.get('job', {}).get('backend', fig.get('job', {}).get('error', '-'))}")
@@ -187,6 +199,7 @@ def markdown(data: dict[str, Any]) -> str:
                   f"{group.get('all_reduce_median_us')} us; the default job through "
                   f"torchrun: {e.get('job')}", "", "Not checked on one GPU:", ""]
         lines += [f"- {item}" for item in e.get("not_checked_here", [])] + [""]
+    lines += production_markdown(_fig(stages, "production_job"))
     a = _fig(stages, "pytest_gpu")
     if a.get("tests"):
         lines += ["## a. pytest -m gpu", ""]
@@ -194,3 +207,59 @@ def markdown(data: dict[str, Any]) -> str:
                         [[t, v["outcome"], v["seconds"], v["message"][:120].replace("|", "/")]
                          for t, v in a["tests"].items()])
     return "\n".join(lines) + "\n"
+
+
+def production_markdown(p: dict[str, Any]) -> list[str]:
+    """Stage production_job: a line or a table per sub-stage."""
+    subs = p.get("substages", {})
+    if not subs:
+        return []
+    cap = p.get("cap", {})
+    lines = ["## f. The production-sized job", "",
+             f"emulated device: {p.get('emulated')}; the resident design's bound "
+             f"{_num(cap.get('resident_bound_elements'))} elements; a: "
+             f"{_num(cap.get('both_hold_elements'))}, b: {_num(cap.get('larger_elements'))}", ""]
+    a = subs.get("a_both_hold", {})
+    rows = []
+    for shape, run in a.get("runs", {}).items():
+        if isinstance(run, dict):
+            r, h = run["resident"], run["hybridps K=1"]
+            rows.append([shape, r.get("samples_per_s"), h.get("samples_per_s"),
+                         a.get("ratio_vs_resident", {}).get(shape), h.get("wait_ms_per_step"),
+                         r.get("gpu_peak_mib"), h.get("gpu_peak_mib")])
+    if rows:
+        lines += _table(["a. job", "resident samples/s", "hybridps K=1 samples/s", "ratio",
+                         "wait ms/step", "resident peak MiB", "hybridps peak MiB"], rows)
+    c = subs.get("c_server_threads", {})
+    if isinstance(c.get("threads"), dict):
+        lines += _table([f"c. server threads ({c.get('job')})", "samples/s", "waits",
+                         "wait ms/step", "step ms", "rows/s applied"],
+                        [[n, f.get("samples_per_s"), f.get("waits"), f.get("wait_ms_per_step"),
+                          f.get("step_ms"), f.get("rows_per_s_applied")]
+                         if isinstance(f, dict) else [n, f, "", "", "", ""]
+                         for n, f in c["threads"].items()])
+    for name, key in (("d_bf16", "samples_per_s_bf16_over_fp32"),
+                      ("e_dynamic", "dynamic_over_static")):
+        r = subs.get(name, {})
+        lines += [f"{name}: {key} {_num(r.get(key))} {r.get('note', '')}".rstrip(), ""]
+    e = subs.get("e_dynamic", {})
+    if e.get("device_prefetch"):
+        lines += [f"e. prefetched lookups {e.get('prefetched_lookups')}; the device path of "
+                  f"the prefetch: {e['device_prefetch']}", ""]
+    f = subs.get("f_parquet", {})
+    lines += [f"f_parquet: samples/s {_num(f.get('run', {}).get('samples_per_s'))}, data "
+              f"ms/step {_num(f.get('data_ms_per_step'))} {f.get('note', '')}".rstrip(), ""]
+    g = subs.get("g_profile", {})
+    if g.get("top_device_ops_ms") or g.get("top_host_ops_ms"):
+        top = g.get("top_device_ops_ms") or g.get("top_host_ops_ms")
+        lines += _table(["g. top ops (device, else host)", "ms"], [[k, v] for k, v in top.items()])
+        lines += [f"device gaps: {g.get('device_gaps')}", ""]
+    b = subs.get("b_larger", {})
+    run = b.get("hybridps K=1", {})
+    lines += [f"b_larger: {_num(b.get('elements'))} elements ({b.get('hybridps_rows_gib')} GiB "
+              f"of fp32 rows; resident would need {b.get('resident_needs_gib')} GiB): resident "
+              f"{b.get('resident', '-')}; hybridps samples/s {_num(run.get('samples_per_s'))}, "
+              f"max_memory_allocated {b.get('max_memory_allocated_gib', '-')} GiB "
+              f"{b.get('note', '')}".rstrip(), ""]
+    bad = [f"{n}: {r.get('error')}" for n, r in subs.items() if not r.get("ok")]
+    return lines + [f"sub-stage FAILED or not run: {x}" for x in bad] + ([""] if bad else [])

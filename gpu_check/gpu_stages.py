@@ -5,6 +5,7 @@
 writes DIR/STAGE.json ({"ok", "error", "figures"}) as it goes. Stages: prepare (the python,
 its packages, the native kernel built in place), pytest_gpu (tests/system/test_gpu.py),
 default_job and table_budget (gpu_check/gpu_jobs.py), server_threads (gpu_check/gpu_server.py),
+production_job (gpu_check/gpu_production.py),
 nccl (a one-rank NCCL group through worker/runtime/dist.py's init_distributed, and the
 default job through torchrun) and sync_debug (the loop under CUDA's sync debug mode).
 """
@@ -38,6 +39,7 @@ MODULES = {
     "uvloop": ("uvloop", True), "tqdm": ("tqdm", True),
     "prometheus_client": ("prometheus-client", True), "matplotlib": ("matplotlib", True),
     "pytest": ("pytest", True), "pytest_timeout": ("pytest-timeout", True),
+    "pyarrow": ("pyarrow", False),  # production_job f only (--task files reads Parquet)
 }
 # what must import once the packages are there (the generated code checks its runtime)
 PROJECT_IMPORTS = ("hybridps.v1.shard_pb2", "hybridps.v1.shard_pb2_grpc", "ps.edge.server",
@@ -425,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("stage")
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--limit-s", type=float, default=0.0,
+                   help="the stage's time limit (check.py's), for stages that budget within")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     rep = StageReport(args.work / f"{args.stage}.json", args.dry_run)
@@ -438,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         "table_budget": lambda: _jobs().stage_table_budget(rep, args.dry_run),
         "server_threads": lambda: _server().stage_server_threads(rep, args.dry_run,
                                                                  args.work),
+        "production_job": lambda: _production().stage_production_job(
+            rep, args.dry_run, args.work, args.limit_s),
     }
     if args.stage not in stages:
         p.error(f"stage {args.stage!r} is not one of {', '.join(stages)}")
@@ -460,6 +466,12 @@ def _server() -> Any:
     import gpu_server
 
     return gpu_server
+
+
+def _production() -> Any:
+    import gpu_production
+
+    return gpu_production
 
 
 if __name__ == "__main__":

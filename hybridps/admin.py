@@ -240,6 +240,35 @@ def _dynamic_lines(stats: admin_pb2.ShardStats) -> list[str]:
             for p in stats.partitions if p.dynamic]
 
 
+def _spill_lines(stats: admin_pb2.ShardStats) -> list[str]:
+    """The disk tier (--spill-dir): the server's line, one per run, one per spilled table."""
+    if not stats.spill_enabled:
+        return []
+    limit = f"{_mb(stats.spill_max_bytes)} MB" if stats.spill_max_bytes else "no limit"
+    lines = [f"spill: on disk {_mb(stats.spill_disk_bytes_total)} MB of {limit}"]
+    runs: dict[str, list[Any]] = {}
+    for p in stats.partitions:
+        runs.setdefault(p.run_id, []).append(p)
+    for run_id, parts in runs.items():
+        spilled = [p for p in parts if p.spilled]
+        if not spilled:
+            continue
+        memory = sum(p.state_bytes + p.master_bytes + p.dynamic_held_bytes for p in parts)
+        hits = sum(p.spill_hits for p in spilled)
+        accesses = hits + sum(p.spill_misses for p in spilled)
+        lines.append(f"spill run {run_id}: in memory {_mb(memory)} MB  on disk "
+                     f"{_mb(sum(p.spill_disk_bytes for p in spilled))} MB  spills "
+                     f"{sum(p.spill_spills for p in spilled)}  fills "
+                     f"{sum(p.spill_fills for p in spilled)}  hit rate "
+                     f"{hits / accesses if accesses else 0.0:.3f}")
+    lines += [f"spill {p.run_id} rank {p.rank} {p.table}: pages {p.spill_frames}/"
+              f"{p.spill_pages} in memory ({_mb(p.state_bytes + p.master_bytes)} MB)  on disk "
+              f"{_mb(p.spill_disk_bytes)} MB  spills {p.spill_spills}  fills "
+              f"{p.spill_fills}  hit rate {p.spill_hit_rate:.3f}"
+              for p in stats.partitions if p.spilled]
+    return lines
+
+
 def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
                        all_run_ids: Iterable[str] = (), width: int = DEFAULT_WIDTH) -> str:
     """A readable report: header lines, then one row per run (state, ranks, newest step,
@@ -267,7 +296,7 @@ def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
     if not stats.partitions:
         lines.append("(no partitions registered)")
         return "\n".join(lines)
-    lines += [part for line in _dynamic_lines(stats)
+    lines += [part for line in [*_dynamic_lines(stats), *_spill_lines(stats)]
               for part in (_wrapped(line, max(width, 40)) if not wide else [line])]
     if wide:
         optimizers = {p.optimizer for p in stats.partitions}

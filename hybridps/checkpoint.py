@@ -164,10 +164,12 @@ class ShardInfo:
     file: str
     bytes: int = 0
     crc32: str = ""
+    delta: bool = False  # only the rows changed since the parent checkpoint (save_delta)
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "row_start": self.row_start, "row_end": self.row_end,
-                "file": self.file, "bytes": self.bytes, "crc32": self.crc32}
+                "file": self.file, "bytes": self.bytes, "crc32": self.crc32,
+                **({"delta": True} if self.delta else {})}
 
 
 def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, rank: int,
@@ -175,11 +177,16 @@ def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, ra
                tensors: Mapping[str, torch.Tensor | None],
                meta: Mapping[str, Any] | None = None,
                widths: Mapping[str, int] | None = None,
-               writer: Writer | None = None) -> ShardInfo:
+               writer: Writer | None = None,
+               ids: torch.Tensor | None = None) -> ShardInfo:
     """Write one row-range shard file (temp + rename, through `writer` when given) and
     describe it. Each tensor is [rows, dim], or [rows, widths[name]] for a name in
-    `widths`."""
-    held = row_end - row_start
+    `widths`. `ids` (sorted global row ids inside the range): a delta shard, whose
+    tensors hold only those rows (`save_delta`)."""
+    held = row_end - row_start if ids is None else int(ids.numel())
+    if ids is not None and held and (int(ids.min()) < row_start or int(ids.max()) >= row_end):
+        raise InvalidArgument(f"{kind} {table!r} rank {rank}: delta row ids outside "
+                              f"[{row_start}, {row_end})")
     out: dict[str, torch.Tensor | None] = {}
     for name, t in tensors.items():
         if t is not None:
@@ -194,11 +201,14 @@ def save_shard(directory: str | Path, relpath: str, *, kind: str, table: str, ra
     payload = {"format": SHARD_FORMAT, "kind": kind, "table": table, "rank": rank,
                "num_rows": num_rows, "dim": dim, "row_start": row_start, "row_end": row_end,
                "tensors": out, "meta": dict(meta or {})}
+    if ids is not None:
+        payload["ids"] = ids.detach().to("cpu", torch.int64).contiguous().clone()
     if writer is None:
         info = save_torch(Path(directory) / relpath, payload)
     else:
         info = writer(relpath, lambda f: torch_save(payload, f))
-    return ShardInfo(table, rank, row_start, row_end, relpath, info["bytes"], info["crc32"])
+    return ShardInfo(table, rank, row_start, row_end, relpath, info["bytes"], info["crc32"],
+                     delta=ids is not None)
 
 
 SHARD_KEYS = {"table": str, "num_rows": int, "dim": int, "row_start": int, "row_end": int,
@@ -387,13 +397,16 @@ class FileEntry:
     file: str
     bytes: int = 0
     crc32: str = ""
+    delta: bool = False  # a delta shard: the rows changed since the parent checkpoint
 
     def as_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "bytes": self.bytes, "crc32": self.crc32}
+        return {"file": self.file, "bytes": self.bytes, "crc32": self.crc32,
+                **({"delta": True} if self.delta else {})}
 
     @classmethod
     def of(cls, entry: Mapping[str, Any]) -> FileEntry:
-        return cls(str(entry["file"]), int(entry.get("bytes", 0)), str(entry.get("crc32", "")))
+        return cls(str(entry["file"]), int(entry.get("bytes", 0)), str(entry.get("crc32", "")),
+                   bool(entry.get("delta", False)))
 
 
 @dataclass(frozen=True)
@@ -413,7 +426,7 @@ class ManifestShard:
     def info(self, table: str, kind: str) -> ShardInfo:
         f = self.files[kind]
         return ShardInfo(table, self.rank, self.row_start, self.row_end, f.file, f.bytes,
-                         f.crc32)
+                         f.crc32, f.delta)
 
 
 @dataclass(frozen=True)
@@ -478,10 +491,41 @@ def _parts(entries: Any) -> tuple[PartEntry, ...]:
     return parts
 
 
+@dataclass(frozen=True)
+class ParentEntry:
+    """An incremental checkpoint's parent: the step directory next to it (`path`, a bare
+    step-<s> name), its step, and its manifest.json's own checksum, size and crc32 (the
+    parent must be exactly that file: another checkpoint of that step is another chain)."""
+
+    path: str
+    step: int
+    checksum: str
+    bytes: int
+    crc32: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "step": self.step, "checksum": self.checksum,
+                "bytes": self.bytes, "crc32": self.crc32}
+
+    @classmethod
+    def of(cls, entry: Mapping[str, Any]) -> ParentEntry:
+        return cls(str(entry["path"]), int(entry["step"]), str(entry["checksum"]),
+                   int(entry["bytes"]), str(entry["crc32"]))
+
+    @classmethod
+    def describe(cls, directory: str | Path) -> ParentEntry:
+        """The entry naming checkpoint `directory` as a parent (its manifest read whole)."""
+        directory = Path(directory)
+        data = read_manifest(directory)
+        path = directory / MANIFEST
+        return cls(directory.name, int(data["step"]), str(data.get(MANIFEST_CHECKSUM, "")),
+                   path.stat().st_size, file_crc32(path))
+
+
 # The manifest's keys this class reads; any other is kept in `extra` and written back.
 _MANIFEST_KEYS = ("step", "next_step", "world_size", "run_id", "mode", "row_dtype",
                   "optimizer", "task", "seed", "data", "created_unix", "tables", "dense",
-                  "pending", "parts")
+                  "pending", "parts", "chain_id", "parent")
 
 
 @dataclass
@@ -508,7 +552,15 @@ class Manifest:
     dense: dict[str, Any] | None = None
     pending: PendingEntry | None = None
     parts: tuple[PartEntry, ...] = ()  # () in manifests written before parts
+    # the chain (incremental checkpoints, `chain_of`): its id, set by its full checkpoint
+    # and kept by every link after it, and this link's parent (None: a full checkpoint)
+    chain_id: str = ""
+    parent: ParentEntry | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def incremental(self) -> bool:
+        return self.parent is not None
 
     @classmethod
     def read(cls, directory: str | Path) -> Manifest:
@@ -544,6 +596,8 @@ class Manifest:
                     int(pending["staleness"]), int(pending["applied_through"]),
                     tuple((int(f["rank"]), FileEntry.of(f)) for f in pending["files"])),
                 parts=_parts(data.get("parts")),
+                chain_id=str(data.get("chain_id", "")),
+                parent=None if data.get("parent") is None else ParentEntry.of(data["parent"]),
                 extra={k: v for k, v in data.items()
                        if k not in _MANIFEST_KEYS and k not in ("format", MANIFEST_CHECKSUM)})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -557,7 +611,9 @@ class Manifest:
                     "run_id": self.run_id, "mode": self.mode, "row_dtype": self.row_dtype,
                     "optimizer": self.optimizer, "task": self.task, "seed": self.seed,
                     "data": self.data, "created_unix": self.created_unix, "dense": self.dense,
-                    "pending": None if self.pending is None else self.pending.as_dict()}
+                    "pending": None if self.pending is None else self.pending.as_dict(),
+                    "chain_id": self.chain_id or None,
+                    "parent": None if self.parent is None else self.parent.as_dict()}
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.parts:
             out["parts"] = [p.as_dict() for p in self.parts]
@@ -627,6 +683,168 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+# -- chains of incremental checkpoints ------------------------------------------------------
+#
+# An incremental checkpoint (`Manifest.parent` set) lists, per table and kind ("rows",
+# "optim"), delta shards: the rows of each saved range changed since its parent, by global
+# row id (save_shard with `ids`). Every other file (dense, pending, data, a dynamic table's
+# ids and paged files) is whole in every link. A checkpoint is read as its chain composed:
+# the newest link whose files of that kind are whole, re-sharded (load_rows), then each
+# later link's delta rows in order (`load_table_rows`); since the deltas carry global ids,
+# a chain re-shards to any world size like a full checkpoint.
+
+MAX_CHAIN = 100_000
+
+
+@dataclass(frozen=True)
+class Link:
+    """One checkpoint of a chain: its directory and manifest."""
+
+    directory: Path
+    manifest: Manifest
+
+
+def chain_of(directory: str | Path, manifest: Manifest | None = None) -> list[Link]:
+    """The checkpoints `directory` is composed of, its full checkpoint first, itself last.
+
+    Each parent is checked before it is followed: a bare step directory next to it (no
+    symbolic link) of an earlier step, whose manifest.json has the size, crc32 and checksum
+    the link recorded and the same run id and chain id. CorruptCheckpoint naming the file
+    otherwise: a missing or damaged link makes every checkpoint after it unrestorable,
+    and nothing is ever composed of two chains or two runs."""
+    link = Link(Path(directory), manifest or Manifest.read(directory))
+    out = [link]
+    while (parent := link.manifest.parent) is not None:
+        here = f"the parent of {link.directory}"
+        pdir = link.directory.parent / parent.path
+        path = pdir / MANIFEST
+        if not STEP_DIR.match(parent.path) or parent.step >= link.manifest.step:
+            raise CorruptCheckpoint(f"checkpoint {link.directory}: its parent "
+                                    f"{parent.path!r} (step {parent.step}) is not an earlier "
+                                    "step directory next to it")
+        if pdir.is_symlink():
+            raise CorruptCheckpoint(f"checkpoint {pdir} ({here}) is a symbolic link")
+        try:
+            got = (path.stat().st_size, file_crc32(path))
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"checkpoint file {path} ({here}) is missing") from None
+        except OSError as exc:
+            raise CorruptCheckpoint(f"checkpoint file {path} ({here}) is unreadable: "
+                                    f"{exc.strerror or exc}") from None
+        if got != (parent.bytes, parent.crc32):
+            raise CorruptCheckpoint(f"checkpoint file {path} ({here}) has {got[0]} bytes "
+                                    f"and crc32 {got[1]}; the link says {parent.bytes} and "
+                                    f"{parent.crc32} (damaged, or another checkpoint)")
+        saved = Manifest.read(pdir)
+        mine = (parent.step, parent.checksum, link.manifest.run_id, link.manifest.chain_id)
+        theirs = (saved.step, str(read_manifest(pdir).get(MANIFEST_CHECKSUM, "")),
+                  saved.run_id, saved.chain_id)
+        if mine != theirs:
+            raise CorruptCheckpoint(f"checkpoint file {path} ({here}) is of step {saved.step}, "
+                                    f"run {saved.run_id!r}, chain {saved.chain_id!r}; the link "
+                                    f"is of step {parent.step}, run {link.manifest.run_id!r}, "
+                                    f"chain {link.manifest.chain_id!r}")
+        link = Link(pdir, saved)
+        out.append(link)
+        if len(out) > MAX_CHAIN:
+            raise CorruptCheckpoint(f"checkpoint {directory}: a chain of more than "
+                                    f"{MAX_CHAIN} links")
+    out.reverse()
+    return out
+
+
+def verify_chain(directory: str | Path, share: tuple[int, int] = (0, 1)) -> list[Link]:
+    """Every link of `directory`'s chain (`chain_of`) and every file each lists against its
+    size and crc32 (CorruptCheckpoint naming the first that fails); `share` as in
+    verify_files, over the files of the whole chain."""
+    links = chain_of(directory)
+    index, count = share
+    entries = [(link.directory, e) for link in links
+               for e in manifest_entries(read_manifest(link.directory))]
+    for where, e in entries[index::count]:
+        verify_entry(where, e)
+    return links
+
+
+def load_table_rows(directory: str | Path, manifest: Manifest, table: str, kind: str,
+                    start: int, end: int, names: Sequence[str], *, verify: bool = True,
+                    dry_run: bool = False, widths: Mapping[str, int] | None = None,
+                    check_meta: Callable[[Mapping[str, Any]], None] | None = None,
+                    links: Sequence[Link] | None = None,
+                    shape: tuple[int, int] | None = None,
+                    ) -> tuple[dict[str, torch.Tensor | None], list[dict[str, Any]]]:
+    """load_rows of table `table`'s `kind` files ("rows", "optim") of checkpoint
+    `directory`, composed along its chain (the section's doc; `links`: chain_of's, when
+    the caller has it). `shape`: the (num_rows, dim) the caller expects (default: the
+    manifest's); the files must hold it. The metas returned are those of the newest
+    link's files."""
+    if links is None:
+        links = (chain_of(directory, manifest) if manifest.parent is not None
+                 else [Link(Path(directory), manifest)])
+    whole = [i for i, link in enumerate(links)
+             if not any(s.delta for s in link.manifest.shards(table, kind))]
+    if not whole:
+        raise CorruptCheckpoint(f"checkpoint {directory}: no link of its chain holds the "
+                                f"whole {kind} files of table {table!r}")
+    base = links[whole[-1]]
+    entry = base.manifest.table(table)
+    num_rows, dim = shape or (entry.num_rows, entry.dim)
+    out, metas = load_rows(base.directory, table, num_rows, dim,
+                           base.manifest.shards(table, kind), start, end, names,
+                           verify=verify, dry_run=dry_run, widths=widths,
+                           check_meta=check_meta)
+    for link in links[whole[-1] + 1:]:
+        metas = _apply_deltas(link, table, num_rows, dim, kind, start, end, out,
+                              verify=verify, dry_run=dry_run, widths=widths,
+                              check_meta=check_meta)
+    return out, metas
+
+
+def _apply_deltas(link: Link, table: str, num_rows: int, dim: int, kind: str, start: int,
+                  end: int, out: dict[str, torch.Tensor | None], *, verify: bool,
+                  dry_run: bool, widths: Mapping[str, int] | None,
+                  check_meta: Callable[[Mapping[str, Any]], None] | None
+                  ) -> list[dict[str, Any]]:
+    """Copy the rows of [start, end) that `link`'s `kind` shards of `table` hold into `out`."""
+    metas: list[dict[str, Any]] = []
+    for s in sorted(link.manifest.shards(table, kind), key=lambda s: s.row_start):
+        if max(start, s.row_start) >= min(end, s.row_end) and not (start == end and not metas):
+            continue
+        if verify:
+            verify_shards(link.directory, [s])
+        path = link.directory / s.file
+        data = read_shard(path)
+        if (data["table"], data["num_rows"], data["dim"], data["row_start"],
+                data["row_end"]) != (table, num_rows, dim, s.row_start, s.row_end):
+            raise Conflict(f"checkpoint file {path} holds table {data['table']!r} "
+                           f"{data['num_rows']}x{data['dim']} rows [{data['row_start']}, "
+                           f"{data['row_end']}); its chain has {table!r} {num_rows}x{dim} "
+                           f"rows [{s.row_start}, {s.row_end})")
+        if check_meta is not None:
+            check_meta(data["meta"])
+        metas.append(dict(data["meta"]))
+        ids = data.get("ids") if s.delta else torch.arange(s.row_start, s.row_end)
+        if (not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1
+                or (ids.numel() and (int(ids.min()) < s.row_start
+                                     or int(ids.max()) >= s.row_end))):
+            raise CorruptCheckpoint(f"checkpoint file {path}: its row ids are not int64 "
+                                    f"ids inside [{s.row_start}, {s.row_end})")
+        mine = (ids >= start) & (ids < end)
+        at = ids[mine] - start
+        for n, dst in out.items():
+            saved = data["tensors"].get(n)
+            width = (widths or {}).get(n, dim)
+            if saved is None or dst is None:
+                continue
+            if (not isinstance(saved, torch.Tensor) or saved.dtype != torch.float32
+                    or tuple(saved.shape) != (ids.numel(), width)):
+                raise CorruptCheckpoint(f"checkpoint file {path}: tensor {n!r} is not "
+                                        f"float32 [{ids.numel()}, {width}]")
+            if not dry_run and at.numel():
+                dst.index_copy_(0, at, saved[mine])
+    return metas
+
+
 # -- sparse optimizer state (server partitions and --local-optimizer) ----------------------
 
 @dataclass
@@ -656,15 +874,17 @@ def _widths(optimizer: Mapping[str, Any], dim: int) -> dict[str, int]:
 def save_optim_state(directory: str | Path, *, table: str, rank: int, num_rows: int, dim: int,
                      row_start: int, row_end: int, state: OptimState,
                      optimizer: Mapping[str, Any], incarnation: int = 0,
-                     writer: Writer | None = None) -> ShardInfo:
+                     writer: Writer | None = None, ids: torch.Tensor | None = None
+                     ) -> ShardInfo:
     """`optimizer`: dataclasses.asdict of the OptimizerSpec, recorded in the file (a
-    restore refuses the state of another optimizer)."""
+    restore refuses the state of another optimizer). `ids`: a delta shard of those global
+    rows (an incremental checkpoint); `state`'s tensors then hold only them."""
     return save_shard(directory, optim_file(table, rank), kind="optim", table=table, rank=rank,
                       num_rows=num_rows, dim=dim, row_start=row_start, row_end=row_end,
                       tensors={**state.state, "master": state.master},
                       meta={"adam_step": state.adam_step, "last_step": state.last_step,
                             "incarnation": incarnation, "optimizer": dict(optimizer)},
-                      widths=_widths(optimizer, dim), writer=writer)
+                      widths=_widths(optimizer, dim), writer=writer, ids=ids)
 
 
 def refuse_other_optimizer(where: str, saved: Mapping[str, Any] | None,
@@ -696,7 +916,6 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
     manifest = Manifest.read(directory)
     if manifest.step != step:
         raise Conflict(f"checkpoint {directory} is of step {manifest.step}, not {step}")
-    shards = manifest.shards(table, "optim")
     widths = _widths(optimizer, dim)
     names = (*widths, *(("master",) if master else ()))
 
@@ -705,13 +924,15 @@ def load_optim_state(directory: str | Path, *, table: str, num_rows: int, dim: i
         refuse_other_optimizer(f"checkpoint {directory} table {table!r}",
                                saved if isinstance(saved, Mapping) else None, optimizer)
 
-    tensors, metas = load_rows(directory, table, num_rows, dim, shards, row_start, row_end,
-                               names, verify=verify, dry_run=dry_run, widths=widths,
-                               check_meta=same_optimizer)
+    links = chain_of(directory, manifest)
+    tensors, metas = load_table_rows(directory, manifest, table, "optim", row_start, row_end,
+                                     names, verify=verify, dry_run=dry_run, widths=widths,
+                                     check_meta=same_optimizer, links=links,
+                                     shape=(num_rows, dim))
     if master and tensors["master"] is None:
-        rows, _ = load_rows(directory, table, num_rows, dim,
-                            manifest.shards(table, "rows"), row_start, row_end,
-                            ["weight"], verify=verify, dry_run=dry_run)
+        rows, _ = load_table_rows(directory, manifest, table, "rows", row_start, row_end,
+                                  ["weight"], verify=verify, dry_run=dry_run, links=links,
+                                  shape=(num_rows, dim))
         tensors["master"] = rows["weight"]
     try:
         counts = {int(m["adam_step"]) for m in metas}

@@ -32,7 +32,7 @@ from hybridps.checkpoint import (
     Manifest,
     ShardInfo,
     Writer,
-    load_rows,
+    load_table_rows,
     save_torch,
     torch_save,
     verify_shards,
@@ -201,11 +201,11 @@ def _rows_at(directory: Path, manifest: Manifest, table: str, dim: int,
     """The saved rows and optimizer state of slots `local` of the range `info` saved."""
     num_rows = manifest.table(table).num_rows
     lo, hi = info.row_start, info.row_end
-    rows, _ = load_rows(directory, table, num_rows, dim, manifest.shards(table, "rows"),
-                        lo, hi, [ROWS_KEY], verify=False)
+    rows, _ = load_table_rows(directory, manifest, table, "rows", lo, hi, [ROWS_KEY],
+                              verify=False, shape=(num_rows, dim))
     names = [n for n, _ in layout]
-    state, _ = (load_rows(directory, table, num_rows, dim, manifest.shards(table, "optim"),
-                          lo, hi, names, verify=False) if names else ({}, []))
+    state, _ = (load_table_rows(directory, manifest, table, "optim", lo, hi, names,
+                                verify=False, shape=(num_rows, dim)) if names else ({}, []))
     at = torch.from_numpy(local)
     weight = rows[ROWS_KEY]
     assert weight is not None
@@ -235,8 +235,8 @@ def live_rows(directory: str | Path, manifest: Manifest, table: str) -> LiveRows
     """For export (worker/export.py): the checkpoint read as by one rank holding all."""
     entry = manifest.table(table)
     plan = restore_plan(directory, manifest, table, entry.dim, (), 0, 1, 0, entry.num_rows)
-    rows, _ = load_rows(directory, table, entry.num_rows, entry.dim,
-                        manifest.shards(table, "rows"), 0, entry.num_rows, [ROWS_KEY])
+    rows, _ = load_table_rows(directory, manifest, table, "rows", 0, entry.num_rows,
+                              [ROWS_KEY])
     weight = rows[ROWS_KEY]
     assert weight is not None
     kept = torch.from_numpy(np.flatnonzero(plan.kept))

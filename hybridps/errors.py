@@ -111,6 +111,13 @@ class CorruptCheckpoint(ShardError):
     reason = "corrupt_checkpoint"
 
 
+class CorruptSpill(ShardError):
+    """A page of a spill file (the disk tier of a partition's state) that does not read back
+    as written: the call fails, no wrong state is used. The message names file and page."""
+
+    reason = "corrupt_spill"
+
+
 class ResourceExhausted(ShardError):
     """The server cannot allocate the state a request asks for."""
 

@@ -24,6 +24,10 @@ take more of the quota (`fit_pools`). So `held_bytes` stays within the quota plu
 `held_overhead_bytes` (one call's positions twice and the drop order's slack), and every
 decision still depends only on the table's own calls.
 
+With `spill_payload` (the shard server's disk tier, ps/core/spill.py) the entries' rows and
+state are held by pool position in a hybridps/spilled_rows.py holder, paged to disk, instead
+of the pools; every decision is the same, only where the values live changes.
+
 Both sides hold one: the shard server (ps/core/partition.py, the node's store) and the
 worker's --local-optimizer (in-process). `state_dict`/`load_state_dict` are the
 checkpoint's `paged/<table>.r<rank>.pt` payload (hybridps/dynamic_files.py's `save_paged`).
@@ -41,6 +45,7 @@ import torch
 from hybridps.growable import GrowableColumn
 from hybridps.id_map import FIXED_LOAD, IdMap, fixed_size_for
 from hybridps.paged_order import REBUILD_SLACK, SeenOrder
+from hybridps.spilled_rows import HeldRows, RowColumns
 
 PAGED_FORMAT = "hybridps-paged-rows-v1"
 # per id besides its row and state: pool id, last seen, frequency, generation and free
@@ -82,6 +87,9 @@ class PagedRows:
         self.quota = 0  # set_quota: the bytes `nbytes` may reach (0: no limit)
         self.call_rows = 0
         self.layout = tuple((str(n), int(w)) for n, w in layout)
+        # the entries' rows and state by pool position, when they spill to disk
+        # (`spill_payload`); None: in the pools, `rows` and `state`
+        self.spilled: RowColumns | None = None
         self.index = IdMap()
         self._alloc(0)
         self.tomb_ids: list[np.ndarray] = []
@@ -93,8 +101,10 @@ class PagedRows:
 
     def _alloc(self, capacity: int) -> None:
         """Fresh, empty pools of `capacity` positions, all free."""
-        self._columns = {"rows": GrowableColumn(np.float32, self.dim),
-                         **{f"state:{n}": GrowableColumn(np.float32, w) for n, w in self.layout},
+        payload = {} if self.spilled is not None else {
+            "rows": GrowableColumn(np.float32, self.dim),
+            **{f"state:{n}": GrowableColumn(np.float32, w) for n, w in self.layout}}
+        self._columns = {**payload,
                          "ids": GrowableColumn(np.int64), "seen": GrowableColumn(np.int64),
                          "freq": GrowableColumn(np.int64), "free": GrowableColumn(np.int64),
                          "gen": GrowableColumn(np.int64)}
@@ -110,9 +120,13 @@ class PagedRows:
         columns' reservations last: hybridps/growable.py). A position's content is
         unwritten until a put writes it."""
         self.capacity = capacity
+        if self.spilled is not None and capacity > self.spilled.rows:
+            raise ValueError(f"paged rows: {capacity} positions exceed the "
+                             f"{self.spilled.rows} of the spilled rows")
         col = {name: c.resize(capacity) for name, c in self._columns.items()}
-        self.rows = torch.from_numpy(col["rows"])
-        self.state = {n: torch.from_numpy(col[f"state:{n}"]) for n, _ in self.layout}
+        if self.spilled is None:
+            self.rows = torch.from_numpy(col["rows"])
+            self.state = {n: torch.from_numpy(col[f"state:{n}"]) for n, _ in self.layout}
         self.ids, self.seen, self.freq, self.free = col["ids"], col["seen"], col["freq"], col[
             "free"]
         # bumped whenever a position is written or released: the drop order's entries of
@@ -121,6 +135,41 @@ class PagedRows:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def spill_payload(self, payload: RowColumns) -> None:
+        """Hold the entries' rows and state in `payload` (by pool position: "rows" and
+        the layout's names; hybridps/spilled_rows.py's SpilledRows pages them to disk)
+        instead of the pools; at most `payload.rows` positions. Every decision stays the
+        same: only where the values are held changes."""
+        if len(self):
+            raise ValueError("paged rows: the payload spills only while the store is empty")
+        self.spilled = payload
+        self.max_entries = min(self.max_entries or payload.rows, payload.rows)
+        self._alloc(0)
+
+    def _payload(self) -> RowColumns:
+        if self.spilled is not None:
+            return self.spilled
+        return HeldRows({"rows": self.rows, **self.state})
+
+    def close(self) -> None:
+        """Release what the store holds outside memory (a spilled payload's file)."""
+        if self.spilled is not None:
+            self.spilled.close()
+
+    @property
+    def payload_row_bytes(self) -> int:
+        """Bytes of one entry's row and state."""
+        return 4 * (self.dim + sum(w for _, w in self.layout))
+
+    @property
+    def memory_bytes(self) -> int:
+        """Host memory of the store's content: `nbytes`, with a spilled payload's frames
+        in place of its entries' rows and state."""
+        if self.spilled is None:
+            return self.nbytes
+        return (self.nbytes - len(self) * self.payload_row_bytes
+                + self.spilled.memory_bytes)
 
     def note_served(self, evicted: int, taken: int, reused: int, n_free: int) -> None:
         """After a native step wrote the pools and the index in place: `evicted` ids put,
@@ -159,7 +208,8 @@ class PagedRows:
         """Host bytes the store holds for its content: every pool at its capacity, the
         id map's table, the drop order's entries and the tombstones."""
         pools = sum(c.row_bytes for c in self._columns.values()) * self.capacity
-        return (pools + self.index.held_bytes + self.order.nbytes
+        frames = self.spilled.memory_bytes if self.spilled is not None else 0
+        return (pools + frames + self.index.held_bytes + self.order.nbytes
                 + TOMBSTONE_BYTES * self.tomb_count)
 
     @property
@@ -196,6 +246,12 @@ class PagedRows:
             used = np.zeros(capacity, dtype=bool)
             used[live[live < capacity]] = True
             low = np.flatnonzero(~used)[:high.size]
+            if self.spilled is not None:  # the rows and state, where they are held
+                cols, at = self.spilled.view(torch.from_numpy(high), write=False)
+                moved = {n: t.index_select(0, at) for n, t in cols.items()}
+                cols, at = self.spilled.view(torch.from_numpy(low))
+                for n, values in moved.items():
+                    cols[n].index_copy_(0, at, values)
             for name, c in self._columns.items():
                 if name not in ("free", "gen"):
                     col = c.resize(self.capacity)
@@ -250,10 +306,10 @@ class PagedRows:
         pos = self.free[self.n_free - n:self.n_free][::-1].copy()
         self.n_free -= n
         self.index.insert(out.ids.numpy(), pos, check=False)  # the caller checked
-        at = torch.from_numpy(pos)
-        self.rows.index_copy_(0, at, out.rows.to(torch.float32))
+        cols, at = self._payload().view(torch.from_numpy(pos))
+        cols["rows"].index_copy_(0, at, out.rows.to(torch.float32))
         for name, _ in self.layout:
-            self.state[name].index_copy_(0, at, out.state[name].to(torch.float32))
+            cols[name].index_copy_(0, at, out.state[name].to(torch.float32))
         self.ids[pos] = out.ids.numpy()
         self.seen[pos] = out.seen.numpy()
         self.freq[pos] = out.freq.numpy()
@@ -279,9 +335,10 @@ class PagedRows:
                                  f"[{n}, {width}]")
 
     def _gather(self, pos: np.ndarray) -> PagedOut:
-        at = torch.from_numpy(pos)
-        return PagedOut(torch.from_numpy(self.ids[pos].copy()), self.rows.index_select(0, at),
-                        {n: t.index_select(0, at) for n, t in self.state.items()},
+        cols, at = self._payload().view(torch.from_numpy(pos), write=False)
+        return PagedOut(torch.from_numpy(self.ids[pos].copy()),
+                        cols["rows"].index_select(0, at),
+                        {n: cols[n].index_select(0, at) for n, _ in self.layout},
                         torch.from_numpy(self.seen[pos].copy()),
                         torch.from_numpy(self.freq[pos].copy()))
 
@@ -331,7 +388,8 @@ class PagedRows:
         """(found_N, rows_FD) without removing anything (evaluation reads)."""
         pos = self.index.find(ids.numpy())
         found = pos >= 0
-        return torch.from_numpy(found), self.rows.index_select(0, torch.from_numpy(pos[found]))
+        cols, at = self._payload().view(torch.from_numpy(pos[found]), write=False)
+        return torch.from_numpy(found), cols["rows"].index_select(0, at)
 
     def _release(self, ids: np.ndarray, pos: np.ndarray) -> None:
         """Free pool positions (their content is overwritten by the next put there)."""

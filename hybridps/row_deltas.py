@@ -9,6 +9,9 @@ ops they replace (the torch versions are the fallback and the tests' reference):
   is a gather before, the update, a gather after and a subtraction.
 - `add_offsets_`: add to gathered rows the offsets of those among them that have one
   (keys sorted): a search, a compare, two gathers and a `where` in torch.
+- `pick_offsets`: the rows of a sorted table of deltas for some ids, 0 for the ids it
+  lacks, and how many it had: the prediction at K=1 (a search, a compare, a gather and a
+  `where` in torch).
 """
 
 from __future__ import annotations
@@ -61,3 +64,22 @@ def add_offsets_(rows_MD: torch.Tensor, ids_M: torch.Tensor, keys_P: torch.Tenso
     hit_M1 = (keys_P.index_select(0, pos_M) == ids_M).unsqueeze(1)
     offset_MD = offset_PD.index_select(0, pos_M).to(rows_MD.dtype)
     return rows_MD + torch.where(hit_M1, offset_MD, 0.0)
+
+
+def pick_offsets(keys_L: torch.Tensor, src_LD: torch.Tensor, ids_N: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """(out_ND, hits): out_ND[n] = src_LD[l] where ids_N[n] == keys_L[l], +0.0 where no key
+    is ids_N[n]; hits counts the ids found (an int on the native path, a tensor on the
+    rows' device otherwise: its value is not read on the host). keys_L sorted and
+    distinct, not empty."""
+    ext = native_in_use()
+    if (ext is not None and is_cpu_f32(src_LD) and src_LD.dim() == 2 and _native_ids(keys_L)
+            and _native_ids(ids_N) and src_LD.shape[0] == keys_L.numel()):
+        out_ND = torch.empty(ids_N.numel(), src_LD.shape[1], dtype=torch.float32)
+        hits = ext.pick_offsets(ids_N.data_ptr(), ids_N.numel(), keys_L.data_ptr(),
+                                keys_L.numel(), src_LD.data_ptr(), src_LD.shape[1],
+                                out_ND.data_ptr())
+        return out_ND, int(hits)
+    pos_N = torch.searchsorted(keys_L, ids_N).clamp_(max=keys_L.numel() - 1)
+    hit_N = keys_L.index_select(0, pos_N) == ids_N
+    return torch.where(hit_N.unsqueeze(1), src_LD.index_select(0, pos_N), 0.0), hit_N.sum()

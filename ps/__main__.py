@@ -26,6 +26,7 @@ from ps.config import (  # torch-free: the flags are checked before heavy import
     ServerConfig,
     ensure_checkpoint_root,
     port_file_problem,
+    spill_dir_problem,
 )
 
 log = logging.getLogger("ps")
@@ -56,8 +57,8 @@ def use_batch_scheduling() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(ServerConfig, argv, prog="python -m ps",
                           description="hybridps shard server: sparse optimizer state on CPU")
-    problem = ensure_checkpoint_root(config.checkpoint_root) or port_file_problem(
-        config.port_file)
+    problem = (ensure_checkpoint_root(config.checkpoint_root)
+               or port_file_problem(config.port_file) or spill_dir_problem(config.spill_dir))
     if problem is not None:
         print(f"python -m ps: error: {problem}", file=sys.stderr, flush=True)
         return 2

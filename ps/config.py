@@ -134,6 +134,21 @@ class ServerConfig:
         "are dropped, seen longest ago first, beyond what its fixed state leaves of it, "
         "decided by that part's own calls only, so runs are reproducible under a budget); "
         "a Register beyond the budget is refused naming the sizes", RESOURCES, "N")
+    spill_dir: str = _s(
+        "", "a local directory for the disk tier: a partition whose optimizer state and "
+        "master rows exceed its share of the budget keeps the share in memory as pages and "
+        "the rest in crc-checked spill files here, read back when touched (bitwise the same "
+        "run; a cache of this process: never a recovery source, removed with the run, and "
+        "a dead server's files are removed at start). Empty: off", RESOURCES, "DIR")
+    spill_max_gb: float = _s(
+        0.0, "the disk the spill files may take (GiB); a Register whose spill files could "
+        "exceed it is refused (RESOURCE_EXHAUSTED) naming the sizes. Set, a dynamic "
+        "table's paged-out rows spill too, to its partition's equal part of it, and are "
+        "dropped only beyond memory and disk (0: no limit of its own; paged-out rows are "
+        "dropped beyond the memory quota)", RESOURCES, "GB")
+    spill_page_kb: int = _s(
+        64, "the payload of one spill page (KiB): the rows of a page move to and from disk "
+        "together", RESOURCES, "KB")
     checkpoint_root: str = _s(
         "checkpoints", "the directory (relative: to the server's working directory) inside "
         "which the server writes and restores checkpoints (missing: created at start when "
@@ -228,6 +243,14 @@ class ServerConfig:
                              "give one")
         if self.run_shares < 1:
             raise ValueError(f"--run-shares {self.run_shares} must be >= 1")
+        if not 0 <= self.spill_max_gb < float("inf"):
+            raise ValueError(f"--spill-max-gb {self.spill_max_gb} must be >= 0 and finite "
+                             "(0: no limit of its own)")
+        if self.spill_page_kb < 1:
+            raise ValueError(f"--spill-page-kb {self.spill_page_kb} must be >= 1")
+        if self.spill_dir and os.path.exists(self.spill_dir) and \
+                not os.path.isdir(self.spill_dir):
+            raise ValueError(f"--spill-dir {self.spill_dir!r} is not a directory")
         if not self.checkpoint_root:
             raise ValueError("--checkpoint-root must not be empty")
         if self.generate_auth_token and not self.auth_token_file:
@@ -245,6 +268,20 @@ class ServerConfig:
     @property
     def log_level_number(self) -> int:
         return int(getattr(logging, self.log_level.upper()))
+
+
+def spill_dir_problem(path: str) -> str | None:
+    """Why the server cannot spill into --spill-dir `path` (created when missing, like the
+    checkpoint root); None: it can, or spilling is off."""
+    if not path:
+        return None
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        return f"--spill-dir {path!r}: cannot create it ({exc.strerror or exc})"
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        return f"--spill-dir {path!r} is not a writable directory"
+    return None
 
 
 def port_file_problem(path: str) -> str | None:

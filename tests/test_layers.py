@@ -21,7 +21,7 @@ PACKAGES = ("worker", "ps", "hybridps")
 # The script folders are no packages: a script's folder is sys.path[0], so its modules are
 # imported by their file names (`from harness import Server`); both kinds of name are listed.
 SCRIPT_FOLDERS = ("bench", "campaigns", "fuzz", "gpu_check")
-_NOT_PRODUCT = {"tests", *SCRIPT_FOLDERS,
+_NOT_PRODUCT = {"tests", "examples", *SCRIPT_FOLDERS,
                 *(p.stem for folder in SCRIPT_FOLDERS for p in (ROOT / folder).glob("*.py"))}
 FORBIDDEN = {"worker": {"ps", *_NOT_PRODUCT}, "ps": {"worker", *_NOT_PRODUCT},
              "hybridps": {"worker", "ps", *_NOT_PRODUCT}}

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from hybridps.checkpoint import Manifest, load_rows, save_torch
+from hybridps.checkpoint import Manifest, load_table_rows, save_torch
 from hybridps.dynamic_files import live_rows
 from hybridps.errors import ShardError
 from hybridps.path_checks import file_problem
@@ -79,9 +79,8 @@ def export_state_dict(checkpoint: str | Path, delta_since: int | None = None
             if delta_since is not None:
                 out[f"{prefix}.tombstones"] = live.tomb_ids[live.tomb_steps > delta_since]
             continue
-        shards = manifest.shards(name, "rows")
-        got, _ = load_rows(directory, name, entry.num_rows, entry.dim, shards, 0,
-                           entry.num_rows, ["weight"])
+        got, _ = load_table_rows(directory, manifest, name, "rows", 0, entry.num_rows,
+                                 ["weight"])  # composed along its chain
         weight = got["weight"]
         assert weight is not None
         out[f"{EMBEDDING_PREFIX}{name}.weight"] = weight

@@ -28,7 +28,6 @@ is the calculator for one table (docs/deploy.md's worked example);
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -38,7 +37,6 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridps.optim_kinds import (
@@ -48,9 +46,11 @@ from hybridps.optim_kinds import (
     state_floats_per_row,
 )
 from worker.config.update_kinds import UpdateKind, kind_named
+from worker.runtime.memory import detect_host_memory
 
 if TYPE_CHECKING:
     from worker.config.train_config import TrainConfig
+    from worker.dense.policy import DenseChoice
 
 GB = 10**9
 ID_BYTES = 8
@@ -103,6 +103,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     row_bytes: int = FLOAT_BYTES  # per element of a device row: 4 fp32, 2 --row-dtype bf16
     sharding: str = "row_wise"  # --sharding: the scheme of a table that names none
+    # the dense part: its parameters (None: not known before the task is built) and the
+    # wrapper --dense-parallel gives it (worker/dense/policy.py, as the run decides)
+    dense_params: int | None = None
+    dense_choice: DenseChoice | None = None
 
     # -- layout ----------------------------------------------------------------------
     @property
@@ -294,6 +298,10 @@ def format_plan(plan: Plan) -> str:
     if plan.device_kind == "cpu":
         lines.append(f"device=cpu: ranks and server share the host: {_gb(plan.node_bytes_cpu)} "
                      "per node")
+    if plan.dense_choice is not None:
+        size = ("size known once the task is built" if plan.dense_params is None
+                else f"{plan.dense_params:,} parameters")
+        lines.append(f"dense part: {size}, --dense-parallel {plan.dense_choice.describe()}")
     lines += [f"note: {n}" for n in plan.notes]
     refusals = plan.refusals
     lines.append("verdict: fits" if not refusals else "verdict: DOES NOT FIT: "
@@ -338,21 +346,6 @@ def placement(tables: tuple[TableShape, ...], world_size: int, default: str
                                       t.sharding or default) for t in tables], world_size)
     return {t.name: (schemes[t.name].name, tuple(schemes[t.name].cuts(t.num_rows, world_size)))
             for t in tables}
-
-
-def detect_host_memory() -> int | None:
-    """Physical memory, or the cgroup's limit when lower (containers)."""
-    candidates = []
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        candidates.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 2**60:
-            candidates.append(int(text))
-    return min(candidates) if candidates else None
 
 
 def detect_device(device_request: str, local_rank: int) -> tuple[str, int | None]:
@@ -400,7 +393,27 @@ def plan_for_config(cfg: TrainConfig, *, world_size: int | None = None,
         plan.host_capacity = int(sizing.host_memory_gb * GB)
     elif detect:
         plan.host_capacity = detect_host_memory()
+    plan.dense_params, plan.dense_choice = dense_plan(cfg, plan)
     return plan
+
+
+def dense_plan(cfg: TrainConfig, plan: Plan) -> tuple[int | None, DenseChoice]:
+    """(the dense part's parameters, the --dense-parallel choice) on the plan's layout: the
+    run's rule (worker/dense/policy.py) on fp32 parameters, the plan's memory per rank and
+    the backend of its device. A task that cannot say its dense size without being built:
+    the choice made as for the smallest dense part (the run decides on the real one)."""
+    from worker.dense.policy import DenseFacts, choose_dense_parallel, state_copies
+    from worker.tasks import task_class
+
+    params = task_class(cfg.run.task).plan_dense_parameters(cfg)
+    memory = (plan.device_capacity if plan.device_kind == "cuda" else
+              None if plan.host_capacity is None else plan.host_capacity // plan.ranks_per_node)
+    facts = DenseFacts(param_bytes=FLOAT_BYTES * (params or 0),
+                       state_copies=state_copies(cfg.optim.dense_kind),
+                       world_size=plan.world_size,
+                       backend="nccl" if plan.device_kind == "cuda" else "gloo",
+                       memory_per_rank=memory)
+    return params, choose_dense_parallel(cfg.dense, facts)
 
 
 # -- `python -m worker.plan`: sizing without a cluster -------------------------------

@@ -586,6 +586,48 @@ static PyObject *py_add_offsets(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(pick_offsets_doc,
+             "pick_offsets(ids, n, keys, n_keys, src, dim, out) -> hits\n--\n\n"
+             "out[i] = src[p] where ids[i] == keys[p], else +0.0 (keys sorted, int64; src\n"
+             "[n_keys, dim] and out [n, dim] float32): torch's searchsorted, compare,\n"
+             "gather and where(hit, src[pos], 0.0) in one pass. Returns how many ids hit.");
+
+static PyObject *py_pick_offsets(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pids, pkeys, psrc, pout;
+    long long n, n_keys, dim;
+    if (!PyArg_ParseTuple(args, "KLKLKLK", &pids, &n, &pkeys, &n_keys, &psrc, &dim, &pout))
+        return NULL;
+    if (n <= 0 || dim <= 0) return PyLong_FromLong(0);
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t *keys = PTR(const int64_t *, pkeys);
+    const float *src = PTR(const float *, psrc);
+    float *out = PTR(float *, pout);
+    int64_t hits = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t lo_hint = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        float *RESTRICT o = out + i * dim;
+        /* The first key >= id (searchsorted's left side): sorted ids walk forward from
+         * the last position, others search all the keys. */
+        int64_t lo = (i > 0 && id >= ids[i - 1]) ? lo_hint : 0, hi = n_keys;
+        while (lo < hi) {
+            const int64_t mid = lo + ((hi - lo) >> 1);
+            if (keys[mid] < id) lo = mid + 1; else hi = mid;
+        }
+        lo_hint = lo;
+        if (lo < n_keys && keys[lo] == id) {
+            memcpy(o, src + lo * dim, (size_t)dim * sizeof(float));
+            hits++;
+        } else {
+            memset(o, 0, (size_t)dim * sizeof(float));
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(hits);
+}
+
 PyDoc_STRVAR(scale_doc, "scale(g, out, n, s, threads)\n--\n\nout[:n] = g[:n] * s (float32).");
 
 static PyObject *py_scale(PyObject *self, PyObject *args) {
@@ -881,6 +923,7 @@ static PyMethodDef methods[] = {
     {"adamw", py_adamw, METH_VARARGS, adamw_doc},
     {"apply_update", py_apply_update, METH_VARARGS, apply_update_doc},
     {"add_offsets", py_add_offsets, METH_VARARGS, add_offsets_doc},
+    {"pick_offsets", py_pick_offsets, METH_VARARGS, pick_offsets_doc},
     {"scale", py_scale, METH_VARARGS, scale_doc},
     {"triad", py_triad, METH_VARARGS, triad_doc},
     {"advise_hugepages", py_advise_hugepages, METH_VARARGS, advise_hugepages_doc},

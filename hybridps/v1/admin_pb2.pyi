@@ -13,7 +13,7 @@ class ShardStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PartitionStats(_message.Message):
-    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype", "run_state", "dynamic", "dynamic_capacity", "dynamic_occupied", "dynamic_admissions", "dynamic_refusals", "dynamic_evictions", "dynamic_page_ins", "dynamic_hit_rate", "dynamic_paged_rows", "dynamic_paged_bytes", "dynamic_expired", "dynamic_dropped", "dynamic_paged_quota", "dynamic_held_bytes")
+    __slots__ = ("run_id", "rank", "incarnation", "table", "row_start", "row_end", "rows_held", "state_bytes", "pushes_applied", "rows_updated", "rows_per_second", "distinct_rows_touched", "last_step", "lag_steps", "queue_depth", "refusals", "optimizer", "master_bytes", "row_dtype", "run_state", "dynamic", "dynamic_capacity", "dynamic_occupied", "dynamic_admissions", "dynamic_refusals", "dynamic_evictions", "dynamic_page_ins", "dynamic_hit_rate", "dynamic_paged_rows", "dynamic_paged_bytes", "dynamic_expired", "dynamic_dropped", "dynamic_paged_quota", "dynamic_held_bytes", "spilled", "spill_disk_bytes", "spill_pages", "spill_frames", "spill_hits", "spill_misses", "spill_fills", "spill_spills", "spill_hit_rate")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,15 @@ class PartitionStats(_message.Message):
     DYNAMIC_DROPPED_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_PAGED_QUOTA_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_MISSES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_FILLS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_SPILLS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     incarnation: int
@@ -89,7 +98,16 @@ class PartitionStats(_message.Message):
     dynamic_dropped: int
     dynamic_paged_quota: int
     dynamic_held_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ..., run_state: _Optional[str] = ..., dynamic: _Optional[bool] = ..., dynamic_capacity: _Optional[int] = ..., dynamic_occupied: _Optional[int] = ..., dynamic_admissions: _Optional[int] = ..., dynamic_refusals: _Optional[int] = ..., dynamic_evictions: _Optional[int] = ..., dynamic_page_ins: _Optional[int] = ..., dynamic_hit_rate: _Optional[float] = ..., dynamic_paged_rows: _Optional[int] = ..., dynamic_paged_bytes: _Optional[int] = ..., dynamic_expired: _Optional[int] = ..., dynamic_dropped: _Optional[int] = ..., dynamic_paged_quota: _Optional[int] = ..., dynamic_held_bytes: _Optional[int] = ...) -> None: ...
+    spilled: bool
+    spill_disk_bytes: int
+    spill_pages: int
+    spill_frames: int
+    spill_hits: int
+    spill_misses: int
+    spill_fills: int
+    spill_spills: int
+    spill_hit_rate: float
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., rows_held: _Optional[int] = ..., state_bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., rows_updated: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., distinct_rows_touched: _Optional[int] = ..., last_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., queue_depth: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., optimizer: _Optional[str] = ..., master_bytes: _Optional[int] = ..., row_dtype: _Optional[str] = ..., run_state: _Optional[str] = ..., dynamic: _Optional[bool] = ..., dynamic_capacity: _Optional[int] = ..., dynamic_occupied: _Optional[int] = ..., dynamic_admissions: _Optional[int] = ..., dynamic_refusals: _Optional[int] = ..., dynamic_evictions: _Optional[int] = ..., dynamic_page_ins: _Optional[int] = ..., dynamic_hit_rate: _Optional[float] = ..., dynamic_paged_rows: _Optional[int] = ..., dynamic_paged_bytes: _Optional[int] = ..., dynamic_expired: _Optional[int] = ..., dynamic_dropped: _Optional[int] = ..., dynamic_paged_quota: _Optional[int] = ..., dynamic_held_bytes: _Optional[int] = ..., spilled: _Optional[bool] = ..., spill_disk_bytes: _Optional[int] = ..., spill_pages: _Optional[int] = ..., spill_frames: _Optional[int] = ..., spill_hits: _Optional[int] = ..., spill_misses: _Optional[int] = ..., spill_fills: _Optional[int] = ..., spill_spills: _Optional[int] = ..., spill_hit_rate: _Optional[float] = ...) -> None: ...
 
 class RunStats(_message.Message):
     __slots__ = ("run_id", "state", "ranks_registered", "ranks_finished", "over_for_s", "freed_in_s", "why")
@@ -110,7 +128,7 @@ class RunStats(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., ranks_registered: _Optional[int] = ..., ranks_finished: _Optional[int] = ..., over_for_s: _Optional[float] = ..., freed_in_s: _Optional[float] = ..., why: _Optional[str] = ...) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total", "runs", "runs_freed", "partitions_freed", "max_state_bytes")
+    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total", "runs", "runs_freed", "partitions_freed", "max_state_bytes", "spill_disk_bytes_total", "spill_max_bytes", "spill_enabled")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +148,9 @@ class ShardStats(_message.Message):
     RUNS_FREED_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FREED_FIELD_NUMBER: _ClassVar[int]
     MAX_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DISK_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPILL_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_ENABLED_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     uptime_s: float
     partitions: _containers.RepeatedCompositeFieldContainer[PartitionStats]
@@ -142,7 +163,10 @@ class ShardStats(_message.Message):
     runs_freed: int
     partitions_freed: int
     max_state_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ..., master_bytes_total: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunStats, _Mapping]]] = ..., runs_freed: _Optional[int] = ..., partitions_freed: _Optional[int] = ..., max_state_bytes: _Optional[int] = ...) -> None: ...
+    spill_disk_bytes_total: int
+    spill_max_bytes: int
+    spill_enabled: bool
+    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ..., master_bytes_total: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunStats, _Mapping]]] = ..., runs_freed: _Optional[int] = ..., partitions_freed: _Optional[int] = ..., max_state_bytes: _Optional[int] = ..., spill_disk_bytes_total: _Optional[int] = ..., spill_max_bytes: _Optional[int] = ..., spill_enabled: _Optional[bool] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s", "reason")

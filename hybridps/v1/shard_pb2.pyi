@@ -377,21 +377,25 @@ class FinishResponse(_message.Message):
     def __init__(self, ranks_registered: _Optional[int] = ..., ranks_finished: _Optional[int] = ..., server_stopping: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("run_id", "step", "directory", "ranks", "timeout_s")
+    __slots__ = ("run_id", "step", "directory", "ranks", "timeout_s", "incremental", "since_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     directory: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    incremental: bool
+    since_step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., incremental: _Optional[bool] = ..., since_step: _Optional[int] = ...) -> None: ...
 
 class SavedPartition(_message.Message):
-    __slots__ = ("rank", "table", "row_start", "row_end", "file", "bytes", "crc32")
+    __slots__ = ("rank", "table", "row_start", "row_end", "file", "bytes", "crc32", "delta")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +403,7 @@ class SavedPartition(_message.Message):
     FILE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     rank: int
     table: str
     row_start: int
@@ -406,7 +411,8 @@ class SavedPartition(_message.Message):
     file: str
     bytes: int
     crc32: str
-    def __init__(self, rank: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., file: _Optional[str] = ..., bytes: _Optional[int] = ..., crc32: _Optional[str] = ...) -> None: ...
+    delta: bool
+    def __init__(self, rank: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., file: _Optional[str] = ..., bytes: _Optional[int] = ..., crc32: _Optional[str] = ..., delta: _Optional[bool] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("files",)

@@ -27,21 +27,51 @@ from hybridps.checkpoint import (
 from hybridps.dynamic_files import restore_plan, save_paged_state
 from hybridps.errors import Conflict
 from hybridps.optim import OptimizerSpec
-from ps.core.partition import Partition, TableSpec, TableState
+from ps.core.partition import MASTER, Partition, TableSpec, TableState
 from ps.core.table_members import Piece, pieces
 
+# rows a restore reads back at a time to widen the overflow bound and mark touched rows
+# (a spilled table's pages are read from its spill file, a bounded buffer at a time)
+OBSERVE_ROWS = 1 << 20
 
-def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    return None if t is None else t[lo:hi]
+
+def _piece_state(t: TableState, lo: int, hi: int
+                 ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """Rows [lo, hi) of a table's optimizer state and master rows, wherever they are held
+    (in memory, or in its spill file: read back, the spill file is never the recovery
+    source)."""
+    cols = t.columns.read(lo, hi)
+    state: dict[str, torch.Tensor | None] = {n: x for n, x in cols.items() if n != MASTER}
+    return state, cols.get(MASTER)
+
+
+def _rows_state(t: TableState, local: torch.Tensor
+                ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """Rows `local` (sorted positions in the table) of its optimizer state and master rows,
+    wherever they are held, read OBSERVE_ROWS at a time."""
+    states: list[dict[str, torch.Tensor]] = []
+    masters: list[torch.Tensor] = []
+    for i in range(0, max(int(local.numel()), 1), OBSERVE_ROWS):
+        by_name, master, at = t.state_view(local[i:i + OBSERVE_ROWS], write=False)
+        states.append({n: x[at] for n, x in by_name.items()})
+        if master is not None:
+            masters.append(master[at])
+    state: dict[str, torch.Tensor | None] = {
+        n: torch.cat([s[n] for s in states]) for n in states[0]}
+    return state, torch.cat(masters) if masters else None
 
 
 def save_partition(part: Partition, directory: str | Path, step: int,
-                   writer: Writer | None = None) -> list[ShardInfo]:
+                   writer: Writer | None = None, since: int | None = None) -> list[ShardInfo]:
     """Write every table of a partition whose last applied step is exactly `step`
     (through `writer`: ps/core/checkpoint_dirs.py; None: by path).
 
+    `since` S: an incremental checkpoint whose parent is the checkpoint of step S (the
+    last one saved of every table: Conflict otherwise): each optim file is a delta
+    shard of the rows whose state changed since then (`TableState.changed`: pushes and
+    Page calls). A dynamic table's paged-out rows are written whole.
     The caller holds `part.lock` (no push applies while the files are written)."""
-    return snapshot_partition(part, step).write(directory, writer)
+    return snapshot_partition(part, step, since).write(directory, writer)
 
 
 @dataclass
@@ -54,7 +84,8 @@ class PartitionSnapshot:
     incarnation: int
     optimizer: dict[str, Any]
     step: int
-    pieces: list[tuple[Piece, int, OptimState]]  # (member, dim, its state)
+    # (member, dim, its state, the global rows of a delta shard: None, the whole member)
+    pieces: list[tuple[Piece, int, OptimState, torch.Tensor | None]]
     paged: list[tuple[str, int, int, dict[str, Any]]]  # (table, start, end, store state)
     nbytes: int
 
@@ -62,8 +93,8 @@ class PartitionSnapshot:
         out = [save_optim_state(directory, table=p.name, rank=self.rank, num_rows=p.num_rows,
                                 dim=dim, row_start=p.row_start, row_end=p.row_end,
                                 state=state, optimizer=self.optimizer,
-                                incarnation=self.incarnation, writer=writer)
-               for p, dim, state in self.pieces]
+                                incarnation=self.incarnation, writer=writer, ids=ids)
+               for p, dim, state, ids in self.pieces]
         out.extend(save_paged_state(directory, table=table, rank=self.rank, start=start,
                                     end=end, state=state, step=self.step, writer=writer)
                    for table, start, end, state in self.paged)
@@ -74,29 +105,57 @@ def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone(memory_format=torch.contiguous_format)
 
 
-def snapshot_partition(part: Partition, step: int) -> PartitionSnapshot:
+def snapshot_partition(part: Partition, step: int,
+                       since: int | None = None) -> PartitionSnapshot:
     """A copy of every table's state of a partition whose last applied step is exactly
-    `step` (a Conflict otherwise). The caller holds `part.lock`; the copy is one
-    partition's state (its m, v, masters; a dynamic table's paged-out rows)."""
+    `step` (a Conflict otherwise); `since` S: only the rows changed since the checkpoint
+    of step S (save_partition). The caller holds `part.lock`; the copy is one
+    partition's state (its m, v, masters, read through its row columns wherever they
+    are held; a dynamic table's paged-out rows). The changed marks restart here: the
+    pushes applied after the copy are the next checkpoint's delta."""
     for name, t in part.tables.items():
         if t.last_step != step:
             raise Conflict(f"checkpoint {part.where} table {name!r} at step {step}: the last "
                            f"applied step is {t.last_step}; a checkpoint needs exactly {step}")
-    held: list[tuple[Piece, int, OptimState]] = []
+        if since is not None and (t.saved_step != since or t.changed is None):
+            raise Conflict(f"incremental checkpoint {part.where} table {name!r} at step "
+                           f"{step} since step {since}: the last checkpoint saved of it is "
+                           f"of step {t.saved_step}; write a full one")
+    held: list[tuple[Piece, int, OptimState, torch.Tensor | None]] = []
     paged = []
     nbytes = 0
     for t in part.tables.values():
         for p in pieces(t.spec):
-            state = {n: _copy(x[p.lo:p.hi]) for n, x in t.state.items()}
-            master = _copy(_rows(t.master, p.lo, p.hi))
+            ids, state, master = _piece_copy(t, p, since)
             nbytes += sum(x.numel() * x.element_size() for x in (*state.values(), master)
                           if x is not None)
-            held.append((p, t.spec.dim, OptimState(state, t.adam_step, t.last_step, master)))
+            held.append((p, t.spec.dim, OptimState(state, t.adam_step, t.last_step, master),
+                         ids))
         if t.paging is not None:  # a dynamic table's paged-out rows (their own arrays)
             paged.append((t.spec.name, t.spec.row_start, t.spec.row_end,
                           t.paging.store.state_dict()))
+    for t in part.tables.values():  # every row copied: the next delta starts here
+        if t.changed is None:
+            t.changed = torch.zeros(t.spec.rows_held, dtype=torch.bool)
+        else:
+            t.changed.zero_()
+        t.saved_step = step
     return PartitionSnapshot(part.where, part.rank, part.incarnation,
                              dataclasses.asdict(part.optimizer), step, held, paged, nbytes)
+
+
+def _piece_copy(t: TableState, p: Piece, since: int | None
+                ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None],
+                           torch.Tensor | None]:
+    """(the global rows of a delta shard, None: every row; a copy of their optimizer
+    state; of their master rows) of one member of a table."""
+    changed = t.changed
+    if since is None or changed is None:
+        state, master = _piece_state(t, p.lo, p.hi)  # views of held rows: copied
+        return None, {n: _copy(x) for n, x in state.items()}, _copy(master)
+    ids = changed[p.lo:p.hi].nonzero().squeeze(1) + p.row_start
+    state, master = _rows_state(t, ids - p.row_start + p.lo)  # gathered: copies already
+    return ids, state, master
 
 
 def check_restore(specs: Sequence[TableSpec], optimizer: OptimizerSpec, master: bool,
@@ -137,27 +196,29 @@ def restore_partition(part: Partition, directory: str | Path, step: int,
         for p in pieces(s):
             state = load_optim_state(directory, table=p.name, num_rows=p.num_rows, dim=s.dim,
                                      row_start=p.row_start, row_end=p.row_end, step=step,
-                                     optimizer=opt, master=t.master is not None,
+                                     optimizer=opt, master=t.has_master,
                                      verify=False)
-            if t.master is not None and state.master is not None:
-                t.master[p.lo:p.hi].copy_(state.master)
-            for name, held in t.state.items():
-                saved = state.state.get(name)
-                if saved is not None:
-                    held[p.lo:p.hi].copy_(saved)
+            values = {n: x for n, x in state.state.items()
+                      if x is not None and n in dict(t.columns.layout)}
+            if t.has_master and state.master is not None:
+                values[MASTER] = state.master
+            t.columns.write(p.lo, values)
             t.adam_step = state.adam_step
-        if t.master is not None:
+        if t.has_master:
             t.rows_seeded = s.rows_held
         if t.paging is not None:
             _restore_paged(part, t, directory)
         marks = part.optimizer.record.touched_from  # the accumulated g^2: 0 untouched
-        squares = t.state.get(marks) if marks is not None else None
-        if squares is not None:
-            t.touched.copy_((squares != 0).any(dim=1))
-            t.distinct_touched = int(t.touched.sum())
+        for lo in range(0, s.rows_held, OBSERVE_ROWS):
+            hi = min(lo + OBSERVE_ROWS, s.rows_held)
+            held, master = _piece_state(t, lo, hi)
+            squares = held.get(marks) if marks is not None else None
+            if squares is not None:
+                t.touched[lo:hi].copy_((squares != 0).any(dim=1))
+            t.bound.observe(held, master)  # what the loaded state holds
+        t.distinct_touched = int(t.touched.sum())
         t.last_step = step
         t.answers.clear()
-        t.bound.observe(t.state, t.master)  # what the loaded state holds
 
 
 def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> None:
@@ -169,6 +230,5 @@ def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> Non
                         t.paging.store.layout, part.rank, part.world_size, s.row_start,
                         s.row_end, verify=False)
     gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1)
-    for state in t.state.values():
-        state.index_fill_(0, gone, 0.0)
+    t.columns.fill(gone, [n for n, _ in t.paging.store.layout])
     t.paging.store.load(plan.paged, plan.tombstones, plan.counters)

@@ -41,6 +41,7 @@ from hybridps.errors import (
     RowOutOfRange,
 )
 from hybridps.paged_rows import TOMBSTONE_BYTES, PagedOut, PagedRows
+from hybridps.push_checks import mark_rows_
 
 
 class SlotRange(Protocol):
@@ -63,9 +64,16 @@ class TableState(Protocol):
     @property
     def where(self) -> str: ...
 
+    def state_view(self, local: torch.Tensor, write: bool = True
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor]:
+        """(the optimizer state by name, its master rows, the positions of rows `local` in
+        them): ps/core/partition.py's TableState.state_view."""
+        ...
+
     @property
-    def state(self) -> dict[str, torch.Tensor]:
-        """The optimizer state of its rows by name ([rows, width] each)."""
+    def changed(self) -> torch.Tensor | None:
+        """bool [rows]: the rows whose state changed since its last checkpoint (None:
+        none saved yet)."""
         ...
 
 
@@ -155,8 +163,14 @@ class PagedTable:
                              f"({self.seq + 1}; last applied {self.seq})")
         self.check(state, call, what)
         start = state.spec.row_start
-        found, got = self.store.swap(call.out, call.out_slots - start, call.in_ids,
-                                     call.in_slots - start, state.state)
+        n_out = int(call.out_slots.numel())
+        # the slots' state where it is held (in memory, or paged in from a spill file)
+        by_name, _, at = state.state_view(torch.cat([call.out_slots, call.in_slots]) - start)
+        found, got = self.store.swap(call.out, at[:n_out], call.in_ids, at[n_out:], by_name)
+        changed = state.changed
+        if changed is not None:  # their state moved: the next checkpoint writes it
+            mark_rows_(changed, call.out_slots - start)
+            mark_rows_(changed, call.in_slots - start)
         dropped = [self.store.expire(call.step, call.expire_steps)]
         excess = over_budget()
         if excess > 0:  # the quota: the ids seen longest ago go, each leaving a tombstone

@@ -47,6 +47,7 @@ from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
 from hybridps.optim_kinds import state_floats_per_row
 from hybridps.push_checks import PayloadDigest, mark_rows_, scan_push_max
+from hybridps.spilled_rows import HeldRows, RowColumns
 from hybridps.state_alloc import STATE_OFFSETS, alloc_row_state, alloc_state
 from ps.core.overflow import OverflowBound
 from ps.core.paging import PagedTable
@@ -66,6 +67,11 @@ MAX_DIM = 2**20
 SECRET_BYTES = 16  # 128 bits
 # Device row dtypes a rank may register; every one but float32 gets an fp32 master here.
 ROW_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# the column of the fp32 master rows among a table's row columns (next to the optimizer's)
+MASTER = "master"
+# Makes the row columns of a table that does not hold them all in memory (ps/core/spill.py):
+# (its spec, the columns' layout) -> the holder; None: allocate them in memory.
+ColumnsFactory = Callable[["TableSpec", list[tuple[str, int]]], RowColumns | None]
 
 
 def check_row_dtype(row_dtype: torch.dtype, what: str) -> None:
@@ -120,7 +126,8 @@ class TableSpec:
     def state_bytes(self, optimizer: str, master: bool) -> int:
         """Host bytes a partition allocates for these rows (TableState) with optimizer
         kind `optimizer`: its float32 state (hybridps/optim_kinds.py), the fp32 master
-        rows, one touched flag a row. Python ints: no overflow, whatever the shape."""
+        rows, one touched flag a row (once checkpointed, one more: TableState.changed).
+        Python ints: no overflow, whatever the shape."""
         floats = state_floats_per_row(optimizer, self.dim) + (self.dim if master else 0)
         return self.rows_held * (1 + 4 * floats)
 
@@ -160,40 +167,61 @@ def optimizer_description(spec: OptimizerSpec) -> str:
 
 
 class TableState:
-    """Optimizer state and counters of one (run, rank, table)."""
+    """Optimizer state and counters of one (run, rank, table).
+
+    Its row-shaped state (the optimizer's columns and the master rows) is `columns`
+    (hybridps/spilled_rows.py): in memory (`state` and `master` are then those tensors),
+    or paged to a spill file beyond its memory quota (`columns_factory`,
+    ps/core/spill.py; `state` is then empty and `master` None). Every access goes through
+    `columns.view`, which answers the tensors and rows to update."""
 
     def __init__(self, owner: str, spec: TableSpec, optimizer: OptimizerSpec,
                  answer_cache_steps: int, rate_window_s: float,
-                 clock: Callable[[], float], row_dtype: torch.dtype = torch.float32) -> None:
+                 clock: Callable[[], float], row_dtype: torch.dtype = torch.float32,
+                 columns_factory: ColumnsFactory | None = None) -> None:
         self.owner = owner  # "run='r' rank=0", for messages
         self.spec = spec
         self.optimizer = optimizer
         self.row_dtype = row_dtype
         rows, dim = spec.rows_held, spec.dim
-        try:
-            # name -> [rows, width] (OptimizerSpec.state_layout()). Huge pages where
-            # available (the kernel touches random rows of tables far beyond the TLB's
-            # reach), and e.g. m[id], v[id] in different L1 sets
-            # (hybridps.state_alloc.alloc_state; zeroed like torch.zeros).
-            self.state: dict[str, torch.Tensor] = alloc_row_state(
-                optimizer.state_widths(dim), rows)
-            # fp32 master rows for a rank with low-precision rows; seeded before any push
-            # (and accessed at random rows like m and v: huge pages too).
-            self.master: torch.Tensor | None = (
-                None if row_dtype == torch.float32
-                else alloc_state(rows, dim, offset=STATE_OFFSETS["master"]))
-            self.touched = torch.zeros(rows, dtype=torch.bool)
-        except (RuntimeError, MemoryError) as exc:
-            raise ResourceExhausted(
-                f"{owner}: cannot allocate optimizer state for {spec.describe()}: {exc}"
-            ) from None
+        self.has_master = row_dtype != torch.float32
+        layout = list(optimizer.state_widths(dim)) + ([(MASTER, dim)] if self.has_master
+                                                      else [])
+        spilled = columns_factory(spec, layout) if columns_factory is not None else None
+        self.state: dict[str, torch.Tensor] = {}
+        self.master: torch.Tensor | None = None
+        if spilled is not None:
+            self.columns: RowColumns = spilled
+        else:
+            try:
+                # name -> [rows, width] (OptimizerSpec.state_layout()). Huge pages where
+                # available (the kernel touches random rows of tables far beyond the TLB's
+                # reach), and e.g. m[id], v[id] in different L1 sets
+                # (hybridps.state_alloc.alloc_state; zeroed like torch.zeros).
+                self.state = alloc_row_state(optimizer.state_widths(dim), rows)
+                # fp32 master rows for a rank with low-precision rows; seeded before any
+                # push (and accessed at random rows like m and v: huge pages too).
+                if self.has_master:
+                    self.master = alloc_state(rows, dim, offset=STATE_OFFSETS["master"])
+            except (RuntimeError, MemoryError) as exc:
+                raise ResourceExhausted(
+                    f"{owner}: cannot allocate optimizer state for {spec.describe()}: {exc}"
+                ) from None
+            self.columns = HeldRows({**self.state, **(
+                {} if self.master is None else {MASTER: self.master})})
+        self.touched = torch.zeros(rows, dtype=torch.bool)
         # Owned rows [0, rows_seeded) of the master hold the rank's rows (all: no master).
-        self.rows_seeded = rows if self.master is None else 0
+        self.rows_seeded = 0 if self.has_master else rows
         self.adam_step = 0   # pushes applied == torch optimizer state['step']
         self.last_step = -1  # last training step whose push was applied
         self.pushes_applied = 0
         self.rows_updated = 0
         self.distinct_touched = 0
+        self.saved_step = -1  # the step of the last checkpoint saved of it (-1: none)
+        # the rows whose state changed since that checkpoint (pushes, Page calls): what an
+        # incremental checkpoint writes (ps/core/checkpoint.py); kept from the first
+        # checkpoint on (the first one is full: nothing to track before it)
+        self.changed: torch.Tensor | None = None
         # a group (ps/core/table_members.py): rows updated per member, for the per-table stats
         self.member_rows_updated = [0] * len(spec.members)
         self._member_bounds = torch.tensor([m.offset for m in spec.members[1:]],
@@ -224,10 +252,13 @@ class TableState:
 
     @property
     def state_bytes(self) -> int:
+        """Host memory of its optimizer state (in memory: frames when it spills) and
+        touched flags; the master rows are `master_bytes`."""
         total = self.touched.numel() * self.touched.element_size()
-        for t in self.state.values():
-            total += t.numel() * t.element_size()
-        return total
+        if self.changed is not None:
+            total += self.changed.numel() * self.changed.element_size()
+        held = self.columns.memory_bytes
+        return total + held - self.master_bytes
 
     @property
     def paged_bytes(self) -> int:
@@ -235,9 +266,31 @@ class TableState:
         return 0 if self.paging is None else self.paging.store.nbytes
 
     @property
+    def paged_memory_bytes(self) -> int:
+        """Host memory of its paged-out rows (`paged_bytes` less what spills to disk)."""
+        return 0 if self.paging is None else self.paging.store.memory_bytes
+
+    @property
     def master_bytes(self) -> int:
-        master = self.master
-        return 0 if master is None else master.numel() * master.element_size()
+        """Host memory of the fp32 master rows (their share of the frames when spilled)."""
+        if not self.has_master:
+            return 0
+        widths = dict(self.columns.layout)
+        return self.columns.memory_bytes * widths[MASTER] // sum(widths.values())
+
+    def spilled_holders(self) -> list[RowColumns]:
+        """Its row columns, and a dynamic table's paged-out payload when it spills."""
+        paged = self.paging.store.spilled if self.paging is not None else None
+        return [self.columns] + ([paged] if paged is not None else [])
+
+    def state_view(self, local: torch.Tensor, write: bool = True
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor]:
+        """(the optimizer's state by name, the master rows or None, the positions of
+        rows `local` in them): resident until the next call."""
+        cols, at = self.columns.view(local, write)
+        if not self.has_master:
+            return cols, None, at
+        return {n: t for n, t in cols.items() if n != MASTER}, cols[MASTER], at
 
     # -- master rows -----------------------------------------------------------------
 
@@ -248,7 +301,7 @@ class TableState:
         (a retried RPC). Returns the owned rows seeded so far.
         """
         spec = self.spec
-        if self.master is None:
+        if not self.has_master:
             raise InvalidArgument(f"{what}: {self.where} was registered with fp32 rows and "
                                   "holds no master rows to seed")
         if self.last_step >= 0:
@@ -267,7 +320,7 @@ class TableState:
                                   f"{spec.row_start + self.rows_seeded} next (in order)")
         if not bool(torch.isfinite(rows_ND).all()):
             raise NonFiniteGradient(f"{what}: the master rows hold non-finite values")
-        self.master[local:local + n].copy_(rows_ND)
+        self.columns.write(local, {MASTER: rows_ND})
         self.bound.observe({}, rows_ND)
         self.rows_seeded = max(self.rows_seeded, local + n)
         return self.rows_seeded
@@ -366,28 +419,29 @@ class TableState:
         refused (NonFiniteUpdate) with nothing changed when it would (OverflowBound).
         `lr`: the push's own learning rate (Push.lr, checked by optimizer_with_lr), else
         the registered one. `digest`: the push's payload digest, kept with its answer."""
-        local = ids - self.spec.row_start if self.spec.row_start else ids
+        ids_local = ids - self.spec.row_start if self.spec.row_start else ids
+        state, master, local = self.state_view(ids_local)
         count = self.adam_step + 1
-        out = sink.out if sink is not None and self.master is None else None
+        out = sink.out if sink is not None and master is None else None
         optimizer = self.optimizer if lr is None else optimizer_with_lr(self.optimizer, lr)
         checked = not self.bound.safe(optimizer, count, grad_max)
         try:
-            delta, decay = step_rows_(optimizer, self.state, local, grads, count,
+            delta, decay = step_rows_(optimizer, state, local, grads, count,
                                       out=out, check_finite=checked)
         except NonFiniteUpdate as exc:
             raise NonFiniteUpdate(f"push step={step} {self.where}: {exc} (a gradient too "
                                   "large for float32 state); refused, nothing changed") from None
-        if self.master is not None:
-            old_rows = self.master.index_select(0, local) if checked else None
-            apply_update_(self.master, local, delta, float(decay))
+        if master is not None:
+            old_rows = master.index_select(0, local) if checked else None
+            apply_update_(master, local, delta, float(decay))
             if old_rows is not None and not bool(
-                    torch.isfinite(self.master.index_select(0, local)).all()):
-                self.master.index_copy_(0, local, old_rows)
+                    torch.isfinite(master.index_select(0, local)).all()):
+                master.index_copy_(0, local, old_rows)
                 undo_rows_()
                 raise NonFiniteUpdate(f"push step={step} {self.where}: the update would make "
                                       "the master rows non-finite; refused, nothing changed")
         if checked:
-            self.bound.observe(self.state, self.master, local)
+            self.bound.observe(state, master, local)
         else:
             self.bound.advance(optimizer, count, grad_max, float(decay))
         self.adam_step = count
@@ -396,16 +450,18 @@ class TableState:
         n = ids.shape[0]
         self.rows_updated += n
         if n:
-            self.distinct_touched += mark_rows_(self.touched, local)
+            self.distinct_touched += mark_rows_(self.touched, ids_local)
+            if self.changed is not None:
+                mark_rows_(self.changed, ids_local)
             if self.member_rows_updated:  # local ids are sorted (check_rows)
-                cuts = [0, *torch.searchsorted(local, self._member_bounds).tolist(), n]
+                cuts = [0, *torch.searchsorted(ids_local, self._member_bounds).tolist(), n]
                 for i in range(len(self.member_rows_updated)):
                     self.member_rows_updated[i] += cuts[i + 1] - cuts[i]
         self.rate.add(n)
-        if self.master is not None:
+        if master is not None:
             # The optimizer step landed on the fp32 master above (exactly what the rank would
             # do to fp32 rows); the rank gets the new rows rounded once to its row dtype.
-            new_rows = self.master.index_select(0, local).to(self.row_dtype)
+            new_rows = master.index_select(0, local).to(self.row_dtype)
             answer = Answer(step=step, table=self.spec.name, ids=ids, delta=new_rows,
                             decay=0.0, rows=True, digest=digest)
         else:
@@ -432,7 +488,9 @@ class Partition:
                  answer_cache_steps: int = DEFAULT_ANSWER_CACHE_STEPS,
                  rate_window_s: float = DEFAULT_RATE_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic,
-                 row_dtype: torch.dtype = torch.float32, run_digest: str = "") -> None:
+                 row_dtype: torch.dtype = torch.float32, run_digest: str = "",
+                 columns_factory: ColumnsFactory | None = None) -> None:
+        """`columns_factory`: the row columns of tables that spill (TableState)."""
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -457,12 +515,26 @@ class Partition:
         # what its Register reserved of the budget: a dynamic partition's whole share
         # (ps/core/limits.py), else its fixed state (0: not set, the state counts)
         self.reserved_bytes = 0
+        # what its spill files may take of --spill-max-gb (ps/core/spill.py), reserved
+        # at Register and released with `close`
+        self.disk_reserved_bytes = 0
         owner = f"run={run_id!r} rank={rank}"
         self.tables: dict[str, TableState] = {
             t.name: TableState(owner, t, optimizer, answer_cache_steps, rate_window_s, clock,
-                               row_dtype)
+                               row_dtype, columns_factory)
             for t in tables
         }
+
+    def close(self) -> None:
+        """Release what its tables hold outside memory (their spill files)."""
+        for t in self.tables.values():
+            t.columns.close()
+            if t.paging is not None:
+                t.paging.store.close()
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(h.disk_bytes for t in self.tables.values() for h in t.spilled_holders())
 
     @property
     def where(self) -> str:
@@ -482,7 +554,7 @@ class Partition:
     @property
     def state_bytes(self) -> int:
         """Host bytes of this partition's optimizer state, master rows and paged-out rows."""
-        return sum(t.state_bytes + t.master_bytes + t.paged_bytes
+        return sum(t.state_bytes + t.master_bytes + t.paged_memory_bytes
                    for t in self.tables.values())
 
     @property

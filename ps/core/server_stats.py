@@ -57,6 +57,16 @@ class PartitionStatsRow:
     dynamic_dropped: int = 0
     dynamic_paged_quota: int = 0
     dynamic_held_bytes: int = 0
+    # the disk tier (ps/core/spill.py): a table whose state spills to its spill file
+    spilled: bool = False
+    spill_disk_bytes: int = 0
+    spill_pages: int = 0
+    spill_frames: int = 0
+    spill_hits: int = 0
+    spill_misses: int = 0
+    spill_fills: int = 0
+    spill_spills: int = 0
+    spill_hit_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,9 @@ class ServerStats:
     runs_freed: int = 0
     partitions_freed: int = 0
     max_state_bytes: int = 0
+    spill_disk_bytes_total: int = 0
+    spill_max_bytes: int = 0
+    spill_enabled: bool = False
 
 
 def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
@@ -100,6 +113,7 @@ def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],
                 refusals=dict(t.refusals), optimizer=opt,
                 master_bytes=t.master_bytes, row_dtype=ROW_DTYPES[t.row_dtype],
                 run_state=states.get(p.run_id, ""), **_dynamic_fields(t),
+                **_spill_fields(t),
             )
             rows.extend(_per_member(row, t) if s.members else [row])
         if p.refusals and len(rows) > first:  # those of no table: on its first row
@@ -122,6 +136,22 @@ def _dynamic_fields(t: TableState) -> dict[str, Any]:
             "dynamic_paged_rows": len(store), "dynamic_paged_bytes": store.nbytes,
             "dynamic_expired": store.expired, "dynamic_dropped": store.dropped,
             "dynamic_paged_quota": t.paged_quota, "dynamic_held_bytes": store.held_bytes}
+
+
+def _spill_fields(t: TableState) -> dict[str, Any]:
+    """Its spilled state and (a dynamic table) spilled paged-out rows, summed."""
+    holders = [h for h in t.spilled_holders() if h.counters()]
+    if not holders:
+        return {}
+    c = collections.Counter[str]()
+    for h in holders:
+        c.update(h.counters())
+    accesses = c["hits"] + c["misses"]
+    return {"spilled": True, "spill_disk_bytes": sum(h.disk_bytes for h in holders),
+            "spill_pages": c["pages"], "spill_frames": c["frames"], "spill_hits": c["hits"],
+            "spill_misses": c["misses"], "spill_fills": c["fills"],
+            "spill_spills": c["spills"],
+            "spill_hit_rate": c["hits"] / accesses if accesses else 0.0}
 
 
 def _per_member(row: PartitionStatsRow, t: TableState) -> list[PartitionStatsRow]:

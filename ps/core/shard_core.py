@@ -121,7 +121,8 @@ class ShardCore:
     async def feed(self, session: SyncSession, chunk: PushChunk) -> Answer | None:
         """Check/buffer one chunk; apply when it completes its push (in the pool, or here
         for a small one-chunk push)."""
-        if chunk.total_chunks == 1 and chunk.grads.numel() <= INLINE_FEED_ELEMENTS:
+        if (chunk.total_chunks == 1 and chunk.grads.numel() <= INLINE_FEED_ELEMENTS
+                and not self.store.spill.enabled):  # a spilled page's read: not on the loop
             answer = _feed_float32(session, chunk)
         else:
             answer = await self._run(_feed_float32, session, chunk)
@@ -165,11 +166,14 @@ class ShardCore:
             self._flush_waiters -= 1
 
     async def checkpoint(self, run_id: str, ranks: Sequence[int], step: int, directory: str,
-                         timeout_s: float = 0.0) -> list[tuple[int, Any]]:
-        """Wait until `ranks` (all: empty) applied every push through `step`, then save."""
+                         timeout_s: float = 0.0, since: int | None = None
+                         ) -> list[tuple[int, Any]]:
+        """Wait until `ranks` (all: empty) applied every push through `step`, then save
+        (`since`: incremental, Store.checkpoint)."""
         for rank in (list(ranks) or [-1]):
             await self.flush(run_id, rank, step, timeout_s)
-        return await self._run(self.store.checkpoint, run_id, list(ranks), step, directory)
+        return await self._run(self.store.checkpoint, run_id, list(ranks), step, directory,
+                               since)
 
     async def page(self, run_id: str, rank: int, incarnation: int, table: str,
                    call: PageCall) -> PageResult:

@@ -47,6 +47,7 @@ from ps.core.paging import PageCall, PageResult
 from ps.core.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
+    MASTER,
     ROW_DTYPES,
     Partition,
     TableSpec,
@@ -57,6 +58,7 @@ from ps.core.partition import (
 from ps.core.partition_auth import PartitionAuth, check_run_id
 from ps.core.server_stats import ServerStats, partition_rows
 from ps.core.session import SyncSession, TableKey
+from ps.core.spill import SPILL_PAGE_BOOKKEEPING, SpillTier
 from ps.core.table_members import file_names
 
 log = logging.getLogger("ps.store")
@@ -94,12 +96,14 @@ class Store(PartitionAuth):
                  clock: Callable[[], float] = time.monotonic,
                  checkpoint_root: str | Path | None = None,
                  max_state_bytes: int = 0, max_run_state_bytes: int = 0,
-                 run_shares: int = DEFAULT_RUN_SHARES) -> None:
+                 run_shares: int = DEFAULT_RUN_SHARES,
+                 spill: SpillTier | None = None) -> None:
         """`checkpoint_root`: checkpoints only inside it (None: anywhere;
         ps/core/checkpoint_dirs.py); `max_state_bytes`: the bytes all partitions may hold,
         `max_run_state_bytes` those of one run (0: no limit); `run_shares`: the runs
         with dynamic tables the limit is shared among when `max_run_state_bytes` is 0
-        (ps/core/limits.py)."""
+        (ps/core/limits.py); `spill`: the disk tier for state beyond a partition's share
+        (ps/core/spill.py; None: off)."""
         if answer_cache_steps < 1:
             raise ValueError(f"answer_cache_steps={answer_cache_steps} must be >= 1")
         self.server_id = server_id or default_server_id()
@@ -115,6 +119,7 @@ class Store(PartitionAuth):
         self._bound: collections.Counter[tuple[str, int]] = collections.Counter()
         self.checkpoint_root = CheckpointRoot(checkpoint_root)
         self.budget = StateBudget(max_state_bytes, max_run_state_bytes, run_shares)
+        self.spill = spill or SpillTier()
         self.runs_freed = 0
         self.partitions_freed = 0
         # run_id -> its state for the stats; the server sets it to its RunTracker's view
@@ -284,26 +289,114 @@ class Store(PartitionAuth):
         """Allocate a partition within --max-state-bytes and --max-run-state-bytes
         (`freed`: bytes of the run's partitions this request replaces); ResourceExhausted
         with nothing allocated when it does not fit."""
-        fixed = [t.state_bytes(optimizer.kind, row_dtype != torch.float32) for t in tables]
+        master = row_dtype != torch.float32
+        fixed = [t.state_bytes(optimizer.kind, master) for t in tables]
+        frames, fixed, disk = self._spill_plan(tables, optimizer, master, fixed, world_size,
+                                               what)
         dynamic_fixed = [b for b, t in zip(fixed, tables, strict=True) if t.dynamic]
         needed, quotas = self.budget.paged_share(sum(fixed), dynamic_fixed, world_size, what)
         self.budget.reserve(needed, self._state_bytes_in_use(), what, freed, run_id=run_id,
                             run_in_use=self._state_bytes_in_use(run_id))
         try:
+            self.spill.reserve(disk, what)
+        except ShardError:
+            self.budget.release(needed, run_id)
+            raise
+        try:
             part = Partition(run_id, rank, world_size, incarnation, tables, optimizer,
                              answer_cache_steps=self.answer_cache_steps,
                              rate_window_s=self.rate_window_s, clock=self._clock,
-                             row_dtype=row_dtype, run_digest=run_digest)
+                             row_dtype=row_dtype, run_digest=run_digest,
+                             columns_factory=self.spill.factory(frames) if disk else None)
+        except BaseException:
+            self.spill.release(disk)
+            self.budget.release(needed, run_id)
+            raise
+        part.disk_reserved_bytes = disk
+        try:
             part.reserved_bytes = needed
             dynamic = [(state, state.paging) for state in part.tables.values()
                        if state.paging is not None]
-            for (state, paging), quota in zip(dynamic, quotas, strict=True):
-                state.paged_quota = quota  # the id map sized once, the pools capped:
-                # a call puts at most one id per slot before its drops
-                paging.store.set_quota(quota, state.spec.rows_held)
+            disk_parts = self._paged_disk(quotas, world_size, disk)
+            for (state, paging), quota, disk_part in zip(dynamic, quotas, disk_parts,
+                                                         strict=True):
+                # beyond its memory quota, its paged rows' payload spills to disk: they
+                # are dropped only beyond both (ps/core/spill.py)
+                layout = list(paging.store.layout)
+                state.paged_quota, payload_frames = (quota, 0) if not disk_part else \
+                    self.spill.paged_quota(state.spec.dim, layout, quota, disk_part,
+                                           state.spec.rows_held, paging.store.row_bytes)
+                # the id map sized once, the pools capped: a call puts at most one id
+                # per slot before its drops
+                paging.store.set_quota(state.paged_quota, state.spec.rows_held)
+                if payload_frames:
+                    payload = self.spill.paged_payload(state.spec.dim, layout,
+                                                       paging.store.max_entries,
+                                                       payload_frames)
+                    paging.store.spill_payload(payload)
+                    self.spill.reserve(payload.max_disk_bytes, what)
+                    part.disk_reserved_bytes += payload.max_disk_bytes
             return part
+        except BaseException:
+            self._discard(part)
+            raise
         finally:
             self.budget.release(needed, run_id)  # from here on the partition itself counts
+
+    def _spill_plan(self, tables: list[TableSpec], optimizer: OptimizerSpec, master: bool,
+                    fixed: list[int], world_size: int, what: str
+                    ) -> tuple[dict[str, int], list[int], int]:
+        """(frames of each table that spills, each table's fixed bytes in memory, disk
+        bytes its spill files may take): a partition whose row columns exceed its share
+        of the budget (half of it with dynamic tables: the other half is their paged
+        rows') keeps that much in memory and spills the rest (ps/core/spill.py)."""
+        share = self.budget.run_share // max(world_size, 1)
+        if not self.spill.enabled or not share:
+            return {}, fixed, 0
+        layouts = [list(optimizer.state_widths(t.dim)) + ([(MASTER, t.dim)] if master
+                                                          else []) for t in tables]
+        memory = share // 2 if any(t.dynamic for t in tables) else share
+        memory -= sum(t.rows_held for t in tables)  # the touched flags stay in memory
+        memory -= sum(SPILL_PAGE_BOOKKEEPING * -(-t.rows_held // self.spill.page_rows(layout))
+                      for t, layout in zip(tables, layouts, strict=True))
+        plan = self.spill.plan([(t.rows_held, layout) for t, layout in
+                                zip(tables, layouts, strict=True)], memory, what)
+        frames: dict[str, int] = {}
+        held, disk = [], 0
+        for t, layout, count, nbytes in zip(tables, layouts, plan, fixed, strict=True):
+            page_rows = self.spill.page_rows(layout)
+            if count and -(-t.rows_held // page_rows) > count:
+                frames[t.name] = count
+                disk += self.spill.disk_bytes(t.rows_held, layout)
+                width = sum(w for _, w in layout)
+                pages = -(-t.rows_held // page_rows)
+                held.append(t.rows_held + count * page_rows * width * 4  # touched, frames
+                            + SPILL_PAGE_BOOKKEEPING * pages)
+            else:
+                held.append(nbytes)
+        return frames, held, disk
+
+    def _paged_disk(self, quotas: list[int], world_size: int, static_disk: int) -> list[int]:
+        """The disk each dynamic table's paged rows may spill to beyond its memory
+        quota: with --spill-max-gb, the partition's equal part of it (over --run-shares
+        and the run's world size) less what its static state spills, split like the
+        quotas; 0 each without (their rows are dropped beyond the memory quota)."""
+        if not self.spill.enabled or not self.spill.max_bytes or not all(quotas) or \
+                not quotas:
+            return [0] * len(quotas)
+        left = (self.spill.max_bytes // self.budget.run_shares // max(world_size, 1)
+                - static_disk)
+        if left <= 0:
+            return [0] * len(quotas)
+        total = sum(quotas)
+        return [left * q // total for q in quotas]
+
+    def _discard(self, part: Partition) -> None:
+        """Release what a partition that is no longer held keeps outside memory: its spill
+        files and their disk reservation, after the call in flight on it, if any."""
+        with part.lock:
+            part.close()
+        self.spill.release(part.disk_reserved_bytes)
 
     def _register(self, run_id: str, rank: int, world_size: int, incarnation: int,
                   tables: list[TableSpec], optimizer: OptimizerSpec | Mapping[str, Any],
@@ -320,6 +413,8 @@ class Store(PartitionAuth):
                 existing = self._partitions.get((run_id, rank))
                 if existing is None:  # nobody registered it while we allocated
                     self._partitions[(run_id, rank)] = fresh
+            if existing is not None:
+                self._discard(fresh)
             if existing is None:
                 log.info(kv("register", run=run_id, rank=rank, world_size=world_size,
                             incarnation=incarnation, created=True,
@@ -403,21 +498,26 @@ class Store(PartitionAuth):
         self._check_consistency(others, rank, world_size, tables, what)
         part = self._new_partition(run_id, rank, world_size, incarnation, tables, spec_opt,
                                    row_dtype, what, freed, run_digest=digest)
-        with part.lock:
-            restore_partition(part, path, step, checked=True)
-        with self._lock:
-            held = self._partitions.get((run_id, rank))
-            if held is not None and incarnation < held.incarnation:
-                raise StaleIncarnation(
-                    f"{what}: incarnation {incarnation} is older than the registered "
-                    f"incarnation {held.incarnation} (registered meanwhile)")
-            if held is not checked:
-                raise Conflict(f"{what}: the partition was registered again meanwhile; "
-                               "retry the Register")
-            stale = replaced()
-            for key in stale:
-                del self._partitions[key]
-            self._partitions[(run_id, rank)] = part
+        try:
+            with part.lock:
+                restore_partition(part, path, step, checked=True)
+            with self._lock:
+                held = self._partitions.get((run_id, rank))
+                if held is not None and incarnation < held.incarnation:
+                    raise StaleIncarnation(
+                        f"{what}: incarnation {incarnation} is older than the registered "
+                        f"incarnation {held.incarnation} (registered meanwhile)")
+                if held is not checked:
+                    raise Conflict(f"{what}: the partition was registered again meanwhile; "
+                                   "retry the Register")
+                stale = replaced()
+                gone = [self._partitions.pop(key) for key in stale]
+                self._partitions[(run_id, rank)] = part
+        except BaseException:
+            self._discard(part)
+            raise
+        for old in gone:
+            self._discard(old)
         log.info(kv("restore", run=run_id, rank=rank, world_size=world_size,
                     incarnation=incarnation, step=step, directory=path,
                     dropped=len(stale), seconds=f"{time.perf_counter() - started:.3f}"))
@@ -435,6 +535,8 @@ class Store(PartitionAuth):
                 self.runs_freed += 1
                 self.partitions_freed += len(parts)
         freed = sum(p.state_bytes for p in parts)
+        for part in parts:
+            self._discard(part)
         if parts:
             log.info(kv("run_freed", run=run_id, partitions=len(parts), state_bytes=freed,
                         why=why))
@@ -458,12 +560,14 @@ class Store(PartitionAuth):
             raise
 
     def checkpoint(self, run_id: str, ranks: Sequence[int], step: int,
-                   directory: str) -> list[tuple[int, Any]]:
+                   directory: str, since: int | None = None) -> list[tuple[int, Any]]:
         """Save the partitions of `ranks` (all of the run when empty) at exactly `step`,
         into a step directory of a run directory their run secret claimed
-        (ps/core/checkpoint_dirs.py). Each partition's state is copied under its lock and
-        written without it: a push of a later step applies meanwhile, never into the files
-        (the copy is one partition's state at a time)."""
+        (ps/core/checkpoint_dirs.py); `since` S: incremental, only what changed since
+        their checkpoint of step S (ps/core/checkpoint.py save_partition). Each
+        partition's state is copied under its lock and written without it: a push of a
+        later step applies meanwhile, never into the files (the copy is one partition's
+        state at a time), and marks the rows of the next delta."""
         from ps.core.checkpoint import snapshot_partition
 
         what = f"checkpoint run={run_id!r}"
@@ -483,7 +587,7 @@ class Store(PartitionAuth):
                     directory, [p.run_digest for p in parts], what) as (path, writer):
                 for part in sorted(parts, key=lambda p: p.rank):
                     with part.lock:
-                        snapshot = snapshot_partition(part, step)
+                        snapshot = snapshot_partition(part, step, since)
                     snapshot_bytes = max(snapshot_bytes, snapshot.nbytes)
                     try:
                         out.extend((part.rank, info) for info in snapshot.write(path, writer))
@@ -603,4 +707,6 @@ class Store(PartitionAuth):
             runs_freed=self.runs_freed,
             partitions_freed=self.partitions_freed,
             max_state_bytes=self.budget.limit_bytes,
+            spill_disk_bytes_total=sum(r.spill_disk_bytes for r in rows),
+            spill_max_bytes=self.spill.max_bytes, spill_enabled=self.spill.enabled,
         )

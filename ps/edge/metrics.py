@@ -12,6 +12,9 @@ read from the Store at scrape time, so nothing is counted twice):
 - per dynamic table's partition (docs/dynamic_ids.md): hybridps_partition_dynamic_{capacity,
   occupied, admissions, refusals, evictions, page_ins, hit_rate, paged_rows, paged_bytes,
   expired, dropped};
+- per spilled table's partition (--spill-dir, ps/core/spill.py):
+  hybridps_partition_spill_{disk_bytes, pages, frames, hit_rate} and the counters
+  hybridps_partition_spill_{hits, misses, fills, spills}_total (their rate(): per second);
 - per run: hybridps_run_state{run, state} = 1 for its state (active, finished, aborted,
   abandoned);
 - per server: hybridps_refusals_total{reason}, hybridps_uptime_seconds,
@@ -77,6 +80,20 @@ DYNAMIC_GAUGES = (
     ("held_bytes", "host bytes the paged store holds (capacity, id map, tombstones)"),
 )
 
+# a spilled table's partitions only (ps/core/spill.py), hybridps_partition_spill_<name>
+SPILL_GAUGES = (
+    ("disk_bytes", "bytes of its pages in its spill file"),
+    ("pages", "pages of its state"),
+    ("frames", "pages of its state in memory"),
+    ("hit_rate", "page accesses found in memory"),
+)
+SPILL_COUNTERS = (
+    ("hits", "page accesses found in memory"),
+    ("misses", "page accesses not found in memory"),
+    ("fills", "pages read back from the spill file"),
+    ("spills", "pages written to the spill file"),
+)
+
 
 class StoreCollector(Collector):
     """Reads Store.stats() at every scrape and yields it as Prometheus metric families."""
@@ -111,6 +128,11 @@ class StoreCollector(Collector):
         dynamic = {name: GaugeMetricFamily(f"hybridps_partition_dynamic_{name}", doc,
                                            labels=list(LABELS))
                    for name, doc in DYNAMIC_GAUGES}
+        spill: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            **{name: GaugeMetricFamily(f"hybridps_partition_spill_{name}", doc,
+                                       labels=list(LABELS)) for name, doc in SPILL_GAUGES},
+            **{name: CounterMetricFamily(f"hybridps_partition_spill_{name}", doc,
+                                         labels=list(LABELS)) for name, doc in SPILL_COUNTERS}}
         states: dict[str, str] = {}
         held: set[tuple[str, str, str]] = set()
         for p in stats.partitions:
@@ -125,12 +147,16 @@ class StoreCollector(Collector):
             if p.dynamic:
                 for name, family in dynamic.items():
                     family.add_metric(list(key), float(getattr(p, f"dynamic_{name}")))
+            if p.spilled:
+                for name, spill_family in spill.items():
+                    spill_family.add_metric(list(key), float(getattr(p, f"spill_{name}")))
             states[p.run_id] = p.run_state
         yield pushes
         yield rows
         yield part_refusals
         yield from gauges.values()
         yield from dynamic.values()
+        yield from spill.values()
         run_state = GaugeMetricFamily("hybridps_run_state", "1 for the run's state on this "
                                       "server (active, finished, aborted, abandoned)",
                                       labels=["run", "state"])

@@ -49,6 +49,7 @@ from ps.core.lifecycle import RunTracker
 from ps.core.limits import default_max_state_bytes
 from ps.core.maintenance import RunReaper, maintain
 from ps.core.shard_core import ShardCore
+from ps.core.spill import SpillTier
 from ps.core.store import Store, kv
 from ps.edge.arena_server import ArenaRegistry
 from ps.edge.auth import AuthInterceptor, AuthPolicy
@@ -130,6 +131,7 @@ class RunningServer:
         if self.shard.shm_arenas is not None:
             self.shard.shm_arenas.close()
         log_final_state(self.core.store)
+        self.core.store.spill.close()
         log.info(kv("stopped"))
 
 
@@ -179,7 +181,7 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                   checkpoint_root=config.checkpoint_root,
                   max_state_bytes=config.state_budget_bytes or default_max_state_bytes(),
                   max_run_state_bytes=config.max_run_state_bytes,
-                  run_shares=config.run_shares)
+                  run_shares=config.run_shares, spill=_spill_tier(config))
     set_log_fields(server=store.server_id)
     core = ShardCore(store, update_threads=config.update_threads,
                      kernel_threads=config.kernel_threads,
@@ -251,6 +253,15 @@ async def start_server(config: ServerConfig, stop_request: StopRequest | None = 
                 max_state_bytes=store.budget.limit_bytes))
     return RunningServer(server, health, core, port, shard, stop_request,
                          metrics=metrics, maintenance=maintenance)
+
+
+def _spill_tier(config: ServerConfig) -> SpillTier:
+    """--spill-dir: this process's spill directory (a dead server's removed first)."""
+    try:
+        return SpillTier(config.spill_dir, int(config.spill_max_gb * 2**30),
+                         config.spill_page_kb << 10)
+    except OSError as exc:
+        raise ValueError(f"--spill-dir {config.spill_dir!r}: {exc.strerror or exc}") from None
 
 
 def _start_metrics(config: ServerConfig, store: Store, core: ShardCore) -> MetricsServer | None:

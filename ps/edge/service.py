@@ -313,8 +313,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             self.core.store.authorize(request.run_id, list(request.ranks), call_secret(context),
                                       f"checkpoint run={request.run_id!r}")
             timeout = wait_timeout(request.timeout_s, context)
-            saved = await self.core.checkpoint(request.run_id, list(request.ranks),
-                                               request.step, request.directory, timeout)
+            saved = await self.core.checkpoint(
+                request.run_id, list(request.ranks), request.step, request.directory, timeout,
+                request.since_step if request.incremental else None)
         except Exception as exc:
             await abort_with(context, "Checkpoint", exc, run=request.run_id,
                              step=request.step, directory=request.directory)
@@ -324,7 +325,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         for rank, info in saved:
             response.files.add(rank=rank, table=info.table, row_start=info.row_start,
                                row_end=info.row_end, file=info.file, bytes=info.bytes,
-                               crc32=info.crc32)
+                               crc32=info.crc32, delta=info.delta)
         return response
 
     async def Finish(self, request: shard_pb2.FinishRequest,

@@ -13,6 +13,7 @@ from hybridps.errors import (
     AnswerEvicted,
     Conflict,
     CorruptCheckpoint,
+    CorruptSpill,
     FlushTimeout,
     InvalidArgument,
     NotFound,
@@ -59,7 +60,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.UNAVAILABLE
     elif isinstance(exc, Unimplemented):
         code = grpc.StatusCode.UNIMPLEMENTED
-    elif isinstance(exc, CorruptCheckpoint):
+    elif isinstance(exc, (CorruptCheckpoint, CorruptSpill)):
         code = grpc.StatusCode.DATA_LOSS
     else:
         return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -117,6 +117,8 @@ def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
         server_id=stats.server_id, uptime_s=stats.uptime_s,
         runs_freed=stats.runs_freed, partitions_freed=stats.partitions_freed,
         max_state_bytes=stats.max_state_bytes,
+        spill_disk_bytes_total=stats.spill_disk_bytes_total,
+        spill_max_bytes=stats.spill_max_bytes, spill_enabled=stats.spill_enabled,
         state_bytes_total=stats.state_bytes_total,
         pushes_applied_total=stats.pushes_applied_total,
         rows_updated_total=stats.rows_updated_total,

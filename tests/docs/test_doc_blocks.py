@@ -26,7 +26,7 @@ NOT_RUN_HERE = {
      "default job (~1-2 min)"): "1-2 min of training, then the 15-minute suite",
     ("README.md", "docker compose up --build --abort-on-container-exit --exit-code-from "
      "worker"): "builds an image",
-    ("README.md", "python -m ps --port 50051 > ps.log 2>&1 &"): "two training runs",
+    ("README.md", "python -m ps --port 50051 > ps.log 2>&1 &"): "three training runs",
     ("README.md", "python -m ps.admin stats --ps 127.0.0.1:50051"): "needs the README's "
      "server; --watch runs until Ctrl-C",
     ("deploy.md", "docker compose up --build --abort-on-container-exit --exit-code-from "

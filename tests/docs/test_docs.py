@@ -109,3 +109,14 @@ def test_the_custom_model_pages_export_keys_are_its_models() -> None:
     page = (ROOT / "docs" / "custom_model.md").read_text()
     named = re.findall(r"`dense\.([\w.]+)`", page)
     assert named and all(key in towers.state_dict() for key in named), named
+
+
+def test_the_custom_model_pages_file_task_is_the_example_module() -> None:
+    """docs/custom_model.md#training-from-files shows examples/two_tower.py's FileTowers as
+    it is (the page points to the file; the block cannot drift from it)."""
+    page = (ROOT / "docs" / "custom_model.md").read_text()
+    section = page[page.index("## Training from files"):]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert code.startswith("class FileTowers(FilesTask):")
+    assert code in (ROOT / "examples" / "two_tower.py").read_text()
+    assert "examples/two_tower.py" in section and "--task examples.two_tower:FileTowers" in section

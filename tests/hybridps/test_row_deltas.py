@@ -10,7 +10,7 @@ import torch
 
 import hybridps.optim as optim
 from hybridps import native
-from hybridps.row_deltas import add_offsets_, apply_update_measured_
+from hybridps.row_deltas import add_offsets_, apply_update_measured_, pick_offsets
 
 needs_native = pytest.mark.skipif(
     native.ext is None, reason=f"native kernels not built ({native.load_error})")
@@ -93,6 +93,34 @@ def test_add_offsets_is_bitwise_the_torch_path(ids_sorted: bool) -> None:
     assert not torch.equal(native_rows[hit], gathered[hit])
 
 
+@needs_native
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("ids_sorted", [True, False])
+def test_pick_offsets_is_bitwise_the_torch_path(ids_sorted: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.sort(torch.randperm(4000, generator=gen)[:1500]).values
+    src = torch.randn(1500, 16, generator=gen)
+    src[0] = -0.0  # a picked -0.0 stays -0.0; an id without a key gets +0.0
+    src[1, 3] = float("nan")
+    ids = torch.sort(torch.randperm(4000, generator=gen)[:1200]).values
+    ids = torch.unique(torch.cat([ids, keys[:2], keys[-1:]]))  # the first and last keys hit
+    if not ids_sorted:
+        ids = ids[torch.randperm(ids.numel(), generator=gen)]
+
+    def run(keys_L: torch.Tensor, src_LD: torch.Tensor, ids_N: torch.Tensor
+            ) -> tuple[torch.Tensor, int]:
+        out, hits = pick_offsets(keys_L, src_LD, ids_N)
+        return out, int(hits)
+
+    (native_out, native_hits), (torch_out, torch_hits) = both(run, keys, src, ids)
+    assert torch.equal(native_out.view(torch.int32), torch_out.view(torch.int32))  # bitwise
+    hit = torch.isin(ids, keys)
+    assert native_hits == torch_hits == int(hit.sum()) and (~hit).any()
+    assert native_out[~hit].view(torch.int32).eq(0).all()  # +0.0, not -0.0
+    pos = torch.searchsorted(keys, ids[hit])
+    assert torch.equal(native_out[hit].view(torch.int32), src[pos].view(torch.int32))
+
+
 @pytest.mark.usefixtures("kernels")
 def test_the_torch_path_runs_without_native_kernels() -> None:
     optim.set_kernel("torch")
@@ -102,3 +130,6 @@ def test_the_torch_path_runs_without_native_kernels() -> None:
     ids = torch.tensor([2, 3])
     out = add_offsets_(rows.index_select(0, ids), ids, torch.tensor([3]), torch.full((1, 2), 5.0))
     assert out.tolist() == [[1.0, 1.0], [5.0, 5.0]]
+    picked, hits = pick_offsets(torch.tensor([1, 3]), torch.tensor([[7.0], [9.0]]),
+                                torch.tensor([0, 3]))
+    assert picked.tolist() == [[0.0], [9.0]] and int(hits) == 1

@@ -18,7 +18,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 STAGES = ["prepare", "pytest_gpu", "default_job", "sync_debug", "table_budget",
-          "server_threads", "nccl"]
+          "server_threads", "nccl", "production_job"]
+SUBSTAGES = ["a_both_hold", "c_server_threads", "d_bf16", "e_dynamic", "f_parquet",
+             "g_profile", "b_larger"]
 
 
 @pytest.mark.e2e
@@ -57,24 +59,55 @@ def test_the_dry_run_runs_every_stage_ok_on_the_cpu(tmp_path: Path) -> None:
     for job in fig["server_threads"]["jobs"].values():
         assert job["gpu_rows_per_s_needed"] > 0 and job["keeps_up_from_threads"] is not None
     assert fig["nccl"]["group"]["backend"] == "gloo" and fig["nccl"]["job"]["backend"] == "gloo"
+    check_production_figures(fig["production_job"])
     goals = {g["goal"]: g for g in data["goals"]}
     assert all(g["note"] == "dry run: not a measurement" for g in goals.values())
     assert any(g["stage"] == "server_threads" and g["value"] for g in goals.values())
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# GPU check (DRY RUN") and "## Goals" in md
     assert "## b. The default job" in md and "## e. NCCL" in md
+    assert "## f. The production-sized job" in md
     log = (out / "gpu_check.log").read_text()
     assert all(f"===== {name} " in log for name in STAGES)
 
 
-def _report() -> ModuleType:
-    """gpu_check/gpu_report.py (gpu_check/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("gpu_report",
-                                                  REPO / "gpu_check" / "gpu_report.py")
+def check_production_figures(prod: dict[str, Any]) -> None:
+    """Stage production_job of a dry run: every sub-stage ran, in its budget, and says
+    what docs/gpu_check.md says it does."""
+    subs = prod["substages"]
+    assert list(subs) == SUBSTAGES
+    assert all(r["ok"] and r["seconds"] <= r["budget_s"] for r in subs.values()), subs
+    a = subs["a_both_hold"]
+    assert set(a["ratio_vs_resident"]) == {"dim 8 batch 64 adam",
+                                           "dim 8 batch 64 rowwise_adagrad"}
+    assert all(v > 0 for v in a["ratio_vs_resident"].values())
+    threads = subs["c_server_threads"]["threads"]
+    assert all(t["rows_pushed_per_step"] > 0 and t["waits"] >= 0 for t in threads.values())
+    assert subs["d_bf16"]["supported"] is True and subs["d_bf16"]["bf16"]["samples_per_s"] > 0
+    e = subs["e_dynamic"]
+    assert e["dynamic"]["samples_per_s"] > 0 and e["device_prefetch"].startswith("not built")
+    assert subs["f_parquet"]["run"]["steps"] == 3 and subs["f_parquet"]["files"] == 4
+    g = subs["g_profile"]
+    assert g["top_host_ops_ms"] and g["device_gaps"] is None  # no kernels on the CPU
+    b = subs["b_larger"]
+    assert b["elements"] >= 2.5 * prod["cap"]["resident_bound_elements"] * 0.99
+    assert b["hybridps K=1"]["steps"] == 3
+
+
+def _module(name: str) -> ModuleType:
+    """gpu_check/NAME.py (gpu_check/ is not a package; it is on sys.path for its modules'
+    imports of each other)."""
+    if str(REPO / "gpu_check") not in sys.path:
+        sys.path.append(str(REPO / "gpu_check"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "gpu_check" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _report() -> ModuleType:
+    return _module("gpu_report")
 
 
 def _stages(**figures: dict[str, Any]) -> dict[str, Any]:
@@ -106,3 +139,40 @@ def test_goals_say_met_or_missed_with_the_margin() -> None:
     # a stage that gave no figure: no verdict rather than a wrong one
     empty = goals({}, dry_run=False)
     assert all(g["met"] is None and g["value"] is None for g in empty)
+
+
+def test_the_production_job_is_sized_from_the_cap() -> None:
+    job = _module("gpu_prod_job")
+    sizes = job.sizes_from_cap(40 << 30)
+    assert sizes["resident_bound_elements"] == (40 << 30) // 12
+    assert sizes["larger_hybridps_gib"] == pytest.approx(40 * 2.5 / 3, abs=0.01)
+    assert sizes["larger_resident_gib"] == pytest.approx(100.0, abs=0.01)  # > the cap
+    rows = job.table_rows(sizes["larger_elements"], 64)
+    assert len(rows) == 26 and sum(rows.values()) * 64 == pytest.approx(
+        sizes["larger_elements"], rel=1e-3)
+    spec = job.tables_spec(rows, dynamic=("cat_3",)).split(",")
+    assert [e.count(":") for e in spec[:4]] == [2, 2, 2, 2]  # 3 bags, one dynamic
+    assert spec[3].endswith(":dynamic") and job.ids_per_sample() == 58
+
+
+def test_all_to_all_bytes_on_paper() -> None:
+    job = _module("gpu_prod_job")
+    # every id distinct: 58 ids a sample, 7 of 8 owned elsewhere, 8 bytes an id and a
+    # row of 4 * dim bytes each way
+    got = job.a2a_bytes_per_step(16384, 64, 8)
+    assert got["total_bytes"] == 58 * 16384 * 7 / 8 * (8 + 2 * 64 * 4)
+    assert job.a2a_bytes_per_step(16384, 64, 8, distinct_ids=800)["ids_bytes"] == 700 * 8
+    assert job.owner_pooled_bag_bytes(16384, 64, 8) == 2 * 3 * 16384 * 64 * 4 * 7
+    assert job.server_rows_needed(1e6, 10.0) == 1e7
+
+
+def test_production_goals_come_from_its_sub_stages() -> None:
+    goals = _report().goals
+    stages = _stages(production_job={"substages": {
+        "a_both_hold": {"ratio_vs_resident": {"dim 64 batch 16384 adam": 0.8}},
+        "e_dynamic": {"dynamic_over_static": 0.85}}})
+    got = {g["goal"]: g for g in goals(stages, dry_run=False)}
+    speed = got["production job, dim 64 batch 16384 adam: samples/s at K=1 over the "
+                "GPU-resident loop's"]
+    assert speed["met"] is False and speed["margin"] == pytest.approx(0.8 / 0.9 - 1, abs=1e-3)
+    assert got["production job: dynamic tables' samples/s over static tables'"]["met"] is True

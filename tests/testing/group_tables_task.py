@@ -31,8 +31,9 @@ class TwoWidths(TablesTask):
     def tables(self) -> list[TableConfig]:
         return [TableConfig(name, rows, self.width(name)) for name, rows, _ in self.specs]
 
-    def input_width(self) -> int:
-        return sum(self.width(name) for name, _, _ in self.specs) + NUM_DENSE
+    @classmethod
+    def input_width_for(cls, cfg: TrainConfig) -> int:
+        return sum(_width(cfg, name) for name, _, _ in table_specs(cfg)) + NUM_DENSE
 
     def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
         out: list[torch.Tensor] = []

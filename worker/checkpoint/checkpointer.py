@@ -23,6 +23,15 @@ the sequence:
    crc32, data position, parts: hybridps/checkpoint.py `Manifest`) and renames
    `manifest.json` into place LAST; barrier.
 
+--checkpoint-mode incremental (the default): a checkpoint whose parent is the previous one
+this process completed (`since`; every --checkpoint-full-every-th, the first of a process
+and the one after a failed save are full) has each part write only what changed since it
+(the rows and optimizer state as delta shards; the other parts whole), and its manifest
+names the parent and keeps the chain's id (`draft_manifest`); restore, re-sharding and
+export read the chain composed (hybridps/checkpoint.py `load_table_rows`), and
+--checkpoint-keep keeps every link a kept checkpoint needs (`prune`). The parts hold
+what changed at the snapshot (below), and their marks of what changed restart there.
+
 A directory without a manifest is torn and ignored. Before anything is loaded the
 checkpoint is verified whole (worker/checkpoint/resume.py `resume_target`: every file
 the manifest lists against its size and crc32, damaged ones skipped or refused), then
@@ -64,13 +73,23 @@ import dataclasses
 import logging
 import shutil
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from hybridps.checkpoint import MANIFEST, STEP_DIR, Manifest, complete_checkpoints, step_dir
+from hybridps.checkpoint import (
+    MANIFEST,
+    STEP_DIR,
+    Manifest,
+    ParentEntry,
+    chain_of,
+    complete_checkpoints,
+    step_dir,
+)
+from hybridps.errors import ShardError
 from hybridps.logs import kv
 from worker.checkpoint.dense import DENSE_DIR
 from worker.checkpoint.parts import CheckpointPart, ManifestDraft
@@ -89,6 +108,46 @@ log = logging.getLogger("worker.checkpoint")
 # The fault point (worker/runtime/faults.py CHECKPOINT_PHASES) reached after a part's files
 # are written: "rows" once the rows, slot maps and pending updates are, and so on.
 PHASE_AFTER = {"window": "rows", "source": "optim", "dense": "dense"}
+
+
+def needed(points: Sequence[Path]) -> set[Path]:
+    """The checkpoints `points` are composed of (their chains, hybridps/checkpoint.py
+    chain_of), resolved. A point whose chain is damaged keeps what can still be read of
+    it: its own directory and every parent its links name."""
+    out: set[Path] = set()
+    for point in points:
+        try:
+            out.update(link.directory.resolve() for link in chain_of(point))
+        except (ShardError, OSError, ValueError):
+            directory: Path | None = point
+            while directory is not None and directory.resolve() not in out:
+                out.add(directory.resolve())
+                try:
+                    parent = Manifest.read(directory).parent
+                except (ShardError, OSError, ValueError):
+                    parent = None
+                directory = None if parent is None else directory.parent / parent.path
+    return out
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """--checkpoint-keep N (0: keep all): delete all but the newest N complete checkpoints
+    under `root` and the older ones they are composed of (`needed`), and torn directories
+    older than the newest complete one; returns the directories deleted."""
+    if keep <= 0:
+        return []
+    complete = complete_checkpoints(root)
+    kept = needed([d for _, d in complete[-keep:]])
+    doomed = [d for _, d in complete[:-keep] if d.resolve() not in kept]
+    newest = complete[-1][0] if complete else -1
+    for child in root.iterdir():
+        m = STEP_DIR.match(child.name)
+        if m and int(m.group(1)) < newest and not (child / MANIFEST).exists():
+            doomed.append(child)
+    for d in doomed:
+        (d / MANIFEST).unlink(missing_ok=True)  # first: never a half-deleted loadable one
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 class Checkpointer:
@@ -112,6 +171,12 @@ class Checkpointer:
         self.stall_s: list[float] = []  # how long each save held the step loop
         self.behind_s: list[float] = []  # of it: waiting for the previous one's write
         self.writer: Writer = SyncWriter()  # attach: --checkpoint-async's
+        # the chain being written (--checkpoint-mode incremental): the newest checkpoint
+        # this process completed (None: the next is full), links since its full one, and
+        # its id (rank 0 writes it into every manifest of the chain)
+        self.parent_step: int | None = None
+        self.links = 0
+        self.chain_id = ""
 
     def attach(self, parts: Sequence[CheckpointPart]) -> None:
         """The run's parts, in the order they save and restore (run_parts.py)."""
@@ -167,6 +232,17 @@ class Checkpointer:
         return directory
 
     # -- save -------------------------------------------------------------------------
+    def since(self, step: int) -> int | None:
+        """The parent step of the checkpoint of `step` (None: a full one). Full: with
+        --checkpoint-mode full, the first checkpoint of a process (a resumed run starts a
+        chain of its own), every --checkpoint-full-every-th one, and after a failed save.
+        The same on every rank (the same history)."""
+        parent = self.parent_step
+        if (self.opts.checkpoint_mode == "full" or parent is None or parent >= step
+                or self.links + 1 >= self.opts.checkpoint_full_every):
+            return None
+        return parent
+
     def save(self, step: int) -> Path:
         """A checkpoint of `step` (collective: every rank calls it after pushing `step`):
         the snapshot now, the writes, manifest and pruning by the writer (writer.py: at
@@ -176,6 +252,8 @@ class Checkpointer:
         self.writer.wait()  # one checkpoint in flight
         self.behind_s.append(time.perf_counter() - t0)
         directory = step_dir(self.root, step)
+        since = self.since(step)
+        self.parent_step = None  # until this one completes: a failed save breaks the chain
         fault_point(self.rank, step, "start")
         if self.rank == 0:
             (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step
@@ -186,10 +264,10 @@ class Checkpointer:
         snapshot_s: dict[str, float] = {}
         for part in self.parts:
             t_part = time.perf_counter()
-            held[part.name] = part.snapshot(directory, step, stage)
+            held[part.name] = part.snapshot(directory, step, stage, since)
             snapshot_s[part.name] = time.perf_counter() - t_part
         group = stage.group
-        self.writer.submit(lambda: self._write(step, directory, held, group, t0))
+        self.writer.submit(lambda: self._write(step, since, directory, held, group, t0))
         self.saved_step = step
         self.stall_s.append(time.perf_counter() - t0)
         log.debug("rank %d: checkpoint step %d held the step loop %.3fs (snapshot: %s)",
@@ -201,8 +279,8 @@ class Checkpointer:
         """Until the checkpoint being written (if any) is complete (before the run ends)."""
         self.writer.close()
 
-    def _write(self, step: int, directory: Path, held: dict[str, Written], group: Any,
-               t0: float) -> None:
+    def _write(self, step: int, since: int | None, directory: Path, held: dict[str, Written],
+               group: Any, t0: float) -> None:
         """The job (writer.py): every part's files, then the manifest, last."""
         mine: dict[str, Any] = {}
         seconds: dict[str, float] = {}
@@ -217,42 +295,49 @@ class Checkpointer:
             gathered = [None] * self.world
             dist.all_gather_object(gathered, mine, group=group)
         if self.rank == 0:
-            draft = ManifestDraft(step=step, world_size=self.world, run_id=self.run_id,
-                                  task=self.cfg.run.task, seed=self.cfg.run.seed)
-            for part in self.parts:
-                draft.part(part.name)
-                part.record([g[part.name] for g in gathered], draft)
-            manifest = draft.build()
+            manifest = self.draft_manifest(step, since, gathered)
             fault_point(self.rank, step, "manifest")
-            manifest.write(directory)
+            self.write_manifest(manifest, directory)
             self._prune()
         self._barrier(group)
         fault_point(self.rank, step, "after")
         elapsed = time.perf_counter() - t0
         self.save_s.append(elapsed)
+        # complete: the next one may be its child (read after the writer's `wait`)
+        self.parent_step, self.links = step, (0 if since is None else self.links + 1)
         if self.rank == 0:
-            self.written.append(checkpoint_entry(step, directory, elapsed))
-            log.info("checkpoint step %d -> %s: %s in %.2fs (%s; snapshot in host memory "
-                     "%s)", step, directory, human_bytes(self.written[-1]["bytes"]), elapsed,
-                     ", ".join(f"{name} {s:.2f}s" for name, s in seconds.items()),
+            entry = checkpoint_entry(step, directory, elapsed)
+            entry["kind"] = "full" if since is None else "incremental"
+            self.written.append(entry)
+            log.info("checkpoint step %d -> %s: %s %s in %.2fs (%s; snapshot in host memory "
+                     "%s)", step, directory, human_bytes(entry["bytes"]), entry["kind"],
+                     elapsed, ", ".join(f"{name} {s:.2f}s" for name, s in seconds.items()),
                      human_bytes(self.writer.snapshot_bytes))
 
+    def write_manifest(self, manifest: Manifest, directory: Path) -> None:
+        """The manifest, renamed into place last: the checkpoint is complete (rank 0)."""
+        manifest.write(directory)
+
+    def draft_manifest(self, step: int, since: int | None,
+                       gathered: Sequence[Any]) -> Manifest:
+        """Rank 0: every part records every rank's account into the manifest; an
+        incremental one names its parent (its manifest's size, crc32 and checksum) and
+        keeps the chain's id, a full one starts a chain."""
+        assert self.root is not None
+        if since is None:
+            self.chain_id = uuid.uuid4().hex
+        parent = None if since is None else ParentEntry.describe(step_dir(self.root, since))
+        draft = ManifestDraft(step=step, world_size=self.world, run_id=self.run_id,
+                              task=self.cfg.run.task, seed=self.cfg.run.seed,
+                              chain_id=self.chain_id, parent=parent)
+        for part in self.parts:
+            draft.part(part.name)
+            part.record([g[part.name] for g in gathered], draft)
+        return draft.build()
+
     def _prune(self) -> None:
-        """--checkpoint-keep N: delete all but the newest N complete checkpoints, and torn
-        directories older than the newest complete one."""
-        keep = self.opts.checkpoint_keep
-        if keep <= 0 or self.root is None:
-            return
-        complete = complete_checkpoints(self.root)
-        doomed = [d for _, d in complete[:-keep]]
-        newest = complete[-1][0] if complete else -1
-        for child in self.root.iterdir():
-            m = STEP_DIR.match(child.name)
-            if m and int(m.group(1)) < newest and not (child / MANIFEST).exists():
-                doomed.append(child)
-        for d in doomed:
-            (d / MANIFEST).unlink(missing_ok=True)  # first: never a half-deleted loadable one
-            shutil.rmtree(d, ignore_errors=True)
+        if self.root is not None:
+            prune(self.root, self.opts.checkpoint_keep)
 
     def _barrier(self, group: Any = None) -> None:
         if self.world > 1:

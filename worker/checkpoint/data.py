@@ -38,8 +38,9 @@ class DataPart:
     def __init__(self, task: Task, *, rank: int, world_size: int, batch_size: int) -> None:
         self.task, self.rank, self.world, self.batch_size = task, rank, world_size, batch_size
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
-        state = stage.hold(self.task.data_state(step + 1))
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        state = stage.hold(self.task.data_state(step + 1))  # whole in every checkpoint
         rank = self.rank
 
         def write() -> FileEntry | None:

@@ -109,8 +109,9 @@ class DensePart:
         self.dense, self.opt, self.scaler, self.rank = dense, opt, scaler, rank
         self.optim, self.loss_scale_init = optim, loss_scale_init
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
-        state = stage.hold(dense_state(self.dense, self.opt))
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        state = stage.hold(dense_state(self.dense, self.opt))  # whole in every checkpoint
         scaler = None if self.scaler is None else stage.hold(self.scaler.state_dict())
         rank, group = self.rank, stage.group
         return stage.write(lambda: save_dense(state, scaler, directory, rank, group))

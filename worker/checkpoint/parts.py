@@ -3,10 +3,13 @@ stateful checkpointing), the Checkpointer (checkpointer.py) runs them in sequenc
 
 A part (`CheckpointPart`) is named and does four things:
 
-- `snapshot(directory, step, stage)`: hold this rank's state of the checkpoint of `step`
-  through `stage` (worker/checkpoint/writer.py) and hand it the write of its files
+- `snapshot(directory, step, stage, since)`: hold this rank's state of the checkpoint of
+  `step` through `stage` (worker/checkpoint/writer.py) and hand it the write of its files
   (`stage.write(fn)`; the write may run later, in the background, from what was held);
-  the write returns what this rank saved (picklable: it is gathered on every rank);
+  the write returns what this rank saved (picklable: it is gathered on every rank).
+  `since` S: an incremental checkpoint whose parent is the checkpoint of step S: a part
+  may hold and write only what changed since S, as delta shards (hybridps/checkpoint.py's
+  chains); None: whole;
 - `record(saved_by_rank, draft)`: on rank 0, add its entries (tables, shards, files,
   fields) to the manifest being drafted (`ManifestDraft`), from every rank's `save`;
 - `verify(directory, manifest)`: a problem (one line naming the checkpoint) that makes
@@ -33,6 +36,7 @@ from hybridps.checkpoint import (
     Manifest,
     ManifestShard,
     ManifestTable,
+    ParentEntry,
     PartEntry,
     PendingEntry,
     ShardInfo,
@@ -47,7 +51,8 @@ class CheckpointPart(Protocol):
 
     name: str
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written: ...
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written: ...
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None: ...
 
@@ -57,7 +62,7 @@ class CheckpointPart(Protocol):
 
 
 def file_entry(info: ShardInfo) -> FileEntry:
-    return FileEntry(info.file, info.bytes, info.crc32)
+    return FileEntry(info.file, info.bytes, info.crc32, info.delta)
 
 
 @dataclass
@@ -81,6 +86,8 @@ class ManifestDraft:
     ranges: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     files: dict[tuple[str, int], dict[str, FileEntry]] = field(default_factory=dict)
     parts: dict[str, list[tuple[int, FileEntry]]] = field(default_factory=dict)
+    chain_id: str = ""
+    parent: ParentEntry | None = None  # an incremental checkpoint's parent
 
     def table(self, name: str, num_rows: int, dim: int,
               extra: Mapping[str, Any] | None = None) -> None:
@@ -116,4 +123,5 @@ class ManifestDraft:
             run_id=self.run_id, mode=self.mode, row_dtype=self.row_dtype,
             optimizer=self.optimizer, task=self.task, seed=self.seed, data=self.data,
             created_unix=time.time(), tables=tables, dense=self.dense, pending=self.pending,
-            parts=tuple(PartEntry(n, tuple(f)) for n, f in self.parts.items()))
+            parts=tuple(PartEntry(n, tuple(f)) for n, f in self.parts.items()),
+            chain_id=self.chain_id, parent=self.parent)

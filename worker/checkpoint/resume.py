@@ -28,8 +28,7 @@ from hybridps.checkpoint import (
     MANIFEST,
     Manifest,
     complete_checkpoints,
-    read_manifest,
-    verify_files,
+    verify_chain,
 )
 from hybridps.errors import ShardError
 from hybridps.optim_kinds import describe_saved
@@ -109,7 +108,7 @@ def verify_together(directory: Path, rank: int, world: int) -> str | None:
     are intact, else the first problem found (the same answer on every rank)."""
     problem: str | None = None
     try:
-        verify_files(directory, read_manifest(directory), share=(rank, world))
+        verify_chain(directory, share=(rank, world))  # every link of an incremental one
     except (ShardError, OSError, ValueError, KeyError, TypeError) as exc:
         problem = str(exc) or type(exc).__name__
     gathered: list[Any] = [problem]

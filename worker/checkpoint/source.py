@@ -35,8 +35,9 @@ class SourcePart:
                  spec: OptimizerSpec) -> None:
         self.source, self.kind, self.spec = source, kind, spec
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
-        return stage.write(self.source.snapshot_to(directory, step, stage.hold))
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        return stage.write(self.source.snapshot_to(directory, step, stage.hold, since))
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.mode = self.kind.mode

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridps.checkpoint import Manifest, ShardInfo, load_rows, rows_file, save_shard
+from hybridps.checkpoint import (
+    Manifest,
+    ShardInfo,
+    chain_of,
+    load_table_rows,
+    rows_file,
+    save_shard,
+)
 from hybridps.dynamic_files import restore_plan, save_ids
 from hybridps.errors import ShardError
 from worker.checkpoint.parts import ManifestDraft, file_entry
@@ -45,24 +52,60 @@ class TablesPart:
         self.emb, self.row_dtype, self.canonical = embedding, row_dtype, canonical
 
     @torch.no_grad()
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        """`since` S: incremental, each rows file a delta shard of the rows changed since
+        the checkpoint of step S (`changed_ids`); the changed marks restart with the
+        snapshot (the updates after it are the next checkpoint's delta)."""
         emb = self.emb
         with self.canonical(step):  # the write runs inside when the stage holds nothing
-            held = {name: stage.hold(emb.table_rows(name)) for name in emb.tables}
+            held: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
+            for name in emb.tables:
+                ids = None if since is None else self.changed_ids(name, since)
+                held[name] = (ids, stage.hold(self.rows_of(name, ids)))
 
             def write() -> dict[str, ShardInfo]:
-                rows = {}
-                for name, table in emb.tables.items():
-                    start, end = emb.ranges[name]
-                    rows[name] = save_shard(directory, rows_file(name, emb.rank), kind="rows",
-                                            table=name, rank=emb.rank,
-                                            num_rows=table.num_rows, dim=table.dim,
-                                            row_start=start, row_end=end,
-                                            tensors={"weight": held[name]},
-                                            meta={"step": step})
-                return rows
+                return {name: self.write_rows(directory, name, step, ids, weight)
+                        for name, (ids, weight) in held.items()}
 
-            return stage.write(write)
+            written = stage.write(write)
+        emb.clear_changed()
+        return written
+
+    def changed_ids(self, name: str, since: int) -> torch.Tensor:
+        """The global ids of table `name`'s rows (this rank's) that may differ from the
+        checkpoint of step `since`: every row an update touched since (the pending ones
+        of this checkpoint included: they are applied while it is written), and for a
+        dynamic table every slot looked up after `since` (a slot takes its id's row,
+        paged in or new, when the id is looked up)."""
+        emb = self.emb
+        changed = emb.changed_rows(name)
+        dynamic = emb.dynamic
+        if dynamic is not None and name in dynamic.tables:
+            seen = torch.from_numpy(dynamic.slot_state(name)["seen"])
+            changed = changed | (seen > since).to(changed.device)
+        start, _ = emb.ranges[name]
+        return changed.nonzero().squeeze(1).cpu() + start
+
+    def rows_of(self, name: str, ids: torch.Tensor | None) -> torch.Tensor:
+        """This rank's rows of `name`, or only rows `ids` (global; a delta shard's)."""
+        emb = self.emb
+        start, _ = emb.ranges[name]
+        weight = emb.table_rows(name)
+        if ids is not None:
+            weight = weight.index_select(0, (ids - start).to(weight.device))
+        return weight
+
+    def write_rows(self, directory: Path, name: str, step: int, ids: torch.Tensor | None,
+                   weight: torch.Tensor) -> ShardInfo:
+        """One rows file: `weight`, this rank's rows of `name` or only rows `ids` (a delta
+        shard: `rows_of`)."""
+        emb, table = self.emb, self.emb.tables[name]
+        start, end = emb.ranges[name]
+        return save_shard(directory, rows_file(name, emb.rank), kind="rows", table=name,
+                          rank=emb.rank, num_rows=table.num_rows, dim=table.dim,
+                          row_start=start, row_end=end, tensors={"weight": weight},
+                          meta={"step": step}, ids=ids)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.row_dtype = self.row_dtype  # bf16: the optim files hold the fp32 masters
@@ -91,16 +134,17 @@ class TablesPart:
     @torch.no_grad()
     def restore(self, directory: Path, manifest: Manifest, step: int) -> None:
         emb = self.emb
+        links = chain_of(directory, manifest)
         for name, table in emb.tables.items():
             start, end = emb.ranges[name]
-            shards = manifest.shards(name, "rows")  # verified by resume_target
-            got, _ = load_rows(directory, name, table.num_rows, table.dim, shards, start, end,
-                               ["weight"], verify=False)
+            shape = (table.num_rows, table.dim)  # the chain verified by resume_target
+            got, _ = load_table_rows(directory, manifest, name, "rows", start, end,
+                                     ["weight"], verify=False, links=links, shape=shape)
             weight = got["weight"]
             if manifest.row_dtype == "bf16" and emb.row_dtype == torch.float32:
-                masters, _ = load_rows(directory, name, table.num_rows, table.dim,
-                                       manifest.shards(name, "optim"), start, end,
-                                       ["master"], verify=False)
+                masters, _ = load_table_rows(directory, manifest, name, "optim", start, end,
+                                             ["master"], verify=False, links=links,
+                                             shape=shape)
                 weight = masters["master"] if masters["master"] is not None else weight
             assert weight is not None
             emb.table_rows(name).copy_(weight)
@@ -118,9 +162,10 @@ class DynamicMapsPart:
         dynamic = self.emb.dynamic
         return [] if dynamic is None else [n for n in self.emb.tables if n in dynamic.tables]
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
         dynamic, emb = self.emb.dynamic, self.emb
-        held = {}
+        held = {}  # whole in every checkpoint
         for name in self._tables():
             assert dynamic is not None
             held[name] = stage.hold(dynamic.slot_state(name))

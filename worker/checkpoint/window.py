@@ -92,7 +92,8 @@ class WindowPart:
                     local_P = ids_P.to(emb.device) - emb.units[name].start
                     emb.weights[name].data.index_copy_(0, local_P, rows_PD)
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
         pending, before = self._pending(step)
         self._held = None
         rank = self.emb.rank

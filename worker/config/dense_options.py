@@ -12,7 +12,8 @@ from typing import Literal
 
 from hybridps.cli import check_settings, setting
 
-DenseParallelKind = Literal["fsdp", "hsdp", "ddp"]
+ParallelKind = Literal["fsdp", "hsdp", "ddp"]  # what is built
+DenseParallelKind = Literal["auto", "fsdp", "hsdp", "ddp"]  # what --dense-parallel asks
 Precision = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["", "fp32", "bf16", "fp16"]
 GradReduce = Literal["mean", "sum"]
@@ -26,8 +27,9 @@ class DenseConfig:
     """The dense part: FSDP2, HSDP or DDP (worker/dense/parallel.py), precision, clipping."""
 
     dense_parallel: DenseParallelKind = setting(
-        "fsdp", "fsdp (FSDP2 over all ranks) | hsdp (replicate across nodes, shard within) "
-        "| ddp")
+        "auto", "auto (ddp, or fsdp where sharding pays: worker/dense/policy.py; --plan and "
+        "the summary say which and why) | fsdp (FSDP2 over all ranks) | hsdp (replicate "
+        "across nodes, shard within) | ddp")
     reshard_after_forward: bool = setting(
         True, "fsdp/hsdp: free the gathered dense parameters of each unit after forward (the "
         "root's are kept for backward, which would gather them again at once)")

@@ -70,7 +70,7 @@ def data_problem(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -> s
         found = data_dir_problem(cfg.kge.data_dir)
         if found is not None:
             return found
-    if cfg.run.task == "files":
+    if cfg.run.task == "files" or cfg.files.train_files:
         found = files_problem(cfg)
         if found is not None:
             return found

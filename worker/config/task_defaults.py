@@ -31,6 +31,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "dlrm": {
         "dim": 16, "steps": 1500, "batch_size": 1024, "lr": 0.02, "dense_lr": 3e-3,
         "init_std": 0.05, "log_every": 20, "eval_every": 250, "eval_batches": 16,
+        # from files: the Criteo TSV tokens' 64-bit hashes (and raw ids) into --table-rows
+        "id_overflow": "hash",
     },
 }
 

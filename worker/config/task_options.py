@@ -157,7 +157,8 @@ class DlrmConfig:
     """--task dlrm: DLRM on Criteo TSV or synthetic CTR data (worker/tasks/ctr/dlrm.py)."""
 
     data_path: str = setting(
-        "", "Criteo TSV file or directory (empty: the synthetic generator)", "PATH")
+        "", "Criteo TSV file or directory, read as --train-files naming its files (empty "
+        "and no --train-files: the synthetic generator)", "PATH")
     table_rows: str = setting(
         "", "rows per categorical table: one int for all 26, or 26 comma-separated", "R[,R..]")
 
@@ -172,8 +173,8 @@ IdOverflow = Literal["refuse", "hash"]
 
 @dataclass(frozen=True)
 class FilesConfig:
-    """--task files: a CTR model trained from Parquet, TorchRec's Criteo .npy or Criteo TSV
-    files (worker/data/, docs/data.md)."""
+    """--task files (and --task dlrm, a custom FilesTask): a model trained from Parquet,
+    TorchRec's Criteo .npy or Criteo TSV files (worker/data/, docs/data.md)."""
 
     train_files: str = setting(
         "", "training files: a glob, or several comma-separated (Parquet .parquet, "
@@ -183,9 +184,9 @@ class FilesConfig:
         "", "held-out files (same formats) for AUC and log loss during and after training; "
         "empty: no evaluation", "GLOB[,GLOB..]")
     features: str = setting(
-        "", "JSON file naming the label, dense and categorical columns and each table's "
-        "rows / dim / pooling (docs/data.md); empty: the columns by convention (label, "
-        "dense_*, cat_*)", "PATH")
+        "", "JSON (or .yaml / .yml, with pyyaml) file naming the label, dense and "
+        "categorical columns and each table's rows / dim / pooling / dynamic / sharding "
+        "(docs/data.md); empty: the columns by convention (label, dense_*, cat_*)", "PATH")
     pooling: Pooling = setting(
         "mean", "how a multi-hot (list<int64>) column's rows are pooled")
     id_overflow: IdOverflow = setting(

@@ -318,8 +318,16 @@ class CheckpointConfig:
         "the shard servers)", "DIR", everyday=True)
     checkpoint_every: int = setting(0, "checkpoint after every N steps (0: never)", "N",
                                     everyday=True, at_least=0)
+    checkpoint_mode: Literal["full", "incremental"] = setting(
+        "incremental", "incremental: a checkpoint writes only the rows changed since the "
+        "previous one (a chain from a full one, docs/reliability.md); full: every row, "
+        "every time")
+    checkpoint_full_every: int = setting(
+        10, "--checkpoint-mode incremental: every Nth checkpoint is a full one (1: all)", "N",
+        at_least=1)
     checkpoint_keep: int = setting(
-        3, "keep the newest N complete checkpoints, delete older ones (0: keep all)", "N",
+        3, "keep the newest N complete checkpoints and every older one they are composed "
+        "of (an incremental one's chain), delete the others (0: keep all)", "N",
         at_least=0)
     checkpoint_on_stop: bool = setting(
         True, "on SIGTERM/SIGINT, every rank checkpoints the step they all stop after, then "

@@ -15,7 +15,7 @@ Formats (registered once, at import, in FORMATS; `register` adds another):
                 rows. Columns label, dense_0.., cat_0..; integer dense values (raw counts)
                 become log(1 + max(x, 0)) as the TSV reader does, float ones are taken as
                 stored (already transformed).
-    criteo_tsv  Criteo TSV (`*.tsv`, `*.txt`, `*.gz` of those) through
+    criteo_tsv  Criteo TSV (`*.tsv`, `*.txt`, Criteo's `day_N`, `*.gz` of those) through
                 worker/tasks/ctr/criteo.py's parser; units of TSV_UNIT_LINES lines, found by
                 one scan of the file. Columns label, dense_0..12, cat_0..25; a categorical
                 token's id is its 64-bit hash in [1, 2^62] (0: missing), so its table needs
@@ -28,6 +28,7 @@ import functools
 import glob
 import gzip
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -310,7 +311,8 @@ class CriteoTsvFormat(RecordFormat):
 
     def matches(self, path: Path) -> bool:
         name = path.name[:-3] if path.name.endswith(".gz") else path.name
-        return Path(name).suffix in (".tsv", ".txt")
+        # Criteo's own files are day_0 .. day_23 (and .gz of those): no suffix
+        return Path(name).suffix in (".tsv", ".txt") or re.fullmatch(r"day_\d+", name) is not None
 
     def _scan(self, path: Path, unit_lines: int, mtime_ns: int,
               size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

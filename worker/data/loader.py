@@ -8,6 +8,12 @@ process holds gRPC channels and threads that a fork would copy mid-use. A worker
 numpy arrays (pickled through the pipe: one copy), not tensors (one shared-memory file a
 tensor, some 30 a batch, each costing more than the copy). A DataError in a
 worker comes back as its one line, raised at the step it belongs to.
+
+Pinned memory: on a CUDA device the training process copies a batch's host tensors into
+pinned (page-locked) memory (FileSource, `Batch.pin_memory`), so the trainer's
+`.to(device, non_blocking=True)` is a DMA that overlaps the step; the DataLoader's own
+`pin_memory=True` would pin nothing here (its items are numpy arrays, not tensors). On
+the CPU nothing is pinned (`pin_host_memory`): the copy is a no-op there.
 """
 
 from __future__ import annotations
@@ -25,10 +31,16 @@ from worker.data.reader import FileReader, ReaderConfig
 from worker.data.samples import Samples
 from worker.tasks.base import Batch
 
-__all__ = ["PrefetchLoader"]
+__all__ = ["PrefetchLoader", "pin_host_memory"]
 
 PREFETCH_PER_WORKER = 4
 WATCH_S = 1.0  # how often a worker looks whether the training process is still there
+
+
+def pin_host_memory(device_request: str, cuda_available: bool) -> bool:
+    """Pin the batches' host tensors? Only when the run's device (--device auto|cpu|cuda,
+    worker/runtime/dist.pick_device) is a CUDA one."""
+    return device_request != "cpu" and cuda_available
 
 
 def _identity(item: Any) -> Any:

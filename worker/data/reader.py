@@ -12,7 +12,7 @@ straight through). At another world size the old ranks' leftovers of the epoch (
 its position on, in old-rank order) are cut into equal shares of the new ranks: one
 remainder span of floor(floor(left / W') / B) steps, in which no row is read twice and none
 is skipped but the new ragged tail (fewer than W' * (B + 1) rows); the next epoch starts
-after it, in the new world's order.
+after it, in the new world's order (`epoch_start`: where --epochs ends the run).
 """
 
 from __future__ import annotations
@@ -157,6 +157,19 @@ class FileReader:
         epoch = base_epoch + (step - base_step) // per
         first = base_step + (epoch - base_epoch) * per
         return epoch, first, self._epoch(epoch), None
+
+    def epoch_start(self, epoch: int) -> int:
+        """The first step of `epoch` (--epochs E: the run ends before epoch_start(E)). After
+        a remainder span of epoch e, epoch e + 1 starts at its end; an epoch the span is
+        past (or in) started before it: the span's first step stands for it."""
+        spans = self.config.spans
+        per = self.steps_per_epoch
+        if not spans:
+            return epoch * per
+        span = spans[-1]
+        if epoch <= span.epoch:
+            return span.first_step
+        return span.first_step + span.steps + (epoch - span.epoch - 1) * per
 
     # -- reading ------------------------------------------------------------------------
     def _load(self, seg: Segment) -> Samples:

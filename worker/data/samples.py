@@ -3,7 +3,8 @@ permuted and cut into batches.
 
 `decode` checks what the schema cannot: labels are 0 or 1, dense values finite, ids inside
 their table (--id-overflow refuse: a DataError naming file, row group and column; hash: an
-outside id is mapped to splitmix64(id) mod rows, the ids inside stay as they are).
+outside id is mapped to splitmix64(id) mod rows, the ids inside stay as they are); a
+dynamic table's ids are raw and taken as they are.
 """
 
 from __future__ import annotations
@@ -84,8 +85,10 @@ def concat(parts: Sequence[Samples]) -> Samples:
 
 
 def _ids(values: np.ndarray, rows: int, overflow: str, path: Path, unit: int, column: str,
-         table: str) -> np.ndarray:
+         table: str, dynamic: bool) -> np.ndarray:
     ids = values.astype(np.int64, copy=False)
+    if dynamic:  # raw ids: the table pages them in (any int64)
+        return ids
     bad = (ids < 0) | (ids >= rows)
     if not bad.any():
         return ids
@@ -125,10 +128,11 @@ def decode(raw: dict[str, Column], spec: FeatureSpec, path: Path, unit: int) -> 
         col = raw[t.column]
         if isinstance(col, Ragged):
             ids[t.name] = Ragged(_ids(col.values, t.rows, spec.id_overflow, path, unit,
-                                      t.column, t.name), col.offsets)
+                                      t.column, t.name, t.dynamic is not None), col.offsets)
         else:
             if col.dtype.kind not in "iu":
                 raise DataError(f"{where(path, unit, t.column)}: type {col.dtype}, expected "
                                 "int64 ids")
-            ids[t.name] = _ids(col, t.rows, spec.id_overflow, path, unit, t.column, t.name)
+            ids[t.name] = _ids(col, t.rows, spec.id_overflow, path, unit, t.column, t.name,
+                               t.dynamic is not None)
     return Samples(label, dense, ids)

@@ -1,7 +1,9 @@
 """The dense part's parallelism: FSDP2, HSDP or DDP, and its per-step gradient work.
 
 The dense part (MLPs, relation embeddings; never the sharded tables) is
-wrapped per --dense-parallel by one `apply_*` function each:
+wrapped per --dense-parallel (auto, the default: ddp, or fsdp where sharding pays,
+worker/dense/policy.py; `dense_facts` measures what it decides on) by one `apply_*`
+function each:
   fsdp  `apply_fsdp`: FSDP2 `fully_shard` over all ranks (1-D mesh), with
         --reshard-after-forward, --dense-cpu-offload and the mixed precision
         policy of --precision / --reduce-dtype;
@@ -19,6 +21,7 @@ numbers before anything is built.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +38,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from worker.dense.policy import DenseChoice, DenseFacts, choose_dense_parallel, state_copies
 from worker.runtime.dist import DistContext
+from worker.runtime.memory import rank_memory_bytes
 
 if TYPE_CHECKING:
     from worker.config.dense_options import DenseConfig
@@ -185,9 +190,11 @@ class DenseParallel:
     """
 
     def __init__(self, cfg: DenseConfig, ctx: DistContext, module: nn.Module,
-                 mesh_shape: tuple[int, ...], wrapped: bool = True) -> None:
+                 mesh_shape: tuple[int, ...], *, choice: DenseChoice,
+                 wrapped: bool = True) -> None:
         self.cfg, self.ctx, self.module = cfg, ctx, module
-        self.kind = cfg.dense_parallel
+        self.kind = choice.kind  # cfg.dense_parallel is it too (build_dense_parallel)
+        self.choice = choice
         self.wrapped = wrapped  # False: one rank, the plain module (wrapper_needed)
         self.mesh_shape = mesh_shape
         sum_reduce = self.kind == "ddp" and cfg.ddp_grad_reduce == "sum"
@@ -275,7 +282,8 @@ class DenseParallel:
     def describe(self) -> dict[str, Any]:
         cfg = self.cfg
         out: dict[str, Any] = {
-            "parallel": self.kind, "mesh": list(self.mesh_shape), "compile": cfg.compile,
+            "parallel": self.kind, "asked": self.choice.requested,
+            "because": self.choice.reason, "mesh": list(self.mesh_shape), "compile": cfg.compile,
             "wrapped": self.wrapped,
             "precision": cfg.precision, "embedding_grad_scale": self.embedding_grad_scale,
             "clip_grad_norm": cfg.clip_grad_norm,
@@ -310,26 +318,45 @@ def wrapper_needed(cfg: DenseConfig, world_size: int) -> bool:
             or cfg.dense_cpu_offload or cfg.prefetch_dense)
 
 
+def dense_facts(dense: nn.Module, ctx: DistContext, *, dense_optimizer: str = "adam",
+                device_memory_gb: float = 0.0, host_memory_gb: float = 0.0) -> DenseFacts:
+    """What --dense-parallel auto decides on, of this module in this world: its parameter
+    bytes, the state `dense_optimizer` (the --dense-optimizer kind) keeps a parameter, the
+    rank's memory (--device-memory-gb / --host-memory-gb, else detected)."""
+    return DenseFacts(
+        param_bytes=sum(p.numel() * p.element_size() for p in dense.parameters()),
+        state_copies=state_copies(dense_optimizer), world_size=ctx.world_size,
+        backend=ctx.backend,
+        memory_per_rank=rank_memory_bytes(ctx.device, ctx.local_world_size,
+                                          device_memory_gb=device_memory_gb,
+                                          host_memory_gb=host_memory_gb))
+
+
 def build_dense_parallel(cfg: DenseConfig, ctx: DistContext, dense: nn.Module,
                          units: list[nn.Module] | None = None, *,
-                         plain_at_one_rank: bool = False) -> DenseParallel:
+                         plain_at_one_rank: bool = False,
+                         facts: DenseFacts | None = None) -> DenseParallel:
     """Compile (--compile) and wrap `dense` (already on ctx.device) per --dense-parallel.
 
+    auto is decided here (worker/dense/policy.py) on `facts`, by default `dense_facts` of
+    `dense` with Adam; the DenseParallel's config says the kind chosen.
     `plain_at_one_rank` (the training loop): at world size 1 leave the module unwrapped
     when the wrapper would change nothing (`wrapper_needed`); the results are bitwise
     those of the wrapped module (tests/worker/dense/test_one_rank.py)."""
     check_dense_parallel(cfg, ctx.world_size, ctx.local_world_size, ctx.device)
+    choice = choose_dense_parallel(cfg, facts or dense_facts(dense, ctx))
+    cfg = dataclasses.replace(cfg, dense_parallel=choice.kind)
     if cfg.compile:
         compile_dense(dense, units)
     if plain_at_one_rank and not wrapper_needed(cfg, ctx.world_size):
-        return DenseParallel(cfg, ctx, dense, (1,), wrapped=False)
+        return DenseParallel(cfg, ctx, dense, (1,), wrapped=False, choice=choice)
     wrapped: nn.Module
     if cfg.dense_parallel == "ddp":
         wrapped = apply_ddp(dense, ctx.device, ctx.mesh.get_group(),
                             bucket_mb=cfg.ddp_bucket_mb, static_graph=cfg.ddp_static_graph,
                             find_unused_parameters=cfg.ddp_find_unused_parameters,
                             grad_reduce=cfg.ddp_grad_reduce)
-        return DenseParallel(cfg, ctx, wrapped, (ctx.world_size,))
+        return DenseParallel(cfg, ctx, wrapped, (ctx.world_size,), choice=choice)
     fsdp_kwargs: dict[str, Any] = {
         "reshard_after_forward": cfg.reshard_after_forward,
         "mp_policy": mixed_precision_policy(cfg.precision, cfg.reduce_dtype),
@@ -338,6 +365,6 @@ def build_dense_parallel(cfg: DenseConfig, ctx: DistContext, dense: nn.Module,
     if cfg.dense_parallel == "hsdp":
         wrapped, mesh = apply_hsdp(dense, ctx.device, ctx.world_size, ctx.local_world_size,
                                    units, shard_size=cfg.hsdp_shard_size, **fsdp_kwargs)
-        return DenseParallel(cfg, ctx, wrapped, tuple(mesh.shape))
+        return DenseParallel(cfg, ctx, wrapped, tuple(mesh.shape), choice=choice)
     wrapped = apply_fsdp(dense, ctx.mesh, units, **fsdp_kwargs)
-    return DenseParallel(cfg, ctx, wrapped, tuple(ctx.mesh.shape))
+    return DenseParallel(cfg, ctx, wrapped, tuple(ctx.mesh.shape), choice=choice)

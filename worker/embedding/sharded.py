@@ -201,6 +201,9 @@ class ShardedEmbedding(UnitRows, nn.Module):
                                     else block_RD[m.offset:m.offset + m.rows])
             self.weights[unit.name] = nn.Parameter(
                 (rows_RD if block_RD is None else block_RD).to(self.device, row_dtype))
+        # per unit, the rows an update changed since the last checkpoint (unit_rows.py)
+        self.changed = {name: torch.zeros(u.rows, dtype=torch.bool, device=self.device)
+                        for name, u in self.units.items()}
         # raw ids -> slots at their owners (worker/embedding/dynamic/ids.py), None without any
         self.dynamic: DynamicIds | None = None
         if dynamic:

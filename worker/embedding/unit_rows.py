@@ -33,6 +33,7 @@ class UnitRows:
     world_size: int
     group: dist.ProcessGroup | None
     table_index: dict[str, int]
+    changed: dict[str, torch.Tensor]  # per unit, bool [rows]: updated since the last checkpoint
     _init_seed: int
     _init_std: float
 
@@ -93,6 +94,7 @@ class UnitRows:
             return (torch.empty(0, self.weights[name].shape[1], device=self.device)
                     if measure else None)
         local_U = self._local(name, ids_U, "update for rows")
+        self.changed[name].index_fill_(0, local_U, True)
         delta_UD = to_device(delta_UD, self.device)  # pinned, non-blocking (device_copy.py)
         if measure:
             return apply_update_measured_(self.weights[name].data, local_U, delta_UD, decay)
@@ -105,8 +107,21 @@ class UnitRows:
         if ids_U.numel() == 0:
             return
         local_U = self._local(name, ids_U, "new rows")
+        self.changed[name].index_fill_(0, local_U, True)
         weight = self.weights[name].data
         weight.index_copy_(0, local_U, to_device(rows_UD, weight.device).to(weight.dtype))
+
+    def changed_rows(self, name: str) -> torch.Tensor:
+        """The rows of table `name` an update changed since the last `clear_changed`
+        (bool [rows it owns]; a view of its unit's flags): an incremental checkpoint's."""
+        unit, member = self.unit_of[name]
+        flags = self.changed[unit.name]
+        return flags[member.offset:member.offset + member.rows] if unit.grouped else flags
+
+    def clear_changed(self) -> None:
+        """A checkpoint holds every row as it is now: the next one starts from here."""
+        for flags in self.changed.values():
+            flags.zero_()
 
     def table_rows(self, name: str) -> torch.Tensor:
         """The rows this rank owns of table `name`: its part of its unit's block (a view)."""

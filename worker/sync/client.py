@@ -255,26 +255,32 @@ class ShardClient(UpdateSource):
         self._control("Flush", request, self.timeout_s + 5.0,
                       f"Flush through step {last_step}")
 
-    def checkpoint(self, step: int, directory: str) -> list[Any]:
+    def checkpoint(self, step: int, directory: str, since: int | None = None) -> list[Any]:
         """The server saves this rank's optimizer state once it applied every push <= step
-        (Checkpoint RPC, ranks=[rank]); the files it wrote (CheckpointResponse.files)."""
+        (Checkpoint RPC, ranks=[rank]); the files it wrote (CheckpointResponse.files).
+        `since` S: incremental, the rows changed since its checkpoint of step S."""
         self._send_ready(step)
         request = shard_pb2.CheckpointRequest(run_id=self.run_id, step=step,
                                               directory=directory, ranks=[self.rank],
-                                              timeout_s=self.timeout_s)
+                                              timeout_s=self.timeout_s,
+                                              incremental=since is not None,
+                                              since_step=-1 if since is None else since)
         response = self._control("Checkpoint", request, self.timeout_s + 60.0,
                                  f"Checkpoint of step {step}")
         return list(response.files)
 
-    def snapshot_to(self, directory: Path, step: int, hold: Hold) -> Callable[[], SavedFiles]:
+    def snapshot_to(self, directory: Path, step: int, hold: Hold,
+                    since: int | None = None) -> Callable[[], SavedFiles]:
         """UpdateSource.snapshot_to: the server writes the files now (`checkpoint`: it
-        snapshots the partition at `step` before the next push can apply, and writes off
-        its event loop); a dynamic table's paged-out rows are its `paged/` file."""
+        snapshots the partition at `step` before the next push can apply, the rows changed
+        since `since` when given, and writes off its event loop); a dynamic table's
+        paged-out rows are its `paged/` file."""
         out: SavedFiles = {}
-        for f in self.checkpoint(step, str(directory)):
+        for f in self.checkpoint(step, str(directory), since):
             kind = "paged" if f.file.startswith("paged/") else "optim"
             out.setdefault(f.table, {})[kind] = ShardInfo(f.table, f.rank, f.row_start,
-                                                          f.row_end, f.file, f.bytes, f.crc32)
+                                                          f.row_end, f.file, f.bytes, f.crc32,
+                                                          f.delta)
         return lambda: out
 
     def restore_from(self, directory: Path, step: int) -> None:

@@ -20,7 +20,8 @@ Contract:
   same lookups in the same order on every rank (they are collectives).
 - optional: `eval_batch(index, rank, world_size)` (held-out data, None when
   there is none), `evaluate(model, batch)` (metrics as mean-over-batch
-  scalar tensors), `steps_per_epoch(world_size)` (finite data),
+  scalar tensors), `steps_per_epoch(world_size)` (finite data; `steps_for_epochs(epochs,
+  world_size)` where a resumed schedule's epochs differ in length),
   `fsdp_units(dense)` (submodules to shard separately), `describe()`,
   `evaluate_full(model, rank, world_size, quick=...)` (a whole-split evaluation
   that is itself a collective, e.g. shard-parallel ranking; replaces the
@@ -46,6 +47,7 @@ from torch import nn
 
 from worker.config.train_config import TrainConfig
 from worker.embedding.rows import TableConfig
+from worker.runtime.device_copy import to_device
 
 __all__ = ["Batch", "EmbeddingLookups", "HybridModel", "TableConfig", "Task", "TrainHooks",
            "build_dense_seeded"]
@@ -106,13 +108,23 @@ class Batch:
         return Batch(hi - lo, {k: v[lo:hi] for k, v in self.ids.items()}, bags,
                      {k: v[lo:hi] for k, v in self.values.items()})
 
+    def pin_memory(self) -> Batch:
+        """The same samples in pinned host memory (a non-blocking copy to a GPU overlaps)."""
+        return Batch(
+            self.size, {k: v.pin_memory() for k, v in self.ids.items()},
+            {k: (i.pin_memory(), o.pin_memory()) for k, (i, o) in self.bags.items()},
+            {k: v.pin_memory() for k, v in self.values.items()})
+
     def to(self, device: torch.device | str) -> Batch:
+        """The batch on `device`; to a CUDA device through pinned buffers with
+        non-blocking copies (worker/runtime/device_copy.py `to_device`: a copy from
+        pageable memory would make the host wait for it)."""
+        dev = torch.device(device)
         return Batch(
             self.size,
-            {k: v.to(device, non_blocking=True) for k, v in self.ids.items()},
-            {k: (i.to(device, non_blocking=True), o.to(device, non_blocking=True))
-             for k, (i, o) in self.bags.items()},
-            {k: v.to(device, non_blocking=True) for k, v in self.values.items()},
+            {k: to_device(v, dev) for k, v in self.ids.items()},
+            {k: (to_device(i, dev), to_device(o, dev)) for k, (i, o) in self.bags.items()},
+            {k: to_device(v, dev) for k, v in self.values.items()},
         )
 
 
@@ -187,6 +199,13 @@ class Task(ABC):
         """Steps in one pass over finite data; None for generated data."""
         return None
 
+    def steps_for_epochs(self, epochs: int, world_size: int) -> int | None:
+        """The step --epochs passes end before: epochs * steps_per_epoch, unless the data's
+        schedule says otherwise (a resume at another world size re-splits what was left of
+        an epoch into a remainder of its own length); None for generated data."""
+        per_epoch = self.steps_per_epoch(world_size)
+        return None if per_epoch is None else epochs * per_epoch
+
     def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
                       quick: bool = False) -> dict[str, float] | None:
         """Whole-split metrics computed by all ranks together (a collective: every rank calls
@@ -222,6 +241,12 @@ class Task(ABC):
 
     def hooks(self, model: HybridModel, world_size: int) -> TrainHooks | None:
         """Training controls for this run (None: none); built once the model exists."""
+        return None
+
+    @classmethod
+    def plan_dense_parameters(cls, cfg: TrainConfig) -> int | None:
+        """The dense part's parameter count without building the task (worker/plan.py:
+        what --dense-parallel auto would choose); None: known once the task is built."""
         return None
 
     def fsdp_units(self, dense: nn.Module) -> list[nn.Module]:

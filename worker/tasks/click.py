@@ -25,6 +25,12 @@ def click_mlp(width: int) -> nn.Sequential:
                          nn.Linear(32, 1))
 
 
+def click_mlp_parameters(width: int) -> int:
+    """Parameters of click_mlp(width) (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in click_mlp(width).parameters())
+
+
 class ClickTask(Task):
     """A generated click-prediction task: subclasses say the dense input width, how a
     batch is generated and how the model reads it."""

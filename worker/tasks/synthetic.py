@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig
-from worker.tasks.click import ClickTask
+from worker.tasks.click import ClickTask, click_mlp_parameters
 from worker.tasks.metrics import batch_roc_auc
 
 ZIPF_S = 1.1
@@ -109,7 +109,16 @@ class SyntheticTask(ClickTask):
         return [TableConfig(name, n, self.cfg.run.dim) for name, n in self.sizes.items()]
 
     def input_width(self) -> int:
-        return 4 * self.cfg.run.dim + NUM_DENSE
+        return self.input_width_for(self.cfg)
+
+    @classmethod
+    def input_width_for(cls, cfg: TrainConfig) -> int:
+        """input_width without the task (plan_dense_parameters); subclasses override this."""
+        return 4 * cfg.run.dim + NUM_DENSE  # user, item, category, tag rows + dense features
+
+    @classmethod
+    def plan_dense_parameters(cls, cfg: TrainConfig) -> int | None:
+        return click_mlp_parameters(cls.input_width_for(cfg))
 
     def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
         logit_B = self.forward(model, batch)

@@ -30,7 +30,7 @@ from hybridps.dynamic import DynamicSpec, salted
 from worker.config.task_options import parse_table_list, parse_tables, table_shardings
 from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig
-from worker.tasks.click import ClickTask
+from worker.tasks.click import ClickTask, click_mlp_parameters
 from worker.tasks.metrics import batch_roc_auc
 from worker.tasks.synthetic import Scatter, zipf_ranks
 
@@ -101,7 +101,16 @@ class TablesTask(ClickTask):
         return [t for t, _ in self.plan_tables(self.cfg)]
 
     def input_width(self) -> int:
-        return len(self.specs) * self.cfg.run.dim + NUM_DENSE
+        return self.input_width_for(self.cfg)
+
+    @classmethod
+    def input_width_for(cls, cfg: TrainConfig) -> int:
+        """input_width without the task (plan_dense_parameters); subclasses override this."""
+        return len(table_specs(cfg)) * cfg.run.dim + NUM_DENSE
+
+    @classmethod
+    def plan_dense_parameters(cls, cfg: TrainConfig) -> int | None:
+        return click_mlp_parameters(cls.input_width_for(cfg))
 
     def evaluate(self, model: HybridModel, batch: Batch) -> dict[str, torch.Tensor]:
         logit_B, label_B = self.forward(model, batch), batch.values["label"]

@@ -35,7 +35,7 @@ from worker.checkpoint.run_claim import claim_run
 from worker.checkpoint.run_parts import run_parts
 from worker.config.train_config import OptimConfig, RunConfig, SyncConfig, TrainConfig
 from worker.dense.optimizer import make_dense_optimizer, sparse_optimizer_spec
-from worker.dense.parallel import build_dense_parallel, check_dense_parallel
+from worker.dense.parallel import build_dense_parallel, check_dense_parallel, dense_facts
 from worker.embedding import comm
 from worker.embedding.dynamic.ids import RowPager, check_dynamic_tables
 from worker.embedding.sharded import ROW_DTYPES, ShardedEmbedding
@@ -92,11 +92,11 @@ def scheduled_lr(hooks: TrainHooks | None, step: int, optim: OptimConfig,
 def num_steps(run: RunConfig, task: Task, world_size: int) -> int:
     if run.epochs == 0:
         return run.steps
-    per_epoch = task.steps_per_epoch(world_size)
-    if per_epoch is None:
+    end = task.steps_for_epochs(run.epochs, world_size)
+    if end is None:
         raise ValueError(f"epochs={run.epochs}: task {task.name!r} generates its data and "
                          "has no epochs; use --steps")
-    return run.epochs * per_epoch
+    return end
 
 
 def resolve_run_id(sync: SyncConfig, ctx: DistContext) -> str:
@@ -135,11 +135,14 @@ class Trainer:
             row_dtype=ROW_DTYPES[cfg.optim.row_dtype], pool_at=cfg.run.pool_at,
             group_tables=cfg.run.group_tables, sharding=cfg.run.sharding)
         dense = build_dense_seeded(self.task, cfg.run.seed).to(ctx.device)
-        # --dense-parallel fsdp|hsdp|ddp (+ --compile, precision, clipping):
-        # worker/dense/parallel.py
+        # --dense-parallel auto|fsdp|hsdp|ddp (+ --compile, precision, clipping):
+        # worker/dense/parallel.py; auto decides on the dense part's size (policy.py)
+        facts = dense_facts(dense, ctx, dense_optimizer=cfg.optim.dense_kind,
+                            device_memory_gb=cfg.sizing.device_memory_gb,
+                            host_memory_gb=cfg.sizing.host_memory_gb)
         self.dense_parallel = build_dense_parallel(cfg.dense, ctx, dense,
                                                    self.task.fsdp_units(dense),
-                                                   plain_at_one_rank=True)
+                                                   plain_at_one_rank=True, facts=facts)
         self.model = HybridModel(self.embedding, self.dense_parallel.module)
         self.dense_opt = make_dense_optimizer(cfg.optim, self.dense_parallel.module.parameters())
         # the task's lr schedule / scheduled evaluation / early stopping (Task.hooks)
@@ -173,11 +176,6 @@ class Trainer:
                      if sync.staleness_compensation == "predict" and sync.staleness > 0
                      else None)
         self.window = StalenessWindow(self.source, self.embedding, sync.staleness, predictor)
-        # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
-        self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
-                                    world_size=ctx.world_size, device=ctx.device,
-                                    backend=ctx.backend, end_step=self.steps,
-                                    enabled=cfg.run.pipeline)
         self.checkpointer.attach(run_parts(
             cfg, rank=ctx.rank, world_size=ctx.world_size, embedding=self.embedding,
             window=self.window, source=self.source, source_kind=self.source_kind,
@@ -186,6 +184,14 @@ class Trainer:
         if resume is not None:
             self.checkpointer.restore_local(*resume)
             self.record.start_step = resume[1] + 1
+            # --epochs after the task's data position came back (another world size: the
+            # rest of the epoch is a remainder of its own length)
+            self.record.steps = num_steps(cfg.run, self.task, ctx.world_size)
+        # --pipeline: batch t+1 and its ids all_to_all on a second thread during step t
+        self.inputs = InputPipeline(self.task, self.embedding, rank=ctx.rank,
+                                    world_size=ctx.world_size, device=ctx.device,
+                                    backend=ctx.backend, end_step=self.steps,
+                                    enabled=cfg.run.pipeline)
         self.record.last_step = self.start_step - 1
         self.evaluations = 0  # during training
         self.console = ExitStack()  # rank 0's log redirect around the progress bar

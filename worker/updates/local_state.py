@@ -11,7 +11,7 @@ rows, and the step count, for the rows this rank owns; read back for the rows it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,24 +39,52 @@ def _table_rows(emb: ShardedEmbedding, table: str) -> tuple[str, slice]:
     return unit.name, slice(member.offset, member.offset + member.rows)
 
 
+# per table: (the global rows of a delta shard, None: every row of this rank; the
+# optimizer's state of those rows by name; their fp32 master rows, None: fp32 rows)
+TableRows = tuple[torch.Tensor | None, dict[str, torch.Tensor], torch.Tensor | None]
+
+
+def local_state_rows(*, emb: ShardedEmbedding, state: UnitState,
+                     masters: Mapping[str, torch.Tensor], dynamic: Collection[str],
+                     changed: Mapping[str, torch.Tensor] | None = None
+                     ) -> dict[str, TableRows]:
+    """Per table, the state rows a checkpoint writes (views of a whole table's rows; a
+    delta's gathered). `changed` (per unit, bool [rows]: the rows pushes changed since the
+    previous checkpoint): an incremental checkpoint, each static table's rows only those
+    (a delta shard). A `dynamic` table's are whole (its slots' state also moves in the
+    fused step, hybridps/native/dynamic_step.c, which keeps no such flags)."""
+    out: dict[str, TableRows] = {}
+    for name in emb.tables:
+        start, _ = emb.ranges[name]
+        unit, rows = _table_rows(emb, name)
+        master = masters.get(unit)
+        ids = None
+        at: slice | torch.Tensor = rows
+        if changed is not None and name not in dynamic:
+            local = changed[unit][rows].nonzero().squeeze(1)
+            at, ids = local + rows.start, local.cpu() + start
+        out[name] = (ids, {n: t[at] for n, t in state[unit].items()},
+                     None if master is None else master[at])
+    return out
+
+
 def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbedding,
-                     spec: OptimizerSpec, state: UnitState,
-                     masters: Mapping[str, torch.Tensor], counts: Mapping[str, int],
-                     paged: Mapping[str, Mapping[str, Any]]
+                     spec: OptimizerSpec, rows: Mapping[str, TableRows],
+                     counts: Mapping[str, int], paged: Mapping[str, Mapping[str, Any]]
                      ) -> dict[str, dict[str, ShardInfo]]:
-    """`paged`: a dynamic table's paged-out rows as its store's state_dict()."""
+    """`rows`: `local_state_rows`'s; `paged`: a dynamic table's paged-out rows as its
+    store's state_dict()."""
     out = {}
     opt = dataclasses.asdict(spec)
     for name, table in emb.tables.items():
         start, end = emb.ranges[name]
-        unit, rows = _table_rows(emb, name)
-        master = masters.get(unit)
+        unit, _ = _table_rows(emb, name)
+        ids, by_name, master = rows[name]
         out[name] = {"optim": save_optim_state(
             directory, table=name, rank=rank, num_rows=table.num_rows, dim=table.dim,
             row_start=start, row_end=end,
-            state=OptimState({n: t[rows] for n, t in state[unit].items()}, counts[unit],
-                             step, None if master is None else master[rows]),
-            optimizer=opt)}
+            state=OptimState(dict(by_name), counts[unit], step, master),
+            optimizer=opt, ids=ids)}
         if name in paged:  # a dynamic table's paged-out rows (hybridps/dynamic_files.py)
             out[name]["paged"] = save_paged_state(directory, table=name, rank=rank,
                                                   start=start, end=end, state=paged[name],

@@ -37,7 +37,7 @@ from hybridps.optim import OptimizerSpec, apply_update_, step_rows_
 from hybridps.paged_rows import PagedOut, PagedRows
 from hybridps.state_alloc import alloc_row_state
 from worker.embedding.sharded import ShardedEmbedding
-from worker.updates.local_state import restore_local_state, save_local_state
+from worker.updates.local_state import local_state_rows, restore_local_state, save_local_state
 from worker.updates.staleness import RowPredictor
 
 # unit (worker/embedding/groups.py: a group of tables of one width, or a table alone) -> (ids_U unit
@@ -268,12 +268,15 @@ class UpdateSource(ABC):
         """Release connections/threads; safe to call twice and after errors."""
 
     # -- checkpoints: each source saves and restores its own optimizer state -------------
-    def snapshot_to(self, directory: Path, step: int, hold: Hold) -> Callable[[], SavedFiles]:
+    def snapshot_to(self, directory: Path, step: int, hold: Hold,
+                    since: int | None = None) -> Callable[[], SavedFiles]:
         """The sparse optimizer state of step `step` (every push <= step applied), held
         through `hold` (a checkpoint's: worker/checkpoint/writer.py), and the write of it
         into checkpoint `directory`, in hybridps/checkpoint.py's optim file format (a
         dynamic table also its paged-out rows, hybridps/dynamic_files.py); it returns the files
-        written, per table and kind ("optim", "paged")."""
+        written, per table and kind ("optim", "paged"). `since` S: incremental, the
+        optim files may be delta shards of the rows changed since the checkpoint of S
+        (the previous one this source snapshotted)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no checkpointable state")
 
     def restore_from(self, directory: Path, step: int) -> None:
@@ -311,6 +314,9 @@ class LocalSparseOptimizer(UpdateSource):
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.masters: dict[str, torch.Tensor] = {}
         self.counts = dict.fromkeys(embedding.units, 0)
+        # per unit, the rows whose state a push changed since the last checkpoint
+        self.changed = {name: torch.zeros(u.rows, dtype=torch.bool, device=embedding.device)
+                        for name, u in embedding.units.items()}
         # dynamic tables (docs/dynamic_ids.md): the rows paged out of their slots, with
         # their optimizer state, in host memory
         self.paged = {name: PagedRows(t.dim, spec.state_widths(t.dim))
@@ -336,6 +342,7 @@ class LocalSparseOptimizer(UpdateSource):
             ids_U, grads_UD = grads[name]
             start = self.embedding.units[name].start
             self.counts[name] += 1
+            self.changed[name].index_fill_(0, ids_U - start, True)
             delta_UD, decay = step_rows_(spec, self.state[name], ids_U - start, grads_UD,
                                          self.counts[name])
             self.stats.pushes += self.tables_in[name]
@@ -351,16 +358,20 @@ class LocalSparseOptimizer(UpdateSource):
                 continue
             self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
 
-    def snapshot_to(self, directory: Path, step: int, hold: Hold) -> Callable[[], SavedFiles]:
-        """The same files the shard server writes (worker/updates/local_state.py)."""
-        state = hold({unit: dict(held) for unit, held in self.state.items()})
-        masters = hold(dict(self.masters))
+    def snapshot_to(self, directory: Path, step: int, hold: Hold,
+                    since: int | None = None) -> Callable[[], SavedFiles]:
+        """The same files the shard server writes (worker/updates/local_state.py); the
+        changed marks restart with the snapshot (the next pushes are the next delta)."""
+        rows = hold(local_state_rows(emb=self.embedding, state=self.state,
+                                     masters=self.masters, dynamic=self.paged.keys(),
+                                     changed=None if since is None else self.changed))
         paged = {name: hold(store.state_dict()) for name, store in self.paged.items()}
         counts = dict(self.counts)
+        for flags in self.changed.values():
+            flags.zero_()
         emb, spec = self.embedding, self.spec
         return lambda: save_local_state(directory, step, rank=emb.rank, emb=emb, spec=spec,
-                                        state=state, masters=masters, counts=counts,
-                                        paged=paged)
+                                        rows=rows, counts=counts, paged=paged)
 
     def restore_from(self, directory: Path, step: int) -> None:
         restore_local_state(directory, step, emb=self.embedding, spec=self.spec,

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from hybridps.row_deltas import add_offsets_
+from hybridps.row_deltas import add_offsets_, pick_offsets
 from worker.embedding.groups import join_ids
 from worker.embedding.sharded import ShardedEmbedding
 from worker.runtime.device_copy import to_device
@@ -170,22 +170,22 @@ class RowPredictor:
             if not pending_steps or ids_L.numel() == 0:
                 continue
             pending = [self.pushed[s][name] for s in pending_steps]
-            rows_N = torch.cat(pending) if len(pending) > 1 else pending[0]
-            pos_N = torch.searchsorted(ids_L, rows_N).clamp_(max=ids_L.numel() - 1)
-            hit_N = ids_L.index_select(0, pos_N) == rows_N
             # No compaction to the rows that have a prediction: its size would be read on
             # the host. A row without one gets an offset of exactly 0.
             if len(pending) == 1:  # K=1: each row once, sorted and distinct
-                keys_P = rows_N
-                offset_PD = torch.where(hit_N.unsqueeze(1), delta_LD.index_select(0, pos_N),
-                                        0.0)
+                keys_P = pending[0]
+                offset_PD, hits = pick_offsets(ids_L, delta_LD, keys_P)
             else:
+                rows_N = torch.cat(pending)
+                pos_N = torch.searchsorted(ids_L, rows_N).clamp_(max=ids_L.numel() - 1)
+                hit_N = ids_L.index_select(0, pos_N) == rows_N
                 # A row appears at most once per step: its prediction is (pending steps that
                 # pushed it) x its delta, with no summation order to depend on.
                 count_L = torch.zeros_like(ids_L).index_add_(0, pos_N, hit_N.to(torch.int64))
                 keys_P, offset_PD = ids_L, delta_LD * count_L.unsqueeze(1).to(delta_LD.dtype)
+                hits = hit_N.sum()
             offsets[name] = (keys_P - self.embedding.units[name].start, offset_PD)
-            self.predicted_row_steps = self.predicted_row_steps + hit_N.sum()
+            self.predicted_row_steps = self.predicted_row_steps + hits
         self.refreshes += 1
         self.prediction.tables = offsets
         self.embedding.offset_rows(self.prediction if offsets else None)

@@ -32,8 +32,10 @@ import pytest
 import torch
 
 from hybridps.checkpoint import (
+    Manifest,
     ShardInfo,
     complete_checkpoints,
+    load_optim_state,
     load_rows,
     owning_tensors,
     read_shard,
@@ -227,15 +229,23 @@ def runs(server: PsServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 def test_resume_is_bitwise_deterministic(runs: dict[str, Path]) -> None:
     assert_states(runs["straight"], runs["resumed"], exact=True)
     assert [s for s, _ in complete_checkpoints(runs["ck_b"])] == [9, 19]
-    for table in ("user", "item", "category", "tag"):
-        for rank in (0, 1):
-            name = f"optim/{table}.r{rank:05d}.pt"
-            a = read_shard(step_dir(runs["ck_a"], 19) / name)
-            b = read_shard(step_dir(runs["ck_b"], 19) / name)
-            assert a["meta"]["adam_step"] == b["meta"]["adam_step"] == 20
-            assert a["meta"]["last_step"] == b["meta"]["last_step"] == 19
+    # ck_a's step 19 is an incremental link (its parent step 9), ck_b's the full first
+    # checkpoint of the resumed run: the same optimizer state once composed
+    assert Manifest.read(step_dir(runs["ck_a"], 19)).parent is not None
+    assert Manifest.read(step_dir(runs["ck_b"], 19)).parent is None
+    adam = dataclasses.asdict(OptimizerSpec())
+    tables = Manifest.read(step_dir(runs["ck_b"], 19)).tables
+    assert sorted(tables) == ["category", "item", "tag", "user"]
+    for table, entry in tables.items():
+        for lo, hi in ((s.row_start, s.row_end) for s in entry.shards):
+            a, b = (load_optim_state(step_dir(runs[ck], 19), table=table,
+                                     num_rows=entry.num_rows, dim=entry.dim, row_start=lo,
+                                     row_end=hi, step=19, optimizer=adam)
+                    for ck in ("ck_a", "ck_b"))
+            assert a.adam_step == b.adam_step == 20
+            assert a.last_step == b.last_step == 19
             for key in ("m", "v"):
-                assert torch.equal(a["tensors"][key], b["tensors"][key]), (name, key)
+                assert torch.equal(a.state[key], b.state[key]), (table, lo, key)
     manifest = json.loads((step_dir(runs["ck_b"], 9) / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["next_step"] == 10
     assert [(s["row_start"], s["row_end"]) for s in manifest["tables"]["user"]["shards"]] == [
@@ -277,6 +287,7 @@ def test_torn_checkpoints_are_never_loaded(tmp_path: Path, server: PsServer,
     local = ["--local-optimizer", "--steps", "15", "--checkpoint-every", "5"]
     (step_dir(tmp_path / "straight", 2) / "rows").mkdir(parents=True)  # an old torn one
     run([*local, "--checkpoint-dir", str(tmp_path / "straight"), "--checkpoint-keep", "2",
+         "--checkpoint-mode", "full",  # a chain keeps its links: test_incremental.py
          "--dump-state", str(tmp_path / "straight.pt")], nproc=1)
     assert sorted(p.name for p in (tmp_path / "straight").iterdir()
                   if p.name not in (SECRET_FILE, OWNER_FILE)) == [  # the run's claim
@@ -521,6 +532,7 @@ def test_export_reads_pre_dcp_checkpoints(runs: dict[str, Path], tmp_path: Path)
 
     old = tmp_path / "step-0000000019"
     shutil.copytree(step_dir(runs["ck_a"], 19), old)
+    shutil.copytree(step_dir(runs["ck_a"], 9), tmp_path / "step-0000000009")  # its parent
     dcp_to_torch_save(old / "dense", tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=False)
     shutil.rmtree(old / "dense")

@@ -95,7 +95,8 @@ class Slow:
         self.release = release
         self.value = torch.zeros(3)
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
         held = stage.hold(self.value)
 
         def write() -> Any:

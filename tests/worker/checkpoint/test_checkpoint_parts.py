@@ -129,7 +129,8 @@ class Recorder:
     def __init__(self, name: str, log: list[str], problem: str | None = None) -> None:
         self.name, self.log, self.problem = name, log, problem
 
-    def snapshot(self, directory: Path, step: int, stage: Stage) -> Written:
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
         self.log.append(f"snapshot {self.name} {step}")
 
         def write() -> Any:

@@ -88,6 +88,8 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "checkpoint_dir": ("/tmp/ck", "/tmp/ck"),
     "checkpoint_every": ("0", 0),  # > 0 needs --checkpoint-dir
                                    # (tests/worker/checkpoint/test_checkpoint.py)
+    "checkpoint_mode": ("full", "full"),  # tests/worker/checkpoint/test_incremental.py
+    "checkpoint_full_every": ("4", 4),
     "checkpoint_keep": ("2", 2),
     "checkpoint_on_stop": ("false", False),
     "checkpoint_async": ("false", False),

@@ -101,6 +101,7 @@ def test_convert_streams_tsv_to_parquet_row_groups(tmp_path: Path) -> None:
 def test_the_registry_and_file_lists(tmp_path: Path) -> None:
     assert list(FORMATS) == ["parquet", "criteo_npy", "criteo_tsv"]
     assert format_for("x/day_3.txt.gz").name == "criteo_tsv"
+    assert format_for("x/day_23").name == format_for("day_0.gz").name == "criteo_tsv"
     with pytest.raises(DataError, match=r"b\.csv: no record format reads this file name"):
         format_for(tmp_path / "b.csv")
     with pytest.raises(DataError, match="--valid-files 'nothing-\\*': no file matches"):

@@ -21,7 +21,7 @@ from worker.data.formats import list_files
 from worker.data.reader import FileReader, ReaderConfig
 from worker.data.samples import Samples
 from worker.data.sharding import epoch_streams
-from worker.data.task import scan
+from worker.data.source import scan
 
 GROUPS = [[30, 20], [25], [40, 10, 5], [7, 13]]  # 150 rows, uneven files and row groups
 TOTAL = 150
@@ -95,6 +95,7 @@ def test_resume_at_the_same_world_size_is_bitwise(data: Path, stop: int) -> None
     straight = FileReader(config(data, 2))
     states = [straight.state(stop, r) for r in range(2)]
     resumed = FileReader(config(data, 2).resumed(states, stop))
+    assert resumed.epoch_start(3) == straight.epoch_start(3) == 3 * straight.steps_per_epoch
     for step in range(stop, stop + 2 * straight.steps_per_epoch):
         for rank in range(2):
             a, b = straight.samples(step, rank), resumed.samples(step, rank)
@@ -125,6 +126,11 @@ def test_resume_at_another_world_size_loses_and_repeats_no_row(data: Path, old: 
             for i in ids(after.samples(step, r))]
     assert len(set(read + rest)) == len(read) + len(rest)  # no row twice
     assert left - len(rest) < new * (8 + 1)  # only the new ragged tail is skipped
+    # --epochs counts the remainder as the rest of epoch 1: epoch 2 starts after it
+    assert after.epoch_start(2) == stop + span.steps
+    assert after.epoch_start(3) == stop + span.steps + after.steps_per_epoch
+    assert after.epoch_start(1) == stop  # (resumed inside epoch 1: it ends the run at once)
+    assert after.locate(stop + span.steps - 1)[0] == 1 and after.locate(stop + span.steps)[0] == 2
     # the run goes on into epoch 2 in the new world's order
     nxt = ids(after.samples(stop + span.steps, 0))
     assert nxt == ids(FileReader(config(data, new)).samples(2 * after.steps_per_epoch, 0))

@@ -11,15 +11,18 @@ import numpy as np
 import pytest
 import torch
 
+from hybridps.dynamic import DynamicSpec
 from tests.testing.files_data import write_parquet_set
 from tests.testing.reference_trainer import LocalEmbedding
 from worker.config.preflight import files_problem
 from worker.config.train_config import TrainConfig
 from worker.data.errors import DataError
+from worker.data.loader import pin_host_memory
 from worker.data.task import FilesTask
 from worker.tasks import task_class
 from worker.tasks.base import Batch, HybridModel, build_dense_seeded
 from worker.tasks.metrics import log_loss, roc_auc
+from worker.train.trainer import num_steps
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +87,7 @@ def test_data_workers_give_the_same_batches(data: Path) -> None:
     workers = FilesTask(config(data, data_workers=2))
     for step in [0, 1, 2, 3, 4, 5, 6, 7, 3, 4]:  # a step out of order restarts the workers
         assert same(workers.batch(step, 1, 2), inproc.batch(step, 1, 2)), step
-    for loader in workers._loaders.values():
-        loader.close()
+    workers.source.close()
 
 
 def test_the_task_state_resumes_at_another_world_size(data: Path) -> None:
@@ -97,11 +99,85 @@ def test_the_task_state_resumes_at_another_world_size(data: Path) -> None:
         run.batch(3, r, 2)  # the rank the task runs as: that of its last batch
         states.append(run.data_state(4))
     assert [s["rank"] for s in states] == [0, 1] and states[0]["epoch"] == 0  # type: ignore[index]
-    resumed = FilesTask(config(data))
+    resumed = FilesTask(config(data, epochs=2))
     resumed.load_data_state(states, 4)  # no process group: a world of one
-    rest = [int(v) for step in range(4, 4 + resumed.reader(1).config.spans[0].steps)
+    span = resumed.source.reader(1).config.spans[0].steps
+    rest = [int(v) for step in range(4, 4 + span)
             for v in resumed.batch(step, 0, 1).values["dense"][:, 0]]
     assert not set(seen) & set(rest) and len(seen) + len(rest) > 90
+    # --epochs 2: the rest of epoch 0 (the remainder), then one whole epoch of 1 rank
+    per = resumed.steps_per_epoch(1)
+    assert per == 12 and span == (100 - len(seen)) // 8
+    assert num_steps(resumed.cfg.run, resumed, 1) == 4 + span + per
+    epochs = [resumed.source.reader(1).locate(step)[0] for step in range(4, 4 + span + per)]
+    assert epochs == [0] * span + [1] * per
+    straight = FilesTask(config(data, epochs=2))
+    assert num_steps(straight.cfg.run, straight, 2) == 2 * straight.steps_per_epoch(2) == 12
+
+
+def test_features_yaml_dynamic_and_sharded_tables(tmp_path: Path) -> None:
+    """A --features YAML file: a dynamic table takes raw ids as they are (none refused
+    nor hashed), a table names its sharding; a bad entry is one line naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = np.array([10**12, -7, 3, 2**40, 5, 10**12, 0, 99], dtype=np.int64)
+    pq.write_table(pa.table({"label": np.array([0, 1] * 4, np.int8), "user": raw,
+                             "item": np.arange(8, dtype=np.int64) % 4}), tmp_path / "d.parquet")
+    spec = tmp_path / "features.yaml"
+    spec.write_text(
+        "tables:\n"
+        "  - {column: user, rows: 16, dynamic: {eviction: lfu, admission: always}}\n"
+        "  - {column: item, rows: 4, sharding: table_wise}\n")
+    cfg = TrainConfig.of(local_optimizer=True, task="files", batch_size=8, dim=4,
+                         train_files=str(tmp_path / "*.parquet"), features=str(spec))
+    task = FilesTask(cfg)
+    user, item = task.tables()
+    assert user.dynamic == DynamicSpec(eviction="lfu") and user.num_rows == 16
+    assert item.dynamic is None and item.sharding == "table_wise" and user.sharding == ""
+    b = task.batch(0, 0, 1)
+    assert sorted(b.ids["user"].tolist()) == sorted(raw.tolist())  # raw, unchanged
+    for text, message in [
+        ("tables: [{column: user, dynamic: {eviction: mru}}]",
+         "tables[0]: dynamic table: unknown eviction policy 'mru'"),
+        ("tables: [{column: user, dynamic: {evict: lru}}]",
+         "tables[0]: dynamic: unknown keys ['evict']"),
+        ("tables: [{column: user, dynamic: 3}]",
+         "tables[0]: dynamic 3 must be true or an object of policies"),
+        ("tables: [{column: item, sharding: diagonal}]",
+         "tables[0]: sharding 'diagonal' is not one of row_wise, table_wise, auto"),
+        ("tables: [{column: user", "cannot read it as YAML"),
+    ]:
+        spec.write_text(text)
+        with pytest.raises(DataError) as info:
+            FilesTask(cfg)
+        line = str(info.value)
+        assert line.startswith(f"--features {spec}: ") and message in line, line
+        assert "\n" not in line
+    # true: the default policies; the same document as JSON
+    (tmp_path / "f.json").write_text(json.dumps(
+        {"tables": [{"column": "user", "rows": 16, "dynamic": True}, {"column": "item"}]}))
+    task = FilesTask(TrainConfig.of(local_optimizer=True, task="files", batch_size=8, dim=4,
+                                    train_files=str(tmp_path / "*.parquet"),
+                                    features=str(tmp_path / "f.json")))
+    assert task.tables()[0].dynamic == DynamicSpec()
+
+
+def test_host_memory_is_pinned_only_for_a_cuda_device(data: Path) -> None:
+    assert pin_host_memory("auto", cuda_available=True)
+    assert pin_host_memory("cuda", cuda_available=True)
+    assert not pin_host_memory("cpu", cuda_available=True)
+    assert not pin_host_memory("auto", cuda_available=False)
+    task = FilesTask(config(data, device="cpu"))
+    assert not task.source.pin
+    b = task.batch(0, 0, 1)
+    assert not any(t.is_pinned() for t in [*b.ids.values(), *b.values.values()])
+    if torch.cuda.is_available():  # on a GPU machine: pinned, and the copy non-blocking
+        pinned = FilesTask(config(data, device="cuda"))
+        assert pinned.source.pin
+        got = pinned.batch(0, 0, 1)
+        assert all(t.is_pinned() for t in [*got.ids.values(), *got.values.values()])
+        assert same(got.to("cuda").to("cpu"), b)
 
 
 def test_evaluation_over_the_valid_files(data: Path) -> None:

@@ -1,4 +1,4 @@
-"""--dense-parallel fsdp|hsdp|ddp, --compile, --clip-grad-norm, --precision
+"""--dense-parallel auto|fsdp|hsdp|ddp, --compile, --clip-grad-norm, --precision
 (worker/dense/parallel.py).
 
 Every equivalence test trains the synthetic task (small tables, 12 steps) with
@@ -102,7 +102,9 @@ def test_fsdp_server_knobs_clipping_match_reference(ps_address: str, tmp_path: P
                                 "--clip-grad-norm", str(CLIP), "--reshard-after-forward",
                                 "false", "--dense-cpu-offload", "true"])
     assert res["mode"] == "server"
+    # the default, auto, takes FSDP2 for FSDP2's own flags
     assert res["dense"]["parallel"] == "fsdp" and res["dense"]["mesh"] == [2]
+    assert res["dense"]["asked"] == "auto"
     assert res["dense"]["reshard_after_forward"] is False and res["dense"]["cpu_offload"]
     cfg = small_config(clip_grad_norm=CLIP)
     ref = train_reference(cfg, world_size=2)
@@ -166,9 +168,10 @@ def test_fsdp_compile_matches_eager_reference(tmp_path: Path) -> None:
     """Inductor (gcc) on the dense forward inside FSDP2's eager hooks; the reference is the
     eager single process (ddp + compile: the ddp mean test). No eval: a no_grad forward
     would compile a second graph (~10 s on 2 busy cores)."""
-    state, res = run(tmp_path, ["--compile", "true", "--eval-batches", "0"])
-    assert res["dense"]["compile"] is True
-    cfg = small_config(compile=True)
+    state, res = run(tmp_path, ["--dense-parallel", "fsdp", "--compile", "true",
+                                "--eval-batches", "0"])
+    assert res["dense"]["compile"] is True and res["dense"]["parallel"] == "fsdp"
+    cfg = small_config(dense_parallel="fsdp", compile=True)
     assert_matches(state, train_reference(cfg, world_size=2), cfg, 2)
 
 
@@ -282,7 +285,8 @@ def test_hsdp_mesh_shape_and_errors() -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "message"), [
-    (["--dense-parallel", "zero3"], "dense_parallel='zero3' is not one of fsdp, hsdp, ddp"),
+    (["--dense-parallel", "zero3"],
+     "dense_parallel='zero3' is not one of auto, fsdp, hsdp, ddp"),
     (["--dense-parallel", "ddp", "--dense-cpu-offload"],
      "dense_cpu_offload=True with dense_parallel='ddp'"),
     (["--dense-parallel", "ddp", "--precision", "bf16"],
@@ -291,8 +295,12 @@ def test_hsdp_mesh_shape_and_errors() -> None:
      "reshard_after_forward=False with dense_parallel='ddp'"),
     (["--dense-parallel", "ddp", "--prefetch-dense", "true"],
      "prefetch_dense=True with dense_parallel='ddp'"),
-    (["--hsdp-shard-size", "2"], "hsdp_shard_size=2 with dense_parallel='fsdp'"),
-    (["--ddp-grad-reduce", "sum"], "ddp_grad_reduce='sum' with dense_parallel='fsdp'"),
+    (["--hsdp-shard-size", "2"], "hsdp_shard_size=2 with dense_parallel='auto'"),
+    (["--dense-parallel", "fsdp", "--hsdp-shard-size", "2"],
+     "hsdp_shard_size=2 with dense_parallel='fsdp'"),
+    (["--ddp-grad-reduce", "sum"], "ddp_grad_reduce='sum' with dense_parallel='auto'"),
+    (["--dense-parallel", "fsdp", "--ddp-grad-reduce", "sum"],
+     "ddp_grad_reduce='sum' with dense_parallel='fsdp'"),
     (["--dense-parallel", "ddp", "--ddp-bucket-mb", "0"], "ddp_bucket_mb=0.0 must be > 0"),
     (["--precision", "fp8"], "precision='fp8' is not one of fp32, bf16, fp16"),
     (["--loss-scale-init", "1024"], "loss_scale_init=1024.0 with precision='fp32'"),
@@ -351,9 +359,10 @@ def test_root_keeps_its_gathered_parameters_for_backward(tmp_path: Path,
 @pytest.mark.timeout(120)
 def test_prefetch_dense_is_bitwise_the_unprefetched_run(tmp_path: Path) -> None:
     """--prefetch-dense starts the all-gather at the top of every step after the first; the
-    run is bitwise the one that gathers at the dense forward (the default)."""
-    on_state, on_res = run(tmp_path / "on", ["--prefetch-dense", "true"])
-    off_state, off_res = run(tmp_path / "off", [])
+    run is bitwise the one that gathers at the dense forward (fsdp's default)."""
+    on_state, on_res = run(tmp_path / "on", ["--dense-parallel", "fsdp", "--prefetch-dense",
+                                             "true"])
+    off_state, off_res = run(tmp_path / "off", ["--dense-parallel", "fsdp"])
     assert on_res["dense"]["prefetch"] is True and on_res["dense"]["prefetches"] == STEPS - 1
     assert off_res["dense"]["prefetch"] is False and off_res["dense"]["prefetches"] == 0
     for name, rows in on_state["tables"].items():
@@ -369,7 +378,8 @@ def test_prefetch_starts_the_root_gather_before_forward(world_of_one: Any) -> No
     with --prefetch-dense false it never gathers early."""
     for enabled in (True, False):
         torch.manual_seed(0)
-        dp = build_dense_parallel(small_config(prefetch_dense=enabled).dense, world_of_one,
+        dp = build_dense_parallel(small_config(dense_parallel="fsdp",
+                                               prefetch_dense=enabled).dense, world_of_one,
                                   nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
         group = dp.module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
         opt = torch.optim.SGD(dp.module.parameters(), lr=0.1)

@@ -1,6 +1,8 @@
-"""--task dlrm: a short 2-rank real-server run on the synthetic generator, the Criteo TSV path
-on 2 ranks, held-out AUC / log loss over 2 ranks equal to one process scoring the same
-samples, and the fused 26-table lookup equal to 26 single lookups.
+"""--task dlrm: a short 2-rank real-server run on the synthetic generator, Criteo TSV files
+through the one data path (worker/data) on 2 ranks, the same batches from the TSV and from
+its Parquet conversion, a run from Parquet stopped mid-epoch and resumed bitwise equal to
+the run straight through, held-out AUC / log loss over 2 ranks equal to one process scoring
+the same samples, and the fused 26-table lookup equal to 26 single lookups.
 """
 
 from __future__ import annotations
@@ -20,21 +22,24 @@ from tests.testing.helpers import start_ps_server
 from tests.testing.reference_trainer import LocalEmbedding
 from tests.testing.spawn_helpers import run_ranks
 from worker.config.task_defaults import config_with_task_defaults
+from worker.data.convert import convert_tsv
 from worker.tasks.base import HybridModel, build_dense_seeded
 from worker.tasks.ctr.batch import NUM_DENSE, NUM_SPARSE
-from worker.tasks.ctr.dlrm import HOLDOUT_EVERY, DLRMTask, parse_table_rows
+from worker.tasks.ctr.dlrm import DLRMTask, parse_table_rows
 from worker.tasks.ctr.synthetic import SyntheticCTR
 from worker.tasks.metrics import log_loss, roc_auc
 
 REPO = Path(__file__).resolve().parents[3]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-TSV_LINES, ROWS = 4000, 60
+TSV_LINES, VALID_LINES, ROWS = 4000, 600, 60
 
 
-def write_criteo_tsv(path: Path, lines: int = TSV_LINES, seed: int = 3) -> Path:
-    """Criteo-format lines (label, 13 ints, 26 hex tokens, some missing) with a learnable label."""
+def write_criteo_tsv(path: Path, lines: int = TSV_LINES, seed: int = 3,
+                     split: str = "train") -> Path:
+    """Criteo-format lines (label, 13 ints, 26 hex tokens, some missing) with a learnable
+    label (the planted model of `seed`; `split`: other samples of it)."""
     gen = SyntheticCTR([1000] * NUM_SPARSE, seed=seed)
-    b = gen.batch(0, lines, "train")
+    b = gen.batch(0, lines, split)
     rng = np.random.default_rng(seed)
     out = []
     for i in range(lines):
@@ -46,10 +51,13 @@ def write_criteo_tsv(path: Path, lines: int = TSV_LINES, seed: int = 3) -> Path:
 
 
 def tsv_config(path: Path, **extra: Any) -> Any:
-    return config_with_task_defaults(
-        task="dlrm", data_path=str(path), local_optimizer=True, staleness=0, batch_size=64,
-        steps=40, table_rows=str(ROWS), dim=8, eval_batches=3, eval_every=20, progress=False,
-        log_every=4, **extra)
+    """--data-path DAY.tsv, held out: valid.tsv next to it when there is one."""
+    valid = path.with_name("valid.tsv")
+    return config_with_task_defaults(**{
+        "task": "dlrm", "data_path": str(path), "local_optimizer": True, "staleness": 0,
+        "batch_size": 64, "steps": 40, "table_rows": str(ROWS), "dim": 8, "eval_batches": 3,
+        "eval_every": 20, "progress": False, "log_every": 4,
+        "valid_files": str(valid) if valid.is_file() else "", **extra})
 
 
 def _criteo_on_ranks(ctx: Any, tsv: str, out_dir: str) -> None:
@@ -94,6 +102,7 @@ def _criteo_on_ranks(ctx: Any, tsv: str, out_dir: str) -> None:
 def criteo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("criteo")
     tsv = write_criteo_tsv(root / "day_0.tsv")
+    write_criteo_tsv(root / "valid.tsv", lines=VALID_LINES, split="test")
     out = root / "out"
     out.mkdir()
     run_ranks("tests.worker.tasks.test_dlrm_task:_criteo_on_ranks", 2, str(tsv), str(out))
@@ -105,35 +114,71 @@ def test_criteo_tsv_two_ranks(criteo_run: tuple[Path, Path]) -> None:
     _, out = criteo_run
     res = json.loads((out / "metrics.json").read_text())
     ev = res["metrics"]
-    # 62 full blocks of 64 lines: 31 per rank, 3 of them held out (j = 9, 19, 29); 40 steps
-    # go past the 28 training blocks of a rank into a second pass
-    assert ev["heldout_samples"] == 2 * 3 * 64
+    # valid.tsv's 600 lines: 300 a rank, all scored by the final evaluation
+    assert ev["heldout_samples"] == VALID_LINES
     assert 0.55 < ev["auc"] <= 1 and 0 < ev["log_loss"] < 0.69
     assert "planted_auc" not in ev  # real data: no planted model
     assert [s for s, _ in res["eval_curve"]] == [19, 39]
     assert res["loss"][-1] < res["loss"][0]
 
 
-def test_criteo_epochs_and_holdout_split(tmp_path: Path) -> None:
-    tsv = write_criteo_tsv(tmp_path / "d.tsv", lines=64 * 25 + 10)
-    task = DLRMTask(tsv_config(tsv, epochs=1))
-    # 25 full blocks of 64 lines (the 10 extra lines are dropped); a rank's block j is held
-    # out when j % 10 == 9. One rank: 25 blocks, 2 held out. Two ranks: 13 / 12 blocks,
-    # 1 held out each -> 12 / 11 training blocks; an epoch is the smaller.
-    assert HOLDOUT_EVERY == 10
-    assert task.steps_per_epoch(1) == 23
-    assert task.steps_per_epoch(2) == 11
-    keys = {}
-    for r in (0, 1):
-        held = task.heldout_batches("test", r, 2)
-        assert [b.size for b in held] == [64]  # the same share on every rank
-        keys[r] = {tuple(x) for b in held for x in b.ids["sparse"].numpy()}
-        train = {tuple(x) for s in range(11) for x in task.batch(s, r, 2).ids["sparse"].numpy()}
-        assert not train & keys[r]
-        # step 11 starts the second epoch: the rank's first block again
-        torch.testing.assert_close(task.batch(11, r, 2).values["label"],
-                                   task.batch(0, r, 2).values["label"])
-    assert not keys[0] & keys[1]
+def _same(a: Any, b: Any) -> bool:
+    return a.size == b.size and all(torch.equal(a.values[k], b.values[k]) for k in a.values) \
+        and set(a.ids) == set(b.ids) and all(torch.equal(a.ids[k], b.ids[k]) for k in a.ids)
+
+
+def test_criteo_tsv_and_its_parquet_give_the_same_batches(tmp_path: Path) -> None:
+    tsv = write_criteo_tsv(tmp_path / "day_0.tsv", lines=64 * 25 + 10)
+    task = DLRMTask(tsv_config(tsv, epochs=1, shuffle_buffer=0))
+    # 1610 lines: 25 full batches of 64 on one rank, 805 lines a rank -> 12 on two
+    assert task.steps_per_epoch(1) == 25 and task.steps_per_epoch(2) == 12
+    assert task.describe()["train_rows"] == 1610 and task.describe()["data"] == "files"
+    b = task.batch(0, 1, 2)
+    assert sorted(b.ids) == sorted(f"cat_{j}" for j in range(NUM_SPARSE))
+    assert b.values["dense"].shape == (64, NUM_DENSE)
+    assert all(int(v.min()) >= 0 and int(v.max()) < ROWS for v in b.ids.values())  # hashed
+    # no shuffle buffer: epoch 1 (step 12) reads what epoch 0 read
+    assert _same(task.batch(12, 1, 2), task.batch(0, 1, 2))
+    # the converter keeps the tokens' 64-bit hashes: the same ids from the Parquet files
+    convert_tsv([tsv], tmp_path / "pq", rows_per_group=100)
+    parquet = DLRMTask(tsv_config(tsv, data_path="", shuffle_buffer=0,
+                                  train_files=str(tmp_path / "pq" / "*.parquet")))
+    for step in (0, 5, 11, 12):
+        for rank in (0, 1):
+            assert _same(parquet.batch(step, rank, 2), task.batch(step, rank, 2)), step
+    with pytest.raises(ValueError, match="--train-files or --data-path, not both"):
+        DLRMTask(tsv_config(tsv, train_files=str(tmp_path / "pq" / "*.parquet")))
+
+
+def _dlrm_from_parquet(folder: Path, *flags: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDPS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(REPO / "worker" / "main.py"), "--task", "dlrm",
+           "--local-optimizer", "--device", "cpu", "--train-files",
+           str(folder / "pq" / "*.parquet"), "--table-rows", str(ROWS), "--dim", "8",
+           "--batch-size", "64", "--shuffle-buffer", "256", "--eval-every", "0",
+           "--progress", "false", "--log-every", "5", "--checkpoint-every", "7", *flags]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=170, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+
+
+@pytest.mark.e2e
+def test_dlrm_from_parquet_resumes_mid_epoch_bitwise(tmp_path: Path) -> None:
+    """640 rows, 10 steps an epoch: 14 steps straight, and 7 (a checkpoint mid-epoch 0)
+    then --resume to 14 (into epoch 1): the same tables and dense weights, bitwise."""
+    convert_tsv([write_criteo_tsv(tmp_path / "d.tsv", lines=640)], tmp_path / "pq",
+                rows_per_group=100)
+    _dlrm_from_parquet(tmp_path, "--steps", "14", "--checkpoint-dir", str(tmp_path / "a"),
+                       "--dump-state", str(tmp_path / "straight.pt"))
+    _dlrm_from_parquet(tmp_path, "--steps", "7", "--checkpoint-dir", str(tmp_path / "b"))
+    _dlrm_from_parquet(tmp_path, "--steps", "14", "--checkpoint-dir", str(tmp_path / "b"),
+                       "--resume", "--dump-state", str(tmp_path / "resumed.pt"))
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    for part in ("tables", "dense"):
+        assert set(a[part]) == set(b[part]) and a[part]
+        for key in a[part]:
+            assert torch.equal(a[part][key], b[part][key]), (part, key)
 
 
 @pytest.mark.e2e

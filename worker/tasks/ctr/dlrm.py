@@ -1,7 +1,9 @@
-"""DLRM click-through-rate prediction (`--task dlrm`) on Criteo TSV or synthetic data.
+"""DLRM click-through-rate prediction (`--task dlrm`) on files or synthetic data.
 
     torchrun --standalone --nproc_per_node 2 worker/main.py --ps 127.0.0.1:50051 --task dlrm
     torchrun ... worker/main.py --ps ... --task dlrm --data-path day_0.tsv --table-rows 1000000
+    torchrun ... worker/main.py --ps ... --task dlrm --train-files 'pq/*.parquet' \
+        --valid-files 'valid/*.parquet' --table-rows 1000000 --epochs 1
 
 Model (Naumov et al., 2019): a bottom MLP maps the 13 dense features to a `--dim` vector;
 each of the 26 categorical features is a row of its own row-wise sharded table (`cat_0` ..
@@ -15,20 +17,21 @@ the `--model-config` JSON (which may also give `bottom_mlp` / `top_mlp` hidden w
 DEFAULT_TABLE_ROWS. Row 0 of every table is the "missing" row.
 
 Data
-    --data-path empty: worker/tasks/ctr_synthetic.SyntheticCTR with a planted logistic model;
-        global batch `step` of the "train" split is a pure function of (seed, step) and rank r
-        generates only its slice. Held-out data: the "test" split (final metrics) and the
-        "valid" split (--eval-every progress); --eval-batches global batches each. The
-        planted model's own AUC / log loss on the same held-out samples is reported too
-        (`planted_auc`): the ceiling a model can reach.
-    --data-path FILE|DIR: Criteo TSV streamed in --batch-size line blocks; block k of the
-        stream goes to rank k % W (worker/tasks/ctr/criteo.py's "interleave" split: every rank
-        parses only its own blocks), and a rank's j-th block is held out when j % HOLDOUT_EVERY ==
-        HOLDOUT_EVERY - 1: every 10th round of W blocks, so each rank holds out the same
-        share (the held-out lines depend on W and --batch-size). Every step each rank takes
-        its next training block; an epoch is the number of full training blocks the poorest
-        rank has (one line count of the data, done only for --epochs), then every rank
-        restarts its stream; a --steps run longer than the data starts the next pass.
+    no --train-files / --data-path: worker/tasks/ctr/synthetic.SyntheticCTR with a planted
+        logistic model; global batch `step` of the "train" split is a pure function of
+        (seed, step) and rank r generates only its slice. Held-out data: the "test" split
+        (final metrics) and the "valid" split (--eval-every progress); --eval-batches
+        global batches each. The planted model's own AUC / log loss on the same held-out
+        samples is reported too (`planted_auc`): the ceiling a model can reach.
+    --train-files GLOB (Parquet, TorchRec's Criteo .npy, Criteo TSV) or --data-path
+        FILE|DIR (Criteo TSV: its files as --train-files): read through the one file path
+        of --task files (worker/data/source.py: each rank its share, seeded order,
+        --epochs, the reading position in a checkpoint, --data-workers), the columns
+        label, dense_0..12 and cat_0..25 (cat_j into table cat_j of --table-rows rows; an id
+        outside it by --id-overflow, `hash` by default for this task: the TSV tokens'
+        64-bit hashes), or what --features names (every table --dim wide: the dot
+        interaction). Held-out data: --valid-files (the quick evaluation over the first
+        --eval-batches batches of each rank's share, the final one over all of it).
 
 Metrics over all ranks (held-out): exact ROC AUC from each rank's mergeable summary
 (worker.tasks.metrics.auc_summary, all-gathered and merged) and log loss from all-reduced sums:
@@ -37,10 +40,10 @@ the same numbers as one process scoring all the held-out samples.
 
 from __future__ import annotations
 
-import gzip
+import glob
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +57,14 @@ from worker.config.train_config import TrainConfig
 from worker.runtime.gather import dist_info
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
 from worker.tasks.ctr.batch import NUM_DENSE, NUM_SPARSE, CTRBatch
-from worker.tasks.ctr.criteo import iter_criteo_batches, list_criteo_files
+from worker.tasks.ctr.criteo import list_criteo_files
 from worker.tasks.ctr.synthetic import SyntheticCTR
 from worker.tasks.metrics import auc_over_ranks, log_loss_over_ranks, summed_over_ranks
+from worker.tasks.sources import BatchSource, file_source
 
 DEFAULT_TABLE_ROWS = 100
 DEFAULT_BOTTOM_MLP = (64,)
 DEFAULT_TOP_MLP = (128, 64)
-HOLDOUT_EVERY = 10
 TABLE_PREFIX = "cat_"
 CONFIG_KEYS = ("table_rows", "bottom_mlp", "top_mlp")
 
@@ -120,25 +123,28 @@ class DLRMDense(nn.Module):
 
 
 def to_batch(b: CTRBatch) -> Batch:
+    """A CTRBatch as the Batch the file path makes too: table cat_j's ids under cat_j."""
     labels, dense, sparse = b.to_torch()
-    return Batch(len(b), ids={"sparse": sparse}, values={"dense": dense, "label": labels})
+    ids = {f"{TABLE_PREFIX}{j}": sparse[:, j].contiguous() for j in range(sparse.shape[1])}
+    return Batch(len(b), ids=ids, values={"dense": dense, "label": labels})
 
 
-def count_lines(files: Sequence[Path]) -> int:
-    total = 0
-    for path in files:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as f:
-            last = b"\n"
-            while chunk := f.read(1 << 24):
-                total += chunk.count(b"\n")
-                last = chunk[-1:]
-            total += last != b"\n"  # a final line without its newline
-    return total
+def criteo_features(table_rows: Sequence[int], dim: int, id_overflow: str) -> dict[str, Any]:
+    """The Criteo columns as a --features document (worker/data/features.py)."""
+    return {"label": "label", "dense": [f"dense_{j}" for j in range(NUM_DENSE)],
+            "tables": [{"column": f"cat_{j}", "name": f"{TABLE_PREFIX}{j}", "rows": n,
+                        "dim": dim} for j, n in enumerate(table_rows)],
+            "id_overflow": id_overflow}
+
+
+def tsv_files(path: str) -> str:
+    """--data-path FILE|DIR as --train-files: the file, or the directory's non-hidden files
+    in name order (comma-separated escaped globs)."""
+    return ",".join(glob.escape(str(p)) for p in list_criteo_files(path))
 
 
 class DLRMTask(Task):
-    """DLRM on Criteo TSV (--data-path) or the synthetic generator (see module doc)."""
+    """DLRM on files (--train-files, --data-path) or the synthetic generator (module doc)."""
 
     name = "dlrm"
 
@@ -158,81 +164,106 @@ class DLRMTask(Task):
         self.bottom_mlp = [int(v) for v in options.get("bottom_mlp", DEFAULT_BOTTOM_MLP)]
         self.top_mlp = [int(v) for v in options.get("top_mlp", DEFAULT_TOP_MLP)]
         self.synthetic: SyntheticCTR | None = None
-        self.files: list[Path] = []
-        if cfg.dlrm.data_path:
-            self.files = list_criteo_files(cfg.dlrm.data_path)
+        self.source: BatchSource | None = None
+        if cfg.files.train_files and cfg.dlrm.data_path:
+            raise ValueError("task='dlrm': give --train-files or --data-path, not both")
+        if cfg.files.train_files or cfg.dlrm.data_path:
+            features: Mapping[str, Any] | None = None
+            if not cfg.files.features:
+                features = criteo_features(self.table_rows, cfg.run.dim,
+                                           cfg.files.id_overflow)
+            self.source = file_source(
+                cfg, features, what="task 'dlrm'",
+                train_files=tsv_files(cfg.dlrm.data_path) if cfg.dlrm.data_path else None)
+            widths = {t.dim for t in self.source.spec.tables}
+            if widths != {cfg.run.dim}:
+                raise ValueError(f"task='dlrm': every table must be --dim {cfg.run.dim} wide "
+                                 f"(the dot interaction); --features gives {sorted(widths)}")
         else:
             self.synthetic = SyntheticCTR(self.table_rows, seed=cfg.run.seed)
-        self._streams: dict[tuple[int, int], tuple[int, Iterator[CTRBatch]]] = {}
-        self._epoch_steps: dict[int, int] = {}
 
     # -- Task interface -------------------------------------------------------------------
     def tables(self) -> list[TableConfig]:
+        if self.source is not None:
+            return [TableConfig(t.name, t.rows, t.dim, t.dynamic, t.sharding)
+                    for t in self.source.spec.tables]
         return [TableConfig(f"{TABLE_PREFIX}{j}", n, self.cfg.run.dim)
                 for j, n in enumerate(self.table_rows)]
 
     def build_dense(self) -> nn.Module:
-        return DLRMDense(NUM_DENSE, NUM_SPARSE, self.cfg.run.dim, self.bottom_mlp, self.top_mlp)
+        num_dense = NUM_DENSE if self.source is None else len(self.source.spec.dense)
+        return DLRMDense(num_dense, len(self.tables()), self.cfg.run.dim, self.bottom_mlp,
+                         self.top_mlp)
 
     def global_batch(self, step: int, world_size: int) -> Batch:
-        if self.synthetic is not None:
-            size = world_size * self.cfg.run.batch_size
-            return to_batch(self.synthetic.batch(step, size, "train"))
-        parts = [self._criteo_train(step, r, world_size) for r in range(world_size)]
-        return to_batch(CTRBatch(*(np.concatenate([getattr(p, k) for p in parts])
-                                   for k in ("labels", "dense", "sparse"))))
+        if self.source is not None:
+            return self.source.global_batch(step, world_size)
+        assert self.synthetic is not None
+        size = world_size * self.cfg.run.batch_size
+        return to_batch(self.synthetic.batch(step, size, "train"))
 
     def batch(self, step: int, rank: int, world_size: int) -> Batch:
-        if self.synthetic is not None:
-            size = world_size * self.cfg.run.batch_size
-            return to_batch(self.synthetic.batch(step, size, "train", rank, world_size))
-        return to_batch(self._criteo_train(step, rank, world_size))
+        if self.source is not None:
+            return self.source.batch(step, rank, world_size)
+        assert self.synthetic is not None
+        size = world_size * self.cfg.run.batch_size
+        return to_batch(self.synthetic.batch(step, size, "train", rank, world_size))
 
     def loss(self, model: HybridModel, batch: Batch) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(self.forward(model, batch),
                                                   batch.values["label"])
 
     def steps_per_epoch(self, world_size: int) -> int | None:
-        if self.synthetic is not None:
-            return None
-        return self._steps_per_epoch(world_size)
+        return None if self.source is None else self.source.steps_per_epoch(world_size)
+
+    def steps_for_epochs(self, epochs: int, world_size: int) -> int | None:
+        return None if self.source is None else self.source.steps_for_epochs(epochs, world_size)
+
+    def data_state(self, next_step: int) -> dict[str, Any] | None:
+        return None if self.source is None else self.source.data_state(next_step)
+
+    def load_data_state(self, states_by_rank: Sequence[dict[str, Any] | None],
+                        next_step: int) -> None:
+        if self.source is not None:
+            self.source.load_data_state(states_by_rank, next_step)
 
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "task": self.name, "table_rows": self.table_rows, "dim": self.cfg.run.dim,
-            "bottom_mlp": self.bottom_mlp, "top_mlp": self.top_mlp,
-            "data": str(self.cfg.dlrm.data_path) if self.files else "synthetic",
-            "embedding_rows": sum(self.table_rows)}
-        if self.files:
-            out["holdout"] = (f"a rank's block j is held out when j % {HOLDOUT_EVERY} == "
-                              f"{HOLDOUT_EVERY - 1}")
+            "task": self.name, "table_rows": [t.num_rows for t in self.tables()],
+            "dim": self.cfg.run.dim, "bottom_mlp": self.bottom_mlp, "top_mlp": self.top_mlp,
+            "data": "files" if self.source is not None else "synthetic",
+            "embedding_rows": sum(t.num_rows for t in self.tables())}
+        if self.source is not None:
+            out.update(self.source.describe())
         return out
 
     # -- model ------------------------------------------------------------------------------
     def forward(self, model: HybridModel, batch: Batch) -> torch.Tensor:
-        """logit_B; the 26 tables' lookups fused into one exchange (a collective)."""
-        emb = model.lookups
-        sparse_BT = batch.ids["sparse"]
-        rows = emb.lookup_many([f"{TABLE_PREFIX}{j}" for j in range(NUM_SPARSE)],
-                               [sparse_BT[:, j] for j in range(NUM_SPARSE)])
+        """logit_B; the tables' lookups fused into one exchange (a collective); a list
+        column's bag pooled by its table's pooling."""
+        names = [t.name for t in self.tables()]
+        pooling = ({t.name: t.pooling for t in self.source.spec.tables}
+                   if self.source is not None else {})
+        ids = [batch.bags[n][0] if n in batch.bags else batch.ids[n] for n in names]
+        bags = [(batch.bags[n][1], pooling[n]) if n in batch.bags else None for n in names]
+        rows = model.lookups.lookup_many(
+            names, ids, bags=bags if any(b is not None for b in bags) else None)
         out: torch.Tensor = model.dense(batch.values["dense"], torch.stack(rows, dim=1))
         return out
 
     # -- evaluation -------------------------------------------------------------------------
     def heldout_batches(self, split: str, rank: int, world_size: int) -> list[Batch]:
-        """This rank's part of the held-out data (--eval-batches global batches)."""
+        """This rank's part of the held-out data: --eval-batches global batches of the
+        generator's `split`; from files, --valid-files (the quick evaluation, split
+        "valid": the first --eval-batches batches of the rank's share; else all of it)."""
         n = self.cfg.output.eval_batches
-        if self.synthetic is not None:
-            size = world_size * self.cfg.run.batch_size
-            return [to_batch(self.synthetic.batch(i, size, split, rank, world_size))
-                    for i in range(n)]
-        out: list[Batch] = []
-        for j, b in self._criteo_blocks(rank, world_size):
-            if j % HOLDOUT_EVERY == HOLDOUT_EVERY - 1:
-                out.append(to_batch(b))
-                if len(out) == n:
-                    break
-        return out
+        if self.source is not None:
+            return list(self.source.heldout_batches(rank, world_size,
+                                                    n if split == "valid" else None))
+        assert self.synthetic is not None
+        size = world_size * self.cfg.run.batch_size
+        return [to_batch(self.synthetic.batch(i, size, split, rank, world_size))
+                for i in range(n)]
 
     @torch.no_grad()
     def evaluate_full(self, model: HybridModel, rank: int, world_size: int, *,
@@ -253,9 +284,10 @@ class DLRMTask(Task):
             logits.append(self.forward(model, b.to(device)).float().cpu().numpy())
             labels.append(b.values["label"].numpy())
             if self.synthetic is not None and not quick:
+                sparse = torch.stack([b.ids[f"{TABLE_PREFIX}{j}"]
+                                      for j in range(NUM_SPARSE)], dim=1)
                 planted.append(self.synthetic.planted_logits(CTRBatch(
-                    b.values["label"].numpy(), b.values["dense"].numpy(),
-                    b.ids["sparse"].numpy())))
+                    b.values["label"].numpy(), b.values["dense"].numpy(), sparse.numpy())))
         score, label = np.concatenate(logits), np.concatenate(labels)
         out = {"auc": auc_over_ranks(score, label, world, group)}
         if quick:
@@ -267,56 +299,3 @@ class DLRMTask(Task):
             out["planted_log_loss"] = log_loss_over_ranks(plant, label, world, group)
         out["heldout_samples"] = float(summed_over_ranks(float(len(label)), world, group))
         return out
-
-    # -- Criteo streaming -------------------------------------------------------------------
-    def _criteo_blocks(self, rank: int, world_size: int) -> Iterator[tuple[int, CTRBatch]]:
-        """(j, block): this rank's full blocks in stream order (global block j * W + rank)."""
-        stream = iter_criteo_batches(self.files, self.cfg.run.batch_size, self.table_rows,
-                                     rank=rank, world_size=world_size, drop_last=True)
-        yield from enumerate(stream)
-
-    def _train_blocks(self, rank: int, world_size: int) -> Iterator[CTRBatch]:
-        for j, b in self._criteo_blocks(rank, world_size):
-            if j % HOLDOUT_EVERY != HOLDOUT_EVERY - 1:
-                yield b
-
-    def _steps_per_epoch(self, world_size: int) -> int:
-        if world_size not in self._epoch_steps:
-            full = count_lines(self.files) // self.cfg.run.batch_size
-            blocks = [len(range(r, full, world_size)) for r in range(world_size)]
-            steps = min(n - n // HOLDOUT_EVERY for n in blocks)
-            if steps < 1:
-                raise ValueError(f"{self.cfg.dlrm.data_path}: fewer training lines than "
-                                 f"{world_size} ranks x --batch-size {self.cfg.run.batch_size}")
-            self._epoch_steps[world_size] = steps
-        return self._epoch_steps[world_size]
-
-    def _criteo_train(self, step: int, rank: int, world_size: int) -> CTRBatch:
-        """This rank's training block of `step` (sequential steps stream; others re-read)."""
-        epoch_steps = self._steps_per_epoch(world_size) if self.cfg.run.epochs else None
-        key = (rank, world_size)
-        state = self._streams.get(key)
-        if state is None or state[0] != step:
-            # (re)start at the beginning of step's epoch and skip to `step`
-            first = step - step % epoch_steps if epoch_steps else 0
-            state = (first, self._train_blocks(rank, world_size))
-            for _ in range(step - first):
-                state = self._advance(state, rank, world_size, epoch_steps)[0]
-        state, block = self._advance(state, rank, world_size, epoch_steps)
-        self._streams[key] = state
-        return block
-
-    def _advance(self, state: tuple[int, Iterator[CTRBatch]], rank: int, world_size: int,
-                 epoch_steps: int | None) -> tuple[tuple[int, Iterator[CTRBatch]], CTRBatch]:
-        """Next training block after `state` ((next step, iterator)); restarts per epoch."""
-        step, blocks = state
-        if epoch_steps and step % epoch_steps == 0:
-            blocks = self._train_blocks(rank, world_size)
-        block = next(blocks, None)
-        if block is None:  # --steps run past the end of the data: next pass
-            blocks = self._train_blocks(rank, world_size)
-            block = next(blocks, None)
-            if block is None:
-                raise ValueError(f"{self.cfg.dlrm.data_path}: no full training block of "
-                                 f"--batch-size {self.cfg.run.batch_size} lines for rank {rank}")
-        return (step + 1, blocks), block

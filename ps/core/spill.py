@@ -1,0 +1,226 @@
+"""The shard server's disk tier: where partitions spill optimizer state (no grpc).
+
+With `--spill-dir DIR`, a partition whose fixed optimizer state (its tables' state and
+master rows) exceeds its share of the memory budget (ps/core/limits.py's `run_share` over
+the run's world size) keeps that share in memory as page frames and the rest in one
+page file per table (hybridps/spilled_rows.py: fixed-size pages, a clock over page
+accesses, a crc32 per page). The decision is taken at Register from the partition's own
+sizes and the flags alone, and which pages spill depends only on the partition's own
+pushes: a run is bitwise the same run with every byte in memory.
+
+Disk: every spilled table reserves, at Register, the most its file may hold; a Register
+whose files would exceed `--spill-max-gb` (0: no limit of its own) is refused with one
+line naming the sizes, nothing allocated. With `--spill-max-gb`, a dynamic table's
+paged-out rows spill too (`paged_payload`): their quota grows by the rows its part of the
+disk holds (the partition's equal part of --spill-max-gb less its static spill files), so
+the drops, decided as before against that quota, come only beyond memory and disk.
+
+Spill files are a cache of this process, never a recovery source: a checkpoint reads
+spilled pages back (ps/core/checkpoint.py), the files of a freed or replaced partition
+are removed with it, and each server process spills into a directory of its own under
+DIR that it holds a lock on (`flock`); a new server removes every directory under DIR
+whose lock no live process holds (left by a process killed with kill -9). The directory
+is the operator's flag, never a client's: a run only names tables and sizes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from hybridps import logs
+from hybridps.errors import ResourceExhausted
+from hybridps.id_map import fixed_size_for
+from hybridps.page_file import page_stride
+from hybridps.paged_rows import IDMAP_POSITION_BYTES, quota_rows
+from hybridps.spilled_rows import (
+    DEFAULT_PAGE_BYTES,
+    RowColumns,
+    SpilledRows,
+    frame_bytes,
+    page_rows_for,
+    spilled_bytes,
+)
+from ps.core.limits import gib
+from ps.core.partition import ColumnsFactory, TableSpec
+
+log = logging.getLogger("ps.spill")
+kv = logs.kv
+
+PROCESS_PREFIX = "ps-"
+# memory a spilled table keeps per page besides its frames (hybridps/spilled_rows.py's
+# memory_bytes: page map, crc32, written flag) and per frame (its page, flags)
+SPILL_PAGE_BOOKKEEPING = 8 + 4 + 1 + 10
+LOCK_NAME = "lock"
+# the row columns of a table: (name, floats per row) each
+Layout = list[tuple[str, int]]
+
+
+class SpillTier:
+    """The disk tier of one server process (module doc); `directory` '' is off."""
+
+    def __init__(self, directory: str | Path = "", max_bytes: int = 0,
+                 page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"spill max bytes {max_bytes} must be >= 0 (0: no limit)")
+        if page_bytes < 1:
+            raise ValueError(f"spill page bytes {page_bytes} must be >= 1")
+        self.max_bytes = max_bytes
+        self.page_bytes = page_bytes
+        self._lock = threading.Lock()
+        self._reserved = 0
+        self._names = itertools.count()
+        self.root = Path(directory) if directory else None
+        self.directory: Path | None = None
+        self._lock_fd = -1
+        self.removed_stale = 0
+        if self.root is not None:
+            self._open()
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+    def _open(self) -> None:
+        assert self.root is not None
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.removed_stale = self._remove_stale()
+        own = self.root / f"{PROCESS_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+        own.mkdir(mode=0o700)
+        fd = os.open(own / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+                     0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.directory, self._lock_fd = own, fd
+        log.info(kv("spill_dir", directory=own, stale_removed=self.removed_stale,
+                    max_bytes=self.max_bytes))
+
+    def _remove_stale(self) -> int:
+        """Remove the process directories under the root whose lock no process holds."""
+        assert self.root is not None
+        removed = 0
+        for entry in sorted(self.root.iterdir()):
+            if not entry.name.startswith(PROCESS_PREFIX) or entry.is_symlink() or \
+                    not entry.is_dir():
+                continue
+            try:
+                fd = os.open(entry / LOCK_NAME, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                fd = -1
+            try:
+                if fd >= 0:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:  # a live server's
+                        continue
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        return removed
+
+    def close(self) -> None:
+        """Remove this process's directory (its files: a cache of this process)."""
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            os.close(self._lock_fd)
+            self.directory, self._lock_fd = None, -1
+
+    # -- what a partition spills ------------------------------------------------------
+
+    def plan(self, tables: list[tuple[int, Layout]], memory_bytes: int,
+             what: str) -> list[int]:
+        """The frames (pages in memory) each table gets when the partition's row columns
+        (`tables`: rows and layout each) exceed `memory_bytes`: 0 for every table when they
+        fit, the tier is off, or there is no budget (the table holds its rows in memory);
+        else the memory in proportion to each table's bytes, at least one page each."""
+        total = sum(rows * sum(w for _, w in layout) * 4 for rows, layout in tables)
+        if not self.enabled or total <= memory_bytes:
+            return [0] * len(tables)
+        frames = []
+        for rows, layout in tables:
+            size = rows * sum(w for _, w in layout) * 4
+            page = frame_bytes(layout, self.page_rows(layout)) or 1
+            frames.append(max(1, memory_bytes * size // max(total, 1) // page))
+        return frames
+
+    def page_rows(self, layout: Layout) -> int:
+        return page_rows_for(sum(w for _, w in layout) * 4, self.page_bytes)
+
+    def disk_bytes(self, rows: int, layout: Layout) -> int:
+        return spilled_bytes(layout, rows, self.page_rows(layout))
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Reserve `nbytes` of disk for a partition's spill files; ResourceExhausted
+        naming the sizes when over --spill-max-gb."""
+        with self._lock:
+            if self.max_bytes and self._reserved + nbytes > self.max_bytes:
+                raise ResourceExhausted(
+                    f"{what}: its spill files need up to {gib(nbytes)}; {gib(self._reserved)}"
+                    f" are reserved of the spill limit of {gib(self.max_bytes)} "
+                    "(--spill-max-gb); nothing was allocated")
+            self._reserved += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved = max(0, self._reserved - nbytes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    def paged_quota(self, dim: int, layout: Layout, memory_bytes: int, disk_bytes: int,
+                    call_rows: int, row_bytes: int) -> tuple[int, int]:
+        """(the quota a dynamic table's paged rows are dropped against, the frames of its
+        spilled payload; 0: it does not spill) when `memory_bytes` of memory and
+        `disk_bytes` of spill file hold them. Spilled, an entry keeps its bookkeeping in
+        memory (ids, steps, the id map: `row_bytes` less its row and state) and its row and
+        state on disk, an eighth of the memory as page frames: the most rows whose
+        bookkeeping and frames fit the memory and whose pages fit the disk. The quota is
+        in the store's own units (`row_bytes` a row and its id map), so its drops are
+        decided as without the tier, only later."""
+        columns = [("rows", dim), *layout]
+        page_rows = self.page_rows(columns)
+        page = frame_bytes(columns, page_rows)
+        frames = max(1, memory_bytes // 8 // max(page, 1))
+        payload = 4 * sum(w for _, w in columns)
+        entry = row_bytes - payload
+        disk_rows = disk_bytes // page_stride(page) * page_rows - call_rows
+
+        def memory(rows: int) -> int:
+            pages = -(-(rows + call_rows) // page_rows)
+            return (IDMAP_POSITION_BYTES * fixed_size_for(rows + call_rows) + rows * entry
+                    + frames * page + SPILL_PAGE_BOOKKEEPING * pages)
+
+        lo, hi = 0, max(disk_rows, 0)
+        while lo < hi:  # the most rows whose memory fits (memory() grows with rows)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if memory(mid) <= memory_bytes else (lo, mid - 1)
+        if lo <= quota_rows(memory_bytes, row_bytes, call_rows):
+            return memory_bytes, 0  # spilling holds no more rows than memory alone
+        return lo * row_bytes + IDMAP_POSITION_BYTES * fixed_size_for(lo + call_rows), frames
+
+    def paged_payload(self, dim: int, layout: Layout, positions: int,
+                      frames: int) -> SpilledRows:
+        """The rows and state of a dynamic table's paged-out entries by pool position
+        (hybridps/paged_rows.py's `spill_payload`), `frames` pages of them in memory."""
+        assert self.directory is not None
+        columns = [("rows", dim), *layout]
+        path = self.directory / f"t{next(self._names)}.pages"
+        return SpilledRows(path, columns, positions, self.page_rows(columns), frames)
+
+    def factory(self, frames: dict[str, int]) -> ColumnsFactory:
+        """A partition's columns factory (ps/core/partition.py): a spilled holder for the
+        tables named in `frames` (name -> frames > 0), None (in memory) for the others."""
+        def make(spec: TableSpec, layout: Layout) -> RowColumns | None:
+            count = frames.get(spec.name, 0)
+            if count <= 0 or self.directory is None:
+                return None
+            path = self.directory / f"t{next(self._names)}.pages"
+            return SpilledRows(path, layout, spec.rows_held, self.page_rows(layout), count)
+        return make

@@ -109,8 +109,10 @@ def test_a_terminal_shows_phases_bar_and_checkpoints_without_interleaving(
     assert [e.group(1) if e else m["message"] for e, m in zip(events, logs, strict=True)] == [
         "event=start", "event=ready", "checkpoint step 19", "checkpoint step 39",
         "checkpoint step 59"]
-    for m in logs[2:]:
-        assert re.search(r"-> \S+step-00000000\d9: [\d.]+ (KiB|MiB) in [\d.]+s", m["message"])
+    kinds = [re.search(r"-> \S+step-00000000\d9: [\d.]+ (KiB|MiB) (full|incremental) in "
+                       r"[\d.]+s", m["message"]) for m in logs[2:]]
+    # the first checkpoint of a run is full, the next ones are links of its chain
+    assert [k.group(2) if k else None for k in kinds] == ["full", "incremental", "incremental"]
     assert any("%|" in line and "loss=" in line for line in lines)  # the bar was there
     # the summary lists every checkpoint: where, how big, how long
     summary = [line for line in lines if line.startswith("  step ")]

@@ -83,8 +83,16 @@ def save_paged(directory: str | Path, *, table: str, rank: int, start: int, end:
                store: PagedRows, step: int, writer: Writer | None = None) -> ShardInfo:
     """A dynamic table's paged-out rows (through `writer` when given: the shard server's,
     ps/core/checkpoint_dirs.py)."""
+    return save_paged_state(directory, table=table, rank=rank, start=start, end=end,
+                            state=store.state_dict(), step=step, writer=writer)
+
+
+def save_paged_state(directory: str | Path, *, table: str, rank: int, start: int, end: int,
+                     state: Mapping[str, Any], step: int,
+                     writer: Writer | None = None) -> ShardInfo:
+    """`save_paged` of a store's `state_dict()` taken before (a snapshot)."""
     return _info(Path(directory), paged_file(table, rank), table, rank, start, end,
-                 {**store.state_dict(), "step": step}, writer)
+                 {**state, "step": step}, writer)
 
 
 def _load(directory: Path, info: ShardInfo, what: str) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,11 +24,11 @@ from hybridps.checkpoint import (
     save_optim_state,
     verify_shards,
 )
-from hybridps.dynamic_files import restore_plan, save_paged
+from hybridps.dynamic_files import restore_plan, save_paged_state
 from hybridps.errors import Conflict
 from hybridps.optim import OptimizerSpec
 from ps.core.partition import MASTER, Partition, TableSpec, TableState
-from ps.core.table_members import pieces
+from ps.core.table_members import Piece, pieces
 
 # rows a restore reads back at a time to widen the overflow bound and mark touched rows
 # (a spilled table's pages are read from its spill file, a bounded buffer at a time)
@@ -68,8 +70,49 @@ def save_partition(part: Partition, directory: str | Path, step: int,
     last one saved of every table: Conflict otherwise): each optim file is a delta
     shard of the rows whose state changed since then (`TableState.changed`: pushes and
     Page calls). A dynamic table's paged-out rows are written whole.
-    The caller holds `part.lock` (no push applies while the files are written).
-    """
+    The caller holds `part.lock` (no push applies while the files are written)."""
+    return snapshot_partition(part, step, since).write(directory, writer)
+
+
+@dataclass
+class PartitionSnapshot:
+    """A partition's optimizer state of one step, copied (`snapshot_partition`): written
+    without the partition's lock, while the pushes of the next steps apply."""
+
+    where: str
+    rank: int
+    incarnation: int
+    optimizer: dict[str, Any]
+    step: int
+    # (member, dim, its state, the global rows of a delta shard: None, the whole member)
+    pieces: list[tuple[Piece, int, OptimState, torch.Tensor | None]]
+    paged: list[tuple[str, int, int, dict[str, Any]]]  # (table, start, end, store state)
+    nbytes: int
+
+    def write(self, directory: str | Path, writer: Writer | None = None) -> list[ShardInfo]:
+        out = [save_optim_state(directory, table=p.name, rank=self.rank, num_rows=p.num_rows,
+                                dim=dim, row_start=p.row_start, row_end=p.row_end,
+                                state=state, optimizer=self.optimizer,
+                                incarnation=self.incarnation, writer=writer, ids=ids)
+               for p, dim, state, ids in self.pieces]
+        out.extend(save_paged_state(directory, table=table, rank=self.rank, start=start,
+                                    end=end, state=state, step=self.step, writer=writer)
+                   for table, start, end, state in self.paged)
+        return out
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
+def snapshot_partition(part: Partition, step: int,
+                       since: int | None = None) -> PartitionSnapshot:
+    """A copy of every table's state of a partition whose last applied step is exactly
+    `step` (a Conflict otherwise); `since` S: only the rows changed since the checkpoint
+    of step S (save_partition). The caller holds `part.lock`; the copy is one
+    partition's state (its m, v, masters, read through its row columns wherever they
+    are held; a dynamic table's paged-out rows). The changed marks restart here: the
+    pushes applied after the copy are the next checkpoint's delta."""
     for name, t in part.tables.items():
         if t.last_step != step:
             raise Conflict(f"checkpoint {part.where} table {name!r} at step {step}: the last "
@@ -78,39 +121,41 @@ def save_partition(part: Partition, directory: str | Path, step: int,
             raise Conflict(f"incremental checkpoint {part.where} table {name!r} at step "
                            f"{step} since step {since}: the last checkpoint saved of it is "
                            f"of step {t.saved_step}; write a full one")
-    out = []
+    held: list[tuple[Piece, int, OptimState, torch.Tensor | None]] = []
+    paged = []
+    nbytes = 0
     for t in part.tables.values():
-        out.extend(write_table(part, t, directory, step, writer, since))
-    for t in part.tables.values():  # every file written: the next delta starts here
+        for p in pieces(t.spec):
+            ids, state, master = _piece_copy(t, p, since)
+            nbytes += sum(x.numel() * x.element_size() for x in (*state.values(), master)
+                          if x is not None)
+            held.append((p, t.spec.dim, OptimState(state, t.adam_step, t.last_step, master),
+                         ids))
+        if t.paging is not None:  # a dynamic table's paged-out rows (their own arrays)
+            paged.append((t.spec.name, t.spec.row_start, t.spec.row_end,
+                          t.paging.store.state_dict()))
+    for t in part.tables.values():  # every row copied: the next delta starts here
         if t.changed is None:
             t.changed = torch.zeros(t.spec.rows_held, dtype=torch.bool)
         else:
             t.changed.zero_()
         t.saved_step = step
-    return out
+    return PartitionSnapshot(part.where, part.rank, part.incarnation,
+                             dataclasses.asdict(part.optimizer), step, held, paged, nbytes)
 
 
-def write_table(part: Partition, t: TableState, directory: str | Path, step: int,
-                writer: Writer | None, since: int | None) -> list[ShardInfo]:
-    """The files of one partition table (its members' optim files, its paged-out rows)."""
-    out = []
-    opt = dataclasses.asdict(part.optimizer)
-    for p in pieces(t.spec):
-        changed = t.changed
-        ids = (None if since is None or changed is None
-               else changed[p.lo:p.hi].nonzero().squeeze(1) + p.row_start)
-        state, master = (_piece_state(t, p.lo, p.hi) if ids is None
-                         else _rows_state(t, ids - p.row_start + p.lo))
-        out.append(save_optim_state(
-            directory, table=p.name, rank=part.rank, num_rows=p.num_rows,
-            dim=t.spec.dim, row_start=p.row_start, row_end=p.row_end,
-            state=OptimState(state, t.adam_step, t.last_step, master),
-            optimizer=opt, incarnation=part.incarnation, writer=writer, ids=ids))
-    if t.paging is not None:  # a dynamic table's paged-out rows
-        out.append(save_paged(directory, table=t.spec.name, rank=part.rank,
-                              start=t.spec.row_start, end=t.spec.row_end,
-                              store=t.paging.store, step=step, writer=writer))
-    return out
+def _piece_copy(t: TableState, p: Piece, since: int | None
+                ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None],
+                           torch.Tensor | None]:
+    """(the global rows of a delta shard, None: every row; a copy of their optimizer
+    state; of their master rows) of one member of a table."""
+    changed = t.changed
+    if since is None or changed is None:
+        state, master = _piece_state(t, p.lo, p.hi)  # views of held rows: copied
+        return None, {n: _copy(x) for n, x in state.items()}, _copy(master)
+    ids = changed[p.lo:p.hi].nonzero().squeeze(1) + p.row_start
+    state, master = _rows_state(t, ids - p.row_start + p.lo)  # gathered: copies already
+    return ids, state, master
 
 
 def check_restore(specs: Sequence[TableSpec], optimizer: OptimizerSpec, master: bool,

@@ -564,8 +564,11 @@ class Store(PartitionAuth):
         """Save the partitions of `ranks` (all of the run when empty) at exactly `step`,
         into a step directory of a run directory their run secret claimed
         (ps/core/checkpoint_dirs.py); `since` S: incremental, only what changed since
-        their checkpoint of step S (ps/core/checkpoint.py save_partition)."""
-        from ps.core.checkpoint import save_partition
+        their checkpoint of step S (ps/core/checkpoint.py save_partition). Each
+        partition's state is copied under its lock and written without it: a push of a
+        later step applies meanwhile, never into the files (the copy is one partition's
+        state at a time), and marks the rows of the next delta."""
+        from ps.core.checkpoint import snapshot_partition
 
         what = f"checkpoint run={run_id!r}"
         try:
@@ -579,18 +582,21 @@ class Store(PartitionAuth):
                                     f"{sorted(missing) or 'any'} not registered on this server")
             started = time.perf_counter()
             out: list[tuple[int, Any]] = []
+            snapshot_bytes = 0
             with self.checkpoint_root.step_writer(
                     directory, [p.run_digest for p in parts], what) as (path, writer):
                 for part in sorted(parts, key=lambda p: p.rank):
                     with part.lock:
-                        try:
-                            out.extend((part.rank, info)
-                                       for info in save_partition(part, path, step, writer,
-                                                                  since))
-                        except OSError as exc:  # e.g. a name too long: the request's fault
-                            raise write_refusal(exc, path, what) from exc
+                        snapshot = snapshot_partition(part, step, since)
+                    snapshot_bytes = max(snapshot_bytes, snapshot.nbytes)
+                    try:
+                        out.extend((part.rank, info) for info in snapshot.write(path, writer))
+                    except OSError as exc:  # e.g. a name too long: the request's fault
+                        raise write_refusal(exc, path, what) from exc
+                    del snapshot
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
                         step=step, directory=path, files=len(out),
+                        snapshot_bytes=snapshot_bytes,
                         seconds=f"{time.perf_counter() - started:.3f}"))
             return out
         except ShardError as exc:

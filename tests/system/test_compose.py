@@ -236,7 +236,9 @@ def test_compose_stack_survives_a_rank_crash(tmp_path: Path) -> None:
         try:
             stack.start()
             dump = tmp_path / name / "state.pt"
+            # written in place: the step-9 checkpoint is complete when the kill comes
             worker = stack.worker({**extra, "HYBRIDPS_DUMP_STATE": str(dump),
+                                   "HYBRIDPS_CHECKPOINT_ASYNC": "false",
                                    "HYBRIDPS_NUM_ROWS": "2000", "HYBRIDPS_DIM": "8"},
                                   timeout=600)
             log = worker.stdout + worker.stderr

@@ -9,7 +9,7 @@ the sequence:
 1. every rank applies what the forward of step s+1 sees (updates <= s-K) and waits
    for the updates of steps s-K+1..s (so every push <= s is applied on the server),
    without applying them: they are *pending* (worker/checkpoint/window.py);
-2. every part writes this rank's files, in order: the rows it owns with the pending
+2. every part writes this rank's files, in order (below: when): the rows it owns with the pending
    updates applied (`rows/<table>.r<rank>.pt`, canonical rows: every update <= s, what
    export and a re-shard read; the live rows are put back exactly, so the run goes on as
    if no checkpoint was taken: tables.py), a dynamic table's slot map, `pending/
@@ -29,8 +29,8 @@ and the one after a failed save are full) has each part write only what changed 
 (the rows and optimizer state as delta shards; the other parts whole), and its manifest
 names the parent and keeps the chain's id (`draft_manifest`); restore, re-sharding and
 export read the chain composed (hybridps/checkpoint.py `load_table_rows`), and
---checkpoint-keep keeps every link a kept checkpoint needs (`prune`). The write calls are
-`write_part` and `write_manifest`.
+--checkpoint-keep keeps every link a kept checkpoint needs (`prune`). The parts hold
+what changed at the snapshot (below), and their marks of what changed restart there.
 
 A directory without a manifest is torn and ignored. Before anything is loaded the
 checkpoint is verified whole (worker/checkpoint/resume.py `resume_target`: every file
@@ -53,7 +53,18 @@ A dynamic table's prefetch (--pipeline) is held back once a rank is signalled, a
 ranks agree on the flag as it was then (lifecycle.stop_agreed `requested`), so a stop's
 checkpoint never follows a pending translation.
 
-Each phase of a save is a fault point (worker/runtime/faults.py: HYBRIDPS_FAULT_CHECKPOINT).
+Steps 2 and 3 run in two phases (worker/checkpoint/writer.py): the snapshot at the step
+boundary (every part holds the state it will write: `snapshot`), then the writes, the
+gathering and the manifest, by the writer: at once (--checkpoint-async false), or in a
+background thread while the step loop goes on (the default; the next checkpoint, a stop's
+and the end of the run wait for it: `wait`). The manifest is renamed into place only after
+every rank's files are durable, so a crash during the background write leaves the previous
+checkpoint the newest complete one. results.json reports how long each save held the step
+loop (`stall_s`; of it, waiting for the previous checkpoint's write: `behind_s`) and the
+snapshot's host memory (`snapshot_bytes`).
+
+Each phase of a save is a fault point (worker/runtime/faults.py: HYBRIDPS_FAULT_CHECKPOINT;
+"rows" and later run in the writer's job).
 """
 
 from __future__ import annotations
@@ -83,6 +94,7 @@ from hybridps.logs import kv
 from worker.checkpoint.dense import DENSE_DIR
 from worker.checkpoint.parts import CheckpointPart, ManifestDraft
 from worker.checkpoint.resume import dense_optimizer_record, resume_changes, resume_target
+from worker.checkpoint.writer import SyncWriter, Writer, Written, make_writer
 from worker.report.console import checkpoint_entry, human_bytes
 from worker.runtime.faults import fault_point
 
@@ -156,6 +168,9 @@ class Checkpointer:
         self.written: list[dict[str, Any]] = []  # rank 0: step, path, bytes, seconds
         self.restore_s = 0.0
         self.saved_step = -1  # the step of this run's newest checkpoint
+        self.stall_s: list[float] = []  # how long each save held the step loop
+        self.behind_s: list[float] = []  # of it: waiting for the previous one's write
+        self.writer: Writer = SyncWriter()  # attach: --checkpoint-async's
         # the chain being written (--checkpoint-mode incremental): the newest checkpoint
         # this process completed (None: the next is full), links since its full one, and
         # its id (rank 0 writes it into every manifest of the chain)
@@ -169,6 +184,13 @@ class Checkpointer:
         if len(set(names)) != len(names):
             raise ValueError(f"checkpoint parts {names} name a part twice")
         self.parts = list(parts)
+        if self.root is not None:  # collective (a process group for the writes' own)
+            self.writer = make_writer(self.opts.checkpoint_async, self.world)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """The most host memory one checkpoint's snapshot held (0: written in place)."""
+        return self.writer.snapshot_bytes
 
     # -- which checkpoint to resume from (called before the source starts) ----------
     def resume_target(self) -> tuple[Path, int] | None:
@@ -202,6 +224,7 @@ class Checkpointer:
         if not self.on_stop or step in (self.saved_step, self.resumed_step):
             return None
         directory = self.save(step)
+        self.writer.wait()  # the process exits after this: every byte first
         if self.rank == 0:
             entry = self.written[-1]
             log.warning(kv("checkpoint_on_stop", step=step, seconds=f"{self.save_s[-1]:.2f}",
@@ -221,9 +244,13 @@ class Checkpointer:
         return parent
 
     def save(self, step: int) -> Path:
-        """A checkpoint of `step` (collective: every rank calls it after pushing `step`)."""
+        """A checkpoint of `step` (collective: every rank calls it after pushing `step`):
+        the snapshot now, the writes, manifest and pruning by the writer (writer.py: at
+        once, or in the background: `wait` or the next save waits for them)."""
         assert self.root is not None
         t0 = time.perf_counter()
+        self.writer.wait()  # one checkpoint in flight
+        self.behind_s.append(time.perf_counter() - t0)
         directory = step_dir(self.root, step)
         since = self.since(step)
         self.parent_step = None  # until this one completes: a failed save breaks the chain
@@ -232,42 +259,60 @@ class Checkpointer:
             (directory / MANIFEST).unlink(missing_ok=True)  # re-saving a step
             shutil.rmtree(directory / DENSE_DIR, ignore_errors=True)  # no stale DCP files
         self._barrier()
+        stage = self.writer.stage()
+        held: dict[str, Written] = {}
+        snapshot_s: dict[str, float] = {}
+        for part in self.parts:
+            t_part = time.perf_counter()
+            held[part.name] = part.snapshot(directory, step, stage, since)
+            snapshot_s[part.name] = time.perf_counter() - t_part
+        group = stage.group
+        self.writer.submit(lambda: self._write(step, since, directory, held, group, t0))
+        self.saved_step = step
+        self.stall_s.append(time.perf_counter() - t0)
+        log.debug("rank %d: checkpoint step %d held the step loop %.3fs (snapshot: %s)",
+                  self.rank, step, self.stall_s[-1],
+                  ", ".join(f"{name} {s:.3f}s" for name, s in snapshot_s.items()))
+        return directory
+
+    def wait(self) -> None:
+        """Until the checkpoint being written (if any) is complete (before the run ends)."""
+        self.writer.close()
+
+    def _write(self, step: int, since: int | None, directory: Path, held: dict[str, Written],
+               group: Any, t0: float) -> None:
+        """The job (writer.py): every part's files, then the manifest, last."""
         mine: dict[str, Any] = {}
         seconds: dict[str, float] = {}
         for part in self.parts:
             t_part = time.perf_counter()
-            mine[part.name] = self.write_part(part, directory, step, since)
+            mine[part.name] = held[part.name].result()
             seconds[part.name] = time.perf_counter() - t_part
             if part.name in PHASE_AFTER:
                 fault_point(self.rank, step, PHASE_AFTER[part.name])
         gathered: list[Any] = [mine]
         if self.world > 1:
             gathered = [None] * self.world
-            dist.all_gather_object(gathered, mine)
+            dist.all_gather_object(gathered, mine, group=group)
         if self.rank == 0:
             manifest = self.draft_manifest(step, since, gathered)
             fault_point(self.rank, step, "manifest")
             self.write_manifest(manifest, directory)
             self._prune()
-        self._barrier()
+        self._barrier(group)
         fault_point(self.rank, step, "after")
         elapsed = time.perf_counter() - t0
         self.save_s.append(elapsed)
-        self.saved_step = step
+        # complete: the next one may be its child (read after the writer's `wait`)
         self.parent_step, self.links = step, (0 if since is None else self.links + 1)
         if self.rank == 0:
             entry = checkpoint_entry(step, directory, elapsed)
             entry["kind"] = "full" if since is None else "incremental"
             self.written.append(entry)
-            log.info("checkpoint step %d -> %s: %s %s in %.2fs (%s)", step, directory,
-                     human_bytes(entry["bytes"]), entry["kind"], elapsed,
-                     ", ".join(f"{name} {s:.2f}s" for name, s in seconds.items()))
-        return directory
-
-    def write_part(self, part: CheckpointPart, directory: Path, step: int,
-                   since: int | None) -> Any:
-        """One part's files of the checkpoint of `step` (`since`: incremental)."""
-        return part.save(directory, step, since)
+            log.info("checkpoint step %d -> %s: %s %s in %.2fs (%s; snapshot in host memory "
+                     "%s)", step, directory, human_bytes(entry["bytes"]), entry["kind"],
+                     elapsed, ", ".join(f"{name} {s:.2f}s" for name, s in seconds.items()),
+                     human_bytes(self.writer.snapshot_bytes))
 
     def write_manifest(self, manifest: Manifest, directory: Path) -> None:
         """The manifest, renamed into place last: the checkpoint is complete (rank 0)."""
@@ -294,9 +339,9 @@ class Checkpointer:
         if self.root is not None:
             prune(self.root, self.opts.checkpoint_keep)
 
-    def _barrier(self) -> None:
+    def _barrier(self, group: Any = None) -> None:
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=group)
 
     # -- restore ----------------------------------------------------------------------
     def restore_local(self, directory: Path, step: int) -> None:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridps.checkpoint import FileEntry, Manifest, save_torch
 from worker.checkpoint.parts import ManifestDraft
 from worker.tasks.base import Task
+
+if TYPE_CHECKING:
+    from worker.checkpoint.writer import Stage, Written
 
 DATA_FORMAT = "hybridps-data-v1"
 
@@ -35,14 +38,20 @@ class DataPart:
     def __init__(self, task: Task, *, rank: int, world_size: int, batch_size: int) -> None:
         self.task, self.rank, self.world, self.batch_size = task, rank, world_size, batch_size
 
-    def save(self, directory: Path, step: int, since: int | None = None) -> FileEntry | None:
-        state = self.task.data_state(step + 1)
-        if state is None:  # batches are a function of the step
-            return None
-        info = save_torch(directory / data_file(self.rank),
-                          {"format": DATA_FORMAT, "rank": self.rank, "next_step": step + 1,
-                           "state": state})
-        return FileEntry(data_file(self.rank), info["bytes"], info["crc32"])
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        state = stage.hold(self.task.data_state(step + 1))  # whole in every checkpoint
+        rank = self.rank
+
+        def write() -> FileEntry | None:
+            if state is None:  # batches are a function of the step
+                return None
+            info = save_torch(directory / data_file(rank),
+                              {"format": DATA_FORMAT, "rank": rank, "next_step": step + 1,
+                               "state": state})
+            return FileEntry(data_file(rank), info["bytes"], info["crc32"])
+
+        return stage.write(write)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.data = {"step": draft.step,

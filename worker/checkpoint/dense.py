@@ -27,6 +27,7 @@ from worker.checkpoint.parts import ManifestDraft
 from worker.checkpoint.resume import dense_optimizer_record
 
 if TYPE_CHECKING:
+    from worker.checkpoint.writer import Stage, Written
     from worker.config.train_config import OptimConfig
 
 DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: dense.pt)
@@ -34,9 +35,14 @@ DENSE_DIR = "dense"  # the DCP checkpoint of the dense part (older checkpoints: 
 log = logging.getLogger("worker.checkpoint")
 
 
-def save_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any, directory: Path,
-               rank: int) -> dict[str, Any]:
-    """The dense part + its optimizer as a DCP checkpoint in `dense/` (collective).
+def dense_state(dense: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The sharded state dicts of the dense part and its optimizer (what `save_dense` writes)."""
+    return {"model": get_model_state_dict(dense), "optim": get_optimizer_state_dict(dense, opt)}
+
+
+def save_dense(state: dict[str, Any], scaler_state: Any, directory: Path, rank: int,
+               group: Any = None) -> dict[str, Any]:
+    """`state` (`dense_state`) as a DCP checkpoint in `dense/` (collective on `group`).
 
     Sharded state dicts: each rank writes only its own FSDP shards (nothing is gathered
     on rank 0), and DCP's metadata lets a run of any world size read the pieces it
@@ -44,16 +50,14 @@ def save_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any, direct
     its size and crc32 (dcp.save has returned on rank 0 only after every rank's writes
     finished), and the fp16 GradScaler's state, identical on all ranks.
     """
-    state = {"model": get_model_state_dict(dense),
-             "optim": get_optimizer_state_dict(dense, opt)}
-    dcp.save(state, checkpoint_id=directory / DENSE_DIR)
+    dcp.save(state, checkpoint_id=directory / DENSE_DIR, process_group=group)
     if rank != 0:
         return {}
     files = sorted(p for p in (directory / DENSE_DIR).iterdir() if p.is_file())
     return {"format": "dcp", "dir": DENSE_DIR,
             "files": [{"file": f"{DENSE_DIR}/{p.name}", "bytes": p.stat().st_size,
                        "crc32": file_crc32(p)} for p in files],
-            "grad_scaler": None if scaler is None else scaler.state_dict()}
+            "grad_scaler": scaler_state}
 
 
 def restore_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
@@ -66,8 +70,7 @@ def restore_dense(dense: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
         set_model_state_dict(dense, blob["model"], options=full)
         set_optimizer_state_dict(dense, opt, blob["optimizer"], options=full)
     else:
-        state: dict[str, Any] = {"model": get_model_state_dict(dense),
-                                 "optim": get_optimizer_state_dict(dense, opt)}
+        state = dense_state(dense, opt)
         dcp.load(state, checkpoint_id=directory / entry["dir"])  # reads only our shards
         set_model_state_dict(dense, state["model"])
         set_optimizer_state_dict(dense, opt, state["optim"])
@@ -106,8 +109,12 @@ class DensePart:
         self.dense, self.opt, self.scaler, self.rank = dense, opt, scaler, rank
         self.optim, self.loss_scale_init = optim, loss_scale_init
 
-    def save(self, directory: Path, step: int, since: int | None = None) -> dict[str, Any]:
-        return save_dense(self.dense, self.opt, self.scaler, directory, self.rank)
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        state = stage.hold(dense_state(self.dense, self.opt))  # whole in every checkpoint
+        scaler = None if self.scaler is None else stage.hold(self.scaler.state_dict())
+        rank, group = self.rank, stage.group
+        return stage.write(lambda: save_dense(state, scaler, directory, rank, group))
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.dense = {**saved_by_rank[0], "optimizer": dense_optimizer_record(self.optim)}

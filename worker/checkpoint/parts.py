@@ -3,10 +3,13 @@ stateful checkpointing), the Checkpointer (checkpointer.py) runs them in sequenc
 
 A part (`CheckpointPart`) is named and does four things:
 
-- `save(directory, step, since)`: write this rank's files of the checkpoint of `step`;
-  returns what this rank saved (picklable: it is gathered on every rank). `since` S: an
-  incremental checkpoint whose parent is the checkpoint of step S: a part may write only
-  what changed since S, as delta shards (hybridps/checkpoint.py's chains); None: whole;
+- `snapshot(directory, step, stage, since)`: hold this rank's state of the checkpoint of
+  `step` through `stage` (worker/checkpoint/writer.py) and hand it the write of its files
+  (`stage.write(fn)`; the write may run later, in the background, from what was held);
+  the write returns what this rank saved (picklable: it is gathered on every rank).
+  `since` S: an incremental checkpoint whose parent is the checkpoint of step S: a part
+  may hold and write only what changed since S, as delta shards (hybridps/checkpoint.py's
+  chains); None: whole;
 - `record(saved_by_rank, draft)`: on rank 0, add its entries (tables, shards, files,
   fields) to the manifest being drafted (`ManifestDraft`), from every rank's `save`;
 - `verify(directory, manifest)`: a problem (one line naming the checkpoint) that makes
@@ -26,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridps.checkpoint import (
     FileEntry,
@@ -39,13 +42,17 @@ from hybridps.checkpoint import (
     ShardInfo,
 )
 
+if TYPE_CHECKING:
+    from worker.checkpoint.writer import Stage, Written
+
 
 class CheckpointPart(Protocol):
     """One component's share of a checkpoint (module doc)."""
 
     name: str
 
-    def save(self, directory: Path, step: int, since: int | None = None) -> Any: ...
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written: ...
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None: ...
 

@@ -1,5 +1,5 @@
 """The update source's part of a checkpoint: the sparse optimizer state, which the source
-saves and restores itself (`UpdateSource.save_to` / `restore_from`; this part never reads
+saves and restores itself (`UpdateSource.snapshot_to` / `restore_from`; this part never reads
 a source's fields). The shard client asks ITS shard server to save its own partition
 (Checkpoint RPC, ranks=[rank]: the server waits until the pushes <= step are applied, then
 writes the optimizer state, step count, last_step) and the server loads it when the client
@@ -21,8 +21,9 @@ from worker.checkpoint.parts import ManifestDraft, file_entry
 
 if TYPE_CHECKING:
     from hybridps.optim import OptimizerSpec
+    from worker.checkpoint.writer import Stage, Written
     from worker.config.update_kinds import UpdateKind
-    from worker.updates.source import SavedFiles, UpdateSource
+    from worker.updates.source import UpdateSource
 
 
 class SourcePart:
@@ -34,8 +35,9 @@ class SourcePart:
                  spec: OptimizerSpec) -> None:
         self.source, self.kind, self.spec = source, kind, spec
 
-    def save(self, directory: Path, step: int, since: int | None = None) -> SavedFiles:
-        return self.source.save_to(directory, step, since)
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        return stage.write(self.source.snapshot_to(directory, step, stage.hold, since))
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         draft.mode = self.kind.mode

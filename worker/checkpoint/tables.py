@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from hybridps.dynamic_files import restore_plan, save_ids
 from hybridps.errors import ShardError
 from worker.checkpoint.parts import ManifestDraft, file_entry
 from worker.embedding.sharded import ShardedEmbedding
+
+if TYPE_CHECKING:
+    from worker.checkpoint.writer import Stage, Written
 
 
 def _no_pending(step: int) -> AbstractContextManager[None]:
@@ -49,17 +52,25 @@ class TablesPart:
         self.emb, self.row_dtype, self.canonical = embedding, row_dtype, canonical
 
     @torch.no_grad()
-    def save(self, directory: Path, step: int, since: int | None = None
-             ) -> dict[str, ShardInfo]:
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
         """`since` S: incremental, each rows file a delta shard of the rows changed since
-        the checkpoint of step S (`changed_ids`)."""
-        emb, rows = self.emb, {}
-        with self.canonical(step):
+        the checkpoint of step S (`changed_ids`); the changed marks restart with the
+        snapshot (the updates after it are the next checkpoint's delta)."""
+        emb = self.emb
+        with self.canonical(step):  # the write runs inside when the stage holds nothing
+            held: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
             for name in emb.tables:
                 ids = None if since is None else self.changed_ids(name, since)
-                rows[name] = self.write_rows(directory, name, step, ids)
+                held[name] = (ids, stage.hold(self.rows_of(name, ids)))
+
+            def write() -> dict[str, ShardInfo]:
+                return {name: self.write_rows(directory, name, step, ids, weight)
+                        for name, (ids, weight) in held.items()}
+
+            written = stage.write(write)
         emb.clear_changed()
-        return rows
+        return written
 
     def changed_ids(self, name: str, since: int) -> torch.Tensor:
         """The global ids of table `name`'s rows (this rank's) that may differ from the
@@ -76,14 +87,21 @@ class TablesPart:
         start, _ = emb.ranges[name]
         return changed.nonzero().squeeze(1).cpu() + start
 
-    def write_rows(self, directory: Path, name: str, step: int,
-                   ids: torch.Tensor | None) -> ShardInfo:
-        """One rows file: this rank's rows of `name`, or only rows `ids` (a delta shard)."""
-        emb, table = self.emb, self.emb.tables[name]
-        start, end = emb.ranges[name]
+    def rows_of(self, name: str, ids: torch.Tensor | None) -> torch.Tensor:
+        """This rank's rows of `name`, or only rows `ids` (global; a delta shard's)."""
+        emb = self.emb
+        start, _ = emb.ranges[name]
         weight = emb.table_rows(name)
         if ids is not None:
             weight = weight.index_select(0, (ids - start).to(weight.device))
+        return weight
+
+    def write_rows(self, directory: Path, name: str, step: int, ids: torch.Tensor | None,
+                   weight: torch.Tensor) -> ShardInfo:
+        """One rows file: `weight`, this rank's rows of `name` or only rows `ids` (a delta
+        shard: `rows_of`)."""
+        emb, table = self.emb, self.emb.tables[name]
+        start, end = emb.ranges[name]
         return save_shard(directory, rows_file(name, emb.rank), kind="rows", table=name,
                           rank=emb.rank, num_rows=table.num_rows, dim=table.dim,
                           row_start=start, row_end=end, tensors={"weight": weight},
@@ -144,15 +162,23 @@ class DynamicMapsPart:
         dynamic = self.emb.dynamic
         return [] if dynamic is None else [n for n in self.emb.tables if n in dynamic.tables]
 
-    def save(self, directory: Path, step: int, since: int | None = None
-             ) -> dict[str, ShardInfo]:
-        dynamic, out = self.emb.dynamic, {}  # whole in every checkpoint
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        dynamic, emb = self.emb.dynamic, self.emb
+        held = {}  # whole in every checkpoint
         for name in self._tables():
             assert dynamic is not None
-            start, end = self.emb.ranges[name]
-            out[name] = save_ids(directory, table=name, rank=self.emb.rank, start=start,
-                                 end=end, state=dynamic.slot_state(name), step=step)
-        return out
+            held[name] = stage.hold(dynamic.slot_state(name))
+
+        def write() -> dict[str, ShardInfo]:
+            out = {}
+            for name, state in held.items():
+                start, end = emb.ranges[name]
+                out[name] = save_ids(directory, table=name, rank=emb.rank, start=start,
+                                     end=end, state=state, step=step)
+            return out
+
+        return stage.write(write)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         for rank, saved in enumerate(saved_by_rank):

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from worker.checkpoint.parts import ManifestDraft
 from worker.checkpoint.units import join_updates, split_rows, split_updates
 from worker.embedding.sharded import ShardedEmbedding
 from worker.updates.source import RowUpdate, StalenessWindow
+
+if TYPE_CHECKING:
+    from worker.checkpoint.writer import Stage, Written
 
 log = logging.getLogger("worker.checkpoint")
 
@@ -89,11 +92,12 @@ class WindowPart:
                     local_P = ids_P.to(emb.device) - emb.units[name].start
                     emb.weights[name].data.index_copy_(0, local_P, rows_PD)
 
-    def save(self, directory: Path, step: int, since: int | None = None) -> FileEntry:
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
         pending, before = self._pending(step)
         self._held = None
         rank = self.emb.rank
-        payload = {
+        payload = stage.hold({
             "format": PENDING_FORMAT, "rank": rank, "step": step,
             "applied_through": self.window.applied_through,
             "updates": split_updates(self.emb, pending),
@@ -101,13 +105,21 @@ class WindowPart:
             # --staleness-compensation predict: what the next forwards' predictions need
             "prediction": (None if self.window.predictor is None
                            else self.window.predictor.state_dict()),
-        }
-        info = save_torch(directory / pending_file(rank), payload)
-        return FileEntry(pending_file(rank), info["bytes"], info["crc32"])
+        })
+
+        def write() -> tuple[FileEntry, int]:
+            info = save_torch(directory / pending_file(rank), payload)
+            return (FileEntry(pending_file(rank), info["bytes"], info["crc32"]),
+                    payload["applied_through"])
+
+        return stage.write(write)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
-        draft.pending = PendingEntry(self.window.staleness, self.window.applied_through,
-                                     tuple(enumerate(saved_by_rank)))
+        """(the pending file, the window's applied_through at the snapshot) per rank: the
+        window may be steps further when a background write records it."""
+        draft.pending = PendingEntry(self.window.staleness, saved_by_rank[0][1],
+                                     tuple((rank, f) for rank, (f, _) in
+                                           enumerate(saved_by_rank)))
 
     def verify(self, directory: Path, manifest: Manifest) -> str | None:
         return None  # each pending file is checked when it is read (format, step)

@@ -332,6 +332,9 @@ class CheckpointConfig:
     checkpoint_on_stop: bool = setting(
         True, "on SIGTERM/SIGINT, every rank checkpoints the step they all stop after, then "
         "exits (with --checkpoint-dir; docs/operations.md: how long a stop takes)")
+    checkpoint_async: bool = setting(
+        True, "write a checkpoint in the background while training goes on (a snapshot of "
+        "the step in host memory first; false: the step loop waits for every byte)")
     resume: bool = setting(
         False, "resume from the newest complete checkpoint under --checkpoint-dir (none: "
         "start at step 0)", everyday=True)

@@ -45,9 +45,14 @@ class CheckpointLog(Protocol):
     """What results.json reports of the checkpoints (worker/checkpoint/checkpointer.py)."""
 
     save_s: list[float]
+    stall_s: list[float]
+    behind_s: list[float]
     restore_s: float
     resumed_step: int
     written: list[dict[str, Any]]
+
+    @property
+    def snapshot_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,8 @@ def run_results(cfg: TrainConfig, ctx: DistContext, run_id: str, run: RunRecord,
         "embedding": parts.embedding.describe(),
         "owner_pool": parts.embedding.owner_pool(),
         "table_groups": parts.embedding.groups(),
-        "checkpoint": {"save_s": ck.save_s, "restore_s": ck.restore_s,
+        "checkpoint": {"save_s": ck.save_s, "stall_s": ck.stall_s, "behind_s": ck.behind_s,
+                       "snapshot_bytes": ck.snapshot_bytes, "restore_s": ck.restore_s,
                        "resumed_step": ck.resumed_step, "written": ck.written},
         "pipeline": parts.pipeline,
     }

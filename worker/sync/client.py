@@ -72,6 +72,7 @@ from worker.sync.transport import (
 )
 from worker.updates.source import (  # re-exported: the errors and types of every source
     Grads,
+    Hold,
     RowUpdate,
     SavedFiles,
     ServerRefused,
@@ -268,16 +269,19 @@ class ShardClient(UpdateSource):
                                  f"Checkpoint of step {step}")
         return list(response.files)
 
-    def save_to(self, directory: Path, step: int, since: int | None = None) -> SavedFiles:
-        """UpdateSource.save_to: the server writes the files (`checkpoint`); a dynamic
-        table's paged-out rows are its `paged/` file."""
+    def snapshot_to(self, directory: Path, step: int, hold: Hold,
+                    since: int | None = None) -> Callable[[], SavedFiles]:
+        """UpdateSource.snapshot_to: the server writes the files now (`checkpoint`: it
+        snapshots the partition at `step` before the next push can apply, the rows changed
+        since `since` when given, and writes off its event loop); a dynamic table's
+        paged-out rows are its `paged/` file."""
         out: SavedFiles = {}
         for f in self.checkpoint(step, str(directory), since):
             kind = "paged" if f.file.startswith("paged/") else "optim"
             out.setdefault(f.table, {})[kind] = ShardInfo(f.table, f.rank, f.row_start,
                                                           f.row_end, f.file, f.bytes, f.crc32,
                                                           f.delta)
-        return out
+        return lambda: out
 
     def restore_from(self, directory: Path, step: int) -> None:
         """UpdateSource.restore_from: the server loaded the state when this client first

@@ -328,6 +328,7 @@ class Trainer:
                 if step + 1 < self.steps:
                     end_bar(bar, reason if stop else "stopped", self.steps)
                 break
+        self.checkpointer.wait()  # a checkpoint written in the background: complete first
         self.inputs.close()  # what is in flight is the same on every rank
         self.window.drain(self.last_step)  # the final rows include every update
         self.source.finish(self.last_step)

@@ -4,15 +4,16 @@ Per table (a group's block is split into its tables, worker/embedding/groups.py)
 state tensors by name (its layout, hybridps/optim_kinds.py), the fp32 master rows of bf16
 rows, and the step count, for the rows this rank owns; read back for the rows it owns now
 (any world size); a dynamic table's paged-out rows
-(hybridps/dynamic_files.py). `LocalSparseOptimizer.save_to`/`restore_from`
+(hybridps/dynamic_files.py). `LocalSparseOptimizer.snapshot_to`/`restore_from`
 (worker/updates/source.py) call these, so the checkpointer never reads the optimizer's fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from hybridps.checkpoint import (
     load_optim_state,
     save_optim_state,
 )
-from hybridps.dynamic_files import restore_plan, save_paged
+from hybridps.dynamic_files import restore_plan, save_paged_state
 from hybridps.optim import OptimizerSpec
 from hybridps.paged_rows import PagedRows
 from worker.embedding.sharded import ShardedEmbedding
@@ -38,36 +39,56 @@ def _table_rows(emb: ShardedEmbedding, table: str) -> tuple[str, slice]:
     return unit.name, slice(member.offset, member.offset + member.rows)
 
 
-def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbedding,
-                     spec: OptimizerSpec, state: UnitState,
-                     masters: Mapping[str, torch.Tensor], counts: Mapping[str, int],
-                     paged: Mapping[str, PagedRows],
+# per table: (the global rows of a delta shard, None: every row of this rank; the
+# optimizer's state of those rows by name; their fp32 master rows, None: fp32 rows)
+TableRows = tuple[torch.Tensor | None, dict[str, torch.Tensor], torch.Tensor | None]
+
+
+def local_state_rows(*, emb: ShardedEmbedding, state: UnitState,
+                     masters: Mapping[str, torch.Tensor], dynamic: Collection[str],
                      changed: Mapping[str, torch.Tensor] | None = None
-                     ) -> dict[str, dict[str, ShardInfo]]:
-    """`changed` (per unit, bool [rows]: the rows pushes changed since the previous
-    checkpoint): an incremental checkpoint, each static table's optim file a delta shard
-    of those rows. A dynamic table's is whole (its slots' state also moves in the fused
-    step, hybridps/native/dynamic_step.c, which keeps no such flags)."""
-    out = {}
-    opt = dataclasses.asdict(spec)
-    for name, table in emb.tables.items():
-        start, end = emb.ranges[name]
+                     ) -> dict[str, TableRows]:
+    """Per table, the state rows a checkpoint writes (views of a whole table's rows; a
+    delta's gathered). `changed` (per unit, bool [rows]: the rows pushes changed since the
+    previous checkpoint): an incremental checkpoint, each static table's rows only those
+    (a delta shard). A `dynamic` table's are whole (its slots' state also moves in the
+    fused step, hybridps/native/dynamic_step.c, which keeps no such flags)."""
+    out: dict[str, TableRows] = {}
+    for name in emb.tables:
+        start, _ = emb.ranges[name]
         unit, rows = _table_rows(emb, name)
         master = masters.get(unit)
         ids = None
         at: slice | torch.Tensor = rows
-        if changed is not None and name not in paged:
+        if changed is not None and name not in dynamic:
             local = changed[unit][rows].nonzero().squeeze(1)
             at, ids = local + rows.start, local.cpu() + start
+        out[name] = (ids, {n: t[at] for n, t in state[unit].items()},
+                     None if master is None else master[at])
+    return out
+
+
+def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbedding,
+                     spec: OptimizerSpec, rows: Mapping[str, TableRows],
+                     counts: Mapping[str, int], paged: Mapping[str, Mapping[str, Any]]
+                     ) -> dict[str, dict[str, ShardInfo]]:
+    """`rows`: `local_state_rows`'s; `paged`: a dynamic table's paged-out rows as its
+    store's state_dict()."""
+    out = {}
+    opt = dataclasses.asdict(spec)
+    for name, table in emb.tables.items():
+        start, end = emb.ranges[name]
+        unit, _ = _table_rows(emb, name)
+        ids, by_name, master = rows[name]
         out[name] = {"optim": save_optim_state(
             directory, table=name, rank=rank, num_rows=table.num_rows, dim=table.dim,
             row_start=start, row_end=end,
-            state=OptimState({n: t[at] for n, t in state[unit].items()}, counts[unit],
-                             step, None if master is None else master[at]),
+            state=OptimState(dict(by_name), counts[unit], step, master),
             optimizer=opt, ids=ids)}
         if name in paged:  # a dynamic table's paged-out rows (hybridps/dynamic_files.py)
-            out[name]["paged"] = save_paged(directory, table=name, rank=rank, start=start,
-                                            end=end, store=paged[name], step=step)
+            out[name]["paged"] = save_paged_state(directory, table=name, rank=rank,
+                                                  start=start, end=end, state=paged[name],
+                                                  step=step)
     return out
 
 

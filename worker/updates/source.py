@@ -37,7 +37,7 @@ from hybridps.optim import OptimizerSpec, apply_update_, step_rows_
 from hybridps.paged_rows import PagedOut, PagedRows
 from hybridps.state_alloc import alloc_row_state
 from worker.embedding.sharded import ShardedEmbedding
-from worker.updates.local_state import restore_local_state, save_local_state
+from worker.updates.local_state import local_state_rows, restore_local_state, save_local_state
 from worker.updates.staleness import RowPredictor
 
 # unit (worker/embedding/groups.py: a group of tables of one width, or a table alone) -> (ids_U unit
@@ -45,6 +45,8 @@ from worker.updates.staleness import RowPredictor
 Grads = dict[str, tuple[torch.Tensor, torch.Tensor]]
 # table -> kind ("optim"; a dynamic table also "paged") -> the checkpoint file written
 SavedFiles = dict[str, dict[str, ShardInfo]]
+# a checkpoint's hold: what is passed in as it is now, for a write that may run later
+Hold = Callable[[Any], Any]
 
 
 class SyncError(RuntimeError):
@@ -266,13 +268,15 @@ class UpdateSource(ABC):
         """Release connections/threads; safe to call twice and after errors."""
 
     # -- checkpoints: each source saves and restores its own optimizer state -------------
-    def save_to(self, directory: Path, step: int, since: int | None = None) -> SavedFiles:
-        """Write the sparse optimizer state of step `step` (every push <= step applied) into
-        checkpoint `directory`, in hybridps/checkpoint.py's optim file format (a dynamic
-        table also its paged-out rows, hybridps/dynamic_files.py); returns the files
+    def snapshot_to(self, directory: Path, step: int, hold: Hold,
+                    since: int | None = None) -> Callable[[], SavedFiles]:
+        """The sparse optimizer state of step `step` (every push <= step applied), held
+        through `hold` (a checkpoint's: worker/checkpoint/writer.py), and the write of it
+        into checkpoint `directory`, in hybridps/checkpoint.py's optim file format (a
+        dynamic table also its paged-out rows, hybridps/dynamic_files.py); it returns the files
         written, per table and kind ("optim", "paged"). `since` S: incremental, the
         optim files may be delta shards of the rows changed since the checkpoint of S
-        (the previous one this source saved)."""
+        (the previous one this source snapshotted)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no checkpointable state")
 
     def restore_from(self, directory: Path, step: int) -> None:
@@ -354,15 +358,20 @@ class LocalSparseOptimizer(UpdateSource):
                 continue
             self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
 
-    def save_to(self, directory: Path, step: int, since: int | None = None) -> SavedFiles:
-        """The same files the shard server writes (worker/updates/local_state.py)."""
-        saved = save_local_state(directory, step, rank=self.embedding.rank,
-                                 emb=self.embedding, spec=self.spec, state=self.state,
-                                 masters=self.masters, counts=self.counts, paged=self.paged,
-                                 changed=None if since is None else self.changed)
+    def snapshot_to(self, directory: Path, step: int, hold: Hold,
+                    since: int | None = None) -> Callable[[], SavedFiles]:
+        """The same files the shard server writes (worker/updates/local_state.py); the
+        changed marks restart with the snapshot (the next pushes are the next delta)."""
+        rows = hold(local_state_rows(emb=self.embedding, state=self.state,
+                                     masters=self.masters, dynamic=self.paged.keys(),
+                                     changed=None if since is None else self.changed))
+        paged = {name: hold(store.state_dict()) for name, store in self.paged.items()}
+        counts = dict(self.counts)
         for flags in self.changed.values():
             flags.zero_()
-        return saved
+        emb, spec = self.embedding, self.spec
+        return lambda: save_local_state(directory, step, rank=emb.rank, emb=emb, spec=spec,
+                                        rows=rows, counts=counts, paged=paged)
 
     def restore_from(self, directory: Path, step: int) -> None:
         restore_local_state(directory, step, emb=self.embedding, spec=self.spec,

@@ -37,6 +37,7 @@ from worker.checkpoint.data import DataPart, data_file
 from worker.checkpoint.parts import CheckpointPart, ManifestDraft
 from worker.checkpoint.source import SourcePart
 from worker.checkpoint.tables import TablesPart
+from worker.checkpoint.writer import Stage, SyncWriter, Written
 from worker.config.train_config import TrainConfig
 from worker.config.update_kinds import kind_named
 from worker.tasks.base import Batch, HybridModel, TableConfig, Task
@@ -128,9 +129,15 @@ class Recorder:
     def __init__(self, name: str, log: list[str], problem: str | None = None) -> None:
         self.name, self.log, self.problem = name, log, problem
 
-    def save(self, directory: Path, step: int, since: int | None = None) -> Any:
-        self.log.append(f"save {self.name} {step}")
-        return {"saved": self.name}
+    def snapshot(self, directory: Path, step: int, stage: Stage,
+                 since: int | None = None) -> Written:
+        self.log.append(f"snapshot {self.name} {step}")
+
+        def write() -> Any:
+            self.log.append(f"write {self.name}")
+            return {"saved": self.name}
+
+        return stage.write(write)
 
     def record(self, saved_by_rank: Sequence[Any], draft: ManifestDraft) -> None:
         self.log.append(f"record {self.name} {list(saved_by_rank)}")
@@ -146,21 +153,30 @@ class Recorder:
         self.log.append(f"restore {self.name} {step}")
 
 
-def _checkpointer(tmp_path: Path, parts: Sequence[CheckpointPart]) -> Checkpointer:
+def _checkpointer(tmp_path: Path, parts: Sequence[CheckpointPart],
+                  asynchronous: bool = False) -> Checkpointer:
     cfg = TrainConfig.of(checkpoint_dir=str(tmp_path), checkpoint_every=5, batch_size=4,
-                         local_optimizer=True)
+                         local_optimizer=True, checkpoint_async=asynchronous)
     ctx = SimpleNamespace(rank=0, world_size=1)
     checkpointer = Checkpointer(cfg, ctx, run_id="run-x", sparse_spec=None)  # type: ignore[arg-type]
     checkpointer.attach(parts)
     return checkpointer
 
 
-def test_the_checkpointer_runs_the_parts_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_checkpointer_runs_the_parts_in_order(tmp_path: Path, asynchronous: bool) -> None:
     log: list[str] = []
-    checkpointer = _checkpointer(tmp_path, [Recorder("rows", log), Recorder("other", log)])
+    checkpointer = _checkpointer(tmp_path, [Recorder("rows", log), Recorder("other", log)],
+                                 asynchronous)
     assert checkpointer.due(4) and not checkpointer.due(5)
     directory = checkpointer.save(4)
-    assert log == ["save rows 4", "save other 4", "record rows [{'saved': 'rows'}]",
+    checkpointer.wait()
+    # synchronous: each part writes inside its snapshot; asynchronous: every snapshot
+    # first, then the writes (in the background)
+    writes = (["snapshot rows 4", "snapshot other 4", "write rows", "write other"]
+              if asynchronous else
+              ["snapshot rows 4", "write rows", "snapshot other 4", "write other"])
+    assert log == [*writes, "record rows [{'saved': 'rows'}]",
                    "record other [{'saved': 'other'}]"]
     manifest = Manifest.read(directory)
     assert [p.name for p in manifest.parts] == ["rows", "other"]
@@ -257,7 +273,7 @@ def _save_positions(directory: Path, positions: list[int | None], step: int) -> 
     world = len(positions)
     parts = [DataPart(Position(p), rank=r, world_size=world, batch_size=4)
              for r, p in enumerate(positions)]
-    saved = [part.save(directory, step) for part in parts]
+    saved = [part.snapshot(directory, step, SyncWriter().stage()).result() for part in parts]
     draft = ManifestDraft(step=step, world_size=world, run_id="r", task="x", seed=0)
     parts[0].record(saved, draft)
     draft.build().write(directory)

@@ -76,10 +76,13 @@ def test_worker_kill_is_restarted_by_torchrun(server: PsServer, straight: Path,
                                               tmp_path: Path, rank: int, step: int) -> None:
     """kill -9 of one rank after it pushed `step` (so the server applied pushes past the
     last checkpoint): torchrun --max-restarts 1 brings the group back, it resumes from the
-    last complete checkpoint and ends bitwise equal to the uninterrupted run."""
+    last complete checkpoint and ends bitwise equal to the uninterrupted run. The checkpoints
+    are written in place, so the one before the kill is complete when it comes (a kill
+    during a background write: tests/worker/checkpoint/test_checkpoint_async.py)."""
     run_id = f"restart-kill-{rank}-{step}"
     args = [*COMMON, "--batch-size", str(GLOBAL_BATCH // 2), "--ps", server.address,
             "--run-id", run_id, "--steps", "20", "--checkpoint-every", "5",
+            "--checkpoint-async", "false",
             "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
             "--dump-state", str(tmp_path / "state.pt")]
     proc = subprocess.run(worker_cmd(args, 2, max_restarts=1), cwd=REPO,
@@ -116,6 +119,7 @@ def test_worker_kill_on_one_of_two_nodes(server: PsServer, straight: Path,
                "127.0.0.1", "--max-restarts", "1", MAIN, *COMMON,
                "--batch-size", str(GLOBAL_BATCH // 2), "--ps", server.address,
                "--run-id", "restart-two-nodes", "--steps", "20", "--checkpoint-every", "5",
+               "--checkpoint-async", "false",  # step 9's checkpoint complete at the kill
                "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
                "--dump-state", str(tmp_path / "state.pt")]
         log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - closed below

@@ -92,6 +92,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "checkpoint_full_every": ("4", 4),
     "checkpoint_keep": ("2", 2),
     "checkpoint_on_stop": ("false", False),
+    "checkpoint_async": ("false", False),
     "resume": ("false", False),
     "resume_from": ("/tmp/ck/step-0000000009", "/tmp/ck/step-0000000009"),
     "data_dir": ("/data/UMLS", "/data/UMLS"),  # --task kge|dlrm:

@@ -31,7 +31,9 @@ def _parts(**over: Any) -> RunParts:
         window=SimpleNamespace(stats=stats, predictor=None), source=SimpleNamespace(
             stats=_Stats()), dense=SimpleNamespace(describe=lambda: {"parallel": "none"}),
         embedding=embedding,
-        checkpoints=SimpleNamespace(save_s=[0.5], restore_s=0.0, resumed_step=-1, written=[]),
+        checkpoints=SimpleNamespace(save_s=[0.5], stall_s=[0.1], behind_s=[0.0],
+                                    snapshot_bytes=64, restore_s=0.0, resumed_step=-1,
+                                    written=[]),
         pipeline={"enabled": False})
     fields.update(over)
     return RunParts(**fields)
@@ -57,7 +59,8 @@ def test_the_figures_come_from_the_record() -> None:
     assert res["staleness"]["k"] == 2 and res["staleness"]["compensation"] == {"method": "none"}
     assert (res["mode"], res["sync"], res["pipeline"]) == (
         "local-optimizer", {"pushes": 3}, {"enabled": False})
-    assert res["checkpoint"] == {"save_s": [0.5], "restore_s": 0.0, "resumed_step": -1,
+    assert res["checkpoint"] == {"save_s": [0.5], "stall_s": [0.1], "behind_s": [0.0],
+                                 "snapshot_bytes": 64, "restore_s": 0.0, "resumed_step": -1,
                                  "written": []}
 
 

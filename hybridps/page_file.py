@@ -21,7 +21,7 @@ import contextlib
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -92,13 +92,7 @@ class PageFile:
             raise ValueError(f"page file {self.path}: {len(payloads)} payloads for "
                              f"{pages_P.size} pages")
         order = np.argsort(pages_P, kind="stable")
-        k = 0
-        while k < order.size:
-            run = 1
-            while (k + run < order.size and run < MAX_IOV
-                   and pages_P[order[k + run]] == pages_P[order[k]] + run):
-                run += 1
-            first = int(pages_P[order[k]])
+        for k, first, run in _runs(pages_P, order):
             block = np.zeros(run * self.stride, dtype=np.uint8)
             for j in range(run):
                 page = first + j
@@ -114,7 +108,6 @@ class PageFile:
                 self._crc[page] = crc
             self._pwrite(block, first * self.stride)
             self._written[first:first + run] = True
-            k += run
 
     def _pwrite(self, block: np.ndarray, offset: int) -> None:
         view = block.data
@@ -130,13 +123,7 @@ class PageFile:
         self._check_pages(pages_P)
         order = np.argsort(pages_P, kind="stable")
         out: list[np.ndarray | None] = [None] * pages_P.size
-        k = 0
-        while k < order.size:
-            run = 1
-            while (k + run < order.size and run < MAX_IOV
-                   and pages_P[order[k + run]] == pages_P[order[k]] + run):
-                run += 1
-            first = int(pages_P[order[k]])
+        for k, first, run in _runs(pages_P, order):
             for j in range(run):
                 if not self._written[first + j]:
                     raise PageCorrupt(f"page file {self.path}: page {first + j} was never "
@@ -162,7 +149,6 @@ class PageFile:
                         f"{crc:#010x}, computed {actual:#010x}, written "
                         f"{int(self._crc[page]):#010x})")
                 out[int(order[k + j])] = payload
-            k += run
         return [p for p in out if p is not None]
 
     def close(self, remove: bool = True) -> None:
@@ -177,3 +163,16 @@ class PageFile:
     def __del__(self) -> None:  # a dropped owner leaves no descriptor and no file
         with contextlib.suppress(AttributeError, OSError):
             self.close(remove=True)
+
+
+def _runs(pages_P: np.ndarray, order: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """(k, first page, length) of each run of consecutive pages in `pages_P` taken in
+    `order` (k: the run's first position in `order`), at most MAX_IOV pages a run."""
+    k = 0
+    while k < order.size:
+        run = 1
+        while (k + run < order.size and run < MAX_IOV
+               and pages_P[order[k + run]] == pages_P[order[k]] + run):
+            run += 1
+        yield k, int(pages_P[order[k]]), run
+        k += run

@@ -547,6 +547,18 @@ static PyObject *py_apply_update(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The first position p >= from with keys[p] >= id (keys sorted; searchsorted's left
+ * side). Sorted ids (an owner's distinct rows) pass the last position as `from` and walk
+ * forward; others pass 0 and search all the keys. */
+static inline int64_t lower_key(const int64_t *keys, int64_t n_keys, int64_t id, int64_t from) {
+    int64_t lo = from, hi = n_keys;
+    while (lo < hi) {
+        const int64_t mid = lo + ((hi - lo) >> 1);
+        if (keys[mid] < id) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
 PyDoc_STRVAR(add_offsets_doc,
              "add_offsets(rows, n, dim, ids, keys, n_keys, offsets)\n--\n\n"
              "rows[i] += offsets[p] for every i whose ids[i] == keys[p] (keys sorted and\n"
@@ -568,13 +580,8 @@ static PyObject *py_add_offsets(PyObject *self, PyObject *args) {
     int64_t lo_hint = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t id = ids[i];
-        /* Sorted ids (an owner's distinct rows) walk forward from the last hit; others
-         * search the whole range. */
-        int64_t lo = (i > 0 && id >= ids[i - 1]) ? lo_hint : 0, hi = n_keys;
-        while (lo < hi) {
-            const int64_t mid = lo + ((hi - lo) >> 1);
-            if (keys[mid] < id) lo = mid + 1; else hi = mid;
-        }
+        const int64_t lo = lower_key(keys, n_keys, id,
+                                     (i > 0 && id >= ids[i - 1]) ? lo_hint : 0);
         lo_hint = lo;
         if (lo < n_keys && keys[lo] == id) {
             float *RESTRICT r = rows + i * dim;
@@ -609,13 +616,8 @@ static PyObject *py_pick_offsets(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t id = ids[i];
         float *RESTRICT o = out + i * dim;
-        /* The first key >= id (searchsorted's left side): sorted ids walk forward from
-         * the last position, others search all the keys. */
-        int64_t lo = (i > 0 && id >= ids[i - 1]) ? lo_hint : 0, hi = n_keys;
-        while (lo < hi) {
-            const int64_t mid = lo + ((hi - lo) >> 1);
-            if (keys[mid] < id) lo = mid + 1; else hi = mid;
-        }
+        const int64_t lo = lower_key(keys, n_keys, id,
+                                     (i > 0 && id >= ids[i - 1]) ? lo_hint : 0);
         lo_hint = lo;
         if (lo < n_keys && keys[lo] == id) {
             memcpy(o, src + lo * dim, (size_t)dim * sizeof(float));

@@ -215,6 +215,20 @@ SHARD_KEYS = {"table": str, "num_rows": int, "dim": int, "row_start": int, "row_
               "tensors": dict, "meta": dict}
 
 
+def _read_shard_of(path: Path, named: object, s: ShardInfo, table: str, num_rows: int,
+                   dim: int, expected: str) -> dict[str, Any]:
+    """Shard file `path` (`named` in the error), Conflict unless its header is table
+    `table` num_rows x dim, rows of entry `s` (`expected`: who says so, in the error)."""
+    data = read_shard(path)
+    if (data["table"], data["num_rows"], data["dim"], data["row_start"],
+            data["row_end"]) != (table, num_rows, dim, s.row_start, s.row_end):
+        raise Conflict(f"checkpoint file {named} holds table {data['table']!r} "
+                       f"{data['num_rows']}x{data['dim']} rows [{data['row_start']}, "
+                       f"{data['row_end']}); {expected} {table!r} {num_rows}x{dim} rows "
+                       f"[{s.row_start}, {s.row_end})")
+    return data
+
+
 def read_shard(path: str | Path) -> dict[str, Any]:
     """A shard file, tensors memory-mapped (only the rows read are paged in).
 
@@ -318,14 +332,8 @@ def load_rows(directory: str | Path, table: str, num_rows: int, dim: int,
             continue
         if verify:
             verify_shards(directory, [s])
-        data = read_shard(Path(directory) / s.file)
-        if (data["table"], data["num_rows"], data["dim"], data["row_start"],
-                data["row_end"]) != (table, num_rows, dim, s.row_start, s.row_end):
-            raise Conflict(
-                f"checkpoint file {s.file} holds table {data['table']!r} "
-                f"{data['num_rows']}x{data['dim']} rows [{data['row_start']}, "
-                f"{data['row_end']}); the manifest says {table!r} {num_rows}x{dim} rows "
-                f"[{s.row_start}, {s.row_end})")
+        data = _read_shard_of(Path(directory) / s.file, s.file, s, table, num_rows, dim,
+                              "the manifest says")
         if check_meta is not None:
             check_meta(data["meta"])
         metas.append(dict(data["meta"]))
@@ -813,13 +821,7 @@ def _apply_deltas(link: Link, table: str, num_rows: int, dim: int, kind: str, st
         if verify:
             verify_shards(link.directory, [s])
         path = link.directory / s.file
-        data = read_shard(path)
-        if (data["table"], data["num_rows"], data["dim"], data["row_start"],
-                data["row_end"]) != (table, num_rows, dim, s.row_start, s.row_end):
-            raise Conflict(f"checkpoint file {path} holds table {data['table']!r} "
-                           f"{data['num_rows']}x{data['dim']} rows [{data['row_start']}, "
-                           f"{data['row_end']}); its chain has {table!r} {num_rows}x{dim} "
-                           f"rows [{s.row_start}, {s.row_end})")
+        data = _read_shard_of(path, path, s, table, num_rows, dim, "its chain has")
         if check_meta is not None:
             check_meta(data["meta"])
         metas.append(dict(data["meta"]))

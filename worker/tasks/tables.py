@@ -32,7 +32,7 @@ from worker.config.train_config import TrainConfig
 from worker.tasks.base import Batch, HybridModel, TableConfig
 from worker.tasks.click import ClickTask, click_mlp_parameters
 from worker.tasks.metrics import batch_roc_auc
-from worker.tasks.synthetic import Scatter, zipf_ranks
+from worker.tasks.synthetic import ZIPF_S, Scatter, zipf_ranks
 
 NUM_DENSE = 4
 BIAS = -0.2
@@ -72,6 +72,9 @@ class TablesTask(ClickTask):
     """Click prediction over --tables (see module doc)."""
 
     name = "tables"
+    # the exponent of the ids' bounded Zipf law; 0 is uniform (a subclass may set it:
+    # bench/bench_memory_tier.py's worst case)
+    zipf_s = ZIPF_S
 
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
@@ -154,7 +157,7 @@ class TablesTask(ClickTask):
         bags: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         logit_B = np.full(size, BIAS, dtype=np.float32)
         for salt, (name, _, pool) in enumerate(self.specs):
-            ranks = zipf_ranks(rng, self.zipf_support[salt], size * pool)
+            ranks = zipf_ranks(rng, self.zipf_support[salt], size * pool, self.zipf_s)
             ids_BP = (raw_ids(ranks, salt) if name in self.dynamic
                       else self.scatter[salt](ranks)).reshape(size, pool)
             logit_B += planted_value(ids_BP, salt).mean(axis=1)

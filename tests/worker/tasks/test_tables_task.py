@@ -37,3 +37,19 @@ def test_zipf_rows_holds_distinct_ids_while_the_table_grows() -> None:
 def test_zipf_rows_above_the_table_is_the_whole_table() -> None:
     assert _distinct(_task("--num-rows", "10000", "--zipf-rows", "10000000"), 3) \
         == _distinct(_task("--num-rows", "10000"), 3)
+
+
+def test_zipf_s_zero_draws_uniform_ids() -> None:
+    """A subclass's `zipf_s = 0` (bench/bench_memory_tier.py's worst case): every row about
+    equally often, where the task's Zipf 1.1 puts a large share on its most popular row."""
+    zipf = _task("--num-rows", "1000")
+    uniform = _task("--num-rows", "1000")
+    uniform.zipf_s = 0.0  # type: ignore[attr-defined]
+
+    def counts(task: Task) -> torch.Tensor:
+        ids = torch.cat([task.global_batch(s, 2).ids["t0"] for s in range(20)])
+        return torch.bincount(ids, minlength=1000)
+
+    flat, skewed = counts(uniform), counts(zipf)  # 20,480 ids over 1,000 rows
+    assert int((flat > 0).sum()) == 1000 and int(flat.max()) < 3 * 20
+    assert int(skewed.max()) > 20 * int(flat.max())

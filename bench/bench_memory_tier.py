@@ -3,7 +3,7 @@
 
     python bench/bench_memory_tier.py --quick       # ids20, Zipf ids, 1 repeat (~3 min)
     python bench/bench_memory_tier.py               # ids20 and dlrm, Zipf and uniform ids,
-                                                    # 2 repeats (~15 min)
+                                                    # 1 repeat (~10-15 min)
     python bench/bench_memory_tier.py --jobs ids20 --repeats 5 --json runs/bench/tier.json
 
 Two jobs, `--task tables` as bench_vs_torchrec.py's (2 gloo ranks, batch 1024 a rank,
@@ -73,7 +73,7 @@ TINY_STEPS = 5
 SERVER_START_TIMEOUT_S = 600.0  # servers start together on a loaded machine
 # (jobs, ids, ids20 rows, dlrm scale, steps, repeats): the default and --quick (this
 # machine's process starts, about 45 s a run under load, bound how many runs fit)
-SIZES = {"default": ("ids20,dlrm", "zipf,uniform", 200_000, 0.1, 12, 2),
+SIZES = {"default": ("ids20,dlrm", "zipf,uniform", 200_000, 0.1, 12, 1),
          "quick": ("ids20", "zipf", 100_000, 0.05, 8, 1)}
 IDS = ("zipf", "uniform")
 
@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                    "quick ids20)")
     p.add_argument("--ids", default="", help="comma list of zipf, uniform (default both; "
                    "quick zipf)")
-    p.add_argument("--repeats", type=int, default=0, help="interleaved repeats (default 2; "
-                   "quick 1)")
+    p.add_argument("--repeats", type=int, default=0, help="interleaved repeats, medians "
+                   "over them (default 1: a repeat takes 10-15 min on a loaded 2-core VM)")
     p.add_argument("--steps", type=int, default=0, help="steps a run (default 12; quick 8)")
     p.add_argument("--ids20-rows", type=int, default=0,
                    help="rows of the ids20 table (default 200,000; quick 100,000)")

@@ -129,6 +129,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
 
 # -- the order files go out to pytest-xdist's workers -----------------------------------------
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist (3.5 on) hands `--dist loadfile` files out largest test count first
+    unless told not to, which undoes the order below: a file of one 2-minute test would
+    go out last and end the run alone."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On pytest-xdist's workers (scripts/test.sh, `--dist loadfile`), the files expected
     to take longest go out first and the unit-test files last, so the run does not end

@@ -72,3 +72,11 @@ def test_xdist_workers_take_the_longest_files_first(monkeypatch: pytest.MonkeyPa
         "a.py:"]
     unchanged = [f"{i.path.name}:{','.join(i.marks)}" for i in items()]
     assert _order(monkeypatch, None, items()) == unchanged  # one process: file order
+
+
+def test_xdist_hands_the_files_out_in_that_order(pytestconfig: pytest.Config) -> None:
+    """pytest-xdist's own reordering (largest test count first) is off, else the order
+    above never reaches its scheduler."""
+    if not pytestconfig.pluginmanager.hasplugin("xdist"):
+        pytest.skip("pytest-xdist is not loaded (-p no:xdist)")
+    assert pytestconfig.option.loadscopereorder is False

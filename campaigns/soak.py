@@ -2,7 +2,7 @@
 cut every few steps and its ranks killed now and then; the server's RSS must not grow.
 
     python campaigns/soak.py                          # 10 minutes (2 of warm-up)
-    python campaigns/soak.py --minutes 0.5 --json x   # tests/system/test_soak.py (a generous bound)
+    python campaigns/soak.py --minutes 0.25 --json x  # tests/system/test_soak.py (a generous bound)
 
 A 2-rank run (staleness 1, checkpoints every --checkpoint-every steps, --resume) under
 `torchrun --max-restarts`, with HYBRIDPS_FAULT_CUT=EVERY (worker/runtime/faults.py): every rank

@@ -16,6 +16,12 @@ holds all its slots, `whole_on`); it keeps its slot when its new
 owner holds that slot, and otherwise starts paged out on its new owner (its row from
 the rows file, its optimizer state from the optim file, both at its old slot). At the
 saving world size every id stays where it was: the resume is exact.
+
+In an incremental checkpoint (a link of a chain, hybridps/checkpoint.py) both are delta
+shards: SlotTable.delta_state_dict (the slots looked up since the parent) and
+PagedRows.checkpoint_state (the entries stored since, the ids that left, the new
+tombstones). `restore_plan` composes each saving rank's files along the chain, from its
+newest whole file, before it re-shards.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def _entries(ids: list[int], seen: list[int], salt: float) -> PagedOut:
     ids_t = torch.tensor(ids, dtype=torch.int64)
     base = ids_t.double().unsqueeze(1) * 1e-3 + salt
     return PagedOut(ids_t, (base + torch.arange(DIM)).float(),
-                    {"m": (base * 2 + torch.arange(DIM)).float(), "v": (base * 3 + torch.arange(DIM)).float()},
+                    {"m": (base * 2 + torch.arange(DIM)).float(),
+                     "v": (base * 3 + torch.arange(DIM)).float()},
                     torch.tensor(seen, dtype=torch.int64),
                     torch.tensor([len(ids) + i for i in range(len(ids))], dtype=torch.int64))
 

@@ -695,8 +695,9 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 #
 # An incremental checkpoint (`Manifest.parent` set) lists, per table and kind ("rows",
 # "optim"), delta shards: the rows of each saved range changed since its parent, by global
-# row id (save_shard with `ids`). Every other file (dense, pending, data, a dynamic table's
-# ids and paged files) is whole in every link. A checkpoint is read as its chain composed:
+# row id (save_shard with `ids`); a dynamic table's ids and paged files are deltas of their
+# own, composed by hybridps/dynamic_files.py. Every other file (dense, pending, data) is
+# whole in every link. A checkpoint is read as its chain composed:
 # the newest link whose files of that kind are whole, re-sharded (load_rows), then each
 # later link's delta rows in order (`load_table_rows`); since the deltas carry global ids,
 # a chain re-shards to any world size like a full checkpoint.

@@ -16,6 +16,12 @@ holds all its slots, `whole_on`); it keeps its slot when its new
 owner holds that slot, and otherwise starts paged out on its new owner (its row from
 the rows file, its optimizer state from the optim file, both at its old slot). At the
 saving world size every id stays where it was: the resume is exact.
+
+In an incremental checkpoint (a link of a chain, hybridps/checkpoint.py) both are delta
+shards: SlotTable.delta_state_dict (the slots looked up since the parent) and
+PagedRows.checkpoint_state (the entries stored since, the ids that left, the new
+tombstones). `restore_plan` composes each saving rank's files along the chain, from its
+newest whole file, before it re-shards.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ import numpy as np
 import torch
 
 from hybridps.checkpoint import (
+    Link,
     Manifest,
     ShardInfo,
     Writer,
+    chain_of,
     load_table_rows,
     save_torch,
     torch_save,
@@ -39,7 +47,7 @@ from hybridps.checkpoint import (
 )
 from hybridps.dynamic import owner_of_ids, whole_on
 from hybridps.errors import CorruptCheckpoint
-from hybridps.paged_rows import PagedOut, PagedRows, concat_paged, paged_from_dict
+from hybridps.paged_rows import PagedOut, PagedRows, compose_paged, concat_paged
 
 IDS_FORMAT = "hybridps-dynamic-ids-v1"
 ROWS_KEY = "weight"
@@ -58,7 +66,8 @@ def _info(directory: Path, rel: str, table: str, rank: int, start: int, end: int
     body = dict(payload)
     saved = (save_torch(directory / rel, body) if writer is None
              else writer(rel, lambda f: torch_save(body, f)))
-    return ShardInfo(table, rank, start, end, rel, saved["bytes"], saved["crc32"])
+    return ShardInfo(table, rank, start, end, rel, saved["bytes"], saved["crc32"],
+                     delta="since" in body)
 
 
 def _as_torch(obj: Any) -> Any:
@@ -74,7 +83,8 @@ def _as_torch(obj: Any) -> Any:
 
 def save_ids(directory: str | Path, *, table: str, rank: int, start: int, end: int,
              state: Mapping[str, Any], step: int) -> ShardInfo:
-    """The worker's slot map of rows [start, end) (worker/embedding/dynamic/slots.py state_dict)."""
+    """The worker's slot map of rows [start, end) (worker/embedding/dynamic/slots.py
+    state_dict, or delta_state_dict: a delta shard)."""
     return _info(Path(directory), ids_file(table, rank), table, rank, start, end,
                  _as_torch({**state, "ids_format": IDS_FORMAT, "step": step}))
 
@@ -90,7 +100,8 @@ def save_paged(directory: str | Path, *, table: str, rank: int, start: int, end:
 def save_paged_state(directory: str | Path, *, table: str, rank: int, start: int, end: int,
                      state: Mapping[str, Any], step: int,
                      writer: Writer | None = None) -> ShardInfo:
-    """`save_paged` of a store's `state_dict()` taken before (a snapshot)."""
+    """`save_paged` of a store's `state_dict()` or `checkpoint_state()` taken before (a
+    snapshot; a delta's is a delta shard)."""
     return _info(Path(directory), paged_file(table, rank), table, rank, start, end,
                  {**state, "step": step}, writer)
 
@@ -135,8 +146,8 @@ def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int
     entry = manifest.table(table)
     ids_infos = manifest.shards(table, "ids")
     paged_infos = manifest.shards(table, "paged")
-    if verify:
-        verify_shards(directory, [*ids_infos, *paged_infos])
+    links = (chain_of(directory, manifest) if manifest.parent is not None
+             else [Link(directory, manifest)])
     n = end - start
     slot_id = np.zeros(n, dtype=np.int64)
     seen = np.full(n, -1, dtype=np.int64)
@@ -148,17 +159,7 @@ def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int
         (i.rank, i.row_start, i.row_end) == (rank, start, end) for i in ids_infos)
     owner_rank = whole_on(rank, world, start, end, entry.num_rows)
     for info in ids_infos:
-        data = _load(directory, info, "dynamic ids")
-        if data.get("ids_format") != IDS_FORMAT:
-            raise CorruptCheckpoint(f"checkpoint file {directory / info.file} is not a "
-                                    f"{IDS_FORMAT} file")
-        s_ids = np.asarray(data["slot_id"], dtype=np.int64)
-        s_seen = np.asarray(data["seen"], dtype=np.int64)
-        s_freq = np.asarray(data["freq"], dtype=np.int64)
-        if s_ids.size != info.row_end - info.row_start:
-            raise CorruptCheckpoint(f"checkpoint file {directory / info.file}: "
-                                    f"{s_ids.size} slots for rows [{info.row_start}, "
-                                    f"{info.row_end})")
+        data, s_ids, s_seen, s_freq = _composed_ids(links, table, info, verify)
         if not same_world or info.rank == rank:
             admission.append(dict(data.get("admission", {})))
         used = np.flatnonzero(s_seen >= 0)
@@ -176,8 +177,7 @@ def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int
     tomb_ids, tomb_steps = [], []
     counters: dict[str, int] = {}
     for info in paged_infos:
-        data = _load(directory, info, "paged rows")
-        entries, tombs, saved_counters = paged_from_dict(data, str(directory / info.file))
+        entries, tombs, saved_counters = _composed_paged(links, table, info, verify)
         mine_t = owner_of_ids(entries.ids, world, owner_rank) == rank
         paged.append(PagedOut(entries.ids[mine_t], entries.rows[mine_t],
                               {k: v[mine_t] for k, v in entries.state.items()},
@@ -193,6 +193,77 @@ def restore_plan(directory: str | Path, manifest: Manifest, table: str, dim: int
                           (np.concatenate(tomb_ids) if tomb_ids else np.empty(0, np.int64),
                            np.concatenate(tomb_steps) if tomb_steps
                            else np.empty(0, np.int64)), admission, counters)
+
+
+def _chain_files(links: Sequence[Link], table: str, kind: str, info: ShardInfo,
+                 verify: bool, what: str) -> list[tuple[dict[str, Any], str]]:
+    """The `kind` file of the saving rank and range of `info` in each link, from the newest
+    whole one (a delta shard holds what changed since its link's parent), loaded, oldest
+    first, with the path of each."""
+    found: list[tuple[Path, ShardInfo]] = []
+    for link in reversed(links):
+        mine = [i for i in link.manifest.shards(table, kind)
+                if (i.rank, i.row_start, i.row_end) == (info.rank, info.row_start,
+                                                        info.row_end)]
+        if not mine:
+            raise CorruptCheckpoint(f"checkpoint {link.directory}: no {kind} file of table "
+                                    f"{table!r} rank {info.rank} rows [{info.row_start}, "
+                                    f"{info.row_end}) (its chain's newest link has one)")
+        found.append((link.directory, mine[0]))
+        if not mine[0].delta:
+            break
+    else:
+        raise CorruptCheckpoint(f"checkpoint {links[-1].directory}: no link of its chain "
+                                f"holds the whole {kind} file of table {table!r} rank "
+                                f"{info.rank}")
+    out = []
+    for where, got in reversed(found):
+        if verify:
+            verify_shards(where, [got])
+        out.append((_load(where, got, what), str(where / got.file)))
+    return out
+
+
+def _composed_ids(links: Sequence[Link], table: str, info: ShardInfo, verify: bool
+                  ) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]:
+    """(the newest ids file, and its range's slot ids, steps seen and frequencies composed
+    along the chain: the whole file's, then each delta's slots over them)."""
+    files = _chain_files(links, table, "ids", info, verify, "dynamic ids")
+    n = info.row_end - info.row_start
+    arrays: list[np.ndarray] = []
+    for data, path in files:
+        if data.get("ids_format") != IDS_FORMAT:
+            raise CorruptCheckpoint(f"checkpoint file {path} is not a {IDS_FORMAT} file")
+        try:
+            got = [np.asarray(data[k], dtype=np.int64) for k in ("slot_id", "seen", "freq")]
+            if "since" not in data:
+                arrays = got
+            else:
+                slot = np.asarray(data["slot"], dtype=np.int64)
+                if slot.size and (int(slot.min()) < 0 or int(slot.max()) >= n):
+                    raise ValueError(f"slots outside [0, {n})")
+                for dst, values in zip(arrays, got, strict=True):
+                    dst[slot] = values
+                if int((arrays[1] >= 0).sum()) != int(data["used"]):
+                    raise ValueError(f"composed with its chain it has "
+                                     f"{int((arrays[1] >= 0).sum())} used slots; the map "
+                                     f"had {int(data['used'])}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpoint(f"checkpoint file {path}: {exc}") from None
+        if any(a.size != n for a in arrays):
+            raise CorruptCheckpoint(f"checkpoint file {path}: {arrays[0].size} slots for "
+                                    f"rows [{info.row_start}, {info.row_end})")
+        arrays = [a.copy() for a in arrays]
+    return files[-1][0], arrays[0], arrays[1], arrays[2]
+
+
+def _composed_paged(links: Sequence[Link], table: str, info: ShardInfo, verify: bool
+                    ) -> tuple[PagedOut, tuple[np.ndarray, np.ndarray], dict[str, int]]:
+    files = _chain_files(links, table, "paged", info, verify, "paged rows")
+    try:
+        return compose_paged(files)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"checkpoint file {exc}") from None
 
 
 def _rows_at(directory: Path, manifest: Manifest, table: str, dim: int,

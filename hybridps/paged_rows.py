@@ -98,6 +98,9 @@ class PagedRows:
         self.expired = 0   # ids dropped by expiry, and by the memory budget
         self.dropped = 0
         self.last_expiry = -1
+        # the last checkpoint's mark (`checkpoint_state`): its step, its ids (sorted) and
+        # tombstone count; a delta holds what differs from them. None: the next is whole
+        self._mark: tuple[int, np.ndarray, int] | None = None
 
     def _alloc(self, capacity: int) -> None:
         """Fresh, empty pools of `capacity` positions, all free."""
@@ -459,9 +462,46 @@ class PagedRows:
         return {"format": PAGED_FORMAT, "dim": self.dim, "layout": list(self.layout),
                 "ids": e.ids, "rows": e.rows, "state": e.state, "seen": e.seen,
                 "freq": e.freq, "tomb_ids": torch.from_numpy(tomb_ids),
-                "tomb_steps": torch.from_numpy(tomb_steps),
-                "counters": {"expired": self.expired, "dropped": self.dropped,
-                             "last_expiry": self.last_expiry}}
+                "tomb_steps": torch.from_numpy(tomb_steps), "counters": self._counters()}
+
+    def _counters(self) -> dict[str, int]:
+        return {"expired": self.expired, "dropped": self.dropped,
+                "last_expiry": self.last_expiry}
+
+    def checkpoint_state(self, step: int, since: int | None = None) -> dict[str, Any]:
+        """The checkpoint of step `step`'s payload, and the mark the next delta starts
+        from. `since` S: a delta against the checkpoint of step S (`delta_state`) when
+        the mark is that checkpoint's; whole otherwise (a whole payload is a chain's
+        base wherever it is)."""
+        ids, _ = self.index.items()
+        mark = self._mark
+        out = (self.state_dict() if since is None or mark is None or mark[0] != since
+               else self.delta_state(since, mark[1], mark[2]))
+        self._mark = (step, np.sort(ids), self.tomb_count)
+        return out
+
+    def delta_state(self, since: int, saved_ids: np.ndarray, saved_tombs: int
+                    ) -> dict[str, Any]:
+        """What changed since the checkpoint of step `since`, which held ids `saved_ids`
+        (sorted) and `saved_tombs` tombstones: the entries put since (by id), the ids that
+        left (taken onto a slot or dropped), the new tombstones. An entry does not change
+        while it is stored: one put since is new to the saved ids, or was taken and
+        evicted again, so last seen after `since` (a take puts its id on a slot, looked
+        up at that step). `compose_paged` reads it on top of its parent."""
+        ids, pos = self.index.items()
+        order = np.argsort(ids, kind="stable")
+        ids, pos = ids[order], pos[order]
+        new = ~np.isin(ids, saved_ids, assume_unique=True) | (self.seen[pos] > since)
+        e = self._gather(pos[new])
+        left = saved_ids[~np.isin(saved_ids, ids, assume_unique=True)]
+        tomb_ids, tomb_steps = self.tombstones()
+        return {"format": PAGED_FORMAT, "dim": self.dim, "layout": list(self.layout),
+                "since": since, "ids": e.ids, "rows": e.rows, "state": e.state,
+                "seen": e.seen, "freq": e.freq, "deleted": torch.from_numpy(left),
+                "tomb_ids": torch.from_numpy(tomb_ids[saved_tombs:].copy()),
+                "tomb_steps": torch.from_numpy(tomb_steps[saved_tombs:].copy()),
+                "tomb_base": saved_tombs, "count": int(ids.size),
+                "counters": self._counters()}
 
     def load(self, entries: PagedOut, tombstones: tuple[np.ndarray, np.ndarray] = (
             np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)),
@@ -480,6 +520,7 @@ class PagedRows:
         self.expired = int(counters.get("expired", 0))
         self.dropped = int(counters.get("dropped", 0))
         self.last_expiry = int(counters.get("last_expiry", -1))
+        self._mark = None
 
 
 def quota_rows(quota: int, row_bytes: int, call_rows: int) -> int:
@@ -503,6 +544,9 @@ def paged_from_dict(payload: Mapping[str, Any], what: str) -> tuple[PagedOut, tu
     when it is not one."""
     if payload.get("format") != PAGED_FORMAT:
         raise ValueError(f"{what} is not a {PAGED_FORMAT} file")
+    if "since" in payload:
+        raise ValueError(f"{what} is a delta since step {payload['since']}: it is read "
+                         "composed with its chain (compose_paged)")
     try:
         entries = PagedOut(payload["ids"].to(torch.int64), payload["rows"].float(),
                            {n: t.float() for n, t in payload["state"].items()},
@@ -529,3 +573,67 @@ def concat_paged(parts: Sequence[PagedOut], dim: int,
     return PagedOut(torch.cat([p.ids for p in parts]), torch.cat([p.rows for p in parts]),
                     {n: torch.cat([p.state[n] for p in parts]) for n, _ in layout},
                     torch.cat([p.seen for p in parts]), torch.cat([p.freq for p in parts]))
+
+
+def compose_paged(payloads: Sequence[tuple[Mapping[str, Any], str]]
+                  ) -> tuple[PagedOut, tuple[np.ndarray, np.ndarray], dict[str, int]]:
+    """`paged_from_dict` of a chain's payloads of one store, oldest first (`what` names
+    each's file): the newest whole one, then each later delta (`PagedRows.delta_state`):
+    its deleted ids out, its entries in (replacing an id's older entry), its tombstones
+    appended. The result is the whole payload of the newest's step: entries by id,
+    tombstones in drop order, the newest's counters. ValueError naming the file whose
+    delta does not fit what it composes onto."""
+    bases = [i for i, (p, _) in enumerate(payloads) if "since" not in p]
+    if not bases:
+        raise ValueError(f"{payloads[0][1] if payloads else 'no file'}: no whole paged-rows "
+                         "file under its deltas")
+    entries, tombs, counters = paged_from_dict(*payloads[bases[-1]])
+    tomb_parts = [tombs[0]], [tombs[1]]
+    n_tombs = int(tombs[0].size)
+    for payload, what in payloads[bases[-1] + 1:]:
+        if payload.get("format") != PAGED_FORMAT:
+            raise ValueError(f"{what} is not a {PAGED_FORMAT} file")
+        try:
+            delta, new_tombs, counters = _delta_parts(payload)
+            base, count = int(payload["tomb_base"]), int(payload["count"])
+        except (KeyError, AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(f"{what} is malformed ({type(exc).__name__}: {exc})") from None
+        if base != n_tombs:
+            raise ValueError(f"{what}: a delta on {base} tombstones; its chain has "
+                             f"{n_tombs}")
+        gone = torch.isin(entries.ids, torch.cat([delta.deleted, delta.entries.ids]))
+        keep = (~gone).nonzero().squeeze(1)
+        entries = concat_paged([_select(entries, keep), delta.entries], entries.rows.shape[1],
+                               [(n, int(t.shape[1])) for n, t in entries.state.items()])
+        order = torch.argsort(entries.ids, stable=True)
+        entries = _select(entries, order)
+        if entries.count != count or bool((entries.ids[1:] == entries.ids[:-1]).any()):
+            raise ValueError(f"{what}: composed with its chain it holds {entries.count} "
+                             f"paged ids, the store held {count}")
+        tomb_parts[0].append(new_tombs[0])
+        tomb_parts[1].append(new_tombs[1])
+        n_tombs += int(new_tombs[0].size)
+    return entries, (np.concatenate(tomb_parts[0]), np.concatenate(tomb_parts[1])), counters
+
+
+@dataclass
+class _Delta:
+    entries: PagedOut
+    deleted: torch.Tensor
+
+
+def _delta_parts(payload: Mapping[str, Any]
+                 ) -> tuple[_Delta, tuple[np.ndarray, np.ndarray], dict[str, int]]:
+    entries = PagedOut(payload["ids"].to(torch.int64), payload["rows"].float(),
+                       {n: t.float() for n, t in payload["state"].items()},
+                       payload["seen"].to(torch.int64), payload["freq"].to(torch.int64))
+    tombs = (payload["tomb_ids"].numpy().astype(np.int64),
+             payload["tomb_steps"].numpy().astype(np.int64))
+    counters = {k: int(v) for k, v in dict(payload.get("counters", {})).items()}
+    return _Delta(entries, payload["deleted"].to(torch.int64)), tombs, counters
+
+
+def _select(e: PagedOut, at: torch.Tensor) -> PagedOut:
+    return PagedOut(e.ids.index_select(0, at), e.rows.index_select(0, at),
+                    {n: t.index_select(0, at) for n, t in e.state.items()},
+                    e.seen.index_select(0, at), e.freq.index_select(0, at))

@@ -69,7 +69,7 @@ def save_partition(part: Partition, directory: str | Path, step: int,
     `since` S: an incremental checkpoint whose parent is the checkpoint of step S (the
     last one saved of every table: Conflict otherwise): each optim file is a delta
     shard of the rows whose state changed since then (`TableState.changed`: pushes and
-    Page calls). A dynamic table's paged-out rows are written whole.
+    Page calls), and a dynamic table's paged-out rows a delta (PagedRows.checkpoint_state).
     The caller holds `part.lock` (no push applies while the files are written)."""
     return snapshot_partition(part, step, since).write(directory, writer)
 
@@ -133,7 +133,7 @@ def snapshot_partition(part: Partition, step: int,
                          ids))
         if t.paging is not None:  # a dynamic table's paged-out rows (their own arrays)
             paged.append((t.spec.name, t.spec.row_start, t.spec.row_end,
-                          t.paging.store.state_dict()))
+                          t.paging.store.checkpoint_state(step, since)))
     for t in part.tables.values():  # every row copied: the next delta starts here
         if t.changed is None:
             t.changed = torch.zeros(t.spec.rows_held, dtype=torch.bool)

@@ -1,5 +1,6 @@
 """The embedding tables' parts of a checkpoint: the rows a rank owns (`TablesPart`) and a
-dynamic table's slot map (`DynamicMapsPart`, through the DynamicIds' own state methods).
+dynamic table's slot map (`DynamicMapsPart`, through the DynamicIds' own state methods;
+in an incremental checkpoint only its slots looked up since the parent).
 
 Each rank writes `rows/<table>.r<rank>.pt`: its rows [row_start, row_end) with every
 update <= step applied (the window part lends its pending updates while they are
@@ -82,8 +83,8 @@ class TablesPart:
         changed = emb.changed_rows(name)
         dynamic = emb.dynamic
         if dynamic is not None and name in dynamic.tables:
-            seen = torch.from_numpy(dynamic.slot_state(name)["seen"])
-            changed = changed | (seen > since).to(changed.device)
+            looked = torch.from_numpy(dynamic.looked_up_since(name, since))
+            changed = changed | looked.to(changed.device)
         start, _ = emb.ranges[name]
         return changed.nonzero().squeeze(1).cpu() + start
 
@@ -165,10 +166,10 @@ class DynamicMapsPart:
     def snapshot(self, directory: Path, step: int, stage: Stage,
                  since: int | None = None) -> Written:
         dynamic, emb = self.emb.dynamic, self.emb
-        held = {}  # whole in every checkpoint
+        held = {}  # `since`: only the slots looked up since (a delta shard)
         for name in self._tables():
             assert dynamic is not None
-            held[name] = stage.hold(dynamic.slot_state(name))
+            held[name] = stage.hold(dynamic.slot_state(name, since))
 
         def write() -> dict[str, ShardInfo]:
             out = {}

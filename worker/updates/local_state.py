@@ -11,7 +11,7 @@ rows, and the step count, for the rows this rank owns; read back for the rows it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +45,16 @@ TableRows = tuple[torch.Tensor | None, dict[str, torch.Tensor], torch.Tensor | N
 
 
 def local_state_rows(*, emb: ShardedEmbedding, state: UnitState,
-                     masters: Mapping[str, torch.Tensor], dynamic: Collection[str],
+                     masters: Mapping[str, torch.Tensor],
+                     dynamic: Mapping[str, torch.Tensor],
                      changed: Mapping[str, torch.Tensor] | None = None
                      ) -> dict[str, TableRows]:
     """Per table, the state rows a checkpoint writes (views of a whole table's rows; a
     delta's gathered). `changed` (per unit, bool [rows]: the rows pushes changed since the
-    previous checkpoint): an incremental checkpoint, each static table's rows only those
-    (a delta shard). A `dynamic` table's are whole (its slots' state also moves in the
-    fused step, hybridps/native/dynamic_step.c, which keeps no such flags)."""
+    previous checkpoint): an incremental checkpoint, each table's rows only those (a delta
+    shard); a dynamic table's also its slots looked up since (`dynamic`, bool per slot:
+    a slot's state also moves, in the fused step hybridps/native/dynamic_step.c, when
+    its id changes, and an id changes only on a slot looked up)."""
     out: dict[str, TableRows] = {}
     for name in emb.tables:
         start, _ = emb.ranges[name]
@@ -60,8 +62,11 @@ def local_state_rows(*, emb: ShardedEmbedding, state: UnitState,
         master = masters.get(unit)
         ids = None
         at: slice | torch.Tensor = rows
-        if changed is not None and name not in dynamic:
-            local = changed[unit][rows].nonzero().squeeze(1)
+        if changed is not None:
+            flags = changed[unit][rows]
+            if name in dynamic:
+                flags = flags | dynamic[name].to(flags.device)
+            local = flags.nonzero().squeeze(1)
             at, ids = local + rows.start, local.cpu() + start
         out[name] = (ids, {n: t[at] for n, t in state[unit].items()},
                      None if master is None else master[at])

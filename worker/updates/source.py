@@ -362,10 +362,14 @@ class LocalSparseOptimizer(UpdateSource):
                     since: int | None = None) -> Callable[[], SavedFiles]:
         """The same files the shard server writes (worker/updates/local_state.py); the
         changed marks restart with the snapshot (the next pushes are the next delta)."""
+        dynamic = self.embedding.dynamic
+        looked = {} if since is None or dynamic is None else {
+            name: torch.from_numpy(dynamic.looked_up_since(name, since)) for name in self.paged}
         rows = hold(local_state_rows(emb=self.embedding, state=self.state,
-                                     masters=self.masters, dynamic=self.paged.keys(),
+                                     masters=self.masters, dynamic=looked,
                                      changed=None if since is None else self.changed))
-        paged = {name: hold(store.state_dict()) for name, store in self.paged.items()}
+        paged = {name: hold(store.checkpoint_state(step, since))
+                 for name, store in self.paged.items()}
         counts = dict(self.counts)
         for flags in self.changed.values():
             flags.zero_()

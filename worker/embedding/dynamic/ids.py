@@ -425,15 +425,22 @@ class DynamicIds:
             out.append(rows_U[c == PAGED])
         return out
 
-    def slot_state(self, name: str) -> dict[str, Any]:
-        """A checkpoint's state of table `name`'s slots; not while a prefetched step's
-        translation is pending (it has taken slots for a step not trained yet: the
-        trainer prefetches no step that follows a checkpoint)."""
+    def slot_state(self, name: str, since: int | None = None) -> dict[str, Any]:
+        """A checkpoint's state of table `name`'s slots (`since` S: only the slots changed
+        since the checkpoint of step S, SlotTable.delta_state_dict); not while a
+        prefetched step's translation is pending (it has taken slots for a step not
+        trained yet: the trainer prefetches no step that follows a checkpoint)."""
         pending = self.prefetched.pending_step
         if pending is not None:
             raise RuntimeError(f"dynamic table {name!r}: step {pending}'s ids are prefetched; "
                                "save a checkpoint before prefetching or after that step")
-        return self.tables[name].slots.state_dict()
+        slots = self.tables[name].slots
+        return slots.state_dict() if since is None else slots.delta_state_dict(since)
+
+    def looked_up_since(self, name: str, since: int) -> np.ndarray:
+        """bool per local slot of table `name`: looked up after step `since` (so its id,
+        row or optimizer state may have changed since the checkpoint of that step)."""
+        return self.tables[name].slots.seen > since
 
     @torch.no_grad()
     def load_slot_state(self, name: str, plan: DynamicRestore) -> None:

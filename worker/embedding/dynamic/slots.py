@@ -322,6 +322,18 @@ class SlotTable:
                 "freq": self.freq.copy(), "paged_ids": np.sort(paged_ids),
                 "admission": self.admission.state_dict()}
 
+    def delta_state_dict(self, since: int) -> dict[str, Any]:
+        """What changed since the checkpoint of step `since`: the slots looked up after it
+        (local positions; a slot changes only when looked up: its id taken or evicted
+        for a new one, its step and frequency), their id, step and frequency; how many
+        slots are used (a check of the composition); the admission state, whole.
+        hybridps/dynamic_files.py composes it onto its parent."""
+        slot = np.flatnonzero(self.seen > since)
+        return {"format": SLOTS_FORMAT, "start": self.start, "n": self.n, "since": since,
+                "slot": slot, "slot_id": self.slot_id[slot], "seen": self.seen[slot],
+                "freq": self.freq[slot], "used": int((self.seen >= 0).sum()),
+                "admission": self.admission.state_dict()}
+
     def load(self, slot_id: np.ndarray, seen: np.ndarray, freq: np.ndarray,
              paged_ids: np.ndarray) -> None:
         """Set the slots (local arrays of length n; seen < 0: free) and the paged set."""

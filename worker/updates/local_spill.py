@@ -48,7 +48,8 @@ from hybridps.spilled_rows import (
 MASTER = "master"  # the fp32 master rows' column, next to the optimizer's
 PROCESS_PREFIX = "rank"
 LOCK_NAME = "lock"
-# memory a spilled unit keeps per page besides its frames (SpilledRows.memory_bytes)
+# memory a spilled unit keeps per page besides its frames (SpilledRows.memory_bytes: the
+# page's frame, crc32 and written flag)
 PAGE_BOOKKEEPING_BYTES = 8 + 4 + 1
 Layout = Sequence[tuple[str, int]]
 
@@ -89,9 +90,10 @@ class LocalBudget:
 def plan_frames(units: Sequence[tuple[str, int, Layout]], budget: LocalBudget,
                 what: str) -> dict[str, int]:
     """Per unit (name, rows, layout), the page frames it keeps in memory; 0: all its rows
-    in memory (no budget, or the rank's columns fit it). Beyond the budget: the budget in
-    proportion to each unit's bytes, at least one page each. ConfigError (one line, the
-    sizes) when they spill but there is no spill directory or the disk limit is short."""
+    in memory (no budget, or the rank's columns fit it). Beyond the budget: the budget less
+    the pages' bookkeeping, in proportion to each unit's bytes, at least one page each.
+    ConfigError (one line, the sizes) when they spill but there is no spill directory or
+    the disk limit is short."""
     sizes = {name: rows * sum(w for _, w in layout) * 4 for name, rows, layout in units}
     total = sum(sizes.values())
     if not budget.memory_bytes or total <= budget.memory_bytes:
@@ -105,10 +107,13 @@ def plan_frames(units: Sequence[tuple[str, int, Layout]], budget: LocalBudget,
     if budget.max_disk_bytes and disk > budget.max_disk_bytes:
         raise ConfigError(f"{what}: its spill files need up to {disk / 2**30:.3f} GiB, more "
                           f"than --local-spill-max-gb {budget.max_disk_bytes / 2**30:g}")
+    # the per-page bookkeeping of every spilled unit comes out of the budget first
+    pages = sum(-(-rows // budget.page_rows(layout)) for _, rows, layout in units)
+    memory = max(budget.memory_bytes - PAGE_BOOKKEEPING_BYTES * pages, 0)
     frames = {}
     for name, rows, layout in units:
         page = frame_bytes(layout, budget.page_rows(layout)) or 1
-        frames[name] = max(1, budget.memory_bytes * sizes[name] // total // page) if rows else 0
+        frames[name] = max(1, memory * sizes[name] // total // page) if rows else 0
     return frames
 
 

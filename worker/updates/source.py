@@ -363,7 +363,6 @@ class LocalSparseOptimizer(UpdateSource):
             if not frames[name]:
                 self.columns[name] = HeldRows({**self.state[name], **(
                     {MASTER: self.masters[name]} if name in self.masters else {})})
-        self.has_master = {n for n, w in embedding.weights.items() if w.dtype != torch.float32}
         self._report_memory()
 
     @property

@@ -123,7 +123,8 @@ def test_the_budget_is_split_in_proportion_and_fits_stay_in_memory(tmp_path: Pat
     units = [("big", 3000, layout), ("small", 1000, layout), ("none", 0, layout)]
     budget = _budget(tmp_path)
     frames = plan_frames(units, budget, "rank 0")
-    assert frames == {"big": 18, "small": 6, "none": 0}
+    # 24 pages of budget less the bookkeeping of 251 pages (13 bytes each), split 3:1
+    assert frames == {"big": 15, "small": 5, "none": 0}
     roomy = LocalBudget(4000 * 64, "", 0, PAGE_BYTES)  # every byte fits: nothing spills
     assert plan_frames(units, roomy, "rank 0") == {"big": 0, "small": 0, "none": 0}
     assert plan_frames(units, LocalBudget(), "rank 0") == {"big": 0, "small": 0, "none": 0}
@@ -133,6 +134,27 @@ def test_the_budget_is_split_in_proportion_and_fits_stay_in_memory(tmp_path: Pat
         10 << 20, str(tmp_path / "spill"), 0, PAGE_BYTES))
     assert all(isinstance(c, HeldRows) for c in local.columns.values())
     local.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_on_a_device_step_their_spilled_state_there_bitwise(tmp_path: Path) -> None:
+    """Spilled frames are on the host: a push's rows are stepped on the rows' device as a
+    gathered copy, bitwise the state held on the device."""
+    tables = [TableConfig("a", ROWS, DIM)]
+    spec = OptimizerSpec(lr=0.05)
+    free = LocalSparseOptimizer(ShardedEmbedding(tables, device="cuda", seed=4), spec)
+    emb = ShardedEmbedding(tables, device="cuda", seed=4)
+    bounded = LocalSparseOptimizer(emb, spec, budget=_budget(tmp_path))
+    pushes = [{n: (ids.cuda(), g.cuda()) for n, (ids, g) in p.items()}
+              for p in _pushes(emb, 20)]
+    _assert_same_updates(_run(free, pushes), _run(bounded, pushes))
+    got = _state(bounded)
+    for unit, by_name in _state(free).items():
+        for name, t in by_name.items():
+            assert torch.equal(t.cpu(), got[unit][name]), (unit, name)
+    assert bounded.stats.local_memory["fills"] > 0
+    bounded.close()
 
 
 def test_bad_budgets_fail_in_one_line_before_any_work(tmp_path: Path) -> None:

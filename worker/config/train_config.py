@@ -212,6 +212,22 @@ class SyncConfig:
         "applied step; the stored rows and the pushes are unchanged; "
         "worker/updates/staleness.py) | "
         "none. No effect at K=0")
+    local_memory_budget_mb: int = setting(
+        0, "--local-optimizer: the host memory each rank's optimizer state and fp32 master "
+        "rows may hold (MiB; 0: no bound); beyond it their pages spill to crc-checked files "
+        "under --local-spill-dir, read back when touched (bitwise the same run; "
+        "worker/updates/local_spill.py)", "MB", at_least=0)
+    local_spill_dir: str = setting(
+        "", "--local-memory-budget-mb: where each rank spills (a directory of its own under "
+        "it, removed at exit; those of dead ranks removed at start); a cache, checkpoints "
+        "hold the spilled state", "DIR")
+    local_spill_max_gb: float = setting(
+        0.0, "--local-memory-budget-mb: the disk one rank's spill files may take (GiB; 0: no "
+        "limit); a run whose files could exceed it is refused before training", "GB",
+        at_least=0)
+    local_spill_page_kb: int = setting(
+        64, "--local-memory-budget-mb: the payload of one spill page (KiB)", "KB",
+        at_least=1)
     ps_timeout: float = setting(
         60.0, "seconds to wait for the server (register, update, reconnect) before failing",
         "SEC")
@@ -238,6 +254,17 @@ class SyncConfig:
                 check_ps_address(address)
         if not math.isfinite(self.ps_timeout) or self.ps_timeout <= 0:
             raise ValueError(f"ps_timeout={self.ps_timeout!r} must be a finite number > 0")
+        self._check_local_spill()
+
+    def _check_local_spill(self) -> None:
+        spill = (self.local_memory_budget_mb, self.local_spill_dir, self.local_spill_max_gb)
+        if any(spill) and not self.local_optimizer:
+            raise ValueError("--local-memory-budget-mb, --local-spill-dir and "
+                             "--local-spill-max-gb bound --local-optimizer's state; the "
+                             "shard server's are --memory-budget-mb and --spill-dir")
+        if self.local_spill_dir and not self.local_memory_budget_mb:
+            raise ValueError(f"local_spill_dir={self.local_spill_dir!r} without "
+                             "--local-memory-budget-mb: nothing would spill")
 
     @property
     def update_kind(self) -> UpdateKind:

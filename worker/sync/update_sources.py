@@ -15,12 +15,15 @@ from worker.config.train_config import SyncConfig
 from worker.config.update_kinds import UpdateKind
 from worker.embedding.sharded import ShardedEmbedding
 from worker.sync.client import WIRE_DTYPES, ShardClient
+from worker.updates.local_spill import LocalBudget
 from worker.updates.source import LocalSparseOptimizer, UpdateSource
 
 
 def _build_local(embedding: ShardedEmbedding, spec: OptimizerSpec, sync: SyncConfig,
                  **_: Any) -> UpdateSource:
-    return LocalSparseOptimizer(embedding, spec, sync.ps_timeout)
+    budget = LocalBudget.from_flags(sync.local_memory_budget_mb, sync.local_spill_dir,
+                                    sync.local_spill_max_gb, sync.local_spill_page_kb)
+    return LocalSparseOptimizer(embedding, spec, sync.ps_timeout, budget)
 
 
 def _build_server(embedding: ShardedEmbedding, spec: OptimizerSpec, sync: SyncConfig, *,

@@ -6,6 +6,9 @@ rows, and the step count, for the rows this rank owns; read back for the rows it
 (any world size); a dynamic table's paged-out rows
 (hybridps/dynamic_files.py). `LocalSparseOptimizer.snapshot_to`/`restore_from`
 (worker/updates/source.py) call these, so the checkpointer never reads the optimizer's fields.
+They read and write a unit's row columns (hybridps/spilled_rows.py's interface), so state
+spilled under --local-memory-budget-mb (worker/updates/local_spill.py) is read back from its
+pages into the checkpoint and restored into them.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from hybridps.checkpoint import (
 from hybridps.dynamic_files import restore_plan, save_paged_state
 from hybridps.optim import OptimizerSpec
 from hybridps.paged_rows import PagedRows
+from hybridps.spilled_rows import HeldRows, RowColumns
 from worker.embedding.sharded import ShardedEmbedding
+from worker.updates.local_spill import MASTER
 
-# per unit: the optimizer's state by name (name -> [rows, width])
-UnitState = Mapping[str, Mapping[str, torch.Tensor]]
+# per unit: its row columns (the optimizer's state by name, and MASTER for bf16 rows)
+UnitColumns = Mapping[str, RowColumns]
 
 
 def _table_rows(emb: ShardedEmbedding, table: str) -> tuple[str, slice]:
@@ -44,33 +49,45 @@ def _table_rows(emb: ShardedEmbedding, table: str) -> tuple[str, slice]:
 TableRows = tuple[torch.Tensor | None, dict[str, torch.Tensor], torch.Tensor | None]
 
 
-def local_state_rows(*, emb: ShardedEmbedding, state: UnitState,
-                     masters: Mapping[str, torch.Tensor],
+def local_state_rows(*, emb: ShardedEmbedding, columns: UnitColumns,
                      dynamic: Mapping[str, torch.Tensor],
                      changed: Mapping[str, torch.Tensor] | None = None
                      ) -> dict[str, TableRows]:
-    """Per table, the state rows a checkpoint writes (views of a whole table's rows; a
-    delta's gathered). `changed` (per unit, bool [rows]: the rows pushes changed since the
-    previous checkpoint): an incremental checkpoint, each table's rows only those (a delta
-    shard); a dynamic table's also its slots looked up since (`dynamic`, bool per slot:
-    a slot's state also moves, in the fused step hybridps/native/dynamic_step.c, when
-    its id changes, and an id changes only on a slot looked up)."""
+    """Per table, the state rows a checkpoint writes (views of a whole table's rows held
+    in memory, a copy of spilled ones; a delta's gathered). `changed` (per unit, bool
+    [rows]: the rows pushes changed since the previous checkpoint): an incremental
+    checkpoint, each table's rows only those (a delta shard); a dynamic table's also its
+    slots looked up since (`dynamic`, bool per slot: a slot's state also moves, in the
+    fused step hybridps/native/dynamic_step.c, when its id changes, and an id changes only
+    on a slot looked up)."""
     out: dict[str, TableRows] = {}
     for name in emb.tables:
         start, _ = emb.ranges[name]
         unit, rows = _table_rows(emb, name)
-        master = masters.get(unit)
+        held = columns[unit]
         ids = None
-        at: slice | torch.Tensor = rows
         if changed is not None:
             flags = changed[unit][rows]
             if name in dynamic:
                 flags = flags | dynamic[name].to(flags.device)
             local = flags.nonzero().squeeze(1)
-            at, ids = local + rows.start, local.cpu() + start
-        out[name] = (ids, {n: t[at] for n, t in state[unit].items()},
-                     None if master is None else master[at])
+            ids = local.cpu() + start
+            cols, at = held.view((local + rows.start).to(_index_device(held)),
+                                 write=False)
+            by_name = {n: t[at] for n, t in cols.items()}
+        else:
+            by_name = held.read(rows.start, rows.stop)
+        master = by_name.pop(MASTER, None)
+        out[name] = (ids, by_name, master)
     return out
+
+
+def _index_device(columns: RowColumns) -> torch.device:
+    """Where `columns.view`'s row indices go: the tensors' device when held in memory
+    (a spilled holder's frames are on the host)."""
+    if isinstance(columns, HeldRows) and columns.columns:
+        return next(iter(columns.columns.values())).device
+    return torch.device("cpu")
 
 
 def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbedding,
@@ -99,31 +116,32 @@ def save_local_state(directory: Path, step: int, *, rank: int, emb: ShardedEmbed
 
 @torch.no_grad()
 def restore_local_state(directory: Path, step: int, *, emb: ShardedEmbedding,
-                        spec: OptimizerSpec, state: UnitState,
-                        masters: Mapping[str, torch.Tensor], counts: dict[str, int],
+                        spec: OptimizerSpec, columns: UnitColumns, counts: dict[str, int],
                         paged: Mapping[str, PagedRows]) -> None:
     manifest = Manifest.read(directory) if paged else None
     for name, table in emb.tables.items():
         start, end = emb.ranges[name]
         unit, rows = _table_rows(emb, name)
+        held = columns[unit]
+        names = dict(held.layout)
         saved = load_optim_state(directory, table=name, num_rows=table.num_rows,
                                  dim=table.dim, row_start=start, row_end=end, step=step,
-                                 optimizer=dataclasses.asdict(spec), master=unit in masters,
+                                 optimizer=dataclasses.asdict(spec), master=MASTER in names,
                                  verify=False)
-        held = state[unit]
-        if unit in masters and saved.master is not None:  # bf16 rows
-            masters[unit][rows].copy_(saved.master)
-        for state_name, tensor in held.items():
-            loaded = saved.state.get(state_name)
-            if loaded is not None:
-                tensor[rows].copy_(loaded)
+        values = {n: t for n, t in saved.state.items()
+                  if t is not None and n in names and n != MASTER}
+        if MASTER in names and saved.master is not None:  # bf16 rows
+            values[MASTER] = saved.master
+        if values:
+            held.write(rows.start, values)
         counts[unit] = saved.adam_step
         if name in paged:
             assert manifest is not None
             store = paged[name]
             plan = restore_plan(directory, manifest, name, table.dim, store.layout, emb.rank,
                                 emb.world_size, start, end, verify=False)
-            gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1)
-            for t in held.values():  # slots whose id moved to another owner: no state here
-                t[rows].index_fill_(0, gone.to(t.device), 0.0)
+            gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1) + rows.start
+            state_names = [n for n in names if n != MASTER]
+            if state_names and gone.numel():  # slots whose id moved to another owner
+                held.fill(gone.to(_index_device(held)), state_names)
             store.load(plan.paged, plan.tombstones, plan.counters)

@@ -35,8 +35,10 @@ import torch
 from hybridps.checkpoint import ShardInfo
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_
 from hybridps.paged_rows import PagedOut, PagedRows
+from hybridps.spilled_rows import HeldRows, RowColumns
 from hybridps.state_alloc import alloc_row_state
 from worker.embedding.sharded import ShardedEmbedding
+from worker.updates.local_spill import MASTER, LocalBudget, SpillDir, plan_frames
 from worker.updates.local_state import local_state_rows, restore_local_state, save_local_state
 from worker.updates.staleness import RowPredictor
 
@@ -108,6 +110,10 @@ class SyncStats:
     #                            (a group's push: of its tables)
     # The Sync transport (worker/sync/transport.py): "stream", the gRPC Sync stream
     transport: str = "stream"
+    # --local-optimizer under --local-memory-budget-mb (worker/updates/local_spill.py): the
+    # budget's split (state, master and paged rows' bytes in memory, bytes on disk) and
+    # the page counters; empty without a budget
+    local_memory: dict[str, Any] = field(default_factory=dict)
 
 
 class UpdateBuffer:
@@ -302,10 +308,15 @@ class LocalSparseOptimizer(UpdateSource):
     the updates are the new rows rounded to bf16. This mode is the in-process
     reference, so it keeps the fp32 state where the rows are: it saves no
     device memory (2 + 4 bytes per element + the state: 8 for adam), the server mode does.
+
+    `budget` (--local-memory-budget-mb, worker/updates/local_spill.py): beyond it a unit's
+    state and master rows are `SpilledRows` on the host, paged to this rank's spill
+    directory; `state` and `masters` then hold only the units kept whole. Every access
+    goes through `columns[unit].view`.
     """
 
     def __init__(self, embedding: ShardedEmbedding, spec: OptimizerSpec,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, budget: LocalBudget | None = None) -> None:
         super().__init__(list(embedding.units), timeout_s)
         self.embedding, self.spec = embedding, spec
         self.tables_in.update({n: len(u.members) for n, u in embedding.units.items()})
@@ -321,18 +332,43 @@ class LocalSparseOptimizer(UpdateSource):
         # their optimizer state, in host memory
         self.paged = {name: PagedRows(t.dim, spec.state_widths(t.dim))
                       for name, t in embedding.tables.items() if t.dynamic is not None}
+        self.budget = budget or LocalBudget()
+        layouts = {name: [*spec.state_widths(w.shape[1]), *(
+            [(MASTER, w.shape[1])] if w.dtype != torch.float32 else [])]
+            for name, w in embedding.weights.items()}
+        frames = plan_frames([(n, int(embedding.weights[n].shape[0]), layout)
+                              for n, layout in layouts.items()], self.budget,
+                             f"rank {embedding.rank}")
+        self.spill_dir = (SpillDir(self.budget.spill_dir, embedding.rank)
+                          if self.budget.spill_dir else None)
+        # per unit: its row columns (the state and master rows: HeldRows of the tensors
+        # above, or SpilledRows on the host)
+        self.columns: dict[str, RowColumns] = {}
         for name, weight in embedding.weights.items():
-            self.state[name] = alloc_row_state(spec.state_widths(weight.shape[1]),
-                                               weight.shape[0], weight.device)
+            rows = int(weight.shape[0])
+            if frames[name]:
+                assert self.spill_dir is not None
+                self.columns[name] = self.spill_dir.columns(layouts[name], rows, self.budget,
+                                                            frames[name])
+            else:
+                self.state[name] = alloc_row_state(spec.state_widths(weight.shape[1]),
+                                                   rows, weight.device)
             if weight.dtype != torch.float32:
                 blocks = [rows for _, rows in embedding.initial_row_blocks(name)]
-                self.masters[name] = (torch.cat(blocks) if blocks else
-                                      torch.empty(0, weight.shape[1])).to(weight.device)
+                master = (torch.cat(blocks) if blocks else torch.empty(0, weight.shape[1]))
+                if frames[name]:
+                    self.columns[name].write(0, {MASTER: master})
+                else:
+                    self.masters[name] = master.to(weight.device)
+            if not frames[name]:
+                self.columns[name] = HeldRows({**self.state[name], **(
+                    {MASTER: self.masters[name]} if name in self.masters else {})})
+        self._report_memory()
 
     @property
     def moments(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Per unit: the state named m and v (adam, adamw; None where the optimizer keeps
-        no such state)."""
+        """Per unit kept whole: the state named m and v (adam, adamw; None where the
+        optimizer keeps no such state)."""
         return {name: (state.get("m"), state.get("v")) for name, state in self.state.items()}
 
     @torch.no_grad()
@@ -343,20 +379,70 @@ class LocalSparseOptimizer(UpdateSource):
             start = self.embedding.units[name].start
             self.counts[name] += 1
             self.changed[name].index_fill_(0, ids_U - start, True)
-            delta_UD, decay = step_rows_(spec, self.state[name], ids_U - start, grads_UD,
-                                         self.counts[name])
             self.stats.pushes += self.tables_in[name]
             self.stats.push_rows += int(ids_U.numel())
             self.stats.updates += self.tables_in[name]
             self.stats.unit_pushes += 1
             self.stats.unit_updates += 1
-            master_RD = self.masters.get(name)
-            if master_RD is not None:  # the shard server's master-rows math (ps/core/partition.py)
-                apply_update_(master_RD, ids_U - start, delta_UD, float(decay))
-                rows_UD = master_RD.index_select(0, ids_U - start).to(self.embedding.row_dtype)
-                self.buffer.put(RowUpdate(step, name, ids_U, rows_UD, 0.0, rows=True))
-                continue
-            self.buffer.put(RowUpdate(step, name, ids_U, delta_UD, float(decay)))
+            self.buffer.put(self._step_unit(spec, step, name, ids_U, grads_UD))
+        if self.budget.memory_bytes:
+            self._report_memory()
+
+    def _step_unit(self, spec: OptimizerSpec, step: int, name: str, ids_U: torch.Tensor,
+                   grads_UD: torch.Tensor) -> RowUpdate:
+        """One optimizer step of unit `name`, on its columns where they are (a spilled
+        unit's frames are on the host: rows on a device step a gathered copy there and
+        write it back, the same math on the same device as the tensors unbounded)."""
+        columns = self.columns[name]
+        local_U = ids_U - self.embedding.units[name].start
+        spilled = not isinstance(columns, HeldRows)
+        cols, at_U = columns.view(local_U.cpu() if spilled else local_U)
+        device = grads_UD.device
+        moved = spilled and device.type != "cpu"
+        frames = cols
+        if moved:  # the frames' rows of this push, on the rows' device
+            cols = {n: t.index_select(0, at_U).to(device) for n, t in frames.items()}
+            at = torch.arange(int(at_U.numel()), device=device)
+        else:
+            at = at_U
+        state = {n: t for n, t in cols.items() if n != MASTER}
+        delta_UD, decay = step_rows_(spec, state, at, grads_UD, self.counts[name])
+        master_RD = cols.get(MASTER)
+        rows_UD = None
+        if master_RD is not None:  # the shard server's master-rows math (ps/core/partition.py)
+            apply_update_(master_RD, at, delta_UD, float(decay))
+            rows_UD = master_RD.index_select(0, at).to(self.embedding.row_dtype)
+        if moved:
+            for n, t in cols.items():
+                frames[n].index_copy_(0, at_U, t.cpu())
+        if rows_UD is not None:
+            return RowUpdate(step, name, ids_U, rows_UD.to(device), 0.0, rows=True)
+        return RowUpdate(step, name, ids_U, delta_UD, float(decay))
+
+    def _report_memory(self) -> None:
+        """SyncStats.local_memory: the budget's split (module doc of local_spill.py)."""
+        if not self.budget.memory_bytes:
+            return
+        state = master = disk = 0
+        counters: dict[str, int] = {}
+        for columns in self.columns.values():
+            widths = dict(columns.layout)
+            total = sum(widths.values()) or 1
+            held = columns.memory_bytes
+            part = held * widths.get(MASTER, 0) // total
+            master += part
+            state += held - part
+            disk += columns.disk_bytes
+            for key, value in columns.counters().items():
+                counters[key] = counters.get(key, 0) + value
+        self.stats.local_memory = {
+            "budget_bytes": self.budget.memory_bytes, "state_bytes": state,
+            "master_bytes": master,
+            "paged_bytes": sum(p.memory_bytes for p in self.paged.values()),
+            "disk_bytes": disk,
+            "spilled_units": sorted(n for n, c in self.columns.items()
+                                    if not isinstance(c, HeldRows)),
+            **counters}
 
     def snapshot_to(self, directory: Path, step: int, hold: Hold,
                     since: int | None = None) -> Callable[[], SavedFiles]:
@@ -365,8 +451,8 @@ class LocalSparseOptimizer(UpdateSource):
         dynamic = self.embedding.dynamic
         looked = {} if since is None or dynamic is None else {
             name: torch.from_numpy(dynamic.looked_up_since(name, since)) for name in self.paged}
-        rows = hold(local_state_rows(emb=self.embedding, state=self.state,
-                                     masters=self.masters, dynamic=looked,
+        rows = hold(local_state_rows(emb=self.embedding, columns=self.columns,
+                                     dynamic=looked,
                                      changed=None if since is None else self.changed))
         paged = {name: hold(store.checkpoint_state(step, since))
                  for name, store in self.paged.items()}
@@ -379,8 +465,14 @@ class LocalSparseOptimizer(UpdateSource):
 
     def restore_from(self, directory: Path, step: int) -> None:
         restore_local_state(directory, step, emb=self.embedding, spec=self.spec,
-                            state=self.state, masters=self.masters, counts=self.counts,
-                            paged=self.paged)
+                            columns=self.columns, counts=self.counts, paged=self.paged)
+
+    def close(self) -> None:
+        """Remove this rank's spill files (a cache: checkpoints hold their state)."""
+        for columns in self.columns.values():
+            columns.close()
+        if self.spill_dir is not None:
+            self.spill_dir.close()
 
     # -- dynamic tables: the RowPager of worker/embedding/dynamic/ids.py, in-process ---
     @torch.no_grad()
@@ -390,14 +482,24 @@ class LocalSparseOptimizer(UpdateSource):
              ) -> tuple[torch.Tensor, PagedOut, np.ndarray]:
         start = self.embedding.units[table].start
         store = self.paged[table]
-        found, got = store.swap(out, out_slots - start, in_ids, in_slots - start,
-                                self.state[table])
+        columns = self.columns[table]
+        out_R, in_R = out_slots - start, in_slots - start
+        if isinstance(columns, HeldRows):
+            found, got = store.swap(out, out_R, in_ids, in_R, self.state[table])
+        else:  # the frames of both sides' rows, resident for the call
+            cols, at = columns.view(torch.cat([out_R, in_R]).cpu())
+            k = int(out_R.numel())
+            found, got = store.swap(out, at[:k], in_ids, at[k:], cols)
         return found, got, store.expire(step, expire_steps)
 
     def peek_paged(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.paged[table].peek(ids)
 
     def local_store(self, table: str) -> tuple[PagedRows, Mapping[str, torch.Tensor]] | None:
+        """None for a spilled unit: its slots' state is not one tensor a row per slot, so the
+        fused step (worker/embedding/dynamic/fused.py) leaves it to the reference path."""
+        if not isinstance(self.columns[table], HeldRows):
+            return None
         return self.paged[table], self.state[table]
 
 

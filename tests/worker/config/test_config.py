@@ -26,6 +26,10 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "local_optimizer": ("false", False),
     "staleness": ("3", 3),
     "ps_timeout": ("2.5", 2.5),
+    "local_memory_budget_mb": ("512", 512),  # these four: with --local-optimizer (LOCAL)
+    "local_spill_dir": ("/tmp/spill", "/tmp/spill"),
+    "local_spill_max_gb": ("1.5", 1.5),
+    "local_spill_page_kb": ("16", 16),
     "max_chunk_bytes": ("1048576", 1048576),
     "wire_dtype": ("bf16", "bf16"),  # tests/worker/sync/test_wire_fast.py
     "staleness_compensation": ("none", "none"),  # tests/worker/updates/test_staleness.py
@@ -136,6 +140,8 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "data_workers": ("2", 2),
 }
 BASE = {"HYBRIDPS_OPTIMIZER": "adamw"}  # weight_decay samples need a decaying optimizer
+LOCAL = {"local_memory_budget_mb", "local_spill_dir", "local_spill_max_gb",
+         "local_spill_page_kb"}
 
 
 def test_samples_cover_every_field() -> None:
@@ -146,6 +152,8 @@ def test_samples_cover_every_field() -> None:
 def test_each_field_reads_its_flag_and_env(name: str) -> None:
     text, value = SAMPLES[name]
     base = {"HYBRIDPS_PS": "127.0.0.1:1", **BASE}
+    if name in LOCAL:
+        base = {"HYBRIDPS_LOCAL_OPTIMIZER": "1", "HYBRIDPS_LOCAL_MEMORY_BUDGET_MB": "64", **BASE}
     from_env = parse_config(TrainConfig, [], environ={**base, env_name(name): text})
     assert from_env.flat()[name] == value
     from_flag = parse_config(TrainConfig, [flag_name(name), text], environ=base)

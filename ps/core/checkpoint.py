@@ -151,6 +151,15 @@ def snapshot_partition(part: Partition, step: int,
                              dataclasses.asdict(part.optimizer), step, held, paged, nbytes)
 
 
+def unsave(part: Partition, step: int) -> None:
+    """The checkpoint of `step` failed to write: no delta may name it as its parent (an
+    incremental request since it is refused; the next one is full). The caller holds
+    `part.lock`."""
+    for t in part.tables.values():
+        if t.saved_step == step:
+            t.saved_step = -1
+
+
 def _piece_copy(t: TableState, p: Piece, since: int | None
                 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None],
                            torch.Tensor | None]:

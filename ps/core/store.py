@@ -580,7 +580,7 @@ class Store(PartitionAuth):
         partition's copy is taken now (the checkpoint of `step` while later pushes apply:
         the two-step Checkpoint) and the write only writes them; else each partition is
         copied and written in turn inside the write."""
-        from ps.core.checkpoint import PartitionSnapshot, snapshot_partition
+        from ps.core.checkpoint import PartitionSnapshot, snapshot_partition, unsave
 
         what = f"checkpoint run={run_id!r}"
         files = contextlib.ExitStack()  # the step directory's writer, closed by the write
@@ -625,8 +625,12 @@ class Store(PartitionAuth):
                         except OSError as exc:  # e.g. a name too long: the request's fault
                             raise write_refusal(exc, path, what) from exc
                         del snapshot
-            except ShardError as exc:
-                self.record_refusal(exc.reason, run_id)
+            except BaseException as exc:
+                for part in parts:  # never the parent of a delta
+                    with part.lock:
+                        unsave(part, step)
+                if isinstance(exc, ShardError):
+                    self.record_refusal(exc.reason, run_id)
                 raise
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
                         step=step, directory=path, files=len(out), deferred=deferred,

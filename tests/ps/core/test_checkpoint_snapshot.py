@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridps.checkpoint import read_shard
-from hybridps.errors import InvalidArgument, NotFound, ShardError
+from hybridps.errors import Conflict, InvalidArgument, NotFound, ShardError
 from hybridps.optim import OptimizerSpec
 from ps.core.checkpoint import (
     WRITE_FAULT_ENV,
@@ -149,7 +149,7 @@ def test_a_deferred_checkpoint_answers_at_its_snapshot_and_confirms_the_files_la
     assert store.partition("run", 0).tables["t"].last_step == 3  # type: ignore[union-attr]
 
 
-def test_a_failed_deferred_write_is_the_answer_of_checkpoint_done(
+def test_a_failed_deferred_write_is_the_answer_of_checkpoint_done_and_no_parent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = _store()
     _, release = _blocked_write(monkeypatch, fail=True)
@@ -161,6 +161,10 @@ def test_a_failed_deferred_write_is_the_answer_of_checkpoint_done(
             await core.checkpoint("run", [0], 2, str(tmp_path), deferred=True)
             with pytest.raises(ShardError, match="No space left on device"):
                 await core.checkpoint_done("run", [0], 2, str(tmp_path))
+            await asyncio.to_thread(_push, store, 3, [1, 2])
+            with pytest.raises(Conflict, match="write a full one"):  # never a parent
+                await core.checkpoint("run", [0], 3, str(tmp_path / "s3"), since=2,
+                                      deferred=True)
         finally:
             core.shutdown()
 

@@ -293,14 +293,15 @@ class _InFlight:
 
 class DeferredWrites:
     """The background writes of deferred checkpoints (shard.proto Checkpoint `deferred`),
-    one thread for all: a checkpoint's copy is taken at its request, its files written
-    here while the pushes of the next steps apply, and `done` hands over the files once
-    durable, or the write's error. The last write of each (run, ranks) is kept until the
-    next one of the same ranks replaces it, so a repeated CheckpointDone is answered
-    again."""
+    in `threads` threads of their own (the ranks of a server write their files side by
+    side, and the update pool stays free for pushes): a checkpoint's copy is taken at its
+    request, its files written here while the pushes of the next steps apply, and `done`
+    hands over the files once durable, or the write's error. The last write of each
+    (run, ranks) is kept until the next one of the same ranks replaces it, so a repeated
+    CheckpointDone is answered again."""
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-checkpoint")
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-checkpoint")
         self._lock = threading.Lock()
         self._writes: dict[WriteKey, _InFlight] = {}
 

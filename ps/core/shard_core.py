@@ -79,7 +79,7 @@ class ShardCore:
                                         initializer=_init_update_thread,
                                         initargs=(per_thread,))
         self._applied = asyncio.Condition()
-        self.deferred = DeferredWrites()  # the two-step Checkpoint's background writes
+        self.deferred = DeferredWrites(self.update_threads)  # the two-step Checkpoint's
         # Flushes waiting on _applied: a push wakes them only when there are any (the loop
         # runs both, so none can start waiting between the check and the notify).
         self._flush_waiters = 0

@@ -585,6 +585,7 @@ class Store(PartitionAuth):
         what = f"checkpoint run={run_id!r}"
         files = contextlib.ExitStack()  # the step directory's writer, closed by the write
         copies: list[PartitionSnapshot] = []
+        copied: list[Partition] = []  # whose saved step is this checkpoint's now
         try:
             check_run_id(run_id, "checkpoint")
             parts = sorted((p for p in self.partitions()
@@ -600,6 +601,7 @@ class Store(PartitionAuth):
             for part in parts if deferred else ():
                 with part.lock:
                     copies.append(snapshot_partition(part, step, since))
+                copied.append(part)
         except BaseException as exc:
             files.close()
             if isinstance(exc, ShardError):
@@ -618,6 +620,7 @@ class Store(PartitionAuth):
                         else:
                             with part.lock:
                                 snapshot = snapshot_partition(part, step, since)
+                            copied.append(part)
                         snapshot_bytes = max(snapshot_bytes, snapshot.nbytes)
                         try:
                             out.extend((part.rank, info)
@@ -626,7 +629,7 @@ class Store(PartitionAuth):
                             raise write_refusal(exc, path, what) from exc
                         del snapshot
             except BaseException as exc:
-                for part in parts:  # never the parent of a delta
+                for part in copied:  # never the parent of a delta
                     with part.lock:
                         unsave(part, step)
                 if isinstance(exc, ShardError):

@@ -377,7 +377,7 @@ class FinishResponse(_message.Message):
     def __init__(self, ranks_registered: _Optional[int] = ..., ranks_finished: _Optional[int] = ..., server_stopping: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("run_id", "step", "directory", "ranks", "timeout_s", "incremental", "since_step")
+    __slots__ = ("run_id", "step", "directory", "ranks", "timeout_s", "incremental", "since_step", "deferred")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class CheckpointRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
     SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     directory: str
@@ -392,7 +393,8 @@ class CheckpointRequest(_message.Message):
     timeout_s: float
     incremental: bool
     since_step: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., incremental: _Optional[bool] = ..., since_step: _Optional[int] = ...) -> None: ...
+    deferred: bool
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., incremental: _Optional[bool] = ..., since_step: _Optional[int] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
 class SavedPartition(_message.Message):
     __slots__ = ("rank", "table", "row_start", "row_end", "file", "bytes", "crc32", "delta")
@@ -415,10 +417,26 @@ class SavedPartition(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., table: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., file: _Optional[str] = ..., bytes: _Optional[int] = ..., crc32: _Optional[str] = ..., delta: _Optional[bool] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("files",)
+    __slots__ = ("files", "snapshot_bytes")
     FILES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     files: _containers.RepeatedCompositeFieldContainer[SavedPartition]
-    def __init__(self, files: _Optional[_Iterable[_Union[SavedPartition, _Mapping]]] = ...) -> None: ...
+    snapshot_bytes: int
+    def __init__(self, files: _Optional[_Iterable[_Union[SavedPartition, _Mapping]]] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointDoneRequest(_message.Message):
+    __slots__ = ("run_id", "step", "directory", "ranks", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    directory: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PageRequest(_message.Message):
     __slots__ = ("run_id", "rank", "incarnation", "table", "step", "seq", "expire_steps", "out_ids", "out_slots", "out_rows", "out_seen", "out_freq", "in_ids", "in_slots", "peek", "counters")

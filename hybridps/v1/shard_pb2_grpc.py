@@ -59,6 +59,11 @@ class ShardServiceStub:
                 request_serializer=hybridps_dot_v1_dot_shard__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.CheckpointDone = channel.unary_unary(
+                '/hybridps.v1.ShardService/CheckpointDone',
+                request_serializer=hybridps_dot_v1_dot_shard__pb2.CheckpointDoneRequest.SerializeToString,
+                response_deserializer=hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
         self.Finish = channel.unary_unary(
                 '/hybridps.v1.ShardService/Finish',
                 request_serializer=hybridps_dot_v1_dot_shard__pb2.FinishRequest.SerializeToString,
@@ -106,6 +111,13 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckpointDone(self, request, context):
+        """A deferred Checkpoint's files, once durable (see CheckpointDoneRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Finish(self, request, context):
         """This rank is done with the run (see FinishRequest).
         """
@@ -146,6 +158,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
                     request_deserializer=hybridps_dot_v1_dot_shard__pb2.CheckpointRequest.FromString,
+                    response_serializer=hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'CheckpointDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckpointDone,
+                    request_deserializer=hybridps_dot_v1_dot_shard__pb2.CheckpointDoneRequest.FromString,
                     response_serializer=hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.SerializeToString,
             ),
             'Finish': grpc.unary_unary_rpc_method_handler(
@@ -293,6 +310,33 @@ class ShardService:
             target,
             '/hybridps.v1.ShardService/Checkpoint',
             hybridps_dot_v1_dot_shard__pb2.CheckpointRequest.SerializeToString,
+            hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckpointDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridps.v1.ShardService/CheckpointDone',
+            hybridps_dot_v1_dot_shard__pb2.CheckpointDoneRequest.SerializeToString,
             hybridps_dot_v1_dot_shard__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,

@@ -8,7 +8,11 @@ back into those slices."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ from hybridps.checkpoint import (
     verify_shards,
 )
 from hybridps.dynamic_files import restore_plan, save_paged_state
-from hybridps.errors import Conflict
+from hybridps.errors import Conflict, InvalidArgument, NotFound
 from hybridps.optim import OptimizerSpec
 from ps.core.partition import MASTER, Partition, TableSpec, TableState
 from ps.core.table_members import Piece, pieces
@@ -90,11 +94,14 @@ class PartitionSnapshot:
     nbytes: int
 
     def write(self, directory: str | Path, writer: Writer | None = None) -> list[ShardInfo]:
-        out = [save_optim_state(directory, table=p.name, rank=self.rank, num_rows=p.num_rows,
-                                dim=dim, row_start=p.row_start, row_end=p.row_end,
-                                state=state, optimizer=self.optimizer,
-                                incarnation=self.incarnation, writer=writer, ids=ids)
-               for p, dim, state, ids in self.pieces]
+        out = []
+        for p, dim, state, ids in self.pieces:
+            out.append(save_optim_state(directory, table=p.name, rank=self.rank,
+                                        num_rows=p.num_rows, dim=dim, row_start=p.row_start,
+                                        row_end=p.row_end, state=state,
+                                        optimizer=self.optimizer,
+                                        incarnation=self.incarnation, writer=writer, ids=ids))
+            write_fault(self.step)
         out.extend(save_paged_state(directory, table=table, rank=self.rank, start=start,
                                     end=end, state=state, step=self.step, writer=writer)
                    for table, start, end, state in self.paged)
@@ -142,6 +149,15 @@ def snapshot_partition(part: Partition, step: int,
         t.saved_step = step
     return PartitionSnapshot(part.where, part.rank, part.incarnation,
                              dataclasses.asdict(part.optimizer), step, held, paged, nbytes)
+
+
+def unsave(part: Partition, step: int) -> None:
+    """The checkpoint of `step` failed to write: no delta may name it as its parent (an
+    incremental request since it is refused; the next one is full). The caller holds
+    `part.lock`."""
+    for t in part.tables.values():
+        if t.saved_step == step:
+            t.saved_step = -1
 
 
 def _piece_copy(t: TableState, p: Piece, since: int | None
@@ -232,3 +248,92 @@ def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> Non
     gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1)
     t.columns.fill(gone, [n for n, _ in t.paging.store.layout])
     t.paging.store.load(plan.paged, plan.tombstones, plan.counters)
+
+
+# -- tests' fault injection (as the worker's worker/runtime/faults.py) ----------------------
+
+WRITE_FAULT_ENV = "HYBRIDPS_PS_FAULT_CHECKPOINT_WRITE"
+
+
+def write_fault(step: int) -> None:
+    """HYBRIDPS_PS_FAULT_CHECKPOINT_WRITE=STEP:sleep=SEC or STEP:fail: the write of the
+    server's checkpoint of STEP sleeps SEC seconds, or fails (OSError), after each file
+    (a slow or failing disk, or a window to kill the server in). Read at every file."""
+    text = os.environ.get(WRITE_FAULT_ENV, "")
+    if not text:
+        return
+    at, _, action = text.partition(":")
+    try:
+        fault_step = int(at)
+        seconds = float(action.removeprefix("sleep=")) if action.startswith("sleep=") else 0.0
+    except ValueError:
+        raise InvalidArgument(f"{WRITE_FAULT_ENV}={text!r}: expected STEP:sleep=SEC or "
+                              "STEP:fail") from None
+    if action != "fail" and not action.startswith("sleep="):
+        raise InvalidArgument(f"{WRITE_FAULT_ENV}={text!r}: expected STEP:sleep=SEC or "
+                              "STEP:fail")
+    if fault_step != step:
+        return
+    if action == "fail":
+        raise OSError(f"injected checkpoint write failure at step {step} ({WRITE_FAULT_ENV})")
+    time.sleep(seconds)
+
+
+# -- deferred writes: the two-step Checkpoint (snapshot now, durable later) -----------------
+
+WriteKey = tuple[str, tuple[int, ...]]  # (run id, ranks)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    directory: str
+    done: Future[list[tuple[int, Any]]]
+
+
+class DeferredWrites:
+    """The background writes of deferred checkpoints (shard.proto Checkpoint `deferred`),
+    in `threads` threads of their own (the ranks of a server write their files side by
+    side, and the update pool stays free for pushes): a checkpoint's copy is taken at its
+    request, its files written here while the pushes of the next steps apply, and `done`
+    hands over the files once durable, or the write's error. The last write of each
+    (run, ranks) is kept until the next one of the same ranks replaces it, so a repeated
+    CheckpointDone is answered again."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-checkpoint")
+        self._lock = threading.Lock()
+        self._writes: dict[WriteKey, _InFlight] = {}
+
+    @staticmethod
+    def key(run_id: str, ranks: Sequence[int]) -> WriteKey:
+        return run_id, tuple(sorted(set(ranks)))
+
+    def previous(self, run_id: str, ranks: Sequence[int]) -> Future[Any] | None:
+        """The write of the last checkpoint of these ranks (a new one waits for it)."""
+        with self._lock:
+            held = self._writes.get(self.key(run_id, ranks))
+        return None if held is None else held.done
+
+    def start(self, run_id: str, ranks: Sequence[int], step: int, directory: str,
+              write: Callable[[], list[tuple[int, Any]]]) -> Future[list[tuple[int, Any]]]:
+        done = self._pool.submit(write)
+        with self._lock:
+            self._writes[self.key(run_id, ranks)] = _InFlight(step, directory, done)
+        return done
+
+    def done(self, run_id: str, ranks: Sequence[int], step: int,
+             directory: str) -> Future[list[tuple[int, Any]]]:
+        """The write of that checkpoint (NotFound unless it is the last one of `ranks`)."""
+        with self._lock:
+            held = self._writes.get(self.key(run_id, ranks))
+        if held is None or (held.step, held.directory) != (step, directory):
+            last = "none" if held is None else f"step {held.step} into {held.directory!r}"
+            raise NotFound(f"checkpoint done run={run_id!r} ranks={sorted(set(ranks))} step "
+                           f"{step} into {directory!r}: no such deferred checkpoint on this "
+                           f"server (its last one of these ranks: {last})")
+        return held.done
+
+    def shutdown(self) -> None:
+        """Every write already started completes (the server stops after it)."""
+        self._pool.shutdown(wait=True)

@@ -21,6 +21,7 @@ import torch
 from hybridps import optim
 from hybridps.errors import FlushTimeout, InvalidArgument, ShardError
 from hybridps.optim import OptimizerSpec
+from ps.core.checkpoint import DeferredWrites
 from ps.core.paging import PageCall, PageResult
 from ps.core.partition import TableSpec
 from ps.core.push import Answer, PushChunk
@@ -78,6 +79,7 @@ class ShardCore:
                                         initializer=_init_update_thread,
                                         initargs=(per_thread,))
         self._applied = asyncio.Condition()
+        self.deferred = DeferredWrites(self.update_threads)  # the two-step Checkpoint's
         # Flushes waiting on _applied: a push wakes them only when there are any (the loop
         # runs both, so none can start waiting between the check and the notify).
         self._flush_waiters = 0
@@ -166,14 +168,39 @@ class ShardCore:
             self._flush_waiters -= 1
 
     async def checkpoint(self, run_id: str, ranks: Sequence[int], step: int, directory: str,
-                         timeout_s: float = 0.0, since: int | None = None
-                         ) -> list[tuple[int, Any]]:
+                         timeout_s: float = 0.0, since: int | None = None,
+                         deferred: bool = False) -> tuple[list[tuple[int, Any]], int]:
         """Wait until `ranks` (all: empty) applied every push through `step`, then save
-        (`since`: incremental, Store.checkpoint)."""
+        (`since`: incremental, Store.checkpoint): (the files, the largest partition copy's
+        bytes). `deferred`: answer () once the copies are taken; their write runs in the
+        background (ps/core/checkpoint.py DeferredWrites) and `checkpoint_done` waits for
+        it. A checkpoint of the same ranks waits for the previous one's write first."""
         for rank in (list(ranks) or [-1]):
             await self.flush(run_id, rank, step, timeout_s)
-        return await self._run(self.store.checkpoint, run_id, list(ranks), step, directory,
-                               since)
+        previous = self.deferred.previous(run_id, ranks)
+        if previous is not None:  # its error went to its CheckpointDone
+            await asyncio.wait([asyncio.wrap_future(previous)])
+        write, snapshot_bytes = await self._run(functools.partial(
+            self.store.checkpoint_write, deferred=deferred), run_id, list(ranks), step,
+            directory, since)
+        if deferred:
+            self.deferred.start(run_id, ranks, step, directory, write)
+            return [], snapshot_bytes
+        return await self._run(write), snapshot_bytes
+
+    async def checkpoint_done(self, run_id: str, ranks: Sequence[int], step: int,
+                              directory: str, timeout_s: float = 0.0
+                              ) -> list[tuple[int, Any]]:
+        """The files of the deferred checkpoint of `step`, once durable (the write's error
+        otherwise; FlushTimeout after `timeout_s`, the write going on)."""
+        done = self.deferred.done(run_id, ranks, step, directory)
+        timeout = timeout_s or self.flush_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), timeout)
+        except TimeoutError:
+            raise FlushTimeout(f"checkpoint done run={run_id!r} ranks={sorted(set(ranks))} "
+                               f"step={step}: its files are still being written after "
+                               f"{timeout:g}s") from None
 
     async def page(self, run_id: str, rank: int, incarnation: int, table: str,
                    call: PageCall) -> PageResult:
@@ -184,4 +211,5 @@ class ShardCore:
         return self.store.stats(run_id)
 
     def shutdown(self) -> None:
+        self.deferred.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)

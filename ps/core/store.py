@@ -16,6 +16,7 @@ message names the offending value; a refused push leaves the state untouched
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -568,40 +569,79 @@ class Store(PartitionAuth):
         partition's state is copied under its lock and written without it: a push of a
         later step applies meanwhile, never into the files (the copy is one partition's
         state at a time), and marks the rows of the next delta."""
-        from ps.core.checkpoint import snapshot_partition
+        write, _ = self.checkpoint_write(run_id, ranks, step, directory, since, deferred=False)
+        return write()
+
+    def checkpoint_write(self, run_id: str, ranks: Sequence[int], step: int, directory: str,
+                         since: int | None = None, *, deferred: bool
+                         ) -> tuple[Callable[[], list[tuple[int, Any]]], int]:
+        """(the write of `checkpoint`, which any thread may run once; the bytes of the
+        largest partition copy taken now), after the request's checks. `deferred`: every
+        partition's copy is taken now (the checkpoint of `step` while later pushes apply:
+        the two-step Checkpoint) and the write only writes them; else each partition is
+        copied and written in turn inside the write."""
+        from ps.core.checkpoint import PartitionSnapshot, snapshot_partition, unsave
 
         what = f"checkpoint run={run_id!r}"
+        files = contextlib.ExitStack()  # the step directory's writer, closed by the write
+        copies: list[PartitionSnapshot] = []
+        copied: list[Partition] = []  # whose saved step is this checkpoint's now
         try:
             check_run_id(run_id, "checkpoint")
-            parts = [p for p in self.partitions()
-                     if p.run_id == run_id and (not ranks or p.rank in ranks)]
+            parts = sorted((p for p in self.partitions()
+                            if p.run_id == run_id and (not ranks or p.rank in ranks)),
+                           key=lambda p: p.rank)
             missing = set(ranks) - {p.rank for p in parts}
             if not parts or missing:
                 self.checkpoint_root.resolve(directory, what)  # a bad directory first
                 raise NotRegistered(f"checkpoint: run {run_id!r}: rank(s) "
                                     f"{sorted(missing) or 'any'} not registered on this server")
+            path, writer = files.enter_context(self.checkpoint_root.step_writer(
+                directory, [p.run_digest for p in parts], what))
+            for part in parts if deferred else ():
+                with part.lock:
+                    copies.append(snapshot_partition(part, step, since))
+                copied.append(part)
+        except BaseException as exc:
+            files.close()
+            if isinstance(exc, ShardError):
+                self.record_refusal(exc.reason, run_id)
+            raise
+
+        def write() -> list[tuple[int, Any]]:
             started = time.perf_counter()
             out: list[tuple[int, Any]] = []
             snapshot_bytes = 0
-            with self.checkpoint_root.step_writer(
-                    directory, [p.run_digest for p in parts], what) as (path, writer):
-                for part in sorted(parts, key=lambda p: p.rank):
+            try:
+                with files:
+                    for part in parts:
+                        if deferred:
+                            snapshot = copies.pop(0)  # freed once written
+                        else:
+                            with part.lock:
+                                snapshot = snapshot_partition(part, step, since)
+                            copied.append(part)
+                        snapshot_bytes = max(snapshot_bytes, snapshot.nbytes)
+                        try:
+                            out.extend((part.rank, info)
+                                       for info in snapshot.write(path, writer))
+                        except OSError as exc:  # e.g. a name too long: the request's fault
+                            raise write_refusal(exc, path, what) from exc
+                        del snapshot
+            except BaseException as exc:
+                for part in copied:  # never the parent of a delta
                     with part.lock:
-                        snapshot = snapshot_partition(part, step, since)
-                    snapshot_bytes = max(snapshot_bytes, snapshot.nbytes)
-                    try:
-                        out.extend((part.rank, info) for info in snapshot.write(path, writer))
-                    except OSError as exc:  # e.g. a name too long: the request's fault
-                        raise write_refusal(exc, path, what) from exc
-                    del snapshot
+                        unsave(part, step)
+                if isinstance(exc, ShardError):
+                    self.record_refusal(exc.reason, run_id)
+                raise
             log.info(kv("checkpoint", run=run_id, ranks=",".join(str(p.rank) for p in parts),
-                        step=step, directory=path, files=len(out),
+                        step=step, directory=path, files=len(out), deferred=deferred,
                         snapshot_bytes=snapshot_bytes,
                         seconds=f"{time.perf_counter() - started:.3f}"))
             return out
-        except ShardError as exc:
-            self.record_refusal(exc.reason, run_id)
-            raise
+
+        return write, max((c.nbytes for c in copies), default=0)
 
     def page(self, run_id: str, rank: int, incarnation: int, table: str,
              call: PageCall) -> PageResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -132,6 +132,16 @@ def wait_timeout(requested_s: float, context: grpc.aio.ServicerContext) -> float
     if remaining is not None and (requested_s == 0 or remaining < requested_s):
         return max(remaining * 0.95, 1e-3)
     return requested_s
+
+
+def _saved_files(saved: Sequence[tuple[int, Any]], snapshot_bytes: int
+                 ) -> shard_pb2.CheckpointResponse:
+    response = shard_pb2.CheckpointResponse(snapshot_bytes=snapshot_bytes)
+    for rank, info in saved:
+        response.files.add(rank=rank, table=info.table, row_start=info.row_start,
+                           row_end=info.row_end, file=info.file, bytes=info.bytes,
+                           crc32=info.crc32, delta=info.delta)
+    return response
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -313,20 +323,31 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             self.core.store.authorize(request.run_id, list(request.ranks), call_secret(context),
                                       f"checkpoint run={request.run_id!r}")
             timeout = wait_timeout(request.timeout_s, context)
-            saved = await self.core.checkpoint(
+            saved, snapshot_bytes = await self.core.checkpoint(
                 request.run_id, list(request.ranks), request.step, request.directory, timeout,
-                request.since_step if request.incremental else None)
+                request.since_step if request.incremental else None, request.deferred)
         except Exception as exc:
             await abort_with(context, "Checkpoint", exc, run=request.run_id,
                              step=request.step, directory=request.directory)
             raise
         self.tracker.activity(request.run_id)
-        response = shard_pb2.CheckpointResponse()
-        for rank, info in saved:
-            response.files.add(rank=rank, table=info.table, row_start=info.row_start,
-                               row_end=info.row_end, file=info.file, bytes=info.bytes,
-                               crc32=info.crc32, delta=info.delta)
-        return response
+        return _saved_files(saved, snapshot_bytes)
+
+    async def CheckpointDone(self, request: shard_pb2.CheckpointDoneRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> shard_pb2.CheckpointResponse:
+        try:
+            self.core.store.authorize(request.run_id, list(request.ranks), call_secret(context),
+                                      f"checkpoint done run={request.run_id!r}")
+            timeout = wait_timeout(request.timeout_s, context)
+            saved = await self.core.checkpoint_done(request.run_id, list(request.ranks),
+                                                    request.step, request.directory, timeout)
+        except Exception as exc:
+            await abort_with(context, "CheckpointDone", exc, run=request.run_id,
+                             step=request.step, directory=request.directory)
+            raise
+        self.tracker.activity(request.run_id)
+        return _saved_files(saved, 0)
 
     async def Finish(self, request: shard_pb2.FinishRequest,
                      context: grpc.aio.ServicerContext) -> shard_pb2.FinishResponse:

@@ -59,7 +59,7 @@ class SecretCarrier(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
         name = method.rsplit("/", 1)[-1]
         if name in ("Register", "SeedRows", "Finish", "Flush"):
             rank = request.rank
-        elif name == "Checkpoint":
+        elif name in ("Checkpoint", "CheckpointDone"):
             rank = request.ranks[0] if request.ranks else -1
         else:
             return None

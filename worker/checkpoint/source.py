@@ -1,9 +1,11 @@
 """The update source's part of a checkpoint: the sparse optimizer state, which the source
 saves and restores itself (`UpdateSource.snapshot_to` / `restore_from`; this part never reads
-a source's fields). The shard client asks ITS shard server to save its own partition
-(Checkpoint RPC, ranks=[rank]: the server waits until the pushes <= step are applied, then
-writes the optimizer state, step count, last_step) and the server loads it when the client
-registers with `restore`; --local-optimizer writes the same files itself
+a source's fields). The shard client asks ITS shard server to save its own partition in
+two steps: in the snapshot, Checkpoint(deferred, ranks=[rank]) returns once the server has
+applied the pushes <= step and copied the optimizer state, step count, last_step; the
+write (in the checkpoint's job: in the background with --checkpoint-async) is
+CheckpointDone, which returns the files once the server made them durable. The server
+loads them when the client registers with `restore`; --local-optimizer writes the same files itself
 (worker/updates/local_state.py). The manifest records the source's kind (`mode`, from
 worker/sync/update_sources.py) and the optimizer the state belongs to.
 """

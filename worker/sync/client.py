@@ -255,33 +255,53 @@ class ShardClient(UpdateSource):
         self._control("Flush", request, self.timeout_s + 5.0,
                       f"Flush through step {last_step}")
 
-    def checkpoint(self, step: int, directory: str, since: int | None = None) -> list[Any]:
+    def checkpoint(self, step: int, directory: str, since: int | None = None,
+                   deferred: bool = False) -> list[Any]:
         """The server saves this rank's optimizer state once it applied every push <= step
         (Checkpoint RPC, ranks=[rank]); the files it wrote (CheckpointResponse.files).
-        `since` S: incremental, the rows changed since its checkpoint of step S."""
+        `since` S: incremental, the rows changed since its checkpoint of step S.
+        `deferred`: it answers (no files) once its copy of the state is taken, and
+        `checkpoint_done` waits for the files."""
         self._send_ready(step)
         request = shard_pb2.CheckpointRequest(run_id=self.run_id, step=step,
                                               directory=directory, ranks=[self.rank],
                                               timeout_s=self.timeout_s,
                                               incremental=since is not None,
-                                              since_step=-1 if since is None else since)
+                                              since_step=-1 if since is None else since,
+                                              deferred=deferred)
         response = self._control("Checkpoint", request, self.timeout_s + 60.0,
                                  f"Checkpoint of step {step}")
         return list(response.files)
 
+    def checkpoint_done(self, step: int, directory: str) -> list[Any]:
+        """The files of the deferred checkpoint of `step`, once the server made them
+        durable (CheckpointDone RPC); a SyncError with the server's when its write failed."""
+        request = shard_pb2.CheckpointDoneRequest(run_id=self.run_id, step=step,
+                                                  directory=directory, ranks=[self.rank])
+        response = self._control("CheckpointDone", request, self.timeout_s + 60.0,
+                                 f"CheckpointDone of step {step}")
+        return list(response.files)
+
     def snapshot_to(self, directory: Path, step: int, hold: Hold,
                     since: int | None = None) -> Callable[[], SavedFiles]:
-        """UpdateSource.snapshot_to: the server writes the files now (`checkpoint`: it
-        snapshots the partition at `step` before the next push can apply, the rows changed
-        since `since` when given, and writes off its event loop); a dynamic table's
-        paged-out rows are its `paged/` file."""
-        out: SavedFiles = {}
-        for f in self.checkpoint(step, str(directory), since):
-            kind = "paged" if f.file.startswith("paged/") else "optim"
-            out.setdefault(f.table, {})[kind] = ShardInfo(f.table, f.rank, f.row_start,
-                                                          f.row_end, f.file, f.bytes, f.crc32,
-                                                          f.delta)
-        return lambda: out
+        """UpdateSource.snapshot_to, in two steps: the server copies the partition's state
+        at `step` now, before the next push can apply (the rows changed since `since`
+        when given), and answers; it writes the copy in the background, and the returned
+        write waits until those files are durable (`checkpoint_done`: in the checkpoint's
+        job, so with --checkpoint-async the step loop goes on meanwhile). A dynamic
+        table's paged-out rows are its `paged/` file."""
+        self.checkpoint(step, str(directory), since, deferred=True)
+
+        def files() -> SavedFiles:
+            out: SavedFiles = {}
+            for f in self.checkpoint_done(step, str(directory)):
+                kind = "paged" if f.file.startswith("paged/") else "optim"
+                out.setdefault(f.table, {})[kind] = ShardInfo(
+                    f.table, f.rank, f.row_start, f.row_end, f.file, f.bytes, f.crc32,
+                    f.delta)
+            return out
+
+        return files
 
     def restore_from(self, directory: Path, step: int) -> None:
         """UpdateSource.restore_from: the server loaded the state when this client first

@@ -1,19 +1,30 @@
 """A server partition's checkpoint is a snapshot of its step (ps/core/checkpoint.py
 `snapshot_partition`): the state is copied under the partition's lock and written without
-it, so a push of the next step applies while the files are written and never reaches them."""
+it, so a push of the next step applies while the files are written and never reaches them;
+deferred (the two-step Checkpoint), the server answers at the copy and hands over the files,
+or the write's error, once written (`ShardCore.checkpoint_done`)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from hybridps.checkpoint import read_shard
+from hybridps.errors import Conflict, InvalidArgument, NotFound, ShardError
 from hybridps.optim import OptimizerSpec
-from ps.core.checkpoint import PartitionSnapshot, snapshot_partition
+from ps.core.checkpoint import (
+    WRITE_FAULT_ENV,
+    PartitionSnapshot,
+    snapshot_partition,
+    write_fault,
+)
 from ps.core.partition import PushChunk, TableSpec
+from ps.core.shard_core import ShardCore
 from ps.core.store import Store
 
 
@@ -81,3 +92,96 @@ def test_a_push_applies_while_the_server_writes_a_checkpoint(
     saver.join(20)
     assert store.partition("run", 0).tables["t"].last_step == 3  # type: ignore[union-attr]
     assert torch.equal(_saved(tmp_path)["tensors"]["m"], m2)
+
+
+# -- the two-step Checkpoint (ShardCore: `deferred`, then `checkpoint_done`) -----------------
+
+def _blocked_write(monkeypatch: pytest.MonkeyPatch, fail: bool = False
+                   ) -> tuple[threading.Event, threading.Event]:
+    writing, release = threading.Event(), threading.Event()
+    write = PartitionSnapshot.write
+
+    def slow_write(self: PartitionSnapshot, *args: object, **kwargs: object) -> object:
+        writing.set()
+        assert release.wait(20)
+        if fail:
+            raise OSError(28, "No space left on device")
+        return write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PartitionSnapshot, "write", slow_write)
+    return writing, release
+
+
+def test_a_deferred_checkpoint_answers_at_its_snapshot_and_confirms_the_files_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _store()
+    m2, v2 = _state(store)
+    writing, release = _blocked_write(monkeypatch)
+
+    async def scenario() -> None:
+        core = ShardCore(store, update_threads=2)
+        try:
+            files, snapshot_bytes = await asyncio.wait_for(
+                core.checkpoint("run", [0], 2, str(tmp_path), deferred=True), 10)
+            assert files == [] and snapshot_bytes == 2 * 10 * 4 * 4
+            assert await asyncio.to_thread(writing.wait, 10)  # the write is in progress
+            await asyncio.to_thread(_push, store, 3, [1, 2])  # the next step applies
+            done = asyncio.ensure_future(core.checkpoint_done("run", [0], 2, str(tmp_path)))
+            await asyncio.sleep(0.3)
+            assert not done.done(), "confirmed before the files were written"
+            assert not (tmp_path / "optim" / "t.r00000.pt").exists()
+            release.set()
+            saved = await asyncio.wait_for(done, 10)
+            assert [(rank, info.table, info.file) for rank, info in saved] == [
+                (0, "t", "optim/t.r00000.pt")]
+            again = await core.checkpoint_done("run", [0], 2, str(tmp_path))  # a retry
+            assert again == saved
+            with pytest.raises(NotFound, match=r"step 1 .*its last one of these ranks: step 2"):
+                await core.checkpoint_done("run", [0], 1, str(tmp_path))
+        finally:
+            release.set()
+            core.shutdown()
+
+    asyncio.run(scenario())
+    saved = _saved(tmp_path)
+    assert torch.equal(saved["tensors"]["m"], m2) and torch.equal(saved["tensors"]["v"], v2)
+    assert saved["meta"]["last_step"] == 2
+    assert store.partition("run", 0).tables["t"].last_step == 3  # type: ignore[union-attr]
+
+
+def test_a_failed_deferred_write_is_the_answer_of_checkpoint_done_and_no_parent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _store()
+    _, release = _blocked_write(monkeypatch, fail=True)
+    release.set()
+
+    async def scenario() -> None:
+        core = ShardCore(store, update_threads=2)
+        try:
+            await core.checkpoint("run", [0], 2, str(tmp_path), deferred=True)
+            with pytest.raises(ShardError, match="No space left on device"):
+                await core.checkpoint_done("run", [0], 2, str(tmp_path))
+            await asyncio.to_thread(_push, store, 3, [1, 2])
+            with pytest.raises(Conflict, match="write a full one"):  # never a parent
+                await core.checkpoint("run", [0], 3, str(tmp_path / "s3"), since=2,
+                                      deferred=True)
+        finally:
+            core.shutdown()
+
+    asyncio.run(scenario())
+    assert not (tmp_path / "optim" / "t.r00000.pt").exists()
+
+
+def test_the_write_fault_sleeps_or_fails_at_its_step_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WRITE_FAULT_ENV, "3:fail")
+    write_fault(2)
+    with pytest.raises(OSError, match="injected"):
+        write_fault(3)
+    monkeypatch.setenv(WRITE_FAULT_ENV, "3:sleep=0.2")
+    started = time.perf_counter()
+    write_fault(3)
+    assert time.perf_counter() - started >= 0.2
+    monkeypatch.setenv(WRITE_FAULT_ENV, "3:slow")
+    with pytest.raises(InvalidArgument, match="'3:slow'"):
+        write_fault(3)

@@ -8,9 +8,7 @@ back into those slices."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,8 +27,9 @@ from hybridps.checkpoint import (
     verify_shards,
 )
 from hybridps.dynamic_files import restore_plan, save_paged_state
-from hybridps.errors import Conflict, InvalidArgument, NotFound
+from hybridps.errors import Conflict, NotFound
 from hybridps.optim import OptimizerSpec
+from ps.core.faults import write_fault
 from ps.core.partition import MASTER, Partition, TableSpec, TableState
 from ps.core.table_members import Piece, pieces
 
@@ -248,35 +247,6 @@ def _restore_paged(part: Partition, t: TableState, directory: str | Path) -> Non
     gone = torch.from_numpy(~plan.kept).nonzero().squeeze(1)
     t.columns.fill(gone, [n for n, _ in t.paging.store.layout])
     t.paging.store.load(plan.paged, plan.tombstones, plan.counters)
-
-
-# -- tests' fault injection (as the worker's worker/runtime/faults.py) ----------------------
-
-WRITE_FAULT_ENV = "HYBRIDPS_PS_FAULT_CHECKPOINT_WRITE"
-
-
-def write_fault(step: int) -> None:
-    """HYBRIDPS_PS_FAULT_CHECKPOINT_WRITE=STEP:sleep=SEC or STEP:fail: the write of the
-    server's checkpoint of STEP sleeps SEC seconds, or fails (OSError), after each file
-    (a slow or failing disk, or a window to kill the server in). Read at every file."""
-    text = os.environ.get(WRITE_FAULT_ENV, "")
-    if not text:
-        return
-    at, _, action = text.partition(":")
-    try:
-        fault_step = int(at)
-        seconds = float(action.removeprefix("sleep=")) if action.startswith("sleep=") else 0.0
-    except ValueError:
-        raise InvalidArgument(f"{WRITE_FAULT_ENV}={text!r}: expected STEP:sleep=SEC or "
-                              "STEP:fail") from None
-    if action != "fail" and not action.startswith("sleep="):
-        raise InvalidArgument(f"{WRITE_FAULT_ENV}={text!r}: expected STEP:sleep=SEC or "
-                              "STEP:fail")
-    if fault_step != step:
-        return
-    if action == "fail":
-        raise OSError(f"injected checkpoint write failure at step {step} ({WRITE_FAULT_ENV})")
-    time.sleep(seconds)
 
 
 # -- deferred writes: the two-step Checkpoint (snapshot now, durable later) -----------------

@@ -17,12 +17,8 @@ import torch
 from hybridps.checkpoint import read_shard
 from hybridps.errors import Conflict, InvalidArgument, NotFound, ShardError
 from hybridps.optim import OptimizerSpec
-from ps.core.checkpoint import (
-    WRITE_FAULT_ENV,
-    PartitionSnapshot,
-    snapshot_partition,
-    write_fault,
-)
+from ps.core.checkpoint import PartitionSnapshot, snapshot_partition
+from ps.core.faults import WRITE_FAULT_ENV, write_fault
 from ps.core.partition import PushChunk, TableSpec
 from ps.core.shard_core import ShardCore
 from ps.core.store import Store

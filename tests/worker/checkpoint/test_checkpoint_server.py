@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from hybridps.checkpoint import MANIFEST, Manifest, complete_checkpoints, step_dir
-from ps.core.checkpoint import WRITE_FAULT_ENV
+from ps.core.faults import WRITE_FAULT_ENV
 from tests.testing.helpers import PsServer, start_ps_server
 from tests.testing.spawn_helpers import free_port
 from tests.worker.checkpoint.test_checkpoint import (

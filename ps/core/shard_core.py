@@ -62,6 +62,11 @@ def _feed_float32(session: SyncSession, chunk: PushChunk) -> Answer | None:
     return session.feed(chunk)
 
 
+def _feed_all_float32(session: SyncSession, chunks: Sequence[PushChunk]
+                      ) -> list[Answer | None]:
+    return [_feed_float32(session, chunk) for chunk in chunks]
+
+
 class ShardCore:
     def __init__(self, store: Store, *, update_threads: int = 0, kernel_threads: int = 0,
                  flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> None:
@@ -123,15 +128,26 @@ class ShardCore:
     async def feed(self, session: SyncSession, chunk: PushChunk) -> Answer | None:
         """Check/buffer one chunk; apply when it completes its push (in the pool, or here
         for a small one-chunk push)."""
-        if (chunk.total_chunks == 1 and chunk.grads.numel() <= INLINE_FEED_ELEMENTS
-                and not self.store.spill.enabled):  # a spilled page's read: not on the loop
-            answer = _feed_float32(session, chunk)
+        return (await self.feed_all(session, [chunk]))[0]
+
+    async def feed_all(self, session: SyncSession, chunks: Sequence[PushChunk]
+                       ) -> list[Answer | None]:
+        """`feed` each chunk in order, as if each came alone (one message's pushes: a
+        PushBatch's entries), with one hop to the update pool for all of them, or none
+        when every one is small. A refused chunk raises after the ones before it were
+        applied, as when they come one by one."""
+        if all(self._on_loop(chunk) for chunk in chunks):
+            answers = [_feed_float32(session, chunk) for chunk in chunks]
         else:
-            answer = await self._run(_feed_float32, session, chunk)
-        if answer is not None and not answer.duplicate and self._flush_waiters:
+            answers = await self._run(_feed_all_float32, session, chunks)
+        if self._flush_waiters and any(a is not None and not a.duplicate for a in answers):
             async with self._applied:
                 self._applied.notify_all()
-        return answer
+        return answers
+
+    def _on_loop(self, chunk: PushChunk) -> bool:
+        return (chunk.total_chunks == 1 and chunk.grads.numel() <= INLINE_FEED_ELEMENTS
+                and not self.store.spill.enabled)  # a spilled page's read: not on the loop
 
     async def flush(self, run_id: str, rank: int, step: int,
                     timeout_s: float = 0.0) -> list[RankStep]:

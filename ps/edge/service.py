@@ -48,7 +48,7 @@ from ps.edge.sync_codec import (
     stats_message,
     table_specs,
 )
-from ps.edge.sync_stream import SyncStream
+from ps.edge.sync_stream import BatchPushes, StreamItem, SyncStream
 
 log = logging.getLogger("ps.service")
 
@@ -162,9 +162,9 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         """Graceful stop: every Sync stream answers what it already received, then ends."""
         self.stopping.set()
 
-    async def _next_item(self, inbox: asyncio.Queue[PushChunk | BaseException | None],
+    async def _next_item(self, inbox: asyncio.Queue[StreamItem | BaseException | None],
                          stop_wait: asyncio.Future[Any], reader: asyncio.Task[None]
-                         ) -> PushChunk | BaseException | _Stop | None:
+                         ) -> StreamItem | BaseException | _Stop | None:
         """The next queued item; once the server stops, the rest of the queue, then _STOP."""
         if not stop_wait.done():
             if not inbox.empty():  # the common case while pushes stream in: no task
@@ -244,7 +244,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             await abort_with(context, "Sync", exc)
             raise
         stream = SyncStream(self, binding)
-        inbox: asyncio.Queue[PushChunk | BaseException | None] = asyncio.Queue(SYNC_READ_AHEAD)
+        inbox: asyncio.Queue[StreamItem | BaseException | None] = asyncio.Queue(SYNC_READ_AHEAD)
         reader = asyncio.create_task(self._read(request_iterator, stream, inbox))
         stop_wait = asyncio.ensure_future(self.stopping.wait())
         try:
@@ -256,7 +256,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
                     await abort_status(context, ShuttingDown())
                 if isinstance(item, BaseException):
                     raise item
-                assert isinstance(item, PushChunk)
+                assert isinstance(item, (PushChunk, BatchPushes))
                 for update in await stream.answer(item):
                     yield update
         except grpc.aio.AbortError:
@@ -269,7 +269,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
             stream.close()
 
     async def _read(self, request_iterator: SyncFrames, stream: SyncStream,
-                    inbox: asyncio.Queue[PushChunk | BaseException | None]) -> None:
+                    inbox: asyncio.Queue[StreamItem | BaseException | None]) -> None:
         """Decode pushes as they arrive, ahead of the one being applied."""
         try:
             async for msg in request_iterator:

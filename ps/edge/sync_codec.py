@@ -151,9 +151,6 @@ class WirePushChunk(PushChunk):
 
     update_dtype: torch.dtype = torch.float32
     message_bytes: int = 0
-    # Entry batch_index of a PushBatch of batch_size entries (0: a push of its own).
-    batch_index: int = 0
-    batch_size: int = 0
 
 
 def decode_request(data: bytes) -> wire.Framed[shard_pb2.SyncRequest]:
@@ -230,7 +227,6 @@ def _batch_chunks(batch: shard_pb2.PushBatch, arenas: ArenaRegistry | None,
     first = batch.pushes[0]
     head = f"batch push run={first.run_id!r} rank={first.rank}"
     chunks = []
-    size = len(batch.pushes)
     for i, entry in enumerate(batch.pushes):
         what = f"{head}: entry {i} (step={entry.step} table={entry.table!r})"
         if entry.WhichOneof("data") != "shm":
@@ -239,9 +235,7 @@ def _batch_chunks(batch: shard_pb2.PushBatch, arenas: ArenaRegistry | None,
         if (entry.run_id, entry.rank) != (first.run_id, first.rank):
             raise wire.WireError(f"{what} is of run={entry.run_id!r} rank={entry.rank}, not "
                                  "the batch's")
-        chunk = _push_chunk(entry, None, arenas, store)
-        chunk.batch_index, chunk.batch_size = i, size
-        chunks.append(chunk)
+        chunks.append(_push_chunk(entry, None, arenas, store))
     return chunks
 
 

@@ -4,6 +4,7 @@ chunks to the core in order, and encode the answers; no transport here."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,7 +20,7 @@ from hybridps.errors import (
 from hybridps.v1 import shard_pb2
 from ps.core.lifecycle import RunTracker
 from ps.core.partition_auth import Binding
-from ps.core.push import PushChunk
+from ps.core.push import Answer, PushChunk
 from ps.core.shard_core import ShardCore
 from ps.core.store import kv
 from ps.edge.arena_server import ArenaRegistry, ResolvedShmPush
@@ -37,6 +38,18 @@ from ps.edge.sync_codec import (
 log = logging.getLogger("ps.service")
 
 MIN_ANSWER_MESSAGE_BYTES = 1 << 20
+
+
+@dataclass
+class BatchPushes:
+    """A PushBatch's entries, answered together: fed in one hop to the update pool
+    (ShardCore.feed_all) and answered in one UpdateBatch."""
+
+    entries: list[WirePushChunk]
+
+
+# What `decode` hands on, one `answer` each: a push (or a chunk of one), or a batch.
+StreamItem = PushChunk | BatchPushes
 
 
 class StreamHost(Protocol):
@@ -68,10 +81,9 @@ class SyncStream:
         self.session = self._core.open_session()
         self._current: PushChunk | None = None
         self._push_message_bytes = 0  # the largest message of the push being received
-        self._batch_answers: list[shard_pb2.Update] = []  # of the batch push being taken
         self._stream_of: tuple[str, int] | None = None  # (run, rank), once a push was accepted
 
-    def decode(self, framed: wire.Framed[shard_pb2.SyncRequest]) -> list[WirePushChunk]:
+    def decode(self, framed: wire.Framed[shard_pb2.SyncRequest]) -> list[StreamItem]:
         store = self._core.store
         try:
             if framed.error is None:
@@ -83,7 +95,9 @@ class SyncStream:
             raise
         for chunk in chunks:
             self.session.received(chunk)
-        return chunks
+        if framed.message.WhichOneof("kind") == "batch":
+            return [BatchPushes(chunks)]
+        return list(chunks)
 
     def _check_bound(self, framed: wire.Framed[shard_pb2.SyncRequest]) -> None:
         """The message's push (a batch's first entry: request_chunks refuses a batch with
@@ -93,29 +107,22 @@ class SyncStream:
             run_id, rank, _ = request_owner(framed)
             self._core.store.check_bound(self.binding, run_id, rank, "push")
 
-    async def answer(self, chunk: PushChunk) -> list[bytes]:
+    async def answer(self, item: StreamItem) -> list[bytes]:
+        """The encoded SyncResponses of one decoded item (none for a chunk that does not
+        complete its push)."""
+        if isinstance(item, BatchPushes):
+            return await self._answer_batch(item.entries)
+        chunk = item
         self._current = chunk
         if isinstance(chunk, WirePushChunk):
             self._push_message_bytes = max(self._push_message_bytes, chunk.message_bytes)
         answer = await self._core.feed(self.session, chunk)
-        if self._stream_of is None:
-            self._stream_of = (chunk.run_id, chunk.rank)
-            self._host.tracker.stream_opened(*self._stream_of)
-        if answer is not None and log.isEnabledFor(logging.DEBUG):
-            log.debug(kv("answered", run=chunk.run_id, rank=chunk.rank, step=answer.step,
-                         table=answer.table, rows=int(answer.ids.shape[0]),
-                         duplicate=answer.duplicate))
-        in_shm = (shm_update(chunk.sink, answer)
-                  if answer is not None and isinstance(chunk.sink, ResolvedShmPush) else None)
-        if isinstance(chunk, WirePushChunk) and chunk.batch_size:
-            if in_shm is not None:
-                self._batch_answers.append(in_shm)
-            if chunk.batch_index == chunk.batch_size - 1 and self._batch_answers:
-                batch, self._batch_answers = self._batch_answers, []
-                return [batch_message(batch)]
-            return []
+        self._opened(chunk)
         if answer is None:
             return []
+        self._log_answer(chunk, answer)
+        in_shm = (shm_update(chunk.sink, answer)
+                  if isinstance(chunk.sink, ResolvedShmPush) else None)
         if in_shm is not None:
             return [update_message(in_shm)]
         delta_dtype = chunk.update_dtype if isinstance(chunk, WirePushChunk) else torch.float32
@@ -131,6 +138,31 @@ class SyncStream:
                                                MIN_ANSWER_MESSAGE_BYTES))
         self._push_message_bytes = 0
         return await self._core.offload(encode_answer, answer, limit_bytes, delta_dtype)
+
+    async def _answer_batch(self, entries: list[WirePushChunk]) -> list[bytes]:
+        """Every entry is a whole shared-memory push (request_chunks checked): applied in
+        order in one hop, answered in one message, in the batch's order."""
+        self._current = entries[0]
+        answers = await self._core.feed_all(self.session, entries)
+        self._opened(entries[0])
+        updates = []
+        for chunk, answer in zip(entries, answers, strict=True):
+            if answer is not None and isinstance(chunk.sink, ResolvedShmPush):
+                self._log_answer(chunk, answer)
+                updates.append(shm_update(chunk.sink, answer))
+        return [batch_message(updates)] if updates else []
+
+    def _opened(self, chunk: PushChunk) -> None:
+        if self._stream_of is None:  # the first push accepted: the stream counts as open
+            self._stream_of = (chunk.run_id, chunk.rank)
+            self._host.tracker.stream_opened(*self._stream_of)
+
+    @staticmethod
+    def _log_answer(chunk: PushChunk, answer: Answer) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(kv("answered", run=chunk.run_id, rank=chunk.rank, step=answer.step,
+                         table=answer.table, rows=int(answer.ids.shape[0]),
+                         duplicate=answer.duplicate))
 
     def fields(self) -> dict[str, Any]:
         chunk = self._current

@@ -171,6 +171,8 @@ class FakeRpc:
             return shard_pb2.FinishResponse(ranks_registered=1, ranks_finished=1)
         if method == "Checkpoint":
             return shard_pb2.CheckpointResponse()
+        if method == "CheckpointDone":
+            return shard_pb2.CheckpointResponse()
         return shard_pb2.FlushResponse()
 
     call_any = call
@@ -381,8 +383,8 @@ def test_first_register_with_state_already_there_is_refused() -> None:
 
 
 def test_every_call_goes_through_the_rpc() -> None:
-    """Register, Sync, Flush, Checkpoint and Finish all go through the one ShardRpc (where
-    the credentials are attached)."""
+    """Register, Sync, Flush, Checkpoint, CheckpointDone and Finish all go through the one
+    ShardRpc (where the credentials are attached)."""
     rpc = FakeRpc(FakeShard(), never)
     c = client(rpc)
     c.start()
@@ -390,11 +392,14 @@ def test_every_call_goes_through_the_rpc() -> None:
         c.push(0, steps(1)[0])
         c.take(0)
         c.checkpoint(0, "/ck")
+        c.checkpoint(0, "/ck", deferred=True)
+        c.checkpoint_done(0, "/ck")
         c.finish(0)
         assert c.end_run(0)
     finally:
         c.close()
-    assert rpc.calls == ["Register", "Sync", "Checkpoint", "Flush", "Finish"]
+    assert rpc.calls == ["Register", "Sync", "Checkpoint", "Checkpoint", "CheckpointDone",
+                         "Flush", "Finish"]
 
 
 # -- the ledger alone --------------------------------------------------------------------------

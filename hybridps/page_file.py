@@ -153,6 +153,8 @@ class PageFile:
         header and crc32 checked); PageCorrupt naming file and page when one does not."""
         pages_P = np.asarray(pages, dtype=np.int64)
         self._check_pages(pages_P)
+        if not pages_P.size:
+            return np.empty((0, self.payload_bytes), dtype=np.uint8)
         unwritten = pages_P[~self._written[pages_P]]
         if unwritten.size:
             raise PageCorrupt(f"page file {self.path}: page {int(unwritten[0])} was never "

@@ -148,9 +148,10 @@ class PageFile:
         return list(self.read_pages(pages))
 
     def read_pages(self, pages: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The payloads of written pages as one uint8 [pages, payload_bytes] array, in the
-        order asked (each run of consecutive pages read with one preadv, every page's
-        header and crc32 checked); PageCorrupt naming file and page when one does not."""
+        """The payloads of written pages as one uint8 [pages, payload_bytes] array (rows
+        possibly a page's stride apart), in the order asked (gathered from the mapping in
+        one copy, every page's header and crc32 checked); PageCorrupt naming file and page
+        when one does not."""
         pages_P = np.asarray(pages, dtype=np.int64)
         self._check_pages(pages_P)
         if not pages_P.size:
@@ -159,8 +160,10 @@ class PageFile:
         if unwritten.size:
             raise PageCorrupt(f"page file {self.path}: page {int(unwritten[0])} was never "
                               "written")
-        order = np.argsort(pages_P, kind="stable")
-        sorted_P = pages_P[order]
+        # a fill asks in page order (np.unique): no reorder then, the payloads a view
+        ascending = bool((pages_P[1:] > pages_P[:-1]).all())
+        order = None if ascending else np.argsort(pages_P, kind="stable")
+        sorted_P = pages_P if order is None else pages_P[order]
         end = HEADER_BYTES + self.payload_bytes
         size = os.fstat(self._fd).st_size  # a page the file cuts is never touched
         short = np.flatnonzero(sorted_P * self.stride + end > size)
@@ -170,8 +173,10 @@ class PageFile:
         assert self._view is not None and self._map is not None
         block = self._view[sorted_P]  # one gather from the page cache, no call a page
         self.bytes_read += block.nbytes
-        # the mapping's pages leave this process's resident set (the page cache keeps them)
-        self._map.madvise(mmap.MADV_DONTNEED)
+        # the mapping's pages leave this process's resident set (the page cache keeps
+        # them): the span read only, so the call costs what the read touched
+        lo, hi = int(sorted_P[0]) * self.stride, (int(sorted_P[-1]) + 1) * self.stride
+        self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
         head = np.ascontiguousarray(block[:, :HEADER_BYTES])
         magic = head[:, 0:4].copy().view("<u4").reshape(-1)
         stored = head[:, 4:8].copy().view("<u4").reshape(-1)
@@ -193,6 +198,8 @@ class PageFile:
                 f"page file {self.path}: page {page} fails its crc32 (stored "
                 f"{int(stored[i]):#010x}, computed {int(actual[i]):#010x}, written "
                 f"{int(self._crc[page]):#010x})")
+        if order is None:
+            return payload
         out = np.empty((pages_P.size, self.payload_bytes), dtype=np.uint8)
         out[order] = payload
         return out

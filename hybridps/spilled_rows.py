@@ -398,32 +398,37 @@ class SpilledRows(RowColumns):
 
     def _load(self, units: np.ndarray) -> dict[str, torch.Tensor]:
         """The rows of `units` (not resident), [units * g, w] each column: from their
-        pages (each page read once, crc-checked, the unit id it holds checked) or zeros."""
+        pages or zeros (never written)."""
         g = self.unit_rows
         out = {n: torch.zeros(units.size * g, w, dtype=torch.float32)
                for n, w in self.layout}
         positions = self.where[units]
         on_disk = np.flatnonzero(positions >= 0)
-        if not on_disk.size:
-            return out
+        if on_disk.size:
+            got = self._read_units(units[on_disk], positions[on_disk])
+            rows = self._slot_rows(on_disk)  # the units' rows in out
+            for n in out:
+                out[n].index_copy_(0, rows, got[n])
+        return out
+
+    def _read_units(self, units: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
+        """The rows of `units` from their copies at `pos` on disk, [units * g, w] each
+        column: their pages read in one batch (each once, in page order, crc-checked),
+        the unit id each page holds checked."""
         k = self.page_units
-        pos = positions[on_disk]
-        pages = np.unique(pos // k)
+        page_of = pos // k
+        pages = np.unique(page_of)
         payloads = self.file.read_pages(pages)
         self.fills += int(pages.size)
-        page_at = np.searchsorted(pages, pos // k)
+        page_at = np.searchsorted(pages, page_of)
         held = payloads[:, :k * 8].copy().view(np.int64)[page_at, pos % k]
-        wrong = np.flatnonzero(held != units[on_disk])
+        wrong = np.flatnonzero(held != units)
         if wrong.size:
             i = int(wrong[0])
-            raise CorruptSpill(f"spilled rows {self.file.path}: page {int(pos[i] // k)} "
-                               f"holds unit {int(held[i])} where unit "
-                               f"{int(units[on_disk][i])} was written")
-        got = self._unpack(payloads, page_at, pos % k)
-        rows = torch.from_numpy((on_disk[:, None] * g + np.arange(g)[None, :]).reshape(-1))
-        for n in out:
-            out[n].index_copy_(0, rows, got[n])
-        return out
+            raise CorruptSpill(f"spilled rows {self.file.path}: page {int(page_of[i])} "
+                               f"holds unit {int(held[i])} where unit {int(units[i])} was "
+                               "written")
+        return self._unpack(payloads, page_at, pos % k)
 
     def _resident(self, units: np.ndarray, write: bool) -> np.ndarray:
         """Make `units` (distinct) resident, referenced, and dirty when `write`: their
@@ -440,10 +445,18 @@ class SpilledRows(RowColumns):
             self.misses += int(missing.size)
             slots = self._claim(int(missing.size))
             positions = self.where[missing]  # after the evictions (a compaction moves)
-            cols = self._load(missing)
-            rows = self._slot_rows(slots)
-            for n, t in self.buffers.items():
-                t.index_copy_(0, rows, cols[n])
+            # straight into the slots: a unit never written is its initial value (zeros,
+            # as the state is allocated), no read; the others from their pages
+            on_disk = positions >= 0
+            if not on_disk.all():
+                zero_rows = self._slot_rows(slots[~on_disk])
+                for t in self.buffers.values():
+                    t.index_fill_(0, zero_rows, 0.0)
+            if on_disk.any():
+                got = self._read_units(missing[on_disk], positions[on_disk])
+                rows = self._slot_rows(slots[on_disk])
+                for n, t in self.buffers.items():
+                    t.index_copy_(0, rows, got[n])
             self.unit_of[slots] = missing
             self.disk_of[slots] = positions
             self.where[missing] = -2 - slots

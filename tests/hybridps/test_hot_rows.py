@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridps.errors import CorruptSpill
 from hybridps.spilled_rows import (
     HeldRows,
     SpilledRows,
@@ -168,3 +169,38 @@ def test_the_reservation_and_bookkeeping_are_what_the_holder_uses(tmp_path: Path
     assert spilled_rows_for_disk(LAYOUT, page_rows, spilled.max_disk_bytes) >= rows
     frames = spilled.nslots * spilled.unit_rows * 8 * 4
     assert spilled.memory_bytes > frames + spilled_bookkeeping_bytes(LAYOUT, rows, page_rows)
+
+
+def test_rows_never_written_are_filled_without_a_read(tmp_path: Path) -> None:
+    """A row never written holds its initial value (zeros): a miss on it reads nothing,
+    evicting it clean writes nothing, and a checkpoint's read of it touches no page, so
+    even a file damaged everywhere answers those rows; the written rows' pages are read
+    and the damage found there."""
+    rows, written = 200, 60
+    held, spilled = _pair(tmp_path, rows, 2, unit_rows=1)
+    g = torch.Generator().manual_seed(9)
+    restored = {n: torch.randn(written, w, generator=g) for n, w in LAYOUT}
+    for holder in (held, spilled):
+        holder.write(0, restored)
+    before = spilled.counters()
+    read_before = spilled.file.bytes_read
+    fresh = torch.arange(written, rows)
+    for lo in range(0, fresh.numel(), 7):  # many more rows than the slots: misses, evictions
+        ids = fresh[lo:lo + 7]
+        cols, at = spilled.view(ids, write=False)
+        for name, _ in LAYOUT:
+            assert torch.equal(cols[name].index_select(0, at), torch.zeros(ids.numel(), 4))
+    after = spilled.counters()
+    assert after["misses"] - before["misses"] >= fresh.numel()
+    assert after["fills"] == before["fills"] and spilled.file.bytes_read == read_before
+    assert after["spills"] == before["spills"]
+    # every byte of the file damaged: the never-written rows do not look at it
+    size = spilled.file.pages * spilled.file.stride
+    with open(spilled.file.path, "r+b") as f:
+        f.write(b"\xa5" * size)
+    cols, at = spilled.view(fresh[:5], write=False)
+    assert torch.equal(cols["v"].index_select(0, at), torch.zeros(5, 4))
+    _same(held, spilled, written, rows)
+    assert spilled.counters()["fills"] == before["fills"]
+    with pytest.raises(CorruptSpill, match="page"):
+        spilled.view(torch.tensor([3]))

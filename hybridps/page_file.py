@@ -7,8 +7,12 @@ itself and against the crc32 this process recorded when it wrote the page, so a 
 write, a bit flipped on disk, a page written by another process or a stale copy all fail
 with `PageCorrupt` naming the file and the page, never as wrong values.
 
-Batches go to disk in large sequential blocks: `write_many` and `read_many` sort their
-pages and move each run of consecutive pages with one pwrite / preadv.
+Batches go to disk in large sequential blocks: `write_many` sorts its pages and writes
+each run of consecutive pages with one pwrite; `read_pages` gathers its pages from a
+read-only mapping of the file in one copy (a fill reads scattered pages: no call a page),
+after checking the file still holds them (a truncated file fails, never faults), and
+drops the mapping's pages from the process's resident set again. Headers are packed and
+checked for a whole batch at once (numpy), the crc32 page by page.
 
 The file is a cache of this process (the shard server's spilled optimizer state, or a
 worker's in-process paged store): it is opened new (any old content truncated) and
@@ -18,6 +22,8 @@ removed by `close`; a checkpoint never points at it.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import mmap
 import os
 import struct
 import zlib
@@ -64,6 +70,13 @@ class PageFile:
         self.bytes_read = 0
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(self.path, flags, 0o600)
+        # the whole extent at once (sparse: only written pages take disk), mapped for reads
+        self._map: mmap.mmap | None = None
+        self._view: np.ndarray | None = None
+        if pages:
+            os.ftruncate(self._fd, pages * self.stride)
+            self._map = mmap.mmap(self._fd, pages * self.stride, prot=mmap.PROT_READ)
+            self._view = np.frombuffer(self._map, dtype=np.uint8).reshape(pages, self.stride)
 
     @property
     def disk_bytes(self) -> int:
@@ -83,31 +96,44 @@ class PageFile:
                              f"[0, {self.pages})")
 
     def write_many(self, pages: Sequence[int] | np.ndarray,
-                   payloads: Sequence[np.ndarray]) -> None:
-        """Write each page's payload (uint8-viewable, `payload_bytes` each), in page order:
-        one block and one write per run of consecutive pages."""
+                   payloads: Sequence[np.ndarray] | np.ndarray) -> None:
+        """Write each page's payload (uint8-viewable, `payload_bytes` each; or one
+        [pages, payload_bytes] array), in page order: one block and one write per run of
+        consecutive pages."""
         pages_P = np.asarray(pages, dtype=np.int64)
         self._check_pages(pages_P)
-        if pages_P.size != len(payloads):
-            raise ValueError(f"page file {self.path}: {len(payloads)} payloads for "
-                             f"{pages_P.size} pages")
-        order = np.argsort(pages_P, kind="stable")
-        for k, first, run in _runs(pages_P, order):
-            block = np.zeros(run * self.stride, dtype=np.uint8)
-            for j in range(run):
-                page = first + j
-                payload = np.ascontiguousarray(payloads[int(order[k + j])]).view(
-                    np.uint8).reshape(-1)
-                if payload.size != self.payload_bytes:
+        if isinstance(payloads, np.ndarray) and payloads.ndim == 2:
+            data = payloads.view(np.uint8) if payloads.dtype != np.uint8 else payloads
+        else:
+            if pages_P.size != len(payloads):
+                raise ValueError(f"page file {self.path}: {len(payloads)} payloads for "
+                                 f"{pages_P.size} pages")
+            rows = [np.ascontiguousarray(p).view(np.uint8).reshape(-1) for p in payloads]
+            for page, row in zip(pages_P.tolist(), rows, strict=True):
+                if row.size != self.payload_bytes:
                     raise ValueError(f"page file {self.path}: page {page} payload of "
-                                     f"{payload.size} bytes, not {self.payload_bytes}")
-                at = j * self.stride
-                crc = zlib.crc32(payload.data)
-                HEADER.pack_into(block.data, at, MAGIC, crc, page)
-                block[at + HEADER_BYTES:at + HEADER_BYTES + self.payload_bytes] = payload
-                self._crc[page] = crc
-            self._pwrite(block, first * self.stride)
-            self._written[first:first + run] = True
+                                     f"{row.size} bytes, not {self.payload_bytes}")
+            data = np.stack(rows) if rows else np.empty((0, self.payload_bytes), np.uint8)
+        if data.shape != (pages_P.size, self.payload_bytes):
+            raise ValueError(f"page file {self.path}: payloads of shape {data.shape} for "
+                             f"{pages_P.size} pages of {self.payload_bytes} bytes")
+        if len(np.unique(pages_P)) != pages_P.size:
+            raise ValueError(f"page file {self.path}: a page written twice in one batch")
+        order = np.argsort(pages_P, kind="stable")
+        sorted_P = pages_P[order]
+        block = np.zeros((pages_P.size, self.stride), dtype=np.uint8)
+        block[:, HEADER_BYTES:HEADER_BYTES + self.payload_bytes] = data[order]
+        crc = np.fromiter((zlib.crc32(row) for row in
+                           block[:, HEADER_BYTES:HEADER_BYTES + self.payload_bytes]),
+                          dtype=np.uint32, count=pages_P.size)
+        header = block[:, :HEADER_BYTES]
+        header[:, 0:4] = np.full(pages_P.size, MAGIC, dtype="<u4").view(np.uint8).reshape(-1, 4)
+        header[:, 4:8] = crc.astype("<u4").view(np.uint8).reshape(-1, 4)
+        header[:, 8:16] = sorted_P.astype("<u8").view(np.uint8).reshape(-1, 8)
+        for a, b in _runs(sorted_P):
+            self._pwrite(block[a:b].reshape(-1), int(sorted_P[a]) * self.stride)
+        self._crc[sorted_P] = crc
+        self._written[sorted_P] = True
 
     def _pwrite(self, block: np.ndarray, offset: int) -> None:
         view = block.data
@@ -119,40 +145,71 @@ class PageFile:
     def read_many(self, pages: Sequence[int] | np.ndarray) -> list[np.ndarray]:
         """The payloads (uint8 [payload_bytes] each) of written pages, in the order
         asked; PageCorrupt naming file and page when one does not check."""
+        return list(self.read_pages(pages))
+
+    def read_pages(self, pages: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The payloads of written pages as one uint8 [pages, payload_bytes] array (rows
+        possibly a page's stride apart), in the order asked (gathered from the mapping in
+        one copy, every page's header and crc32 checked); PageCorrupt naming file and page
+        when one does not."""
         pages_P = np.asarray(pages, dtype=np.int64)
         self._check_pages(pages_P)
-        order = np.argsort(pages_P, kind="stable")
-        out: list[np.ndarray | None] = [None] * pages_P.size
-        for k, first, run in _runs(pages_P, order):
-            for j in range(run):
-                if not self._written[first + j]:
-                    raise PageCorrupt(f"page file {self.path}: page {first + j} was never "
-                                      "written")
-            buf = np.empty(run * self.stride, dtype=np.uint8)
-            got = os.preadv(self._fd, [buf.data], first * self.stride)
-            self.bytes_read += got
-            for j in range(run):
-                page = first + j
-                if got < j * self.stride + HEADER_BYTES + self.payload_bytes:
-                    raise PageCorrupt(f"page file {self.path}: page {page} is truncated "
-                                      f"(the file ends at {first * self.stride + got})")
-                block = buf[j * self.stride:(j + 1) * self.stride]
-                magic, crc, number = HEADER.unpack_from(block.data, 0)
-                payload = block[HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
-                if magic != MAGIC or number != page:
-                    raise PageCorrupt(f"page file {self.path}: page {page} has a damaged "
-                                      f"header (magic {magic:#x}, page number {number})")
-                actual = zlib.crc32(payload.data)
-                if actual != crc or crc != int(self._crc[page]):
-                    raise PageCorrupt(
-                        f"page file {self.path}: page {page} fails its crc32 (stored "
-                        f"{crc:#010x}, computed {actual:#010x}, written "
-                        f"{int(self._crc[page]):#010x})")
-                out[int(order[k + j])] = payload
-        return [p for p in out if p is not None]
+        if not pages_P.size:
+            return np.empty((0, self.payload_bytes), dtype=np.uint8)
+        unwritten = pages_P[~self._written[pages_P]]
+        if unwritten.size:
+            raise PageCorrupt(f"page file {self.path}: page {int(unwritten[0])} was never "
+                              "written")
+        # a fill asks in page order (np.unique): no reorder then, the payloads a view
+        ascending = bool((pages_P[1:] > pages_P[:-1]).all())
+        order = None if ascending else np.argsort(pages_P, kind="stable")
+        sorted_P = pages_P if order is None else pages_P[order]
+        end = HEADER_BYTES + self.payload_bytes
+        size = os.fstat(self._fd).st_size  # a page the file cuts is never touched
+        short = np.flatnonzero(sorted_P * self.stride + end > size)
+        if short.size:
+            raise PageCorrupt(f"page file {self.path}: page {int(sorted_P[short[0]])} is "
+                              f"truncated (the file ends at {size})")
+        assert self._view is not None and self._map is not None
+        block = self._view[sorted_P]  # one gather from the page cache, no call a page
+        self.bytes_read += block.nbytes
+        # the mapping's pages leave this process's resident set (the page cache keeps
+        # them): the span read only, so the call costs what the read touched
+        lo, hi = int(sorted_P[0]) * self.stride, (int(sorted_P[-1]) + 1) * self.stride
+        self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        head = np.ascontiguousarray(block[:, :HEADER_BYTES])
+        magic = head[:, 0:4].copy().view("<u4").reshape(-1)
+        stored = head[:, 4:8].copy().view("<u4").reshape(-1)
+        number = head[:, 8:16].copy().view("<u8").reshape(-1)
+        bad = np.flatnonzero((magic != MAGIC) | (number != sorted_P.astype(np.uint64)))
+        if bad.size:
+            i = int(bad[0])
+            raise PageCorrupt(f"page file {self.path}: page {int(sorted_P[i])} has a damaged "
+                              f"header (magic {int(magic[i]):#x}, page number "
+                              f"{int(number[i])})")
+        payload = block[:, HEADER_BYTES:end]
+        actual = np.fromiter((zlib.crc32(row) for row in payload), dtype=np.uint32,
+                             count=pages_P.size)
+        bad = np.flatnonzero((actual != stored) | (stored != self._crc[sorted_P]))
+        if bad.size:
+            i = int(bad[0])
+            page = int(sorted_P[i])
+            raise PageCorrupt(
+                f"page file {self.path}: page {page} fails its crc32 (stored "
+                f"{int(stored[i]):#010x}, computed {int(actual[i]):#010x}, written "
+                f"{int(self._crc[page]):#010x})")
+        if order is None:
+            return payload
+        out = np.empty((pages_P.size, self.payload_bytes), dtype=np.uint8)
+        out[order] = payload
+        return out
 
     def close(self, remove: bool = True) -> None:
         """Close the file and (by default) remove it: it is a cache of this process."""
+        if self._map is not None:
+            self._view = None
+            self._map.close()
+            self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -165,14 +222,13 @@ class PageFile:
             self.close(remove=True)
 
 
-def _runs(pages_P: np.ndarray, order: np.ndarray) -> Iterator[tuple[int, int, int]]:
-    """(k, first page, length) of each run of consecutive pages in `pages_P` taken in
-    `order` (k: the run's first position in `order`), at most MAX_IOV pages a run."""
-    k = 0
-    while k < order.size:
-        run = 1
-        while (k + run < order.size and run < MAX_IOV
-               and pages_P[order[k + run]] == pages_P[order[k]] + run):
-            run += 1
-        yield k, int(pages_P[order[k]]), run
-        k += run
+def _runs(sorted_P: np.ndarray) -> Iterator[tuple[int, int]]:
+    """[a, b) of each run of consecutive pages in sorted `sorted_P`, at most MAX_IOV pages
+    a run."""
+    if not sorted_P.size:
+        return
+    cuts = np.flatnonzero(np.diff(sorted_P) != 1) + 1
+    bounds = np.concatenate([[0], cuts, [sorted_P.size]]).tolist()
+    for a, b in itertools.pairwise(bounds):
+        for k in range(a, b, MAX_IOV):
+            yield k, min(k + MAX_IOV, b)

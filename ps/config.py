@@ -147,8 +147,9 @@ class ServerConfig:
         "dropped only beyond memory and disk (0: no limit of its own; paged-out rows are "
         "dropped beyond the memory quota)", RESOURCES, "GB")
     spill_page_kb: int = _s(
-        64, "the payload of one spill page (KiB): the rows of a page move to and from disk "
-        "together", RESOURCES, "KB")
+        4, "one page of a spill file's log (KiB: header, row ids, rows): evicted rows are "
+        "written to disk a page at a time, and a cold row's fill reads its whole page (to "
+        "check its crc32)", RESOURCES, "KB")
     checkpoint_root: str = _s(
         "checkpoints", "the directory (relative: to the server's working directory) inside "
         "which the server writes and restores checkpoints (missing: created at start when "

@@ -1,12 +1,13 @@
 """The shard server's disk tier: where partitions spill optimizer state (no grpc).
 
 With `--spill-dir DIR`, a partition whose fixed optimizer state (its tables' state and
-master rows) exceeds its share of the memory budget (ps/core/limits.py's `run_share` over
-the run's world size) keeps that share in memory as page frames and the rest in one
-page file per table (hybridps/spilled_rows.py: fixed-size pages, a clock over page
-accesses, a crc32 per page). The decision is taken at Register from the partition's own
-sizes and the flags alone, and which pages spill depends only on the partition's own
-pushes: a run is bitwise the same run with every byte in memory.
+master rows) exceeds its share of the memory budget (ps/core/limits.py's `run_share`
+over the run's world size) keeps that share in memory as a hot set of rows and the rest
+in one page file per table (hybridps/spilled_rows.py: a clock over row accesses, the
+rows that leave appended to a log of crc-checked pages, twice the state's pages
+reserved). The decision is taken at Register from the partition's own sizes and the
+flags alone, and which pages spill depends only on the partition's own pushes: a run is
+bitwise the same run with every byte in memory.
 
 Disk: every spilled table reserves, at Register, the most its file may hold; a Register
 whose files would exceed `--spill-max-gb` (0: no limit of its own) is refused with one
@@ -36,7 +37,6 @@ from pathlib import Path
 from hybridps import logs
 from hybridps.errors import ResourceExhausted
 from hybridps.id_map import fixed_size_for
-from hybridps.page_file import page_stride
 from hybridps.paged_rows import IDMAP_POSITION_BYTES, quota_rows
 from hybridps.spilled_rows import (
     DEFAULT_PAGE_BYTES,
@@ -44,7 +44,9 @@ from hybridps.spilled_rows import (
     SpilledRows,
     frame_bytes,
     page_rows_for,
+    spilled_bookkeeping_bytes,
     spilled_bytes,
+    spilled_rows_for_disk,
 )
 from ps.core.limits import gib
 from ps.core.partition import ColumnsFactory, TableSpec
@@ -53,9 +55,6 @@ log = logging.getLogger("ps.spill")
 kv = logs.kv
 
 PROCESS_PREFIX = "ps-"
-# memory a spilled table keeps per page besides its frames (hybridps/spilled_rows.py's
-# memory_bytes: page map, crc32, written flag) and per frame (its page, flags)
-SPILL_PAGE_BOOKKEEPING = 8 + 4 + 1 + 10
 LOCK_NAME = "lock"
 # the row columns of a table: (name, floats per row) each
 Layout = list[tuple[str, int]]
@@ -155,6 +154,16 @@ class SpillTier:
     def disk_bytes(self, rows: int, layout: Layout) -> int:
         return spilled_bytes(layout, rows, self.page_rows(layout))
 
+    def bookkeeping_bytes(self, rows: int, layout: Layout) -> int:
+        """Memory a spilled table keeps besides its slots (hybridps/spilled_rows.py's
+        memory_bytes: each unit's place, the log's per-page figures)."""
+        return spilled_bookkeeping_bytes(layout, rows, self.page_rows(layout))
+
+    def held_bytes(self, rows: int, layout: Layout, frames: int) -> int:
+        """Memory a spilled table of `frames` pages' worth of slots holds."""
+        return (frames * frame_bytes(layout, self.page_rows(layout))
+                + self.bookkeeping_bytes(rows, layout))
+
     def reserve(self, nbytes: int, what: str) -> None:
         """Reserve `nbytes` of disk for a partition's spill files; ResourceExhausted
         naming the sizes when over --spill-max-gb."""
@@ -190,12 +199,12 @@ class SpillTier:
         frames = max(1, memory_bytes // 8 // max(page, 1))
         payload = 4 * sum(w for _, w in columns)
         entry = row_bytes - payload
-        disk_rows = disk_bytes // page_stride(page) * page_rows - call_rows
+        disk_rows = spilled_rows_for_disk(columns, page_rows, disk_bytes) - call_rows
 
         def memory(rows: int) -> int:
-            pages = -(-(rows + call_rows) // page_rows)
             return (IDMAP_POSITION_BYTES * fixed_size_for(rows + call_rows) + rows * entry
-                    + frames * page + SPILL_PAGE_BOOKKEEPING * pages)
+                    + frames * page + spilled_bookkeeping_bytes(columns, rows + call_rows,
+                                                                page_rows))
 
         lo, hi = 0, max(disk_rows, 0)
         while lo < hi:  # the most rows whose memory fits (memory() grows with rows)

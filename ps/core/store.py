@@ -59,7 +59,7 @@ from ps.core.partition import (
 from ps.core.partition_auth import PartitionAuth, check_run_id
 from ps.core.server_stats import ServerStats, partition_rows
 from ps.core.session import SyncSession, TableKey
-from ps.core.spill import SPILL_PAGE_BOOKKEEPING, SpillTier
+from ps.core.spill import SpillTier
 from ps.core.table_members import file_names
 
 log = logging.getLogger("ps.store")
@@ -358,7 +358,7 @@ class Store(PartitionAuth):
                                                           else []) for t in tables]
         memory = share // 2 if any(t.dynamic for t in tables) else share
         memory -= sum(t.rows_held for t in tables)  # the touched flags stay in memory
-        memory -= sum(SPILL_PAGE_BOOKKEEPING * -(-t.rows_held // self.spill.page_rows(layout))
+        memory -= sum(self.spill.bookkeeping_bytes(t.rows_held, layout)
                       for t, layout in zip(tables, layouts, strict=True))
         plan = self.spill.plan([(t.rows_held, layout) for t, layout in
                                 zip(tables, layouts, strict=True)], memory, what)
@@ -369,10 +369,8 @@ class Store(PartitionAuth):
             if count and -(-t.rows_held // page_rows) > count:
                 frames[t.name] = count
                 disk += self.spill.disk_bytes(t.rows_held, layout)
-                width = sum(w for _, w in layout)
-                pages = -(-t.rows_held // page_rows)
-                held.append(t.rows_held + count * page_rows * width * 4  # touched, frames
-                            + SPILL_PAGE_BOOKKEEPING * pages)
+                held.append(t.rows_held  # the touched flags, slots and bookkeeping
+                            + self.spill.held_bytes(t.rows_held, layout, count))
             else:
                 held.append(nbytes)
         return frames, held, disk

@@ -1,7 +1,7 @@
 """The spill tier's page file and paged columns (hybridps/page_file.py,
 hybridps/spilled_rows.py): pages round-trip bitwise, damage of any kind fails naming the
-file and the page, and columns paged through a small clock are bitwise the same columns
-held in memory under random updates."""
+file and the page, and columns through a small hot set (a row or a unit of rows at a
+time) are bitwise the same columns held in memory under random updates."""
 
 from __future__ import annotations
 
@@ -76,11 +76,14 @@ def _model(rows: int, seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(rows, w, generator=g) for n, w in LAYOUT}
 
 
+@pytest.mark.parametrize("unit_rows", [1, 0])  # 0: by the row's bytes (8 rows here)
 @pytest.mark.parametrize("frames", [1, 2, 5])
-def test_spilled_columns_are_bitwise_the_held_ones(tmp_path: Path, frames: int) -> None:
+def test_spilled_columns_are_bitwise_the_held_ones(tmp_path: Path, frames: int,
+                                                   unit_rows: int) -> None:
     rows, page_rows = 53, 4
     held = HeldRows({n: torch.zeros(rows, w) for n, w in LAYOUT})
-    spilled = SpilledRows(tmp_path / "s.pages", LAYOUT, rows, page_rows, frames)
+    spilled = SpilledRows(tmp_path / "s.pages", LAYOUT, rows, page_rows, frames,
+                          unit_rows=unit_rows)
     init = _model(rows, 0)
     held.write(0, init)
     spilled.write(0, init)
@@ -98,14 +101,17 @@ def test_spilled_columns_are_bitwise_the_held_ones(tmp_path: Path, frames: int) 
             got, want = spilled.read(3, rows - 2), held.read(3, rows - 2)
             for name in want:
                 assert torch.equal(got[name], want[name]), (step, name)
-        assert spilled.nframes <= max(frames, n)  # at most one call's pages beyond
+        # at most one call's units beyond the quota
+        assert spilled.nslots <= max(spilled.slots_quota, n)
     got, want = spilled.read(0, rows), held.read(0, rows)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     counters = spilled.counters()
     assert counters["spills"] > 0 and counters["fills"] > 0  # the disk tier was used
     spilled.view(torch.tensor([0]))
-    assert spilled.nframes == frames  # back to its quota
+    assert spilled.nslots == spilled.slots_quota  # back to its quota
+    assert spilled.counters()["frames"] == spilled.slots_quota * spilled.unit_rows // \
+        spilled.page_rows
     spilled.close()
     assert not (tmp_path / "s.pages").exists()
 
@@ -119,14 +125,15 @@ def test_untouched_pages_are_zeros_and_never_written(tmp_path: Path) -> None:
     assert spilled.disk_bytes == 0
 
 
-def test_a_call_needing_more_pages_than_frames_applies_whole(tmp_path: Path) -> None:
-    spilled = SpilledRows(tmp_path / "w.pages", LAYOUT, 40, 4, 2)
-    ids = torch.arange(0, 40, 3)  # 10 pages at once
+def test_a_call_needing_more_rows_than_slots_applies_whole(tmp_path: Path) -> None:
+    spilled = SpilledRows(tmp_path / "w.pages", LAYOUT, 40, 4, 2, unit_rows=1)
+    assert spilled.slots_quota == 8
+    ids = torch.arange(0, 40, 3)  # 14 rows at once
     cols, at = spilled.view(ids)
     cols["m"].index_fill_(0, at, 2.0)
-    assert spilled.nframes >= 10
+    assert spilled.nslots >= 14
     cols, at = spilled.view(torch.tensor([1]))  # back to its quota
-    assert spilled.nframes == 2
+    assert spilled.nslots == 8
     m = spilled.read(0, 40)["m"]
     assert torch.equal(m[ids], torch.full((ids.numel(), 3), 2.0))
     assert int((m != 0).any(dim=1).sum()) == ids.numel()

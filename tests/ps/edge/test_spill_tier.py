@@ -32,10 +32,11 @@ ARGS = ["--task", "tables", "--num-rows", "300", "--dim", "8", "--progress", "fa
         "--tables", "user:40:dynamic:lru,s:4000", "--steps", "30",
         "--checkpoint-every", "10"]
 # Each rank holds 2,000 rows of `s` (64 bytes of Adam or 32 of Adagrad state a row, plus
-# the 20 slots of `user`): a run share of 160 KiB over 2 ranks keeps ~37 one-KiB pages of
-# it in memory and leaves the paged-out rows of `user` room for all of them (no drop: the
-# same run unbounded).
-RUN_SHARE = 160 << 10
+# the 20 slots of `user`) and touches ~190 of them: a run share of 96 KiB over 2 ranks
+# keeps ~140 rows of it in memory (the hot set is row-granular: it must be smaller than
+# the rows a rank touches for the disk to be used) and leaves the paged-out rows of `user`
+# room for all of them (no drop: the same run unbounded).
+RUN_SHARE = 96 << 10
 SPILL = ["--max-run-state-bytes", str(RUN_SHARE), "--run-shares", "1",
          "--spill-page-kb", "1"]
 # about a third of that share: its memory alone would hold fewer of the paged-out rows of

@@ -226,7 +226,8 @@ class SyncConfig:
         "limit); a run whose files could exceed it is refused before training", "GB",
         at_least=0)
     local_spill_page_kb: int = setting(
-        64, "--local-memory-budget-mb: the payload of one spill page (KiB)", "KB",
+        4, "--local-memory-budget-mb: the payload of one spill page (KiB; a fill reads the "
+        "whole page of a row, as the server's --spill-page-kb)", "KB",
         at_least=1)
     ps_timeout: float = setting(
         60.0, "seconds to wait for the server (register, update, reconnect) before failing",

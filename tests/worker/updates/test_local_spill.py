@@ -194,14 +194,14 @@ def test_a_damaged_page_fails_loudly_naming_its_file(tmp_path: Path) -> None:
     _run(local, pushes)
     columns = local.columns["a"]
     assert isinstance(columns, SpilledRows)
-    page = next(p for p in range(columns.pages)
-                if columns.file.written(p) and columns.frame_of[p] < 0)
+    unit = int(next(u for u in range(columns.units) if columns.where[u] >= 0))  # on disk only
+    page = int(columns.where[unit]) // columns.page_units
     with open(columns.file.path, "r+b") as f:  # flip a byte of the page's payload
         f.seek(page * columns.file.stride + HEADER_BYTES + 5)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
-    ids = torch.tensor([page * columns.page_rows], dtype=torch.int64) + emb.units["a"].start
+    ids = torch.tensor([unit * columns.unit_rows], dtype=torch.int64) + emb.units["a"].start
     with pytest.raises(PageCorrupt, match=rf"{columns.file.path}.*page {page}"):
         local.push(10, {**pushes[0], "a": (ids, torch.ones(1, DIM))})
     local.close()

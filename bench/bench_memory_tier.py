@@ -18,7 +18,8 @@ repeat, each run on a fresh server (a repeat's servers start together, before an
   tier    --memory-budget-mb a quarter of the job's optimizer state (Adam's m and v and the
           touched flag of every row, ps.core.partition.TableSpec.state_bytes), --run-shares
           1 (the one run gets the whole budget), --spill-dir under the work directory and
-          --spill-max-gb twice the state: what does not fit spills to page files.
+          --spill-max-gb three times the state (a log of page files reserves twice a
+          partition's state, see hybridps/spilled_rows.py): what does not fit spills there.
 Printed per (job, ids): samples/s of both (medians of the repeats), the median of the
 per-repeat ratios tier / memory (goal >= 0.8x), the server's peak resident memory (VmHWM of
 its /proc/<pid>/status, read after the run, before the server stops; the server's stats do
@@ -115,7 +116,7 @@ def vm_hwm_bytes(pid: int) -> int:
 
 def tier_flags(budget_mb: int, state: int, spill_dir: Path) -> list[str]:
     return ["--memory-budget-mb", str(budget_mb), "--run-shares", "1",
-            "--spill-dir", str(spill_dir), "--spill-max-gb", f"{2 * state / 2**30 + 0.01:.3f}"]
+            "--spill-dir", str(spill_dir), "--spill-max-gb", f"{3 * state / 2**30 + 0.05:.3f}"]
 
 
 @dataclass

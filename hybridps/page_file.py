@@ -32,6 +32,7 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -56,10 +57,15 @@ class PageCorrupt(CorruptSpill):
     """A page read back does not match what was written (file and page named)."""
 
 
-NATIVE_FUNCTIONS = ("crc32c", "crc32c_pages", "check_pages")
+NATIVE_FUNCTIONS = ("crc32c", "crc32c_pages", "check_pages", "gather_units")
 # the native page check and checksum (page_check.c), or None: numpy, the same results
 _ext = native.ext if native.ext is not None and all(
     hasattr(native.ext, f) for f in NATIVE_FUNCTIONS) else None
+
+
+def native_pages() -> ModuleType | None:
+    """The extension with page_check.c's functions (NATIVE_FUNCTIONS), or None."""
+    return _ext
 
 
 def _crc_tables() -> np.ndarray:
@@ -221,9 +227,27 @@ class PageFile:
         copied out of the mapping, in one native call); PageCorrupt naming file and page
         when one does not check."""
         pages_P = np.ascontiguousarray(pages, dtype=np.int64)
+        out = np.empty((pages_P.size, self.payload_bytes), dtype=np.uint8)
+        self._read(pages_P, out)
+        return out
+
+    def check(self, pages: Sequence[int] | np.ndarray) -> None:
+        """Check written pages as read_pages does, copying nothing: the caller then reads
+        them at `address` (until the next write or close)."""
+        self._read(np.ascontiguousarray(pages, dtype=np.int64), None)
+
+    @property
+    def address(self) -> int:
+        """The address of the read-only mapping of the file (page p at p * stride)."""
+        if self._view is None:
+            raise ValueError(f"page file {self.path}: no pages mapped (closed, or none)")
+        return int(self._view.ctypes.data)
+
+    def _read(self, pages_P: np.ndarray, out: np.ndarray | None) -> None:
+        """Check `pages_P` (int64, contiguous), their payloads into `out` unless None."""
         self._check_pages(pages_P)
         if not pages_P.size:
-            return np.empty((0, self.payload_bytes), dtype=np.uint8)
+            return
         unwritten = pages_P[~self._written[pages_P]]
         if unwritten.size:
             raise PageCorrupt(f"page file {self.path}: page {int(unwritten[0])} was never "
@@ -234,32 +258,38 @@ class PageFile:
             raise PageCorrupt(f"page file {self.path}: page {int(pages_P[short[0]])} is "
                               f"truncated (the file ends at {size})")
         assert self._view is not None and self._map is not None
-        out = np.empty((pages_P.size, self.payload_bytes), dtype=np.uint8)
         if _ext is not None:
             status = np.empty(pages_P.size, dtype=np.uint8)
             failed = _ext.check_pages(self._view.ctypes.data, self.pages, self.stride,
                                       self.payload_bytes, MAGIC, pages_P.ctypes.data,
-                                      pages_P.size, self._crc.ctypes.data,
-                                      status.ctypes.data, out.ctypes.data, self.payload_bytes)
+                                      pages_P.size, self._crc.ctypes.data, status.ctypes.data,
+                                      0 if out is None else out.ctypes.data, self.payload_bytes)
         else:
             status = self._check_numpy(pages_P, out)
             failed = int(np.count_nonzero(status))
         self.bytes_read += pages_P.size * self.stride
-        # the mapping's pages leave this process's resident set (the page cache keeps
-        # them): the span read only, so the call costs what the read touched
-        lo, hi = int(pages_P.min()) * self.stride, (int(pages_P.max()) + 1) * self.stride
-        self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        if out is not None:
+            self.drop_resident(pages_P)
         if failed:
             i = int(np.flatnonzero(status)[0])
             raise self._corrupt(int(pages_P[i]), int(status[i]))
-        return out
 
-    def _check_numpy(self, pages_P: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """check_pages of page_check.c in numpy: the payloads into `out`, a status each
-        (0 checks, 1 magic, 2 page number, 3 checksum, 4 not the checksum written)."""
+    def drop_resident(self, pages_P: np.ndarray) -> None:
+        """The mapping's pages leave this process's resident set (the page cache keeps
+        them): the span of `pages_P` only, so the call costs what the read touched."""
+        if not pages_P.size or self._map is None:
+            return
+        lo, hi = int(pages_P.min()) * self.stride, (int(pages_P.max()) + 1) * self.stride
+        self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def _check_numpy(self, pages_P: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """check_pages of page_check.c in numpy: the payloads into `out` (unless None), a
+        status each (0 checks, 1 magic, 2 page number, 3 checksum, 4 not the checksum
+        written)."""
         assert self._view is not None
         block = self._view[pages_P]
-        out[:] = block[:, HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
+        if out is not None:
+            out[:] = block[:, HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
         head = np.ascontiguousarray(block[:, :HEADER_BYTES])
         magic = head[:, 0:4].copy().view("<u4").reshape(-1)
         stored = head[:, 4:8].copy().view("<u4").reshape(-1)

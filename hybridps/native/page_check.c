@@ -17,6 +17,11 @@
  * which pages fail in a status byte each; Python builds the error naming file and page.
  * Bounds (pages inside the mapping, the file not cut short) are checked by the caller
  * before the call; the page numbers are checked again here, before any read.
+ *
+ * gather_units is the spilled rows' fill (hybridps/spilled_rows.py) after check_pages
+ * (without its copy): each unit's rows go from its checked page straight into the slot
+ * buffers, the unit id each page holds checked first. Its pages are ones the caller just
+ * had checked, so its bounds are the caller's.
  */
 #include "kernels.h"
 
@@ -150,7 +155,8 @@ PyDoc_STRVAR(check_pages_doc,
              "= 0 when it checks, 1 its magic is not `magic`, 2 its page number is not p,\n"
              "3 the CRC-32C of bytes [8, stride) differs from the one stored at byte 4,\n"
              "4 the stored one differs from recorded[p] (uint32: this process's write); its\n"
-             "payload (payload_bytes from byte 16) is copied to out + i*out_stride. Returns\n"
+             "payload (payload_bytes from byte 16) is copied to out + i*out_stride (out 0:\n"
+             "no copy, the caller gathers from the mapping: gather_units). Returns\n"
              "how many pages failed. A page outside [0, file_pages): IndexError, nothing read.");
 
 static PyObject *py_check_pages(PyObject *self, PyObject *args) {
@@ -195,10 +201,61 @@ static PyObject *py_check_pages(PyObject *self, PyObject *args) {
             s = 4;
         status[i] = s;
         failed += s != 0;
-        memcpy(out + i * out_stride, page + 16, (size_t)payload_bytes);
+        if (out) memcpy(out + i * out_stride, page + 16, (size_t)payload_bytes);
     }
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(failed);
+}
+
+PyDoc_STRVAR(gather_units_doc,
+             "gather_units(base, stride, ids_at, pages, places, ids, n, col_offsets,\n"
+             "             unit_bytes, col_dst, n_cols, dst_at)\n--\n\n"
+             "Copy n units out of checked pages of a page file's mapping (strides of `stride`\n"
+             "bytes at base) into caller-owned columns. Unit i is in page pages[i] at place\n"
+             "places[i]: its id (int64) at byte ids_at + 8*places[i] of the page, and for\n"
+             "column c its unit_bytes[c] bytes at col_offsets[c] + places[i]*unit_bytes[c],\n"
+             "copied to col_dst[c] + dst_at[i]*unit_bytes[c] (all int64 [n] or [n_cols]; the\n"
+             "offsets from the page's start). The ids are checked first against ids[i]:\n"
+             "returns -1 when all match (then copies), else the first i that does not (no\n"
+             "copy).");
+
+static PyObject *py_gather_units(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long pbase, ppages, pplaces, pids, pcol_off, punit_bytes, pcol_dst, pdst_at;
+    long long stride, ids_at, n, n_cols;
+    if (!PyArg_ParseTuple(args, "KLLKKKLKKKLK", &pbase, &stride, &ids_at, &ppages, &pplaces,
+                          &pids, &n, &pcol_off, &punit_bytes, &pcol_dst, &n_cols, &pdst_at))
+        return NULL;
+    if (stride <= 0 || ids_at < 0 || n < 0 || n_cols < 0)
+        return PyErr_Format(PyExc_ValueError,
+                            "gather_units: stride=%lld, ids_at=%lld, n=%lld, n_cols=%lld out "
+                            "of range", stride, ids_at, n, n_cols);
+    const uint8_t *base = PTR(const uint8_t *, pbase);
+    const int64_t *pages = PTR(const int64_t *, ppages);
+    const int64_t *places = PTR(const int64_t *, pplaces);
+    const int64_t *ids = PTR(const int64_t *, pids);
+    const int64_t *col_off = PTR(const int64_t *, pcol_off);
+    const int64_t *unit_bytes = PTR(const int64_t *, punit_bytes);
+    const unsigned long long *col_dst = PTR(const unsigned long long *, pcol_dst);
+    const int64_t *dst_at = PTR(const int64_t *, pdst_at);
+    long long bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (long long i = 0; i < n && bad < 0; i++) {
+        const uint8_t *page = base + pages[i] * stride;
+        if ((int64_t)load_le64(page + ids_at + 8 * places[i]) != ids[i]) bad = i;
+    }
+    if (bad < 0) {
+        for (long long i = 0; i < n; i++) {
+            const uint8_t *page = base + pages[i] * stride;
+            for (long long c = 0; c < n_cols; c++) {
+                uint8_t *dst = PTR(uint8_t *, col_dst[c]);
+                memcpy(dst + dst_at[i] * unit_bytes[c],
+                       page + col_off[c] + places[i] * unit_bytes[c], (size_t)unit_bytes[c]);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
 }
 
 static PyObject *py_crc32c_impl(PyObject *self, PyObject *unused) {
@@ -211,6 +268,7 @@ PyMethodDef hp_page_check_methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
     {"crc32c_pages", py_crc32c_pages, METH_VARARGS, crc32c_pages_doc},
     {"check_pages", py_check_pages, METH_VARARGS, check_pages_doc},
+    {"gather_units", py_gather_units, METH_VARARGS, gather_units_doc},
     {"crc32c_impl", py_crc32c_impl, METH_NOARGS,
      "The CRC-32C implementation in use: 'sse4.2' or 'slice-by-8'."},
     {NULL, NULL, 0, NULL},

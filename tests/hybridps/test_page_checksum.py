@@ -10,8 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hybridps import page_file
+from hybridps.errors import CorruptSpill
 from hybridps.page_file import (
     HEADER_BYTES,
     MAGIC,
@@ -20,6 +22,7 @@ from hybridps.page_file import (
     crc32c_rows,
     crc32c_rows_numpy,
 )
+from hybridps.spilled_rows import HeldRows, SpilledRows
 
 ext = page_file._ext
 needs_ext = pytest.mark.skipif(ext is None, reason="native extension not built")
@@ -139,3 +142,42 @@ def test_a_page_of_the_older_format_is_refused_by_name(tmp_path: Path, impl: str
     with pytest.raises(PageCorrupt, match=r"o\.pages: page 0 has a damaged header"):
         f.read_pages([0])
     f.close()
+
+
+LAYOUT = [("m", 3), ("v", 3), ("master", 5)]
+
+
+@pytest.mark.parametrize("unit_rows", [1, 0])  # 0: by the row's bytes
+def test_fills_native_and_fallback_are_bitwise_the_held_rows(
+        tmp_path: Path, impl: str, unit_rows: int) -> None:
+    rows = 61
+    g = torch.Generator().manual_seed(5)
+    init = {n: torch.randn(rows, w, generator=g) for n, w in LAYOUT}
+    held = HeldRows({n: torch.zeros(rows, w) for n, w in LAYOUT})
+    spilled = SpilledRows(tmp_path / "s.pages", LAYOUT, rows, 4, 2, unit_rows=unit_rows)
+    held.write(0, init)
+    spilled.write(0, init)  # a restore: every row on disk
+    for step in range(40):
+        n = int(torch.randint(1, 25, (1,), generator=g))
+        ids = torch.randperm(rows, generator=g)[:n].sort().values
+        grads = torch.randn(n, 3, generator=g)
+        for holder in (held, spilled):
+            cols, at = holder.view(ids)
+            cols["m"].index_add_(0, at, grads)
+            cols["master"].index_fill_(0, at[: n // 2], float(step))
+    for name, want in held.read(0, rows).items():
+        assert torch.equal(spilled.read(0, rows)[name], want), name
+    assert spilled.counters()["fills"] > 0
+    spilled.close()
+
+
+def test_a_page_holding_another_unit_fails_the_fill(tmp_path: Path, impl: str) -> None:
+    spilled = SpilledRows(tmp_path / "u.pages", LAYOUT, 40, 4, 1, unit_rows=1)
+    spilled.write(0, {n: torch.ones(40, w) for n, w in LAYOUT})
+    spilled.view(torch.tensor([39]))  # rows 3 and 7 are on disk only
+    assert spilled.where[3] >= 0 and spilled.where[7] >= 0
+    spilled.where[3], spilled.where[7] = spilled.where[7], spilled.where[3]
+    with pytest.raises(CorruptSpill, match=r"u\.pages: page \d+ holds unit 7 where unit 3 "
+                                           "was written"):
+        spilled.view(torch.tensor([3]))
+    spilled.close()

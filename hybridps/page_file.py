@@ -15,8 +15,10 @@ each run of consecutive pages with one pwrite; `read_pages` checks and copies it
 out of a read-only mapping of the file in one native call (hybridps/native/page_check.c:
 the SSE4.2 crc32 instruction where the CPU has it, the GIL released), after checking the
 file still holds them (a truncated file fails, never faults), and drops the mapping's
-pages from the process's resident set again. Without the native extension, numpy does
-the same work and computes the same checksum (`crc32c_rows`), slower.
+pages from the process's resident set again; `check` checks without the copy, for a
+caller that gathers from the mapping itself (the spilled rows' fill). Without the native
+extension, numpy does the same work and computes the same checksum
+(`crc32c_rows_numpy`), slower.
 
 The file is a cache of this process (the shard server's spilled optimizer state, or a
 worker's in-process paged store): it is opened new (any old content truncated) and

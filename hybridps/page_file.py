@@ -235,15 +235,16 @@ class PageFile:
 
     def check(self, pages: Sequence[int] | np.ndarray) -> None:
         """Check written pages as read_pages does, copying nothing: the caller then reads
-        them at `address` (until the next write or close)."""
+        them from `mapping()` (until the next write or close)."""
         self._read(np.ascontiguousarray(pages, dtype=np.int64), None)
 
-    @property
-    def address(self) -> int:
-        """The address of the read-only mapping of the file (page p at p * stride)."""
+    def mapping(self) -> np.ndarray:
+        """The read-only mapping of the file, uint8 [pages, stride]. A caller reading it
+        natively holds this array meanwhile: while it is held, a close cannot unmap it
+        (mmap refuses to close with its buffer exported)."""
         if self._view is None:
             raise ValueError(f"page file {self.path}: no pages mapped (closed, or none)")
-        return int(self._view.ctypes.data)
+        return self._view
 
     def _read(self, pages_P: np.ndarray, out: np.ndarray | None) -> None:
         """Check `pages_P` (int64, contiguous), their payloads into `out` unless None."""
@@ -261,8 +262,9 @@ class PageFile:
                               f"truncated (the file ends at {size})")
         assert self._view is not None and self._map is not None
         if _ext is not None:
+            view = self._view  # held through the call: a close cannot unmap it meanwhile
             status = np.empty(pages_P.size, dtype=np.uint8)
-            failed = _ext.check_pages(self._view.ctypes.data, self.pages, self.stride,
+            failed = _ext.check_pages(view.ctypes.data, self.pages, self.stride,
                                       self.payload_bytes, MAGIC, pages_P.ctypes.data,
                                       pages_P.size, self._crc.ctypes.data, status.ctypes.data,
                                       0 if out is None else out.ctypes.data, self.payload_bytes)

@@ -435,7 +435,8 @@ class SpilledRows(RowColumns):
         col_dst = np.array([t.data_ptr() for t in cols], dtype=np.uint64)
         ids = np.ascontiguousarray(units, dtype=np.int64)
         at = np.ascontiguousarray(dst_at, dtype=np.int64)
-        bad = ext.gather_units(self.file.address, self.file.stride, HEADER_BYTES,
+        mapping = self.file.mapping()  # held through the call (PageFile.mapping)
+        bad = ext.gather_units(mapping.ctypes.data, self.file.stride, HEADER_BYTES,
                                page_of.ctypes.data, places.ctypes.data, ids.ctypes.data,
                                ids.size, col_off.ctypes.data, unit_bytes.ctypes.data,
                                col_dst.ctypes.data, len(cols), at.ctypes.data)

@@ -1,5 +1,6 @@
 """Build hook for the optional native kernels: the row kernels (hybridps/native/fused_adam.c,
-row_optim.c; with them the dynamic tables' id map and initial rows, dynamic.c) and the
+row_optim.c; with them the dynamic tables' id map and initial rows, dynamic.c, and the
+page file's CRC-32C and page check, page_check.c) and the
 owner's pooled-bags kernel (hybridps/native/pooled_bags.c).
 
 All project metadata lives in pyproject.toml; this file only declares the C
@@ -70,7 +71,8 @@ setup(
         Extension(
             "hybridps.native._fused_adam",
             sources=["hybridps/native/fused_adam.c", "hybridps/native/row_optim.c",
-                     "hybridps/native/dynamic.c", "hybridps/native/dynamic_step.c"],
+                     "hybridps/native/dynamic.c", "hybridps/native/dynamic_step.c",
+                     "hybridps/native/page_check.c"],
             depends=["hybridps/native/kernels.h", "hybridps/native/id_map.h",
                      "hybridps/native/dynamic.h"],
             optional=True,  # no compiler: install anyway, hybridps.optim falls back to torch

@@ -1,18 +1,24 @@
-"""A file of fixed-size pages, each with a crc32: the disk tier of paged state. No grpc.
+"""A file of fixed-size pages, each with a CRC-32C: the disk tier of paged state. No grpc.
 
-Page `p` lives at byte `p * stride`: a 16-byte header (magic, page number, crc32 of the
-payload, payload length) and the payload, the stride a multiple of 4 KiB. A page is
-written whole; `read` checks the header and the payload's crc32 both against the page
-itself and against the crc32 this process recorded when it wrote the page, so a torn
-write, a bit flipped on disk, a page written by another process or a stale copy all fail
-with `PageCorrupt` naming the file and the page, never as wrong values.
+Page `p` lives at byte `p * stride`: a 16-byte header (magic with the page format, the
+CRC-32C, page number) and the payload, the stride a multiple of 4 KiB. The checksum
+covers every byte of the page after itself (page number, payload and padding) and the
+magic is compared whole, so a bit flipped anywhere in a page fails. A page is written
+whole; `read` checks the header and the checksum both against the page itself and
+against the checksum this process recorded when it wrote the page, so a torn write, a
+bit flipped on disk, a page written by another process, a stale copy or a file of an
+older page format all fail with `PageCorrupt` naming the file and the page, never as
+wrong values.
 
 Batches go to disk in large sequential blocks: `write_many` sorts its pages and writes
-each run of consecutive pages with one pwrite; `read_pages` gathers its pages from a
-read-only mapping of the file in one copy (a fill reads scattered pages: no call a page),
-after checking the file still holds them (a truncated file fails, never faults), and
-drops the mapping's pages from the process's resident set again. Headers are packed and
-checked for a whole batch at once (numpy), the crc32 page by page.
+each run of consecutive pages with one pwrite; `read_pages` checks and copies its pages
+out of a read-only mapping of the file in one native call (hybridps/native/page_check.c:
+the SSE4.2 crc32 instruction where the CPU has it, the GIL released), after checking the
+file still holds them (a truncated file fails, never faults), and drops the mapping's
+pages from the process's resident set again; `check` checks without the copy, for a
+caller that gathers from the mapping itself (the spilled rows' fill). Without the native
+extension, numpy does the same work and computes the same checksum
+(`crc32c_rows_numpy`), slower.
 
 The file is a cache of this process (the shard server's spilled optimizer state, or a
 worker's in-process paged store): it is opened new (any old content truncated) and
@@ -26,17 +32,24 @@ import itertools
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
+from hybridps import native
 from hybridps.errors import CorruptSpill
 
-MAGIC = 0x48505047  # "HPPG"
-HEADER = struct.Struct("<IIQ")  # magic, crc32, page number (the payload length is fixed)
+# the magic: "HPP" and the page format (the low byte); a page of another format fails
+PAGE_FORMAT = 2  # 2: CRC-32C over bytes [8, stride)
+MAGIC = 0x48505000 | PAGE_FORMAT
+# the magics of the formats before, each refused by name
+OLD_FORMATS = {0x48505047: "format 1 (zlib crc32 of the payload)"}
+HEADER = struct.Struct("<IIQ")  # magic, CRC-32C, page number (the payload length is fixed)
 HEADER_BYTES = 16
+CHECKED_FROM = 8  # the checksum covers the page from the page number on
+CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
 BLOCK_BYTES = 4096
 # the most pages one write or read moves (a block of at most this many strides)
 MAX_IOV = 512
@@ -44,6 +57,71 @@ MAX_IOV = 512
 
 class PageCorrupt(CorruptSpill):
     """A page read back does not match what was written (file and page named)."""
+
+
+NATIVE_FUNCTIONS = ("crc32c", "crc32c_pages", "check_pages", "gather_units")
+# the native page check and checksum (page_check.c), or None: numpy, the same results
+_ext = native.ext if native.ext is not None and all(
+    hasattr(native.ext, f) for f in NATIVE_FUNCTIONS) else None
+
+
+def native_pages() -> ModuleType | None:
+    """The extension with page_check.c's functions (NATIVE_FUNCTIONS), or None."""
+    return _ext
+
+
+def _crc_tables() -> np.ndarray:
+    """The slice-by-8 tables, uint32 [8, 256] (page_check.c builds the same)."""
+    tables = np.empty((8, 256), dtype=np.uint32)
+    t = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        t = np.where(t & 1, (t >> 1) ^ np.uint32(CRC32C_POLY), t >> 1).astype(np.uint32)
+    tables[0] = t
+    for k in range(1, 8):
+        tables[k] = (tables[k - 1] >> 8) ^ tables[0][tables[k - 1] & 0xFF]
+    return tables
+
+
+_TABLES = _crc_tables()
+
+
+def crc32c_rows_numpy(rows_PL: np.ndarray) -> np.ndarray:
+    """The CRC-32C of each row of uint8 `rows_PL` (uint32 [P]), in numpy: slice-by-8
+    with the rows side by side, page_check.c's portable loop."""
+    rows = np.asarray(rows_PL, dtype=np.uint8)
+    if rows.ndim != 2:
+        raise ValueError(f"crc32c rows of shape {rows.shape}: want [rows, bytes]")
+    count, length = rows.shape
+    t = _TABLES
+    crc = np.full(count, 0xFFFFFFFF, dtype=np.uint32)
+    words = length // 8
+    if words and count:
+        # [words, 2, rows]: each step's two 32-bit halves contiguous across the rows
+        w = np.ascontiguousarray(rows[:, :words * 8]).view("<u4").astype(np.uint32)
+        w = np.ascontiguousarray(w.reshape(count, words, 2).transpose(1, 2, 0))
+        for j in range(words):
+            lo = w[j, 0] ^ crc
+            hi = w[j, 1]
+            crc = (t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF]
+                   ^ t[4][lo >> 24] ^ t[3][hi & 0xFF] ^ t[2][(hi >> 8) & 0xFF]
+                   ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24])
+    for j in range(words * 8, length):
+        crc = t[0][(crc ^ rows[:, j]) & 0xFF] ^ (crc >> 8)
+    return crc ^ np.uint32(0xFFFFFFFF)
+
+
+def crc32c_rows(rows_PL: np.ndarray) -> np.ndarray:
+    """The CRC-32C of each row of uint8 `rows_PL` (uint32 [P]): natively where the
+    extension is built (rows a fixed stride apart), else crc32c_rows_numpy."""
+    rows = np.asarray(rows_PL)
+    if (_ext is None or rows.dtype != np.uint8 or rows.ndim != 2
+            or (rows.shape[1] > 1 and rows.strides[1] != 1) or rows.strides[0] < 0):
+        return crc32c_rows_numpy(rows)
+    out = np.empty(rows.shape[0], dtype=np.uint32)
+    if rows.shape[0]:
+        _ext.crc32c_pages(rows.ctypes.data, rows.shape[0], rows.strides[0], rows.shape[1],
+                          out.ctypes.data)
+    return out
 
 
 def page_stride(payload_bytes: int) -> int:
@@ -123,13 +201,11 @@ class PageFile:
         sorted_P = pages_P[order]
         block = np.zeros((pages_P.size, self.stride), dtype=np.uint8)
         block[:, HEADER_BYTES:HEADER_BYTES + self.payload_bytes] = data[order]
-        crc = np.fromiter((zlib.crc32(row) for row in
-                           block[:, HEADER_BYTES:HEADER_BYTES + self.payload_bytes]),
-                          dtype=np.uint32, count=pages_P.size)
         header = block[:, :HEADER_BYTES]
+        header[:, 8:16] = sorted_P.astype("<u8").view(np.uint8).reshape(-1, 8)
+        crc = crc32c_rows(block[:, CHECKED_FROM:])  # page number, payload, padding
         header[:, 0:4] = np.full(pages_P.size, MAGIC, dtype="<u4").view(np.uint8).reshape(-1, 4)
         header[:, 4:8] = crc.astype("<u4").view(np.uint8).reshape(-1, 4)
-        header[:, 8:16] = sorted_P.astype("<u8").view(np.uint8).reshape(-1, 8)
         for a, b in _runs(sorted_P):
             self._pwrite(block[a:b].reshape(-1), int(sorted_P[a]) * self.stride)
         self._crc[sorted_P] = crc
@@ -148,61 +224,101 @@ class PageFile:
         return list(self.read_pages(pages))
 
     def read_pages(self, pages: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The payloads of written pages as one uint8 [pages, payload_bytes] array (rows
-        possibly a page's stride apart), in the order asked (gathered from the mapping in
-        one copy, every page's header and crc32 checked); PageCorrupt naming file and page
-        when one does not."""
-        pages_P = np.asarray(pages, dtype=np.int64)
+        """The payloads of written pages as one uint8 [pages, payload_bytes] array, in
+        the order asked (every page's header and checksum checked, and the payloads
+        copied out of the mapping, in one native call); PageCorrupt naming file and page
+        when one does not check."""
+        pages_P = np.ascontiguousarray(pages, dtype=np.int64)
+        out = np.empty((pages_P.size, self.payload_bytes), dtype=np.uint8)
+        self._read(pages_P, out)
+        return out
+
+    def check(self, pages: Sequence[int] | np.ndarray) -> None:
+        """Check written pages as read_pages does, copying nothing: the caller then reads
+        them from `mapping()` (until the next write or close)."""
+        self._read(np.ascontiguousarray(pages, dtype=np.int64), None)
+
+    def mapping(self) -> np.ndarray:
+        """The read-only mapping of the file, uint8 [pages, stride]. A caller reading it
+        natively holds this array meanwhile: while it is held, a close cannot unmap it
+        (mmap refuses to close with its buffer exported)."""
+        if self._view is None:
+            raise ValueError(f"page file {self.path}: no pages mapped (closed, or none)")
+        return self._view
+
+    def _read(self, pages_P: np.ndarray, out: np.ndarray | None) -> None:
+        """Check `pages_P` (int64, contiguous), their payloads into `out` unless None."""
         self._check_pages(pages_P)
         if not pages_P.size:
-            return np.empty((0, self.payload_bytes), dtype=np.uint8)
+            return
         unwritten = pages_P[~self._written[pages_P]]
         if unwritten.size:
             raise PageCorrupt(f"page file {self.path}: page {int(unwritten[0])} was never "
                               "written")
-        # a fill asks in page order (np.unique): no reorder then, the payloads a view
-        ascending = bool((pages_P[1:] > pages_P[:-1]).all())
-        order = None if ascending else np.argsort(pages_P, kind="stable")
-        sorted_P = pages_P if order is None else pages_P[order]
-        end = HEADER_BYTES + self.payload_bytes
         size = os.fstat(self._fd).st_size  # a page the file cuts is never touched
-        short = np.flatnonzero(sorted_P * self.stride + end > size)
+        short = np.flatnonzero((pages_P + 1) * self.stride > size)
         if short.size:
-            raise PageCorrupt(f"page file {self.path}: page {int(sorted_P[short[0]])} is "
+            raise PageCorrupt(f"page file {self.path}: page {int(pages_P[short[0]])} is "
                               f"truncated (the file ends at {size})")
         assert self._view is not None and self._map is not None
-        block = self._view[sorted_P]  # one gather from the page cache, no call a page
-        self.bytes_read += block.nbytes
-        # the mapping's pages leave this process's resident set (the page cache keeps
-        # them): the span read only, so the call costs what the read touched
-        lo, hi = int(sorted_P[0]) * self.stride, (int(sorted_P[-1]) + 1) * self.stride
+        if _ext is not None:
+            view = self._view  # held through the call: a close cannot unmap it meanwhile
+            status = np.empty(pages_P.size, dtype=np.uint8)
+            failed = _ext.check_pages(view.ctypes.data, self.pages, self.stride,
+                                      self.payload_bytes, MAGIC, pages_P.ctypes.data,
+                                      pages_P.size, self._crc.ctypes.data, status.ctypes.data,
+                                      0 if out is None else out.ctypes.data, self.payload_bytes)
+        else:
+            status = self._check_numpy(pages_P, out)
+            failed = int(np.count_nonzero(status))
+        self.bytes_read += pages_P.size * self.stride
+        if out is not None:
+            self.drop_resident(pages_P)
+        if failed:
+            i = int(np.flatnonzero(status)[0])
+            raise self._corrupt(int(pages_P[i]), int(status[i]))
+
+    def drop_resident(self, pages_P: np.ndarray) -> None:
+        """The mapping's pages leave this process's resident set (the page cache keeps
+        them): the span of `pages_P` only, so the call costs what the read touched."""
+        if not pages_P.size or self._map is None:
+            return
+        lo, hi = int(pages_P.min()) * self.stride, (int(pages_P.max()) + 1) * self.stride
         self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def _check_numpy(self, pages_P: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """check_pages of page_check.c in numpy: the payloads into `out` (unless None), a
+        status each (0 checks, 1 magic, 2 page number, 3 checksum, 4 not the checksum
+        written)."""
+        assert self._view is not None
+        block = self._view[pages_P]
+        if out is not None:
+            out[:] = block[:, HEADER_BYTES:HEADER_BYTES + self.payload_bytes]
         head = np.ascontiguousarray(block[:, :HEADER_BYTES])
         magic = head[:, 0:4].copy().view("<u4").reshape(-1)
         stored = head[:, 4:8].copy().view("<u4").reshape(-1)
         number = head[:, 8:16].copy().view("<u8").reshape(-1)
-        bad = np.flatnonzero((magic != MAGIC) | (number != sorted_P.astype(np.uint64)))
-        if bad.size:
-            i = int(bad[0])
-            raise PageCorrupt(f"page file {self.path}: page {int(sorted_P[i])} has a damaged "
-                              f"header (magic {int(magic[i]):#x}, page number "
-                              f"{int(number[i])})")
-        payload = block[:, HEADER_BYTES:end]
-        actual = np.fromiter((zlib.crc32(row) for row in payload), dtype=np.uint32,
-                             count=pages_P.size)
-        bad = np.flatnonzero((actual != stored) | (stored != self._crc[sorted_P]))
-        if bad.size:
-            i = int(bad[0])
-            page = int(sorted_P[i])
-            raise PageCorrupt(
-                f"page file {self.path}: page {page} fails its crc32 (stored "
-                f"{int(stored[i]):#010x}, computed {int(actual[i]):#010x}, written "
-                f"{int(self._crc[page]):#010x})")
-        if order is None:
-            return payload
-        out = np.empty((pages_P.size, self.payload_bytes), dtype=np.uint8)
-        out[order] = payload
-        return out
+        actual = crc32c_rows_numpy(block[:, CHECKED_FROM:])
+        return np.select([magic != MAGIC, number != pages_P.astype(np.uint64),
+                          actual != stored, stored != self._crc[pages_P]],
+                         [1, 2, 3, 4], 0).astype(np.uint8)
+
+    def _corrupt(self, page: int, status: int) -> PageCorrupt:
+        """The error for `page`, which failed with check status `status`."""
+        assert self._view is not None
+        raw = self._view[page]
+        magic, stored, number = HEADER.unpack(raw[:HEADER_BYTES].tobytes())
+        where = f"page file {self.path}: page {page}"
+        if status == 1 and magic in OLD_FORMATS:
+            return PageCorrupt(f"{where} is of page {OLD_FORMATS[magic]} (magic "
+                               f"{magic:#x}); this build reads format {PAGE_FORMAT} "
+                               f"(magic {MAGIC:#x}): a stale file")
+        if status in (1, 2):
+            return PageCorrupt(f"{where} has a damaged header (magic {magic:#x}, page "
+                               f"number {number})")
+        actual = int(crc32c_rows(raw[None, CHECKED_FROM:])[0])
+        return PageCorrupt(f"{where} fails its crc32c (stored {stored:#010x}, computed "
+                           f"{actual:#010x}, written {int(self._crc[page]):#010x})")
 
     def close(self, remove: bool = True) -> None:
         """Close the file and (by default) remove it: it is a cache of this process."""

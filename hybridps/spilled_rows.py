@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from hybridps.errors import CorruptSpill, NotRegistered, ResourceExhausted
-from hybridps.page_file import HEADER_BYTES, PageFile, page_stride
+from hybridps.page_file import HEADER_BYTES, PageFile, native_pages, page_stride
 
 # default log page: one 4 KiB block (header, unit ids and rows): a fill reads a whole
 # page to check its crc32, so a page is what one cold row costs to bring back
@@ -405,11 +405,47 @@ class SpilledRows(RowColumns):
         positions = self.where[units]
         on_disk = np.flatnonzero(positions >= 0)
         if on_disk.size:
-            got = self._read_units(units[on_disk], positions[on_disk])
-            rows = self._slot_rows(on_disk)  # the units' rows in out
-            for n in out:
-                out[n].index_copy_(0, rows, got[n])
+            self._fill(units[on_disk], positions[on_disk], out, on_disk)
         return out
+
+    def _fill(self, units: np.ndarray, pos: np.ndarray, dst: Mapping[str, torch.Tensor],
+              dst_at: np.ndarray) -> None:
+        """The rows of `units` from their copies at `pos` on disk into unit `dst_at` of
+        `dst` (each column [units * g, w]): natively, straight from the checked pages
+        (one check of the batch, then one gather, the unit id each page holds checked
+        first); else through _read_units."""
+        ext = native_pages()
+        cols = [dst[n] for n, _ in self.layout]
+        if ext is None or not all(t.dtype == torch.float32 and t.is_contiguous()
+                                  for t in cols):
+            got = self._read_units(units, pos)
+            rows = self._slot_rows(dst_at)
+            for n, t in dst.items():
+                t.index_copy_(0, rows, got[n])
+            return
+        k, g = self.page_units, self.unit_rows
+        page_of = np.ascontiguousarray(pos // k, dtype=np.int64)
+        places = np.ascontiguousarray(pos % k, dtype=np.int64)
+        pages = np.unique(page_of)
+        self.file.check(pages)
+        self.fills += int(pages.size)
+        unit_bytes = np.array([g * w * 4 for _, w in self.layout], dtype=np.int64)
+        col_off = HEADER_BYTES + k * 8 + np.concatenate([[0], np.cumsum(unit_bytes * k)[:-1]])
+        col_off = np.ascontiguousarray(col_off, dtype=np.int64)
+        col_dst = np.array([t.data_ptr() for t in cols], dtype=np.uint64)
+        ids = np.ascontiguousarray(units, dtype=np.int64)
+        at = np.ascontiguousarray(dst_at, dtype=np.int64)
+        mapping = self.file.mapping()  # held through the call (PageFile.mapping)
+        bad = ext.gather_units(mapping.ctypes.data, self.file.stride, HEADER_BYTES,
+                               page_of.ctypes.data, places.ctypes.data, ids.ctypes.data,
+                               ids.size, col_off.ctypes.data, unit_bytes.ctypes.data,
+                               col_dst.ctypes.data, len(cols), at.ctypes.data)
+        self.file.drop_resident(pages)
+        if bad >= 0:
+            held = self.file.read_pages([page_of[bad]])[0, :k * 8].view(np.int64)
+            raise CorruptSpill(f"spilled rows {self.file.path}: page {int(page_of[bad])} "
+                               f"holds unit {int(held[places[bad]])} where unit "
+                               f"{int(units[bad])} was written")
 
     def _read_units(self, units: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
         """The rows of `units` from their copies at `pos` on disk, [units * g, w] each
@@ -453,10 +489,8 @@ class SpilledRows(RowColumns):
                 for t in self.buffers.values():
                     t.index_fill_(0, zero_rows, 0.0)
             if on_disk.any():
-                got = self._read_units(missing[on_disk], positions[on_disk])
-                rows = self._slot_rows(slots[on_disk])
-                for n, t in self.buffers.items():
-                    t.index_copy_(0, rows, got[n])
+                self._fill(missing[on_disk], positions[on_disk], self.buffers,
+                           slots[on_disk])
             self.unit_of[slots] = missing
             self.disk_of[slots] = positions
             self.where[missing] = -2 - slots

@@ -942,7 +942,8 @@ static struct PyModuleDef moduledef = {
     "Fused float32 row kernels (sparse Adam/AdamW, SGD scale, row update, triad; the\n"
     "Adagrad family and partial-rowwise Adam from row_optim.c) and the\n"
     "server's allocation-free push checks (scan_push, mark_rows, digest); the dynamic\n"
-    "tables' id map and initial rows (dynamic.c).",
+    "tables' id map and initial rows (dynamic.c); the page file's CRC-32C and page check\n"
+    "(page_check.c).",
     -1,
     methods,
     NULL,
@@ -959,8 +960,10 @@ PyMODINIT_FUNC PyInit__fused_adam(void) {
         atfork_done = 1;
     }
 #endif
+    hp_page_check_init();
     PyObject *module = PyModule_Create(&moduledef);
     if (module != NULL && (PyModule_AddFunctions(module, hp_row_optim_methods) < 0 ||
+                           PyModule_AddFunctions(module, hp_page_check_methods) < 0 ||
                            PyModule_AddFunctions(module, hp_dynamic_methods) < 0 ||
                            PyModule_AddFunctions(module, hp_dynamic_step_methods) < 0)) {
         Py_DECREF(module);

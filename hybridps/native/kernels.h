@@ -147,5 +147,9 @@ extern PyMethodDef hp_row_optim_methods[];
 extern PyMethodDef hp_dynamic_methods[];
 /* ... and dynamic_step.c's (a dynamic table's step with an in-process store, fused). */
 extern PyMethodDef hp_dynamic_step_methods[];
+/* ... and page_check.c's (the page file's CRC-32C and batched page check); its tables and
+ * implementation are set up by hp_page_check_init, at import. */
+extern PyMethodDef hp_page_check_methods[];
+void hp_page_check_init(void);
 
 #endif

@@ -293,7 +293,17 @@ class Generator:
         return shard_pb2.CheckpointRequest(
             run_id=s.run, step=max(0, s.next_step - 1),
             directory=self.directory(s, s.next_step - 1),
-            ranks=[s.rank] if self.rng.random() < 0.7 else [], timeout_s=0.01)
+            ranks=[s.rank] if self.rng.random() < 0.7 else [], timeout_s=0.01,
+            deferred=self.rng.random() < 0.3)
+
+    def checkpoint_done(self, s: Shape | None = None) -> shard_pb2.CheckpointDoneRequest:
+        """The second step of a deferred Checkpoint: mostly the step a deferred one may have
+        asked for, sometimes one never asked (answered NOT_FOUND/FAILED_PRECONDITION)."""
+        s = s or self.shape()
+        step = max(0, s.next_step - 1 - (self.rng.random() < 0.2))
+        return shard_pb2.CheckpointDoneRequest(
+            run_id=s.run, step=step, directory=self.directory(s, step),
+            ranks=[s.rank] if self.rng.random() < 0.7 else [])
 
     def finish(self, s: Shape | None = None) -> shard_pb2.FinishRequest:
         s = s or self.shape()
@@ -567,9 +577,10 @@ class Generator:
             count = rng.randrange(1, 3) if method == "Sync" else 1
             return Item(method, [rng.randbytes(rng.randrange(0, 200)) for _ in range(count)],
                         [], self.credentials(self.shape()), False)
-        method = rng.choices(["Register", "Sync", "Flush", "Checkpoint", "Finish", "SeedRows",
-                              "GetShardStats", "Page", "DropRun", "Shutdown"],
-                             weights=[20, 40, 10, 8, 6, 6, 10, 20, 1, 1])[0]
+        method = rng.choices(["Register", "Sync", "Flush", "Checkpoint", "CheckpointDone",
+                              "Finish", "SeedRows", "GetShardStats", "Page", "DropRun",
+                              "Shutdown"],
+                             weights=[20, 40, 10, 8, 4, 6, 6, 10, 20, 1, 1])[0]
         s = self.shape()
         if method == "Sync":  # valid pushes of one partition first (applied and answered),
             sent: list[tuple[Shape, str, int]] = []  # then maybe not; sometimes another's
@@ -601,7 +612,8 @@ class Generator:
                 data = self.mutate(page)
             return Item(method, [data], [], self.credentials(s), True)
         build: dict[str, Callable[[Shape], Message]] = {
-            "Flush": self.flush, "Checkpoint": self.checkpoint, "Finish": self.finish,
+            "Flush": self.flush, "Checkpoint": self.checkpoint,
+            "CheckpointDone": self.checkpoint_done, "Finish": self.finish,
             "SeedRows": self.seed_rows}
         return Item(method, [self.mutate(build[method](s))], [], self.credentials(s), True)
 

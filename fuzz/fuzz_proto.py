@@ -10,7 +10,8 @@ Messages (plain Python generation from --seed, no hypothesis: fast enough for 10
 - random bytes, sent as the request of a random method;
 - valid RegisterRequest (every optimizer kind of hybridps/optim_kinds.py, static and
   dynamic tables) / SyncRequest (inline pushes of registered fuzz partitions, at
-  their next step) / FlushRequest / CheckpointRequest / FinishRequest / SeedRowsRequest /
+  their next step) / FlushRequest / CheckpointRequest (deferred too) / CheckpointDoneRequest /
+  FinishRequest / SeedRowsRequest /
   PageRequest (dynamic tables' ids paged out and in, at the partition's next seq, and
   peeks) / ShardStatsRequest / DropRunRequest (with the admin token) / ShutdownRequest
   (never with it) messages, then 0-3 mutations: a field set to an edge value of its

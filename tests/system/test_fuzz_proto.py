@@ -97,7 +97,11 @@ requests = st.one_of(
     st.tuples(st.just("Checkpoint"), st.builds(
         shard_pb2.CheckpointRequest, run_id=RUNS, step=INT64, directory=NAMES,
         ranks=st.lists(INT32, max_size=3),
-        timeout_s=st.sampled_from([0.0, 0.01, -1.0, math.nan, math.inf]))),
+        timeout_s=st.sampled_from([0.0, 0.01, -1.0, math.nan, math.inf]),
+        deferred=st.booleans())),
+    st.tuples(st.just("CheckpointDone"), st.builds(
+        shard_pb2.CheckpointDoneRequest, run_id=RUNS, step=INT64, directory=NAMES,
+        ranks=st.lists(INT32, max_size=3))),
     st.tuples(st.just("Finish"), st.builds(shard_pb2.FinishRequest, run_id=RUNS, rank=INT32,
                                            incarnation=INT64, last_step=INT64,
                                            aborted=st.booleans(), reason=st.text(max_size=20))),

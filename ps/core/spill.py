@@ -26,17 +26,15 @@ is the operator's flag, never a client's: a run only names tables and sizes.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import logging
-import os
-import shutil
 import threading
 from pathlib import Path
 
 from hybridps import logs
 from hybridps.errors import ResourceExhausted
 from hybridps.id_map import fixed_size_for
+from hybridps.locked_dirs import LockedDir, remove_stale
 from hybridps.paged_rows import IDMAP_POSITION_BYTES, quota_rows
 from hybridps.spilled_rows import (
     DEFAULT_PAGE_BYTES,
@@ -55,7 +53,6 @@ log = logging.getLogger("ps.spill")
 kv = logs.kv
 
 PROCESS_PREFIX = "ps-"
-LOCK_NAME = "lock"
 # the row columns of a table: (name, floats per row) each
 Layout = list[tuple[str, int]]
 
@@ -76,7 +73,7 @@ class SpillTier:
         self._names = itertools.count()
         self.root = Path(directory) if directory else None
         self.directory: Path | None = None
-        self._lock_fd = -1
+        self._own: LockedDir | None = None
         self.removed_stale = 0
         if self.root is not None:
             self._open()
@@ -88,47 +85,17 @@ class SpillTier:
     def _open(self) -> None:
         assert self.root is not None
         self.root.mkdir(parents=True, exist_ok=True)
-        self.removed_stale = self._remove_stale()
-        own = self.root / f"{PROCESS_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-        own.mkdir(mode=0o700)
-        fd = os.open(own / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-                     0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.directory, self._lock_fd = own, fd
-        log.info(kv("spill_dir", directory=own, stale_removed=self.removed_stale,
+        self.removed_stale = remove_stale(self.root, PROCESS_PREFIX)
+        self._own = LockedDir(self.root, PROCESS_PREFIX)
+        self.directory = self._own.path
+        log.info(kv("spill_dir", directory=self.directory, stale_removed=self.removed_stale,
                     max_bytes=self.max_bytes))
-
-    def _remove_stale(self) -> int:
-        """Remove the process directories under the root whose lock no process holds."""
-        assert self.root is not None
-        removed = 0
-        for entry in sorted(self.root.iterdir()):
-            if not entry.name.startswith(PROCESS_PREFIX) or entry.is_symlink() or \
-                    not entry.is_dir():
-                continue
-            try:
-                fd = os.open(entry / LOCK_NAME, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                fd = -1
-            try:
-                if fd >= 0:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:  # a live server's
-                        continue
-                shutil.rmtree(entry, ignore_errors=True)
-                removed += 1
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        return removed
 
     def close(self) -> None:
         """Remove this process's directory (its files: a cache of this process)."""
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            os.close(self._lock_fd)
-            self.directory, self._lock_fd = None, -1
+        if self._own is not None:
+            self._own.close()
+            self._own, self.directory = None, None
 
     # -- what a partition spills ------------------------------------------------------
 

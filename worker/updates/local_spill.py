@@ -28,14 +28,13 @@ exit 2) naming the sizes, raised before training starts.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridps.cli import ConfigError
+from hybridps.locked_dirs import LockedDir, remove_stale
 from hybridps.spilled_rows import (
     DEFAULT_PAGE_BYTES,
     RowColumns,
@@ -47,7 +46,6 @@ from hybridps.spilled_rows import (
 
 MASTER = "master"  # the fp32 master rows' column, next to the optimizer's
 PROCESS_PREFIX = "rank"
-LOCK_NAME = "lock"
 # memory a spilled unit keeps per page besides its frames (SpilledRows.memory_bytes: the
 # page's frame, crc32 and written flag)
 PAGE_BOOKKEEPING_BYTES = 8 + 4 + 1
@@ -125,39 +123,10 @@ class SpillDir:
         problem = _writable_problem(self.root)
         if problem is not None:
             raise ConfigError(problem)
-        self.removed_stale = self._remove_stale()
-        own = self.root / f"{PROCESS_PREFIX}{rank}-{os.getpid()}-{os.urandom(4).hex()}"
-        own.mkdir(mode=0o700)
-        fd = os.open(own / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-                     0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.path: Path | None = own
-        self._lock_fd = fd
+        self.removed_stale = remove_stale(self.root, PROCESS_PREFIX)
+        self._own = LockedDir(self.root, f"{PROCESS_PREFIX}{rank}-")
+        self.path = self._own.path
         self._next = 0
-
-    def _remove_stale(self) -> int:
-        """Remove the rank directories under the root whose lock no process holds."""
-        removed = 0
-        for entry in sorted(self.root.iterdir()):
-            if not entry.name.startswith(PROCESS_PREFIX) or entry.is_symlink() or \
-                    not entry.is_dir():
-                continue
-            try:
-                fd = os.open(entry / LOCK_NAME, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                fd = -1
-            try:
-                if fd >= 0:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:  # a live rank's
-                        continue
-                shutil.rmtree(entry, ignore_errors=True)
-                removed += 1
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        return removed
 
     def columns(self, layout: Layout, rows: int, budget: LocalBudget,
                 frames: int) -> RowColumns:
@@ -167,10 +136,8 @@ class SpillDir:
         return SpilledRows(path, layout, rows, budget.page_rows(layout), frames)
 
     def close(self) -> None:
-        if self.path is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            os.close(self._lock_fd)
-            self.path, self._lock_fd = None, -1
+        self._own.close()
+        self.path = None
 
 
 def _writable_problem(root: Path) -> str | None:

@@ -17,13 +17,14 @@ import torch
 
 from hybridps.checkpoint import write_manifest
 from hybridps.errors import CorruptSpill, ResourceExhausted
+from hybridps.locked_dirs import LOCK_NAME
 from hybridps.optim import OptimizerSpec
 from hybridps.paged_rows import PagedOut
 from hybridps.run_secret import claim_directory
 from hybridps.step_dirs import step_dir
 from ps.core.paging import PageCall
 from ps.core.partition import PushChunk, TableSpec
-from ps.core.spill import LOCK_NAME, SpillTier
+from ps.core.spill import SpillTier
 from ps.core.store import Store
 
 RUN, SECRET = "spill-run", "5e" * 32

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybridps.checkpoint import write_manifest
+from hybridps.locked_dirs import LOCK_NAME
 from hybridps.optim import OptimizerSpec
 from hybridps.page_file import HEADER_BYTES, PageCorrupt
 from hybridps.spilled_rows import HeldRows, SpilledRows
@@ -23,7 +24,7 @@ from tests.worker.embedding.dynamic.test_dynamic_train import (
 from worker.config.train_config import TrainConfig
 from worker.embedding.rows import TableConfig
 from worker.embedding.sharded import ShardedEmbedding
-from worker.updates.local_spill import LOCK_NAME, LocalBudget, SpillDir, plan_frames
+from worker.updates.local_spill import LocalBudget, SpillDir, plan_frames
 from worker.updates.local_state import local_state_rows
 from worker.updates.source import (
     LocalSparseOptimizer,

@@ -548,14 +548,20 @@ def paged_from_dict(payload: Mapping[str, Any], what: str) -> tuple[PagedOut, tu
         raise ValueError(f"{what} is a delta since step {payload['since']}: it is read "
                          "composed with its chain (compose_paged)")
     try:
-        entries = PagedOut(payload["ids"].to(torch.int64), payload["rows"].float(),
-                           {n: t.float() for n, t in payload["state"].items()},
-                           payload["seen"].to(torch.int64), payload["freq"].to(torch.int64))
-        tombs = (payload["tomb_ids"].numpy().astype(np.int64),
-                 payload["tomb_steps"].numpy().astype(np.int64))
-        counters = {k: int(v) for k, v in dict(payload.get("counters", {})).items()}
+        return _payload_parts(payload)
     except (KeyError, AttributeError, TypeError) as exc:
         raise ValueError(f"{what} is malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _payload_parts(payload: Mapping[str, Any]
+                   ) -> tuple[PagedOut, tuple[np.ndarray, np.ndarray], dict[str, int]]:
+    """(entries, tombstones, counters) of a whole file's or a delta's payload."""
+    entries = PagedOut(payload["ids"].to(torch.int64), payload["rows"].float(),
+                       {n: t.float() for n, t in payload["state"].items()},
+                       payload["seen"].to(torch.int64), payload["freq"].to(torch.int64))
+    tombs = (payload["tomb_ids"].numpy().astype(np.int64),
+             payload["tomb_steps"].numpy().astype(np.int64))
+    counters = {k: int(v) for k, v in dict(payload.get("counters", {})).items()}
     return entries, tombs, counters
 
 
@@ -624,12 +630,7 @@ class _Delta:
 
 def _delta_parts(payload: Mapping[str, Any]
                  ) -> tuple[_Delta, tuple[np.ndarray, np.ndarray], dict[str, int]]:
-    entries = PagedOut(payload["ids"].to(torch.int64), payload["rows"].float(),
-                       {n: t.float() for n, t in payload["state"].items()},
-                       payload["seen"].to(torch.int64), payload["freq"].to(torch.int64))
-    tombs = (payload["tomb_ids"].numpy().astype(np.int64),
-             payload["tomb_steps"].numpy().astype(np.int64))
-    counters = {k: int(v) for k, v in dict(payload.get("counters", {})).items()}
+    entries, tombs, counters = _payload_parts(payload)
     return _Delta(entries, payload["deleted"].to(torch.int64)), tombs, counters
 
 

@@ -457,13 +457,7 @@ class SpilledRows(RowColumns):
         payloads = self.file.read_pages(pages)
         self.fills += int(pages.size)
         page_at = np.searchsorted(pages, page_of)
-        held = payloads[:, :k * 8].copy().view(np.int64)[page_at, pos % k]
-        wrong = np.flatnonzero(held != units)
-        if wrong.size:
-            i = int(wrong[0])
-            raise CorruptSpill(f"spilled rows {self.file.path}: page {int(page_of[i])} "
-                               f"holds unit {int(held[i])} where unit {int(units[i])} was "
-                               "written")
+        self._check_ids(payloads, page_at, pos % k, units, pages)
         return self._unpack(payloads, page_at, pos % k)
 
     def _resident(self, units: np.ndarray, write: bool) -> np.ndarray:

@@ -13,9 +13,11 @@ sizes and the flags; which pages spill depends only on the rank's own pushes. Th
 update the frames bitwise as they update the full tensors, so a run under any budget is
 the unbounded run.
 
-What stays in memory besides the frames: the per-page bookkeeping (23 bytes a page), a
-changed flag per row (incremental checkpoints), and a dynamic table's paged-out rows
-(hybridps/paged_rows.py: they are not bounded here). A checkpoint reads spilled pages
+What stays in memory besides the frames: the bookkeeping (the split counts
+PAGE_BOOKKEEPING_BYTES a page, less than the row-granular hot set's slot map and log
+figures, hybridps/spilled_rows.py `spilled_bookkeeping_bytes`), a changed flag per row
+(incremental checkpoints), and a dynamic table's paged-out rows (hybridps/paged_rows.py:
+they are not bounded here). A checkpoint reads spilled pages
 back (the spill file is a cache, never the recovery source).
 
 Spill files are this rank's: each rank spills into a directory of its own under DIR that

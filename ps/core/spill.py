@@ -33,9 +33,8 @@ from pathlib import Path
 
 from hybridps import logs
 from hybridps.errors import ResourceExhausted
-from hybridps.id_map import fixed_size_for
 from hybridps.locked_dirs import LockedDir, remove_stale
-from hybridps.paged_rows import IDMAP_POSITION_BYTES, quota_rows
+from hybridps.paged_spill import paged_quota
 from hybridps.spilled_rows import (
     DEFAULT_PAGE_BYTES,
     RowColumns,
@@ -44,7 +43,6 @@ from hybridps.spilled_rows import (
     page_rows_for,
     spilled_bookkeeping_bytes,
     spilled_bytes,
-    spilled_rows_for_disk,
 )
 from ps.core.limits import gib
 from ps.core.partition import ColumnsFactory, TableSpec
@@ -154,32 +152,10 @@ class SpillTier:
                     call_rows: int, row_bytes: int) -> tuple[int, int]:
         """(the quota a dynamic table's paged rows are dropped against, the frames of its
         spilled payload; 0: it does not spill) when `memory_bytes` of memory and
-        `disk_bytes` of spill file hold them. Spilled, an entry keeps its bookkeeping in
-        memory (ids, steps, the id map: `row_bytes` less its row and state) and its row and
-        state on disk, an eighth of the memory as page frames: the most rows whose
-        bookkeeping and frames fit the memory and whose pages fit the disk. The quota is
-        in the store's own units (`row_bytes` a row and its id map), so its drops are
-        decided as without the tier, only later."""
-        columns = [("rows", dim), *layout]
-        page_rows = self.page_rows(columns)
-        page = frame_bytes(columns, page_rows)
-        frames = max(1, memory_bytes // 8 // max(page, 1))
-        payload = 4 * sum(w for _, w in columns)
-        entry = row_bytes - payload
-        disk_rows = spilled_rows_for_disk(columns, page_rows, disk_bytes) - call_rows
-
-        def memory(rows: int) -> int:
-            return (IDMAP_POSITION_BYTES * fixed_size_for(rows + call_rows) + rows * entry
-                    + frames * page + spilled_bookkeeping_bytes(columns, rows + call_rows,
-                                                                page_rows))
-
-        lo, hi = 0, max(disk_rows, 0)
-        while lo < hi:  # the most rows whose memory fits (memory() grows with rows)
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if memory(mid) <= memory_bytes else (lo, mid - 1)
-        if lo <= quota_rows(memory_bytes, row_bytes, call_rows):
-            return memory_bytes, 0  # spilling holds no more rows than memory alone
-        return lo * row_bytes + IDMAP_POSITION_BYTES * fixed_size_for(lo + call_rows), frames
+        `disk_bytes` of spill file hold them (hybridps/paged_spill.py's rule, the same
+        for the worker's --local-optimizer)."""
+        return paged_quota(dim, layout, memory_bytes, disk_bytes, call_rows, row_bytes,
+                           self.page_bytes)
 
     def paged_payload(self, dim: int, layout: Layout, positions: int,
                       frames: int) -> SpilledRows:

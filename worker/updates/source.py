@@ -35,10 +35,20 @@ import torch
 from hybridps.checkpoint import ShardInfo
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_
 from hybridps.paged_rows import PagedOut, PagedRows
+from hybridps.paged_spill import drop_over_quota
 from hybridps.spilled_rows import HeldRows, RowColumns
 from hybridps.state_alloc import alloc_row_state
 from worker.embedding.sharded import ShardedEmbedding
-from worker.updates.local_spill import MASTER, LocalBudget, SpillDir, plan_frames
+from worker.updates.local_spill import (
+    MASTER,
+    LocalBudget,
+    PagedBound,
+    SpillDir,
+    held_bytes,
+    plan_frames,
+    plan_paged,
+    spill_disk_bytes,
+)
 from worker.updates.local_state import local_state_rows, restore_local_state, save_local_state
 from worker.updates.staleness import RowPredictor
 
@@ -312,7 +322,9 @@ class LocalSparseOptimizer(UpdateSource):
     `budget` (--local-memory-budget-mb, worker/updates/local_spill.py): beyond it a unit's
     state and master rows are `SpilledRows` on the host, paged to this rank's spill
     directory; `state` and `masters` then hold only the units kept whole. Every access
-    goes through `columns[unit].view`.
+    goes through `columns[unit].view`. A dynamic table's paged-out rows are bounded by the
+    same budget (`paged_bounds`: a quota, past it drops, and their payload spilled within
+    --local-spill-max-gb).
     """
 
     def __init__(self, embedding: ShardedEmbedding, spec: OptimizerSpec,
@@ -336,11 +348,30 @@ class LocalSparseOptimizer(UpdateSource):
         layouts = {name: [*spec.state_widths(w.shape[1]), *(
             [(MASTER, w.shape[1])] if w.dtype != torch.float32 else [])]
             for name, w in embedding.weights.items()}
-        frames = plan_frames([(n, int(embedding.weights[n].shape[0]), layout)
-                              for n, layout in layouts.items()], self.budget,
-                             f"rank {embedding.rank}")
+        units = [(n, int(embedding.weights[n].shape[0]), layout)
+                 for n, layout in layouts.items()]
+        what = f"rank {embedding.rank}"
+        frames = plan_frames(units, self.budget, what, dynamic=bool(self.paged))
+        held = {n: held_bytes(rows, layout, frames[n], self.budget)
+                for n, rows, layout in units}
+        self.paged_bounds: dict[str, PagedBound] = plan_paged(
+            [(n, store, embedding.units[n].rows, held[n]) for n, store in self.paged.items()],
+            self.budget, sum(held.values()),
+            spill_disk_bytes([u for u in units if frames[u[0]]], self.budget), what)
         self.spill_dir = (SpillDir(self.budget.spill_dir, embedding.rank)
                           if self.budget.spill_dir else None)
+        # per dynamic table whose paged payload spills: its holder (module doc of
+        # local_spill.py)
+        self.paged_payloads: dict[str, RowColumns] = {}
+        for name, bound in self.paged_bounds.items():
+            store = self.paged[name]
+            if bound.quota:
+                store.set_quota(bound.quota, embedding.units[name].rows)
+            if bound.frames:
+                assert self.spill_dir is not None
+                payload = self.spill_dir.payload(store, self.budget, bound.frames)
+                store.spill_payload(payload)
+                self.paged_payloads[name] = payload
         # per unit: its row columns (the state and master rows: HeldRows of the tensors
         # above, or SpilledRows on the host)
         self.columns: dict[str, RowColumns] = {}
@@ -435,11 +466,20 @@ class LocalSparseOptimizer(UpdateSource):
             disk += columns.disk_bytes
             for key, value in columns.counters().items():
                 counters[key] = counters.get(key, 0) + value
+        paged_disk = sum(p.disk_bytes for p in self.paged_payloads.values())
+        for payload in self.paged_payloads.values():
+            for key in ("fills", "spills"):
+                counters[f"paged_{key}"] = (counters.get(f"paged_{key}", 0)
+                                            + payload.counters().get(key, 0))
         self.stats.local_memory = {
             "budget_bytes": self.budget.memory_bytes, "state_bytes": state,
             "master_bytes": master,
             "paged_bytes": sum(p.memory_bytes for p in self.paged.values()),
-            "disk_bytes": disk,
+            "paged_quota_bytes": sum(b.quota for b in self.paged_bounds.values()),
+            "paged_rows": sum(len(p) for p in self.paged.values()),
+            "paged_dropped": sum(p.dropped for p in self.paged.values()),
+            "paged_disk_bytes": paged_disk,
+            "disk_bytes": disk + paged_disk,
             "spilled_units": sorted(n for n, c in self.columns.items()
                                     if not isinstance(c, HeldRows)),
             **counters}
@@ -471,6 +511,8 @@ class LocalSparseOptimizer(UpdateSource):
         """Remove this rank's spill files (a cache: checkpoints hold their state)."""
         for columns in self.columns.values():
             columns.close()
+        for store in self.paged.values():
+            store.close()
         if self.spill_dir is not None:
             self.spill_dir.close()
 
@@ -490,15 +532,20 @@ class LocalSparseOptimizer(UpdateSource):
             cols, at = columns.view(torch.cat([out_R, in_R]).cpu())
             k = int(out_R.numel())
             found, got = store.swap(out, at[:k], in_ids, at[k:], cols)
-        return found, got, store.expire(step, expire_steps)
+        dropped = store.expire(step, expire_steps)
+        quota = self.paged_bounds[table].quota
+        if quota:  # the budget's share (module doc of local_spill.py), as the server's
+            dropped = np.concatenate([dropped, drop_over_quota(store, quota, step)])
+        return found, got, dropped
 
     def peek_paged(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.paged[table].peek(ids)
 
     def local_store(self, table: str) -> tuple[PagedRows, Mapping[str, torch.Tensor]] | None:
-        """None for a spilled unit: its slots' state is not one tensor a row per slot, so the
-        fused step (worker/embedding/dynamic/fused.py) leaves it to the reference path."""
-        if not isinstance(self.columns[table], HeldRows):
+        """None for a spilled unit (its slots' state is not one tensor a row per slot) and
+        for a bounded store (its drops and spilled payload are the reference step's): the
+        fused step (worker/embedding/dynamic/fused.py) leaves them to the reference path."""
+        if not isinstance(self.columns[table], HeldRows) or self.paged_bounds[table].quota:
             return None
         return self.paged[table], self.state[table]
 

@@ -13,7 +13,12 @@ from hybridps.checkpoint import write_manifest
 from hybridps.locked_dirs import LOCK_NAME
 from hybridps.optim import OptimizerSpec
 from hybridps.page_file import HEADER_BYTES, PageCorrupt
-from hybridps.spilled_rows import HeldRows, SpilledRows
+from hybridps.spilled_rows import (
+    HeldRows,
+    SpilledRows,
+    frame_bytes,
+    spilled_bookkeeping_bytes,
+)
 from tests.worker.embedding.dynamic.test_dynamic_train import DIM as DYNAMIC_DIM
 from tests.worker.embedding.dynamic.test_dynamic_train import (
     SEED,
@@ -24,7 +29,7 @@ from tests.worker.embedding.dynamic.test_dynamic_train import (
 from worker.config.train_config import TrainConfig
 from worker.embedding.rows import TableConfig
 from worker.embedding.sharded import ShardedEmbedding
-from worker.updates.local_spill import LocalBudget, SpillDir, plan_frames
+from worker.updates.local_spill import LocalBudget, SpillDir, held_bytes, plan_frames
 from worker.updates.local_state import local_state_rows
 from worker.updates.source import (
     LocalSparseOptimizer,
@@ -35,8 +40,8 @@ from worker.updates.source import (
 from worker.updates.staleness import RowPredictor
 
 ROWS, DIM = 3000, 8
-# a page of 16 rows of adam's m and v (8 + 8 floats) and a budget of 24 pages: the
-# rank's 188 pages of state are 1/8 in memory
+# a page of 16 rows of adam's m and v (8 + 8 floats) and a budget of 24 pages: after the
+# bookkeeping of the rank's 2000 units (hybridps/spilled_rows.py), a page each in memory
 PAGE_BYTES = 16 * 16 * 4
 SMALL = 24 * PAGE_BYTES
 
@@ -122,10 +127,20 @@ def test_a_bounded_optimizer_is_bitwise_the_unbounded_one(tmp_path: Path, kind: 
 def test_the_budget_is_split_in_proportion_and_fits_stay_in_memory(tmp_path: Path) -> None:
     layout = [("m", 8), ("v", 8)]
     units = [("big", 3000, layout), ("small", 1000, layout), ("none", 0, layout)]
-    budget = _budget(tmp_path)
-    frames = plan_frames(units, budget, "rank 0")
-    # 24 pages of budget less the bookkeeping of 251 pages (13 bytes each), split 3:1
-    assert frames == {"big": 15, "small": 5, "none": 0}
+    page_rows = LocalBudget(page_bytes=PAGE_BYTES).page_rows(layout)
+    page = frame_bytes(layout, page_rows)
+    # the spilled units' bookkeeping (their units' places, their logs' per-page figures)
+    bookkeeping = sum(spilled_bookkeeping_bytes(layout, rows, page_rows) for rows in (3000, 1000))
+    for memory in (SMALL, 4 * SMALL):
+        budget = _budget(tmp_path, memory)
+        frames = plan_frames(units, budget, "rank 0")
+        left = memory - bookkeeping  # the budget less the bookkeeping, split 3:1
+        assert frames == {"big": max(1, left * 3 // 4 // page),
+                          "small": max(1, left // 4 // page), "none": 0}
+    assert frames["small"] > 1 and frames["big"] >= 3 * frames["small"]
+    # what they hold: the frames and the bookkeeping, within the budget
+    held = sum(held_bytes(rows, lay, frames[name], budget) for name, rows, lay in units)
+    assert 4 * SMALL - 2 * page < held <= 4 * SMALL
     roomy = LocalBudget(4000 * 64, "", 0, PAGE_BYTES)  # every byte fits: nothing spills
     assert plan_frames(units, roomy, "rank 0") == {"big": 0, "small": 0, "none": 0}
     assert plan_frames(units, LocalBudget(), "rank 0") == {"big": 0, "small": 0, "none": 0}
@@ -134,6 +149,25 @@ def test_the_budget_is_split_in_proportion_and_fits_stay_in_memory(tmp_path: Pat
     local = LocalSparseOptimizer(_emb(), OptimizerSpec(), budget=LocalBudget(
         10 << 20, str(tmp_path / "spill"), 0, PAGE_BYTES))
     assert all(isinstance(c, HeldRows) for c in local.columns.values())
+    local.close()
+
+
+def test_the_spilled_columns_hold_no_more_than_the_budget(tmp_path: Path) -> None:
+    """After every push of a run that spills, the memory the spilled columns hold (their
+    slots and bookkeeping: SpilledRows.memory_bytes) is within the budget; a budget whose
+    slots hold a push's rows (a push needing more brings them all in for its call)."""
+    memory = 4 * SMALL
+    emb = _emb()
+    local = LocalSparseOptimizer(emb, OptimizerSpec(lr=0.05), budget=_budget(tmp_path, memory))
+    assert all(isinstance(c, SpilledRows) for c in local.columns.values())
+    held = []
+    for step, grads in enumerate(_pushes(emb, 30)):
+        local.push(step, grads)
+        held.append(sum(c.memory_bytes for c in local.columns.values()))
+    stats = local.stats.local_memory
+    assert stats["spills"] > 0 and stats["fills"] > 0
+    assert max(held) <= memory
+    assert stats["state_bytes"] == held[-1]  # the report counts the same bytes
     local.close()
 
 
@@ -291,7 +325,11 @@ class _DynamicRun(Run):
 
     def __init__(self, budget: LocalBudget | None, fused: bool) -> None:
         table = dynamic_table(24, eviction="lru")
-        self.emb = ShardedEmbedding([table], seed=SEED, init_std=0.5)
+        # and a static table never looked up: with a dynamic table the columns get half the
+        # budget (worker/updates/local_spill.py), so its state makes them spill while the
+        # paged rows keep the other half
+        self.emb = ShardedEmbedding([table, TableConfig("s", 1000, DYNAMIC_DIM)], seed=SEED,
+                                    init_std=0.5)
         self.name = table.name
         self.source = LocalSparseOptimizer(self.emb, OptimizerSpec(lr=0.05), budget=budget)
         self.emb.set_pager(self.source)
@@ -308,13 +346,15 @@ def test_a_dynamic_table_pages_its_slots_spilled_state_bitwise(tmp_path: Path,
     bitwise as with the state in memory on either path."""
     data = batches(40, 8)
     free = _DynamicRun(None, fused)
-    budget = LocalBudget(2 * 4 * 8 * 4, str(tmp_path / "spill"), 0, 4 * 8 * 4)
+    budget = LocalBudget(24 << 10, str(tmp_path / "spill"), 0, 4 * 8 * 4)
     bounded = _DynamicRun(budget, fused)
     assert isinstance(bounded.source.columns["user"], SpilledRows)
+    assert bounded.source.columns["user"].counters()["frames"] == 1
     assert bounded.source.local_store("user") is None
     free.train(data)
     bounded.train(data)
     assert bounded.dynamic.tables["user"].slots.stats.page_ins > 10
+    assert bounded.dynamic.tables["user"].slots.stats.dropped_paged == 0  # within its share
     assert bounded.source.stats.local_memory["fills"] > 0
     assert torch.equal(free.emb.weights["user"].data, bounded.emb.weights["user"].data)
     _assert_same_state(free.source, bounded.source)

@@ -213,10 +213,11 @@ class SyncConfig:
         "worker/updates/staleness.py) | "
         "none. No effect at K=0")
     local_memory_budget_mb: int = setting(
-        0, "--local-optimizer: the host memory each rank's optimizer state and fp32 master "
-        "rows may hold (MiB; 0: no bound); beyond it their pages spill to crc-checked files "
-        "under --local-spill-dir, read back when touched (bitwise the same run; "
-        "worker/updates/local_spill.py)", "MB", at_least=0)
+        0, "--local-optimizer: the host memory each rank's optimizer state, fp32 master "
+        "rows and dynamic tables' paged-out rows may hold (MiB; 0: no bound); beyond it "
+        "their pages spill to crc-checked files under --local-spill-dir, read back when "
+        "touched (bitwise the same run; paged-out rows dropped only beyond memory and "
+        "--local-spill-max-gb; worker/updates/local_spill.py)", "MB", at_least=0)
     local_spill_dir: str = setting(
         "", "--local-memory-budget-mb: where each rank spills (a directory of its own under "
         "it, removed at exit; those of dead ranks removed at start); a cache, checkpoints "

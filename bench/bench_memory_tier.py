@@ -23,14 +23,28 @@ repeat, each run on a fresh server (a repeat's servers start together, before an
 Printed per (job, ids): samples/s of both (medians of the repeats), the median of the
 per-repeat ratios tier / memory (goal >= 0.8x), the server's peak resident memory (VmHWM of
 its /proc/<pid>/status, read after the run, before the server stops; the server's stats do
-not report it) against the budget plus the fixed overhead (the VmHWM of a server with the
-tier's flags holding a tiny run: one 1,000-row table, 5 steps), the spill hit rate (page
+not report it) against the budget plus the job's fixed overhead, the excess VmHWM - (budget
++ overhead) of the tier run and whether it is <= 0 (the goal), the spill hit rate (page
 accesses found in memory), pages read back from disk, and whether the two runs ended
 bitwise equal (PASS/FAIL): every tensor of the rows and dense part (--dump-state) and of a
 full checkpoint of the last step (--checkpoint-every STEPS, written in place: the ranks'
 rows and the server's optimizer state, spilled pages read back). samples/s = steps x
 global batch / (the training loop's time less that checkpoint's stall): the checkpoint is
 the check's, not the workload's (--no-check: neither).
+
+The fixed overhead of a job: the VmHWM of a server with the tier's flags (the job's budget)
+running the same job's traffic (the same ranks, batch, ids a sample, dim, staleness,
+threads, steps, checkpoint and --dump-state) on tables cut to one spill page of optimizer
+state a rank (`minimal_job`; a table already smaller keeps its rows): what the server holds
+whatever the table's size (the interpreter, torch's libraries, gRPC, its threads, the
+messages and answers of a step at that table's few rows), once a job, on the first
+repeat. A second table says where each run's VmHWM goes: what the budget counts (the
+server's stats' state and master bytes, on the run's last GetShardStats), the overhead,
+and the rest; and the peak of each part of its resident memory, sampled every SAMPLE_S
+from /proc/<pid>/status while it trains: RssAnon (the heap: state, copies, buffers),
+RssFile (mapped libraries) and RssShmem (the same-node arenas the ranks offer, mapped by
+the server and counted in its VmRSS: a page of a ring the server touched stays resident
+while it is mapped).
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +69,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 
 import torch
 
+from hybridps.optim_kinds import state_floats_per_row
+from hybridps.spilled_rows import page_rows_for
 from ps.core.partition import TableSpec
 from worker.config.task_options import parse_table_list
 from worker.tasks.tables import TablesTask
@@ -69,8 +86,8 @@ DLRM_ROWS = [1_000_000, 800_000, 500_000, 300_000, 200_000, 100_000, 60_000, 30_
              4, 3]  # bench_vs_torchrec.py's dlrm job
 DLRM_POOL = {3: 8, 7: 4, 11: 3}  # table index -> ids a sample (mean-pooled)
 UNIFORM_TASK = "bench_memory_tier:UniformTablesTask"
-TINY_JOB = ["--task", "tables", "--tables", "t0:1000", "--dim", "16", "--batch-size", "64"]
-TINY_STEPS = 5
+SAMPLE_S = 0.02  # how often a run's server's /proc/<pid>/status is read while it trains
+RSS_PARTS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")  # of /proc/<pid>/status
 SERVER_START_TIMEOUT_S = 600.0  # servers start together on a loaded machine
 # (jobs, ids, ids20 rows, dlrm scale, steps, repeats): the default and --quick (this
 # machine's process starts, about 45 s a run under load, bound how many runs fit)
@@ -106,12 +123,71 @@ def state_bytes(job_args: list[str]) -> int:
                for name, rows, _ in parse_table_list(flag(job_args, "--tables")))
 
 
+def minimal_job(job_args: list[str]) -> list[str]:
+    """The job with every table cut to one spill page of optimizer state a rank (a table
+    with fewer rows keeps them), the rest of its flags (batch, ids a sample, dim) the same:
+    the fixed overhead's run (module doc)."""
+    dim = int(flag(job_args, "--dim"))
+    rows = WORLD * page_rows_for(4 * state_floats_per_row(OPTIMIZER, dim))
+    tables = ",".join(f"{name}:{min(n, rows)}" + (f":{pool}" if pool > 1 else "")
+                      for name, n, pool in parse_table_list(flag(job_args, "--tables")))
+    out = list(job_args)
+    out[out.index("--tables") + 1] = tables
+    return out
+
+
+def status_bytes(pid: int, names: tuple[str, ...]) -> dict[str, int]:
+    """Fields `names` of /proc/<pid>/status (kB there), in bytes; a missing one is 0."""
+    found = dict.fromkeys(names, 0)
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in found:
+            found[key] = int(value.split()[0]) * 1024
+    return found
+
+
 def vm_hwm_bytes(pid: int) -> int:
     """The peak resident memory of a live process (VmHWM of /proc/<pid>/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmHWM line")
+    hwm = status_bytes(pid, ("VmHWM",))["VmHWM"]
+    if not hwm:
+        raise RuntimeError(f"/proc/{pid}/status has no VmHWM line")
+    return hwm
+
+
+class RssSampler:
+    """The parts of a process's resident memory (RSS_PARTS), read every SAMPLE_S on a
+    thread until `stop`: the peak of each, and all of them at the peak of VmRSS."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peaks = dict.fromkeys(RSS_PARTS, 0)
+        self.at_peak = dict.fromkeys(RSS_PARTS, 0)
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        try:
+            parts = status_bytes(self.pid, RSS_PARTS)
+        except (OSError, ValueError, IndexError):  # the process is gone
+            return
+        self.samples += 1
+        for name, value in parts.items():
+            self.peaks[name] = max(self.peaks[name], value)
+        if parts["VmRSS"] >= self.at_peak["VmRSS"]:
+            self.at_peak = parts
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self._sample()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return {"peaks_bytes": self.peaks, "at_peak_bytes": self.at_peak,
+                "samples": self.samples}
 
 
 def tier_flags(budget_mb: int, state: int, spill_dir: Path) -> list[str]:
@@ -123,8 +199,8 @@ def tier_flags(budget_mb: int, state: int, spill_dir: Path) -> list[str]:
 class Planned:
     """One run of a repeat: where it writes, its server's flags and the worker's."""
 
-    key: str            # job/ids, or "tiny"
-    variant: str        # memory | tier
+    key: str            # job/ids, or job/overhead
+    variant: str        # memory | tier | overhead
     directory: Path
     server_flags: list[str]
     worker_args: list[str]
@@ -154,21 +230,24 @@ def start_servers(runs: list[Planned]) -> None:
 
 
 def train(run: Planned) -> dict[str, Any]:
-    """Run `run` on its server, then stop the server: the worker's results and the
-    server's VmHWM (read before it stops)."""
+    """Run `run` on its server, then stop the server: the worker's results, the server's
+    VmHWM (read before it stops) and the parts of its memory sampled while it trained."""
     assert run.server is not None
     d = run.directory
     saving = ["--dump-state", str(d / "state.pt"), "--checkpoint-dir", str(d / "ck"),
               "--checkpoint-every", str(run.steps), "--checkpoint-mode", "full",
               "--checkpoint-async", "false"] if run.check else []
+    sampler = RssSampler(run.server.proc.pid)
     try:
         res = run_worker(["--ps", run.server.address, "--run-id", run.run_id, "--steps",
                           str(run.steps), "--staleness", "1", "--eval-batches", "1",
                           "--eval-every", "0", "--log-every", str(run.steps), *saving,
                           *run.worker_args],
                          d / "results.json", d / "worker.log", world=WORLD, timeout=3600)
+        rss = sampler.stop()
         hwm = vm_hwm_bytes(run.server.proc.pid)
     finally:
+        sampler.stop()
         run.server.close()
     stall = sum(res.get("checkpoint", {}).get("stall_s", []) or [0.0])
     train_s = res["train_time_s"] - stall
@@ -178,8 +257,9 @@ def train(run: Planned) -> dict[str, Any]:
     misses = sum(p["spill_misses"] for p in parts)
     return {"samples_per_s": res["steps"] * res["world_size"] * res["config"]["batch_size"]
             / train_s, "train_s": train_s, "checkpoint_stall_s": stall,
-            "setup_s": res["setup_time_s"], "vm_hwm_bytes": hwm,
+            "setup_s": res["setup_time_s"], "vm_hwm_bytes": hwm, "rss": rss,
             "server_state_bytes": stats.get("state_bytes_total", 0),
+            "server_master_bytes": stats.get("master_bytes_total", 0),
             "spill_disk_bytes": stats.get("spill_disk_bytes_total", 0),
             "spill_hit_rate": hits / (hits + misses) if hits + misses else None,
             "spill_fills": sum(p["spill_fills"] for p in parts),
@@ -229,12 +309,44 @@ def bitwise_equal(a: Path, b: Path) -> tuple[bool, str]:
     return True, f"{len(fa)} file(s)"
 
 
+def _counted(run: dict[str, Any]) -> int:
+    """What the budget counts of a run's server (its stats' state and master bytes)."""
+    return int(run["server_state_bytes"]) + int(run.get("server_master_bytes", 0))
+
+
+def breakdown(results: dict[str, dict[str, list[dict[str, Any]]]],
+              overheads: dict[str, dict[str, Any]]) -> str:
+    """Where each run's VmHWM goes (module doc), the run of the highest VmHWM of its
+    (job, ids, variant); the overhead runs first."""
+    head = (f"{'run':<20} {'VmHWM':>6} {'counted':>7} {'overhead':>8} {'rest':>6}  "
+            f"{'peaks: RssAnon':>14} {'RssFile':>7} {'RssShmem':>8}  {'at peak: anon':>13} "
+            f"{'shmem':>6}")
+    lines = [head]
+    rows = [(f"{job}/overhead", run, 0) for job, run in overheads.items()]
+    for key, runs in results.items():
+        for variant in ("memory", "tier"):
+            run = max(runs[variant], key=lambda r: r["vm_hwm_bytes"])
+            rows.append((f"{key}/{variant}", run, overheads[key.split("/")[0]]["vm_hwm_bytes"]))
+    for name, run, overhead in rows:
+        peaks, at = run["rss"]["peaks_bytes"], run["rss"]["at_peak_bytes"]
+        hwm, counted = run["vm_hwm_bytes"], _counted(run)
+        ovh, rest = (f"{overhead / MIB:.0f}", f"{(hwm - counted - overhead) / MIB:.0f}") \
+            if overhead else ("-", "-")
+        lines.append(
+            f"{name:<20} {hwm / MIB:>6.0f} {counted / MIB:>7.1f} {ovh:>8} {rest:>6}  "
+            f"{peaks['RssAnon'] / MIB:>14.0f} {peaks['RssFile'] / MIB:>7.0f} "
+            f"{peaks['RssShmem'] / MIB:>8.0f}  {at['RssAnon'] / MIB:>13.0f} "
+            f"{at['RssShmem'] / MIB:>6.0f}")
+    return "\n".join(lines)
+
+
 def summarize(results: dict[str, dict[str, list[dict[str, Any]]]],
-              budgets: dict[str, dict[str, int]], overhead: int) -> tuple[str, dict[str, Any]]:
+              budgets: dict[str, dict[str, int]], overheads: dict[str, dict[str, Any]]
+              ) -> tuple[str, dict[str, Any]]:
     head = (f"{'job':<6} {'ids':<8} {'state MiB':>9} {'budget':>6} {'memory sps':>10} "
             f"{'tier sps':>9} {'tier/mem':>8} {'goal':>7}  {'VmHWM MiB: mem':>14} "
-            f"{'tier':>6} {'budget+ovh':>10} {'within':>7}  {'hit rate':>8} "
-            f"{'pages in':>8} {'bitwise':>7}")
+            f"{'tier':>6} {'overhead':>8} {'budget+ovh':>10} {'excess':>6} {'within':>7}  "
+            f"{'hit rate':>8} {'pages in':>8} {'bitwise':>7}")
     lines, summary = [head], {}
     for key, runs in results.items():
         job, ids = key.split("/")
@@ -243,7 +355,9 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]],
         ratio = statistics.median(ratios)
         hwm_mem = max(r["vm_hwm_bytes"] for r in mem)
         hwm_tier = max(r["vm_hwm_bytes"] for r in tier)
+        overhead = overheads[job]["vm_hwm_bytes"]
         bound = budgets[job]["budget_bytes"] + overhead
+        excess = hwm_tier - bound
         checks = [r["bitwise"] for r in tier if "bitwise" in r]
         bitwise = "-" if not checks else "PASS" if all(ok for ok, _ in checks) else "FAIL"
         hit = [r["spill_hit_rate"] for r in tier if r["spill_hit_rate"] is not None]
@@ -252,16 +366,19 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]],
             "tier_samples_per_s": statistics.median(r["samples_per_s"] for r in tier),
             "ratio": ratio, "ratio_per_repeat": ratios, "goal": GOAL_RATIO,
             "met": ratio >= GOAL_RATIO, "vm_hwm_memory_bytes": hwm_mem,
-            "vm_hwm_tier_bytes": hwm_tier, "budget_plus_overhead_bytes": bound,
-            "within": hwm_tier <= bound, "bitwise": bitwise,
-            "bitwise_detail": [d for _, d in checks]}
+            "vm_hwm_tier_bytes": hwm_tier, "overhead_bytes": overhead,
+            "budget_plus_overhead_bytes": bound, "excess_bytes": excess,
+            "within": excess <= 0,
+            # the memory run against what its budget counts (all its state) + overhead
+            "memory_excess_bytes": hwm_mem - max(_counted(r) for r in mem) - overhead,
+            "bitwise": bitwise, "bitwise_detail": [d for _, d in checks]}
         lines.append(
             f"{job:<6} {ids:<8} {budgets[job]['state_bytes'] / MIB:>9.1f} "
             f"{budgets[job]['budget_mb']:>6} {summary[key]['memory_samples_per_s']:>10.0f} "
             f"{summary[key]['tier_samples_per_s']:>9.0f} {ratio:>7.3f}x "
             f"{'met' if ratio >= GOAL_RATIO else 'NOT met':>7}  {hwm_mem / MIB:>14.0f} "
-            f"{hwm_tier / MIB:>6.0f} {bound / MIB:>10.0f} "
-            f"{'yes' if hwm_tier <= bound else 'NO':>7}  "
+            f"{hwm_tier / MIB:>6.0f} {overhead / MIB:>8.0f} {bound / MIB:>10.0f} "
+            f"{excess / MIB:>+6.0f} {'yes' if excess <= 0 else 'NO':>7}  "
             f"{statistics.median(hit) if hit else 0.0:>8.1%} "
             f"{statistics.median(r['spill_fills'] for r in tier):>8.0f} {bitwise:>7}")
     return "\n".join(lines), summary
@@ -316,12 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         budgets[name]["budget_bytes"] = budgets[name]["budget_mb"] * MIB
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
         f"{j}/{ids}": {"memory": [], "tier": []} for j in names for ids in idss}
-    overheads = []
+    overheads: dict[str, dict[str, Any]] = {}
     for i in range(repeats):
-        plan = [] if i else [  # the fixed overhead, once: the tier's flags, a tiny run
-            Planned("tiny", "tier", work / "tiny", tier_flags(
-                budgets[names[0]]["budget_mb"], 0, work / "tiny" / "spill"), TINY_JOB,
-                TINY_STEPS, "tiny", False)]
+        plan = []
+        for name in [] if i else names:  # each job's fixed overhead, once (module doc)
+            d, minimal = work / f"overhead-{name}", minimal_job(every[name])
+            plan.append(Planned(f"{name}/overhead", "overhead", d, tier_flags(
+                budgets[name]["budget_mb"], state_bytes(minimal), d / "spill"),
+                ["--task", "tables", *minimal], steps, f"{name}-overhead",
+                not args.no_check))
         for name in names:
             for ids in idss:
                 task = ["--task", UNIFORM_TASK if ids == "uniform" else "tables"]
@@ -338,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             for run in plan:
                 log(f"[{i + 1}/{repeats}] {run.key} {run.variant} ({run.steps} steps)")
                 res = train(run)
-                if run.key == "tiny":
-                    overheads.append(res["vm_hwm_bytes"])
+                if run.variant == "overhead":
+                    overheads[run.key.split("/")[0]] = res
                     continue
                 mine = results[run.key]
                 mine[run.variant].append(res)
@@ -355,20 +475,24 @@ def main(argv: list[str] | None = None) -> int:
             for run in plan:
                 if run.server is not None:
                     run.server.close()
-    overhead = statistics.median(overheads)
     elapsed = time.perf_counter() - started
-    text, summary = summarize(results, budgets, overhead)
+    text, summary = summarize(results, budgets, overheads)
     print(f"memory tier: {WORLD} gloo ranks, Adam on a shard server at K=1, {steps} steps a "
           f"run, {repeats} interleaved repeat(s), medians; tier: --memory-budget-mb = state / "
           f"{STATE_OVER_BUDGET}, --run-shares 1, --spill-dir; memory: no budget of its own")
     print(text)
-    print(f"fixed overhead (VmHWM of a server holding a tiny run): {overhead / MIB:.0f} MiB; "
-          f"goal tier/memory >= {GOAL_RATIO}x; VmHWM within budget + overhead; bitwise: "
-          "the rows, dense part and last-step checkpoint of tier == memory")
+    print("overhead: the VmHWM of a server with the tier's flags running the job's traffic on "
+          "tables of one spill page a rank; excess = tier VmHWM - (budget + overhead); goal "
+          f"tier/memory >= {GOAL_RATIO}x, excess <= 0; bitwise: the rows, dense part and "
+          "last-step checkpoint of tier == memory")
+    print("where VmHWM goes (MiB; counted: what the budget counts, the server's stats' state "
+          "and master bytes; rest = VmHWM - counted - overhead; peaks of /proc/<pid>/status "
+          f"sampled every {SAMPLE_S * 1000:.0f} ms, and the parts at the peak of VmRSS):")
+    print(breakdown(results, overheads))
     print(f"load average {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}; {elapsed:.0f}s; "
           f"runs in {work if args.work_dir else '(a temp dir, removed)'}")
     write_json(args.json, {"summary": summary, "runs": results, "budgets": budgets,
-                           "overhead_bytes": overhead, "overheads_bytes": overheads,
+                           "overheads": overheads,
                            "steps": steps, "repeats": repeats, "ids20_rows": rows,
                            "dlrm_scale": scale, "machine": machine(load_before),
                            "elapsed_s": elapsed}, args)

@@ -11,6 +11,7 @@ thread per process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -112,6 +113,52 @@ class PsProcess:
 
     def stats(self, run_id: str = "", timeout: float = 5.0) -> admin_pb2.ShardStats:
         return get_shard_stats(self.address, timeout=timeout, run_id=run_id)
+
+
+class ProcessTree:
+    """A process and all its descendants (torchrun, its agent and the ranks it starts, each
+    rank in a session of its own), paused and resumed together with SIGSTOP / SIGCONT.
+
+    A campaign pauses the run while it reads the server's stats, so that a run whose steps
+    take a few ms cannot finish between the step the campaign aims at and its kill."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def pids(self) -> list[int]:
+        """The root first, then its descendants (parents before children)."""
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        out, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop(0)
+            out.append(pid)
+            todo += children.get(pid, [])
+        return out
+
+    def _signal(self, pids: list[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the tree, again until no new child appeared (a parent
+        caught in the middle of starting one)."""
+        stopped: set[int] = set()
+        while True:
+            new = [pid for pid in self.pids() if pid not in stopped]
+            if not new:
+                return
+            self._signal(new, signal.SIGSTOP)
+            stopped.update(new)
+
+    def resume(self) -> None:
+        self._signal(self.pids(), signal.SIGCONT)
 
 
 def min_last_step(stats: admin_pb2.ShardStats) -> int | None:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign_tools import (
     REPO,
     SMALL_JOB,
+    ProcessTree,
     PsProcess,
     child_env,
     end_campaign,
@@ -48,6 +49,8 @@ from campaign_tools import (
 
 RESUMED = re.compile(r"rank 0: resumed from \S+ \(step (\d+)")
 RECOVERY_TIMEOUT_S = 300.0
+# How long the run trains between two looks at the server's stats (a few of its steps).
+RUN_SLICE_S = 0.01
 
 
 def _job(args: argparse.Namespace, run_id: str, ck: Path, dump: Path) -> list[str]:
@@ -58,31 +61,37 @@ def _job(args: argparse.Namespace, run_id: str, ck: Path, dump: Path) -> list[st
 
 
 def _wait_for_step(server: PsProcess, run_id: str, step: int, workers: subprocess.Popen[Any],
-                   deadline: float) -> int:
-    """Poll the server until every partition of the run applied `step`; the step seen."""
+                   tree: ProcessTree, deadline: float) -> int:
+    """Let the run go on in slices until every partition of the run applied `step`; the
+    step seen. Returns with the run paused (the caller kills the server, then resumes it)."""
     while True:
+        tree.pause()
         try:
             seen = min_last_step(server.stats(run_id))
         except Exception:
             seen = None
         if seen is not None and seen >= step:
             return seen
+        tree.resume()
         if workers.poll() is not None:
             raise RuntimeError(f"the run ended (exit {workers.returncode}) before step {step}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the run did not reach step {step} in time")
-        time.sleep(0.003)
+        time.sleep(RUN_SLICE_S)
 
 
 def _wait_for_recovery(server: PsProcess, run_id: str, partitions: int, log: Path,
-                       resumes_before: int, workers: subprocess.Popen[Any]) -> int:
+                       resumes_before: int, workers: subprocess.Popen[Any],
+                       tree: ProcessTree) -> int:
     """Until the restarted ranks registered on the new server and trained a step past
-    their checkpoint; returns the checkpoint step they resumed from."""
+    their checkpoint; returns the checkpoint step they resumed from, with the run paused
+    (once they resumed they train in slices, so the next kill still finds the run on)."""
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     while True:
         resumed = RESUMED.findall(log.read_text(errors="replace"))
         if len(resumed) > resumes_before:
             step = int(resumed[resumes_before])
+            tree.pause()
             try:
                 stats = server.stats(run_id)
             except Exception:
@@ -90,11 +99,12 @@ def _wait_for_recovery(server: PsProcess, run_id: str, partitions: int, log: Pat
             if (stats is not None and len(stats.partitions) == partitions
                     and (min_last_step(stats) or -1) > step):
                 return step
+            tree.resume()
         if workers.poll() is not None:
             raise RuntimeError(f"the run ended (exit {workers.returncode}) while recovering")
         if time.monotonic() > deadline:
             raise RuntimeError("no recovery within the timeout")
-        time.sleep(0.05)
+        time.sleep(RUN_SLICE_S if len(resumed) > resumes_before else 0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,16 +162,19 @@ def main(argv: list[str] | None = None) -> int:
                         *_job(args, run_id, work / "killed", work / "killed.pt")],
                        max_restarts=args.kills + 5),
             cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        tree = ProcessTree(workers.pid)
         try:
             for n, target in enumerate(kill_steps, start=1):
-                seen = _wait_for_step(servers[-1], run_id, target, workers,
+                seen = _wait_for_step(servers[-1], run_id, target, workers, tree,
                                       time.monotonic() + RECOVERY_TIMEOUT_S)
                 servers[-1].kill()
                 t_kill = time.monotonic()
+                tree.resume()
                 servers.append(PsProcess(work / f"ps-{n}", "--checkpoint-root", str(work),
                                          port=port))
                 resumed = _wait_for_recovery(servers[-1], run_id, 8, log_path, n - 1,
-                                             workers)
+                                             workers, tree)
+                tree.resume()
                 took = time.monotonic() - t_kill
                 kills.append({"kill": n, "target_step": target, "server_step": seen,
                               "resumed_from": resumed, "recovery_s": round(took, 1)})
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             failures.append(f"after {len(kills)} kills: {exc}")
         finally:
+            tree.resume()
             if workers.poll() is None:
                 workers.kill()
                 workers.wait()

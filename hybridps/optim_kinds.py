@@ -293,6 +293,12 @@ def state_layout(kind: str) -> StateLayout:
     return _record_or_value_error(kind).state
 
 
+# What a shard server holds for each row besides its optimizer state: the "touched" flag
+# and the "changed" flag (the rows an incremental checkpoint writes), one byte each; the
+# server's budget (ps/core/partition.py) and the planner (worker/plan.py) both count them.
+SERVER_FLAG_BYTES_PER_ROW = 2
+
+
 def state_widths(kind: str, dim: int) -> tuple[tuple[str, int], ...]:
     """(name, floats per row) of each state tensor of a row of width `dim`."""
     return _record_or_value_error(kind).state_widths(dim)

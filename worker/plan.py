@@ -5,8 +5,8 @@ Per embedding row of width D (float32 everywhere):
   (+ the optimizer state with --local-optimizer, which keeps it on the device);
 - host of the shard server of that rank's node: the optimizer state (its layout,
   hybridps/optim_kinds.py: 8*D bytes for adam/adamw (m and v), 4*D + 4 for
-  partial_rowwise_adam, 4*D for adagrad, 4 for rowwise_adagrad, 0 for sgd), plus 1 byte
-  (the "touched" flag); the server holds no copy of the rows;
+  partial_rowwise_adam, 4*D for adagrad, 4 for rowwise_adagrad, 0 for sgd), plus 2 bytes
+  (the "touched" and "changed" flags); the server holds no copy of the rows;
 - on the wire, per step and rank: every touched owned row once up (id 8 B +
   gradient 4*D B) and once down (id + delta).
 With --row-dtype bf16 the row takes 2*D bytes on the device and the server adds an
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridps.optim_kinds import (
+    SERVER_FLAG_BYTES_PER_ROW,
     describe_layout,
     kind_names,
     state_bytes_per_element,
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 GB = 10**9
 ID_BYTES = 8
 FLOAT_BYTES = 4
-TOUCHED_FLAG_BYTES = 1
 ANSWER_CACHE_STEPS = 8  # ps.partition.DEFAULT_ANSWER_CACHE_STEPS (kept torch-free here)
 SERVER_STATE_SHARE = 0.75  # the server's default --max-state-bytes: this share of its host
 
@@ -196,7 +196,7 @@ class Plan:
         if not self.update_kind.needs_server:
             return 0
         return self.most_loaded(
-            lambda t: self.state_floats(t) * FLOAT_BYTES + TOUCHED_FLAG_BYTES)
+            lambda t: self.state_floats(t) * FLOAT_BYTES + SERVER_FLAG_BYTES_PER_ROW)
 
     @property
     def host_cache_bytes_per_rank(self) -> int:

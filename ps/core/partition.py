@@ -45,7 +45,7 @@ from hybridps.errors import (
 )
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec, apply_update_, step_rows_, undo_rows_
-from hybridps.optim_kinds import state_floats_per_row
+from hybridps.optim_kinds import SERVER_FLAG_BYTES_PER_ROW, state_floats_per_row
 from hybridps.push_checks import PayloadDigest, mark_rows_, scan_push_max
 from hybridps.spilled_rows import HeldRows, RowColumns
 from hybridps.state_alloc import STATE_OFFSETS, alloc_row_state, alloc_state
@@ -69,6 +69,8 @@ SECRET_BYTES = 16  # 128 bits
 ROW_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # the column of the fp32 master rows among a table's row columns (next to the optimizer's)
 MASTER = "master"
+# a row's bookkeeping in memory, whatever spills: its touched flag and its changed flag
+FLAG_BYTES_PER_ROW = SERVER_FLAG_BYTES_PER_ROW
 # Makes the row columns of a table that does not hold them all in memory (ps/core/spill.py):
 # (its spec, the columns' layout) -> the holder; None: allocate them in memory.
 ColumnsFactory = Callable[["TableSpec", list[tuple[str, int]]], RowColumns | None]
@@ -126,10 +128,12 @@ class TableSpec:
     def state_bytes(self, optimizer: str, master: bool) -> int:
         """Host bytes a partition allocates for these rows (TableState) with optimizer
         kind `optimizer`: its float32 state (hybridps/optim_kinds.py), the fp32 master
-        rows, one touched flag a row (once checkpointed, one more: TableState.changed).
-        Python ints: no overflow, whatever the shape."""
+        rows, two flags a row (touched, and TableState.changed: allocated at the first
+        checkpoint, reserved from the start so that the checkpoint cannot take the
+        partition past what its Register was granted). Python ints: no overflow, whatever
+        the shape."""
         floats = state_floats_per_row(optimizer, self.dim) + (self.dim if master else 0)
-        return self.rows_held * (1 + 4 * floats)
+        return self.rows_held * (FLAG_BYTES_PER_ROW + 4 * floats)
 
 
 class RateWindow:
@@ -253,10 +257,9 @@ class TableState:
     @property
     def state_bytes(self) -> int:
         """Host memory of its optimizer state (in memory: frames when it spills) and
-        touched flags; the master rows are `master_bytes`."""
-        total = self.touched.numel() * self.touched.element_size()
-        if self.changed is not None:
-            total += self.changed.numel() * self.changed.element_size()
+        flags (the changed flags counted before the first checkpoint allocates them: they
+        are reserved); the master rows are `master_bytes`."""
+        total = self.touched.numel() * self.touched.element_size() + self.spec.rows_held
         held = self.columns.memory_bytes
         return total + held - self.master_bytes
 

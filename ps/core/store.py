@@ -48,6 +48,7 @@ from ps.core.paging import PageCall, PageResult
 from ps.core.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
+    FLAG_BYTES_PER_ROW,
     MASTER,
     ROW_DTYPES,
     Partition,
@@ -357,7 +358,8 @@ class Store(PartitionAuth):
         layouts = [list(optimizer.state_widths(t.dim)) + ([(MASTER, t.dim)] if master
                                                           else []) for t in tables]
         memory = share // 2 if any(t.dynamic for t in tables) else share
-        memory -= sum(t.rows_held for t in tables)  # the touched flags stay in memory
+        # the touched and changed flags stay in memory
+        memory -= sum(FLAG_BYTES_PER_ROW * t.rows_held for t in tables)
         memory -= sum(self.spill.bookkeeping_bytes(t.rows_held, layout)
                       for t, layout in zip(tables, layouts, strict=True))
         plan = self.spill.plan([(t.rows_held, layout) for t, layout in
@@ -369,7 +371,7 @@ class Store(PartitionAuth):
             if count and -(-t.rows_held // page_rows) > count:
                 frames[t.name] = count
                 disk += self.spill.disk_bytes(t.rows_held, layout)
-                held.append(t.rows_held  # the touched flags, slots and bookkeeping
+                held.append(FLAG_BYTES_PER_ROW * t.rows_held  # flags, slots, bookkeeping
                             + self.spill.held_bytes(t.rows_held, layout, count))
             else:
                 held.append(nbytes)

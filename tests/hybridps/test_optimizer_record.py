@@ -187,7 +187,8 @@ def test_local_optimizer_and_the_server_core_step_it_alike(harmonic: OptimizerKi
     store.register("run", 0, 1, 0, [table], spec)
     t = store.partition("run", 0).tables["t"]  # type: ignore[union-attr]
     assert {n: tuple(x.shape) for n, x in t.state.items()} == {"pushes": (NUM_ROWS, 1)}
-    assert t.state_bytes == table.state_bytes(KIND, master=False) == NUM_ROWS * (1 + 4)
+    # two flags a row and one float of state
+    assert t.state_bytes == table.state_bytes(KIND, master=False) == NUM_ROWS * (2 + 4)
     ref_rows, ref_pushes = torch.zeros(NUM_ROWS, DIM), torch.zeros(NUM_ROWS, 1)
     for step, (ids, grads) in enumerate(some_pushes(6, seed=1)):
         want = reference_rows(ref_rows, ref_pushes, spec, ids, grads)

@@ -197,7 +197,10 @@ def test_descriptions_name_what_each_kind_reads() -> None:
     ("rowwise_adagrad", 1), ("sgd", 0)])
 def test_plan_counts_the_layout(kind: str, floats: int) -> None:
     server = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, kind_named("server"))
-    assert server.host_state_bytes_per_rank == 500 * (4 * floats + 1)
+    assert server.host_state_bytes_per_rank == 500 * (4 * floats + 2)  # two flags a row
+    # what the server's Register reserves for those rows
+    assert server.host_state_bytes_per_rank == TableSpec("t", 1000, 64, 0, 500).state_bytes(
+        kind, master=False)
     local = Plan([TableShape("t", 1000, 64)], 2, 2, 10, kind, 1, kind_named("local"))
     assert local.device_state_bytes == 500 * 4 * floats
     text = format_plan(server)
@@ -337,7 +340,7 @@ def test_the_partition_holds_and_counts_the_declared_state(kind: str) -> None:
     assert {n: tuple(x.shape) for n, x in t.state.items()} == {
         n: (NUM_ROWS, w) for n, w in spec.state_widths(8)}
     assert t.state_bytes == table.state_bytes(kind, master=False) == NUM_ROWS * (
-        1 + 4 * sum(w for _, w in spec.state_widths(8)))
+        2 + 4 * sum(w for _, w in spec.state_widths(8)))  # two flags a row
     local = alloc_row_state(spec.state_widths(8), NUM_ROWS)
     for step, (ids, grads) in enumerate(pushes(6, 8), start=1):
         delta = _push(store, step - 1, ids, grads)

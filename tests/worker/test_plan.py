@@ -40,11 +40,11 @@ def test_bytes_per_row() -> None:
     t = plan.tables[0]
     assert plan.rows_per_rank(t) == 15_625_000
     assert plan.device_rows_bytes == 15_625_000 * 128 * 4 == 8_000_000_000
-    assert plan.host_state_bytes_per_rank == 15_625_000 * (128 * 8 + 1)
-    assert plan.host_bytes_per_server >= 8 * 15_625_000 * 1025 == 128_125_000_000
+    assert plan.host_state_bytes_per_rank == 15_625_000 * (128 * 8 + 2)  # m, v; two flags
+    assert plan.host_bytes_per_server >= 8 * 15_625_000 * 1026 == 128_250_000_000
     assert plan.wire_bytes_per_rank_step == (4096 * (8 + 512), 4096 * (8 + 512))
     sgd = example("sgd")
-    assert sgd.host_state_bytes_per_rank == 15_625_000  # the touched flag only
+    assert sgd.host_state_bytes_per_rank == 2 * 15_625_000  # the touched and changed flags
     local = Plan([TableShape("t", 1000, 4)], 1, 1, 10, "adam", 0, update_kind=kind_named("local"))
     assert local.device_state_bytes == 1000 * 4 * 4 * 2 and local.host_bytes_per_server == 0
 
@@ -56,7 +56,7 @@ def test_refusals_name_the_numbers() -> None:
     plan.device_capacity, plan.host_capacity = 4 * 10**9, 100 * 10**9
     text = " ".join(plan.refusals)
     assert "each rank needs 8.015 GB" in text and "a device has 4.000 GB" in text
-    assert "shard server needs 128.261 GB" in text and "a node has 100.000 GB" in text
+    assert "shard server needs 128.386 GB" in text and "a node has 100.000 GB" in text
     assert "DOES NOT FIT" in format_plan(plan)
 
 
@@ -113,7 +113,7 @@ def test_optimizer_state_size_is_said_in_one_place() -> None:
         optimizer_state_bytes("lion")
     bf16 = Plan([TableShape("t", 100, 4)], 1, 1, 10, "adam", 0, update_kind=kind_named("server"),
                 row_bytes=2)
-    assert bf16.host_state_bytes_per_rank == 100 * (4 * (8 + 4) + 1)  # m, v + fp32 master
+    assert bf16.host_state_bytes_per_rank == 100 * (4 * (8 + 4) + 2)  # m, v, fp32 master; flags
 
 
 JOB = ["--num-rows", "1000000000", "--dim", "128", "--batch-size", "4096",

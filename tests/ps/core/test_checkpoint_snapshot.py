@@ -181,3 +181,23 @@ def test_the_write_fault_sleeps_or_fails_at_its_step_only(
     monkeypatch.setenv(WRITE_FAULT_ENV, "3:slow")
     with pytest.raises(InvalidArgument, match="'3:slow'"):
         write_fault(3)
+
+
+def test_the_first_checkpoint_takes_no_memory_its_register_was_not_granted() -> None:
+    # The changed flags (one byte a row) are allocated at the first checkpoint; the Register
+    # reserves them, so a server filled to its budget stays within it once checkpointed.
+    spec = TableSpec("t", 1000, 4, 0, 1000)
+    need = spec.state_bytes("adam", master=False)
+    store = Store(max_state_bytes=need)
+    store.register("run", 0, 1, 0, [spec], OptimizerSpec())
+    part = store.partition("run", 0)
+    assert part is not None
+    before = part.state_bytes
+    assert before == need == part.budget_bytes
+    _push(store, 0, [1, 2, 7])
+    with part.lock:
+        snapshot_partition(part, 0)
+    assert part.tables["t"].changed is not None  # allocated now, counted from the start
+    assert part.state_bytes == before == part.budget_bytes <= need
+    with pytest.raises(ShardError, match="state"):  # and the budget is full, exactly
+        store.register("other", 0, 1, 0, [TableSpec("u", 1, 4, 0, 1)], OptimizerSpec())

@@ -495,7 +495,7 @@ def test_stats_snapshot() -> None:
     emb = rows[(1, "emb")]
     assert (emb.pushes_applied, emb.rows_updated, emb.distinct_rows_touched) == (3, 5, 4)
     assert (emb.last_step, emb.lag_steps, emb.rows_held) == (2, 0, 10)
-    assert emb.state_bytes == 2 * 10 * DIM * 4 + 10
+    assert emb.state_bytes == 2 * 10 * DIM * 4 + 2 * 10  # m and v; two flags a row
     assert emb.refusals == {"row_out_of_range": 1}
     assert emb.rows_per_second > 0
     assert emb.optimizer.startswith("adam(lr=0.1")

@@ -216,7 +216,7 @@ def test_a_damaged_manifest_is_refused(saved: tuple[Store, Path]) -> None:
 # -- the state budget and impossible shapes --------------------------------------------
 
 def test_max_state_bytes_refuses_with_the_sizes_and_allocates_nothing() -> None:
-    per_row = 1 + 8 * DIM
+    per_row = 2 + 8 * DIM  # m, v; the touched and changed flags
     store = Store(max_state_bytes=15 * per_row)
     store.register(RUN, 1, 2, 0, [EMB], ADAM)  # 10 rows
     with pytest.raises(ResourceExhausted) as info:
@@ -289,7 +289,7 @@ def test_runs_over_are_freed_after_the_retention_and_counted() -> None:
     assert {p.run_id for p in store.partitions()} == {"live"}
     stats = store.stats()
     assert (stats.runs_freed, stats.partitions_freed) == (1, 1)
-    assert reaper.drop("live", "admin") == (1, 20 * (1 + 8 * DIM))
+    assert reaper.drop("live", "admin") == (1, 20 * (2 + 8 * DIM))
     assert store.stats().runs_freed == 2 and store.partitions() == []
     assert tracker.snapshot() == []
 

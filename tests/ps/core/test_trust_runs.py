@@ -334,7 +334,7 @@ def test_unused_registrations_are_freed_without_ending_the_run() -> None:
 
 
 def test_one_runs_state_is_capped_within_the_servers() -> None:
-    per_row = 1 + 8 * DIM
+    per_row = 2 + 8 * DIM  # m, v; the touched and changed flags
     store = Store(max_state_bytes=100 * per_row, max_run_state_bytes=30 * per_row)
     store.register("a", 0, 2, 0, [TableSpec("emb", 40, DIM, 0, 20)], ADAM)
     with pytest.raises(ResourceExhausted) as info:

@@ -78,7 +78,7 @@ def test_stats_report_pushes_rows_and_steps(ps_server: str) -> None:
     assert (p0.last_step, p0.lag_steps, p0.queue_depth) == (2, 0, 0)
     assert (p1.pushes_applied, p1.rows_updated, p1.last_step, p1.lag_steps) == (1, 2, 0, 2)
     assert dict(p1.refusals) == {"row_out_of_range": 1} and dict(p0.refusals) == {}
-    assert p0.state_bytes == 2 * 50 * DIM * 4 + 50
+    assert p0.state_bytes == 2 * 50 * DIM * 4 + 2 * 50  # m and v; two flags a row
     assert p0.rows_per_second > 0 and p0.optimizer.startswith("adam(")
     assert dict(stats.refusals) == {"row_out_of_range": 1}
     assert (stats.pushes_applied_total, stats.rows_updated_total) == (4, 7)

@@ -39,9 +39,10 @@ ARGS = ["--task", "tables", "--num-rows", "300", "--dim", "8", "--progress", "fa
 RUN_SHARE = 96 << 10
 SPILL = ["--max-run-state-bytes", str(RUN_SHARE), "--run-shares", "1",
          "--spill-page-kb", "1"]
-# about a third of that share: its memory alone would hold fewer of the paged-out rows of
-# `user` than a rank pages out; they spill to the disk --spill-max-gb gives (10 MiB)
-SPILL_PAGED = ["--max-run-state-bytes", str(56 << 10), "--run-shares", "1",
+# about a third of that share (and the flags, two bytes a row): its memory alone would hold
+# fewer of the paged-out rows of `user` than a rank pages out; they spill to the disk
+# --spill-max-gb gives (10 MiB)
+SPILL_PAGED = ["--max-run-state-bytes", str(60 << 10), "--run-shares", "1",
                "--spill-page-kb", "1", "--spill-max-gb", "0.01"]
 
 

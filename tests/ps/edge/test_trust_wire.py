@@ -212,7 +212,7 @@ def test_unused_registrations_are_freed_and_do_not_end_an_exit_after_run_server(
     for ever, and later Registers were refused for lack of budget. Now they are freed
     after --unused-registration-timeout-s, logged, and that is no run's end: an
     --exit-after-run server keeps serving until a real run is over."""
-    per_row = 1 + 8 * 4  # bytes of one row of dim 4 (m, v, touched)
+    per_row = 2 + 8 * 4  # bytes of one row of dim 4 (m, v, touched and changed flags)
     srv = start_ps_server(tmp_path, "--unused-registration-timeout-s", "3",
                           "--exit-after-run", "--max-state-bytes", str(1000 * per_row),
                           "--max-run-state-bytes", str(700 * per_row))

@@ -258,13 +258,16 @@ def _spill_lines(stats: admin_pb2.ShardStats) -> list[str]:
         accesses = hits + sum(p.spill_misses for p in spilled)
         lines.append(f"spill run {run_id}: in memory {_mb(memory)} MB  on disk "
                      f"{_mb(sum(p.spill_disk_bytes for p in spilled))} MB  spills "
-                     f"{sum(p.spill_spills for p in spilled)}  fills "
-                     f"{sum(p.spill_fills for p in spilled)}  hit rate "
+                     f"{sum(p.spill_spills for p in spilled)} "
+                     f"({sum(p.spill_spills_per_second for p in spilled):.0f}/s)  fills "
+                     f"{sum(p.spill_fills for p in spilled)} "
+                     f"({sum(p.spill_fills_per_second for p in spilled):.0f}/s)  hit rate "
                      f"{hits / accesses if accesses else 0.0:.3f}")
     lines += [f"spill {p.run_id} rank {p.rank} {p.table}: pages {p.spill_frames}/"
               f"{p.spill_pages} in memory ({_mb(p.state_bytes + p.master_bytes)} MB)  on disk "
-              f"{_mb(p.spill_disk_bytes)} MB  spills {p.spill_spills}  fills "
-              f"{p.spill_fills}  hit rate {p.spill_hit_rate:.3f}"
+              f"{_mb(p.spill_disk_bytes)} MB  spills {p.spill_spills} "
+              f"({p.spill_spills_per_second:.0f}/s)  fills {p.spill_fills} "
+              f"({p.spill_fills_per_second:.0f}/s)  hit rate {p.spill_hit_rate:.3f}"
               for p in stats.partitions if p.spilled]
     return lines
 

@@ -185,8 +185,8 @@ class ServerConfig:
     # --- logging ------------------------------------------------------------------------
     log_level: str = _s("INFO", " | ".join(LOG_LEVELS), LOGS, "LEVEL", everyday=True)
     server_id: str = _s("", "id reported to clients (default: host-pid-random)", LOGS, "ID")
-    rate_window_s: float = _s(DEFAULT_RATE_WINDOW_S, "window of the rows/s statistic", LOGS,
-                              "SEC")
+    rate_window_s: float = _s(DEFAULT_RATE_WINDOW_S, "window of the rows/s statistic and of "
+                              "the disk tier's fills/s and spills/s", LOGS, "SEC")
     metrics_port: int = _s(
         -1, "serve Prometheus metrics at http://HOST:PORT/metrics on the --host address "
         "(ps/edge/metrics.py; no token, no TLS): -1 off, 0 a free port (printed and logged)", LOGS,

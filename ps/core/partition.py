@@ -166,6 +166,31 @@ class RateWindow:
         return rows / span
 
 
+class CounterRate:
+    """Per second of a counter that only grows (a spill tier's fills or spills), over about
+    the last `window_s` seconds: each reading (a stats call, whoever asks) is set against
+    the oldest kept one inside the window, so two pollers see the same rate. At most ~34
+    readings are kept: one each window_s / 32, and the newest one older than the window."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._readings: collections.deque[tuple[float, int]] = collections.deque(
+            [(clock(), 0)])
+        self._lock = threading.Lock()  # stats calls from the loop and from admin threads
+
+    def rate(self, value: int) -> float:
+        now = self._clock()
+        with self._lock:
+            readings = self._readings
+            if now - readings[-1][0] >= self.window_s / 32:
+                readings.append((now, value))
+            while len(readings) > 2 and readings[1][0] <= now - self.window_s:
+                readings.popleft()
+            start, first = readings[0]
+        return (value - first) / (now - start) if now > start else 0.0
+
+
 def optimizer_description(spec: OptimizerSpec) -> str:
     return spec.describe()
 
@@ -234,6 +259,9 @@ class TableState:
         self.answers: collections.OrderedDict[int, Answer] = collections.OrderedDict()
         self.answer_cache_steps = answer_cache_steps
         self.rate = RateWindow(rate_window_s, clock)
+        # pages its disk tier reads back and writes (the stats' per-second figures)
+        self.fill_rate = CounterRate(rate_window_s, clock)
+        self.spill_rate = CounterRate(rate_window_s, clock)
         self.bound = OverflowBound(dim)
         # a dynamic table: the rows paged out of its slots and the Page calls' bookkeeping
         self.paging: PagedTable | None = (PagedTable(dim, optimizer.state_widths(dim))

@@ -67,6 +67,8 @@ class PartitionStatsRow:
     spill_fills: int = 0
     spill_spills: int = 0
     spill_hit_rate: float = 0.0
+    spill_fills_per_second: float = 0.0  # over about the last --rate-window-s seconds
+    spill_spills_per_second: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,9 @@ def _spill_fields(t: TableState) -> dict[str, Any]:
             "spill_pages": c["pages"], "spill_frames": c["frames"], "spill_hits": c["hits"],
             "spill_misses": c["misses"], "spill_fills": c["fills"],
             "spill_spills": c["spills"],
-            "spill_hit_rate": c["hits"] / accesses if accesses else 0.0}
+            "spill_hit_rate": c["hits"] / accesses if accesses else 0.0,
+            "spill_fills_per_second": t.fill_rate.rate(c["fills"]),
+            "spill_spills_per_second": t.spill_rate.rate(c["spills"])}
 
 
 def _per_member(row: PartitionStatsRow, t: TableState) -> list[PartitionStatsRow]:

@@ -263,11 +263,20 @@ def test_the_stats_show_the_tier_per_table_and_run(tmp_path: Path) -> None:
     from ps.edge.metrics import LatencyRecorder, StoreCollector
     from ps.edge.sync_codec import stats_message
 
-    store = _store(tmp_path, True, "s", STATIC_BUDGET)
+    now = [100.0]
+    root = tmp_path / "root"
+    store = Store(checkpoint_root=root, max_state_bytes=STATIC_BUDGET, run_shares=1,
+                  spill=SpillTier(tmp_path / "spill", 0, page_bytes=PAGE_BYTES),
+                  server_id="s", clock=lambda: now[0], rate_window_s=10.0)
     store.register(RUN, 0, 1, 0, TABLES[:1], OptimizerSpec(kind="adam", lr=0.1))
     for step in range(6):
         store.open_session().feed(_push(step, "emb", 200, step))
+    now[0] += 2.0  # six pushes in 2 s: their pages a second
     row = store.stats().partitions[0]
+    assert row.spill_fills_per_second == row.spill_fills / 2.0 > 0
+    assert row.spill_spills_per_second == row.spill_spills / 2.0 > 0
+    now[0] += 20.0  # nothing since: the window holds the last reading only
+    assert store.stats().partitions[0].spill_fills_per_second == 0.0
     pages = -(-200 // store.spill.page_rows([("m", DIM), ("v", DIM)]))  # the state in pages
     assert row.spilled and row.spill_frames < row.spill_pages == pages
     assert row.spill_hits + row.spill_misses > 0 and row.spill_spills > 0
@@ -277,7 +286,9 @@ def test_the_stats_show_the_tier_per_table_and_run(tmp_path: Path) -> None:
     text = format_shard_stats(msg, width=200)
     assert f"spill run {RUN}: in memory" in text and "hit rate" in text
     assert f"spill {RUN} rank 0 emb: pages {row.spill_frames}/{pages} in memory" in text
+    assert f"spills {row.spill_spills} (0/s)  fills {row.spill_fills} (0/s)" in text
     assert message_dict(msg)["partitions"][0]["spill_fills"] == row.spill_fills  # --json
+    assert message_dict(msg)["partitions"][0]["spill_fills_per_second"] == 0.0
     families = {f.name: f for f in StoreCollector(store, LatencyRecorder(
         CollectorRegistry())).collect()}
     assert families["hybridps_partition_spill_spills"].samples[0].value == row.spill_spills

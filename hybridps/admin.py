@@ -171,7 +171,7 @@ def run_summaries(stats: admin_pb2.ShardStats) -> list[RunSummary]:
         r.lag = max(r.lag, p.lag_steps)
         r.pushes += p.pushes_applied
         r.rows_per_second += p.rows_per_second
-        r.state_bytes += p.state_bytes + p.master_bytes
+        r.state_bytes += p.state_bytes + p.master_bytes + p.dynamic_held_bytes
         r.queue += p.queue_depth
         for reason, n in p.refusals.items():
             r.refusals[reason] = r.refusals.get(reason, 0) + n
@@ -288,7 +288,8 @@ def format_shard_stats(stats: admin_pb2.ShardStats, wide: bool = False,
         f"server {stats.server_id}  uptime {_duration(stats.uptime_s)}  "
         f"partitions {len(stats.partitions)}",
         f"totals: state {_mb(stats.state_bytes_total)} MB  master rows "
-        f"{_mb(stats.master_bytes_total)} MB  pushes "
+        f"{_mb(stats.master_bytes_total)} MB  paged-out rows "
+        f"{_mb(stats.dynamic_held_bytes_total)} MB  pushes "
         f"{stats.pushes_applied_total}  rows updated {stats.rows_updated_total}",
         "refusals: " + (", ".join(f"{k}={v}" for k, v in sorted(stats.refusals.items()))
                         or "-"),

@@ -132,7 +132,7 @@ class RunStats(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., ranks_registered: _Optional[int] = ..., ranks_finished: _Optional[int] = ..., over_for_s: _Optional[float] = ..., freed_in_s: _Optional[float] = ..., why: _Optional[str] = ...) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total", "runs", "runs_freed", "partitions_freed", "max_state_bytes", "spill_disk_bytes_total", "spill_max_bytes", "spill_enabled")
+    __slots__ = ("server_id", "uptime_s", "partitions", "refusals", "state_bytes_total", "pushes_applied_total", "rows_updated_total", "master_bytes_total", "runs", "runs_freed", "partitions_freed", "max_state_bytes", "spill_disk_bytes_total", "spill_max_bytes", "spill_enabled", "dynamic_held_bytes_total")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class ShardStats(_message.Message):
     SPILL_DISK_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPILL_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPILL_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_HELD_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     uptime_s: float
     partitions: _containers.RepeatedCompositeFieldContainer[PartitionStats]
@@ -170,7 +171,8 @@ class ShardStats(_message.Message):
     spill_disk_bytes_total: int
     spill_max_bytes: int
     spill_enabled: bool
-    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ..., master_bytes_total: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunStats, _Mapping]]] = ..., runs_freed: _Optional[int] = ..., partitions_freed: _Optional[int] = ..., max_state_bytes: _Optional[int] = ..., spill_disk_bytes_total: _Optional[int] = ..., spill_max_bytes: _Optional[int] = ..., spill_enabled: _Optional[bool] = ...) -> None: ...
+    dynamic_held_bytes_total: int
+    def __init__(self, server_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., partitions: _Optional[_Iterable[_Union[PartitionStats, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., state_bytes_total: _Optional[int] = ..., pushes_applied_total: _Optional[int] = ..., rows_updated_total: _Optional[int] = ..., master_bytes_total: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[RunStats, _Mapping]]] = ..., runs_freed: _Optional[int] = ..., partitions_freed: _Optional[int] = ..., max_state_bytes: _Optional[int] = ..., spill_disk_bytes_total: _Optional[int] = ..., spill_max_bytes: _Optional[int] = ..., spill_enabled: _Optional[bool] = ..., dynamic_held_bytes_total: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s", "reason")

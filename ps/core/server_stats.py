@@ -87,6 +87,7 @@ class ServerStats:
     spill_disk_bytes_total: int = 0
     spill_max_bytes: int = 0
     spill_enabled: bool = False
+    dynamic_held_bytes_total: int = 0
 
 
 def partition_rows(parts: Sequence[Partition], queued: Mapping[TableKey, int],

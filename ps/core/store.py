@@ -744,6 +744,7 @@ class Store(PartitionAuth):
             pushes_applied_total=sum(r.pushes_applied for r in rows),
             rows_updated_total=sum(r.rows_updated for r in rows),
             master_bytes_total=sum(r.master_bytes for r in rows),
+            dynamic_held_bytes_total=sum(r.dynamic_held_bytes for r in rows),
             runs_freed=self.runs_freed,
             partitions_freed=self.partitions_freed,
             max_state_bytes=self.budget.limit_bytes,

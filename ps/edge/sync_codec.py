@@ -123,6 +123,7 @@ def stats_message(stats: ServerStats) -> admin_pb2.ShardStats:
         pushes_applied_total=stats.pushes_applied_total,
         rows_updated_total=stats.rows_updated_total,
         master_bytes_total=stats.master_bytes_total,
+        dynamic_held_bytes_total=stats.dynamic_held_bytes_total,
     )
     msg.refusals.update(stats.refusals)
     for row in stats.partitions:

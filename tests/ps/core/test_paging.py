@@ -208,7 +208,7 @@ def test_a_finished_runs_share_goes_back_to_the_budget() -> None:
 
 
 def test_the_stats_show_each_tables_quota_and_the_bytes_its_store_holds() -> None:
-    from hybridps.admin import format_shard_stats
+    from hybridps.admin import format_shard_stats, run_summaries
     from ps.edge.sync_codec import stats_message
 
     held = _store().partition("r", 0)
@@ -228,6 +228,16 @@ def test_the_stats_show_each_tables_quota_and_the_bytes_its_store_holds() -> Non
     assert row.dynamic_held_bytes >= table.paging.store.capacity * table.paging.store.dim * 4
     text = format_shard_stats(stats_message(store.stats("r")))
     assert f"dropped {row.dynamic_dropped}  quota 0.0 MB  held" in text
+    # the totals and the run's host bytes count what the paged-out rows' store holds too
+    # (its pools at capacity: at least the content the budget's drops are decided on)
+    msg = stats_message(store.stats())
+    assert msg.dynamic_held_bytes_total == row.dynamic_held_bytes > 0
+    part = store.partition("r", 0)
+    assert part is not None
+    (run,) = run_summaries(msg)
+    assert run.state_bytes == (msg.state_bytes_total + msg.master_bytes_total
+                               + msg.dynamic_held_bytes_total) >= part.state_bytes
+    assert "paged-out rows 0.0 MB" in format_shard_stats(msg)
 
 
 def test_under_a_quota_the_pools_hold_its_rows_and_one_calls_not_twice_them() -> None:

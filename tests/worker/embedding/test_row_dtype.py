@@ -205,7 +205,7 @@ def test_server_master_is_fp32_sparse_adam(kernel: str) -> None:
 
     row = store.stats("run").partitions[0]
     assert row.master_bytes == 30 * 6 * 4 and row.row_dtype == "bf16"
-    assert row.state_bytes == 30 * 6 * 8 + 30  # m, v, touched: the master is apart
+    assert row.state_bytes == 30 * 6 * 8 + 2 * 30  # m, v, the two flags: the master is apart
     assert store.stats("run").master_bytes_total == 30 * 6 * 4
 
 

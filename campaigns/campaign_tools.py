@@ -115,6 +115,17 @@ class PsProcess:
         return get_shard_stats(self.address, timeout=timeout, run_id=run_id)
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` started and that still run (/proc/PID/task/*/children)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return sorted(out)
+
+
 class ProcessTree:
     """A process and all its descendants (torchrun, its agent and the ranks it starts, each
     rank in a session of its own), paused and resumed together with SIGSTOP / SIGCONT.
@@ -127,18 +138,11 @@ class ProcessTree:
 
     def pids(self) -> list[int]:
         """The root first, then its descendants (parents before children)."""
-        children: dict[int, list[int]] = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
         out, todo = [], [self.pid]
         while todo:
             pid = todo.pop(0)
             out.append(pid)
-            todo += children.get(pid, [])
+            todo += children(pid)
         return out
 
     def _signal(self, pids: list[int], sig: signal.Signals) -> None:

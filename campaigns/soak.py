@@ -46,6 +46,7 @@ from campaign_tools import (
     SMALL_JOB,
     PsProcess,
     child_env,
+    children,
     end_campaign,
     load_line,
     min_last_step,
@@ -58,13 +59,7 @@ STARTUP_TIMEOUT_S = 300.0
 
 def _ranks(agent_pid: int) -> list[int]:
     """The worker processes torchrun's agent started (its children)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{agent_pid}/task").glob("*"):
-        try:
-            out += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return sorted(out)
+    return children(agent_pid)
 
 
 def _step(server: PsProcess) -> int | None:

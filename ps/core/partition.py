@@ -69,8 +69,6 @@ SECRET_BYTES = 16  # 128 bits
 ROW_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # the column of the fp32 master rows among a table's row columns (next to the optimizer's)
 MASTER = "master"
-# a row's bookkeeping in memory, whatever spills: its touched flag and its changed flag
-FLAG_BYTES_PER_ROW = SERVER_FLAG_BYTES_PER_ROW
 # Makes the row columns of a table that does not hold them all in memory (ps/core/spill.py):
 # (its spec, the columns' layout) -> the holder; None: allocate them in memory.
 ColumnsFactory = Callable[["TableSpec", list[tuple[str, int]]], RowColumns | None]
@@ -133,7 +131,7 @@ class TableSpec:
         partition past what its Register was granted). Python ints: no overflow, whatever
         the shape."""
         floats = state_floats_per_row(optimizer, self.dim) + (self.dim if master else 0)
-        return self.rows_held * (FLAG_BYTES_PER_ROW + 4 * floats)
+        return self.rows_held * (SERVER_FLAG_BYTES_PER_ROW + 4 * floats)
 
 
 class RateWindow:

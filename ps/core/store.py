@@ -41,6 +41,7 @@ from hybridps.errors import (
 )
 from hybridps.names import describe_problem
 from hybridps.optim import OptimizerSpec
+from hybridps.optim_kinds import SERVER_FLAG_BYTES_PER_ROW
 from hybridps.run_secret import secret_digest
 from ps.core.checkpoint_dirs import CheckpointRoot, write_refusal
 from ps.core.limits import DEFAULT_RUN_SHARES, StateBudget
@@ -48,7 +49,6 @@ from ps.core.paging import PageCall, PageResult
 from ps.core.partition import (
     DEFAULT_ANSWER_CACHE_STEPS,
     DEFAULT_RATE_WINDOW_S,
-    FLAG_BYTES_PER_ROW,
     MASTER,
     ROW_DTYPES,
     Partition,
@@ -359,7 +359,7 @@ class Store(PartitionAuth):
                                                           else []) for t in tables]
         memory = share // 2 if any(t.dynamic for t in tables) else share
         # the touched and changed flags stay in memory
-        memory -= sum(FLAG_BYTES_PER_ROW * t.rows_held for t in tables)
+        memory -= sum(SERVER_FLAG_BYTES_PER_ROW * t.rows_held for t in tables)
         memory -= sum(self.spill.bookkeeping_bytes(t.rows_held, layout)
                       for t, layout in zip(tables, layouts, strict=True))
         plan = self.spill.plan([(t.rows_held, layout) for t, layout in
@@ -371,7 +371,7 @@ class Store(PartitionAuth):
             if count and -(-t.rows_held // page_rows) > count:
                 frames[t.name] = count
                 disk += self.spill.disk_bytes(t.rows_held, layout)
-                held.append(FLAG_BYTES_PER_ROW * t.rows_held  # flags, slots, bookkeeping
+                held.append(SERVER_FLAG_BYTES_PER_ROW * t.rows_held  # flags, slots, bookkeeping
                             + self.spill.held_bytes(t.rows_held, layout, count))
             else:
                 held.append(nbytes)
